@@ -134,6 +134,7 @@ def ensure_model(name: str) -> Path:
         tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
         try:
             BUILDERS[name](tmp)
+            tmp.chmod(0o755)  # mkdtemp makes it private; the cache is meant to be shared
             # rename is atomic on one file system: readers see all of the folder or none of it.
             os.rename(tmp, final)
         finally:

@@ -114,7 +114,11 @@ def _check(node: ast.AST) -> None:
 def _value_of(node: ast.AST) -> int | float:
     """Value of a checked node; ints stay exact until a division."""
     if isinstance(node, ast.BinOp):
-        return _BINARY_OPERATORS[type(node.op)](_value_of(node.left), _value_of(node.right))
+        value = _BINARY_OPERATORS[type(node.op)](_value_of(node.left), _value_of(node.right))
+        # float products overflow to inf silently, and 1 / inf would then hide it as 0.0
+        if isinstance(value, float) and not math.isfinite(value):
+            raise UnsafeExpressionError("intermediate value is not finite")
+        return value
     if isinstance(node, ast.UnaryOp):
         return _UNARY_OPERATORS[type(node.op)](_value_of(node.operand))
     return node.value  # a checked ast.Constant

@@ -1,0 +1,423 @@
+"""Evolution Strategies update math over named parameter tensors (LoRA adapters).
+
+Each population member is an integer seed; its adapter is `mean + sign * sigma * noise(seed)`,
+and the noise is regenerated wherever it is needed, so a population costs O(N) ints.
+
+Papers:
+- Qiu et al. 2025, "Evolution Strategies at Scale: LLM Fine-Tuning Beyond Reinforcement
+  Learning", https://arxiv.org/abs/2509.24372 (update `theta += alpha/N * sum_i z_i eps_i`).
+- Salimans et al. 2017, "Evolution Strategies as a Scalable Alternative to Reinforcement
+  Learning", https://arxiv.org/abs/1703.03864 (antithetic sampling, centred ranks).
+
+Sign convention, written once: rewards are MAXIMISED and every optimizer here ascends.
+(evosax minimises fitness; formulas adapted from it have their sign flipped.)
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass, field, replace
+from typing import Callable, Literal, Mapping, Sequence, Union
+
+import torch
+
+Params = dict[str, torch.Tensor]
+Shapes = Mapping[str, tuple[int, ...]]
+Sigma = Union[float, Mapping[str, float]]
+GradientForm = Literal["qiu", "textbook"]
+
+
+# ----------------------------------------------------------------------------- seeded noise
+
+
+def _blake2b_int(text: str, num_bytes: int) -> int:
+    """Unsigned integer from the first `num_bytes` of blake2b(text)."""
+    digest = hashlib.blake2b(text.encode("utf-8"), digest_size=num_bytes).digest()
+    return int.from_bytes(digest, "little")
+
+
+def tensor_seed(seed: int, name: str) -> int:
+    """Stable 63-bit generator seed for one tensor of one member (blake2b of f"{seed}/{name}")."""
+    # blake2b, not hash(): Python salts str hashes per process, which would break regeneration.
+    # 63 bits keeps the value a valid non-negative int64.
+    return _blake2b_int(f"{seed}/{name}", 8) & 0x7FFF_FFFF_FFFF_FFFF
+
+
+def member_noise(seed: int, shapes: Shapes, dtype: torch.dtype = torch.float32) -> Params:
+    """Standard-normal noise for every tensor of a member; same seed gives the same bits."""
+    noise: Params = {}
+    for name, shape in shapes.items():
+        # One generator per tensor, seeded by (seed, name): two same-shaped tensors get different
+        # noise (the paper's code reseeds each tensor with the member seed, correlating them).
+        # Drawn on CPU in float32 so the bits do not depend on the device or the target dtype.
+        generator = torch.Generator(device="cpu").manual_seed(tensor_seed(seed, name))
+        draw = torch.randn(tuple(shape), generator=generator, dtype=torch.float32)
+        noise[name] = draw.to(dtype)
+    return noise
+
+
+def shapes_of(params: Mapping[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
+    """The `shapes` mapping of a set of parameters."""
+    return {name: tuple(tensor.shape) for name, tensor in params.items()}
+
+
+# ----------------------------------------------------------------------------- population
+
+
+@dataclass(frozen=True)
+class Member:
+    """One population member: a noise seed and the sign (+1 or -1) it is applied with."""
+
+    seed: int
+    """Seed of the member's noise (see `member_noise`)."""
+    sign: int = 1
+    """+1 or -1; antithetic pairs share a seed and differ in sign."""
+
+    def __post_init__(self) -> None:
+        if self.sign not in (1, -1):
+            raise ValueError(f"sign must be +1 or -1, got {self.sign!r}")
+
+
+def population(
+    base_seed: int, generation: int, population_size: int, antithetic: bool = True
+) -> list[Member]:
+    """Members of one generation, seeds derived from (base_seed, generation, index)."""
+    if population_size < 1:
+        raise ValueError(f"population_size must be >= 1, got {population_size}")
+    if antithetic and population_size % 2:
+        raise ValueError(f"population_size must be even with antithetic sampling, got {population_size}")
+
+    def seed_of(index: int) -> int:
+        # 31 bits: fits any int32 consumer (vLLM request seeds, numpy, logging as int).
+        return _blake2b_int(f"{base_seed}/{generation}/{index}", 4) & 0x7FFF_FFFF
+
+    if antithetic:
+        # Adjacent (s, +1), (s, -1): an evaluator that batches neighbours sees both halves of a pair.
+        return [Member(seed_of(pair), sign) for pair in range(population_size // 2) for sign in (1, -1)]
+    return [Member(seed_of(index), 1) for index in range(population_size)]
+
+
+# ----------------------------------------------------------------------------- perturbation
+
+
+def check_sigma(sigma: Sigma, names: Sequence[str] | None = None) -> None:
+    """Raise ValueError unless sigma (scalar or per tensor) is positive and covers `names`."""
+    if isinstance(sigma, Mapping):
+        for name, value in sigma.items():
+            if not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"sigma[{name!r}] must be > 0 and finite, got {value}")
+        missing = [name for name in (names or ()) if name not in sigma]
+        if missing:
+            raise ValueError(f"sigma has no entry for tensors {missing}")
+    elif not (sigma > 0 and math.isfinite(sigma)):
+        raise ValueError(f"sigma must be > 0 and finite, got {sigma}")
+
+
+def _sigma_of(sigma: Sigma, name: str) -> float:
+    """Noise scale of one tensor."""
+    return float(sigma[name]) if isinstance(sigma, Mapping) else float(sigma)
+
+
+def perturb(mean: Params, member: Member, sigma: Sigma) -> Params:
+    """A member's parameters: mean + sign * sigma_t * noise, in the mean's dtype and device."""
+    check_sigma(sigma, list(mean))
+    noise = member_noise(member.seed, shapes_of(mean))
+    perturbed: Params = {}
+    for name, tensor in mean.items():
+        step = (member.sign * _sigma_of(sigma, name)) * noise[name].to(tensor.device)
+        # Add in float32: sigma ~1e-3 noise partly rounds away if added in bfloat16.
+        perturbed[name] = (tensor.float() + step).to(tensor.dtype)
+    return perturbed
+
+
+# ----------------------------------------------------------------------------- fitness shaping
+
+
+def raw(rewards: torch.Tensor) -> torch.Tensor:
+    """Rewards unchanged, as float32 (population,)."""
+    return torch.as_tensor(rewards).to(torch.float32).clone()
+
+
+def z_score(rewards: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """(r - mean) / (std + eps) with the population std (unbiased=False), as in Qiu et al."""
+    r = torch.as_tensor(rewards).to(torch.float32)  # (population,)
+    centred = r - r.mean()
+    # all-equal rewards: std is 0 and centred is 0, so zeros (zero update), not NaN
+    return centred / (centred.pow(2).mean().sqrt() + eps)
+
+
+def centered_ranks(rewards: torch.Tensor) -> torch.Tensor:
+    """Ranks scaled to [-0.5, 0.5] (Salimans et al. 2017); ties share their average rank."""
+    r = torch.as_tensor(rewards).to(torch.float32)  # (population,)
+    n = r.numel()
+    if n < 2:
+        return torch.zeros_like(r)  # one member carries no ordering information
+    ordered = torch.sort(r).values
+    below = torch.searchsorted(ordered, r, right=False)  # members strictly worse
+    at_or_below = torch.searchsorted(ordered, r, right=True)
+    rank = (below + at_or_below - 1).to(torch.float32) / 2  # average 0-based rank over the tie
+    return rank / (n - 1) - 0.5
+
+
+def per_prompt_centering(rewards_matrix: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """Centre each prompt over members, divide by the global std, then average over prompts."""
+    matrix = torch.as_tensor(rewards_matrix).to(torch.float32)  # (population, prompts)
+    if matrix.ndim != 2:
+        raise ValueError(f"rewards_matrix must be (population, prompts), got shape {tuple(matrix.shape)}")
+    # Removing each prompt's mean removes its difficulty, so easy prompts do not drown hard ones.
+    centred = matrix - matrix.mean(dim=0, keepdim=True)
+    # all-equal rewards: zeros, not NaN
+    scaled = centred / (centred.pow(2).mean().sqrt() + eps)
+    return scaled.mean(dim=1)  # (population,)
+
+
+SHAPING: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "z_score": z_score,
+    "centered_ranks": centered_ranks,
+    "raw": raw,
+    "per_prompt": per_prompt_centering,
+}
+_MATRIX_SHAPERS = frozenset({"per_prompt"})  # these take (population, prompts), not (population,)
+
+
+def shape_fitness(name: str, rewards_matrix: torch.Tensor) -> torch.Tensor:
+    """Fitness weights (population,) from rewards (population, prompts) by the shaper `name`."""
+    if name not in SHAPING:
+        raise ValueError(f"fitness shaping {name!r} is unknown; choose from {sorted(SHAPING)}")
+    matrix = torch.as_tensor(rewards_matrix).to(torch.float32)
+    if matrix.ndim == 1:
+        matrix = matrix[:, None]  # one reward per member = one prompt
+    if matrix.ndim != 2:
+        raise ValueError(f"rewards_matrix must be (population, prompts), got shape {tuple(matrix.shape)}")
+    if not torch.isfinite(matrix).all():
+        # one NaN reward would turn the whole update into NaN
+        raise ValueError("rewards_matrix contains non-finite values")
+    if name in _MATRIX_SHAPERS:
+        return SHAPING[name](matrix)
+    return SHAPING[name](matrix.mean(dim=1))
+
+
+# ----------------------------------------------------------------------------- gradient
+
+
+def es_gradient(
+    members: Sequence[Member],
+    weights: torch.Tensor | Sequence[float],
+    shapes: Shapes,
+    sigma: Sigma,
+    form: GradientForm = "qiu",
+) -> Params:
+    """ES ascent direction from members and fitness weights, regenerating each member's noise."""
+    # "qiu": g = 1/N sum_i w_i sign_i eps_i, exactly Qiu et al. 2025 (theta += alpha/N sum z_i eps_i,
+    #   sigma folded into the learning rate alpha).
+    # "textbook": g = 1/(N sigma_t) sum_i w_i sign_i eps_i, an unbiased estimate of the gradient of
+    #   the Gaussian-smoothed objective when w are raw rewards.
+    # eps is standard normal in both (the perturbation was sigma_t * eps), also with per-tensor sigma.
+    if form not in ("qiu", "textbook"):
+        raise ValueError(f"form must be 'qiu' or 'textbook', got {form!r}")
+    check_sigma(sigma, list(shapes))
+    w = torch.as_tensor(weights, dtype=torch.float64).reshape(-1)  # (population,)
+    if len(members) == 0:
+        raise ValueError("members must not be empty")
+    if w.numel() != len(members):
+        raise ValueError(f"weights has {w.numel()} entries but members has {len(members)}")
+
+    # Members sharing a seed (an antithetic pair) share their noise: draw it once, with the
+    # combined coefficient w+ - w-.
+    coefficient: dict[int, float] = {}
+    for member, weight in zip(members, w.tolist()):
+        coefficient[member.seed] = coefficient.get(member.seed, 0.0) + member.sign * weight
+
+    gradient: Params = {name: torch.zeros(tuple(shape), dtype=torch.float32) for name, shape in shapes.items()}
+    for seed, c in coefficient.items():
+        if c == 0.0:
+            continue  # e.g. an antithetic pair with equal rewards
+        noise = member_noise(seed, shapes)
+        for name in gradient:
+            gradient[name].add_(noise[name], alpha=c)  # float32 accumulation into a fresh buffer
+
+    n = len(members)
+    for name in gradient:
+        scale = n * _sigma_of(sigma, name) if form == "textbook" else n
+        gradient[name].div_(scale)
+    return gradient
+
+
+# ----------------------------------------------------------------------------- optimizers
+
+
+def _check_common(learning_rate: float, weight_decay: float) -> None:
+    """Raise ValueError on a non-positive learning rate or negative weight decay."""
+    if not (learning_rate > 0 and math.isfinite(learning_rate)):
+        raise ValueError(f"learning_rate must be > 0 and finite, got {learning_rate}")
+    if not (weight_decay >= 0 and math.isfinite(weight_decay)):
+        raise ValueError(f"weight_decay must be >= 0 and finite, got {weight_decay}")
+
+
+@dataclass(frozen=True)
+class SGDConfig:
+    """SGD ascent with optional heavy-ball momentum and decoupled weight decay."""
+
+    learning_rate: float
+    """Step size multiplying the ES gradient."""
+    momentum: float = 0.0
+    """Heavy-ball coefficient in [0, 1); 0 disables the buffer."""
+    weight_decay: float = 0.0
+    """Decoupled decay: theta -= learning_rate * weight_decay * theta (equals L2 without momentum)."""
+
+    def __post_init__(self) -> None:
+        _check_common(self.learning_rate, self.weight_decay)
+        if not 0.0 <= self.momentum < 1.0:
+            raise ValueError(f"momentum must be in [0, 1), got {self.momentum}")
+
+
+@dataclass(frozen=True)
+class AdamConfig:
+    """Adam ascent with bias correction and decoupled (AdamW-style) weight decay."""
+
+    learning_rate: float
+    """Step size of the normalised update."""
+    beta1: float = 0.9
+    """Decay of the first-moment average, in [0, 1)."""
+    beta2: float = 0.999
+    """Decay of the second-moment average, in [0, 1)."""
+    eps: float = 1e-8
+    """Added to sqrt(v_hat) so coordinates with no signal do not divide by zero."""
+    weight_decay: float = 0.0
+    """Decoupled decay: theta -= learning_rate * weight_decay * theta."""
+
+    def __post_init__(self) -> None:
+        _check_common(self.learning_rate, self.weight_decay)
+        for field_name in ("beta1", "beta2"):
+            value = getattr(self, field_name)
+            if not 0.0 <= value < 1.0:
+                raise ValueError(f"{field_name} must be in [0, 1), got {value}")
+        if not (self.eps > 0 and math.isfinite(self.eps)):
+            raise ValueError(f"eps must be > 0 and finite, got {self.eps}")
+
+
+OptimizerConfig = Union[SGDConfig, AdamConfig]
+
+
+@dataclass(frozen=True)
+class OptimizerState:
+    """Optimizer state: step count, float32 master parameters and moment buffers."""
+
+    step: int
+    """Updates applied so far."""
+    master: Params
+    """float32 copy of the parameters; the source of truth between steps."""
+    first_moment: Params = field(default_factory=dict)
+    """Adam m, or the SGD momentum buffer (empty for plain SGD)."""
+    second_moment: Params = field(default_factory=dict)
+    """Adam v (empty for SGD)."""
+
+
+def _float32_copy(params: Mapping[str, torch.Tensor]) -> Params:
+    """Detached float32 copies (never aliases of the inputs)."""
+    return {name: tensor.detach().to(torch.float32, copy=True) for name, tensor in params.items()}
+
+
+def init_optimizer_state(config: OptimizerConfig, params: Params) -> OptimizerState:
+    """Fresh state for `params`: step 0, a float32 master copy and zero moments."""
+    master = _float32_copy(params)
+
+    def zeros() -> Params:
+        return {name: torch.zeros_like(tensor) for name, tensor in master.items()}
+
+    if isinstance(config, AdamConfig):
+        return OptimizerState(step=0, master=master, first_moment=zeros(), second_moment=zeros())
+    if isinstance(config, SGDConfig):
+        return OptimizerState(step=0, master=master, first_moment=zeros() if config.momentum > 0 else {})
+    raise TypeError(f"unknown optimizer config {type(config).__name__}")
+
+
+def apply_update(
+    config: OptimizerConfig, state: OptimizerState, params: Params, gradient: Params
+) -> tuple[Params, OptimizerState]:
+    """One ascent step: new params (in the params' dtypes and devices) and the advanced state."""
+    # All math runs on the float32 master copy in `state`, the source of truth between steps: an
+    # update of ~1e-5 on a weight of ~1 vanishes when added in bfloat16 (8 mantissa bits), but
+    # accumulates in the master copy until it shows. `params` supplies names, dtypes and devices.
+    if set(gradient) != set(params):
+        raise ValueError(f"gradient and params name different tensors: {sorted(set(gradient) ^ set(params))}")
+    # An empty master (e.g. restored from a checkpoint without one) falls back to params.
+    master = state.master if state.master else _float32_copy(params)
+    if set(master) != set(params):
+        raise ValueError(f"state and params name different tensors: {sorted(set(master) ^ set(params))}")
+    step = state.step + 1
+    lr = config.learning_rate
+    new_master: Params = {}
+    first: Params = {}
+    second: Params = {}
+
+    for name, theta in master.items():
+        g = gradient[name].detach().to(device=theta.device, dtype=torch.float32)
+        zero = torch.zeros_like(theta)
+        if isinstance(config, AdamConfig):
+            # A missing buffer (state made for another config, or restored without it) starts at 0.
+            m = config.beta1 * state.first_moment.get(name, zero) + (1 - config.beta1) * g
+            v = config.beta2 * state.second_moment.get(name, zero) + (1 - config.beta2) * g * g
+            m_hat = m / (1 - config.beta1**step)
+            v_hat = v / (1 - config.beta2**step)
+            direction = m_hat / (v_hat.sqrt() + config.eps)
+            first[name], second[name] = m, v
+        elif isinstance(config, SGDConfig):
+            if config.momentum > 0:
+                direction = config.momentum * state.first_moment.get(name, zero) + g
+                first[name] = direction
+            else:
+                direction = g
+        else:
+            raise TypeError(f"unknown optimizer config {type(config).__name__}")
+        # '+': ascent, rewards are maximised. Decay is decoupled and uses the pre-step theta.
+        new_master[name] = theta + lr * direction - (lr * config.weight_decay) * theta
+
+    new_params = {name: new_master[name].to(device=tensor.device, dtype=tensor.dtype) for name, tensor in params.items()}
+    new_state = replace(state, step=step, master=new_master, first_moment=first, second_moment=second)
+    return new_params, new_state
+
+
+def update_norm(delta: Params) -> float:
+    """Global L2 norm of an update (all tensors together), computed in float64."""
+    total = sum(float(tensor.detach().to(torch.float64).pow(2).sum()) for tensor in delta.values())
+    return math.sqrt(total)
+
+
+_STATE_PREFIXES = {"master": "master", "m": "first_moment", "v": "second_moment"}
+
+
+def optimizer_state_to_tensors(state: OptimizerState) -> dict[str, torch.Tensor]:
+    """Flat tensors for a safetensors file: "step", "master/<name>", "m/<name>", "v/<name>"."""
+    # int64 with one element: safetensors stores it exactly and every reader handles 1-D.
+    tensors: dict[str, torch.Tensor] = {"step": torch.tensor([state.step], dtype=torch.int64)}
+    for prefix, attribute in _STATE_PREFIXES.items():
+        for name, tensor in getattr(state, attribute).items():
+            # contiguous CPU clones: safetensors refuses shared or strided storage
+            tensors[f"{prefix}/{name}"] = tensor.detach().to("cpu", torch.float32).contiguous().clone()
+    return tensors
+
+
+def optimizer_state_from_tensors(config: OptimizerConfig, tensors: Mapping[str, torch.Tensor]) -> OptimizerState:
+    """Inverse of `optimizer_state_to_tensors`, checking the buffers `config` needs are present."""
+    if "step" not in tensors:
+        raise ValueError("optimizer tensors have no 'step' entry")
+    step_tensor = tensors["step"]
+    if step_tensor.numel() != 1:
+        raise ValueError(f"'step' must hold one value, got shape {tuple(step_tensor.shape)}")
+    groups: dict[str, Params] = {attribute: {} for attribute in _STATE_PREFIXES.values()}
+    for key, tensor in tensors.items():
+        if key == "step":
+            continue
+        prefix, sep, name = key.partition("/")
+        if not sep or prefix not in _STATE_PREFIXES:
+            raise ValueError(f"unexpected optimizer tensor {key!r}")
+        groups[_STATE_PREFIXES[prefix]][name] = tensor.detach().to(torch.float32, copy=True)
+
+    names = set(groups["master"]) or set(groups["first_moment"])
+    needs_first = isinstance(config, AdamConfig) or (isinstance(config, SGDConfig) and config.momentum > 0)
+    needs_second = isinstance(config, AdamConfig)
+    for attribute, needed in (("first_moment", needs_first), ("second_moment", needs_second)):
+        if needed and set(groups[attribute]) != names:
+            raise ValueError(f"{attribute} buffers do not match the master tensors for {type(config).__name__}")
+    return OptimizerState(step=int(step_tensor.reshape(-1)[0]), **groups)

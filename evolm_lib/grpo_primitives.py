@@ -1,0 +1,366 @@
+"""Policy-gradient primitives for GRPO and SFT, named and shaped as in Stanford CS336 (spring 2025) assignment 5.
+
+References:
+- CS336 assignment 5 (alignment): https://github.com/stanford-cs336/assignment5-alignment
+- GRPO (DeepSeekMath): https://arxiv.org/abs/2402.03300
+- Dr. GRPO, constant length normaliser: https://arxiv.org/abs/2503.20783
+- DAPO, token-level mean: https://arxiv.org/abs/2503.14476
+- k3 KL estimator: http://joschu.net/blog/kl-approx.html
+
+Sign convention: rewards and advantages are maximised; every `loss` here is minimised, so it is the
+negated objective. Functions are pure except the two `*_microbatch_train_step`, which call `backward()`.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Literal
+
+import torch
+from torch import Tensor
+
+LossType = Literal["no_baseline", "reinforce_with_baseline", "grpo_clip"]
+LOSS_TYPES: tuple[str, ...] = ("no_baseline", "reinforce_with_baseline", "grpo_clip")
+
+LengthNormalization = Literal["sequence_mean", "constant", "token_mean"]
+LENGTH_NORMALIZATIONS: tuple[str, ...] = ("sequence_mean", "constant", "token_mean")
+
+
+# ---------------------------------------------------------------- tokenisation and log-probs
+
+
+def tokenize_prompt_and_output(prompt_strs: list[str], output_strs: list[str], tokenizer: Any) -> dict[str, Tensor]:
+    """Tokenise prompts and outputs separately, concatenate, right-pad, and shift into inputs and labels."""
+    if len(prompt_strs) != len(output_strs):
+        raise ValueError(f"got {len(prompt_strs)} prompts but {len(output_strs)} outputs")
+    if not prompt_strs:
+        raise ValueError("prompt_strs is empty")
+    pad_id = getattr(tokenizer, "pad_token_id", None)
+    if pad_id is None:
+        # padding is masked out of the loss, so any valid id works; eos is what most causal LMs use
+        pad_id = getattr(tokenizer, "eos_token_id", None)
+    if pad_id is None:
+        raise ValueError("tokenizer has neither pad_token_id nor eos_token_id to pad with")
+
+    sequences: list[list[int]] = []
+    prompt_lengths: list[int] = []
+    for prompt, output in zip(prompt_strs, output_strs):
+        prompt_ids = list(tokenizer(prompt)["input_ids"])
+        # no special tokens on the output: a BOS-adding tokenizer would otherwise put BOS mid-sequence
+        output_ids = list(tokenizer(output, add_special_tokens=False)["input_ids"])
+        sequences.append(prompt_ids + output_ids)
+        prompt_lengths.append(len(prompt_ids))
+
+    max_len = max(len(s) for s in sequences)
+    full = torch.full((len(sequences), max_len), pad_id, dtype=torch.long)  # (batch, max_len)
+    output_mask = torch.zeros((len(sequences), max_len), dtype=torch.bool)  # (batch, max_len)
+    for row, (seq, n_prompt) in enumerate(zip(sequences, prompt_lengths)):
+        full[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+        output_mask[row, n_prompt : len(seq)] = True
+
+    return {
+        "input_ids": full[:, :-1],  # (batch, max_len - 1)
+        "labels": full[:, 1:],  # (batch, max_len - 1): labels[t] is the token predicted at input position t
+        "response_mask": output_mask[:, 1:],  # (batch, max_len - 1), aligned with labels
+    }
+
+
+def compute_entropy(logits: Tensor) -> Tensor:
+    """Entropy of the next-token distribution at each position: (..., vocab) -> (...)."""
+    log_probs = logits - torch.logsumexp(logits, dim=-1, keepdim=True)  # (..., vocab)
+    probs = log_probs.exp()
+    # a -inf logit has p = 0 and log p = -inf; 0 * log 0 is 0 by convention, not NaN
+    safe_log_probs = torch.where(probs > 0, log_probs, torch.zeros_like(log_probs))
+    return -(probs * safe_log_probs).sum(dim=-1)
+
+
+def get_response_log_probs(
+    model: torch.nn.Module, input_ids: Tensor, labels: Tensor, return_token_entropy: bool = False
+) -> dict[str, Tensor]:
+    """Log-probability of each label under `model(input_ids).logits`, and optionally the per-position entropy."""
+    if input_ids.shape != labels.shape:
+        raise ValueError(f"input_ids {tuple(input_ids.shape)} and labels {tuple(labels.shape)} differ in shape")
+    logits = model(input_ids).logits  # (batch, seq, vocab)
+    # gather-then-logsumexp avoids materialising a second (batch, seq, vocab) tensor of log-softmax;
+    # computed in the logits' dtype: upcast in the model if bf16 precision matters for ratios
+    label_logits = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1)  # (batch, seq)
+    result = {"log_probs": label_logits - torch.logsumexp(logits, dim=-1)}  # (batch, seq)
+    if return_token_entropy:
+        result["token_entropy"] = compute_entropy(logits)  # (batch, seq)
+    return result
+
+
+# ---------------------------------------------------------------- masked reductions
+
+
+def masked_normalize(
+    tensor: Tensor, mask: Tensor, dim: int | None = None, normalize_constant: float = 1.0
+) -> Tensor:
+    """Sum of `tensor` over elements where `mask` is True, along `dim` (all if None), divided by a constant."""
+    if normalize_constant == 0:
+        raise ValueError("normalize_constant must be non-zero")
+    # where() rather than multiply: a masked-out -inf or NaN (e.g. log-prob of padding) must not leak in
+    masked = torch.where(mask.bool(), tensor, torch.zeros_like(tensor))
+    total = masked.sum() if dim is None else masked.sum(dim=dim)
+    return total / normalize_constant
+
+
+def masked_mean(tensor: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    """Mean of `tensor` over elements where `mask` is True; a slice with no True element gives NaN.
+
+    With `dim=None` an all-False mask raises ValueError; along a `dim`, all-False slices are NaN rather
+    than a silent 0, so an empty response shows up instead of pulling averages towards zero.
+    """
+    mask = mask.bool().expand_as(tensor)
+    masked = torch.where(mask, tensor, torch.zeros_like(tensor))
+    if dim is None:
+        count = mask.sum()
+        if count.item() == 0:
+            raise ValueError("masked_mean over all elements with an all-False mask is undefined")
+        return masked.sum() / count
+    return masked.sum(dim=dim) / mask.sum(dim=dim)  # 0 / 0 -> NaN for an all-False slice
+
+
+# ---------------------------------------------------------------- rewards and advantages
+
+
+def compute_group_normalized_rewards(
+    reward_fn: Callable[[str, str], dict[str, float] | float],
+    rollout_responses: list[str],
+    repeated_ground_truths: list[str],
+    group_size: int,
+    advantage_eps: float,
+    normalize_by_std: bool,
+) -> tuple[Tensor, Tensor, dict[str, float]]:
+    """Score rollouts and turn rewards into group-relative advantages: (r - group mean) [/ (group std + eps)].
+
+    Rollouts are laid out group by group: responses [k * group_size, (k + 1) * group_size) share a prompt.
+    The std is unbiased (torch.std default), as in CS336. Returns (advantages, raw_rewards, metadata),
+    both tensors of shape (rollout_batch_size,).
+    """
+    n = len(rollout_responses)
+    if n != len(repeated_ground_truths):
+        raise ValueError(f"got {n} rollout_responses but {len(repeated_ground_truths)} repeated_ground_truths")
+    if group_size < 1:
+        raise ValueError(f"group_size must be >= 1, got {group_size}")
+    if n == 0 or n % group_size != 0:
+        raise ValueError(
+            f"group_size {group_size} does not divide the rollout batch of {n} responses; "
+            "each prompt must have exactly group_size responses"
+        )
+    if normalize_by_std and group_size < 2:
+        raise ValueError("normalize_by_std needs group_size >= 2: the unbiased std of one sample is undefined")
+
+    rewards = []
+    for response, truth in zip(rollout_responses, repeated_ground_truths):
+        scored = reward_fn(response, truth)
+        if isinstance(scored, dict):
+            if "reward" not in scored:
+                raise ValueError(f"reward_fn returned a dict without a 'reward' key: {sorted(scored)}")
+            scored = scored["reward"]
+        rewards.append(float(scored))
+    raw_rewards = torch.tensor(rewards, dtype=torch.float32)  # (n,)
+
+    grouped = raw_rewards.view(n // group_size, group_size)  # (n_groups, group_size)
+    centred = grouped - grouped.mean(dim=1, keepdim=True)
+    if normalize_by_std:
+        group_std = grouped.std(dim=1, keepdim=True)  # (n_groups, 1), unbiased
+        # all-equal rewards: std 0, advantage 0 / eps = 0, not NaN
+        centred = centred / (group_std + advantage_eps)
+    advantages = centred.reshape(n)
+
+    group_std_for_stats = grouped.std(dim=1) if group_size > 1 else torch.zeros(n // group_size)
+    metadata = {
+        "reward_mean": raw_rewards.mean().item(),
+        "reward_std": raw_rewards.std().item() if n > 1 else 0.0,
+        "reward_max": raw_rewards.max().item(),
+        "reward_min": raw_rewards.min().item(),
+        # groups whose rewards are all equal give no learning signal
+        "zero_std_group_fraction": (group_std_for_stats == 0).float().mean().item(),
+    }
+    return advantages, raw_rewards, metadata
+
+
+# ---------------------------------------------------------------- per-token losses
+
+
+def _as_column(values: Tensor, batch_size: int, name: str) -> Tensor:
+    """Reshape per-example values of shape (batch,) or (batch, 1) to (batch, 1), or raise ValueError."""
+    if values.shape not in ((batch_size,), (batch_size, 1)):
+        raise ValueError(f"{name} must have shape ({batch_size}, 1) or ({batch_size},), got {tuple(values.shape)}")
+    return values.reshape(batch_size, 1)
+
+
+def _check_log_probs(policy_log_probs: Tensor) -> None:
+    if policy_log_probs.dim() != 2:
+        raise ValueError(f"policy_log_probs must be (batch, seq), got shape {tuple(policy_log_probs.shape)}")
+
+
+def compute_naive_policy_gradient_loss(raw_rewards_or_advantages: Tensor, policy_log_probs: Tensor) -> Tensor:
+    """Per-token REINFORCE loss -A * log pi, with A of shape (batch, 1) broadcast over the sequence."""
+    _check_log_probs(policy_log_probs)
+    weights = _as_column(raw_rewards_or_advantages, policy_log_probs.shape[0], "raw_rewards_or_advantages")
+    return -weights * policy_log_probs  # (batch, seq)
+
+
+def compute_grpo_clip_loss(
+    advantages: Tensor, policy_log_probs: Tensor, old_log_probs: Tensor, cliprange: float
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Per-token clipped surrogate -min(ratio * A, clip(ratio, 1 - c, 1 + c) * A), ratio = pi / pi_old."""
+    _check_log_probs(policy_log_probs)
+    if old_log_probs.shape != policy_log_probs.shape:
+        raise ValueError(
+            f"old_log_probs {tuple(old_log_probs.shape)} and policy_log_probs "
+            f"{tuple(policy_log_probs.shape)} differ in shape"
+        )
+    if cliprange < 0:
+        raise ValueError(f"cliprange must be >= 0, got {cliprange}")
+    advantages = _as_column(advantages, policy_log_probs.shape[0], "advantages")
+    # the gradient flows through the current policy only
+    ratio = torch.exp(policy_log_probs - old_log_probs.detach())  # (batch, seq)
+    unclipped = ratio * advantages
+    clipped = torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange) * advantages
+    is_clipped = clipped < unclipped  # the min picked the clipped term: this token gives no gradient
+    loss = -torch.minimum(unclipped, clipped)  # (batch, seq)
+    return loss, {"clipped": is_clipped, "clip_fraction": is_clipped.float().mean(), "ratio": ratio.detach()}
+
+
+def compute_policy_gradient_loss(
+    policy_log_probs: Tensor,
+    loss_type: LossType,
+    raw_rewards: Tensor | None = None,
+    advantages: Tensor | None = None,
+    old_log_probs: Tensor | None = None,
+    cliprange: float | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Per-token loss (batch, seq) for `loss_type` in no_baseline, reinforce_with_baseline, grpo_clip."""
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"unknown loss_type {loss_type!r}; valid: {', '.join(LOSS_TYPES)}")
+    required = {
+        "no_baseline": {"raw_rewards": raw_rewards},
+        "reinforce_with_baseline": {"advantages": advantages},
+        "grpo_clip": {"advantages": advantages, "old_log_probs": old_log_probs, "cliprange": cliprange},
+    }[loss_type]
+    missing = [name for name, value in required.items() if value is None]
+    if missing:
+        raise ValueError(f"loss_type {loss_type!r} requires {', '.join(missing)}")
+
+    if loss_type == "no_baseline":
+        return compute_naive_policy_gradient_loss(raw_rewards, policy_log_probs), {}
+    if loss_type == "reinforce_with_baseline":
+        return compute_naive_policy_gradient_loss(advantages, policy_log_probs), {}
+    return compute_grpo_clip_loss(advantages, policy_log_probs, old_log_probs, cliprange)
+
+
+def kl_k3(policy_log_probs: Tensor, ref_log_probs: Tensor) -> Tensor:
+    """Per-token k3 estimate of KL(pi || pi_ref): exp(r) - r - 1 with r = ref - policy log-prob; always >= 0."""
+    if policy_log_probs.shape != ref_log_probs.shape:
+        raise ValueError(
+            f"ref_log_probs {tuple(ref_log_probs.shape)} and policy_log_probs "
+            f"{tuple(policy_log_probs.shape)} differ in shape"
+        )
+    log_ratio = ref_log_probs - policy_log_probs
+    # expm1 keeps precision when the policy is close to the reference (log_ratio near 0)
+    return torch.expm1(log_ratio) - log_ratio
+
+
+# ---------------------------------------------------------------- micro-batch train steps
+
+
+def _check_train_step(policy_log_probs: Tensor, response_mask: Tensor, gradient_accumulation_steps: int) -> None:
+    _check_log_probs(policy_log_probs)
+    if response_mask.shape != policy_log_probs.shape:
+        raise ValueError(
+            f"response_mask {tuple(response_mask.shape)} and policy_log_probs "
+            f"{tuple(policy_log_probs.shape)} differ in shape"
+        )
+    if gradient_accumulation_steps < 1:
+        raise ValueError(f"gradient_accumulation_steps must be >= 1, got {gradient_accumulation_steps}")
+
+
+def sft_microbatch_train_step(
+    policy_log_probs: Tensor,
+    response_mask: Tensor,
+    gradient_accumulation_steps: int,
+    normalize_constant: float = 1.0,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """SFT step: batch mean of -(response log-prob sum / normalize_constant), / accumulation steps; calls backward()."""
+    _check_train_step(policy_log_probs, response_mask, gradient_accumulation_steps)
+    per_example_nll = -masked_normalize(policy_log_probs, response_mask, dim=-1, normalize_constant=normalize_constant)
+    loss = per_example_nll.mean() / gradient_accumulation_steps
+    loss.backward()
+    return loss.detach(), {"response_tokens": response_mask.bool().sum()}
+
+
+def grpo_microbatch_train_step(
+    policy_log_probs: Tensor,
+    response_mask: Tensor,
+    gradient_accumulation_steps: int,
+    loss_type: LossType,
+    raw_rewards: Tensor | None = None,
+    advantages: Tensor | None = None,
+    old_log_probs: Tensor | None = None,
+    cliprange: float | None = None,
+    *,
+    length_normalization: LengthNormalization = "sequence_mean",
+    normalize_constant: float | None = None,
+    beta: float = 0.0,
+    ref_log_probs: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Policy-gradient micro-batch step: per-token loss (+ beta * k3), length-normalised, / accumulation; backward().
+
+    length_normalization:
+      - "sequence_mean" (CS336, GRPO): mean over each response's tokens, then mean over the batch;
+        a response with no tokens raises ValueError (its mean is undefined).
+      - "constant" (Dr. GRPO): sum over each response's tokens / `normalize_constant` (e.g. the maximum
+        generation length), then mean over the batch.
+      - "token_mean" (DAPO): sum over all response tokens of the micro-batch / their count; with
+        gradient accumulation this weights micro-batches equally, not tokens.
+    With `ref_log_probs`, the k3 KL is reported in metadata["kl"]; `beta > 0` adds beta * k3 to the loss.
+    """
+    _check_train_step(policy_log_probs, response_mask, gradient_accumulation_steps)
+    if length_normalization not in LENGTH_NORMALIZATIONS:
+        raise ValueError(
+            f"unknown length_normalization {length_normalization!r}; valid: {', '.join(LENGTH_NORMALIZATIONS)}"
+        )
+    if length_normalization == "constant" and normalize_constant is None:
+        raise ValueError("length_normalization='constant' requires normalize_constant (e.g. max generation length)")
+    if length_normalization != "constant" and normalize_constant is not None:
+        raise ValueError("normalize_constant only applies to length_normalization='constant'")
+    if beta < 0:
+        raise ValueError(f"beta must be >= 0, got {beta}")
+    if beta > 0 and ref_log_probs is None:
+        raise ValueError("beta > 0 requires ref_log_probs for the KL penalty")
+
+    mask = response_mask.bool()
+    per_token_loss, metadata = compute_policy_gradient_loss(
+        policy_log_probs, loss_type, raw_rewards, advantages, old_log_probs, cliprange
+    )  # (batch, seq)
+    metadata = dict(metadata)
+    token_count = mask.sum()
+    if ref_log_probs is not None:
+        kl = kl_k3(policy_log_probs, ref_log_probs.detach())  # (batch, seq)
+        if beta > 0:
+            per_token_loss = per_token_loss + beta * kl
+        metadata["kl"] = masked_normalize(kl.detach(), mask) / token_count  # NaN if no response tokens
+    if "clipped" in metadata:
+        # the clip fraction that matters is over response tokens, not padding
+        metadata["clip_fraction"] = (metadata["clipped"] & mask).sum() / token_count
+
+    if length_normalization == "sequence_mean":
+        empty_rows = (~mask.any(dim=-1)).nonzero().flatten().tolist()
+        if empty_rows:
+            raise ValueError(
+                f"response_mask rows {empty_rows} have no response tokens, so their sequence mean is undefined; "
+                "drop them or use length_normalization='constant'"
+            )
+        per_example = masked_mean(per_token_loss, mask, dim=-1)  # (batch,)
+        loss = per_example.mean()
+    elif length_normalization == "constant":
+        per_example = masked_normalize(per_token_loss, mask, dim=-1, normalize_constant=normalize_constant)  # (batch,)
+        loss = per_example.mean()
+    else:
+        loss = masked_mean(per_token_loss, mask)  # raises on an all-empty micro-batch
+
+    loss = loss / gradient_accumulation_steps
+    loss.backward()
+    metadata["loss_unscaled"] = loss.detach() * gradient_accumulation_steps
+    return loss.detach(), metadata

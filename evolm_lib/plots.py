@@ -1,0 +1,352 @@
+"""Figures from data: metrics rows (flat dicts, one per ES generation or GRPO step) in, plotly figures out.
+
+No I/O here; `evolm_lib.figures.export_figure` writes figures to disk.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import plotly.graph_objects as go
+from plotly.colors import hex_to_rgb, qualitative
+
+Row = Mapping[str, Any]
+
+# Stable trace names: `update_fitness` finds traces by these.
+MEAN, BEST, BAND, EVAL, POLICY = "mean", "best", "p20-p80", "eval", "mean adapter (greedy)"
+FITNESS_TRACE_NAMES = (BAND, MEAN, BEST, POLICY, EVAL)
+TIME_KEYS = ("time/adapters_s", "time/generate_s", "time/reward_s", "time/update_s")
+
+_PALETTE = qualitative.Plotly
+_METHOD_COLORS = {"es": _PALETTE[0], "grpo": _PALETTE[1]}
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _finite(value: Any) -> bool:
+    """True for a real number that is not None/NaN/inf (bools are not numbers here)."""
+    if value is None or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except (TypeError, ValueError):
+        return False
+
+
+def x_key(rows: Sequence[Row]) -> str:
+    """The x-axis key of a run's rows: "generation" (ES) or "step" (GRPO)."""
+    for key in ("generation", "step"):
+        if any(key in row for row in rows):
+            return key
+    return "generation"
+
+
+def _x_values(rows: Sequence[Row]) -> list[Any]:
+    key = x_key(rows)
+    # rows without the key fall back to their position, so a plot never fails on a partial row
+    return [row.get(key, i) for i, row in enumerate(rows)]
+
+
+def series(rows: Sequence[Row], key: str, x: str | None = None) -> tuple[list[float], list[float]]:
+    """(xs, ys) over the rows where both the x key and `key` hold finite numbers."""
+    xs_all = _x_values(rows) if x is None else [row.get(x) for row in rows]
+    xs, ys = [], []
+    for xv, row in zip(xs_all, rows):
+        yv = row.get(key)
+        if _finite(xv) and _finite(yv):
+            xs.append(float(xv))
+            ys.append(float(yv))
+    return xs, ys
+
+
+def final_value(rows: Sequence[Row], key: str) -> float | None:
+    """The last finite value of `key` in a run's rows (None when it never appears)."""
+    for row in reversed(rows):
+        if _finite(row.get(key)):
+            return float(row[key])
+    return None
+
+
+def _rgba(hex_color: str, alpha: float) -> str:
+    r, g, b = hex_to_rgb(hex_color)
+    return f"rgba({r},{g},{b},{alpha})"
+
+
+def _method_color(label: str, index: int) -> str:
+    return _METHOD_COLORS.get(str(label).lower(), _PALETTE[index % len(_PALETTE)])
+
+
+# --------------------------------------------------------------------------- one run
+
+
+def _fitness_traces() -> list[go.Scatter]:
+    blue, red, green, purple = _PALETTE[0], _PALETTE[1], _PALETTE[2], _PALETTE[3]
+    return [
+        go.Scatter(name=BAND, x=[], y=[], mode="lines", fill="toself", line=dict(width=0),
+                   fillcolor=_rgba(blue, 0.2), hoverinfo="skip"),
+        go.Scatter(name=MEAN, x=[], y=[], mode="lines", line=dict(color=blue, width=2)),
+        go.Scatter(name=BEST, x=[], y=[], mode="lines", line=dict(color=green, dash="dot")),
+        go.Scatter(name=POLICY, x=[], y=[], mode="lines+markers", line=dict(color=purple),
+                   marker=dict(size=5)),
+        go.Scatter(name=EVAL, x=[], y=[], mode="markers",
+                   marker=dict(color=red, size=9, symbol="diamond")),
+    ]
+
+
+def _fitness_layout(fig: go.Figure, title: str, x_title: str = "generation") -> None:
+    fig.update_layout(title=title, xaxis_title=x_title, yaxis_title="reward",
+                      template="plotly_white", hovermode="x unified",
+                      legend=dict(orientation="h", yanchor="bottom", y=1.02, x=0))
+
+
+def update_fitness(fig: go.Figure, rows: Sequence[Row]) -> go.Figure:
+    """Refresh the fitness traces of `fig` (Figure or FigureWidget) in place from all rows so far."""
+    rows = list(rows)
+    data: dict[str, tuple[list[float], list[float]]] = {
+        MEAN: series(rows, "train/reward_mean"),
+        BEST: series(rows, "train/reward_best"),
+        POLICY: series(rows, "policy/train_reward"),
+        EVAL: series(rows, "eval/reward"),
+    }
+    lo_x, lo_y = series(rows, "train/reward_p20")
+    hi_x, hi_y = series(rows, "train/reward_p80")
+    lo = dict(zip(lo_x, lo_y))
+    band = [(x, lo[x], y) for x, y in zip(hi_x, hi_y) if x in lo]
+    # the band is one closed polygon: along p80, then back along p20
+    data[BAND] = ([b[0] for b in band] + [b[0] for b in reversed(band)],
+                  [b[2] for b in band] + [b[1] for b in reversed(band)])
+
+    def apply() -> None:
+        for trace in fig.data:
+            if trace.name in data:
+                trace.x, trace.y = data[trace.name]
+        fig.layout.xaxis.title.text = x_key(rows)
+
+    if hasattr(fig, "batch_update"):  # FigureWidget: one message to the front end
+        with fig.batch_update():
+            apply()
+    else:
+        apply()
+    return fig
+
+
+def plot_fitness(rows: Sequence[Row], title: str = "ES fitness") -> go.Figure:
+    """Population reward per generation: mean, 20-80 percentile band, best, eval and greedy mean adapter."""
+    rows = list(rows)
+    fig = go.Figure(_fitness_traces())
+    _fitness_layout(fig, title)
+    update_fitness(fig, rows)
+    # traces without any data (no eval yet, no greedy reward) stay out of the legend
+    fig.data = [t for t in fig.data if t.name in (MEAN, BAND) or len(t.x or ()) > 0]
+    return fig
+
+
+def fitness_figure_widget(title: str = "ES fitness") -> go.FigureWidget:
+    """An empty live fitness plot; call `update_fitness(widget, rows)` after each generation."""
+    fig = go.FigureWidget(_fitness_traces())  # plotly 7 needs `anywidget` for this
+    _fitness_layout(fig, title)
+    return fig
+
+
+def plot_time_breakdown(rows: Sequence[Row], title: str = "Time per generation") -> go.Figure:
+    """Stacked bars of adapters/generate/reward/update seconds (plus the rest of time/generation_s)."""
+    rows = list(rows)
+    xs = _x_values(rows)
+    fig = go.Figure()
+    parts = {}
+    for key in TIME_KEYS:
+        parts[key] = [float(r[key]) if _finite(r.get(key)) else 0.0 for r in rows]
+        label = key.removeprefix("time/").removesuffix("_s")
+        fig.add_bar(name=label, x=xs, y=parts[key])
+    # whatever the phases above do not cover (logging, checkpoints, ...)
+    other = [max(0.0, float(r["time/generation_s"]) - sum(p[i] for p in parts.values()))
+             if _finite(r.get("time/generation_s")) else 0.0 for i, r in enumerate(rows)]
+    if any(v > 1e-6 for v in other):
+        fig.add_bar(name="other", x=xs, y=other)
+    fig.update_layout(barmode="stack", title=title, xaxis_title=x_key(rows),
+                      yaxis_title="seconds", template="plotly_white")
+    return fig
+
+
+def plot_reward_distribution(rewards: Iterable[float], title: str = "Reward distribution",
+                             nbins: int | None = None) -> go.Figure:
+    """Histogram of rewards (e.g. one generation's population, or per-prompt eval rewards)."""
+    values = [float(r) for r in rewards if _finite(r)]
+    fig = go.Figure(go.Histogram(x=values, nbinsx=nbins, name="reward"))
+    fig.update_layout(title=title, xaxis_title="reward", yaxis_title="count",
+                      template="plotly_white", bargap=0.05)
+    return fig
+
+
+def plot_layer_scales(names: Sequence[str], values: Sequence[float],
+                      title: str = "Per-layer scale", y_title: str = "scale") -> go.Figure:
+    """Bar chart of one number per layer (LoRA weight magnitude, noise scale, ...)."""
+    if len(names) != len(values):
+        raise ValueError(f"names and values differ in length: {len(names)} != {len(values)}")
+    fig = go.Figure(go.Bar(x=list(names), y=[float(v) for v in values], name=y_title))
+    fig.update_layout(title=title, xaxis_title="layer", yaxis_title=y_title,
+                      template="plotly_white")
+    return fig
+
+
+# --------------------------------------------------------------------------- ES vs GRPO
+
+Runs = Mapping[str, Sequence[Sequence[Row]]]  # method label -> one list of rows per seed
+
+
+def aggregate_seeds(seed_rows: Sequence[Sequence[Row]], x: str, y: str,
+                    max_points: int = 200) -> dict[str, list[float]]:
+    """Mean, std, min and max of `y` across seeds, interpolated on a common `x` grid.
+
+    The grid covers only the x range every seed reached (no extrapolation); it is the union of the
+    seeds' own x values there, thinned to `max_points`.
+    """
+    curves = []
+    for rows in seed_rows:
+        xs, ys = series(list(rows), y, x=x)
+        pairs = sorted(zip(xs, ys))
+        if pairs:
+            curves.append(([p[0] for p in pairs], [p[1] for p in pairs]))
+    if not curves:
+        return {k: [] for k in ("x", "mean", "std", "min", "max")}
+    lo = max(c[0][0] for c in curves)
+    hi = min(c[0][-1] for c in curves)
+    if lo > hi:  # seeds do not overlap: fall back to the union of their ranges
+        lo, hi = min(c[0][0] for c in curves), max(c[0][-1] for c in curves)
+    grid = sorted({v for c in curves for v in c[0] if lo <= v <= hi})
+    if len(grid) > max_points:
+        grid = [lo + (hi - lo) * i / (max_points - 1) for i in range(max_points)]
+    values = [[_interp(g, cx, cy) for cx, cy in curves] for g in grid]  # (len(grid), seeds)
+    mean = [sum(v) / len(v) for v in values]
+    std = [math.sqrt(sum((a - m) ** 2 for a in v) / len(v)) for v, m in zip(values, mean)]
+    return {"x": grid, "mean": mean, "std": std,
+            "min": [min(v) for v in values], "max": [max(v) for v in values]}
+
+
+def _interp(x: float, xs: list[float], ys: list[float]) -> float:
+    """Linear interpolation, clamped at the ends (like numpy.interp)."""
+    if x <= xs[0]:
+        return ys[0]
+    if x >= xs[-1]:
+        return ys[-1]
+    lo, hi = 0, len(xs) - 1
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if xs[mid] <= x:
+            lo = mid
+        else:
+            hi = mid
+    if xs[hi] == xs[lo]:
+        return ys[hi]
+    t = (x - xs[lo]) / (xs[hi] - xs[lo])
+    return ys[lo] + t * (ys[hi] - ys[lo])
+
+
+def plot_runs_curve(runs: Runs, x: str, y: str, band: str = "minmax",
+                    title: str | None = None) -> go.Figure:
+    """Mean curve of `y` over `x` per method, with a min-max (or +-std) band across seeds."""
+    if band not in ("minmax", "std"):
+        raise ValueError(f"band must be 'minmax' or 'std', got {band!r}")
+    fig = go.Figure()
+    for i, (label, seed_rows) in enumerate(runs.items()):
+        agg = aggregate_seeds(seed_rows, x, y)
+        color = _method_color(label, i)
+        if band == "minmax":
+            upper, lower, band_name = agg["max"], agg["min"], f"{label} min-max"
+        else:
+            upper = [m + s for m, s in zip(agg["mean"], agg["std"])]
+            lower = [m - s for m, s in zip(agg["mean"], agg["std"])]
+            band_name = f"{label} ±std"
+        if len(seed_rows) > 1:
+            fig.add_scatter(name=band_name, legendgroup=label, showlegend=False,
+                            x=agg["x"] + agg["x"][::-1], y=upper + lower[::-1], mode="lines",
+                            fill="toself", fillcolor=_rgba(color, 0.2), line=dict(width=0),
+                            hoverinfo="skip")
+        fig.add_scatter(name=f"{label} (n={len(seed_rows)})", legendgroup=label, x=agg["x"],
+                        y=agg["mean"], mode="lines", line=dict(color=color, width=2))
+    fig.update_layout(title=title or f"{y} vs {x}", xaxis_title=x, yaxis_title=y,
+                      template="plotly_white", hovermode="x unified")
+    return fig
+
+
+def plot_reward_vs_samples(runs: Runs, x: str = "samples/completions",
+                           y: str = "policy/train_reward", band: str = "minmax",
+                           title: str | None = None) -> go.Figure:
+    """Reward against samples used (completions or tokens), mean and band across seeds per method."""
+    return plot_runs_curve(runs, x=x, y=y, band=band, title=title or "Reward vs samples")
+
+
+def plot_reward_vs_time(runs: Runs, y: str = "policy/train_reward", band: str = "minmax",
+                        title: str | None = None) -> go.Figure:
+    """Reward against wall-clock seconds, mean and band across seeds per method."""
+    return plot_runs_curve(runs, x="time/wall_s", y=y, band=band,
+                           title=title or "Reward vs wall-clock time")
+
+
+def pareto_front(points: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """Points not beaten by another with lower-or-equal KL and higher reward, by KL ascending."""
+    ordered = sorted((p for p in points if _finite(p.get("kl")) and _finite(p.get("reward"))),
+                     key=lambda p: (float(p["kl"]), -float(p["reward"])))
+    front, best = [], -math.inf
+    for p in ordered:
+        if float(p["reward"]) > best:
+            front.append(p)
+            best = float(p["reward"])
+    return front
+
+
+def plot_reward_vs_kl(points: Sequence[Mapping[str, Any]],
+                      title: str = "Reward vs KL to base") -> go.Figure:
+    """Scatter of final reward against KL to the base model, one marker per (method, seed)."""
+    fig = go.Figure()
+    methods = list(dict.fromkeys(str(p.get("method", "?")) for p in points))
+    for i, method in enumerate(methods):
+        pts = [p for p in points if str(p.get("method", "?")) == method]
+        fig.add_scatter(name=method, x=[p.get("kl") for p in pts], y=[p.get("reward") for p in pts],
+                        mode="markers", marker=dict(size=10, color=_method_color(method, i)),
+                        text=[f"seed {p.get('seed')}" for p in pts],
+                        hovertemplate="%{text}<br>KL %{x:.4g}<br>reward %{y:.4g}<extra></extra>")
+    front = pareto_front(points)
+    if len(front) > 1:
+        fig.add_scatter(name="Pareto front", x=[p["kl"] for p in front],
+                        y=[p["reward"] for p in front], mode="lines",
+                        line=dict(color="gray", dash="dash", shape="hv"), hoverinfo="skip")
+    fig.update_layout(title=title, xaxis_title="KL to base (per token)", yaxis_title="reward",
+                      template="plotly_white")
+    return fig
+
+
+def plot_seed_spread(runs: Runs, y: str = "policy/train_reward",
+                     title: str | None = None) -> go.Figure:
+    """Box plot with every seed's final `y`, one box per method."""
+    fig = go.Figure()
+    for i, (label, seed_rows) in enumerate(runs.items()):
+        finals, seeds = [], []
+        for j, rows in enumerate(seed_rows):
+            value = final_value(list(rows), y)
+            if value is not None:
+                finals.append(value)
+                seeds.append(next((r["seed"] for r in rows if "seed" in r), j))
+        fig.add_box(name=label, y=finals, boxpoints="all", pointpos=0, jitter=0.3,
+                    marker=dict(color=_method_color(label, i), size=8),
+                    text=[f"seed {s}" for s in seeds])
+    fig.update_layout(title=title or f"Final {y} per seed", yaxis_title=y,
+                      template="plotly_white", showlegend=False)
+    return fig
+
+
+# --------------------------------------------------------------------------- tables
+
+
+def completions_table(rows: Iterable[Mapping[str, Any]], max_chars: int | None = 200):
+    """A pandas DataFrame of dicts (prompts, completions, rewards), long strings shortened."""
+    import pandas as pd  # imported here: only tables need pandas
+
+    def short(v: Any) -> Any:
+        if max_chars is not None and isinstance(v, str) and len(v) > max_chars:
+            return v[: max_chars - 1] + "…"
+        return v
+
+    return pd.DataFrame([{k: short(v) for k, v in dict(r).items()} for r in rows])

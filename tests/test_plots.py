@@ -1,0 +1,195 @@
+"""Figures from hand-made metrics rows, and static export with kaleido."""
+from __future__ import annotations
+
+
+import plotly.graph_objects as go
+import pytest
+
+from evolm_lib import figures, plots
+
+
+def make_rows(n: int = 4, with_policy: bool = True) -> list[dict]:
+    rows = []
+    for g in range(n):
+        row = {
+            "generation": g, "method": "es", "seed": 0,
+            "train/reward_mean": 0.1 * g, "train/reward_best": 0.2 * g,
+            "train/reward_p20": 0.05 * g, "train/reward_p80": 0.15 * g, "train/reward_worst": 0.0,
+            "eval/reward": 0.5 * g if g % 2 == 0 else None,  # eval every 2 generations
+            "time/adapters_s": 1.0, "time/generate_s": 2.0, "time/reward_s": 0.5,
+            "time/update_s": 0.25, "time/generation_s": 4.0,
+            "samples/completions": 8 * (g + 1), "time/wall_s": 4.0 * (g + 1),
+        }
+        if with_policy and g != 1:  # missing on some rows
+            row["policy/train_reward"] = 0.3 * g
+        rows.append(row)
+    return rows
+
+
+def trace(fig: go.Figure, name: str):
+    matches = [t for t in fig.data if t.name == name]
+    assert len(matches) == 1, f"no single trace named {name!r} in {[t.name for t in fig.data]}"
+    return matches[0]
+
+
+def test_plot_fitness_traces_and_values():
+    fig = plots.plot_fitness(make_rows(), title="t")
+    assert isinstance(fig, go.Figure)
+    assert [t.name for t in fig.data] == ["p20-p80", "mean", "best", "mean adapter (greedy)", "eval"]
+    assert list(trace(fig, "mean").x) == [0, 1, 2, 3]
+    assert list(trace(fig, "mean").y) == pytest.approx([0, 0.1, 0.2, 0.3])
+    assert list(trace(fig, "best").y) == pytest.approx([0, 0.2, 0.4, 0.6])
+    # eval only where it was measured
+    assert list(trace(fig, "eval").x) == [0, 2]
+    assert list(trace(fig, "eval").y) == pytest.approx([0, 1.0])
+    # greedy reward skips the row without it
+    assert list(trace(fig, "mean adapter (greedy)").x) == [0, 2, 3]
+    # band: a closed polygon along p80 and back along p20
+    band = trace(fig, "p20-p80")
+    assert list(band.x) == [0, 1, 2, 3, 3, 2, 1, 0]
+    assert list(band.y) == pytest.approx([0, 0.15, 0.3, 0.45, 0.15, 0.1, 0.05, 0])
+    assert band.fill == "toself"
+    assert fig.layout.title.text == "t"
+
+
+def test_plot_fitness_without_optional_series():
+    rows = make_rows(with_policy=False)
+    for r in rows:
+        r.pop("eval/reward")
+    fig = plots.plot_fitness(rows)
+    assert {t.name for t in fig.data} == {"p20-p80", "mean", "best"}
+
+
+def test_plot_fitness_grpo_steps():
+    rows = [{"step": s, "train/reward_mean": float(s)} for s in range(3)]
+    fig = plots.plot_fitness(rows)
+    assert list(trace(fig, "mean").x) == [0, 1, 2]
+    assert fig.layout.xaxis.title.text == "step"
+
+
+def test_update_fitness_widget_gains_a_point_per_generation():
+    widget = plots.fitness_figure_widget(title="live")
+    assert isinstance(widget, go.FigureWidget)
+    assert {t.name for t in widget.data} == set(plots.FITNESS_TRACE_NAMES)
+    assert all(len(t.x or ()) == 0 for t in widget.data)
+    rows = make_rows(4)
+    plots.update_fitness(widget, rows[:2])
+    assert len(trace(widget, "mean").x) == 2
+    plots.update_fitness(widget, rows[:3])
+    assert len(trace(widget, "mean").x) == 3
+    assert trace(widget, "mean").y[-1] == pytest.approx(0.2)
+    assert list(trace(widget, "eval").x) == [0, 2]
+
+
+def test_update_fitness_on_plain_figure():
+    fig = go.Figure(plots._fitness_traces())
+    plots.update_fitness(fig, make_rows(2))
+    assert list(trace(fig, "best").y) == pytest.approx([0, 0.2])
+
+
+def test_time_breakdown_stacks_phases_and_rest():
+    fig = plots.plot_time_breakdown(make_rows(3))
+    assert fig.layout.barmode == "stack"
+    assert [t.name for t in fig.data] == ["adapters", "generate", "reward", "update", "other"]
+    assert list(trace(fig, "generate").y) == [2.0, 2.0, 2.0]
+    assert list(trace(fig, "other").y) == pytest.approx([0.25] * 3)  # 4 - (1 + 2 + 0.5 + 0.25)
+
+
+def test_reward_distribution_and_layer_scales():
+    fig = plots.plot_reward_distribution([0.0, 1.0, 1.0, float("nan"), None], title="d")
+    assert list(fig.data[0].x) == [0.0, 1.0, 1.0]
+    fig = plots.plot_layer_scales(["q", "v"], [0.1, 0.2], title="s")
+    assert list(fig.data[0].x) == ["q", "v"] and list(fig.data[0].y) == [0.1, 0.2]
+    with pytest.raises(ValueError, match="length"):
+        plots.plot_layer_scales(["q"], [0.1, 0.2])
+
+
+def seed_run(offset: float, xs: list[float], method: str = "es", seed: int = 0) -> list[dict]:
+    return [{"samples/completions": x, "time/wall_s": x / 10, "policy/train_reward": x + offset,
+             "method": method, "seed": seed} for x in xs]
+
+
+def test_aggregate_seeds_interpolates_on_common_grid():
+    a = seed_run(0.0, [0, 10, 20])
+    b = seed_run(1.0, [0, 20, 40])  # x=10 is interpolated: 11; x=40 is outside seed a's range
+    agg = plots.aggregate_seeds([a, b], "samples/completions", "policy/train_reward")
+    assert agg["x"] == [0, 10, 20]
+    assert agg["mean"] == pytest.approx([0.5, 10.5, 20.5])
+    assert agg["min"] == pytest.approx([0, 10, 20])
+    assert agg["max"] == pytest.approx([1, 11, 21])
+    assert agg["std"] == pytest.approx([0.5, 0.5, 0.5])
+
+
+def test_reward_vs_samples_and_time():
+    runs = {"es": [seed_run(0, [0, 10]), seed_run(2, [0, 10], seed=1)],
+            "grpo": [seed_run(1, [0, 5, 10], method="grpo")]}
+    fig = plots.plot_reward_vs_samples(runs)
+    names = [t.name for t in fig.data]
+    assert names == ["es min-max", "es (n=2)", "grpo (n=1)"]  # one seed: no band
+    assert list(trace(fig, "es (n=2)").y) == pytest.approx([1, 11])
+    band = trace(fig, "es min-max")
+    assert list(band.y) == pytest.approx([2, 12, 10, 0])
+    fig = plots.plot_reward_vs_samples(runs, band="std")
+    assert list(trace(fig, "es ±std").y) == pytest.approx([2, 12, 10, 0])
+    fig = plots.plot_reward_vs_time(runs)
+    assert list(trace(fig, "grpo (n=1)").x) == pytest.approx([0, 0.5, 1.0])
+    assert fig.layout.xaxis.title.text == "time/wall_s"
+    with pytest.raises(ValueError):
+        plots.plot_reward_vs_samples(runs, band="iqr")
+
+
+def test_reward_vs_kl_pareto():
+    points = [{"method": "es", "seed": 0, "kl": 0.01, "reward": 0.5},
+              {"method": "es", "seed": 1, "kl": 0.02, "reward": 0.4},  # dominated
+              {"method": "grpo", "seed": 0, "kl": 0.5, "reward": 0.7}]
+    fig = plots.plot_reward_vs_kl(points)
+    assert list(trace(fig, "es").x) == [0.01, 0.02]
+    assert list(trace(fig, "grpo").y) == [0.7]
+    front = trace(fig, "Pareto front")
+    assert list(front.x) == [0.01, 0.5] and list(front.y) == [0.5, 0.7]
+
+
+def test_seed_spread_uses_final_value_per_seed():
+    runs = {"es": [seed_run(0, [0, 10], seed=3), seed_run(1, [0, 10], seed=4)],
+            "grpo": [seed_run(0, [0, 5], method="grpo")]}
+    runs["es"][1][-1]["policy/train_reward"] = None  # last row without the value: use the one before
+    fig = plots.plot_seed_spread(runs)
+    assert list(trace(fig, "es").y) == [10.0, 1.0]
+    assert list(trace(fig, "es").text) == ["seed 3", "seed 4"]
+    assert list(trace(fig, "grpo").y) == [5.0]
+
+
+def test_completions_table_shortens_long_text():
+    df = plots.completions_table([{"prompt": "p", "completion": "x" * 50, "reward": 1.0}], max_chars=10)
+    assert list(df.columns) == ["prompt", "completion", "reward"]
+    assert len(df.loc[0, "completion"]) == 10
+
+
+def test_sanitize_name():
+    assert figures.sanitize_name("../a b/c") == "a_b_c"
+    with pytest.raises(ValueError):
+        figures.sanitize_name("///")
+
+
+@pytest.mark.skipif(not figures.chromium_available(),
+                    reason="no Chromium for kaleido: apt-get install chromium (or make setup)")
+def test_export_figure_writes_real_files(tmp_path):
+    out = tmp_path / "figs"
+    paths = figures.export_figure(plots.plot_fitness(make_rows()), "fitness/es run", out_dir=out)
+    assert [p.name for p in paths] == ["fitness_es_run.png", "fitness_es_run.pdf", "fitness_es_run.svg"]
+    assert all(p.parent == out for p in paths)
+    png, pdf, svg = (p.read_bytes() for p in paths)
+    assert png.startswith(b"\x89PNG\r\n\x1a\n")
+    assert int.from_bytes(png[16:20], "big") == 1800  # width 900 x scale 2
+    assert pdf.startswith(b"%PDF")
+    assert b"<svg" in svg[:200]
+    # the sync server makes later exports fast
+    paths = figures.export_figure(plots.plot_time_breakdown(make_rows()), "time", out_dir=out,
+                                  formats=("svg",))
+    assert paths[0].read_bytes().lstrip().startswith(b"<svg")
+
+
+def test_export_without_chromium_says_how_to_install(monkeypatch, tmp_path):
+    monkeypatch.setattr(figures, "find_chromium", lambda: None)
+    with pytest.raises(RuntimeError, match="apt-get install -y chromium"):
+        figures.export_figure(go.Figure(), "x", out_dir=tmp_path)
