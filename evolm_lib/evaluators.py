@@ -431,3 +431,18 @@ class _DisabledAdapter:
     def generate(self, **kwargs):
         with self.peft_model.disable_adapter():
             return self.peft_model.generate(**kwargs)
+
+
+def make_evaluator(config, max_loras: int = 8) -> "Evaluator":
+    """The evaluator a run's settings ask for (``config.engine``), sized for ``max_loras`` adapters per call."""
+    if config.engine == "hf":
+        return HFEvaluator(config.model, dtype=config.dtype)
+    return VLLMEvaluator(
+        config.model,
+        max_lora_rank=config.lora_rank,
+        max_loras=max_loras,
+        max_model_len=config.max_model_len,
+        dtype=config.dtype,
+        gpu_memory_utilization=config.gpu_memory_utilization,
+        seed=config.seed,
+    )

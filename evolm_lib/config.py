@@ -1,0 +1,187 @@
+"""Typed, validated run settings. Unknown keys, wrong types and out-of-range values fail at once,
+with a message naming the field, before any model is converted or engine started."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .lora import ALL_PROJECTIONS, LoraSpec
+from .models import check_model_name
+from .tasks import get_task, list_tasks
+
+
+class ConfigError(ValueError):
+    """A setting is invalid; the message names the field."""
+
+
+class CommonConfig(BaseModel):
+    """Settings shared by ES and GRPO runs, so both see the same model, adapters, task and engine."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+    model: str = "smollm2-135m-instruct"
+    "model name (smollm2-135m-instruct, tiny-random), local folder or hub name"
+    engine: Literal["vllm", "hf"] = "vllm"
+    "inference engine for rollouts: vLLM (multi-LoRA, one call per population) or HF transformers+peft"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    "engine dtype (float32 on CPU: bfloat16 is 2-4x slower there)"
+    max_model_len: int = Field(1024, ge=64)
+    "longest prompt + completion the engine serves"
+    gpu_memory_utilization: Optional[float] = Field(None, gt=0, le=1)
+    "vLLM memory share (on CPU: share of RAM); None picks 0.2 on CPU, 0.85 on GPU"
+
+    task: str = "conciseness"
+    "task name from the registry"
+    task_options: dict[str, Any] = Field(default_factory=dict)
+    "keyword options of the task (e.g. num_train for countdown)"
+
+    target_modules: tuple[str, ...] = ALL_PROJECTIONS
+    "modules that carry a LoRA adapter"
+    lora_rank: int = Field(1, ge=1, le=512)
+    "LoRA rank"
+    lora_alpha: float = Field(1.0, gt=0)
+    "LoRA alpha (scaling = alpha / rank)"
+    layers_to_transform: Optional[tuple[int, ...]] = None
+    "layer indices that carry adapters (None: all)"
+    init_scheme: Literal["peft_default", "random_ab"] = "peft_default"
+    "adapter initialisation: PEFT default (B = 0) or random A and B scaled by each layer's mean |W|"
+    init_scale: float = Field(0.1, gt=0)
+    "random_ab only: std of A and B = init_scale * mean |W| of the layer"
+
+    max_new_tokens: int = Field(64, ge=1)
+    "tokens generated per completion"
+    temperature: float = Field(0.0, ge=0)
+    "sampling temperature for training rollouts (0: greedy)"
+    top_p: float = Field(1.0, gt=0, le=1)
+    "nucleus sampling for training rollouts"
+    prompts_per_step: Optional[int] = Field(None, ge=1)
+    "train prompts per generation/step, drawn by seed (None: all train prompts)"
+
+    seed: int = 0
+    "master seed: noise, prompt order and sampling derive from it"
+    eval_every: int = Field(1, ge=0)
+    "score the current adapter (greedy) on train and eval prompts every k generations/steps (0: only at the end)"
+    checkpoint_every: int = Field(1, ge=1)
+    "write a checkpoint every k generations/steps (and always at the end)"
+    keep_checkpoints: int = Field(2, ge=1)
+    "how many recent checkpoints to keep"
+
+    @field_validator("model")
+    @classmethod
+    def _model_exists(cls, value: str) -> str:
+        check_model_name(value)
+        return value
+
+    @field_validator("task")
+    @classmethod
+    def _task_exists(cls, value: str) -> str:
+        if value not in list_tasks():
+            raise ValueError(f"unknown task {value!r}; known tasks: {', '.join(list_tasks())}")
+        return value
+
+    @field_validator("target_modules")
+    @classmethod
+    def _targets_nonempty(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        if not value:
+            raise ValueError("must name at least one module")
+        return value
+
+    @model_validator(mode="after")
+    def _task_options_valid(self):
+        get_task(self.task, **self.task_options)  # an unknown option fails here, naming it
+        return self
+
+    def lora_spec(self) -> LoraSpec:
+        """The adapter layout these settings describe."""
+        return LoraSpec(self.target_modules, self.lora_rank, self.lora_alpha, self.layers_to_transform)
+
+    # --- YAML ----------------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]):
+        """Build and validate; raise ConfigError naming every bad field."""
+        try:
+            return cls(**data)
+        except ValidationError as error:
+            raise ConfigError(_explain(cls.__name__, error)) from None
+
+    @classmethod
+    def from_yaml(cls, path: str | Path):
+        """Read settings from a YAML file."""
+        data = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: expected a mapping of settings at the top level")
+        return cls.from_dict(data)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (lists, not tuples), for YAML and JSON."""
+        return self.model_dump(mode="json")
+
+    def to_yaml(self, path: str | Path | None = None) -> str:
+        """The resolved settings as YAML (written to ``path`` when given)."""
+        text = yaml.safe_dump(self.to_dict(), sort_keys=False)
+        if path is not None:
+            Path(path).write_text(text)
+        return text
+
+    def replace(self, **changes):
+        """A validated copy with some fields changed."""
+        return self.from_dict({**self.to_dict(), **changes})
+
+
+def _explain(name: str, error: ValidationError) -> str:
+    lines = []
+    for item in error.errors():
+        field = ".".join(str(p) for p in item["loc"]) or "(settings)"
+        message = item["msg"].removeprefix("Value error, ")
+        if item["type"] == "extra_forbidden":
+            message = "unknown setting"
+        lines.append(f"{field}: {message}")
+    return f"invalid {name}: " + "; ".join(lines)
+
+
+class ESConfig(CommonConfig):
+    """An ES run: population of LoRA adapters = mean + sigma * seeded noise (Qiu et al. 2025)."""
+
+    population_size: int = Field(16, ge=2)
+    "members per generation"
+    antithetic: bool = True
+    "mirrored pairs (mean + eps, mean - eps); needs an even population"
+    sigma: float = Field(0.05, gt=0)
+    "noise std on LoRA weights (per_layer mode: a multiplier on each layer's mean |W|)"
+    noise_mode: Literal["uniform", "per_layer"] = "uniform"
+    "one sigma for every tensor, or sigma x mean |W| of each layer"
+    fitness_shaping: Literal["centered_ranks", "z_score", "per_prompt", "raw"] = "centered_ranks"
+    "reward shaping before the update"
+    gradient_form: Literal["qiu", "textbook"] = "qiu"
+    "qiu: theta += lr/N sum w_i eps_i (sigma folded into lr); textbook: divides by sigma"
+    optimizer: Literal["sgd", "adam"] = "sgd"
+    "update rule on the float32 master copy of the mean adapter"
+    learning_rate: float = Field(0.2, gt=0)
+    "step size (alpha)"
+    momentum: float = Field(0.0, ge=0, lt=1)
+    "SGD momentum"
+    weight_decay: float = Field(0.0, ge=0)
+    "decoupled weight decay"
+    adam_beta1: float = Field(0.9, ge=0, lt=1)
+    "Adam beta1"
+    adam_beta2: float = Field(0.999, ge=0, lt=1)
+    "Adam beta2"
+    num_generations: int = Field(10, ge=1)
+    "generations run() does by default"
+
+    @model_validator(mode="after")
+    def _antithetic_even(self):
+        if self.antithetic and self.population_size % 2:
+            raise ValueError(f"population_size must be even with antithetic sampling, got {self.population_size}")
+        return self
+
+    def optimizer_config(self):
+        """The es-module optimizer settings."""
+        from .es import AdamConfig, SGDConfig
+
+        if self.optimizer == "adam":
+            return AdamConfig(self.learning_rate, self.adam_beta1, self.adam_beta2, weight_decay=self.weight_decay)
+        return SGDConfig(self.learning_rate, momentum=self.momentum, weight_decay=self.weight_decay)
