@@ -91,7 +91,10 @@ class CommonConfig(BaseModel):
 
     @model_validator(mode="after")
     def _task_options_valid(self):
-        get_task(self.task, **self.task_options)  # an unknown option fails here, naming it
+        try:
+            get_task(self.task, **self.task_options)  # an unknown option fails here, naming it
+        except TypeError as error:  # pydantic wraps only ValueError: re-raise so from_dict gives a ConfigError
+            raise ValueError(f"task_options: {error}") from None
         return self
 
     def lora_spec(self) -> LoraSpec:

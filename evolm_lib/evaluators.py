@@ -212,45 +212,63 @@ class VLLMEvaluator:
         sampling: SamplingSettings = SamplingSettings(),
     ) -> list[list[Completion]]:
         """Completions indexed [adapter][prompt], from one batched engine call."""
+        (completions,) = self.generate_grids([(prompts, adapters, sampling)])
+        return completions
+
+    def generate_grids(
+        self, grids: Sequence[tuple[Sequence[PromptLike], Sequence[AdapterWeights | None], SamplingSettings]]
+    ) -> list[list[list[Completion]]]:
+        """Several (prompts x adapters, sampling) grids in ONE engine call, e.g. a population and the
+        greedy scoring of its mean adapter; returns one [adapter][prompt] table per grid."""
         from vllm import SamplingParams
 
-        adapters = list(adapters)
-        distinct = sum(a is not None for a in adapters)
+        all_adapters = [a for _, adapters, _ in grids for a in adapters]
+        distinct = sum(a is not None for a in all_adapters)
         if distinct > self.max_loras:
             raise ValueError(
                 f"{distinct} adapters in one call but the engine holds max_loras={self.max_loras}: "
                 "start the evaluator with max_loras >= the population size"
             )
-        _check_adapters(adapters, self.model_dir, self.max_lora_rank)
+        _check_adapters(all_adapters, self.model_dir, self.max_lora_rank)
         t0 = time.perf_counter()
-        token_prompts = [{"prompt_token_ids": self.encoder.encode(p)} for p in prompts]
-        lora_requests, paths = self._lora_requests(adapters)
+        lora_requests, paths = self._lora_requests(all_adapters)
         t1 = time.perf_counter()
-        params = [
-            SamplingParams(
-                max_tokens=sampling.max_new_tokens,
-                temperature=sampling.temperature,
-                top_p=sampling.top_p,
-                top_k=sampling.top_k if sampling.top_k > 0 else -1,
-                seed=None if sampling.greedy else sampling.request_seed(p),
-                ignore_eos=sampling.ignore_eos,
-                logprobs=0 if sampling.logprobs else None,
-                skip_special_tokens=True,
-            )
-            for _ in adapters
-            for p in range(len(prompts))
-        ]
-        all_prompts = [tp for _ in adapters for tp in token_prompts]
-        all_loras = [lr for lr in lora_requests for _ in prompts]
+        inputs, params, loras, shapes = [], [], [], []
+        offset = 0
+        for prompts, adapters, sampling in grids:
+            token_prompts = [{"prompt_token_ids": self.encoder.encode(p)} for p in prompts]
+            per_prompt = [
+                SamplingParams(
+                    max_tokens=sampling.max_new_tokens,
+                    temperature=sampling.temperature,
+                    top_p=sampling.top_p,
+                    top_k=sampling.top_k if sampling.top_k > 0 else -1,
+                    seed=None if sampling.greedy else sampling.request_seed(i),
+                    ignore_eos=sampling.ignore_eos,
+                    logprobs=0 if sampling.logprobs else None,
+                    skip_special_tokens=True,
+                )
+                for i in range(len(prompts))
+            ]
+            for a in range(len(adapters)):
+                inputs.extend(token_prompts)
+                params.extend(per_prompt)
+                loras.extend([lora_requests[offset + a]] * len(prompts))
+            offset += len(adapters)
+            shapes.append((len(adapters), len(prompts), sampling.logprobs))
         try:
-            outputs = self.llm.generate(all_prompts, params, lora_request=all_loras, use_tqdm=False)
+            outputs = self.llm.generate(inputs, params, lora_request=loras, use_tqdm=False)
         finally:
             for path in paths:
                 shutil.rmtree(path, ignore_errors=True)
-        t2 = time.perf_counter()
-        self.last_timing = {"adapters_s": t1 - t0, "generate_s": t2 - t1}
-        flat = [_completion_from_vllm(o.outputs[0], sampling.logprobs) for o in outputs]
-        return [flat[i * len(prompts) : (i + 1) * len(prompts)] for i in range(len(adapters))]
+        t3 = time.perf_counter()
+        self.last_timing = {"adapters_s": t1 - t0, "generate_s": t3 - t1}
+        tables, start = [], 0
+        for num_adapters, num_prompts, logprobs in shapes:
+            flat = [_completion_from_vllm(o.outputs[0], logprobs) for o in outputs[start : start + num_adapters * num_prompts]]
+            tables.append([flat[i * num_prompts : (i + 1) * num_prompts] for i in range(num_adapters)])
+            start += num_adapters * num_prompts
+        return tables
 
     def prompt_logprobs(
         self, prompt_token_ids: Sequence[Sequence[int]], completion_token_ids: Sequence[Sequence[int]], adapter: AdapterWeights | None = None

@@ -1,0 +1,30 @@
+# EvoLM: `make demo` runs the main job, `make test` runs the test suite. Both set up .venv first.
+PY := .venv/bin/python
+export VLLM_ENABLE_V1_MULTIPROCESSING ?= 0
+export VLLM_LOGGING_LEVEL ?= WARNING
+export TOKENIZERS_PARALLELISM ?= false
+
+.PHONY: setup demo test test-fast benchmark sync figures clean
+
+setup:
+	@bash scripts/setup_env.sh
+
+demo: setup
+	$(PY) -m evolm_lib.demo
+
+test: setup sync
+	$(PY) -m pytest -q -p no:cacheprovider tests notebooks --nbval-lax --durations=15
+
+test-fast: setup sync
+	$(PY) -m pytest -q -m "not slow and not browser" tests
+
+benchmark: setup
+	$(PY) -m evolm_lib.benchmark
+	$(PY) -m evolm_lib.benchmark --es-overhead
+
+# The .py (percent format) is the source of truth; the paired .ipynb is regenerated from it.
+sync: setup
+	$(PY) -m jupytext --sync notebooks/*.py >/dev/null
+
+clean:
+	rm -rf runs papermill_runs/out .pytest_cache
