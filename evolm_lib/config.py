@@ -31,7 +31,9 @@ class CommonConfig(BaseModel):
     max_model_len: int = Field(1024, ge=64)
     "longest prompt + completion the engine serves"
     gpu_memory_utilization: Optional[float] = Field(None, gt=0, le=1)
-    "vLLM memory share (on CPU: share of RAM); None picks 0.2 on CPU, 0.85 on GPU"
+    "vLLM memory share (on CPU: share of RAM); None picks 0.85 on GPU"
+    kv_cache_gb: Optional[float] = Field(None, gt=0)
+    "vLLM KV cache size in GiB; None: from gpu_memory_utilization on GPU, 1 GiB on CPU"
 
     task: str = "conciseness"
     "task name from the registry"
@@ -69,6 +71,12 @@ class CommonConfig(BaseModel):
     keep_checkpoints: int = Field(2, ge=1)
     "how many recent checkpoints to keep"
 
+    def __init__(self, **data: Any):
+        try:
+            super().__init__(**data)
+        except ValidationError as error:
+            raise ConfigError(_explain(type(self).__name__, error)) from None
+
     @field_validator("model")
     @classmethod
     def _model_exists(cls, value: str) -> str:
@@ -105,10 +113,7 @@ class CommonConfig(BaseModel):
     @classmethod
     def from_dict(cls, data: dict[str, Any]):
         """Build and validate; raise ConfigError naming every bad field."""
-        try:
-            return cls(**data)
-        except ValidationError as error:
-            raise ConfigError(_explain(cls.__name__, error)) from None
+        return cls(**data)
 
     @classmethod
     def from_yaml(cls, path: str | Path):

@@ -142,6 +142,7 @@ class VLLMEvaluator:
         max_model_len: int = 1024,
         dtype: str = "float32",
         gpu_memory_utilization: float | None = None,
+        kv_cache_gb: float | None = None,
         seed: int = 0,
         enforce_eager: bool = True,
         max_num_seqs: int = 256,
@@ -164,9 +165,15 @@ class VLLMEvaluator:
         from vllm import LLM
 
         on_gpu = torch.cuda.is_available()
+        engine_kwargs = dict(engine_kwargs or {})
+        if kv_cache_gb is None and gpu_memory_utilization is None and not on_gpu:
+            # On CPU vLLM sizes the KV cache as a share of RAM minus what the process already holds,
+            # which fails or wastes memory depending on the process; a fixed size is predictable.
+            kv_cache_gb = 1.0
+        if kv_cache_gb is not None:
+            engine_kwargs["kv_cache_memory_bytes"] = int(kv_cache_gb * 2**30)
         if gpu_memory_utilization is None:
-            # On CPU this is the share of RAM for weights + KV cache; vLLM's 0.92 default fails on 24 GB.
-            gpu_memory_utilization = 0.85 if on_gpu else 0.2
+            gpu_memory_utilization = 0.85 if on_gpu else 0.5
         engine_rank = next(r for r in VLLM_LORA_RANKS if r >= max_lora_rank)
         started = time.perf_counter()
         self.llm = LLM(
@@ -181,7 +188,7 @@ class VLLMEvaluator:
             gpu_memory_utilization=gpu_memory_utilization,
             enforce_eager=enforce_eager,
             max_num_seqs=max_num_seqs,
-            **(engine_kwargs or {}),
+            **engine_kwargs,
         )
         self.start_seconds = time.perf_counter() - started
         self.encoder = _PromptEncoder(self.llm.get_tokenizer())
@@ -462,5 +469,6 @@ def make_evaluator(config, max_loras: int = 8) -> "Evaluator":
         max_model_len=config.max_model_len,
         dtype=config.dtype,
         gpu_memory_utilization=config.gpu_memory_utilization,
+        kv_cache_gb=config.kv_cache_gb,
         seed=config.seed,
     )

@@ -96,9 +96,7 @@ class ESRun:
         if initial_adapter is not None and initial_adapter.spec != spec:
             raise ConfigError(f"initial adapter spec {initial_adapter.spec} differs from the config's {spec}")
         run_dir = prepare_run_dir(run_dir, overwrite)
-        config.to_yaml(run_dir / "config.yaml")
-        with open(run_dir / "config.yaml", "a") as handle:
-            handle.write(f"kind: {cls.kind}\n")
+        write_run_config(run_dir, config, cls.kind)
         if initial_adapter is None:
             magnitudes = base_weight_magnitudes(model_dir, spec) if config.init_scheme == "random_ab" else None
             initial_adapter = init_adapter(spec, shapes, config.init_scheme, config.seed, magnitudes, config.init_scale)
@@ -136,14 +134,20 @@ class ESRun:
     @classmethod
     def open(cls, config: ESConfig, run_dir: str | Path, *, resume: bool = True, overwrite: bool = False,
              evaluator: Evaluator | None = None) -> "ESRun":
-        """Resume the run in ``run_dir`` if it holds one with the same settings, else create it."""
+        """Resume the run in ``run_dir`` if it holds one with the same settings, else create it.
+
+        Settings that do not change the science (``EXTENDABLE``: the generation budget, eval and
+        checkpoint cadence) may differ: a finished run can be extended."""
         run_dir = Path(run_dir)
-        if resume and list_checkpoints(run_dir):
-            existing = load_run_config(run_dir, ESConfig)
-            if existing != config:
-                changed = sorted(k for k, v in config.to_dict().items() if existing.to_dict().get(k) != v)
-                raise ConfigError(f"{run_dir} holds a run with other settings ({', '.join(changed)}); "
+        if resume and not overwrite and list_checkpoints(run_dir):
+            existing = load_run_config(run_dir, type(config))
+            changed = sorted(k for k, v in config.to_dict().items() if existing.to_dict().get(k) != v)
+            fixed = [k for k in changed if k not in EXTENDABLE]
+            if fixed:
+                raise ConfigError(f"{run_dir} holds a run with other settings ({', '.join(fixed)}); "
                                   "use another run_dir or overwrite=True")
+            if changed:
+                write_run_config(run_dir, config, cls.kind)
             return cls.resume(run_dir, evaluator=evaluator)
         return cls.create(config, run_dir, evaluator=evaluator, overwrite=overwrite)
 
@@ -301,6 +305,16 @@ class ESRun:
         """Release the engine."""
         if self.evaluator is not None:
             self.evaluator.close()
+
+
+EXTENDABLE = frozenset({"num_generations", "num_steps", "eval_every", "checkpoint_every", "keep_checkpoints"})
+
+
+def write_run_config(run_dir: Path, config, kind: str) -> None:
+    """config.yaml: the resolved settings plus the run's kind (es | grpo)."""
+    import yaml
+
+    (Path(run_dir) / "config.yaml").write_text(yaml.safe_dump({"kind": kind, **config.to_dict()}, sort_keys=False))
 
 
 def load_run_config(run_dir: str | Path, cls=ESConfig):

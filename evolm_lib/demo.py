@@ -1,0 +1,141 @@
+"""The demo (`make demo`): ES on the conciseness task with SmolLM2-135M-Instruct, vLLM on the CPU.
+
+Runs notebooks/03_es_stepper.py through papermill with the seed-0 settings of
+papermill_runs/conciseness_smollm2_cpu.yaml (the one place those settings live), into
+runs/demo/<timestamp>/ (notebook.ipynb, run/, figures/), and copies the fitness plot to
+figures/demo_fitness.png for the README.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import threading
+import time
+from datetime import datetime
+from pathlib import Path
+
+from .batch import NOTEBOOK_FILE, REPO_ROOT, execute_notebook, expand_runs, load_batch_spec
+from .runs import read_metrics
+
+DEFAULT_SPEC = REPO_ROOT / "papermill_runs" / "conciseness_smollm2_cpu.yaml"
+FITNESS_FIGURE = "es_stepper_fitness"  # the stem 03_es_stepper exports its fitness plot under
+README_FIGURE = REPO_ROOT / "figures" / "demo_fitness.png"
+
+
+def demo_parameters(spec_path: str | Path = DEFAULT_SPEC, seed: int = 0) -> tuple[Path, dict]:
+    """(notebook, parameters) of the grid point with this seed in the batch file."""
+    spec = load_batch_spec(spec_path)
+    for run in expand_runs(spec):
+        if run.parameters.get("seed", 0) == seed:
+            return spec.notebook, dict(run.parameters)
+    raise ValueError(f"{spec_path} has no run with seed {seed}")
+
+
+def _follow(run_dir: Path, done: threading.Event, total: int) -> None:
+    """Print each metrics row as its generation lands (the notebook itself runs in a kernel)."""
+    seen = 0
+    while True:
+        finished = done.wait(2.0)
+        rows = read_metrics(run_dir)
+        for row in rows[seen:]:
+            print("  " + _row_line(row, total), flush=True)
+        seen = len(rows)
+        if finished:
+            return
+
+
+def _row_line(row: dict, total: int) -> str:
+    parts = [f"generation {row.get('generation', '?'):>3}/{total}"]
+    if "train/reward_mean" in row:
+        parts.append(f"population mean {row['train/reward_mean']:8.3f}")
+    if "policy/train_reward" in row:
+        parts.append(f"mean adapter train {row['policy/train_reward']:8.3f}  eval {row['eval/reward']:8.3f}")
+    if "time/wall_s" in row:
+        parts.append(f"{row['time/wall_s']:6.0f} s")
+    return "  ".join(parts)
+
+
+def run_demo(spec_path: str | Path = DEFAULT_SPEC, seed: int = 0, out_root: str | Path = "runs/demo",
+             copy_figure: bool = True) -> dict:
+    """Run the demo notebook; returns paths, rewards and wall time."""
+    # in-process engine inside the kernel (no child process) and a quiet vLLM log
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    notebook, parameters = demo_parameters(spec_path, seed)
+    out = Path(out_root)
+    if not out.is_absolute():
+        out = REPO_ROOT / out
+    out = out / datetime.now().strftime("%Y%m%d-%H%M%S")
+    run_dir, figures_dir, executed = out / "run", out / "figures", out / NOTEBOOK_FILE
+    parameters.update(run_dir=str(run_dir), figures_dir=str(figures_dir), resume=False)
+    total = parameters.get("num_generations", "?")
+    print(f"EvoLM demo: ES on {parameters.get('task')} with {parameters.get('model')}, population "
+          f"{parameters.get('population_size')}, {total} generations (settings: {Path(spec_path).name}, seed {seed})")
+    print(f"running {notebook.relative_to(REPO_ROOT) if notebook.is_relative_to(REPO_ROOT) else notebook} "
+          f"-> {executed}", flush=True)
+
+    done = threading.Event()
+    follower = threading.Thread(target=_follow, args=(run_dir, done, total), daemon=True)
+    follower.start()
+    started = time.perf_counter()
+    try:
+        execute_notebook(notebook, executed, parameters, cwd=REPO_ROOT)
+    except Exception:
+        print(f"the executed notebook, with the failing cell marked: {executed}", file=sys.stderr)
+        raise
+    finally:
+        done.set()
+        follower.join(10)
+    wall = time.perf_counter() - started
+
+    rows = read_metrics(run_dir)
+    first = next(r for r in rows if r.get("generation") == 0)
+    last = rows[-1]
+    figures = sorted(figures_dir.glob(f"{FITNESS_FIGURE}.*"))
+    png = figures_dir / f"{FITNESS_FIGURE}.png"
+    if copy_figure and png.exists():
+        README_FIGURE.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(png, README_FIGURE)
+    return {
+        "notebook": executed, "run_dir": run_dir, "figures": figures,
+        "readme_figure": README_FIGURE if copy_figure and png.exists() else None,
+        "generation_0": {"train": first["policy/train_reward"], "eval": first["eval/reward"]},
+        "final": {"generation": last["generation"], "train": last["policy/train_reward"], "eval": last["eval/reward"]},
+        "wall_s": wall,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command line: run the demo and print where everything is."""
+    parser = argparse.ArgumentParser(prog="python -m evolm_lib.demo", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--spec", default=str(DEFAULT_SPEC), help="batch YAML holding the demo settings")
+    parser.add_argument("--seed", type=int, default=0, help="which seed of the YAML's grid to run")
+    parser.add_argument("--out", default="runs/demo", help="parent folder of the timestamped output")
+    parser.add_argument("--no-copy-figure", action="store_true", help=f"do not update {README_FIGURE.name}")
+    args = parser.parse_args(argv)
+    try:
+        result = run_demo(args.spec, args.seed, args.out, copy_figure=not args.no_copy_figure)
+    except Exception as error:  # noqa: BLE001 - one readable line, the notebook holds the traceback
+        ename, evalue = getattr(error, "ename", None), getattr(error, "evalue", None)
+        print(f"demo failed: {ename + ': ' + evalue if ename else f'{type(error).__name__}: {error}'}", file=sys.stderr)
+        return 1
+    g0, final = result["generation_0"], result["final"]
+    print()
+    print(f"executed notebook: {result['notebook']}")
+    print(f"run folder:        {result['run_dir']}")
+    for path in result["figures"]:
+        print(f"figure:            {path}")
+    if result["readme_figure"]:
+        print(f"README figure:     {result['readme_figure']}")
+    print(f"mean adapter reward, generation 0:  train {g0['train']:.3f}  eval {g0['eval']:.3f}")
+    print(f"mean adapter reward, generation {final['generation']}: train {final['train']:.3f}  eval {final['eval']:.3f}")
+    print(f"wall time: {result['wall_s'] / 60:.1f} min")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,384 @@
+"""Tests for evolm_lib.runner: ES runs on the synthetic engine (convergence, metrics, exact resume,
+kills, run folders, final adapter) and one end-to-end run on a real vLLM engine with tiny-random."""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from evolm_lib import es
+from evolm_lib.config import ConfigError, ESConfig
+from evolm_lib.lora import load_adapter
+from evolm_lib.runner import ESRun, load_run_config
+from evolm_lib.runs import RunFolderExists, list_checkpoints, read_metrics
+from evolm_lib.synthetic import SyntheticEvaluator
+from evolm_lib.tasks.conciseness import EVAL_PAIRS, TRAIN_PAIRS
+
+from helpers_kill_run import kill_config
+
+HELPER = Path(__file__).with_name("helpers_kill_run.py")
+TRAIN_TARGETS = [len(target) for _, target in TRAIN_PAIRS]  # [1, 2]
+EVAL_TARGETS = [len(target) for _, target in EVAL_PAIRS]
+
+
+def small_config(**changes) -> ESConfig:
+    """A fast synthetic run: 448 adapter parameters (q and v of tiny-random's two layers), population 4."""
+    settings = dict(
+        model="tiny-random",
+        target_modules=("q_proj", "v_proj"),
+        sigma=0.02,
+        learning_rate=0.05,
+        population_size=4,
+        num_generations=3,
+        seed=5,
+    )
+    return ESConfig(**{**settings, **changes})
+
+
+def synthetic_length(evaluator: SyntheticEvaluator, adapter, max_new_tokens: int) -> int:
+    """The synthetic engine's completion length, from its documented formula."""
+    return 1 + min(round(evaluator.length_scale * evaluator.distance(adapter)), 4 * max_new_tokens)
+
+
+def mean_gap_reward(length: int, targets: list[int]) -> float:
+    """Conciseness reward averaged over prompts: mean of -|length - target length|."""
+    return sum(-abs(length - t) for t in targets) / len(targets)
+
+
+def without_times(rows: list[dict]) -> list[dict]:
+    """Rows without the time/* keys, which differ between runs."""
+    return [{k: v for k, v in row.items() if not k.startswith("time/")} for row in rows]
+
+
+def run_to_end(config: ESConfig, run_dir: Path) -> ESRun:
+    """An uninterrupted reference run."""
+    run = ESRun.create(config, run_dir, evaluator=SyntheticEvaluator())
+    run.run()
+    run.close()
+    return run
+
+
+def assert_same_adapter(a, b) -> None:
+    assert a.spec == b.spec and set(a.tensors) == set(b.tensors)
+    for name in a.tensors:
+        assert torch.equal(a.tensors[name], b.tensors[name]), name
+
+
+# ------------------------------------------------------------------------------ convergence
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_es_improves_the_synthetic_quadratic(tmp_path, seed):
+    # SGD, sigma 0.02, lr 0.05, 16 antithetic members, centred ranks, 448 parameters: over five seeds
+    # the reward rose by 38-47 and the distance to the target fell to 0.54-0.61 of its start.
+    # (All 2048 parameters of the seven projections: only +9..+12 in 40 generations; lr 0.1 diverges.)
+    config = small_config(population_size=16, num_generations=40, learning_rate=0.05, eval_every=5, seed=seed)
+    evaluator = SyntheticEvaluator()
+    run = ESRun.create(config, tmp_path / "run", evaluator=evaluator)
+    start_reward = run.history[0]["policy/train_reward"]
+    start_distance = evaluator.distance(run.mean)
+    rows = run.run()
+    assert len(rows) == 40
+    assert rows[-1]["policy/train_reward"] >= start_reward + 25
+    assert evaluator.distance(run.mean) < 0.75 * start_distance
+    scored = [row["policy/train_reward"] for row in run.history if "policy/train_reward" in row]
+    assert len(scored) == 9  # generation 0 and every 5th
+    assert scored[-1] > scored[4] > scored[0]  # still climbing at the half way mark
+    early = sum(r["train/reward_mean"] for r in rows[:5]) / 5
+    late = sum(r["train/reward_mean"] for r in rows[-5:]) / 5
+    assert late > early + 20
+
+
+# ------------------------------------------------------------------------------ metrics
+
+
+def test_metrics_rows_follow_the_synthetic_formula(tmp_path):
+    config = small_config(momentum=0.0)
+    evaluator = SyntheticEvaluator()
+    run = ESRun.create(config, tmp_path / "run", evaluator=evaluator)
+    row0 = run.history[0]
+    mean_length = synthetic_length(evaluator, run.mean, config.max_new_tokens)
+    assert row0["generation"] == 0 and row0["method"] == "es" and row0["seed"] == 5
+    assert row0["policy/train_reward"] == mean_gap_reward(mean_length, TRAIN_TARGETS)
+    assert row0["eval/reward"] == mean_gap_reward(mean_length, EVAL_TARGETS)
+    assert row0["policy/train_completions"] == ["x" * mean_length] * 2
+    assert row0["samples/completions"] == 0 and row0["samples/eval_completions"] == 2 + 8
+
+    population, prompts = config.population_size, len(TRAIN_PAIRS)
+    tokens = 0
+    for generation in (1, 2, 3):
+        members = run.ask()
+        assert [m.sign for m in members] == [1, -1, 1, -1]  # antithetic pairs share a seed
+        assert members[0].seed == members[1].seed and members[2].seed == members[3].seed
+        lengths = [synthetic_length(evaluator, a, config.max_new_tokens) for a in run.member_adapters(members)]
+        before = {k: v.clone() for k, v in run.mean.tensors.items()}
+        result = run.evaluate(members)
+        assert tuple(result.rewards.shape) == (population, prompts)
+        row = run.tell(members, result)
+
+        assert row["generation"] == generation == run.generation
+        rewards = [mean_gap_reward(length, TRAIN_TARGETS) for length in lengths]
+        assert row["es/rewards"] == rewards
+        # centred ranks by hand: (strictly below + at-or-below - 1) / 2 / (n - 1) - 0.5
+        ranks = [((sum(s < r for s in rewards) + sum(s <= r for s in rewards) - 1) / 2) / 3 - 0.5 for r in rewards]
+        assert row["es/weights"] == pytest.approx(ranks, abs=1e-7)
+        assert sum(row["es/weights"]) == pytest.approx(0.0, abs=1e-7)
+        ordered = sorted(rewards)
+        assert row["train/reward_mean"] == pytest.approx(sum(rewards) / 4)
+        assert row["train/reward_best"] == max(rewards) and row["train/reward_worst"] == min(rewards)
+        # torch.quantile, linear: p20 at position 0.6, p80 at 2.4 of the 4 sorted rewards
+        assert row["train/reward_p20"] == pytest.approx(ordered[0] + 0.6 * (ordered[1] - ordered[0]))
+        assert row["train/reward_p80"] == pytest.approx(ordered[2] + 0.4 * (ordered[3] - ordered[2]))
+        best, worst = lengths[rewards.index(max(rewards))], lengths[rewards.index(min(rewards))]
+        assert row["best_completions"] == ["x" * best] * prompts
+        assert row["worst_completions"] == ["x" * worst] * prompts
+        assert row["prompts"] == [prompt for prompt, _ in TRAIN_PAIRS]
+
+        # the update is plain SGD on the qiu gradient: mean += lr / N * sum w_i sign_i eps_i
+        gradient = es.es_gradient(members, torch.tensor(row["es/weights"]), run.shapes, config.sigma)
+        for name, tensor in run.mean.tensors.items():
+            torch.testing.assert_close(tensor, before[name] + config.learning_rate * gradient[name], rtol=0, atol=1e-7)
+        step = math.sqrt(sum(float(((run.mean.tensors[k] - before[k]).double() ** 2).sum()) for k in before))
+        assert row["es/update_norm"] == pytest.approx(step, rel=1e-6)
+
+        assert result.num_tokens == sum(lengths) * prompts  # one token per character
+        tokens += result.num_tokens
+        assert row["samples/completions"] == population * prompts * generation
+        assert row["samples/tokens"] == tokens
+        assert row["samples/eval_completions"] == (2 + 8) * (generation + 1)  # eval_every=1
+
+        times = {key: row[f"time/{key}"] for key in ("adapters_s", "generate_s", "reward_s", "update_s", "eval_s")}
+        assert all(value >= 0 for value in times.values())
+        assert row["time/generation_s"] == pytest.approx(sum(times.values()))
+        assert row["time/wall_s"] > run.history[-2]["time/wall_s"]
+
+    rows = read_metrics(tmp_path / "run")
+    assert [r["generation"] for r in rows] == [0, 1, 2, 3]
+    assert rows == json.loads(json.dumps(run.history))
+    config_text = (tmp_path / "run" / "config.yaml").read_text()
+    assert "kind: es" in config_text.splitlines()
+    assert load_run_config(tmp_path / "run") == config
+    assert [p.name for p in list_checkpoints(tmp_path / "run")] == ["000002", "000003"]  # keep_checkpoints=2
+
+
+# ------------------------------------------------------------------------------ resume
+
+
+@pytest.mark.parametrize("checkpoint_every", [1, 2])
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_resume_ends_bit_for_bit_like_an_uninterrupted_run(tmp_path, checkpoint_every, optimizer):
+    extra = {"momentum": 0.9, "learning_rate": 0.02} if optimizer == "sgd" else {"learning_rate": 0.002}
+    config = small_config(num_generations=6, checkpoint_every=checkpoint_every, optimizer=optimizer, **extra)
+    reference = run_to_end(config, tmp_path / "reference")
+
+    first = ESRun.create(config, tmp_path / "run", evaluator=SyntheticEvaluator())
+    first.run(3)
+    first.close()
+    resumed = ESRun.resume(tmp_path / "run", evaluator=SyntheticEvaluator())
+    # checkpoint_every=2: generation 3 had no checkpoint, so it reruns and its row is dropped
+    assert resumed.generation == (3 if checkpoint_every == 1 else 2)
+    assert [r["generation"] for r in read_metrics(tmp_path / "run")] == list(range(resumed.generation + 1))
+    resumed.run()
+
+    assert resumed.generation == reference.generation == 6
+    assert_same_adapter(resumed.mean, reference.mean)
+    expected_state = es.optimizer_state_to_tensors(reference.optimizer_state)
+    actual_state = es.optimizer_state_to_tensors(resumed.optimizer_state)
+    assert set(expected_state) == set(actual_state)
+    assert all(torch.equal(expected_state[k], actual_state[k]) for k in expected_state)
+    rows, expected = read_metrics(tmp_path / "run"), read_metrics(tmp_path / "reference")
+    assert [r["generation"] for r in rows] == list(range(7))  # no duplicate generations
+    assert [r.get("es/rewards") for r in rows] == [r.get("es/rewards") for r in expected]
+    assert without_times(rows) == without_times(expected)
+
+
+def test_kill_mid_generation_then_resume(tmp_path):
+    run_dir = tmp_path / "killed"
+    process = subprocess.run(
+        [sys.executable, str(HELPER), str(run_dir), "4"], capture_output=True, text=True, timeout=120
+    )
+    assert process.returncode == -9, process.stderr[-2000:]
+    # died inside generation 4: rows 0..3 written, the last checkpoint is generation 2 (checkpoint_every=2)
+    assert [r["generation"] for r in read_metrics(run_dir)] == [0, 1, 2, 3]
+    assert [p.name for p in list_checkpoints(run_dir)] == ["000000", "000002"]
+
+    resumed = ESRun.resume(run_dir, evaluator=SyntheticEvaluator())
+    assert resumed.generation == 2
+    resumed.run()
+    reference = run_to_end(kill_config(), tmp_path / "reference")
+    assert_same_adapter(resumed.mean, reference.mean)
+    rows = read_metrics(run_dir)
+    assert [r["generation"] for r in rows] == list(range(7))
+    assert without_times(rows) == without_times(read_metrics(tmp_path / "reference"))
+
+
+def test_kill_between_checkpoint_and_metrics_line(tmp_path):
+    config = small_config(num_generations=6)
+    run = ESRun.create(config, tmp_path / "run", evaluator=SyntheticEvaluator())
+    run.run(3)
+    run.close()
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    lines = metrics.read_text().splitlines(keepends=True)
+    lost = json.loads(lines[-1])
+    assert lost["generation"] == 3
+    metrics.write_text("".join(lines[:-1]))  # checkpoint 3 landed, its metrics line did not
+
+    resumed = ESRun.resume(tmp_path / "run", evaluator=SyntheticEvaluator())
+    assert resumed.generation == 3
+    restored = read_metrics(tmp_path / "run")
+    assert [r["generation"] for r in restored] == [0, 1, 2, 3]
+    assert restored[-1] == lost  # the row comes back from the checkpoint's state.json
+    resumed.run()
+    reference = run_to_end(config, tmp_path / "reference")
+    assert_same_adapter(resumed.mean, reference.mean)
+    assert without_times(read_metrics(tmp_path / "run")) == without_times(read_metrics(tmp_path / "reference"))
+
+
+def test_torn_last_metrics_line_is_dropped_on_resume(tmp_path):
+    config = small_config(num_generations=4)
+    run = ESRun.create(config, tmp_path / "run", evaluator=SyntheticEvaluator())
+    run.run(2)
+    with open(tmp_path / "run" / "metrics.jsonl", "a") as handle:
+        handle.write('{"generation": 3, "train/rew')  # a kill in the middle of a write
+    resumed = ESRun.resume(tmp_path / "run", evaluator=SyntheticEvaluator())
+    assert resumed.generation == 2
+    assert [r["generation"] for r in read_metrics(tmp_path / "run")] == [0, 1, 2]
+    assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 3
+
+
+def test_resume_without_checkpoint_fails(tmp_path):
+    (tmp_path / "run").mkdir()
+    small_config().to_yaml(tmp_path / "run" / "config.yaml")
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        ESRun.resume(tmp_path / "run", evaluator=SyntheticEvaluator())
+
+
+# ------------------------------------------------------------------------------ run folders
+
+
+def test_existing_run_folder_is_refused_unless_overwrite(tmp_path):
+    config = small_config()
+    run_dir = tmp_path / "run"
+    run_to_end(config, run_dir)
+    before = (run_dir / "metrics.jsonl").read_text()
+    with pytest.raises(RunFolderExists, match="overwrite=True"):
+        ESRun.create(config, run_dir, evaluator=SyntheticEvaluator())
+    assert (run_dir / "metrics.jsonl").read_text() == before  # untouched
+
+    fresh = ESRun.create(config, run_dir, evaluator=SyntheticEvaluator(), overwrite=True)
+    assert fresh.generation == 0
+    assert [r["generation"] for r in read_metrics(run_dir)] == [0]
+    assert [p.name for p in list_checkpoints(run_dir)] == ["000000"]
+
+
+def test_open_resumes_a_matching_run_and_refuses_other_settings(tmp_path):
+    config = small_config(num_generations=4)
+    run_dir = tmp_path / "run"
+    created = ESRun.open(config, run_dir, evaluator=SyntheticEvaluator())  # empty folder: creates
+    assert created.generation == 0
+    created.run(2)
+    created.close()
+
+    reopened = ESRun.open(config, run_dir, evaluator=SyntheticEvaluator())
+    assert reopened.generation == 2
+    assert_same_adapter(reopened.mean, created.mean)
+    assert [r["generation"] for r in read_metrics(run_dir)] == [0, 1, 2]
+
+    with pytest.raises(ConfigError) as caught:
+        ESRun.open(config.replace(learning_rate=0.1), run_dir, evaluator=SyntheticEvaluator())
+    message = str(caught.value)
+    assert "(learning_rate)" in message and "overwrite=True" in message, message
+    with pytest.raises(ConfigError, match=r"\(population_size, sigma\)"):
+        ESRun.open(config.replace(sigma=0.5, population_size=6), run_dir, evaluator=SyntheticEvaluator())
+    with pytest.raises(RunFolderExists):
+        ESRun.open(config, run_dir, resume=False, evaluator=SyntheticEvaluator())
+    fresh = ESRun.open(config.replace(sigma=0.5), run_dir, resume=False, overwrite=True, evaluator=SyntheticEvaluator())
+    assert fresh.generation == 0 and load_run_config(run_dir).sigma == 0.5
+
+
+def test_bad_lora_targets_fail_before_any_engine_or_folder(tmp_path):
+    config = small_config(target_modules=("nonexistent_proj",))
+    started = time.perf_counter()
+    with pytest.raises(ValueError, match="nonexistent_proj.*not found.*q_proj"):
+        ESRun.create(config, tmp_path / "run")  # no evaluator: a vLLM engine would be started after the check
+    assert time.perf_counter() - started < 5
+    assert not (tmp_path / "run").exists()
+
+    with pytest.raises(ValueError, match=r"layers_to_transform \[7\] out of range"):
+        ESRun.create(small_config(layers_to_transform=(0, 7)), tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+    # overwrite=True on an existing run: the bad settings fail before the old run is deleted
+    run_to_end(small_config(), tmp_path / "old")
+    before = (tmp_path / "old" / "metrics.jsonl").read_text()
+    with pytest.raises(ValueError, match="nonexistent_proj"):
+        ESRun.create(config, tmp_path / "old", overwrite=True)
+    assert (tmp_path / "old" / "metrics.jsonl").read_text() == before
+
+
+# ------------------------------------------------------------------------------ final adapter
+
+
+def test_save_final_loads_in_evolm_and_peft(tmp_path, tiny_model_dir):
+    from peft import PeftModel
+    from peft.utils import get_peft_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    config = small_config(target_modules=("q_proj", "v_proj", "down_proj"), num_generations=2)
+    run = run_to_end(config, tmp_path / "run")
+    path = run.save_final()
+    assert path == tmp_path / "run" / "final_adapter"
+    assert {p.name for p in path.iterdir()} == {"adapter_config.json", "adapter_model.safetensors"}
+    adapter_config = json.loads((path / "adapter_config.json").read_text())
+    assert adapter_config["r"] == 1 and adapter_config["base_model_name_or_path"] == str(tiny_model_dir)
+    assert_same_adapter(load_adapter(path), run.mean)
+    assert any(bool(t.abs().sum() > 0) for k, t in run.mean.tensors.items() if ".lora_B." in k)  # B moved off 0
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, str(path))
+    state = get_peft_model_state_dict(model)
+    assert set(state) == set(run.mean.tensors)
+    assert all(torch.equal(state[k], run.mean.tensors[k]) for k in state)
+    input_ids = torch.tensor([[1, 42, 7, 99]])
+    with torch.no_grad():
+        adapted = model(input_ids=input_ids).logits
+        with model.disable_adapter():
+            plain = model(input_ids=input_ids).logits
+    assert not torch.allclose(adapted, plain)  # the loaded adapter changes the model's output
+
+
+# ------------------------------------------------------------------------------ real engine
+
+
+def test_two_generations_on_vllm_tiny_random(tmp_path):
+    from evolm_lib.evaluators import VLLMEvaluator
+
+    config = ESConfig(model="tiny-random", population_size=4, num_generations=2, max_new_tokens=8, sigma=0.05,
+                      learning_rate=0.05, temperature=0.7, seed=1)
+    # On CPU vLLM sizes the KV cache as utilization x node RAM minus this process's RSS, which alone
+    # is ~1 GiB in a test process: 0.04 goes negative. An explicit 64 MiB KV cache skips that sum.
+    evaluator = VLLMEvaluator("tiny-random", max_lora_rank=1, max_loras=5, gpu_memory_utilization=0.04,
+                              max_model_len=256, engine_kwargs={"kv_cache_memory_bytes": 64 * 2**20})
+    try:
+        run = ESRun.create(config, tmp_path / "run", evaluator=evaluator)
+        rows = run.run()
+    finally:
+        evaluator.close()
+    assert [r["generation"] for r in read_metrics(tmp_path / "run")] == [0, 1, 2]
+    for row in rows:
+        assert len(row["es/rewards"]) == 4 and all(math.isfinite(r) for r in row["es/rewards"])
+        assert all(-4 * 8 * 10 < r <= 0 for r in row["es/rewards"])  # at most 8 tokens: a bounded length gap
+        assert math.isfinite(row["policy/train_reward"]) and math.isfinite(row["eval/reward"])
+        for key in ("best_completions", "worst_completions", "policy/train_completions"):
+            assert all(isinstance(text, str) for text in row[key]), key
+        assert len(row["best_completions"]) == 2
+        assert row["time/generate_s"] > 0
+        assert 0 < row["samples/tokens"] <= 4 * 2 * 8 * row["generation"]
+    assert rows[-1]["samples/completions"] == 4 * 2 * 2
+    assert [p.name for p in list_checkpoints(tmp_path / "run")][-1] == "000002"
