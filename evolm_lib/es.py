@@ -43,15 +43,17 @@ def tensor_seed(seed: int, name: str) -> int:
     return _blake2b_int(f"{seed}/{name}", 8) & 0x7FFF_FFFF_FFFF_FFFF
 
 
-def member_noise(seed: int, shapes: Shapes, dtype: torch.dtype = torch.float32) -> Params:
-    """Standard-normal noise for every tensor of a member; same seed gives the same bits."""
+def member_noise(seed: int, shapes: Shapes, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> Params:
+    """Standard-normal noise for every tensor of a member; same seed (and device type) gives the same bits."""
     noise: Params = {}
     for name, shape in shapes.items():
         # One generator per tensor, seeded by (seed, name): two same-shaped tensors get different
         # noise (the paper's code reseeds each tensor with the member seed, correlating them).
-        # Drawn on CPU in float32 so the bits do not depend on the device or the target dtype.
-        generator = torch.Generator(device="cpu").manual_seed(tensor_seed(seed, name))
-        draw = torch.randn(tuple(shape), generator=generator, dtype=torch.float32)
+        # Drawn in float32 so the bits do not depend on the target dtype. The default CPU stream is
+        # the same on every machine; device="cuda" is much faster for large adapters but CUDA's
+        # stream differs from the CPU's (reproducible on GPUs, not across CPU and GPU).
+        generator = torch.Generator(device=device).manual_seed(tensor_seed(seed, name))
+        draw = torch.randn(tuple(shape), generator=generator, dtype=torch.float32, device=device)
         noise[name] = draw.to(dtype)
     return noise
 
@@ -118,10 +120,10 @@ def _sigma_of(sigma: Sigma, name: str) -> float:
     return float(sigma[name]) if isinstance(sigma, Mapping) else float(sigma)
 
 
-def perturb(mean: Params, member: Member, sigma: Sigma) -> Params:
+def perturb(mean: Params, member: Member, sigma: Sigma, noise_device: str = "cpu") -> Params:
     """A member's parameters: mean + sign * sigma_t * noise, in the mean's dtype and device."""
     check_sigma(sigma, list(mean))
-    noise = member_noise(member.seed, shapes_of(mean))
+    noise = member_noise(member.seed, shapes_of(mean), device=noise_device)
     perturbed: Params = {}
     for name, tensor in mean.items():
         step = (member.sign * _sigma_of(sigma, name)) * noise[name].to(tensor.device)
@@ -206,6 +208,7 @@ def es_gradient(
     shapes: Shapes,
     sigma: Sigma,
     form: GradientForm = "qiu",
+    noise_device: str = "cpu",
 ) -> Params:
     """ES ascent direction from members and fitness weights, regenerating each member's noise."""
     # "qiu": g = 1/N sum_i w_i sign_i eps_i, exactly Qiu et al. 2025 (theta += alpha/N sum z_i eps_i,
@@ -228,11 +231,13 @@ def es_gradient(
     for member, weight in zip(members, w.tolist()):
         coefficient[member.seed] = coefficient.get(member.seed, 0.0) + member.sign * weight
 
-    gradient: Params = {name: torch.zeros(tuple(shape), dtype=torch.float32) for name, shape in shapes.items()}
+    gradient: Params = {
+        name: torch.zeros(tuple(shape), dtype=torch.float32, device=noise_device) for name, shape in shapes.items()
+    }
     for seed, c in coefficient.items():
         if c == 0.0:
             continue  # e.g. an antithetic pair with equal rewards
-        noise = member_noise(seed, shapes)
+        noise = member_noise(seed, shapes, device=noise_device)
         for name in gradient:
             gradient[name].add_(noise[name], alpha=c)  # float32 accumulation into a fresh buffer
 

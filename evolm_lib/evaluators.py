@@ -158,6 +158,7 @@ class VLLMEvaluator:
         self.model_dir = resolve_model(str(model))
         self.max_lora_rank = max_lora_rank
         self.max_loras = max_loras
+        self.dtype = dtype
         # In-process engine: works in scripts (no __main__ guard needed) and in Jupyter kernels.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -198,6 +199,12 @@ class VLLMEvaluator:
         self._ids = itertools.count(1)
         self.last_timing: dict[str, float] = {}
 
+    @property
+    def _torch_dtype(self):
+        import torch
+
+        return getattr(torch, self.dtype)
+
     def _lora_requests(self, adapters: Sequence[AdapterWeights | None]):
         from vllm.lora.request import LoRARequest
 
@@ -207,7 +214,9 @@ class VLLMEvaluator:
                 requests.append(None)
                 continue
             lora_id = next(self._ids)
-            path = save_adapter(adapter, self._workdir / f"a{lora_id}", base_model=str(self.model_dir))
+            # Written in the engine's dtype: the engine would round to it anyway, and at GPU scale
+            # float32 doubles the bytes written per generation.
+            path = save_adapter(adapter, self._workdir / f"a{lora_id}", base_model=str(self.model_dir), dtype=self._torch_dtype)
             paths.append(path)
             requests.append(LoRARequest(f"evolm-{lora_id}", lora_id, str(path)))
         return requests, paths
