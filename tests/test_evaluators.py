@@ -1,0 +1,304 @@
+"""Evaluators on real engines: vLLM multi-LoRA against HF + peft, one engine call per population,
+vLLM's adapter cache, seeded sampling, and clear errors for bad input.
+
+Fast tests share the session's tiny-random engine (``tiny_vllm``); the ``slow`` ones share ONE
+SmolLM2 engine for the module.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+from evolm_lib import es
+from evolm_lib.evaluators import HFEvaluator, SamplingSettings, VLLMEvaluator
+from evolm_lib.lora import AdapterWeights, LoraSpec, adapter_shapes, init_adapter
+from evolm_lib.types import Completion, Prompt
+
+PROMPTS = [Prompt.user("What is 2+3?"), Prompt.user("Name a colour."), "Once upon a time"]
+GREEDY = SamplingSettings(max_new_tokens=16)
+
+
+def member_adapter(model_dir, seed: int, sigma: float = 0.05, spec: LoraSpec = LoraSpec(rank=1)) -> AdapterWeights:
+    """A population member: PEFT-default init (B = 0) plus seeded noise."""
+    init = init_adapter(spec, adapter_shapes(model_dir, spec), "peft_default", seed=0)
+    return AdapterWeights(spec, es.perturb(dict(init.tensors), es.Member(seed), sigma))
+
+
+def token_ids(rows: list[list[Completion]]) -> list[list[tuple[int, ...]]]:
+    return [[c.token_ids for c in row] for row in rows]
+
+
+def agreement(a: list[list[Completion]], b: list[list[Completion]]) -> float:
+    """Share of completions whose token ids match exactly."""
+    pairs = [(x.token_ids, y.token_ids) for ra, rb in zip(a, b) for x, y in zip(ra, rb)]
+    return sum(x == y for x, y in pairs) / len(pairs)
+
+
+# ----------------------------------------------------------------------------- tiny-random
+
+
+def test_vllm_matches_hf_greedy_on_tiny(tiny_vllm, tiny_hf, tiny_model_dir):
+    adapters = [member_adapter(tiny_model_dir, seed) for seed in (1, 2, 3)]
+    from_vllm = tiny_vllm.generate(PROMPTS, adapters, GREEDY)
+    # the base model in its own call: see test_base_requests_batched_with_adapters for why
+    from_vllm = tiny_vllm.generate(PROMPTS, [None], GREEDY) + from_vllm
+    from_hf = tiny_hf.generate(PROMPTS, [None] + adapters, GREEDY)
+    assert len(from_vllm) == 4 and all(len(row) == len(PROMPTS) for row in from_vllm)
+    assert token_ids(from_vllm) == token_ids(from_hf), f"agreement {agreement(from_vllm, from_hf):.2f}"
+    assert [[c.text for c in row] for row in from_vllm] == [[c.text for c in row] for row in from_hf]
+    assert all(c.num_tokens == 16 and c.finish_reason == "length" for row in from_vllm for c in row)
+
+
+def test_base_only_call_after_all_slots_filled(tiny_vllm, tiny_hf, tiny_model_dir):
+    # A call without any adapter takes vLLM's no-LoRA path, so the last-slot problem below spares it.
+    tiny_vllm.generate(PROMPTS[:1], [member_adapter(tiny_model_dir, 200 + i) for i in range(8)], GREEDY)
+    expected = token_ids(tiny_hf.generate(PROMPTS, [None], GREEDY))
+    assert token_ids(tiny_vllm.generate(PROMPTS, [None], GREEDY)) == expected
+
+
+def test_base_requests_batched_with_adapters(tiny_vllm, tiny_hf, tiny_model_dir):
+    # Regression: vLLM's CPU LoRA ops index the weight stack with -1 for "no LoRA", i.e. the LAST slot,
+    # so a base request batched with adapters got that slot's adapter; the evaluator now serves the
+    # base through a zero adapter. Fill every slot (the last one included), then mix.
+    tiny_vllm.generate(PROMPTS[:1], [member_adapter(tiny_model_dir, 100 + i) for i in range(8)], GREEDY)
+    adapter = member_adapter(tiny_model_dir, 1)
+    expected = token_ids(tiny_hf.generate(PROMPTS, [None, adapter], GREEDY))
+    assert token_ids(tiny_vllm.generate(PROMPTS, [None, adapter], GREEDY)) == expected
+
+
+def test_both_evaluators_encode_prompts_alike(tiny_vllm, tiny_hf):
+    for prompt in PROMPTS + [[{"role": "user", "content": "hi"}], Prompt.user("x", system="Be brief.", assistant_prefix="<think>")]:
+        assert tiny_vllm.encode(prompt) == tiny_hf.encode(prompt)
+    rendered = tiny_vllm.encoder.render(Prompt.user("hi", assistant_prefix="<think>"))
+    assert rendered.rstrip().endswith("<think>") and "hi" in rendered
+
+
+def test_different_adapters_give_different_completions(tiny_vllm, tiny_model_dir):
+    adapters = [member_adapter(tiny_model_dir, seed) for seed in (11, 12, 13, 14)]
+    rows = token_ids(tiny_vllm.generate(PROMPTS, adapters, GREEDY))
+    assert len({tuple(row) for row in rows}) == len(adapters)
+    base = token_ids(tiny_vllm.generate(PROMPTS, [None], GREEDY))[0]
+    assert all(tuple(row) != tuple(base) for row in rows)
+
+
+def test_zero_b_adapter_gives_the_base_model(tiny_vllm, tiny_model_dir):
+    spec = LoraSpec(rank=8)
+    zero_b = init_adapter(spec, adapter_shapes(tiny_model_dir, spec), "peft_default", seed=5)
+    assert any(t.abs().sum() > 0 for n, t in zero_b.tensors.items() if ".lora_A." in n)
+    with_zero_b = token_ids(tiny_vllm.generate(PROMPTS, [zero_b], GREEDY))[0]
+    assert with_zero_b == token_ids(tiny_vllm.generate(PROMPTS, [None], GREEDY))[0]
+
+
+def test_a_later_call_uses_the_new_adapter_not_a_cached_one(tiny_vllm, tiny_hf, tiny_model_dir):
+    # vLLM caches adapters by int id: a new adapter must never be served with an old one's weights.
+    x = member_adapter(tiny_model_dir, 21, sigma=0.1)
+    y = member_adapter(tiny_model_dir, 22, sigma=0.1)
+    expected_x, expected_y = token_ids(tiny_hf.generate(PROMPTS, [x, y], GREEDY))
+    assert expected_x != expected_y
+    assert token_ids(tiny_vllm.generate(PROMPTS, [x], GREEDY))[0] == expected_x
+    assert token_ids(tiny_vllm.generate(PROMPTS, [y], GREEDY))[0] == expected_y
+    # weights changed in place under the same Python object: still the new weights
+    for name in x.tensors:
+        x.tensors[name].copy_(y.tensors[name])
+    assert token_ids(tiny_vllm.generate(PROMPTS, [x], GREEDY))[0] == expected_y
+
+
+def test_a_population_is_one_engine_call(tiny_vllm, tiny_model_dir, monkeypatch):
+    calls = []
+    real_generate = tiny_vllm.llm.generate
+
+    def counting_generate(prompts, params, lora_request=None, **kwargs):
+        calls.append((len(prompts), list(lora_request)))
+        return real_generate(prompts, params, lora_request=lora_request, **kwargs)
+
+    monkeypatch.setattr(tiny_vllm.llm, "generate", counting_generate)
+    adapters = [member_adapter(tiny_model_dir, seed) for seed in (31, 32, 33, 34)]
+    rows = tiny_vllm.generate(PROMPTS, adapters, GREEDY)
+    assert len(calls) == 1
+    n_requests, loras = calls[0]
+    assert n_requests == 4 * 3
+    # request order is [adapter][prompt]: each adapter's 3 prompts share one LoRARequest
+    assert [lr.lora_int_id for lr in loras] == [lr.lora_int_id for lr in loras[::3] for _ in range(3)]
+    assert len({lr.lora_int_id for lr in loras}) == len({lr.lora_name for lr in loras}) == 4
+    assert [len(row) for row in rows] == [3, 3, 3, 3]
+
+
+def test_results_are_in_adapter_then_prompt_order(tiny_vllm, tiny_model_dir):
+    adapters = [member_adapter(tiny_model_dir, seed) for seed in (41, 42)]
+    together = token_ids(tiny_vllm.generate(PROMPTS, adapters, GREEDY))
+    one_by_one = [token_ids(tiny_vllm.generate([p], [a], GREEDY))[0][0] for a in adapters for p in PROMPTS]
+    assert [ids for row in together for ids in row] == one_by_one
+
+
+def test_seeded_sampling_is_reproducible(tiny_vllm, tiny_model_dir):
+    adapter = member_adapter(tiny_model_dir, 51)
+
+    def sample(seed):
+        sampling = SamplingSettings(max_new_tokens=12, temperature=1.0, seed=seed)
+        return [[c.text for c in row] for row in tiny_vllm.generate(PROMPTS, [adapter, adapter], sampling)]
+
+    first = sample(1)
+    assert first[0] == first[1]  # same seed per prompt for every member (common random numbers)
+    assert sample(1) == first
+    assert sample(2) != first
+    greedy = [[c.text for c in row] for row in tiny_vllm.generate(PROMPTS, [adapter, adapter], SamplingSettings(max_new_tokens=12))]
+    assert first != greedy
+
+
+def test_logprobs_are_returned_when_asked(tiny_vllm):
+    rows = tiny_vllm.generate(PROMPTS[:1], [None], SamplingSettings(max_new_tokens=5, logprobs=True))
+    completion = rows[0][0]
+    assert completion.logprobs is not None and len(completion.logprobs) == completion.num_tokens
+    assert all(lp <= 0 for lp in completion.logprobs)
+    assert tiny_vllm.generate(PROMPTS[:1], [None], SamplingSettings(max_new_tokens=5))[0][0].logprobs is None
+
+
+def test_adapter_files_are_cleaned_up(tiny_vllm, tiny_model_dir, monkeypatch):
+    workdir = tiny_vllm._workdir
+    adapters = [member_adapter(tiny_model_dir, seed) for seed in (61, 62)]
+    tiny_vllm.generate(PROMPTS, adapters, GREEDY)
+    assert workdir.is_dir() and list(workdir.iterdir()) == []
+
+    def failing_generate(*args, **kwargs):
+        raise RuntimeError("engine failed")
+
+    monkeypatch.setattr(tiny_vllm.llm, "generate", failing_generate)
+    with pytest.raises(RuntimeError, match="engine failed"):
+        tiny_vllm.generate(PROMPTS, adapters, GREEDY)
+    assert list(workdir.iterdir()) == []
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def test_adapter_rank_above_engine_max(tiny_vllm, tiny_model_dir):
+    adapter = member_adapter(tiny_model_dir, 1, spec=LoraSpec(rank=16))
+    with pytest.raises(ValueError, match=r"rank 16 exceeds .*max_lora_rank 8"):
+        tiny_vllm.generate(PROMPTS, [adapter], GREEDY)
+
+
+def test_adapter_for_modules_the_model_lacks(tiny_vllm, tiny_hf, tiny_model_dir):
+    good = member_adapter(tiny_model_dir, 1)
+    renamed = {name.replace("q_proj", "c_attn"): t for name, t in good.tensors.items()}
+    bad = AdapterWeights(good.spec, renamed)
+    for evaluator in (tiny_vllm, tiny_hf):
+        with pytest.raises(ValueError, match="c_attn"):
+            evaluator.generate(PROMPTS, [bad], GREEDY)
+    with pytest.raises(ValueError, match="c_attn"):
+        tiny_vllm.generate(PROMPTS, [member_adapter(tiny_model_dir, 1, spec=LoraSpec(target_modules=("c_attn",)))], GREEDY)
+
+
+def test_adapter_with_wrong_shapes(tiny_vllm, tiny_hf, tiny_model_dir):
+    good = member_adapter(tiny_model_dir, 1)
+    name = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    wrong = dict(good.tensors)
+    wrong[name] = torch.zeros(1, 7)
+    for evaluator in (tiny_vllm, tiny_hf):
+        with pytest.raises(ValueError, match=r"shape \(1, 7\), expected \(1, 64\)"):
+            evaluator.generate(PROMPTS, [AdapterWeights(good.spec, wrong)], GREEDY)
+    missing = {n: t for n, t in good.tensors.items() if n != name}
+    with pytest.raises(ValueError, match="missing"):
+        tiny_vllm.generate(PROMPTS, [AdapterWeights(good.spec, missing)], GREEDY)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(max_new_tokens=0), "max_new_tokens"),
+        (dict(max_new_tokens=2.5), "max_new_tokens"),
+        (dict(temperature=-1.0), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_k=-1), "top_k"),
+    ],
+)
+def test_invalid_sampling_settings(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingSettings(**kwargs)
+
+
+def test_more_adapters_than_max_loras(tiny_vllm, tiny_model_dir, monkeypatch):
+    adapters = [member_adapter(tiny_model_dir, seed) for seed in range(9)]
+    monkeypatch.setattr(tiny_vllm.llm, "generate", lambda *a, **k: pytest.fail("the engine must not be called"))
+    with pytest.raises(ValueError, match=r"9 adapters .*max_loras=8"):
+        tiny_vllm.generate(PROMPTS, adapters, GREEDY)
+    assert list(tiny_vllm._workdir.iterdir()) == []
+
+
+@pytest.mark.parametrize("prompt", [123, None, [1, 2, 3], [{"content": "no role"}], b"bytes"])
+def test_prompt_of_a_wrong_type(tiny_vllm, tiny_hf, prompt):
+    for evaluator in (tiny_vllm, tiny_hf):
+        with pytest.raises(TypeError, match="a prompt must be"):
+            evaluator.generate([prompt], [None], GREEDY)
+
+
+def test_unknown_model_fails_before_any_engine_starts(monkeypatch):
+    import vllm
+
+    monkeypatch.setattr(vllm, "LLM", lambda *a, **k: pytest.fail("an engine was started"))
+    started = time.perf_counter()
+    with pytest.raises(ValueError, match="unknown model 'no-such-model'.*tiny-random"):
+        VLLMEvaluator("no-such-model")
+    with pytest.raises(ValueError, match="max_lora_rank"):
+        VLLMEvaluator("tiny-random", max_lora_rank=1000)
+    with pytest.raises(ValueError, match="max_loras"):
+        VLLMEvaluator("tiny-random", max_loras=0)
+    assert time.perf_counter() - started < 2.0
+    with pytest.raises(ValueError, match="unknown model"):
+        HFEvaluator("no-such-model")
+
+
+# ----------------------------------------------------------------------------- SmolLM2 (slow)
+
+SMOL_PROMPTS = [Prompt.user("What is 2+3?"), Prompt.user("Name a colour."), Prompt.user("Write a haiku about the sea.")]
+
+
+@pytest.fixture(scope="module")
+def smollm2_vllm(smollm2_dir):
+    """ONE SmolLM2 engine for the module's slow tests."""
+    evaluator = VLLMEvaluator(str(smollm2_dir), max_loras=4, max_lora_rank=8, max_model_len=512)
+    yield evaluator
+    evaluator.close()
+
+
+@pytest.fixture(scope="module")
+def smollm2_hf(smollm2_dir):
+    evaluator = HFEvaluator(str(smollm2_dir))
+    yield evaluator
+    evaluator.close()
+
+
+@pytest.mark.slow
+def test_vllm_matches_hf_greedy_on_smollm2(smollm2_vllm, smollm2_hf, smollm2_dir):
+    adapters = [member_adapter(smollm2_dir, seed, sigma=0.05) for seed in (1, 2)]
+    sampling = SamplingSettings(max_new_tokens=24)
+    from_vllm = smollm2_vllm.generate(SMOL_PROMPTS, [None], sampling) + smollm2_vllm.generate(SMOL_PROMPTS, adapters, sampling)
+    from_hf = smollm2_hf.generate(SMOL_PROMPTS, [None] + adapters, sampling)
+    assert token_ids(from_vllm) == token_ids(from_hf), f"agreement {agreement(from_vllm, from_hf):.2f}"
+    assert "5" in from_vllm[0][0].text  # the real model answers
+
+
+@pytest.mark.slow
+def test_smollm2_new_adapter_is_not_served_from_cache(smollm2_vllm, smollm2_hf, smollm2_dir):
+    x = member_adapter(smollm2_dir, 7, sigma=0.1)
+    y = member_adapter(smollm2_dir, 8, sigma=0.1)
+    sampling = SamplingSettings(max_new_tokens=16)
+    got_x = token_ids(smollm2_vllm.generate(SMOL_PROMPTS, [x], sampling))[0]
+    got_y = token_ids(smollm2_vllm.generate(SMOL_PROMPTS, [y], sampling))[0]
+    expected_y = token_ids(smollm2_hf.generate(SMOL_PROMPTS, [y], sampling))[0]
+    assert got_y == expected_y
+    assert got_y != got_x
+
+
+@pytest.mark.slow
+def test_smollm2_seeded_sampling(smollm2_vllm):
+    def sample(seed):
+        sampling = SamplingSettings(max_new_tokens=16, temperature=1.0, seed=seed)
+        return [c.text for c in smollm2_vllm.generate(SMOL_PROMPTS, [None], sampling)[0]]
+
+    first = sample(3)
+    assert sample(3) == first
+    assert sample(4) != first
