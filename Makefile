@@ -3,6 +3,8 @@ PY := .venv/bin/python
 export VLLM_ENABLE_V1_MULTIPROCESSING ?= 0
 export VLLM_LOGGING_LEVEL ?= WARNING
 export TOKENIZERS_PARALLELISM ?= false
+# Spinning OpenMP threads starve the engine on a busy 2-core machine (one HF call: 154 s instead of 8 s).
+export OMP_WAIT_POLICY ?= PASSIVE
 
 .PHONY: setup demo test test-fast benchmark sync figures clean
 

@@ -64,6 +64,8 @@ def run_demo(spec_path: str | Path = DEFAULT_SPEC, seed: int = 0, out_root: str 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # one OpenMP thread: on a busy 2-core machine two spinning threads make LoRA decoding 10-50x slower
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     notebook, parameters = demo_parameters(spec_path, seed)
     out = Path(out_root)
     if not out.is_absolute():

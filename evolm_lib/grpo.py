@@ -12,10 +12,10 @@ References:
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Callable, Literal, Optional, Sequence
 
 import torch
@@ -24,7 +24,7 @@ from pydantic import Field, ValidationInfo, field_validator
 from .config import CommonConfig, ConfigError
 from .evaluation import score_adapters
 from .evaluators import Evaluator, SamplingSettings, make_evaluator
-from .grpo_primitives import compute_group_normalized_rewards, get_response_log_probs, grpo_microbatch_train_step
+from .grpo_primitives import compute_group_normalized_rewards, grpo_microbatch_train_step
 from .lora import AdapterWeights, adapter_shapes, base_weight_magnitudes, init_adapter, save_adapter
 from .models import resolve_model
 from .runner import _derive, _percentile, load_run_config
@@ -170,17 +170,6 @@ def optimizer_state_from_tensors(optimizer: torch.optim.Optimizer, names: dict[t
     optimizer.load_state_dict(state_dict)
 
 
-class _TemperatureScaled:
-    """Calls a causal LM and divides its logits by the sampling temperature (the policy that sampled)."""
-
-    def __init__(self, model, temperature: float):
-        self.model, self.temperature = model, temperature
-
-    def __call__(self, input_ids):
-        logits = self.model(input_ids=input_ids).logits  # (batch, seq, vocab)
-        return SimpleNamespace(logits=logits / self.temperature if self.temperature != 1.0 else logits)
-
-
 # ---------------------------------------------------------------------------- the trainer
 
 
@@ -202,7 +191,7 @@ class PolicyTrainer:
             r=adapter.spec.rank,
             lora_alpha=adapter.spec.alpha,
             target_modules=list(adapter.spec.target_modules),
-            layers_to_transform=list(adapter.spec.layers_to_transform) if adapter.spec.layers_to_transform else None,
+            layers_to_transform=list(adapter.spec.layers_to_transform) if adapter.spec.layers_to_transform is not None else None,
             lora_dropout=0.0,
         )
         self.model = get_peft_model(base, lora)
@@ -214,7 +203,6 @@ class PolicyTrainer:
             self.parameters, lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2),
             weight_decay=config.weight_decay,
         )
-        self.policy = _TemperatureScaled(self.model, config.temperature)
 
     def set_adapter(self, adapter: AdapterWeights) -> None:
         """Copy an adapter's tensors into the peft model."""
@@ -240,17 +228,24 @@ class PolicyTrainer:
         return _PromptEncoder(self.tokenizer).encode(prompt)
 
     def _log_probs(self, batch: dict, rows: slice, *, grad: bool, base: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """(log-probs, mask) of one micro-batch, trimmed to its last response token."""
+        """(log-probs, mask) of one micro-batch over the columns from its first to its last response token.
+
+        As `get_response_log_probs` with logits / temperature (the policy that sampled), but the
+        vocabulary projection runs on response positions only: prompt logits are never needed.
+        """
         mask = batch["response_mask"][rows]
-        width = int(mask.any(dim=0).nonzero().max()) + 1 if mask.any() else 1
-        input_ids, labels, mask = batch["input_ids"][rows, :width], batch["labels"][rows, :width], mask[:, :width]
-        with torch.set_grad_enabled(grad):
-            if base:
-                with self.model.disable_adapter():
-                    out = get_response_log_probs(self.policy, input_ids, labels)["log_probs"]
-            else:
-                out = get_response_log_probs(self.policy, input_ids, labels)["log_probs"]
-        return out, mask  # (micro, width) each
+        columns = mask.any(dim=0).nonzero().flatten()
+        if columns.numel() == 0:
+            raise ValueError("a micro-batch has no response tokens")
+        first, width = int(columns[0]), int(columns[-1]) + 1
+        input_ids, labels, mask = batch["input_ids"][rows, :width], batch["labels"][rows, first:width], mask[:, first:width]
+        with torch.set_grad_enabled(grad), (self.model.disable_adapter() if base else contextlib.nullcontext()):
+            logits = self.model(input_ids=input_ids, logits_to_keep=width - first).logits  # (micro, kept, vocab)
+            if self.config.temperature != 1.0:
+                logits = logits / self.config.temperature
+            label_logits = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1)  # (micro, kept)
+            log_probs = label_logits - torch.logsumexp(logits, dim=-1)
+        return log_probs, mask  # (micro, kept) each
 
     def train(self, batch: dict, raw_rewards: torch.Tensor, advantages: torch.Tensor) -> dict:
         """Epochs of micro-batched, gradient-accumulated updates on one rollout batch; returns stats."""
@@ -264,7 +259,7 @@ class PolicyTrainer:
         # the batch's policy before any update: pi_old of the ratio, and the reference for KL
         old = [self._log_probs(batch, s, grad=False)[0] for s in slices] if config.loss_type == "grpo_clip" and config.epochs_per_batch > 1 else None
         ref = [self._log_probs(batch, s, grad=False, base=True)[0] for s in slices] if config.beta > 0 else None
-        first_pass: list[torch.Tensor] = []
+        first_pass: list[tuple[torch.Tensor, torch.Tensor]] = []
         losses, clip_fractions, kls, grad_norms = [], [], [], []
         for epoch in range(config.epochs_per_batch):
             self.optimizer.zero_grad(set_to_none=True)
@@ -272,7 +267,7 @@ class PolicyTrainer:
             for i, rows in enumerate(slices):
                 log_probs, mask = self._log_probs(batch, rows, grad=True)
                 if epoch == 0:
-                    first_pass.append(log_probs.detach())
+                    first_pass.append((log_probs.detach(), mask))
                 old_log_probs = None
                 if config.loss_type == "grpo_clip":
                     # one epoch is on-policy: pi_old is this very forward pass, detached (ratio 1)
@@ -483,7 +478,7 @@ class GRPORun:
             "worst_completions": [completions[p * config.group_size + w].text for p, w in enumerate(worst)],
             "prompts": [e.prompt for e in examples],
         }
-        gap = _engine_logprob_gap(completions, first_pass, batch["response_mask"], config)
+        gap = _engine_logprob_gap(completions, first_pass, config)
         if gap is not None:
             row["grpo/engine_logprob_gap"] = gap
         last = config.num_steps if step <= config.num_steps else step
@@ -568,15 +563,16 @@ def _check_kind(run_dir: Path) -> None:
         raise ConfigError(f"{run_dir} holds a {kind!r} run, not a GRPO run")
 
 
-def _engine_logprob_gap(completions: Sequence[Completion], first_pass: list[torch.Tensor],
-                        response_mask: torch.Tensor, config: GRPOConfig) -> float | None:
-    """Mean |trainer - engine| log-prob of the sampled tokens before the update (both untempered only at T = 1)."""
+def _engine_logprob_gap(completions: Sequence[Completion], first_pass: list[tuple[torch.Tensor, torch.Tensor]],
+                        config: GRPOConfig) -> float | None:
+    """Mean |trainer - engine| log-prob of the sampled tokens before the update (comparable at T = 1 only:
+    the engine reports untempered log-probs)."""
     if config.temperature != 1.0 or any(c.logprobs is None for c in completions):
         return None
     total, count, row = 0.0, 0, 0
-    for log_probs in first_pass:  # (micro, width) each
+    for log_probs, mask in first_pass:  # (micro, kept) each
         for r in range(log_probs.shape[0]):
-            trainer = log_probs[r][response_mask[row, : log_probs.shape[1]]]
+            trainer = log_probs[r][mask[r]]
             engine = torch.tensor(completions[row].logprobs, dtype=trainer.dtype)
             if engine.shape != trainer.shape:
                 return None

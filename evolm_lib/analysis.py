@@ -1,0 +1,331 @@
+"""ES vs GRPO from run folders: load runs grouped by method, final points, seed spread, side-by-side
+completions and the reward at an equal sample budget (the fair comparison). Reads files, starts no engine.
+
+A run folder is what `ESRun` and `GRPORun` write (see `evolm_lib.runs`): config.yaml (with `kind`)
+and metrics.jsonl. Rows of both methods share the keys used here: `generation`/`step`, `seed`,
+`policy/train_reward`, `eval/reward`, `samples/completions`, `samples/tokens`, `time/wall_s`,
+`policy/train_completions`, `policy/eval_completions`; `policy/kl` where a script recorded it
+(`record_final_metrics`).
+"""
+from __future__ import annotations
+
+import glob
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .plots import final_value, series
+
+# Settings that must agree across the compared runs, or the comparison is unfair.
+COMPARED_FIELDS = ("model", "task", "task_options", "target_modules", "lora_rank", "lora_alpha",
+                   "layers_to_transform", "max_new_tokens", "prompts_per_step")
+# Per method, the setting that splits one kind into several labels when runs differ in it.
+SIZE_FIELDS = {"es": ("population_size", "N"), "grpo": ("group_size", "G")}
+
+
+class NotARunFolder(ValueError):
+    """A path matched by a pattern is not a run folder (no config.yaml or metrics.jsonl)."""
+
+
+class MixedRuns(ValueError):
+    """The runs differ in settings that make the comparison unfair (model, task, LoRA layout, ...)."""
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """One run folder, read: its label, seed, raw settings and metrics rows."""
+
+    path: Path
+    method: str
+    seed: int | None
+    config: dict = field(repr=False)
+    rows: list[dict] = field(repr=False)
+
+    @property
+    def kind(self) -> str:
+        """'es' or 'grpo', from config.yaml."""
+        return str(self.config.get("kind", "es"))
+
+    @property
+    def name(self) -> str:
+        """The folder's name."""
+        return self.path.name
+
+
+Groups = Mapping[str, Sequence[RunRecord]]
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def read_run(path: str | os.PathLike, label: str | None = None) -> RunRecord:
+    """Read one run folder; fail with NotARunFolder when config.yaml or metrics.jsonl is missing or empty."""
+    import yaml
+
+    from .runs import read_metrics
+
+    path = Path(path)
+    missing = [name for name in ("config.yaml", "metrics.jsonl") if not (path / name).is_file()]
+    if missing:
+        raise NotARunFolder(f"{path} is not a run folder: no {' and no '.join(missing)}")
+    config = yaml.safe_load((path / "config.yaml").read_text()) or {}
+    if not isinstance(config, dict):
+        raise NotARunFolder(f"{path}/config.yaml does not hold a mapping of settings")
+    rows = read_metrics(path)
+    if not rows:
+        raise NotARunFolder(f"{path}/metrics.jsonl holds no rows (a run that never scored its first adapter)")
+    kind = str(config.get("kind", "es"))
+    method = label or str(config.get("label") or kind)
+    seed = config.get("seed", next((r["seed"] for r in rows if "seed" in r), None))
+    return RunRecord(path, method, seed, config, rows)
+
+
+def _patterns(value: str | os.PathLike | Sequence[str | os.PathLike]) -> list[str]:
+    if isinstance(value, (str, os.PathLike)):
+        return [os.fspath(value)]
+    return [os.fspath(v) for v in value]
+
+
+def _expand(pattern: str) -> list[Path]:
+    """Run folders a glob matches (files it matches are ignored); fails on a pattern that matches none."""
+    matches = sorted(Path(p) for p in glob.glob(os.path.expanduser(pattern)))
+    folders = [p for p in matches if p.is_dir()]
+    if not folders:
+        where = "" if os.path.isabs(os.path.expanduser(pattern)) else f" (relative to {os.getcwd()})"
+        raise FileNotFoundError(f"{pattern!r} matches no run folder{where}")
+    return folders
+
+
+def load_runs(patterns: str | os.PathLike | Sequence[str | os.PathLike] | Mapping[str, Any],
+              allow_mixed: bool = False) -> dict[str, list[RunRecord]]:
+    """Run folders from globs, grouped by method label: {label: [RunRecord, ...] sorted by seed}.
+
+    The label is the mapping's key when ``patterns`` is a mapping {label: glob(s)}, else the
+    config.yaml's `label` key if it has one, else its `kind` ("es" or "grpo"); a kind whose runs
+    differ in population or group size is split ("grpo G=8", "grpo G=30"). Every pattern must
+    match a folder, every folder must be a run folder, and the runs must share COMPARED_FIELDS
+    unless ``allow_mixed``.
+    """
+    if isinstance(patterns, Mapping):
+        sources = [(str(label), p) for label, value in patterns.items() for p in _patterns(value)]
+    else:
+        sources = [(None, p) for p in _patterns(patterns)]
+    if not sources:
+        raise ValueError("no run folder patterns given")
+    records, seen = [], set()
+    for label, pattern in sources:
+        for folder in _expand(pattern):
+            if folder.resolve() not in seen:
+                seen.add(folder.resolve())
+                records.append((label, read_run(folder, label)))
+    if not allow_mixed:
+        check_comparable([r for _, r in records])
+    groups: dict[str, list[RunRecord]] = {}
+    for explicit, record in records:
+        groups.setdefault(record.method if explicit else _split_label(record, [r for _, r in records]), []).append(record)
+    for label, runs in groups.items():
+        runs.sort(key=lambda r: (r.seed is None, r.seed if r.seed is not None else 0, str(r.path)))
+        groups[label] = [r if r.method == label else RunRecord(r.path, label, r.seed, r.config, r.rows) for r in runs]
+    return groups
+
+
+def _split_label(record: RunRecord, records: Sequence[RunRecord]) -> str:
+    """The record's label, with its size added when runs of the same label and kind differ in size."""
+    size_field, letter = SIZE_FIELDS.get(record.kind, (None, None))
+    if size_field is None:
+        return record.method
+    sizes = {r.config.get(size_field) for r in records if r.method == record.method and r.kind == record.kind}
+    return f"{record.method} {letter}={record.config.get(size_field)}" if len(sizes) > 1 else record.method
+
+
+def check_comparable(records: Sequence[RunRecord], fields: Sequence[str] = COMPARED_FIELDS) -> None:
+    """Raise MixedRuns listing every field in which the runs differ, and which runs hold which value."""
+    differences = []
+    for name in fields:
+        values: dict[str, list[str]] = {}
+        for record in records:
+            values.setdefault(repr(record.config.get(name)), []).append(record.name)
+        if len(values) > 1:
+            listing = "; ".join(f"{value} ({', '.join(names)})" for value, names in values.items())
+            differences.append(f"{name}: {listing}")
+    if differences:
+        raise MixedRuns("the runs differ in settings that make the comparison unfair — "
+                        + " | ".join(differences) + " (pass allow_mixed=True to compare anyway)")
+
+
+def runs_for_plots(groups: Groups) -> dict[str, list[list[dict]]]:
+    """{label: [rows of seed 0, rows of seed 1, ...]}: the input of the plots' ES-vs-GRPO figures."""
+    return {label: [record.rows for record in runs] for label, runs in groups.items()}
+
+
+def describe_runs(groups: Groups):
+    """One line per run: label, seed, folder, steps, samples, wall time and final rewards (a DataFrame)."""
+    import pandas as pd
+
+    lines = []
+    for label, runs in groups.items():
+        for r in runs:
+            last = r.rows[-1]
+            lines.append({
+                "method": label, "seed": r.seed, "run": r.name, "kind": r.kind,
+                "steps": last.get("generation", last.get("step")),
+                "samples/completions": final_value(r.rows, "samples/completions"),
+                "time/wall_s": final_value(r.rows, "time/wall_s"),
+                "policy/train_reward": final_value(r.rows, "policy/train_reward"),
+                "eval/reward": final_value(r.rows, "eval/reward"),
+            })
+    return pd.DataFrame(lines)
+
+
+# --------------------------------------------------------------------------- final values
+
+
+def final_points(groups: Groups, reward_key: str = "eval/reward", kl_key: str = "policy/kl") -> list[dict]:
+    """One {method, seed, kl, reward} per run: the last logged reward, and KL from the last row that
+    has it (None when no row does)."""
+    return [{"method": label, "seed": r.seed, "kl": final_value(r.rows, kl_key), "reward": final_value(r.rows, reward_key)}
+            for label, runs in groups.items() for r in runs]
+
+
+def split_points_by_kl(points: Sequence[Mapping[str, Any]]) -> tuple[list[Mapping[str, Any]], str]:
+    """(points with a KL, a note naming the runs without one: they are left out of the scatter)."""
+    kept = [p for p in points if p.get("kl") is not None and p.get("reward") is not None]
+    left_out = [f"{p.get('method')} seed {p.get('seed')}" for p in points if p not in kept]
+    note = ""
+    if left_out:
+        note = (f"{len(left_out)} run(s) without a KL or reward left out of the scatter: {', '.join(left_out)} "
+                "(scripts/es_vs_grpo_sweep.py records policy/kl at the end of each run)")
+    return kept, note
+
+
+def _std(values: Sequence[float]) -> float:
+    """Sample std (n - 1); NaN for fewer than two values."""
+    if len(values) < 2:
+        return math.nan
+    mean = sum(values) / len(values)
+    return math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
+
+
+def seed_spread_table(groups: Groups, key: str = "eval/reward"):
+    """Per method: seeds, mean, std (n - 1), min, max of the final `key` across seeds, and
+    `std(es)/std`, the ratio of ES's std to this method's (the ES/GRPO ratio on GRPO rows)."""
+    import pandas as pd
+
+    lines = []
+    for label, runs in groups.items():
+        finals = [v for v in (final_value(r.rows, key) for r in runs) if v is not None]
+        lines.append({"method": label, "seeds": len(finals),
+                      "mean": sum(finals) / len(finals) if finals else math.nan, "std": _std(finals),
+                      "min": min(finals, default=math.nan), "max": max(finals, default=math.nan)})
+    es_std = next((line["std"] for line in lines if line["method"] == "es"), math.nan)
+    for line in lines:
+        # a zero std has no ratio: NaN rather than inf
+        line["std(es)/std"] = es_std / line["std"] if line["method"] != "es" and line["std"] else math.nan
+    table = pd.DataFrame(lines).set_index("method")
+    table.attrs["key"] = key
+    return table
+
+
+# --------------------------------------------------------------------------- the fair comparison
+
+
+def _interp(x: float, xs: Sequence[float], ys: Sequence[float]) -> float:
+    """Linear interpolation on increasing xs (x inside their range)."""
+    for i in range(1, len(xs)):
+        if x <= xs[i]:
+            if xs[i] == xs[i - 1]:
+                return ys[i]
+            t = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
+            return ys[i - 1] + t * (ys[i] - ys[i - 1])
+    return ys[-1]
+
+
+def equal_budget_table(groups: Groups, budget_key: str = "samples/completions", reward_key: str = "eval/reward"):
+    """Reward of each method at the largest `budget_key` every run reached, interpolated linearly
+    between the logged points of each run, then mean/std/min/max across seeds (a DataFrame; the
+    common budget is also in `.attrs["budget"]`)."""
+    import pandas as pd
+
+    curves: dict[str, list[tuple[list[float], list[float]]]] = {}
+    for label, runs in groups.items():
+        for r in runs:
+            xs, ys = series(r.rows, reward_key, x=budget_key)
+            pairs = sorted(zip(xs, ys))
+            if not pairs:
+                raise ValueError(f"{r.path} has no row with both {budget_key!r} and {reward_key!r}")
+            curves.setdefault(label, []).append(([p[0] for p in pairs], [p[1] for p in pairs]))
+    if not curves:
+        raise ValueError("no runs to compare")
+    budget = min(xs[-1] for runs in curves.values() for xs, _ in runs)
+    lines = []
+    for label, runs in curves.items():
+        values = [_interp(budget, xs, ys) for xs, ys in runs]
+        lines.append({"method": label, "seeds": len(values), budget_key: budget,
+                      "reward_mean": sum(values) / len(values), "reward_std": _std(values),
+                      "reward_min": min(values), "reward_max": max(values),
+                      "final_budget_mean": sum(xs[-1] for xs, _ in runs) / len(runs),
+                      "final_reward_mean": sum(ys[-1] for _, ys in runs) / len(runs)})
+    table = pd.DataFrame(lines).set_index("method")
+    table.attrs.update(budget=budget, budget_key=budget_key, reward_key=reward_key)
+    return table
+
+
+# --------------------------------------------------------------------------- completions
+
+
+def side_by_side_completions(groups: Groups, example_index: int | Sequence[int] | None = None,
+                             split: str = "eval", max_chars: int | None = 200):
+    """Final greedy completions of every run for the same prompts of `split` ("eval" or "train"):
+    one row per prompt, one column per (method, seed) (a DataFrame)."""
+    from .plots import completions_table
+    from .tasks import get_task
+
+    if split not in ("eval", "train"):
+        raise ValueError(f"split must be 'eval' or 'train', got {split!r}")
+    key = f"policy/{split}_completions"
+    columns: dict[str, list[str]] = {}
+    first = None
+    for label, runs in groups.items():
+        for r in runs:
+            completions = next((row[key] for row in reversed(r.rows) if row.get(key)), None)
+            if completions is None:
+                raise ValueError(f"{r.path} logged no {key!r}")
+            columns[f"{label} seed {r.seed}"] = completions
+            first = first or r
+    if first is None:
+        raise ValueError("no runs to show")
+    task = get_task(first.config.get("task", "conciseness"), **(first.config.get("task_options") or {}))
+    examples = task.eval_examples() if split == "eval" else task.train_examples()
+    count = min([len(examples), *(len(c) for c in columns.values())])
+    if example_index is None:
+        indices = list(range(count))
+    else:
+        indices = [example_index] if isinstance(example_index, int) else list(example_index)
+    bad = [i for i in indices if not -count <= i < count]
+    if bad:
+        raise IndexError(f"example index {bad} out of range: the runs logged {count} {split} completions")
+    return completions_table(
+        ({"prompt": examples[i].prompt, "target": examples[i].target, **{name: c[i] for name, c in columns.items()}}
+         for i in indices),
+        max_chars=max_chars,
+    )
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def record_final_metrics(run_dir: str | os.PathLike, values: Mapping[str, Any]) -> dict:
+    """Add `values` (e.g. {"policy/kl": 0.02}) to the last row of a run's metrics.jsonl, atomically;
+    returns that row. For numbers measured after a run ends (KL to the base model)."""
+    from .runs import read_metrics, rewrite_metrics
+
+    run_dir = Path(run_dir)
+    rows = read_metrics(run_dir)
+    if not rows:
+        raise NotARunFolder(f"{run_dir}/metrics.jsonl holds no rows")
+    rows[-1] = {**rows[-1], **values}
+    rewrite_metrics(run_dir, rows)
+    return rows[-1]

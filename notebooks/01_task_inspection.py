@@ -1,0 +1,87 @@
+# ---
+# jupyter:
+#   jupytext:
+#     cell_metadata_filter: tags,-all
+#     formats: ipynb,py:percent
+#     notebook_metadata_filter: kernelspec,jupytext
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Task inspection
+# Look at a task before training on it: its examples, the chat prompt the model sees, what the
+# base model answers, and the rewards those answers get.
+
+# %% tags=["parameters"]
+model: str = "smollm2-135m-instruct"  # model name (smollm2-135m-instruct, tiny-random) or a local folder
+task: str = "conciseness"  # task from the registry (conciseness, countdown, ...)
+num_examples: int = 16  # examples per split (train, eval) to show and score
+max_new_tokens: int = 64  # tokens generated per completion
+temperature: float = 0.0  # sampling temperature (0: greedy)
+seed: int = 0  # sampling seed
+max_model_len: int = 512  # longest prompt + completion the engine serves
+kv_cache_gb: float = 0.5  # vLLM KV cache size in GiB
+engine: str = "vllm"  # rollout engine: vllm (one call per population) or hf (transformers + peft)
+
+# %%
+from evolm_lib.config import ESConfig
+from evolm_lib.evaluators import SamplingSettings, make_evaluator
+from evolm_lib.plots import completions_table, plot_reward_distribution
+from evolm_lib.tasks import get_task
+
+config = ESConfig.from_dict(dict(
+    model=model, task=task, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
+    max_model_len=max_model_len, kv_cache_gb=kv_cache_gb, engine=engine,
+))
+print(config.to_yaml())
+
+# %% [markdown]
+# The examples: train (what the optimiser sees) and eval (held out).
+
+# %%
+task_instance = get_task(config.task, **config.task_options)
+examples = [("train", e) for e in task_instance.train_examples()[:num_examples]]
+examples += [("eval", e) for e in task_instance.eval_examples()[:num_examples]]
+completions_table({"split": split, "prompt": e.prompt, "target": e.target, **e.data} for split, e in examples)
+
+# %% [markdown]
+# The chat prompt exactly as the model sees it (chat template applied, special tokens included).
+
+# %%
+evaluator = make_evaluator(config, max_loras=1)
+rendered_prompt = evaluator.encoder.render(task_instance.prompt(examples[0][1]))
+print(rendered_prompt)
+
+# %% [markdown]
+# Base-model completions for every example, in one engine call (`None` = no adapter).
+
+# %%
+sampling = SamplingSettings(max_new_tokens=config.max_new_tokens, temperature=config.temperature, seed=config.seed)
+completions = evaluator.generate([task_instance.prompt(e) for _, e in examples], [None], sampling)[0]
+results = [task_instance.reward(c.text, e) for c, (_, e) in zip(completions, examples)]
+completions_table(
+    {"split": split, "prompt": e.prompt, "target": e.target, "completion": c.text, "tokens": c.num_tokens,
+     "finish": c.finish_reason, "reward": r.value, **r.details}
+    for (split, e), c, r in zip(examples, completions, results)
+)
+
+# %% [markdown]
+# How the base model's rewards are spread: the room ES has to improve.
+
+# %%
+rewards = [r.value for r in results]
+plot_reward_distribution(rewards, title=f"Base-model rewards on {task} ({model})")
+
+# %%
+evaluator.close()
+assert len(completions) == len(examples) == len(rewards) > 0
+assert all(isinstance(v, float) and v == v for v in rewards)
+assert task_instance.prompt(examples[0][1]).messages[-1]["content"] in rendered_prompt

@@ -1,0 +1,154 @@
+# ---
+# jupyter:
+#   jupytext:
+#     cell_metadata_filter: tags,-all
+#     formats: ipynb,py:percent
+#     notebook_metadata_filter: kernelspec,jupytext
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # LoRA initialization
+# Choose where the adapters go (target modules, rank) and how they start (init scheme), see the
+# per-layer scales, and how diverse a first population is under each init scheme.
+
+# %% tags=["parameters"]
+model: str = "smollm2-135m-instruct"  # model name (smollm2-135m-instruct, tiny-random) or a local folder
+task: str = "conciseness"  # task whose train prompts the population answers
+target_modules: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"  # comma-separated modules with adapters
+lora_rank: int = 1  # LoRA rank
+init_scheme: str = "peft_default"  # scheme of the adapter saved for the stepper: peft_default or random_ab
+init_scale: float = 0.1  # random_ab: std of A and B as a multiple of the layer's mean |W|
+sigma: float = 0.05  # noise std on LoRA weights
+noise_mode: str = "uniform"  # uniform sigma, or per_layer (sigma x mean |W| of each layer)
+population_size: int = 4  # members of the sample population per scheme
+max_new_tokens: int = 32  # tokens generated per completion
+seed: int = 0  # seed of the adapter init and the noise
+max_model_len: int = 512  # longest prompt + completion the engine serves
+kv_cache_gb: float = 0.5  # vLLM KV cache size in GiB
+engine: str = "vllm"  # rollout engine: vllm (one call per population) or hf (transformers + peft)
+init_adapter_dir: str = "../runs/notebooks/init_adapter"  # where the chosen initial adapter is saved
+
+# %%
+import pandas as pd
+
+from evolm_lib import es
+from evolm_lib.config import ESConfig
+from evolm_lib.evaluators import SamplingSettings, make_evaluator
+from evolm_lib.lora import (
+    AdapterWeights, adapter_shapes, base_weight_magnitudes, init_adapter, layer_of, load_adapter, module_of,
+    noise_scales, save_adapter,
+)
+from evolm_lib.models import resolve_model
+from evolm_lib.plots import completions_table, plot_layer_scales
+from evolm_lib.tasks import get_task
+
+config = ESConfig.from_dict(dict(
+    model=model, task=task, target_modules=tuple(target_modules.split(",")), lora_rank=lora_rank,
+    init_scheme=init_scheme, init_scale=init_scale, sigma=sigma, noise_mode=noise_mode,
+    population_size=population_size, max_new_tokens=max_new_tokens, seed=seed, max_model_len=max_model_len,
+    kv_cache_gb=kv_cache_gb, engine=engine,
+))
+print(config.to_yaml())
+
+# %% [markdown]
+# The adapter tensors this layout creates on the model (unknown modules or layers fail here).
+
+# %%
+model_dir = resolve_model(config.model)
+spec = config.lora_spec()
+shapes = adapter_shapes(model_dir, spec)
+print(f"{len(shapes)} tensors, {sum(a * b for a, b in shapes.values()):,} LoRA parameters")
+pd.DataFrame([{"tensor": name, "shape": shape} for name, shape in list(shapes.items())[:8]])
+
+# %% [markdown]
+# Mean |W| of the base weights the adapters attach to, per layer (the scale `random_ab` and
+# `per_layer` noise follow).
+
+# %%
+magnitudes = pd.Series(base_weight_magnitudes(model_dir, spec))
+per_layer_magnitude = magnitudes.groupby(layer_of).mean()
+plot_layer_scales([str(i) for i in per_layer_magnitude.index], per_layer_magnitude.tolist(),
+                  title="Mean |W| of the adapted base weights, per layer", y_title="mean |W|")
+
+# %%
+magnitudes.groupby(module_of).mean().rename("mean |W|").to_frame()
+
+# %% [markdown]
+# Noise std per layer under the chosen `noise_mode`.
+
+# %%
+sigmas = noise_scales(shapes, config.sigma, config.noise_mode, magnitudes.to_dict())
+per_layer_sigma = pd.Series(sigmas).groupby(layer_of).mean()
+plot_layer_scales([str(i) for i in per_layer_sigma.index], per_layer_sigma.tolist(),
+                  title=f"Noise std per layer ({config.noise_mode})", y_title="sigma")
+
+# %% [markdown]
+# The initial adapter under each scheme, and a first population around it (mean + sigma * noise,
+# the members of generation 1): one engine call per scheme, greedy decoding.
+
+# %%
+initial = {
+    scheme: init_adapter(spec, shapes, scheme, config.seed, magnitudes.to_dict(), config.init_scale)
+    for scheme in ("peft_default", "random_ab")
+}
+members = es.population(config.seed, 1, config.population_size, config.antithetic)
+task_instance = get_task(config.task, **config.task_options)
+examples = task_instance.train_examples()
+evaluator = make_evaluator(config, max_loras=config.population_size)
+sampling = SamplingSettings(max_new_tokens=config.max_new_tokens)
+
+# %%
+population_completions = {}
+for scheme, adapter in initial.items():
+    population = [AdapterWeights(spec, es.perturb(dict(adapter.tensors), m, sigmas)) for m in members]
+    population_completions[scheme] = evaluator.generate([task_instance.prompt(e) for e in examples], population, sampling)
+evaluator.close()
+
+# %% [markdown]
+# Diversity: distinct completions per prompt and the spread of member rewards.
+
+# %%
+member_rewards = {
+    scheme: pd.DataFrame([task_instance.reward_fn([c.text for c in row], examples) for row in rows]).mean(axis=1)
+    for scheme, rows in population_completions.items()
+}
+diversity = pd.DataFrame([
+    {"scheme": scheme,
+     "adapter norm": float(sum((t ** 2).sum() for t in initial[scheme].tensors.values()) ** 0.5),
+     "distinct completions per prompt": sum(len({row[i].text for row in rows}) for i in range(len(examples))) / len(examples),
+     "reward mean": member_rewards[scheme].mean(), "reward std": member_rewards[scheme].std(ddof=0),
+     "reward min": member_rewards[scheme].min(), "reward max": member_rewards[scheme].max()}
+    for scheme, rows in population_completions.items()
+])
+diversity
+
+# %%
+completions_table(
+    {"member": j, "prompt": examples[i].prompt, **{s: population_completions[s][j][i].text for s in initial}}
+    for j in range(len(members)) for i in range(len(examples))
+)
+
+# %% [markdown]
+# Save the adapter of the chosen `init_scheme`; `03_es_stepper` starts from it with
+# `init_adapter_dir` set to this folder.
+
+# %%
+saved = save_adapter(initial[config.init_scheme], init_adapter_dir, base_model=str(model_dir))
+saved
+
+# %%
+reloaded = load_adapter(saved)
+assert reloaded.spec == spec
+assert all(reloaded.tensors[k].equal(initial[config.init_scheme].tensors[k]) for k in shapes)
+assert set(diversity["scheme"]) == {"peft_default", "random_ab"}
+assert all(len(rows) == config.population_size for rows in population_completions.values())
+assert len(per_layer_magnitude) == len(per_layer_sigma) > 0

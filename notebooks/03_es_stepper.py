@@ -1,0 +1,127 @@
+# ---
+# jupyter:
+#   jupytext:
+#     cell_metadata_filter: tags,-all
+#     formats: ipynb,py:percent
+#     notebook_metadata_filter: kernelspec,jupytext
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # ES stepper
+# Fine-tune a LoRA adapter with Evolution Strategies, one generation at a time: step it with the
+# buttons in JupyterLab, or let the loop below run `num_generations` (as papermill does).
+
+# %% tags=["parameters"]
+model: str = "smollm2-135m-instruct"  # model name (smollm2-135m-instruct, tiny-random) or a local folder
+task: str = "conciseness"  # task from the registry (conciseness, countdown, ...)
+population_size: int = 4  # members per generation (even: antithetic pairs)
+num_generations: int = 2  # generations to run in total
+sigma: float = 0.05  # noise std on LoRA weights
+learning_rate: float = 0.2  # ES step size
+fitness_shaping: str = "centered_ranks"  # centered_ranks, z_score, per_prompt or raw
+noise_mode: str = "uniform"  # uniform sigma, or per_layer (sigma x mean |W| of each layer)
+lora_rank: int = 1  # LoRA rank
+init_scheme: str = "peft_default"  # peft_default (B starts at 0) or random_ab
+max_new_tokens: int = 16  # tokens generated per completion
+temperature: float = 0.0  # sampling temperature for the population (0: greedy)
+prompts_per_step: int = 0  # train prompts per generation, drawn by seed (0: all)
+eval_every: int = 1  # score the mean adapter on train and eval prompts every k generations
+seed: int = 0  # master seed (noise, prompt order, sampling)
+max_model_len: int = 512  # longest prompt + completion the engine serves
+kv_cache_gb: float = 0.5  # vLLM KV cache size in GiB (None: from gpu_memory_utilization)
+gpu_memory_utilization: float = 0.85  # vLLM share of GPU memory, used when kv_cache_gb is None
+engine: str = "vllm"  # rollout engine: vllm (one call per population) or hf (transformers + peft)
+init_adapter_dir: str = ""  # start from this saved adapter from 02_lora_initialization (empty: fresh init)
+run_dir: str = "../runs/notebooks/03_es_stepper"  # run folder (relative to the kernel's working directory)
+resume: bool = True  # continue the run in run_dir if it has the same settings
+overwrite: bool = False  # replace a run in run_dir instead of refusing
+figures_dir: str = "../figures"  # where PNG/PDF/SVG figures go
+
+# %%
+from evolm_lib.config import ESConfig
+from evolm_lib.figures import export_figure
+from evolm_lib.lora import load_adapter
+from evolm_lib.plots import completions_table, plot_fitness, plot_time_breakdown
+from evolm_lib.runner import ESRun
+from evolm_lib.runs import list_checkpoints
+from evolm_lib.stepper import ESStepper
+
+config = ESConfig.from_dict(dict(
+    model=model, task=task, population_size=population_size, num_generations=num_generations, sigma=sigma,
+    learning_rate=learning_rate, fitness_shaping=fitness_shaping, noise_mode=noise_mode, lora_rank=lora_rank,
+    init_scheme=init_scheme, max_new_tokens=max_new_tokens, temperature=temperature,
+    prompts_per_step=prompts_per_step or None, eval_every=eval_every, seed=seed, max_model_len=max_model_len,
+    kv_cache_gb=kv_cache_gb, gpu_memory_utilization=gpu_memory_utilization, engine=engine,
+))
+print(config.to_yaml())
+
+# %% [markdown]
+# Open the run: resume it when `run_dir` holds one with the same settings, else create it (this
+# starts the engine and scores the initial adapter as generation 0).
+
+# %%
+if init_adapter_dir and not (resume and list_checkpoints(run_dir)):
+    run = ESRun.create(config, run_dir, overwrite=overwrite, initial_adapter=load_adapter(init_adapter_dir))
+else:
+    run = ESRun.open(config, run_dir, resume=resume, overwrite=overwrite)
+print(f"{run.run_dir}: generation {run.generation}, {run.mean.num_parameters():,} LoRA parameters")
+
+# %% [markdown]
+# The controls: **Step** runs one generation, **Run N** runs N more in the background (**Pause**
+# stops after the current one), **Save checkpoint** writes one now. The plot and the table of
+# best and worst completions update as generations finish.
+
+# %%
+stepper = ESStepper(run)
+stepper
+
+# %% [markdown]
+# The ES loop, written out: ask for members (seeds), evaluate them in one engine call, tell the
+# update, log. Headless (papermill), this is what runs the `num_generations`.
+
+# %%
+for generation in range(run.generation, num_generations):
+    members = run.ask()
+    result = run.evaluate(members)
+    row = run.tell(members, result)
+    stepper.refresh()
+    print(f"generation {row['generation']:3d}  reward mean {row['train/reward_mean']:8.3f}  "
+          f"best {row['train/reward_best']:8.3f}  update norm {row['es/update_norm']:.4f}  "
+          f"{row['time/generation_s']:.1f} s")
+
+# %%
+final_adapter = run.save_final()
+final_adapter
+
+# %%
+fitness = plot_fitness(run.history, title=f"ES on {task} ({model})")
+fitness
+
+# %%
+figure_paths = export_figure(fitness, "es_stepper_fitness", figures_dir)
+figure_paths
+
+# %%
+plot_time_breakdown(run.history)
+
+# %%
+completions_table(
+    {"prompt": example.prompt, "target": example.target, "mean adapter (greedy)": completion}
+    for example, completion in zip(run.train_examples, run.history[-1]["policy/train_completions"])
+)
+
+# %%
+assert len(run.history) == num_generations + 1, len(run.history)
+assert [r["generation"] for r in run.history] == list(range(num_generations + 1))
+assert all(path.stat().st_size > 0 for path in figure_paths) and len(figure_paths) == 3
+assert (final_adapter / "adapter_model.safetensors").exists()
+assert "eval/reward" in run.history[-1]

@@ -1,0 +1,118 @@
+# ---
+# jupyter:
+#   jupytext:
+#     cell_metadata_filter: tags,-all
+#     formats: ipynb,py:percent
+#     notebook_metadata_filter: kernelspec,jupytext
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # ES vs GRPO
+# Compare finished ES and GRPO run folders: reward per sample and per second, reward against KL to
+# the base model, spread across seeds, completions side by side, and the reward at an equal budget.
+#
+# The defaults show the tiny fixture runs in `tests/data/es_vs_grpo/` (tiny-random with a synthetic
+# engine: their numbers mean nothing); point `es_runs` and `grpo_runs` at your own, e.g. the folders
+# `scripts/es_vs_grpo_sweep.py` writes to `runs/es_vs_grpo/`.
+
+# %% tags=["parameters"]
+es_runs: str = "../tests/data/es_vs_grpo/es_*"  # glob of ES run folders (relative to the kernel's working directory)
+grpo_runs: str = "../tests/data/es_vs_grpo/grpo_*"  # glob of GRPO run folders
+reward_key: str = "policy/train_reward"  # reward drawn against samples and time (greedy, current adapter)
+eval_key: str = "eval/reward"  # final reward of the KL scatter, the seed spread and the equal-budget table
+budget_key: str = "samples/completions"  # sample count: samples/completions or samples/tokens
+kl_key: str = "policy/kl"  # KL of the final adapter to the base model, as recorded by the sweep script
+band: str = "minmax"  # band across seeds: minmax or std
+num_examples: int = 4  # held-out prompts shown side by side
+allow_mixed: bool = False  # compare runs with different models, tasks or LoRA layouts anyway
+figures_dir: str = "../figures"  # where PNG/PDF/SVG figures go
+
+# %%
+from evolm_lib.analysis import (
+    describe_runs,
+    equal_budget_table,
+    final_points,
+    load_runs,
+    runs_for_plots,
+    seed_spread_table,
+    side_by_side_completions,
+    split_points_by_kl,
+)
+from evolm_lib.figures import export_figure
+from evolm_lib.plots import plot_reward_vs_kl, plot_reward_vs_samples, plot_reward_vs_time, plot_seed_spread
+
+groups = load_runs([es_runs, grpo_runs], allow_mixed=allow_mixed)
+runs = runs_for_plots(groups)
+figure_paths = []
+describe_runs(groups)
+
+# %% [markdown]
+# Reward of the current adapter (greedy) against the training completions used so far: the mean
+# across seeds, with the band across seeds.
+
+# %%
+reward_vs_samples = plot_reward_vs_samples(runs, x=budget_key, y=reward_key, band=band)
+figure_paths += export_figure(reward_vs_samples, "es_vs_grpo_reward_vs_samples", figures_dir)
+reward_vs_samples
+
+# %% [markdown]
+# The same reward against wall-clock seconds (engine start excluded).
+
+# %%
+reward_vs_time = plot_reward_vs_time(runs, y=reward_key, band=band)
+figure_paths += export_figure(reward_vs_time, "es_vs_grpo_reward_vs_time", figures_dir)
+reward_vs_time
+
+# %% [markdown]
+# Final held-out reward against the KL of the final adapter to the base model, one marker per run;
+# the dashed line is the Pareto front (more reward for less drift). Runs without a recorded KL are
+# left out, with a note.
+
+# %%
+points, kl_note = split_points_by_kl(final_points(groups, reward_key=eval_key, kl_key=kl_key))
+print(kl_note or f"{len(points)} runs with a KL")
+reward_vs_kl = plot_reward_vs_kl(points)
+figure_paths += export_figure(reward_vs_kl, "es_vs_grpo_reward_vs_kl", figures_dir)
+reward_vs_kl
+
+# %% [markdown]
+# Spread across seeds of the final held-out reward; the table gives the ratio of ES's std to each
+# other method's.
+
+# %%
+seed_spread = plot_seed_spread(runs, y=eval_key)
+figure_paths += export_figure(seed_spread, "es_vs_grpo_seed_spread", figures_dir)
+seed_spread
+
+# %%
+spread = seed_spread_table(groups, key=eval_key)
+spread
+
+# %% [markdown]
+# Final greedy completions of every run for the same held-out prompts.
+
+# %%
+side_by_side_completions(groups, example_index=range(num_examples))
+
+# %% [markdown]
+# The fair comparison: each method's held-out reward at the largest sample count every run
+# reached, interpolated between logged points (a method that ran longer gets no credit for it).
+
+# %%
+equal_budget = equal_budget_table(groups, budget_key=budget_key, reward_key=eval_key)
+equal_budget
+
+# %%
+assert "es" in groups and any(label.startswith("grpo") for label in groups), list(groups)
+assert len(figure_paths) == 12 and all(path.stat().st_size > 0 for path in figure_paths)
+assert set(equal_budget.index) == set(groups) and equal_budget.attrs["budget"] > 0
+assert list(spread.index) == list(groups)

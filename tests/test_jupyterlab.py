@@ -1,0 +1,168 @@
+"""The ES stepper in a real JupyterLab, driven by headless Chromium: run all cells, click Step,
+and see the live fitness plot gain a point."""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+STEPPER = REPO / "notebooks" / "03_es_stepper.ipynb"
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync"]
+
+pytestmark = [
+    pytest.mark.browser,
+    pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="needs Debian's chromium at /usr/bin/chromium"),
+]
+
+# The live plot's points, read from plotly.js's own graph div in the stepper's cell.
+MEAN_POINTS_JS = """cell => {
+    const plot = cell.querySelector('.js-plotly-plot');
+    if (!plot || !plot.data) return -1;
+    const mean = plot.data.find(t => t.name === 'mean');
+    return mean && mean.x ? mean.x.length : 0;
+}"""
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _small_copy(folder: Path) -> Path:
+    """The stepper notebook with the CI parameters injected after its parameters cell, as papermill does."""
+    import nbformat
+    from papermill.iorw import load_notebook_node
+    from papermill.parameterize import parameterize_notebook
+
+    from evolm_lib.batch import load_batch_spec
+
+    parameters = dict(load_batch_spec(REPO / "papermill_runs" / "ci_tiny.yaml").parameters)
+    parameters.update(num_generations=1, run_dir=str(folder / "run"), figures_dir=str(folder / "figures"))
+    notebook = parameterize_notebook(load_notebook_node(str(STEPPER)), parameters, kernel_name="python3")
+    notebook.metadata.pop("jupytext", None)  # no paired .py for the copy
+    path = folder / STEPPER.name
+    nbformat.write(notebook, path)
+    return path
+
+
+def _wait_for_server(url: str, process: subprocess.Popen, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"jupyter lab exited with {process.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                json.load(response)
+                return
+        except OSError:
+            time.sleep(0.5)
+    raise TimeoutError(f"jupyter lab did not answer {url} within {timeout} s")
+
+
+@pytest.fixture
+def jupyterlab(tmp_path):
+    """A JupyterLab server on 127.0.0.1 serving a folder with the small stepper notebook."""
+    root = tmp_path / "lab"
+    root.mkdir()
+    notebook = _small_copy(root)
+    port, token = _free_port(), secrets.token_hex(16)
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING",
+           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),  # see tests/test_notebooks.py
+           "JUPYTER_CONFIG_DIR": str(tmp_path / "config"), "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime"),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    log = open(tmp_path / "jupyterlab.log", "w")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "jupyterlab", "--no-browser", "--allow-root", "--ServerApp.ip=127.0.0.1",
+         f"--ServerApp.port={port}", "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}",
+         f"--ServerApp.root_dir={root}", f"--LabApp.user_settings_dir={tmp_path / 'settings'}",
+         f"--LabApp.workspaces_dir={tmp_path / 'workspaces'}", "--LabApp.news_url=",
+         "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"],
+        cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        _wait_for_server(f"{base}/api/status?token={token}", process)
+        yield f"{base}/lab/tree/{notebook.name}?token={token}"
+    finally:
+        try:  # shut kernels down cleanly first, then the process
+            request = urllib.request.Request(f"{base}/api/shutdown?token={token}", method="POST")
+            urllib.request.urlopen(request, timeout=5).close()
+            process.wait(20)
+        except Exception:  # noqa: BLE001
+            pass
+        if process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(10)
+        log.close()
+
+
+def test_step_button_adds_a_point_to_the_live_plot(jupyterlab, tmp_path):
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        try:
+            page.goto(jupyterlab)
+            page.wait_for_selector(".jp-NotebookPanel .jp-Notebook .jp-Cell", timeout=60_000)
+            # the kernel must be up before Run All, or the cells go to a kernel that is being replaced
+            page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=60_000)
+            select_kernel = page.locator(".jp-Dialog button.jp-mod-accept", has_text="Select")
+            try:  # JupyterLab may still ask which kernel to use
+                select_kernel.wait_for(timeout=5_000)
+                select_kernel.click()
+                page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=60_000)
+            except PlaywrightTimeout:
+                pass
+            page.get_by_role("menuitem", name="Run", exact=True).click()
+            page.get_by_role("menuitem", name="Run All Cells", exact=True).click()
+
+            # every code cell done (its prompt shows an execution count, not [*] or blank), or one failed
+            page.wait_for_function(
+                """() => {
+                    const prompts = [...document.querySelectorAll('.jp-CodeCell .jp-InputArea-prompt')];
+                    const failed = [...document.querySelectorAll('.jp-OutputArea-output')]
+                        .some(o => o.textContent.includes('Traceback (most recent call last)'));
+                    return failed || (prompts.length > 0 && prompts.every(p => /\\[\\d+\\]/.test(p.textContent)));
+                }""",
+                timeout=150_000, polling=1000,
+            )
+            failed = page.locator(".jp-OutputArea-output", has_text="Traceback (most recent call last)")
+            assert failed.count() == 0, failed.first.inner_text()
+
+            cell = page.locator(".jp-CodeCell", has=page.locator("button", has_text="Step")).first
+            step = cell.locator("button", has_text="Step").first
+            step.wait_for(timeout=30_000)
+            page.wait_for_function(f"cell => ({MEAN_POINTS_JS})(cell) >= 1", arg=cell.element_handle(),
+                                   timeout=30_000)
+            before = cell.evaluate(MEAN_POINTS_JS)
+            assert before == 1, before  # generation 1 ran in the notebook's loop
+
+            step.click()
+            page.wait_for_function(f"cell => ({MEAN_POINTS_JS})(cell) === {before + 1}",
+                                   arg=cell.element_handle(), timeout=60_000, polling=500)
+            assert cell.evaluate(MEAN_POINTS_JS) == before + 1
+            assert "generation 2" in cell.inner_text()
+            cell.screenshot(path=str(tmp_path / "stepper.png"))  # for a look when debugging
+        except Exception:
+            page.screenshot(path=str(tmp_path / "failure.png"))
+            raise
+        finally:
+            browser.close()

@@ -1,0 +1,278 @@
+"""The notebooks: .py and .ipynb in sync, each runs through papermill on tiny-random, bad parameters
+fail in the config cell with the library's message, and the batch runner gives the same run."""
+from __future__ import annotations
+
+import ast
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from evolm_lib import batch
+
+# Kernels inherit this: on a busy 2-core machine two spinning OpenMP threads per engine make vLLM's
+# LoRA decoding 10-50x slower; one thread avoids it (measured: nbval of notebooks/ 11.5 -> 2.6 min).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+REPO = Path(__file__).resolve().parents[1]
+NOTEBOOKS = REPO / "notebooks"
+SOURCES = sorted(NOTEBOOKS.glob("[0-9][0-9]_*.py"))
+STEPPER = NOTEBOOKS / "03_es_stepper.py"
+CI_SPEC = REPO / "papermill_runs" / "ci_tiny.yaml"
+# the ES settings of CI (tiny-random, population 4, 2 generations): one source for every test here
+CI_PARAMETERS = batch.load_batch_spec(CI_SPEC).parameters
+TINY = {key: CI_PARAMETERS[key] for key in ("model", "max_new_tokens", "max_model_len", "kv_cache_gb")}
+MAGIC = {"png": b"\x89PNG\r\n\x1a\n", "pdf": b"%PDF-"}
+
+
+def test_notebooks_exist():
+    assert [p.stem for p in SOURCES] == ["01_task_inspection", "02_lora_initialization", "03_es_stepper"]
+
+
+# --------------------------------------------------------------------------- static checks
+
+
+def _cells(path: Path) -> list[tuple[str, str]]:
+    import jupytext
+
+    return [(c.cell_type, c.source.strip()) for c in jupytext.read(str(path)).cells]
+
+
+@pytest.mark.parametrize("source", SOURCES, ids=lambda p: p.stem)
+def test_py_and_ipynb_in_sync(source):
+    paired = source.with_suffix(".ipynb")
+    assert paired.exists(), f"{paired.name} missing: run `make sync`"
+    assert _cells(source) == _cells(paired), f"{source.name} and {paired.name} differ: run `make sync`"
+    notebook = json.loads(paired.read_text())
+    assert all(not c.get("outputs") and c.get("execution_count") is None
+               for c in notebook["cells"] if c["cell_type"] == "code"), "commit the .ipynb without outputs"
+    assert notebook["metadata"]["kernelspec"]["name"] == "python3"
+
+
+@pytest.mark.parametrize("source", SOURCES, ids=lambda p: p.stem)
+def test_notebook_shape(source):
+    """Title, ONE parameters cell of typed, commented scalars, a config cell, no definitions."""
+    import jupytext
+
+    cells = jupytext.read(str(source)).cells
+    assert cells[0].cell_type == "markdown" and cells[0].source.startswith("# ")
+    tagged = [i for i, c in enumerate(cells) if "parameters" in c.metadata.get("tags", [])]
+    assert len(tagged) == 1
+    parameters = cells[tagged[0]].source.strip().splitlines()
+    declared = batch.notebook_parameters(source)
+    assert len(declared) == len(parameters), "every line of the parameters cell must parse as a parameter"
+    for line, (name, info) in zip(parameters, declared.items()):
+        assert line.startswith(f"{name}: "), line
+        assert info["inferred_type_name"] in ("str", "int", "float", "bool") and info["help"], line
+    assert "config = ESConfig.from_dict(" in cells[tagged[0] + 1].source
+    for cell in cells:
+        if cell.cell_type == "code":
+            nodes = list(ast.walk(ast.parse(cell.source)))
+            assert not any(isinstance(n, (ast.FunctionDef, ast.ClassDef, ast.Lambda)) for n in nodes), cell.source
+    assert cells[-1].cell_type == "code" and cells[-1].source.count("assert ") >= 2
+
+
+# --------------------------------------------------------------------------- papermill runs
+
+
+def _execute(notebook: Path, output: Path, parameters: dict) -> Path:
+    started = time.perf_counter()
+    batch.execute_notebook(notebook, output, parameters, cwd=REPO)
+    print(f"{notebook.name}: {time.perf_counter() - started:.1f} s")
+    return output
+
+
+def _errors(executed: Path) -> list[dict]:
+    notebook = json.loads(executed.read_text())
+    return [o for c in notebook["cells"] for o in c.get("outputs", []) if o.get("output_type") == "error"]
+
+
+@pytest.mark.slow
+def test_task_inspection_runs(tmp_path):
+    executed = _execute(NOTEBOOKS / "01_task_inspection.py", tmp_path / "01.ipynb", {**TINY, "num_examples": 4})
+    assert not _errors(executed)
+
+
+@pytest.mark.slow
+def test_lora_initialization_runs_and_saves_adapter(tmp_path):
+    from evolm_lib.lora import load_adapter
+
+    adapter_dir = tmp_path / "init_adapter"
+    executed = _execute(NOTEBOOKS / "02_lora_initialization.py", tmp_path / "02.ipynb",
+                        {**TINY, "population_size": 4, "init_scheme": "random_ab", "init_adapter_dir": str(adapter_dir)})
+    assert not _errors(executed)
+    adapter = load_adapter(adapter_dir)
+    assert adapter.spec.rank == 1 and any(".lora_B." in k and v.abs().sum() > 0 for k, v in adapter.tensors.items())
+
+
+@pytest.fixture(scope="module")
+def stepper_run(tmp_path_factory):
+    """03_es_stepper run once by papermill with the CI settings."""
+    out = tmp_path_factory.mktemp("stepper")
+    parameters = {**CI_PARAMETERS, "run_dir": str(out / "run"), "figures_dir": str(out / "figures")}
+    executed = _execute(STEPPER, out / "notebook.ipynb", parameters)
+    return out, executed
+
+
+@pytest.mark.slow
+def test_es_stepper_papermill_run(stepper_run):
+    out, executed = stepper_run
+    assert executed.stat().st_size < 1_000_000, "widget state or large outputs leaked into the notebook"
+    assert not _errors(executed)
+    run_dir = out / "run"
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["generation"] for r in rows] == list(range(CI_PARAMETERS["num_generations"] + 1))
+    assert (run_dir / "config.yaml").exists() and (run_dir / "final_adapter" / "adapter_model.safetensors").exists()
+    figures = {p.suffix[1:]: p for p in (out / "figures").iterdir()}
+    assert sorted(figures) == ["pdf", "png", "svg"]
+    for fmt, magic in MAGIC.items():
+        assert figures[fmt].read_bytes().startswith(magic), fmt
+    assert b"<svg" in figures["svg"].read_bytes()[:500]
+
+
+def _run_files(run_dir: Path) -> list[str]:
+    return sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*") if p.is_file())
+
+
+def _rewards(run_dir: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    keep = ("generation", "train/", "policy/train_reward", "eval/", "es/rewards", "best_completions")
+    return [{k: v for k, v in r.items() if k.startswith(keep)} for r in rows]
+
+
+@pytest.mark.slow
+def test_batch_cli_gives_the_same_run(stepper_run, tmp_path):
+    from safetensors.torch import load_file
+
+    out, _ = stepper_run
+    results = batch.run_batch(CI_SPEC, tmp_path / "batch")
+    assert [r.status for r in results] == ["ok"], results[0].error
+    batch_run = results[0].folder / "run"
+    assert _run_files(batch_run) == _run_files(out / "run")
+    assert _rewards(batch_run) == _rewards(out / "run")
+    ours = load_file(str(out / "run" / "final_adapter" / "adapter_model.safetensors"))
+    theirs = load_file(str(batch_run / "final_adapter" / "adapter_model.safetensors"))
+    assert ours.keys() == theirs.keys() and all(ours[k].equal(theirs[k]) for k in ours)
+    assert sorted(p.suffix for p in (results[0].folder / "figures").iterdir()) == [".pdf", ".png", ".svg"]
+
+
+# --------------------------------------------------------------------------- bad parameters
+
+BAD = [
+    ("01_task_inspection", {"task": "no-such-task"}, "task: unknown task 'no-such-task'"),
+    ("02_lora_initialization", {"sigma": -0.5}, "sigma: Input should be greater than 0"),
+    ("03_es_stepper", {"model": "no-such-model"}, "model: unknown model 'no-such-model'"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stem, parameters, message", BAD, ids=[b[0] for b in BAD])
+def test_bad_parameters_fail_in_config_cell(tmp_path, stem, parameters, message):
+    from papermill.exceptions import PapermillExecutionError
+
+    with pytest.raises(PapermillExecutionError) as caught:
+        batch.execute_notebook(NOTEBOOKS / f"{stem}.py", tmp_path / "out.ipynb", {**TINY, **parameters})
+    error = caught.value
+    assert error.ename == "ConfigError"
+    assert error.evalue.startswith("invalid ESConfig: ") and message in error.evalue
+    assert "config = ESConfig.from_dict(" in error.source  # the config cell, before any engine starts
+
+
+@pytest.mark.slow
+def test_batch_cli_reports_bad_parameters_per_run(tmp_path, capsys):
+    spec = tmp_path / "bad.yaml"
+    spec.write_text(json.dumps({"notebook": str(STEPPER), "name": "bad", "parameters": CI_PARAMETERS,
+                                "grid": {"sigma": [-1.0, 0.0]}}))  # JSON is YAML
+    code = batch.main([str(spec), "--out", str(tmp_path / "out")])
+    printed = capsys.readouterr().out
+    assert code == 1 and "0 ok, 2 failed" in printed
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert [r["name"] for r in summary["runs"]] == ["bad__sigma--1", "bad__sigma-0"]
+    for run in summary["runs"]:
+        assert run["status"] == "failed"
+        assert run["error"].startswith("ConfigError: invalid ESConfig: sigma: Input should be greater than 0")
+        line = next(line for line in printed.splitlines() if line.startswith(run["name"] + " "))
+        assert "failed" in line and "ConfigError: invalid ESConfig: sigma" in line
+
+
+# --------------------------------------------------------------------------- the stepper widgets
+
+
+class FakeRun:
+    """Just enough of ESRun for the stepper: generations that take a little time."""
+
+    def __init__(self, seconds: float = 0.0):
+        self.seconds = seconds
+        self.generation = 0
+        self.history = [{"generation": 0, "policy/train_reward": -10.0, "eval/reward": -12.0}]
+        self.checkpoints = []
+
+    def step(self) -> dict:
+        time.sleep(self.seconds)
+        self.generation += 1
+        g = float(self.generation)
+        row = {"generation": self.generation, "train/reward_mean": -10 + g, "train/reward_best": -8 + g,
+               "train/reward_worst": -12 + g, "train/reward_p20": -11 + g, "train/reward_p80": -9 + g,
+               "policy/train_reward": -9 + g, "eval/reward": -11 + g, "prompts": ["Solve: 3 + 5 ="],
+               "best_completions": ["8"], "worst_completions": ["<b>eight</b>"]}
+        self.history.append(row)
+        return row
+
+    def run(self, num_generations, callback=None, should_stop=None):
+        rows = []
+        while self.generation < num_generations:
+            if should_stop is not None and should_stop():
+                break
+            rows.append(self.step())
+            if callback is not None:
+                callback(rows[-1])
+        return rows
+
+    def save_checkpoint(self):
+        self.checkpoints.append(self.generation)
+        return Path(f"checkpoints/{self.generation:06d}")
+
+
+def _mean_points(stepper) -> int:
+    return len(next(t for t in stepper.figure.data if t.name == "mean").x)
+
+
+def test_stepper_step_run_pause_and_save():
+    from evolm_lib.stepper import ESStepper
+
+    run = FakeRun(seconds=0.05)
+    stepper = ESStepper(run)
+    assert _mean_points(stepper) == 0 and "generation 0" in stepper.status.value
+    stepper.step_button.click()
+    assert not stepper.start(1), "a second start while running must be ignored"
+    assert stepper.step_button.disabled and not stepper.pause_button.disabled
+    stepper.wait(10)
+    assert run.generation == 1 and _mean_points(stepper) == 1
+    assert "generation 1" in stepper.status.value and not stepper.step_button.disabled
+    assert "&lt;b&gt;eight&lt;/b&gt;" in stepper.table.value  # completions are escaped
+
+    stepper.count.value = 1000
+    stepper.run_button.click()
+    time.sleep(0.2)
+    stepper.pause_button.click()
+    stepper.wait(10)
+    assert 1 < run.generation < 1000 and "paused" in stepper.status.value
+    assert _mean_points(stepper) == run.generation
+
+    stepper.save_button.click()
+    assert run.checkpoints == [run.generation] and "checkpoint saved" in stepper.status.value
+    assert "application/vnd.jupyter.widget-view+json" in stepper._repr_mimebundle_()
+
+
+def test_stepper_shows_errors_of_the_background_thread():
+    from evolm_lib.stepper import ESStepper
+
+    run = FakeRun()
+    run.step = lambda: 1 / 0  # noqa: E731 - a generation that fails
+    stepper = ESStepper(run)
+    stepper.start(3)
+    stepper.wait(10)
+    assert isinstance(stepper.error, ZeroDivisionError) and "ZeroDivisionError" in stepper.status.value
+    assert not stepper.step_button.disabled
