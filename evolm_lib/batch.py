@@ -30,7 +30,7 @@ from typing import Any
 import yaml
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-SPEC_KEYS = ("notebook", "parameters", "grid", "name", "kernel")
+SPEC_KEYS = ("notebook", "parameters", "grid", "name", "kernel", "sweep")  # sweep: read by scripts/es_vs_grpo_sweep.py only
 INJECTED = ("run_dir", "figures_dir")  # filled in by the runner, per run
 NOTEBOOK_FILE = "notebook.ipynb"
 

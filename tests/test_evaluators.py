@@ -259,7 +259,7 @@ SMOL_PROMPTS = [Prompt.user("What is 2+3?"), Prompt.user("Name a colour."), Prom
 @pytest.fixture(scope="module")
 def smollm2_vllm(smollm2_dir):
     """ONE SmolLM2 engine for the module's slow tests."""
-    evaluator = VLLMEvaluator(str(smollm2_dir), max_loras=4, max_lora_rank=8, max_model_len=512)
+    evaluator = VLLMEvaluator(str(smollm2_dir), max_loras=4, max_lora_rank=8, max_model_len=512, kv_cache_gb=0.25)
     yield evaluator
     evaluator.close()
 

@@ -363,8 +363,7 @@ def test_two_generations_on_vllm_tiny_random(tmp_path):
                       learning_rate=0.05, temperature=0.7, seed=1)
     # On CPU vLLM sizes the KV cache as utilization x node RAM minus this process's RSS, which alone
     # is ~1 GiB in a test process: 0.04 goes negative. An explicit 64 MiB KV cache skips that sum.
-    evaluator = VLLMEvaluator("tiny-random", max_lora_rank=1, max_loras=5, gpu_memory_utilization=0.04,
-                              max_model_len=256, engine_kwargs={"kv_cache_memory_bytes": 64 * 2**20})
+    evaluator = VLLMEvaluator("tiny-random", max_lora_rank=1, max_loras=5, max_model_len=256, kv_cache_gb=0.0625)
     try:
         run = ESRun.create(config, tmp_path / "run", evaluator=evaluator)
         rows = run.run()
