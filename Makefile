@@ -5,6 +5,8 @@ export VLLM_LOGGING_LEVEL ?= WARNING
 export TOKENIZERS_PARALLELISM ?= false
 # Spinning OpenMP threads starve the engine on a busy 2-core machine (one HF call: 154 s instead of 8 s).
 export OMP_WAIT_POLICY ?= PASSIVE
+# vLLM's CPU worker binds its own threads; extra OpenMP threads made LoRA decoding 10-50x slower here.
+export OMP_NUM_THREADS ?= 1
 
 .PHONY: setup demo test test-fast benchmark sync figures clean
 

@@ -161,6 +161,8 @@ class ESConfig(CommonConfig):
     "noise std on LoRA weights (per_layer mode: a multiplier on each layer's mean |W|)"
     noise_mode: Literal["uniform", "per_layer"] = "uniform"
     "one sigma for every tensor, or sigma x mean |W| of each layer"
+    noise_device: Literal["cpu", "cuda"] = "cpu"
+    "where noise is drawn: cpu (same bits on every machine) or cuda (faster for large adapters; GPU-only bits)"
     fitness_shaping: Literal["centered_ranks", "z_score", "per_prompt", "raw"] = "centered_ranks"
     "reward shaping before the update"
     gradient_form: Literal["qiu", "textbook"] = "qiu"

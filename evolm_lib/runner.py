@@ -158,7 +158,8 @@ class ESRun:
 
     def member_adapters(self, members: Sequence[es.Member]) -> list[AdapterWeights]:
         """Mean adapter + sigma * regenerated noise, one per member."""
-        return [AdapterWeights(self.mean.spec, es.perturb(dict(self.mean.tensors), m, self.sigmas)) for m in members]
+        device = self.config.noise_device
+        return [AdapterWeights(self.mean.spec, es.perturb(dict(self.mean.tensors), m, self.sigmas, device)) for m in members]
 
     def batch_examples(self, generation: int) -> list[Example]:
         """Train prompts of a generation (all, or a seeded draw of ``prompts_per_step``)."""
@@ -198,7 +199,9 @@ class ESRun:
         timing = dict(result.timing)
         with timed(timing, "update_s"):
             weights = es.shape_fitness(config.fitness_shaping, result.rewards)
-            gradient = es.es_gradient(members, weights, self.shapes, self.sigmas, form=config.gradient_form)
+            gradient = es.es_gradient(members, weights, self.shapes, self.sigmas, form=config.gradient_form,
+                                      noise_device=config.noise_device)
+            gradient = {k: v.to(self.mean.tensors[k].device) for k, v in gradient.items()}
             new_params, self.optimizer_state = es.apply_update(
                 self.optimizer_config, self.optimizer_state, dict(self.mean.tensors), gradient
             )

@@ -37,7 +37,11 @@ def prepare_run_dir(run_dir: str | Path, overwrite: bool = False) -> Path:
     """Create an empty run folder; refuse an existing non-empty one unless ``overwrite``."""
     run_dir = Path(run_dir)
     if run_dir.exists() and any(run_dir.iterdir()):
-        if not overwrite:
+        # Only config.yaml and no finished generation: a creation that failed before its first
+        # checkpoint (e.g. the engine did not start). Nothing to lose; reuse the folder.
+        aborted = not list_checkpoints(run_dir) and not read_metrics(run_dir) and \
+            {p.name for p in run_dir.iterdir()} <= {"config.yaml", CHECKPOINTS}
+        if not overwrite and not aborted:
             raise RunFolderExists(
                 f"run folder {run_dir} already holds a run: resume it, pick another folder, or pass overwrite=True"
             )

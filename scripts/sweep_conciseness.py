@@ -27,6 +27,8 @@ VARIANTS = {
     "C_sigma0.03": {"sigma": 0.03, "learning_rate": 0.12},
     "D_ratio2": {"learning_rate": 0.1},
     "E_ratio8": {"learning_rate": 0.4},
+    "E_ratio8_seed1": {"learning_rate": 0.4, "seed": 1},
+    "E_ratio8_seed2": {"learning_rate": 0.4, "seed": 2},
     "F_pop8": {"population_size": 8},
     "G_zscore": {"fitness_shaping": "z_score"},
     "H_random_ab": {"init_scheme": "random_ab", "init_scale": 0.1},

@@ -15,6 +15,7 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 # Sleeping, not spinning, OpenMP waits: on a busy 2-core machine spinning threads made one HF
 # generate call about 20 times slower (154 s instead of 8 s). Set before torch loads libgomp.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # vLLM binds its own threads; more made decoding 10-50x slower here
 
 TINY_MAX_LORAS = 8
 TINY_MAX_LORA_RANK = 8

@@ -28,7 +28,7 @@ MAGIC = {"png": b"\x89PNG\r\n\x1a\n", "pdf": b"%PDF-"}
 
 
 def test_notebooks_exist():
-    assert [p.stem for p in SOURCES] == ["01_task_inspection", "02_lora_initialization", "03_es_stepper"]
+    assert [p.stem for p in SOURCES] == ["01_task_inspection", "02_lora_initialization", "03_es_stepper", "04_es_vs_grpo"]
 
 
 # --------------------------------------------------------------------------- static checks
@@ -66,7 +66,9 @@ def test_notebook_shape(source):
     for line, (name, info) in zip(parameters, declared.items()):
         assert line.startswith(f"{name}: "), line
         assert info["inferred_type_name"] in ("str", "int", "float", "bool") and info["help"], line
-    assert "config = ESConfig.from_dict(" in cells[tagged[0] + 1].source
+    # the cell after the parameters validates them with the library (a config, or the runs to compare)
+    build = cells[tagged[0] + 1].source
+    assert "config = ESConfig.from_dict(" in build or "groups = load_runs(" in build, build
     for cell in cells:
         if cell.cell_type == "code":
             nodes = list(ast.walk(ast.parse(cell.source)))
