@@ -136,8 +136,10 @@ class VLLMEvaluator:
     """One vLLM engine with LoRA enabled; every (adapter x prompt) request of a call goes into ONE generate."""
 
     # vLLM keeps process-wide state (parallel groups) that shutting one engine down tears down for
-    # every other engine in the process: only the last live engine shuts down.
+    # every other engine in the process, and an engine that is garbage-collected shuts down by
+    # itself: closed engines are kept (not collected) until the last live one closes.
     _live_engines = 0
+    _retired: list = []
 
     def __init__(
         self,
@@ -331,11 +333,14 @@ class VLLMEvaluator:
         llm = getattr(self, "llm", None)
         if llm is not None:
             VLLMEvaluator._live_engines -= 1
+            VLLMEvaluator._retired.append(llm)
             if VLLMEvaluator._live_engines == 0:
-                try:
-                    llm.llm_engine.engine_core.shutdown()
-                except Exception:
-                    pass
+                for engine in VLLMEvaluator._retired:
+                    try:
+                        engine.llm_engine.engine_core.shutdown()
+                    except Exception:
+                        pass
+                VLLMEvaluator._retired.clear()
             self.llm = None
         import gc
 
