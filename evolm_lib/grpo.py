@@ -27,7 +27,7 @@ from .evaluators import Evaluator, SamplingSettings, make_evaluator
 from .grpo_primitives import compute_group_normalized_rewards, grpo_microbatch_train_step
 from .lora import AdapterWeights, adapter_shapes, base_weight_magnitudes, init_adapter, save_adapter
 from .models import resolve_model
-from .runner import _derive, _percentile, load_run_config
+from .runner import RunLoop, _derive, _percentile, load_run_config
 from .runs import (
     append_metrics,
     list_checkpoints,
@@ -311,7 +311,7 @@ class PolicyTrainer:
 # ---------------------------------------------------------------------------- the run
 
 
-class GRPORun:
+class GRPORun(RunLoop):
     """One GRPO run bound to a run folder, with ESRun's API; ``generation`` counts steps done."""
 
     kind = "grpo"
@@ -354,7 +354,7 @@ class GRPORun:
         evaluator = evaluator or make_evaluator(config, max_loras=1)  # one policy adapter per call
         trainer = PolicyTrainer(model_dir, initial_adapter, config)
         run = cls(config, run_dir, evaluator, task, trainer, 0, {}, [], model_dir)
-        row = {"step": 0, "generation": 0, "method": "grpo", "seed": config.seed, **run._score_policy(),
+        row = {"step": 0, "generation": 0, "method": "grpo", "seed": config.seed, **run._score_current(),
                **run._sample_counters()}
         row["time/wall_s"] = run._wall()
         run._commit(row)
@@ -481,11 +481,9 @@ class GRPORun:
         gap = _engine_logprob_gap(completions, first_pass, config)
         if gap is not None:
             row["grpo/engine_logprob_gap"] = gap
-        last = config.num_steps if step <= config.num_steps else step
-        due = config.eval_every and step % config.eval_every == 0
         with timed(timing, "eval_s"):
-            if due or step == last:
-                row.update(self._score_policy())
+            if self._scoring_due():
+                row.update(self._score_current())
         row.update(self._sample_counters())
         for key, value in timing.items():
             row[f"time/{key}"] = value
@@ -494,50 +492,14 @@ class GRPORun:
         self._commit(row)
         return row
 
-    def run(self, num_steps: int | None = None, callback: Callable[[dict], None] | None = None,
-            should_stop: Callable[[], bool] | None = None) -> list[dict]:
-        """Run steps up to ``num_steps`` in total (default: the config's); returns the new rows."""
-        target = num_steps if num_steps is not None else self.config.num_steps
-        rows = []
-        while self.generation < target:
-            if should_stop is not None and should_stop():
-                break
-            rows.append(self.step())
-            if callback is not None:
-                callback(rows[-1])
-        return rows
-
     # --- helpers --------------------------------------------------------------------------------
-    def _score_policy(self) -> dict:
-        train, held_out = score_adapters(
-            self.evaluator, self.task, self.policy, [self.train_examples, self.eval_examples], self.config.max_new_tokens
-        )
-        self.counters["eval_completions"] = self.counters.get("eval_completions", 0) + len(train.rewards) + len(held_out.rewards)
-        return {
-            "policy/train_reward": train.mean,
-            "eval/reward": held_out.mean,
-            "policy/train_completions": [c.text for c in train.completions],
-            "policy/eval_completions": [c.text for c in held_out.completions],
-            "policy/train_tokens": train.num_tokens,
-        }
+    def _budget(self) -> int:
+        return self.config.num_steps
 
-    def _sample_counters(self) -> dict:
-        return {
-            "samples/completions": self.counters.get("completions", 0),
-            "samples/tokens": self.counters.get("tokens", 0),
-            "samples/eval_completions": self.counters.get("eval_completions", 0),
-        }
-
-    def _wall(self) -> float:
-        self.counters["wall_s"] = self._wall_at_start + time.perf_counter() - self._started
-        return self.counters["wall_s"]
-
-    def _commit(self, row: dict) -> None:
-        """Checkpoint first, then the metrics line: a kill in between reruns nothing finished."""
-        if self.generation % self.config.checkpoint_every == 0 or self.generation >= self.config.num_steps:
-            self.save_checkpoint(row)
-        append_metrics(self.run_dir, row)
-        self.history.append(row)
+    @property
+    def adapter(self) -> AdapterWeights:
+        """The adapter the run moves (the GRPO policy)."""
+        return self.policy
 
     def save_checkpoint(self, row: dict | None = None) -> Path:
         """Write a checkpoint of the current step now: adapter, AdamW state, counters."""

@@ -58,7 +58,64 @@ def _percentile(values: torch.Tensor, q: float) -> float:
     return float(torch.quantile(values.double(), q))
 
 
-class ESRun:
+class RunLoop:
+    """What ES and GRPO runs share: the loop driver, greedy scoring of the current adapter,
+    sample counters, wall clock, and checkpoint-then-log commits. Subclasses provide ``step()``,
+    ``adapter``, ``_budget()`` and ``save_checkpoint(row)``."""
+
+    def run(self, num_generations: int | None = None, callback: Callable[[dict], None] | None = None,
+            should_stop: Callable[[], bool] | None = None) -> list[dict]:
+        """Run generations (ES) or steps (GRPO) up to this total (default: the config's); returns the new rows."""
+        target = num_generations if num_generations is not None else self._budget()
+        rows = []
+        while self.generation < target:
+            if should_stop is not None and should_stop():
+                break
+            rows.append(self.step())
+            if callback is not None:
+                callback(rows[-1])
+        return rows
+
+    def _score_current(self) -> dict:
+        """Greedy reward of the current adapter on the train and eval prompts, in one engine call."""
+        train, held_out = score_adapters(
+            self.evaluator, self.task, self.adapter, [self.train_examples, self.eval_examples], self.config.max_new_tokens
+        )
+        self.counters["eval_completions"] = self.counters.get("eval_completions", 0) + len(train.rewards) + len(held_out.rewards)
+        return {
+            "policy/train_reward": train.mean,
+            "eval/reward": held_out.mean,
+            "policy/train_completions": [c.text for c in train.completions],
+            "policy/eval_completions": [c.text for c in held_out.completions],
+            "policy/train_tokens": train.num_tokens,
+        }
+
+    def _scoring_due(self) -> bool:
+        """Score every ``eval_every`` generations/steps, and always at the end of the budget."""
+        last = max(self._budget(), self.generation)
+        every = self.config.eval_every
+        return bool(every and self.generation % every == 0) or self.generation == last
+
+    def _sample_counters(self) -> dict:
+        return {
+            "samples/completions": self.counters.get("completions", 0),
+            "samples/tokens": self.counters.get("tokens", 0),
+            "samples/eval_completions": self.counters.get("eval_completions", 0),
+        }
+
+    def _wall(self) -> float:
+        self.counters["wall_s"] = self._wall_at_start + time.perf_counter() - self._started
+        return self.counters["wall_s"]
+
+    def _commit(self, row: dict) -> None:
+        """Checkpoint first, then the metrics line: a kill in between reruns nothing finished."""
+        if self.generation % self.config.checkpoint_every == 0 or self.generation >= self._budget():
+            self.save_checkpoint(row)
+        append_metrics(self.run_dir, row)
+        self.history.append(row)
+
+
+class ESRun(RunLoop):
     """One ES run bound to a run folder. ``step()`` is ask -> evaluate -> tell."""
 
     kind = "es"
@@ -103,7 +160,7 @@ class ESRun:
         evaluator = evaluator or make_evaluator(config, max_loras=config.population_size + 1)
         state = es.init_optimizer_state(config.optimizer_config(), dict(initial_adapter.tensors))
         run = cls(config, run_dir, evaluator, task, initial_adapter, state, 0, {}, [], model_dir)
-        row = {"generation": 0, "method": "es", "seed": config.seed, **run._score_mean(final=True), **run._sample_counters()}
+        row = {"generation": 0, "method": "es", "seed": config.seed, **run._score_current(), **run._sample_counters()}
         row["time/wall_s"] = run._wall()
         run._commit(row)
         return run
@@ -230,11 +287,9 @@ class ESRun:
             "worst_completions": [c.text for c in result.completions[worst]],
             "prompts": [e.prompt for e in result.examples],
         }
-        last = config.num_generations if self.generation <= config.num_generations else self.generation
-        due = config.eval_every and self.generation % config.eval_every == 0
         with timed(timing, "eval_s"):
-            if due or self.generation == last:
-                row.update(self._score_mean(final=True))
+            if self._scoring_due():
+                row.update(self._score_current())
         row.update(self._sample_counters())
         for key, value in timing.items():
             row[f"time/{key}"] = value
@@ -248,50 +303,14 @@ class ESRun:
         members = self.ask()
         return self.tell(members, self.evaluate(members))
 
-    def run(self, num_generations: int | None = None, callback: Callable[[dict], None] | None = None,
-            should_stop: Callable[[], bool] | None = None) -> list[dict]:
-        """Run generations up to ``num_generations`` in total (default: the config's); returns the new rows."""
-        target = num_generations if num_generations is not None else self.config.num_generations
-        rows = []
-        while self.generation < target:
-            if should_stop is not None and should_stop():
-                break
-            rows.append(self.step())
-            if callback is not None:
-                callback(rows[-1])
-        return rows
-
     # --- helpers --------------------------------------------------------------------------------
-    def _score_mean(self, final: bool = False) -> dict:
-        train, held_out = score_adapters(
-            self.evaluator, self.task, self.mean, [self.train_examples, self.eval_examples], self.config.max_new_tokens
-        )
-        self.counters["eval_completions"] = self.counters.get("eval_completions", 0) + len(train.rewards) + len(held_out.rewards)
-        return {
-            "policy/train_reward": train.mean,
-            "eval/reward": held_out.mean,
-            "policy/train_completions": [c.text for c in train.completions],
-            "policy/eval_completions": [c.text for c in held_out.completions],
-            "policy/train_tokens": train.num_tokens,
-        }
+    def _budget(self) -> int:
+        return self.config.num_generations
 
-    def _sample_counters(self) -> dict:
-        return {
-            "samples/completions": self.counters.get("completions", 0),
-            "samples/tokens": self.counters.get("tokens", 0),
-            "samples/eval_completions": self.counters.get("eval_completions", 0),
-        }
-
-    def _wall(self) -> float:
-        self.counters["wall_s"] = self._wall_at_start + time.perf_counter() - self._started
-        return self.counters["wall_s"]
-
-    def _commit(self, row: dict) -> None:
-        """Checkpoint first, then the metrics line: a kill in between reruns nothing finished."""
-        if self.generation % self.config.checkpoint_every == 0 or self.generation >= self.config.num_generations:
-            self.save_checkpoint(row)
-        append_metrics(self.run_dir, row)
-        self.history.append(row)
+    @property
+    def adapter(self) -> AdapterWeights:
+        """The adapter the run moves (the ES mean)."""
+        return self.mean
 
     def save_checkpoint(self, row: dict | None = None) -> Path:
         """Write a checkpoint of the current generation now."""
