@@ -16,29 +16,18 @@ import contextlib
 import math
 import time
 from pathlib import Path
-from typing import Callable, Literal, Optional, Sequence
+from typing import Literal, Optional, Sequence
 
 import torch
 from pydantic import Field, ValidationInfo, field_validator
 
-from .config import CommonConfig, ConfigError
-from .evaluation import score_adapters
+from .config import CommonConfig
 from .evaluators import Evaluator, SamplingSettings, make_evaluator
 from .grpo_primitives import compute_group_normalized_rewards, grpo_microbatch_train_step
-from .lora import AdapterWeights, adapter_shapes, base_weight_magnitudes, init_adapter, save_adapter
+from .lora import AdapterWeights, save_adapter
 from .models import resolve_model
-from .runner import RunLoop, _derive, _percentile, load_run_config
-from .runs import (
-    append_metrics,
-    list_checkpoints,
-    load_checkpoint,
-    prepare_run_dir,
-    read_config_kind,
-    read_metrics,
-    rewrite_metrics,
-    timed,
-    write_checkpoint,
-)
+from .runner import RunLoop, _derive, _percentile
+from .runs import timed, write_checkpoint
 from .tasks import Example, Task, get_task
 from .types import Completion
 
@@ -315,6 +304,7 @@ class GRPORun(RunLoop):
     """One GRPO run bound to a run folder, with ESRun's API; ``generation`` counts steps done."""
 
     kind = "grpo"
+    config_class = GRPOConfig
 
     def __init__(self, config: GRPOConfig, run_dir: Path, evaluator: Evaluator, task: Task, trainer: PolicyTrainer,
                  generation: int, counters: dict, history: list[dict], model_dir: Path):
@@ -338,19 +328,7 @@ class GRPORun(RunLoop):
     def create(cls, config: GRPOConfig, run_dir: str | Path, *, evaluator: Evaluator | None = None,
                overwrite: bool = False, initial_adapter: AdapterWeights | None = None) -> "GRPORun":
         """Start a new run in an empty folder (an existing run is refused unless ``overwrite``)."""
-        task = get_task(config.task, **config.task_options)
-        model_dir = resolve_model(config.model)
-        spec = config.lora_spec()
-        shapes = adapter_shapes(model_dir, spec)  # bad targets / layers fail here, before any engine
-        if initial_adapter is not None and initial_adapter.spec != spec:
-            raise ConfigError(f"initial adapter spec {initial_adapter.spec} differs from the config's {spec}")
-        run_dir = prepare_run_dir(run_dir, overwrite)
-        config.to_yaml(run_dir / "config.yaml")
-        with open(run_dir / "config.yaml", "a") as handle:
-            handle.write(f"kind: {cls.kind}\n")
-        if initial_adapter is None:
-            magnitudes = base_weight_magnitudes(model_dir, spec) if config.init_scheme == "random_ab" else None
-            initial_adapter = init_adapter(spec, shapes, config.init_scheme, config.seed, magnitudes, config.init_scale)
+        task, model_dir, run_dir, initial_adapter = cls._start_folder(config, run_dir, overwrite, initial_adapter)
         evaluator = evaluator or make_evaluator(config, max_loras=1)  # one policy adapter per call
         trainer = PolicyTrainer(model_dir, initial_adapter, config)
         run = cls(config, run_dir, evaluator, task, trainer, 0, {}, [], model_dir)
@@ -363,42 +341,13 @@ class GRPORun(RunLoop):
     @classmethod
     def resume(cls, run_dir: str | Path, *, evaluator: Evaluator | None = None) -> "GRPORun":
         """Continue a run from its latest checkpoint; it ends as if never interrupted."""
-        run_dir = Path(run_dir)
-        _check_kind(run_dir)
-        config = load_run_config(run_dir, GRPOConfig)
-        checkpoints = list_checkpoints(run_dir)
-        if not checkpoints:
-            raise FileNotFoundError(f"{run_dir} holds no checkpoint to resume from")
-        adapter, optimizer_tensors, state = load_checkpoint(checkpoints[-1])
-        if adapter.spec != config.lora_spec():
-            raise ConfigError(f"checkpoint adapter {adapter.spec} does not match config {config.lora_spec()}")
-        step = int(state["generation"])
-        # Rows past the checkpoint come from a step whose checkpoint never landed: it reruns.
-        rows = [r for r in read_metrics(run_dir) if r.get("generation", -1) <= step]
-        if not rows or rows[-1].get("generation") != step:
-            rows.append(state["row"])
-        rewrite_metrics(run_dir, rows)
+        config, adapter, optimizer_tensors, step, counters, rows = cls._load_latest(Path(run_dir))
         model_dir = resolve_model(config.model)
         task = get_task(config.task, **config.task_options)
         trainer = PolicyTrainer(model_dir, adapter, config)
         trainer.load_optimizer_tensors(optimizer_tensors)
         evaluator = evaluator or make_evaluator(config, max_loras=1)  # one policy adapter per call
-        return cls(config, run_dir, evaluator, task, trainer, step, dict(state["counters"]), rows, model_dir)
-
-    @classmethod
-    def open(cls, config: GRPOConfig, run_dir: str | Path, *, resume: bool = True, overwrite: bool = False,
-             evaluator: Evaluator | None = None) -> "GRPORun":
-        """Resume the run in ``run_dir`` if it holds one with the same settings, else create it."""
-        run_dir = Path(run_dir)
-        if resume and list_checkpoints(run_dir):
-            _check_kind(run_dir)
-            existing = load_run_config(run_dir, GRPOConfig)
-            if existing != config:
-                changed = sorted(k for k, v in config.to_dict().items() if existing.to_dict().get(k) != v)
-                raise ConfigError(f"{run_dir} holds a run with other settings ({', '.join(changed)}); "
-                                  "use another run_dir or overwrite=True")
-            return cls.resume(run_dir, evaluator=evaluator)
-        return cls.create(config, run_dir, evaluator=evaluator, overwrite=overwrite)
+        return cls(config, Path(run_dir), evaluator, task, trainer, step, counters, rows, model_dir)
 
     # --- the loop ------------------------------------------------------------------------------
     def batch_examples(self, step: int) -> list[Example]:
@@ -517,12 +466,6 @@ class GRPORun(RunLoop):
         if self.evaluator is not None:
             self.evaluator.close()
         self.trainer = None
-
-
-def _check_kind(run_dir: Path) -> None:
-    kind = read_config_kind(run_dir)
-    if kind != GRPORun.kind:
-        raise ConfigError(f"{run_dir} holds a {kind!r} run, not a GRPO run")
 
 
 def _engine_logprob_gap(completions: Sequence[Completion], first_pass: list[tuple[torch.Tensor, torch.Tensor]],

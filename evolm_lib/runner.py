@@ -63,6 +63,70 @@ class RunLoop:
     sample counters, wall clock, and checkpoint-then-log commits. Subclasses provide ``step()``,
     ``adapter``, ``_budget()`` and ``save_checkpoint(row)``."""
 
+    kind = "run"
+    config_class: type = None  # set by subclasses
+
+    @classmethod
+    def _start_folder(cls, config, run_dir, overwrite: bool, initial_adapter: AdapterWeights | None):
+        """Everything a new run needs before its engine: validated targets, the folder, the first adapter."""
+        task = get_task(config.task, **config.task_options)
+        model_dir = resolve_model(config.model)
+        spec = config.lora_spec()
+        shapes = adapter_shapes(model_dir, spec)  # bad targets / layers fail here, before any engine
+        if initial_adapter is not None and initial_adapter.spec != spec:
+            raise ConfigError(f"initial adapter spec {initial_adapter.spec} differs from the config's {spec}")
+        run_dir = prepare_run_dir(run_dir, overwrite)
+        write_run_config(run_dir, config, cls.kind)
+        if initial_adapter is None:
+            magnitudes = base_weight_magnitudes(model_dir, spec) if config.init_scheme == "random_ab" else None
+            initial_adapter = init_adapter(spec, shapes, config.init_scheme, config.seed, magnitudes, config.init_scale)
+        return task, model_dir, run_dir, initial_adapter
+
+    @classmethod
+    def _load_latest(cls, run_dir: Path):
+        """(config, adapter, optimizer tensors, generation, counters, rows) of a run's latest checkpoint.
+
+        Rows past the checkpoint come from a generation whose checkpoint never landed: they are
+        dropped and that generation reruns; a row lost between checkpoint and log comes back."""
+        from .runs import read_config_kind
+
+        kind = read_config_kind(run_dir)
+        if kind != cls.kind:
+            raise ConfigError(f"{run_dir} holds a {kind!r} run, not a {cls.kind.upper()} run")
+        config = load_run_config(run_dir, cls.config_class)
+        checkpoints = list_checkpoints(run_dir)
+        if not checkpoints:
+            raise FileNotFoundError(f"{run_dir} holds no checkpoint to resume from")
+        adapter, optimizer_tensors, state = load_checkpoint(checkpoints[-1])
+        if adapter.spec != config.lora_spec():
+            raise ConfigError(f"checkpoint adapter {adapter.spec} does not match config {config.lora_spec()}")
+        generation = int(state["generation"])
+        rows = [r for r in read_metrics(run_dir) if r.get("generation", -1) <= generation]
+        if not rows or rows[-1].get("generation") != generation:
+            rows.append(state["row"])
+        rewrite_metrics(run_dir, rows)
+        return config, adapter, optimizer_tensors, generation, dict(state["counters"]), rows
+
+    @classmethod
+    def open(cls, config, run_dir: str | Path, *, resume: bool = True, overwrite: bool = False,
+             evaluator: Evaluator | None = None):
+        """Resume the run in ``run_dir`` if it holds one with the same settings, else create it.
+
+        Settings that do not change the science (``EXTENDABLE``: the budget, eval and checkpoint
+        cadence) may differ: a finished run can be extended."""
+        run_dir = Path(run_dir)
+        if resume and not overwrite and list_checkpoints(run_dir):
+            existing = load_run_config(run_dir, type(config))
+            changed = sorted(k for k, v in config.to_dict().items() if existing.to_dict().get(k) != v)
+            fixed = [k for k in changed if k not in EXTENDABLE]
+            if fixed:
+                raise ConfigError(f"{run_dir} holds a run with other settings ({', '.join(fixed)}); "
+                                  "use another run_dir or overwrite=True")
+            if changed:
+                write_run_config(run_dir, config, cls.kind)
+            return cls.resume(run_dir, evaluator=evaluator)
+        return cls.create(config, run_dir, evaluator=evaluator, overwrite=overwrite)
+
     def run(self, num_generations: int | None = None, callback: Callable[[dict], None] | None = None,
             should_stop: Callable[[], bool] | None = None) -> list[dict]:
         """Run generations (ES) or steps (GRPO) up to this total (default: the config's); returns the new rows."""
@@ -119,6 +183,7 @@ class ESRun(RunLoop):
     """One ES run bound to a run folder. ``step()`` is ask -> evaluate -> tell."""
 
     kind = "es"
+    config_class = ESConfig
 
     def __init__(self, config: ESConfig, run_dir: Path, evaluator: Evaluator, task: Task, mean: AdapterWeights,
                  optimizer_state, generation: int, counters: dict, history: list[dict], model_dir: Path):
@@ -146,17 +211,7 @@ class ESRun(RunLoop):
     def create(cls, config: ESConfig, run_dir: str | Path, *, evaluator: Evaluator | None = None,
                overwrite: bool = False, initial_adapter: AdapterWeights | None = None) -> "ESRun":
         """Start a new run in an empty folder (an existing run is refused unless ``overwrite``)."""
-        task = get_task(config.task, **config.task_options)
-        model_dir = resolve_model(config.model)
-        spec = config.lora_spec()
-        shapes = adapter_shapes(model_dir, spec)  # bad targets / layers fail here, before any engine
-        if initial_adapter is not None and initial_adapter.spec != spec:
-            raise ConfigError(f"initial adapter spec {initial_adapter.spec} differs from the config's {spec}")
-        run_dir = prepare_run_dir(run_dir, overwrite)
-        write_run_config(run_dir, config, cls.kind)
-        if initial_adapter is None:
-            magnitudes = base_weight_magnitudes(model_dir, spec) if config.init_scheme == "random_ab" else None
-            initial_adapter = init_adapter(spec, shapes, config.init_scheme, config.seed, magnitudes, config.init_scale)
+        task, model_dir, run_dir, initial_adapter = cls._start_folder(config, run_dir, overwrite, initial_adapter)
         evaluator = evaluator or make_evaluator(config, max_loras=config.population_size + 1)
         state = es.init_optimizer_state(config.optimizer_config(), dict(initial_adapter.tensors))
         run = cls(config, run_dir, evaluator, task, initial_adapter, state, 0, {}, [], model_dir)
@@ -168,45 +223,12 @@ class ESRun(RunLoop):
     @classmethod
     def resume(cls, run_dir: str | Path, *, evaluator: Evaluator | None = None) -> "ESRun":
         """Continue a run from its latest checkpoint; it ends as if never interrupted."""
-        run_dir = Path(run_dir)
-        config = load_run_config(run_dir, ESConfig)
-        checkpoints = list_checkpoints(run_dir)
-        if not checkpoints:
-            raise FileNotFoundError(f"{run_dir} holds no checkpoint to resume from")
-        adapter, optimizer_tensors, state = load_checkpoint(checkpoints[-1])
-        if adapter.spec != config.lora_spec():
-            raise ConfigError(f"checkpoint adapter {adapter.spec} does not match config {config.lora_spec()}")
-        generation = int(state["generation"])
-        # Rows past the checkpoint come from a generation whose checkpoint never landed: it reruns.
-        rows = [r for r in read_metrics(run_dir) if r.get("generation", -1) <= generation]
-        if not rows or rows[-1].get("generation") != generation:
-            rows.append(state["row"])
-        rewrite_metrics(run_dir, rows)
+        config, adapter, optimizer_tensors, generation, counters, rows = cls._load_latest(Path(run_dir))
         optimizer_state = es.optimizer_state_from_tensors(config.optimizer_config(), optimizer_tensors)
         task = get_task(config.task, **config.task_options)
         evaluator = evaluator or make_evaluator(config, max_loras=config.population_size + 1)
-        return cls(config, run_dir, evaluator, task, adapter, optimizer_state, generation,
-                   dict(state["counters"]), rows, resolve_model(config.model))
-
-    @classmethod
-    def open(cls, config: ESConfig, run_dir: str | Path, *, resume: bool = True, overwrite: bool = False,
-             evaluator: Evaluator | None = None) -> "ESRun":
-        """Resume the run in ``run_dir`` if it holds one with the same settings, else create it.
-
-        Settings that do not change the science (``EXTENDABLE``: the generation budget, eval and
-        checkpoint cadence) may differ: a finished run can be extended."""
-        run_dir = Path(run_dir)
-        if resume and not overwrite and list_checkpoints(run_dir):
-            existing = load_run_config(run_dir, type(config))
-            changed = sorted(k for k, v in config.to_dict().items() if existing.to_dict().get(k) != v)
-            fixed = [k for k in changed if k not in EXTENDABLE]
-            if fixed:
-                raise ConfigError(f"{run_dir} holds a run with other settings ({', '.join(fixed)}); "
-                                  "use another run_dir or overwrite=True")
-            if changed:
-                write_run_config(run_dir, config, cls.kind)
-            return cls.resume(run_dir, evaluator=evaluator)
-        return cls.create(config, run_dir, evaluator=evaluator, overwrite=overwrite)
+        return cls(config, Path(run_dir), evaluator, task, adapter, optimizer_state, generation,
+                   counters, rows, resolve_model(config.model))
 
     # --- the loop ------------------------------------------------------------------------------
     def ask(self) -> list[es.Member]:
