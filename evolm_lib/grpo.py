@@ -430,16 +430,7 @@ class GRPORun(RunLoop):
         gap = _engine_logprob_gap(completions, first_pass, config)
         if gap is not None:
             row["grpo/engine_logprob_gap"] = gap
-        with timed(timing, "eval_s"):
-            if self._scoring_due():
-                row.update(self._score_current())
-        row.update(self._sample_counters())
-        for key, value in timing.items():
-            row[f"time/{key}"] = value
-        row["time/generation_s"] = sum(timing.values())
-        row["time/wall_s"] = self._wall()
-        self._commit(row)
-        return row
+        return self._finish_row(row, timing)
 
     # --- helpers --------------------------------------------------------------------------------
     def _budget(self) -> int:

@@ -154,6 +154,19 @@ class RunLoop:
             "policy/train_tokens": train.num_tokens,
         }
 
+    def _finish_row(self, row: dict, timing: dict) -> dict:
+        """Score the current adapter when due, add counters and timings, commit; return the row."""
+        with timed(timing, "eval_s"):
+            if self._scoring_due():
+                row.update(self._score_current())
+        row.update(self._sample_counters())
+        for key, value in timing.items():
+            row[f"time/{key}"] = value
+        row["time/generation_s"] = sum(timing.values())
+        row["time/wall_s"] = self._wall()
+        self._commit(row)
+        return row
+
     def _scoring_due(self) -> bool:
         """Score every ``eval_every`` generations/steps, and always at the end of the budget."""
         last = max(self._budget(), self.generation)
@@ -309,16 +322,7 @@ class ESRun(RunLoop):
             "worst_completions": [c.text for c in result.completions[worst]],
             "prompts": [e.prompt for e in result.examples],
         }
-        with timed(timing, "eval_s"):
-            if self._scoring_due():
-                row.update(self._score_current())
-        row.update(self._sample_counters())
-        for key, value in timing.items():
-            row[f"time/{key}"] = value
-        row["time/generation_s"] = sum(timing.values())
-        row["time/wall_s"] = self._wall()
-        self._commit(row)
-        return row
+        return self._finish_row(row, timing)
 
     def step(self) -> dict:
         """One generation: ask, evaluate, tell."""
