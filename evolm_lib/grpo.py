@@ -350,15 +350,6 @@ class GRPORun(RunLoop):
         return cls(config, Path(run_dir), evaluator, task, trainer, step, counters, rows, model_dir)
 
     # --- the loop ------------------------------------------------------------------------------
-    def batch_examples(self, step: int) -> list[Example]:
-        """Train prompts of a step: all, or a seeded draw of ``prompts_per_step`` (the same draw as ES)."""
-        import random
-
-        k = self.config.prompts_per_step
-        if k is None or k >= len(self.train_examples):
-            return list(self.train_examples)
-        return random.Random(_derive(self.config.seed, "prompts", step)).sample(self.train_examples, k)
-
     def rollouts(self, examples: Sequence[Example], step: int) -> list[Completion]:
         """G seeded samples per example from the current policy, group by group, in ONE engine call."""
         config = self.config

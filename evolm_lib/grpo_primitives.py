@@ -76,8 +76,7 @@ def get_response_log_probs(
     model: torch.nn.Module, input_ids: Tensor, labels: Tensor, return_token_entropy: bool = False
 ) -> dict[str, Tensor]:
     """Log-probability of each label under `model(input_ids).logits`, and optionally the per-position entropy."""
-    if input_ids.shape != labels.shape:
-        raise ValueError(f"input_ids {tuple(input_ids.shape)} and labels {tuple(labels.shape)} differ in shape")
+    _check_same_shape(input_ids, labels, "input_ids", "labels")
     logits = model(input_ids).logits  # (batch, seq, vocab)
     # gather-then-logsumexp avoids materialising a second (batch, seq, vocab) tensor of log-softmax;
     # computed in the logits' dtype: upcast in the model if bf16 precision matters for ratios
@@ -206,11 +205,7 @@ def compute_grpo_clip_loss(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Per-token clipped surrogate -min(ratio * A, clip(ratio, 1 - c, 1 + c) * A), ratio = pi / pi_old."""
     _check_log_probs(policy_log_probs)
-    if old_log_probs.shape != policy_log_probs.shape:
-        raise ValueError(
-            f"old_log_probs {tuple(old_log_probs.shape)} and policy_log_probs "
-            f"{tuple(policy_log_probs.shape)} differ in shape"
-        )
+    _check_same_shape(old_log_probs, policy_log_probs, "old_log_probs", "policy_log_probs")
     if cliprange < 0:
         raise ValueError(f"cliprange must be >= 0, got {cliprange}")
     advantages = _as_column(advantages, policy_log_probs.shape[0], "advantages")
@@ -252,11 +247,7 @@ def compute_policy_gradient_loss(
 
 def kl_k3(policy_log_probs: Tensor, ref_log_probs: Tensor) -> Tensor:
     """Per-token k3 estimate of KL(pi || pi_ref): exp(r) - r - 1 with r = ref - policy log-prob; always >= 0."""
-    if policy_log_probs.shape != ref_log_probs.shape:
-        raise ValueError(
-            f"ref_log_probs {tuple(ref_log_probs.shape)} and policy_log_probs "
-            f"{tuple(policy_log_probs.shape)} differ in shape"
-        )
+    _check_same_shape(ref_log_probs, policy_log_probs, "ref_log_probs", "policy_log_probs")
     log_ratio = ref_log_probs - policy_log_probs
     # expm1 keeps precision when the policy is close to the reference (log_ratio near 0)
     return torch.expm1(log_ratio) - log_ratio
@@ -265,13 +256,15 @@ def kl_k3(policy_log_probs: Tensor, ref_log_probs: Tensor) -> Tensor:
 # ---------------------------------------------------------------- micro-batch train steps
 
 
+def _check_same_shape(tensor: Tensor, reference: Tensor, name: str, reference_name: str) -> None:
+    """Raise ValueError naming both tensors when their shapes differ."""
+    if tensor.shape != reference.shape:
+        raise ValueError(f"{name} {tuple(tensor.shape)} and {reference_name} {tuple(reference.shape)} differ in shape")
+
+
 def _check_train_step(policy_log_probs: Tensor, response_mask: Tensor, gradient_accumulation_steps: int) -> None:
     _check_log_probs(policy_log_probs)
-    if response_mask.shape != policy_log_probs.shape:
-        raise ValueError(
-            f"response_mask {tuple(response_mask.shape)} and policy_log_probs "
-            f"{tuple(policy_log_probs.shape)} differ in shape"
-        )
+    _check_same_shape(response_mask, policy_log_probs, "response_mask", "policy_log_probs")
     if gradient_accumulation_steps < 1:
         raise ValueError(f"gradient_accumulation_steps must be >= 1, got {gradient_accumulation_steps}")
 

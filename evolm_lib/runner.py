@@ -140,6 +140,14 @@ class RunLoop:
                 callback(rows[-1])
         return rows
 
+    def batch_examples(self, generation: int) -> list[Example]:
+        """Train prompts of a generation or step: all, or a seeded draw of ``prompts_per_step``
+        (the same draw for ES and GRPO at the same seed, so both train on the same prompts)."""
+        k = self.config.prompts_per_step
+        if k is None or k >= len(self.train_examples):
+            return list(self.train_examples)
+        return random.Random(_derive(self.config.seed, "prompts", generation)).sample(self.train_examples, k)
+
     def _score_current(self) -> dict:
         """Greedy reward of the current adapter on the train and eval prompts, in one engine call."""
         train, held_out = score_adapters(
@@ -252,13 +260,6 @@ class ESRun(RunLoop):
         """Mean adapter + sigma * regenerated noise, one per member."""
         device = self.config.noise_device
         return [AdapterWeights(self.mean.spec, es.perturb(dict(self.mean.tensors), m, self.sigmas, device)) for m in members]
-
-    def batch_examples(self, generation: int) -> list[Example]:
-        """Train prompts of a generation (all, or a seeded draw of ``prompts_per_step``)."""
-        k = self.config.prompts_per_step
-        if k is None or k >= len(self.train_examples):
-            return list(self.train_examples)
-        return random.Random(_derive(self.config.seed, "prompts", generation)).sample(self.train_examples, k)
 
     def evaluate(self, members: Sequence[es.Member]) -> PopulationResult:
         """Score every member on this generation's prompts in ONE engine call."""

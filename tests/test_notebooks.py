@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from evolm_lib import batch
+from evolm_lib.runner import RunLoop
 
 # Kernels inherit this: on a busy 2-core machine two spinning OpenMP threads per engine make vLLM's
 # LoRA decoding 10-50x slower; one thread avoids it (measured: nbval of notebooks/ 11.5 -> 2.6 min).
@@ -202,8 +203,8 @@ def test_batch_cli_reports_bad_parameters_per_run(tmp_path, capsys):
 # --------------------------------------------------------------------------- the stepper widgets
 
 
-class FakeRun:
-    """Just enough of ESRun for the stepper: generations that take a little time."""
+class FakeRun(RunLoop):
+    """Just enough of ESRun for the stepper (RunLoop's real run()): generations that take a little time."""
 
     def __init__(self, seconds: float = 0.0):
         self.seconds = seconds
@@ -221,16 +222,6 @@ class FakeRun:
                "best_completions": ["8"], "worst_completions": ["<b>eight</b>"]}
         self.history.append(row)
         return row
-
-    def run(self, num_generations, callback=None, should_stop=None):
-        rows = []
-        while self.generation < num_generations:
-            if should_stop is not None and should_stop():
-                break
-            rows.append(self.step())
-            if callback is not None:
-                callback(rows[-1])
-        return rows
 
     def save_checkpoint(self):
         self.checkpoints.append(self.generation)
