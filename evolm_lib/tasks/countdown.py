@@ -1,16 +1,40 @@
 """The Countdown task as used by Qiu et al. 2025, "Evolution Strategies at Scale: LLM Fine-Tuning
 Beyond Reinforcement Learning" (https://arxiv.org/abs/2509.24372), after TinyZero: combine the
 given numbers with + - * / to reach the target, thinking in <think> tags and answering in
-<answer> tags. Reward = 0.1 * format + answer, as in the paper's `countdown_task.py`.
+<answer> tags. Reward = 0.1 * format + answer, as in the paper's `countdown/countdown_task.py`
+(https://github.com/VsonicV/es-fine-tuning-paper): 1.1 for a right answer in the full format.
+
+The default `answer_format="strict"` is the paper's rule: the format is read from "<think>" +
+completion as is, and the last <answer> block may hold only digits, + - * /, parentheses and
+spaces (its regex's `$` also lets one final newline through); each given number must be used
+exactly once (a reused or missing number scores no answer) and the value must be within 1e-5 of
+the target read as a float. `answer_format="lenient"` strips surrounding whitespace before both
+checks and allows any whitespace inside the answer.
+
+Deliberate differences from the paper's code:
+- The answer is never run with `eval`: `safe_arith` parses it, so `**` and `//`, which pass the
+  paper's character filter, score no answer, and so do answers longer than 200 characters or
+  nested deeper than 20 parentheses (`safe_arith` limits; the paper has none and would hang on
+  `9**9**9`).
+- Every target is compared as a float. The paper's accelerated script does this, but its other
+  training and evaluation scripts keep a target only when `str.isdigit()`, so there the puzzles
+  with negative or non-integer targets can never be solved.
+- NaN and infinite targets are refused (the paper scores them 0 for every answer).
+- The tags are found with `str.find`, not regexes, so a reward takes linear time in the
+  completion's length (the paper's regexes take quadratic time on repeated unclosed tags);
+  the results are the same.
 """
 from __future__ import annotations
 
 import json
+import math
 import operator
 import random
 import re
+import warnings
 from collections import Counter
 from collections.abc import Sequence
+from numbers import Real
 from pathlib import Path
 from typing import Any
 
@@ -27,18 +51,55 @@ ASSISTANT_PREFIX = "Let me solve this step by step.\n<think>"
 FORMAT_WEIGHT = 0.1
 """Weight of the format score in the total reward (the answer score has weight 1)."""
 TOLERANCE = 1e-5
-"""Largest |value - target| that still counts as reaching the target."""
+"""|value - target| must be below this for the answer to count (the paper's 1e-5)."""
+ANSWER_FORMATS = ("strict", "lenient")
+"""strict: the paper's answer format; lenient: whitespace around and inside the answer allowed."""
+PAPER_REPOSITORY = "https://github.com/VsonicV/es-fine-tuning-paper"
+"""The paper's code; its 2,200 puzzles are PAPER_DATA_FILE there (academic licence: not shipped here)."""
+PAPER_DATA_FILE = "countdown/data/countdown.json"
+"""The paper's puzzles inside PAPER_REPOSITORY; pass the downloaded file as the task option `path`."""
 
-_FULL_FORMAT = re.compile(r"^<think>.*?</think>\n<answer>.*?</answer>$", re.DOTALL)
-_THINK_BLOCK = re.compile(r"<think>.*?</think>", re.DOTALL)
-_ANSWER_BLOCK = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_THINK_OPEN, _THINK_CLOSE = "<think>", "</think>"
+_ANSWER_OPEN, _ANSWER_CLOSE = "<answer>", "</answer>"
+_BETWEEN_BLOCKS = _THINK_CLOSE + "\n" + _ANSWER_OPEN
 # ASCII digits only: \d would also take digits of other scripts, which are no numbers here
-_ANSWER_CHARACTERS = re.compile(r"^[0-9+\-*/()\s]+$")
+_STRICT_CHARACTERS = re.compile(r"[0-9+\-*/() ]+")
+_LENIENT_CHARACTERS = re.compile(r"[0-9+\-*/()\s]+")
+_CHARACTERS_ALLOWED = {
+    "strict": "digits, + - * /, parentheses and spaces",
+    "lenient": "digits, + - * /, parentheses and whitespace",
+}
+# a decimal number as text: no "nan", "inf", "1_000" or digits of other scripts
+_NUMBER_TEXT = re.compile(r"[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
 # the generator divides only when exact, so floor division is exact division there
 _OPERATIONS = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.floordiv}
 
 
-def countdown_user_text(numbers: Sequence[int], target: int | str) -> str:
+def countdown_target_value(target: Any) -> float:
+    """The target as a finite float; ValueError for text that is not a decimal number, NaN or infinity."""
+    if isinstance(target, str) and _NUMBER_TEXT.fullmatch(target.strip()):
+        value = float(target)
+    elif isinstance(target, Real) and not isinstance(target, bool):
+        try:
+            value = float(target)
+        except OverflowError:
+            value = math.inf
+    else:
+        value = math.nan
+    # a NaN target would make every comparison False, an infinite one every answer wrong
+    if not math.isfinite(value):
+        raise ValueError(f"countdown target must be a finite decimal number, got {target!r}")
+    return value
+
+
+def check_answer_format(answer_format: str) -> str:
+    """The answer format if it is one of ANSWER_FORMATS, else a ValueError naming them."""
+    if answer_format not in ANSWER_FORMATS:
+        raise ValueError(f"answer_format must be one of {', '.join(ANSWER_FORMATS)}; got {answer_format!r}")
+    return answer_format
+
+
+def countdown_user_text(numbers: Sequence[int], target: int | float | str) -> str:
     """The user turn for a puzzle, worded as in the paper."""
     return (
         f"Using the numbers {list(numbers)}, create an equation that equals {target}. "
@@ -48,54 +109,101 @@ def countdown_user_text(numbers: Sequence[int], target: int | str) -> str:
     )
 
 
-def countdown_example(numbers: Sequence[int], target: int | str, **extras: Any) -> Example:
-    """An Example for a puzzle; extras (solution, context) go into `data` next to the numbers."""
-    return Example(countdown_user_text(numbers, target), str(target), {"numbers": list(numbers), **extras})
+def countdown_example(numbers: Sequence[int], target: int | float | str, **extras: Any) -> Example:
+    """An Example for a puzzle; extras (solution, context, id) go into `data` next to the numbers."""
+    countdown_target_value(target)  # refuse a target no answer can reach before it is trained on
+    target_text = str(target).strip()
+    return Example(countdown_user_text(numbers, target_text), target_text, {"numbers": list(numbers), **extras})
 
 
-def format_score(completion: str) -> float:
+def _has_block(text: str, opening: str, closing: str) -> bool:
+    """Whether `opening`, then later `closing`, occur: re.search(opening + ".*?" + closing, DOTALL) in linear time."""
+    start = text.find(opening)
+    return start >= 0 and text.find(closing, start + len(opening)) >= 0
+
+
+def _is_full_format(text: str) -> bool:
+    """re.match(r"^<think>.*?</think>\\n<answer>.*?</answer>$", text, re.DOTALL), in linear time."""
+    if not text.startswith(_THINK_OPEN):
+        return False
+    # without MULTILINE, `$` matches at the end and before a final newline
+    body = text[:-1] if text.endswith("\n") else text
+    if not body.endswith(_ANSWER_CLOSE):
+        return False
+    # the earliest "</think>\n<answer>" after the opening tag must end before the final closing tag
+    return text.find(_BETWEEN_BLOCKS, len(_THINK_OPEN), len(body) - len(_ANSWER_CLOSE)) >= 0
+
+
+def last_answer_block(text: str) -> str | None:
+    """The last block re.findall(r"<answer>(.*?)</answer>", DOTALL) finds, in linear time; None if none."""
+    last_close = text.rfind(_ANSWER_CLOSE)
+    last_open = text.rfind(_ANSWER_OPEN, 0, last_close) if last_close >= 0 else -1
+    if last_open < 0:
+        return None
+    # findall scans left to right, so its last match is the one that takes in `last_open`: it
+    # opens at the first opening tag after the closing tag before `last_open` (tags cannot
+    # overlap) and closes at the first closing tag after `last_open`
+    previous_close = text.rfind(_ANSWER_CLOSE, 0, last_open)
+    opening = text.find(_ANSWER_OPEN, previous_close + len(_ANSWER_CLOSE) if previous_close >= 0 else 0)
+    closing = text.find(_ANSWER_CLOSE, last_open + len(_ANSWER_OPEN))
+    return text[opening + len(_ANSWER_OPEN) : closing]
+
+
+def format_score(completion: str, answer_format: str = "strict") -> float:
     """1.0 when "<think>" + completion is exactly a think block, a newline and an answer block; else 0.1 (think) + 0.5 (answer)."""
     # the prompt ends with "<think>", so the completion alone lacks the opening tag
-    text = ("<think>" + completion).strip()
-    if _FULL_FORMAT.match(text):
+    text = _THINK_OPEN + completion
+    if check_answer_format(answer_format) == "lenient":
+        text = text.strip()
+    if _is_full_format(text):
         return 1.0
     score = 0.0
-    if _THINK_BLOCK.search(text):
+    if _has_block(text, _THINK_OPEN, _THINK_CLOSE):
         score += 0.1
-    if _ANSWER_BLOCK.search(text):
+    if _has_block(text, _ANSWER_OPEN, _ANSWER_CLOSE):
         score += 0.5
     return score
 
 
-def answer_score(completion: str, numbers: Sequence[int], target: int | float | str) -> tuple[float, str | None, str | None]:
+def answer_score(
+    completion: str, numbers: Sequence[int], target: int | float | str, answer_format: str = "strict"
+) -> tuple[float, str | None, str | None]:
     """(score, expression, failure reason): 1.0 when the last <answer> block uses each number once and reaches the target."""
-    blocks = _ANSWER_BLOCK.findall(completion)
-    if not blocks:
+    target_value = countdown_target_value(target)
+    check_answer_format(answer_format)
+    block = last_answer_block(completion)
+    if block is None:
         return 0.0, None, "no <answer> block"
-    expression = blocks[-1].strip()
-    if not _ANSWER_CHARACTERS.match(expression):
-        return 0.0, expression, "answer has characters other than digits, + - * / and parentheses"
+    expression = block.strip()
+    if answer_format == "strict":
+        # the paper's re.match(r"^[0-9+\-*/() ]+$", block): its `$` also lets one final newline through
+        allowed = _STRICT_CHARACTERS.fullmatch(block[:-1] if block.endswith("\n") else block)
+    else:
+        allowed = _LENIENT_CHARACTERS.fullmatch(expression)
+    if not allowed:
+        return 0.0, expression, f"answer has characters other than {_CHARACTERS_ALLOWED[answer_format]}"
+    expected = Counter(int(n) for n in numbers)
     try:
-        target_value = float(target)
+        # safe_arith refuses long text first, so a huge answer costs no more than its length check
         used = numbers_used(expression)
-        if Counter(used) != Counter(int(n) for n in numbers):
-            return 0.0, expression, f"uses numbers {sorted(used)}, expected {sorted(int(n) for n in numbers)}"
+        if Counter(used) != expected:
+            return 0.0, expression, f"uses numbers {sorted(used)}, expected {sorted(expected.elements())}"
         value = evaluate_expression(expression)
     except ZeroDivisionError:
         return 0.0, expression, "division by zero"
     except UnsafeExpressionError as error:
         return 0.0, expression, f"unsafe expression: {error}"
-    except ValueError:
-        return 0.0, expression, f"target {target!r} is not a number"
-    if abs(value - target_value) >= TOLERANCE:
+    if not abs(value - target_value) < TOLERANCE:
         return 0.0, expression, f"value {value:g} is not the target {target}"
     return 1.0, expression, None
 
 
-def countdown_reward(completion: str, numbers: Sequence[int], target: int | float | str) -> RewardResult:
+def countdown_reward(
+    completion: str, numbers: Sequence[int], target: int | float | str, answer_format: str = "strict"
+) -> RewardResult:
     """0.1 * format score + answer score, with the parsed expression and the failure reason in details."""
-    format_value = format_score(completion)
-    answer_value, expression, reason = answer_score(completion, numbers, target)
+    answer_value, expression, reason = answer_score(completion, numbers, target, answer_format)
+    format_value = format_score(completion, answer_format)
     return RewardResult(
         value=FORMAT_WEIGHT * format_value + answer_value,
         details={
@@ -161,8 +269,31 @@ def _random_solution(numbers: Sequence[int], rng: random.Random) -> tuple[str, i
     return parts[0][0], parts[0][1]
 
 
-def load_countdown_json(path: str | Path) -> list[Example]:
-    """Puzzles from the paper's countdown.json: a list of {"context", "numbers", "target", "solution"}."""
+class CountdownDataError(ValueError):
+    """Malformed entries in a countdown data file; `problems` lists (entry label, what is wrong) for each."""
+
+    def __init__(self, message: str, problems: Sequence[tuple[str, str]] = ()):
+        super().__init__(message)
+        self.problems = list(problems)
+
+
+class CountdownFileNotFoundError(FileNotFoundError, ValueError):
+    """The countdown data file is missing (a ValueError too, so a config's validation reports it as a bad setting)."""
+
+
+def load_countdown_json(path: str | Path, skip_malformed: bool = False) -> list[Example]:
+    """Puzzles from the paper's countdown.json: a list of {"id", "numbers", "target", "solution", "context"}.
+
+    Targets stay as the file writes them ("27.4") and are scored as floats. Every malformed entry is
+    reported by its id (by its index when it has none) in one CountdownDataError; with
+    `skip_malformed` they are left out with a warning instead.
+    """
+    path = Path(path).expanduser()
+    if not path.is_file():
+        where = "" if path.is_absolute() else f" (relative to {Path.cwd()})"
+        raise CountdownFileNotFoundError(
+            f"countdown data file not found: {path}{where}; the paper's file is {PAPER_DATA_FILE} of {PAPER_REPOSITORY}"
+        )
     with open(path, encoding="utf-8") as file:
         try:
             entries = json.load(file)
@@ -170,20 +301,62 @@ def load_countdown_json(path: str | Path) -> list[Example]:
             raise ValueError(f"{path}: not valid JSON ({error})") from None
     if not isinstance(entries, list) or not entries:
         raise ValueError(f"{path}: expected a non-empty JSON list of puzzles")
-    examples = []
+    examples: list[Example] = []
+    problems: list[tuple[str, str]] = []
+    first_index_of_id: dict[Any, int] = {}
     for index, entry in enumerate(entries):
-        where = f"{path}: entry {index}"
-        if not isinstance(entry, dict) or "numbers" not in entry or "target" not in entry:
-            raise ValueError(f"{where}: needs 'numbers' and 'target'")
-        numbers = entry["numbers"]
-        if not isinstance(numbers, list) or not all(isinstance(n, int) and not isinstance(n, bool) for n in numbers):
-            raise ValueError(f"{where}: 'numbers' must be a list of integers, got {numbers!r}")
-        target = str(entry["target"]).strip()
-        if not re.fullmatch(r"-?[0-9]+", target):
-            raise ValueError(f"{where}: 'target' must be an integer, got {entry['target']!r}")
-        extras = {key: entry[key] for key in ("solution", "context") if key in entry}
-        examples.append(countdown_example(numbers, target, **extras))
+        label = f"entry {index}"
+        if isinstance(entry, dict) and "id" in entry:
+            label = f"id {entry['id']}"
+            key = json.dumps(entry["id"], sort_keys=True)  # ids may be any JSON value
+            if key in first_index_of_id:
+                problems.append((label, f"duplicate id (entries {first_index_of_id[key]} and {index})"))
+                continue
+            first_index_of_id[key] = index
+        try:
+            examples.append(_example_from_entry(entry))
+        except ValueError as error:
+            problems.append((label, str(error)))
+    if problems:
+        message = _malformed_message(path, problems, len(entries))
+        if not skip_malformed or not examples:
+            raise CountdownDataError(message, problems)
+        warnings.warn(f"{message}; skipped", stacklevel=2)
     return examples
+
+
+def _example_from_entry(entry: Any) -> Example:
+    """The Example of one well-formed entry, or a ValueError saying what is wrong with it."""
+    if not isinstance(entry, dict) or "numbers" not in entry or "target" not in entry:
+        raise ValueError("needs 'numbers' and 'target'")
+    numbers = entry["numbers"]
+    # negative numbers cannot be written in an answer: a minus sign is an operator there
+    if (
+        not isinstance(numbers, list)
+        or not numbers
+        or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in numbers)
+    ):
+        raise ValueError(f"'numbers' must be a non-empty list of non-negative integers, got {numbers!r}")
+    target = entry["target"]
+    try:
+        countdown_target_value(target)
+    except ValueError:
+        raise ValueError(f"'target' must be a finite decimal number, got {target!r}") from None
+    solution = entry.get("solution")
+    if solution is not None and not isinstance(solution, str):
+        raise ValueError(f"'solution' must be text or null, got {solution!r}")
+    extras = {key: entry[key] for key in ("solution", "context", "id") if key in entry}
+    return countdown_example(numbers, target, **extras)
+
+
+def _malformed_message(path: Path, problems: Sequence[tuple[str, str]], total: int, shown: int = 20) -> str:
+    """One message naming every malformed entry: the first `shown` with their reason, the rest by label."""
+    lines = [f"{path}: {len(problems)} of {total} entries are malformed:"]
+    lines += [f"  {label}: {reason}" for label, reason in problems[:shown]]
+    if len(problems) > shown:
+        lines.append(f"  and {', '.join(label for label, _ in problems[shown:])}")
+    lines.append("(pass skip_malformed=True to leave them out with a warning)")
+    return "\n".join(lines)
 
 
 @register_task("countdown")
@@ -191,17 +364,34 @@ class CountdownTask(Task):
     """Countdown puzzles, generated from a seed or read from the paper's JSON file."""
 
     name = "countdown"
+    success_threshold = 1.0  # the answer right: the format alone gives at most 0.1
     system_prompt = SYSTEM_PROMPT
     assistant_prefix = ASSISTANT_PREFIX
 
-    def __init__(self, num_train: int = 200, num_eval: int = 100, seed: int = 0, path: str | Path | None = None):
-        """Train on the first `num_train` puzzles, evaluate on the next `num_eval` (from `path` when given, in file order)."""
+    def __init__(
+        self,
+        num_train: int = 200,
+        num_eval: int = 100,
+        seed: int = 0,
+        path: str | Path | None = None,
+        skip_malformed: bool = False,
+        answer_format: str = "strict",
+    ):
+        """Train on the first `num_train` puzzles, evaluate on the next `num_eval` (from `path` when given, in file order).
+
+        `path`: a countdown.json in the paper's format (e.g. the paper's own, PAPER_DATA_FILE);
+        without it, puzzles are generated from `seed`. `skip_malformed`: leave malformed entries
+        out with a warning instead of failing. `answer_format`: "strict" (the paper's) or "lenient".
+        The paper evaluates on the file's last 100 entries; here evaluation takes the entries
+        right after the training ones.
+        """
         if num_train < 0 or num_eval < 0:
             raise ValueError(f"num_train and num_eval must be >= 0, got {num_train}, {num_eval}")
+        self.answer_format = check_answer_format(answer_format)
         if path is None:
             puzzles = generate_countdown_puzzles(num_train + num_eval, seed)
         else:
-            puzzles = load_countdown_json(path)
+            puzzles = load_countdown_json(path, skip_malformed=skip_malformed)
             if len(puzzles) < num_train + num_eval:
                 raise ValueError(
                     f"{path} has {len(puzzles)} puzzles, fewer than num_train + num_eval = {num_train + num_eval}"
@@ -219,4 +409,4 @@ class CountdownTask(Task):
 
     def reward(self, completion: str, example: Example) -> RewardResult:
         """0.1 * format + answer for one completion."""
-        return countdown_reward(completion, example.data["numbers"], example.target)
+        return countdown_reward(completion, example.data["numbers"], example.target, self.answer_format)
