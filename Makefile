@@ -8,13 +8,13 @@ export OMP_WAIT_POLICY ?= PASSIVE
 # vLLM's CPU worker binds its own threads; extra OpenMP threads made LoRA decoding 10-50x slower here.
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup demo test test-fast benchmark sync figures clean
+.PHONY: setup demo test test-fast benchmark lab sync figures clean
 
 setup:
 	@bash scripts/setup_env.sh
 
 demo: setup
-	$(PY) -m evolm_lib.demo
+	$(PY) -m evolm_lib.cli demo
 
 test: setup sync
 	$(PY) -m pytest -q -p no:cacheprovider tests notebooks --nbval-lax --durations=15
@@ -23,8 +23,11 @@ test-fast: setup sync
 	$(PY) -m pytest -q -m "not slow and not browser" tests
 
 benchmark: setup
-	$(PY) -m evolm_lib.benchmark
-	$(PY) -m evolm_lib.benchmark --es-overhead
+	$(PY) -m evolm_lib.cli bench
+	$(PY) -m evolm_lib.cli bench --es-overhead
+
+lab: setup
+	$(PY) -m evolm_lib.cli lab
 
 # The .py (percent format) is the source of truth; the paired .ipynb is regenerated from it.
 sync: setup

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .plots import final_value, series
+from .metrics import completions_table, final_value, interp, series
 
 # Settings that must agree across the compared runs, or the comparison is unfair.
 COMPARED_FIELDS = ("model", "task", "task_options", "target_modules", "lora_rank", "lora_alpha",
@@ -232,17 +232,6 @@ def seed_spread_table(groups: Groups, key: str = "eval/reward"):
 # --------------------------------------------------------------------------- the fair comparison
 
 
-def _interp(x: float, xs: Sequence[float], ys: Sequence[float]) -> float:
-    """Linear interpolation on increasing xs (x inside their range)."""
-    for i in range(1, len(xs)):
-        if x <= xs[i]:
-            if xs[i] == xs[i - 1]:
-                return ys[i]
-            t = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
-            return ys[i - 1] + t * (ys[i] - ys[i - 1])
-    return ys[-1]
-
-
 def equal_budget_table(groups: Groups, budget_key: str = "samples/completions", reward_key: str = "eval/reward"):
     """Reward of each method at the largest `budget_key` every run reached, interpolated linearly
     between the logged points of each run, then mean/std/min/max across seeds (a DataFrame; the
@@ -262,7 +251,7 @@ def equal_budget_table(groups: Groups, budget_key: str = "samples/completions", 
     budget = min(xs[-1] for runs in curves.values() for xs, _ in runs)
     lines = []
     for label, runs in curves.items():
-        values = [_interp(budget, xs, ys) for xs, ys in runs]
+        values = [interp(budget, xs, ys) for xs, ys in runs]
         lines.append({"method": label, "seeds": len(values), budget_key: budget,
                       "reward_mean": sum(values) / len(values), "reward_std": _std(values),
                       "reward_min": min(values), "reward_max": max(values),
@@ -280,7 +269,6 @@ def side_by_side_completions(groups: Groups, example_index: int | Sequence[int] 
                              split: str = "eval", max_chars: int | None = 200):
     """Final greedy completions of every run for the same prompts of `split` ("eval" or "train"):
     one row per prompt, one column per (method, seed) (a DataFrame)."""
-    from .plots import completions_table
     from .tasks import get_task
 
     if split not in ("eval", "train"):

@@ -15,7 +15,6 @@ its `parameters` cell, `run_dir` (= that folder/run) and `figures_dir` (= that f
 """
 from __future__ import annotations
 
-import argparse
 import csv
 import itertools
 import json
@@ -29,8 +28,9 @@ from typing import Any
 
 import yaml
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-SPEC_KEYS = ("notebook", "parameters", "grid", "name", "kernel", "sweep")  # sweep: read by scripts/es_vs_grpo_sweep.py only
+from .paths import project_root
+
+SPEC_KEYS = ("notebook", "parameters", "grid", "name", "kernel", "sweep")  # sweep: read by evolm_lib.sweep only
 INJECTED = ("run_dir", "figures_dir")  # filled in by the runner, per run
 NOTEBOOK_FILE = "notebook.ipynb"
 
@@ -78,13 +78,20 @@ class RunResult:
 # --------------------------------------------------------------------------- spec
 
 
-def _resolve_notebook(path: str | Path, spec_dir: Path | None) -> Path:
+def _project_root_or_none() -> Path | None:
+    try:
+        return project_root()
+    except FileNotFoundError:
+        return None
+
+
+def resolve_notebook(path: str | Path, spec_dir: Path | None) -> Path:
     """Find a notebook path given relative to the YAML file, the repository root or the cwd."""
     path = Path(path).expanduser()
     if path.is_absolute():
         candidates = [path]
     else:
-        bases = [b for b in (spec_dir, REPO_ROOT, Path.cwd()) if b is not None]
+        bases = [b for b in (spec_dir, _project_root_or_none(), Path.cwd()) if b is not None]
         candidates = list(dict.fromkeys((b / path).resolve() for b in bases))
     for candidate in candidates:
         if candidate.is_file():
@@ -112,7 +119,7 @@ def spec_from_dict(data: dict[str, Any], source: Path | None = None) -> BatchSpe
     for key, values in grid.items():
         if not isinstance(values, list) or not values:
             raise ValueError(f"grid.{key}{where} must be a non-empty list, got {values!r}")
-    notebook = _resolve_notebook(data["notebook"], source.parent if source else None)
+    notebook = resolve_notebook(data["notebook"], source.parent if source else None)
     kernel = data.get("kernel") or "python3"
     name = str(data.get("name") or notebook.stem)
     return BatchSpec(notebook=notebook, parameters=dict(parameters),
@@ -205,7 +212,7 @@ def execute_notebook(notebook_path: str | Path, output_path: str | Path,
     output_path.parent.mkdir(parents=True, exist_ok=True)
     papermill.execute_notebook(
         nb, str(output_path), parameters=dict(parameters or {}), kernel_name=kernel_name,
-        progress_bar=False, log_output=log_output, cwd=str(cwd or REPO_ROOT),
+        progress_bar=False, log_output=log_output, cwd=str(cwd or project_root()),
         execution_timeout=execution_timeout,
         store_widget_state=False,  # a FigureWidget would otherwise add ~5 MB of plotly.js
     )
@@ -271,7 +278,7 @@ def run_batch(spec_or_path: BatchSpec | str | Path, out_dir: str | Path, overwri
         output = folder / NOTEBOOK_FILE
         start = time.perf_counter()
         try:
-            execute_notebook(spec.notebook, output, params, cwd=REPO_ROOT,
+            execute_notebook(spec.notebook, output, params, cwd=project_root(),
                              kernel_name=spec.kernel, log_output=log_output)
             status, error = "ok", ""
         except Exception as err:  # noqa: BLE001 - one failed run must not stop the batch
@@ -315,43 +322,3 @@ def format_summary(results: list[RunResult], error_width: int = 80) -> str:
 
 
 # --------------------------------------------------------------------------- CLI
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Command line: run a batch file; exit 1 if any run failed, 2 on a bad batch file."""
-    parser = argparse.ArgumentParser(prog="python -m evolm_lib.batch", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("spec", help="batch YAML file")
-    parser.add_argument("--out", help="output folder (default: runs/batch/<yaml name>)")
-    parser.add_argument("--notebook", help="run this notebook instead of the YAML's `notebook`")
-    parser.add_argument("--dry-run", action="store_true", help="list the runs, execute nothing")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="replace run folders that already exist")
-    parser.add_argument("--log-output", action="store_true", help="stream notebook output")
-    args = parser.parse_args(argv)
-
-    try:
-        spec = load_batch_spec(args.spec)
-        if args.notebook:
-            spec = replace(spec, notebook=_resolve_notebook(args.notebook, None))
-        out_dir = Path(args.out) if args.out else Path("runs") / "batch" / Path(args.spec).stem
-        results = run_batch(spec, out_dir, overwrite=args.overwrite, dry_run=args.dry_run,
-                            log_output=args.log_output)
-    except (ValueError, FileNotFoundError, FileExistsError, yaml.YAMLError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-
-    if args.dry_run:
-        print(f"{len(results)} run(s) of {spec.notebook} into {Path(out_dir).resolve()}:")
-        for r in results:
-            print(f"  {r.name}: {json.dumps(r.parameters, default=str)}")
-        return 0
-    print(format_summary(results))
-    failed = sum(r.status != "ok" for r in results)
-    print(f"\n{len(results) - failed} ok, {failed} failed; summary in "
-          f"{Path(out_dir).resolve() / 'summary.csv'}")
-    return 1 if failed else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from .lora import ALL_PROJECTIONS, LoraSpec
 from .models import check_model_name
@@ -190,8 +190,94 @@ class ESConfig(CommonConfig):
 
     def optimizer_config(self):
         """The es-module optimizer settings."""
-        from .es import AdamConfig, SGDConfig
+        from .es.core import AdamConfig, SGDConfig
 
         if self.optimizer == "adam":
             return AdamConfig(self.learning_rate, self.adam_beta1, self.adam_beta2, weight_decay=self.weight_decay)
         return SGDConfig(self.learning_rate, momentum=self.momentum, weight_decay=self.weight_decay)
+
+
+class GRPOConfig(CommonConfig):
+    """A GRPO run: G samples per prompt, group-relative advantages, AdamW on the LoRA tensors."""
+
+    temperature: float = Field(1.0, gt=0)
+    "sampling temperature of the rollouts (> 0: a greedy group has no spread); log-probs use logits / temperature"
+    loss_type: Literal["no_baseline", "reinforce_with_baseline", "grpo_clip"] = "grpo_clip"
+    "policy-gradient loss: raw rewards, group-normalised advantages, or the clipped ratio surrogate"
+    normalize_by_std: bool = True
+    "divide advantages by the group's std (GRPO); False: mean-centred only (Dr. GRPO)"
+    group_size: int = Field(8, ge=1)
+    "samples per prompt (G)"
+    learning_rate: float = Field(1e-4, gt=0)
+    "AdamW step size"
+    adam_beta1: float = Field(0.9, ge=0, lt=1)
+    "AdamW beta1"
+    adam_beta2: float = Field(0.999, ge=0, lt=1)
+    "AdamW beta2"
+    weight_decay: float = Field(0.0, ge=0)
+    "AdamW decoupled weight decay on the LoRA tensors"
+    max_grad_norm: Optional[float] = Field(1.0, gt=0)
+    "clip the LoRA gradient to this global norm (None: no clipping)"
+    micro_batch_size: Optional[int] = Field(None, ge=1)
+    "rollouts per forward/backward pass, gradients accumulated over the batch (None: one group)"
+    epochs_per_batch: int = Field(1, ge=1)
+    "optimizer steps per rollout batch, each over all its rollouts (> 1 needs grpo_clip)"
+    cliprange: float = Field(0.2, gt=0)
+    "grpo_clip: the ratio is clipped to [1 - cliprange, 1 + cliprange]"
+    advantage_eps: float = Field(1e-6, gt=0)
+    "added to the group std before dividing"
+    length_normalization: Literal["sequence_mean", "constant", "token_mean"] = "sequence_mean"
+    "per-response mean (GRPO), sum / max_new_tokens (Dr. GRPO), or mean over the micro-batch's tokens (DAPO)"
+    beta: float = Field(0.0, ge=0)
+    "weight of the k3 KL penalty to the base model (0: none, and no reference pass)"
+    num_steps: int = Field(10, ge=1)
+    "steps run() does by default"
+
+    @field_validator("group_size")
+    @classmethod
+    def _group_has_spread(cls, value: int, info: ValidationInfo) -> int:
+        loss_type, by_std = info.data.get("loss_type"), info.data.get("normalize_by_std")
+        if value < 2 and (loss_type != "no_baseline" or by_std):
+            raise ValueError(
+                f"must be >= 2 with loss_type {loss_type!r} and normalize_by_std={by_std}: "
+                "a group of one has no mean or std to compare against"
+            )
+        return value
+
+    @field_validator("micro_batch_size")
+    @classmethod
+    def _micro_batch_divides(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is None or "group_size" not in info.data or "task" not in info.data:
+            return value
+        try:
+            num_train = len(get_task(info.data["task"], **info.data.get("task_options", {})).train_examples())
+        except Exception:  # a bad task or option is reported by its own validator
+            return value
+        prompts = min(info.data.get("prompts_per_step") or num_train, num_train)
+        batch = prompts * info.data["group_size"]
+        if batch % value:
+            raise ValueError(
+                f"{value} does not divide the rollout batch of {batch} "
+                f"({prompts} prompts x group_size {info.data['group_size']})"
+            )
+        return value
+
+    @field_validator("epochs_per_batch")
+    @classmethod
+    def _off_policy_needs_ratio(cls, value: int, info: ValidationInfo) -> int:
+        if value > 1 and info.data.get("loss_type") != "grpo_clip":
+            raise ValueError(
+                f"{value} > 1 needs loss_type 'grpo_clip': later epochs are off-policy and only "
+                "the clipped importance ratio corrects for that"
+            )
+        return value
+
+
+CONFIG_CLASSES = {"es": ESConfig, "grpo": GRPOConfig}
+
+
+def config_class(kind: str) -> type[CommonConfig]:
+    """The settings class of a run kind (es | grpo)."""
+    if kind not in CONFIG_CLASSES:
+        raise ConfigError(f"unknown run kind {kind!r}; known kinds: {', '.join(CONFIG_CLASSES)}")
+    return CONFIG_CLASSES[kind]

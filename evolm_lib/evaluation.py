@@ -13,8 +13,8 @@ from typing import Sequence
 
 import torch
 
-from .evaluators import Evaluator, SamplingSettings
-from .grpo_primitives import kl_k3
+from .engines import Evaluator, SamplingSettings, TokenScorer
+from .grpo.primitives import kl_k3
 from .lora import AdapterWeights
 from .tasks import Example, Task
 from .types import Completion
@@ -75,18 +75,10 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def default_success_threshold(task: Task) -> float:
-    """Reward at or above which a completion counts as solved: countdown 1.0 (answer right),
-    conciseness 0.0 (exact length), jsonl 0.0 for its length reward and 1.0 otherwise."""
-    threshold = getattr(task, "success_threshold", None)
-    if threshold is not None:
-        return float(threshold)
-    if task.name == "countdown":
-        return 1.0  # 0.1 * format + answer: only a right answer reaches 1
-    if task.name == "conciseness":
-        return 0.0  # minus the length gap: only an exact length reaches 0
-    if task.name == "jsonl":
-        return 0.0 if getattr(task, "reward_name", "") == "length" else 1.0
-    raise ValueError(f"no default success threshold for task {task.name!r}: pass success_threshold")
+    """Reward at or above which a completion counts as solved, as the task declares it."""
+    if task.success_threshold is None:
+        raise ValueError(f"task {task.name!r} declares no success threshold: pass success_threshold")
+    return float(task.success_threshold)
 
 
 def success(reward: float, threshold: float) -> bool:
@@ -178,9 +170,9 @@ def mean_kl_to_base(
         raise ValueError(f"num_samples must be >= 1, got {num_samples}")
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 to sample the adapter's distribution, got {temperature}")
-    for method in ("encode", "prompt_logprobs"):
-        if not hasattr(evaluator, method):
-            raise TypeError(f"{type(evaluator).__name__} has no {method}(): mean_kl_to_base needs an engine that scores tokens")
+    if not isinstance(evaluator, TokenScorer):
+        raise TypeError(f"{type(evaluator).__name__} is no TokenScorer (encode, prompt_logprobs): "
+                        "mean_kl_to_base needs an engine that scores tokens")
     repeated = [e for e in examples for _ in range(num_samples)]
     prompts = [task.prompt(e) for e in repeated]
     sampling = SamplingSettings(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, logprobs=True)

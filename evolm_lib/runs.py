@@ -8,22 +8,28 @@ Layout::
       checkpoints/000012/    adapter (PEFT format), optimizer.safetensors, state.json (with that row)
       final_adapter/         PEFT format, loadable by vLLM and peft
 
-A checkpoint is written to a temporary folder and renamed into place, so a kill at any moment
-leaves either the previous checkpoint or the new one, never half of one.
+A checkpoint is written to a temporary folder, fsynced, and renamed into place, so a kill at any
+moment leaves either the previous checkpoint or the new one, never half of one. Rewriting an existing
+checkpoint (after a resume from an older one) renames the old folder aside first, renames the new one
+in, then deletes the old: a kill between the steps still leaves one loadable copy.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import torch
+import yaml
 from safetensors.torch import load_file, save_file
 
+from .config import config_class
 from .lora import AdapterWeights, load_adapter, save_adapter
 
 CHECKPOINTS = "checkpoints"
@@ -89,8 +95,32 @@ def rewrite_metrics(run_dir: Path, rows: Iterable[dict]) -> None:
     """Replace metrics.jsonl atomically (used on resume to drop rows past the checkpoint)."""
     run_dir = Path(run_dir)
     tmp = run_dir / ".metrics.jsonl.tmp"
-    tmp.write_text("".join(json.dumps(_clean(r)) + "\n" for r in rows))
+    with open(tmp, "w") as handle:
+        handle.write("".join(json.dumps(_clean(r)) + "\n" for r in rows))
+        handle.flush()
+        os.fsync(handle.fileno())
     os.replace(tmp, run_dir / "metrics.jsonl")
+    _fsync_dir(run_dir)
+
+
+def _fsync_tree(path: Path) -> None:
+    """fsync every file under ``path`` and the folders themselves, so a rename publishes durable data."""
+    for folder, _, files in os.walk(path):
+        for name in files:
+            with open(os.path.join(folder, name), "rb") as handle:
+                os.fsync(handle.fileno())
+        _fsync_dir(Path(folder))
+
+
+def _fsync_dir(path: Path) -> None:
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+_ASIDE = ".old"  # suffix of a checkpoint renamed aside while its replacement is renamed in
 
 
 def write_checkpoint(
@@ -102,7 +132,7 @@ def write_checkpoint(
     base_model: str,
     keep: int = 2,
 ) -> Path:
-    """Write checkpoint ``step`` atomically and prune older ones beyond ``keep``."""
+    """Write checkpoint ``step`` atomically and durably, and prune older ones beyond ``keep``."""
     root = Path(run_dir) / CHECKPOINTS
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{step:06d}"
@@ -111,20 +141,32 @@ def write_checkpoint(
     if optimizer_tensors:
         save_file({k: v.contiguous() for k, v in optimizer_tensors.items()}, str(tmp / "optimizer.safetensors"))
     (tmp / "state.json").write_text(json.dumps(_clean(state)))
+    _fsync_tree(tmp)
+    aside = root / f"{step:06d}{_ASIDE}"
     if final.exists():  # re-written after a resume from an older checkpoint
-        shutil.rmtree(final)
+        shutil.rmtree(aside, ignore_errors=True)
+        os.rename(final, aside)
     os.rename(tmp, final)
+    _fsync_dir(root)
+    shutil.rmtree(aside, ignore_errors=True)
     for old in list_checkpoints(run_dir)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
 
 
 def list_checkpoints(run_dir: str | Path) -> list[Path]:
-    """Complete checkpoints, oldest first."""
+    """Complete checkpoints, oldest first (a copy renamed aside stands in while its replacement is missing)."""
     root = Path(run_dir) / CHECKPOINTS
     if not root.exists():
         return []
-    return sorted(p for p in root.iterdir() if p.is_dir() and p.name.isdigit() and (p / "state.json").exists())
+    found: dict[int, Path] = {}
+    for path in root.iterdir():
+        name = path.name.removesuffix(_ASIDE)
+        if not (path.is_dir() and name.isdigit() and (path / "state.json").exists()):
+            continue
+        if path.name == name or int(name) not in found:  # the renamed-in copy wins over the aside one
+            found[int(name)] = path
+    return [found[step] for step in sorted(found)]
 
 
 def load_checkpoint(path: Path) -> tuple[AdapterWeights, dict[str, torch.Tensor], dict]:
@@ -134,30 +176,34 @@ def load_checkpoint(path: Path) -> tuple[AdapterWeights, dict[str, torch.Tensor]
     return load_adapter(path / "adapter"), optimizer, json.loads((path / "state.json").read_text())
 
 
+# Settings that do not change the science: a finished run may be extended with other values.
+EXTENDABLE = frozenset({"num_generations", "num_steps", "eval_every", "checkpoint_every", "keep_checkpoints"})
+
+
+def write_run_config(run_dir: str | Path, config, kind: str) -> None:
+    """config.yaml: the resolved settings plus the run's kind (es | grpo)."""
+    (Path(run_dir) / "config.yaml").write_text(yaml.safe_dump({"kind": kind, **config.to_dict()}, sort_keys=False))
+
+
 def read_config_kind(run_dir: str | Path) -> str:
     """'es' or 'grpo', from a run folder's config.yaml."""
-    import yaml
-
     data = yaml.safe_load((Path(run_dir) / "config.yaml").read_text())
     return data.get("kind", "es")
 
 
-def timed(clock: dict[str, float], key: str) -> "_Timer":
-    """Context manager adding elapsed seconds to ``clock[key]``."""
-    return _Timer(clock, key)
+def load_run_config(run_dir: str | Path, cls=None):
+    """The settings a run folder was created with (``cls``: the config class; default from its kind)."""
+    data = yaml.safe_load((Path(run_dir) / "config.yaml").read_text())
+    kind = data.pop("kind", "es")
+    data.pop("label", None)  # a display label for analysis, not a setting
+    return (cls or config_class(kind)).from_dict(data)
 
 
-class _Timer:
-    def __init__(self, clock: dict[str, float], key: str):
-        self.clock, self.key = clock, key
-
-    def __enter__(self):
-        import time
-
-        self.start = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc):
-        import time
-
-        self.clock[self.key] = self.clock.get(self.key, 0.0) + time.perf_counter() - self.start
+@contextlib.contextmanager
+def timed(clock: dict[str, float], key: str) -> Iterator[None]:
+    """Add the block's elapsed seconds to ``clock[key]``."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        clock[key] = clock.get(key, 0.0) + time.perf_counter() - start

@@ -25,25 +25,26 @@ Usage: python scripts/es_vs_grpo_sweep.py [SPEC] [--generations G] [--seeds 0,1,
 """
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import sys
+import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # run from anywhere without installing the package
+import yaml
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # spinning OpenMP threads starve a shared CPU
+from .analysis import record_final_metrics
+from .batch import execute_notebook, spec_from_dict
+from .config import ESConfig, GRPOConfig
+from .engines import make_evaluator
+from .es.run import ESRun
+from .evaluation import mean_kl_to_base
+from .grpo.run import GRPORun
+from .runs import list_checkpoints, load_checkpoint, read_metrics
+from .tasks import get_task
 
-import yaml  # noqa: E402
-
-DEFAULT_SPEC = REPO / "papermill_runs" / "es_vs_grpo_conciseness_cpu.yaml"
+DEFAULT_SPEC = "papermill_runs/es_vs_grpo_conciseness_cpu.yaml"  # relative to the project folder
 SWEEP_KEYS = ("common", "es", "grpo", "generations", "seeds", "out", "seconds_per_completion", "kl")
 
 
@@ -71,7 +72,7 @@ def load_sweep_spec(path: str | Path) -> tuple[dict, dict]:
     data = yaml.safe_load(Path(path).read_text()) or {}
     sweep = data.pop("sweep", None)
     if not isinstance(sweep, dict):
-        raise ValueError(f"{path} has no `sweep:` section (see {Path(__file__).name} --help)")
+        raise ValueError(f"{path} has no `sweep:` section (see `evolm sweep --help`)")
     unknown = sorted(set(sweep) - set(SWEEP_KEYS))
     if unknown:
         raise ValueError(f"unknown key(s) {unknown} in the sweep section of {path}; allowed: {list(SWEEP_KEYS)}")
@@ -79,22 +80,30 @@ def load_sweep_spec(path: str | Path) -> tuple[dict, dict]:
 
 
 def _prompts_per_step(config) -> int:
-    from evolm_lib.tasks import get_task
-
     num_train = len(get_task(config.task, **config.task_options).train_examples())
     return min(config.prompts_per_step or num_train, num_train)
 
 
-def plan_sweep(sweep: dict, generations: int | None = None, seeds: list[int] | None = None,
-               overrides: dict | None = None) -> list[PlannedRun]:
-    """Every run of the sweep, with GRPO's steps set for the same training completions as ES."""
-    from evolm_lib.config import ESConfig
-    from evolm_lib.grpo import GRPOConfig
+def grpo_learning_rates(sweep: dict) -> list[float]:
+    """The GRPO learning rates the spec names (several: a learning-rate sweep on the first seed)."""
+    value = (sweep.get("grpo") or {}).get("learning_rate", GRPOConfig.model_fields["learning_rate"].default)
+    return [float(v) for v in value] if isinstance(value, list) else [float(value)]
 
+
+def plan_sweep(sweep: dict, generations: int | None = None, seeds: list[int] | None = None,
+               overrides: dict | None = None, grpo_learning_rate: float | None = None) -> list[PlannedRun]:
+    """Every run of the sweep, with GRPO's steps set for the same training completions as ES.
+
+    With several GRPO learning rates in the spec, ``grpo_learning_rate`` says which one the
+    per-seed GRPO runs use (see :func:`plan_learning_rate_sweep` and :func:`best_learning_rate`)."""
     common = {**(sweep.get("common") or {}), **(overrides or {})}
     generations = int(generations if generations is not None else sweep.get("generations", 10))
     seeds = list(seeds if seeds is not None else sweep.get("seeds", [0]))
     grpo = dict(sweep.get("grpo") or {})
+    rates = grpo_learning_rates(sweep)
+    if grpo_learning_rate is None and len(rates) > 1:
+        raise ValueError(f"the spec sweeps GRPO learning rates {rates}: pick one (grpo_learning_rate=...)")
+    grpo["learning_rate"] = grpo_learning_rate if grpo_learning_rate is not None else rates[0]
     group_sizes = grpo.pop("group_size", 8)
     group_sizes = group_sizes if isinstance(group_sizes, list) else [group_sizes]
     plan = []
@@ -118,12 +127,47 @@ def plan_sweep(sweep: dict, generations: int | None = None, seeds: list[int] | N
     return plan
 
 
+def plan_learning_rate_sweep(sweep: dict, generations: int | None = None, seeds: list[int] | None = None,
+                             overrides: dict | None = None) -> list[PlannedRun]:
+    """One GRPO run per learning rate of the spec, on the first seed, at the sweep's budget."""
+    first_seed = list(seeds if seeds is not None else sweep.get("seeds", [0]))[:1]
+    runs = []
+    for rate in grpo_learning_rates(sweep):
+        grpo = next(r for r in plan_sweep(sweep, generations, first_seed, overrides, rate) if r.kind == "grpo")
+        runs.append(replace(grpo, name=f"lrsweep_{grpo.name.replace('_seed', f'_lr{rate:g}_seed')}"))
+    return runs
+
+
+def selection_score(run_dir: str | Path, key: str = "policy/train_reward", last: int = 3) -> float:
+    """A finished run's score for picking a learning rate: the mean of its last ``last`` greedy train rewards."""
+    values = [r[key] for r in read_metrics(run_dir) if r.get(key) is not None][-last:]
+    if not values:
+        raise ValueError(f"{run_dir} has no {key!r} to select by")
+    return sum(values) / len(values)
+
+
+def best_learning_rate(out: str | Path, lr_runs: list[PlannedRun]) -> tuple[float, dict[float, float]]:
+    """(best rate, {rate: score}) of a finished learning-rate sweep; also written to OUT/grpo_lr_sweep.json."""
+    scores = {run.config.learning_rate: selection_score(Path(out) / run.name) for run in lr_runs}
+    best = max(scores, key=scores.get)
+    Path(out, "grpo_lr_sweep.json").write_text(json.dumps(
+        {"scores": {f"{k:g}": v for k, v in scores.items()}, "best": best, "runs": [r.name for r in lr_runs],
+         "selected_by": "mean greedy train reward of the last three rows"}, indent=1) + "\n")
+    return best, scores
+
+
+def adopt_learning_rate_run(out: str | Path, lr_runs: list[PlannedRun], plan: list[PlannedRun], best: float) -> None:
+    """The sweep's run at the best rate IS the first seed's GRPO run (same settings): copied, not retrained."""
+    source = next(r for r in lr_runs if r.config.learning_rate == best)
+    for run in plan:
+        if run.kind == "grpo" and run.config == source.config and not (Path(out) / run.name).exists():
+            shutil.copytree(Path(out) / source.name, Path(out) / run.name)
+
+
 def estimate_seconds(plan: list[PlannedRun], seconds_per_completion: dict) -> float:
     """Rough wall time: training plus greedy eval completions, times a per-completion cost of each method."""
     total = 0.0
     for run in plan:
-        from evolm_lib.tasks import get_task
-
         task = get_task(run.config.task, **run.config.task_options)
         evals = (run.length // run.config.eval_every if run.config.eval_every else 1) + 1
         completions = run.budget + evals * (len(task.train_examples()) + len(task.eval_examples()))
@@ -136,8 +180,6 @@ def estimate_seconds(plan: list[PlannedRun], seconds_per_completion: dict) -> fl
 
 def make_shared_evaluator(plan: list[PlannedRun]):
     """One engine for every run: sized for the largest population and LoRA rank."""
-    from evolm_lib.evaluators import make_evaluator
-
     first = next(run.config for run in plan if run.kind == "es")
     max_rank = max(run.config.lora_rank for run in plan)
     max_population = max(run.config.population_size for run in plan if run.kind == "es")
@@ -146,8 +188,6 @@ def make_shared_evaluator(plan: list[PlannedRun]):
 
 def measure_kl(evaluator, run, kl_settings: dict) -> float | None:
     """Mean per-token KL of the run's final adapter to the base model on the eval prompts (None: engine cannot)."""
-    from evolm_lib.evaluation import mean_kl_to_base
-
     adapter = run.mean if run.kind == "es" else run.policy
     try:
         return mean_kl_to_base(evaluator, run.task, adapter, run.eval_examples,
@@ -159,12 +199,37 @@ def measure_kl(evaluator, run, kl_settings: dict) -> float | None:
         return None
 
 
+def checkpoint_kls(evaluator, run, kl_settings: dict) -> list[dict]:
+    """KL(adapter || base) of every kept checkpoint of a run not yet measured, appended to run_dir/kl.jsonl."""
+    path = Path(run.run_dir) / "kl.jsonl"
+    done = {json.loads(line)["generation"] for line in path.read_text().splitlines()} if path.exists() else set()
+    rows = []
+    for checkpoint in list_checkpoints(run.run_dir):
+        generation = int(checkpoint.name.split(".")[0])
+        if generation in done:
+            continue
+        adapter, _, _ = load_checkpoint(checkpoint)
+        started = time.perf_counter()
+        kl = mean_kl_to_base(evaluator, run.task, adapter, run.eval_examples,
+                             num_samples=int(kl_settings.get("num_samples", 4)),
+                             temperature=float(kl_settings.get("temperature", 1.0)),
+                             max_new_tokens=run.config.max_new_tokens, seed=run.config.seed)
+        row = {"generation": generation, "policy/kl": kl, "seconds": time.perf_counter() - started}
+        with open(path, "a") as handle:
+            handle.write(json.dumps(row) + "\n")
+        rows.append(row)
+    return rows
+
+
+def read_checkpoint_kls(run_dir: str | Path) -> list[dict]:
+    """The rows of a run's kl.jsonl (generation, policy/kl), by generation."""
+    path = Path(run_dir) / "kl.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return sorted(rows, key=lambda r: r["generation"])
+
+
 def run_one(planned: PlannedRun, out: Path, evaluator, kl_evaluator=None, kl_settings: dict | None = None):
     """Run (or resume) one planned run to its end, save its final adapter and record its KL."""
-    from evolm_lib.analysis import record_final_metrics
-    from evolm_lib.grpo import GRPORun
-    from evolm_lib.runner import ESRun
-
     cls = ESRun if planned.kind == "es" else GRPORun
     run = cls.open(planned.config, out / planned.name, evaluator=evaluator)
     run.run(callback=lambda row: print(
@@ -172,6 +237,9 @@ def run_one(planned: PlannedRun, out: Path, evaluator, kl_evaluator=None, kl_set
         f"greedy {row.get('policy/train_reward', float('nan')):9.3f}  samples {row['samples/completions']:>6}  "
         f"{row['time/generation_s']:6.1f} s", flush=True))
     run.save_final()
+    if kl_settings is not None and kl_settings.get("every_checkpoint"):
+        for row in checkpoint_kls(kl_evaluator or evaluator, run, kl_settings):
+            print(f"  {planned.name} checkpoint {row['generation']}: KL to base {row['policy/kl']:.4g}", flush=True)
     if kl_settings is not None and run.history[-1].get("policy/kl") is None:
         kl = measure_kl(kl_evaluator or evaluator, run, kl_settings)
         if kl is not None:
@@ -206,53 +274,7 @@ def run_sweep(plan: list[PlannedRun], out: str | Path, evaluator=None, kl_evalua
 
 def run_notebook(batch_part: dict, out: Path, spec_path: Path) -> Path:
     """notebooks/04_es_vs_grpo.py on the sweep's folders; executed notebook and figures under OUT."""
-    from evolm_lib.batch import execute_notebook, spec_from_dict
-
     spec = spec_from_dict(batch_part, source=spec_path.resolve())
     parameters = {**spec.parameters, "es_runs": str(out.resolve() / "es_*"),
                   "grpo_runs": str(out.resolve() / "grpo_*"), "figures_dir": str(out.resolve() / "figures")}
     return execute_notebook(spec.notebook, out / "04_es_vs_grpo.ipynb", parameters, kernel_name=spec.kernel)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Command line: plan, estimate, run, measure; then draw the comparison with notebook 04."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("spec", nargs="?", default=str(DEFAULT_SPEC), help="sweep spec (YAML)")
-    parser.add_argument("--generations", type=int, help="ES generations (GRPO steps follow from the equal budget)")
-    parser.add_argument("--seeds", help="comma-separated seeds, e.g. 0,1,2")
-    parser.add_argument("--out", help="folder for the run folders (default: the spec's sweep.out)")
-    parser.add_argument("--model", help="override the model (e.g. tiny-random for a quick check)")
-    parser.add_argument("--max-new-tokens", type=int, help="override max_new_tokens")
-    parser.add_argument("--no-kl", action="store_true", help="skip the KL-to-base measurement")
-    parser.add_argument("--no-notebook", action="store_true", help="do not run notebook 04 at the end")
-    parser.add_argument("--dry-run", action="store_true", help="print the plan and the estimate only")
-    args = parser.parse_args(argv)
-
-    spec_path = Path(args.spec)
-    batch_part, sweep = load_sweep_spec(spec_path)
-    overrides = {k: v for k, v in {"model": args.model, "max_new_tokens": args.max_new_tokens}.items() if v is not None}
-    seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else None
-    plan = plan_sweep(sweep, args.generations, seeds, overrides)
-    out = Path(args.out or sweep.get("out", "runs/es_vs_grpo"))
-    estimate = estimate_seconds(plan, sweep.get("seconds_per_completion") or {})
-    print(f"{len(plan)} runs into {out}, {plan[0].budget} training completions each; "
-          f"estimated wall time {estimate / 60:.1f} min (seconds_per_completion "
-          f"{sweep.get('seconds_per_completion')}, engine start and KL not included)")
-    for run in plan:
-        print(f"  {run.name}: {run.kind} {run.length} {'generations' if run.kind == 'es' else 'steps'}")
-    if args.dry_run:
-        return 0
-    started = time.perf_counter()
-    kl_settings = None if args.no_kl else dict(sweep.get("kl") or {})
-    seconds = run_sweep(plan, out, kl_settings=kl_settings)
-    measured = time.perf_counter() - started
-    per_run = ", ".join(f"{name} {s:.0f} s" for name, s in seconds.items())
-    print(f"measured wall time {measured / 60:.1f} min (estimated {estimate / 60:.1f} min): {per_run}")
-    if not args.no_notebook:
-        executed = run_notebook(batch_part, out, spec_path)
-        print(f"comparison: {executed}, figures in {out / 'figures'}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -33,8 +33,9 @@ engine: str = "vllm"  # rollout engine: vllm (one call per population) or hf (tr
 
 # %%
 from evolm_lib.config import ESConfig
-from evolm_lib.evaluators import SamplingSettings, make_evaluator
-from evolm_lib.plots import completions_table, plot_reward_distribution
+from evolm_lib.engines import SamplingSettings, make_evaluator
+from evolm_lib.metrics import completions_table
+from evolm_lib.viz.plots import plot_reward_distribution
 from evolm_lib.tasks import get_task
 
 config = ESConfig.from_dict(dict(

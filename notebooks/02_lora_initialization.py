@@ -42,13 +42,14 @@ import pandas as pd
 
 from evolm_lib import es
 from evolm_lib.config import ESConfig
-from evolm_lib.evaluators import SamplingSettings, make_evaluator
+from evolm_lib.engines import SamplingSettings, make_evaluator
 from evolm_lib.lora import (
     AdapterWeights, adapter_shapes, base_weight_magnitudes, init_adapter, layer_of, load_adapter, module_of,
     noise_scales, save_adapter,
 )
 from evolm_lib.models import resolve_model
-from evolm_lib.plots import completions_table, plot_layer_scales
+from evolm_lib.metrics import completions_table
+from evolm_lib.viz.plots import plot_layer_scales
 from evolm_lib.tasks import get_task
 
 config = ESConfig.from_dict(dict(

@@ -48,12 +48,13 @@ figures_dir: str = "../figures"  # where PNG/PDF/SVG figures go
 
 # %%
 from evolm_lib.config import ESConfig
-from evolm_lib.figures import export_figure
+from evolm_lib.viz.figures import export_figure
 from evolm_lib.lora import load_adapter
-from evolm_lib.plots import completions_table, plot_fitness, plot_time_breakdown
-from evolm_lib.runner import ESRun
+from evolm_lib.metrics import completions_table
+from evolm_lib.viz.plots import plot_fitness, plot_time_breakdown
+from evolm_lib.es.run import ESRun
 from evolm_lib.runs import list_checkpoints
-from evolm_lib.stepper import ESStepper
+from evolm_lib.viz.stepper import ESStepper
 
 config = ESConfig.from_dict(dict(
     model=model, task=task, population_size=population_size, num_generations=num_generations, sigma=sigma,
@@ -86,13 +87,16 @@ stepper
 
 # %% [markdown]
 # The ES loop, written out: ask for members (seeds), evaluate them in one engine call, tell the
-# update, log. Headless (papermill), this is what runs the `num_generations`.
+# update, score the new mean adapter (when due), commit (checkpoint, then the metrics line).
+# Headless (papermill), this is what runs the `num_generations`.
 
 # %%
 for generation in range(run.generation, num_generations):
     members = run.ask()
     result = run.evaluate(members)
     row = run.tell(members, result)
+    row.update(run.score())
+    run.commit(row)
     stepper.refresh()
     print(f"generation {row['generation']:3d}  reward mean {row['train/reward_mean']:8.3f}  "
           f"best {row['train/reward_best']:8.3f}  update norm {row['es/update_norm']:.4f}  "

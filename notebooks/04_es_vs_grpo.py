@@ -47,8 +47,8 @@ from evolm_lib.analysis import (
     side_by_side_completions,
     split_points_by_kl,
 )
-from evolm_lib.figures import export_figure
-from evolm_lib.plots import plot_reward_vs_kl, plot_reward_vs_samples, plot_reward_vs_time, plot_seed_spread
+from evolm_lib.viz.figures import export_figure
+from evolm_lib.viz.plots import plot_reward_vs_kl, plot_reward_vs_samples, plot_reward_vs_time, plot_seed_spread
 
 groups = load_runs([es_runs, grpo_runs], allow_mixed=allow_mixed)
 runs = runs_for_plots(groups)

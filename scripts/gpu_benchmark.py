@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from evolm_lib import es
-from evolm_lib.evaluators import HFEvaluator, SamplingSettings
+from evolm_lib.engines.hf_engine import HFEvaluator, SamplingSettings
 from evolm_lib.lora import AdapterWeights, LoraSpec, adapter_shapes, init_adapter, save_adapter
 from evolm_lib.types import Prompt
 

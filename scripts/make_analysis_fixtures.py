@@ -33,7 +33,7 @@ FIXTURE_SWEEP = {
 
 def main(argv: list[str] | None = None) -> int:
     """Train the fixture runs, measure their KL, keep only config.yaml and metrics.jsonl."""
-    from evolm_lib.synthetic import SyntheticEvaluator
+    from evolm_lib.engines.synthetic import SyntheticEvaluator
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=REPO / "tests" / "data" / "es_vs_grpo")

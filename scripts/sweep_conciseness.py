@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 
 from evolm_lib.config import ESConfig
-from evolm_lib.evaluators import make_evaluator
-from evolm_lib.runner import ESRun
+from evolm_lib.engines import make_evaluator
+from evolm_lib.es.run import ESRun
 
 BASE = dict(
     model="smollm2-135m-instruct", task="conciseness", population_size=16, antithetic=True, sigma=0.05,

@@ -13,9 +13,9 @@ import sys
 from pathlib import Path
 
 from evolm_lib.config import ESConfig
-from evolm_lib.evaluators import SamplingSettings
-from evolm_lib.runner import ESRun
-from evolm_lib.synthetic import SyntheticEvaluator
+from evolm_lib.engines import SamplingSettings
+from evolm_lib.es.run import ESRun
+from evolm_lib.engines.synthetic import SyntheticEvaluator
 
 
 def kill_config() -> ESConfig:

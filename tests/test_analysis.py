@@ -194,8 +194,7 @@ def test_record_final_metrics_adds_to_the_last_row(tmp_path):
 
 
 def test_sweep_plans_equal_budgets():
-    sys.path.insert(0, str(REPO / "scripts"))
-    import es_vs_grpo_sweep as sweep
+    from evolm_lib import sweep
 
     batch_part, spec = sweep.load_sweep_spec(REPO / "papermill_runs" / "es_vs_grpo_conciseness_cpu.yaml")
     assert batch_part["notebook"] == "notebooks/04_es_vs_grpo.py"

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from evolm_lib import batch
+from evolm_lib.cli import batch as batch_cli
 
 DATA = Path(__file__).parent / "data"
 FIXTURE = DATA / "batch_nb.py"
@@ -130,21 +131,21 @@ def test_refuses_to_overwrite_existing_runs(batch_out, tmp_path):
         batch.run_batch(spec_path, out, dry_run=True)
     planned = batch.run_batch(spec_path, out, overwrite=True, dry_run=True)
     assert [r.status for r in planned] == ["planned"] * 3
-    assert batch.main([str(spec_path), "--out", str(out)]) == 2  # CLI: clear error, no run
+    assert batch_cli.main([str(spec_path), "--out", str(out)]) == 2  # CLI: clear error, no run
 
 
 def test_cli_exit_code_and_summary(tmp_path, capsys):
     spec_path = write_yaml(tmp_path / "p.yaml", f"notebook: {FIXTURE}\ngrid: {{fail: [false, true]}}\n")
     out = tmp_path / "out"
-    assert batch.main([str(spec_path), "--out", str(out), "--dry-run"]) == 0
+    assert batch_cli.main([str(spec_path), "--out", str(out), "--dry-run"]) == 0
     assert not out.exists()
-    assert batch.main([str(spec_path), "--out", str(out)]) == 1
+    assert batch_cli.main([str(spec_path), "--out", str(out)]) == 1
     text = capsys.readouterr().out
     assert re.search(r"batch_nb__fail-True +failed .*RuntimeError: failing on purpose", text)
     assert "1 ok, 1 failed" in text
     # --overwrite replaces the folders; --notebook swaps the notebook
     (tmp_path / "copy.py").write_text(FIXTURE.read_text())
-    assert batch.main([str(spec_path), "--out", str(out), "--overwrite",
+    assert batch_cli.main([str(spec_path), "--out", str(out), "--overwrite",
                        "--notebook", str(tmp_path / "copy.py")]) == 1
 
 

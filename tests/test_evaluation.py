@@ -17,7 +17,7 @@ from evolm_lib.evaluation import (
     success,
 )
 from evolm_lib.lora import LoraSpec, adapter_shapes, init_adapter
-from evolm_lib.synthetic import SyntheticEvaluator
+from evolm_lib.engines.synthetic import SyntheticEvaluator
 from evolm_lib.tasks import get_task
 
 SPEC = LoraSpec(("q_proj", "v_proj"), rank=2, alpha=2.0)

@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from evolm_lib import es
-from evolm_lib.evaluators import HFEvaluator, SamplingSettings, VLLMEvaluator
+from evolm_lib.engines import SamplingSettings
+from evolm_lib.engines.hf_engine import HFEvaluator
+from evolm_lib.engines.vllm_engine import VLLMEvaluator
 from evolm_lib.lora import AdapterWeights, LoraSpec, adapter_shapes, init_adapter
 from evolm_lib.types import Completion, Prompt
 

@@ -8,17 +8,12 @@ import pytest
 import torch
 
 from evolm_lib.config import ConfigError
-from evolm_lib.evaluators import SamplingSettings
-from evolm_lib.grpo import (
-    GRPOConfig,
-    GRPORun,
-    PolicyTrainer,
-    optimizer_state_from_tensors,
-    optimizer_state_to_tensors,
-    rollout_batch,
-)
+from evolm_lib.engines import SamplingSettings
+from evolm_lib.config import GRPOConfig
+from evolm_lib.grpo.run import GRPORun
+from evolm_lib.grpo.trainer import PolicyTrainer, optimizer_state_from_tensors, optimizer_state_to_tensors, rollout_batch
 from evolm_lib.runs import RunFolderExists, list_checkpoints, read_config_kind, read_metrics
-from evolm_lib.synthetic import SyntheticEvaluator
+from evolm_lib.engines.synthetic import SyntheticEvaluator
 from evolm_lib.types import Completion
 
 TINY = dict(model="tiny-random", target_modules=["q_proj", "v_proj"], lora_rank=2, lora_alpha=2.0, max_new_tokens=4)
@@ -215,7 +210,7 @@ def test_real_vllm_run_on_tiny_random(tmp_path, tiny_vllm):
 
 
 def test_trainer_log_probs_match_the_cs336_primitive(tiny_model_dir):
-    from evolm_lib.grpo_primitives import get_response_log_probs
+    from evolm_lib.grpo.primitives import get_response_log_probs
     from evolm_lib.lora import adapter_shapes, init_adapter
 
     config = GRPOConfig.from_dict({**TINY, "temperature": 0.7})
@@ -241,8 +236,9 @@ def test_trainer_log_probs_match_the_cs336_primitive(tiny_model_dir):
 
 SMOLLM2_GRPO = """
 import json, sys
-from evolm_lib.evaluators import VLLMEvaluator
-from evolm_lib.grpo import GRPOConfig, GRPORun
+from evolm_lib.engines.vllm_engine import VLLMEvaluator
+from evolm_lib.config import GRPOConfig
+from evolm_lib.grpo.run import GRPORun
 
 evaluator = VLLMEvaluator(sys.argv[2], max_loras=1, max_lora_rank=1, max_model_len=512, kv_cache_gb=0.25)
 config = GRPOConfig.from_dict(dict(task="conciseness", lora_rank=1, lora_alpha=1.0, group_size=8, max_new_tokens=48,

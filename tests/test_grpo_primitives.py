@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from evolm_lib.grpo_primitives import (
+from evolm_lib.grpo.primitives import (
     compute_entropy,
     compute_grpo_clip_loss,
     compute_group_normalized_rewards,

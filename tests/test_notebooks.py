@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from evolm_lib import batch
-from evolm_lib.runner import RunLoop
+from evolm_lib.cli import batch as batch_cli
+from evolm_lib.loop import RunLoop
 
 # Kernels inherit this: on a busy 2-core machine two spinning OpenMP threads per engine make vLLM's
 # LoRA decoding 10-50x slower; one thread avoids it (measured: nbval of notebooks/ 11.5 -> 2.6 min).
@@ -188,7 +189,7 @@ def test_batch_cli_reports_bad_parameters_per_run(tmp_path, capsys):
     spec = tmp_path / "bad.yaml"
     spec.write_text(json.dumps({"notebook": str(STEPPER), "name": "bad", "parameters": CI_PARAMETERS,
                                 "grid": {"sigma": [-1.0, 0.0]}}))  # JSON is YAML
-    code = batch.main([str(spec), "--out", str(tmp_path / "out")])
+    code = batch_cli.main([str(spec), "--out", str(tmp_path / "out")])
     printed = capsys.readouterr().out
     assert code == 1 and "0 ok, 2 failed" in printed
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
@@ -233,7 +234,7 @@ def _mean_points(stepper) -> int:
 
 
 def test_stepper_step_run_pause_and_save():
-    from evolm_lib.stepper import ESStepper
+    from evolm_lib.viz.stepper import ESStepper
 
     run = FakeRun(seconds=0.05)
     stepper = ESStepper(run)
@@ -260,7 +261,7 @@ def test_stepper_step_run_pause_and_save():
 
 
 def test_stepper_shows_errors_of_the_background_thread():
-    from evolm_lib.stepper import ESStepper
+    from evolm_lib.viz.stepper import ESStepper
 
     run = FakeRun()
     run.step = lambda: 1 / 0  # noqa: E731 - a generation that fails

@@ -5,7 +5,8 @@ from __future__ import annotations
 import plotly.graph_objects as go
 import pytest
 
-from evolm_lib import figures, plots
+from evolm_lib import metrics
+from evolm_lib.viz import figures, plots
 
 
 def make_rows(n: int = 4, with_policy: bool = True) -> list[dict]:
@@ -112,7 +113,7 @@ def seed_run(offset: float, xs: list[float], method: str = "es", seed: int = 0) 
 def test_aggregate_seeds_interpolates_on_common_grid():
     a = seed_run(0.0, [0, 10, 20])
     b = seed_run(1.0, [0, 20, 40])  # x=10 is interpolated: 11; x=40 is outside seed a's range
-    agg = plots.aggregate_seeds([a, b], "samples/completions", "policy/train_reward")
+    agg = metrics.aggregate_seeds([a, b], "samples/completions", "policy/train_reward")
     assert agg["x"] == [0, 10, 20]
     assert agg["mean"] == pytest.approx([0.5, 10.5, 20.5])
     assert agg["min"] == pytest.approx([0, 10, 20])
@@ -160,7 +161,7 @@ def test_seed_spread_uses_final_value_per_seed():
 
 
 def test_completions_table_shortens_long_text():
-    df = plots.completions_table([{"prompt": "p", "completion": "x" * 50, "reward": 1.0}], max_chars=10)
+    df = metrics.completions_table([{"prompt": "p", "completion": "x" * 50, "reward": 1.0}], max_chars=10)
     assert list(df.columns) == ["prompt", "completion", "reward"]
     assert len(df.loc[0, "completion"]) == 10
 

@@ -15,9 +15,10 @@ import torch
 from evolm_lib import es
 from evolm_lib.config import ConfigError, ESConfig
 from evolm_lib.lora import load_adapter
-from evolm_lib.runner import ESRun, load_run_config
+from evolm_lib.es.run import ESRun
+from evolm_lib.runs import load_run_config
 from evolm_lib.runs import RunFolderExists, list_checkpoints, read_metrics
-from evolm_lib.synthetic import SyntheticEvaluator
+from evolm_lib.engines.synthetic import SyntheticEvaluator
 from evolm_lib.tasks.conciseness import EVAL_PAIRS, TRAIN_PAIRS
 
 from helpers_kill_run import kill_config
@@ -121,6 +122,9 @@ def test_metrics_rows_follow_the_synthetic_formula(tmp_path):
         result = run.evaluate(members)
         assert tuple(result.rewards.shape) == (population, prompts)
         row = run.tell(members, result)
+        assert "policy/train_reward" not in row and len(read_metrics(run.run_dir)) == generation  # not yet committed
+        row.update(run.score())
+        run.commit(row)
 
         assert row["generation"] == generation == run.generation
         rewards = [mean_gap_reward(length, TRAIN_TARGETS) for length in lengths]
@@ -357,7 +361,7 @@ def test_save_final_loads_in_evolm_and_peft(tmp_path, tiny_model_dir):
 
 
 def test_two_generations_on_vllm_tiny_random(tmp_path):
-    from evolm_lib.evaluators import VLLMEvaluator
+    from evolm_lib.engines.vllm_engine import VLLMEvaluator
 
     config = ESConfig(model="tiny-random", population_size=4, num_generations=2, max_new_tokens=8, sigma=0.05,
                       learning_rate=0.05, temperature=0.7, seed=1)

@@ -19,13 +19,14 @@ perturbation, writing every adapter (``save_adapter`` to /dev/shm), and an ES up
 
 Examples::
 
-    python -m evolm_lib.benchmark                         # SmolLM2, 8 adapters x 4 prompts x 32 tokens
-    python -m evolm_lib.benchmark --model tiny-random --population 4 --prompts 2 --new-tokens 8 --no-hf
-    python -m evolm_lib.benchmark --es-overhead           # population 30 on SmolLM2
-    python -m evolm_lib.benchmark --json results/throughput.json
+    evolm bench                         # SmolLM2, 8 adapters x 4 prompts x 32 tokens
+    evolm bench --model tiny-random --population 4 --prompts 2 --new-tokens 8 --no-hf
+    evolm bench --es-overhead           # population 30 on SmolLM2
+    evolm bench --json results/throughput.json
 
 On a busy machine OpenMP threads that spin while waiting slow HF generation down many times over,
-so this module makes them sleep (``OMP_WAIT_POLICY=PASSIVE``) unless the environment says otherwise.
+so the command makes them sleep (``OMP_WAIT_POLICY=PASSIVE``, ``evolm_lib.env``) unless the environment
+says otherwise.
 """
 from __future__ import annotations
 
@@ -41,9 +42,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads libgomp
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its warnings go to stdout, among the table
+from ..env import apply_engine_defaults
 
 BENCH_PROMPTS = (
     "What is 17 + 25? Explain briefly.",
@@ -87,15 +86,15 @@ def _load() -> list[float]:
 
 def make_prompts(count: int):
     """`count` short chat prompts (cycled if more are asked than there are texts)."""
-    from .types import Prompt
+    from ..types import Prompt
 
     return [Prompt.user(BENCH_PROMPTS[i % len(BENCH_PROMPTS)]) for i in range(count)]
 
 
 def make_population(model_dir: Path, population_size: int, rank: int, sigma: float = 1e-3, antithetic: bool = False):
     """Members, the mean adapter and the perturbed member adapters (rank-`rank` on all 7 projections)."""
-    from . import es
-    from .lora import AdapterWeights, LoraSpec, adapter_shapes, init_adapter
+    from .. import es
+    from ..lora import AdapterWeights, LoraSpec, adapter_shapes, init_adapter
 
     spec = LoraSpec(rank=rank)
     mean = init_adapter(spec, adapter_shapes(model_dir, spec), "peft_default", seed=0)
@@ -115,13 +114,16 @@ def _timed(label: str, call, requests: int) -> dict[str, Any]:
     seconds = time.perf_counter() - started
     tokens = _count_tokens(rows)
     print(f"  {label}: {tokens} tokens in {seconds:.1f} s", file=sys.stderr, flush=True)
-    return {"path": label, "requests": requests, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
+    return {"path": label, "requests": requests, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+            **getattr(rows, "timing", {})}  # the engine's own split, where it reports one
 
 
 def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
     """Measure paths (a)-(d) and return a flat result dict."""
-    from .evaluators import HFEvaluator, SamplingSettings, VLLMEvaluator
-    from .models import resolve_model
+    from ..engines import SamplingSettings
+    from ..engines.hf_engine import HFEvaluator
+    from ..engines.vllm_engine import VLLMEvaluator
+    from ..models import resolve_model
 
     model_dir = resolve_model(args.model)
     n, m = args.population, args.prompts
@@ -144,7 +146,6 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
     try:
         vllm.generate(prompts, adapters, warmup)
         row = _timed("vllm_population", lambda: vllm.generate(prompts, adapters, sampling), n * m)
-        row.update(vllm.last_timing)  # adapters_s: writing them; generate_s: the engine call
         rows.append(row)
         base_prompts = [p for _ in range(n) for p in prompts]
         vllm.generate(base_prompts, [None], warmup)
@@ -190,10 +191,11 @@ def run_es_overhead(args: argparse.Namespace) -> dict[str, Any]:
     """Time one generation's ES bookkeeping against its population generate call."""
     import torch
 
-    from . import es
-    from .evaluators import SamplingSettings, VLLMEvaluator
-    from .lora import AdapterWeights, save_adapter
-    from .models import resolve_model
+    from .. import es
+    from ..engines import SamplingSettings
+    from ..engines.vllm_engine import VLLMEvaluator
+    from ..lora import AdapterWeights, save_adapter
+    from ..models import resolve_model
 
     model_dir = resolve_model(args.model)
     n, m, sigma = args.population, args.prompts, 1e-3
@@ -241,7 +243,7 @@ def run_es_overhead(args: argparse.Namespace) -> dict[str, Any]:
     try:
         vllm.generate(prompts, adapters, SamplingSettings(max_new_tokens=min(WARMUP_TOKENS, args.new_tokens), ignore_eos=True))
         row = _timed("vllm_population", lambda: vllm.generate(prompts, adapters, sampling), n * m)
-        generation = vllm.last_timing["generate_s"]
+        generation = row["generate_s"]
     finally:
         vllm.close()
     return {
@@ -295,7 +297,7 @@ def format_es_overhead(result: dict[str, Any]) -> str:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Command-line options (see the module docstring)."""
-    parser = argparse.ArgumentParser(prog="python -m evolm_lib.benchmark", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="evolm bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m-instruct", help="known name, model folder or hub name")
     parser.add_argument("--population", type=int, default=None, help="adapters per call (default 8; 30 with --es-overhead)")
     parser.add_argument("--prompts", type=int, default=4, help="prompts per adapter")
@@ -321,6 +323,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Run the benchmark, print the table, optionally write JSON; returns the result dict."""
     args = parse_args(argv)
+    apply_engine_defaults()
     if args.es_overhead:
         result = run_es_overhead(args)
         print(format_es_overhead(result))
@@ -331,7 +334,3 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=1))
     return result
-
-
-if __name__ == "__main__":
-    main()

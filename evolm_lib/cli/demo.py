@@ -8,7 +8,6 @@ figures/demo_fitness.png for the README.
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import sys
 import threading
@@ -16,17 +15,19 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from .batch import NOTEBOOK_FILE, REPO_ROOT, execute_notebook, expand_runs, load_batch_spec
-from .runs import read_metrics
+from ..batch import NOTEBOOK_FILE, execute_notebook, expand_runs, load_batch_spec
+from ..env import apply_engine_defaults
+from ..paths import project_root, resolve_in_project
+from ..runs import read_metrics
 
-DEFAULT_SPEC = REPO_ROOT / "papermill_runs" / "conciseness_smollm2_cpu.yaml"
+DEFAULT_SPEC = "papermill_runs/conciseness_smollm2_cpu.yaml"  # relative to the project folder
 FITNESS_FIGURE = "es_stepper_fitness"  # the stem 03_es_stepper exports its fitness plot under
-README_FIGURE = REPO_ROOT / "figures" / "demo_fitness.png"
+README_FIGURE = "figures/demo_fitness.png"
 
 
 def demo_parameters(spec_path: str | Path = DEFAULT_SPEC, seed: int = 0) -> tuple[Path, dict]:
     """(notebook, parameters) of the grid point with this seed in the batch file."""
-    spec = load_batch_spec(spec_path)
+    spec = load_batch_spec(resolve_in_project(spec_path))
     for run in expand_runs(spec):
         if run.parameters.get("seed", 0) == seed:
             return spec.notebook, dict(run.parameters)
@@ -60,23 +61,20 @@ def _row_line(row: dict, total: int) -> str:
 def run_demo(spec_path: str | Path = DEFAULT_SPEC, seed: int = 0, out_root: str | Path = "runs/demo",
              copy_figure: bool = True) -> dict:
     """Run the demo notebook; returns paths, rewards and wall time."""
-    # in-process engine inside the kernel (no child process) and a quiet vLLM log
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    # one OpenMP thread: on a busy 2-core machine two spinning threads make LoRA decoding 10-50x slower
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    apply_engine_defaults()  # inherited by the notebook's kernel
+    root = project_root()
+    readme_figure = root / README_FIGURE
     notebook, parameters = demo_parameters(spec_path, seed)
     out = Path(out_root)
     if not out.is_absolute():
-        out = REPO_ROOT / out
+        out = root / out
     out = out / datetime.now().strftime("%Y%m%d-%H%M%S")
     run_dir, figures_dir, executed = out / "run", out / "figures", out / NOTEBOOK_FILE
     parameters.update(run_dir=str(run_dir), figures_dir=str(figures_dir), resume=False)
     total = parameters.get("num_generations", "?")
     print(f"EvoLM demo: ES on {parameters.get('task')} with {parameters.get('model')}, population "
           f"{parameters.get('population_size')}, {total} generations (settings: {Path(spec_path).name}, seed {seed})")
-    print(f"running {notebook.relative_to(REPO_ROOT) if notebook.is_relative_to(REPO_ROOT) else notebook} "
+    print(f"running {notebook.relative_to(root) if notebook.is_relative_to(root) else notebook} "
           f"-> {executed}", flush=True)
 
     done = threading.Event()
@@ -84,7 +82,7 @@ def run_demo(spec_path: str | Path = DEFAULT_SPEC, seed: int = 0, out_root: str 
     follower.start()
     started = time.perf_counter()
     try:
-        execute_notebook(notebook, executed, parameters, cwd=REPO_ROOT)
+        execute_notebook(notebook, executed, parameters, cwd=root)
     except Exception:
         print(f"the executed notebook, with the failing cell marked: {executed}", file=sys.stderr)
         raise
@@ -99,11 +97,11 @@ def run_demo(spec_path: str | Path = DEFAULT_SPEC, seed: int = 0, out_root: str 
     figures = sorted(figures_dir.glob(f"{FITNESS_FIGURE}.*"))
     png = figures_dir / f"{FITNESS_FIGURE}.png"
     if copy_figure and png.exists():
-        README_FIGURE.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(png, README_FIGURE)
+        readme_figure.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(png, readme_figure)
     return {
         "notebook": executed, "run_dir": run_dir, "figures": figures,
-        "readme_figure": README_FIGURE if copy_figure and png.exists() else None,
+        "readme_figure": readme_figure if copy_figure and png.exists() else None,
         "generation_0": {"train": first["policy/train_reward"], "eval": first["eval/reward"]},
         "final": {"generation": last["generation"], "train": last["policy/train_reward"], "eval": last["eval/reward"]},
         "wall_s": wall,
@@ -112,12 +110,12 @@ def run_demo(spec_path: str | Path = DEFAULT_SPEC, seed: int = 0, out_root: str 
 
 def main(argv: list[str] | None = None) -> int:
     """Command line: run the demo and print where everything is."""
-    parser = argparse.ArgumentParser(prog="python -m evolm_lib.demo", description=__doc__,
+    parser = argparse.ArgumentParser(prog="evolm demo", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--spec", default=str(DEFAULT_SPEC), help="batch YAML holding the demo settings")
+    parser.add_argument("--spec", default=DEFAULT_SPEC, help="batch YAML holding the demo settings")
     parser.add_argument("--seed", type=int, default=0, help="which seed of the YAML's grid to run")
     parser.add_argument("--out", default="runs/demo", help="parent folder of the timestamped output")
-    parser.add_argument("--no-copy-figure", action="store_true", help=f"do not update {README_FIGURE.name}")
+    parser.add_argument("--no-copy-figure", action="store_true", help=f"do not update {README_FIGURE}")
     args = parser.parse_args(argv)
     try:
         result = run_demo(args.spec, args.seed, args.out, copy_figure=not args.no_copy_figure)
@@ -137,7 +135,3 @@ def main(argv: list[str] | None = None) -> int:
     print(f"mean adapter reward, generation {final['generation']}: train {final['train']:.3f}  eval {final['eval']:.3f}")
     print(f"wall time: {result['wall_s'] / 60:.1f} min")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

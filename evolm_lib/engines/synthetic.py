@@ -10,13 +10,13 @@ from typing import Sequence
 
 import torch
 
-from .es import member_noise
-from .evaluators import SamplingSettings
-from .lora import AdapterWeights
-from .types import Completion, PromptLike
+from ..es import member_noise
+from ..lora import AdapterWeights
+from ..types import Completion, PromptLike
+from .base import CompletionTable, GridsOneByOne, SamplingSettings
 
 
-class SyntheticEvaluator:
+class SyntheticEvaluator(GridsOneByOne):
     """Completion length = ``1 + round(length_scale * mean((adapter - target)^2))`` characters."""
 
     def __init__(self, target_seed: int = 123, target_scale: float = 0.05, length_scale: float = 20000.0):
@@ -24,7 +24,6 @@ class SyntheticEvaluator:
         self.target_scale = target_scale
         self.length_scale = length_scale
         self.calls = 0
-        self.last_timing: dict[str, float] = {}
         self._targets: dict[tuple, dict[str, torch.Tensor]] = {}
 
     def _target(self, adapter: AdapterWeights) -> dict[str, torch.Tensor]:
@@ -45,7 +44,7 @@ class SyntheticEvaluator:
 
     def generate(
         self, prompts: Sequence[PromptLike], adapters: Sequence[AdapterWeights | None] = (None,), sampling: SamplingSettings = SamplingSettings()
-    ) -> list[list[Completion]]:
+    ) -> CompletionTable:
         """Completions indexed [adapter][prompt]; identical for every prompt."""
         self.calls += 1
         rows = []
@@ -55,8 +54,7 @@ class SyntheticEvaluator:
             text = "x" * length
             completion = Completion(text, tuple([87] * length), "stop")
             rows.append([completion for _ in prompts])
-        self.last_timing = {"adapters_s": 0.0, "generate_s": 0.0}
-        return rows
+        return CompletionTable(rows, {"adapters_s": 0.0, "generate_s": 0.0})
 
     def close(self) -> None:
         """Nothing to release."""

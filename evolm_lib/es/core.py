@@ -14,12 +14,13 @@ Sign convention, written once: rewards are MAXIMISED and every optimizer here as
 """
 from __future__ import annotations
 
-import hashlib
 import math
 from dataclasses import dataclass, field, replace
 from typing import Callable, Literal, Mapping, Sequence, Union
 
 import torch
+
+from ..seeds import derive_seed
 
 Params = dict[str, torch.Tensor]
 Shapes = Mapping[str, tuple[int, ...]]
@@ -30,17 +31,9 @@ GradientForm = Literal["qiu", "textbook"]
 # ----------------------------------------------------------------------------- seeded noise
 
 
-def _blake2b_int(text: str, num_bytes: int) -> int:
-    """Unsigned integer from the first `num_bytes` of blake2b(text)."""
-    digest = hashlib.blake2b(text.encode("utf-8"), digest_size=num_bytes).digest()
-    return int.from_bytes(digest, "little")
-
-
 def tensor_seed(seed: int, name: str) -> int:
     """Stable 63-bit generator seed for one tensor of one member (blake2b of f"{seed}/{name}")."""
-    # blake2b, not hash(): Python salts str hashes per process, which would break regeneration.
-    # 63 bits keeps the value a valid non-negative int64.
-    return _blake2b_int(f"{seed}/{name}", 8) & 0x7FFF_FFFF_FFFF_FFFF
+    return derive_seed(seed, name, bits=63)
 
 
 def member_noise(seed: int, shapes: Shapes, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> Params:
@@ -91,7 +84,7 @@ def population(
 
     def seed_of(index: int) -> int:
         # 31 bits: fits any int32 consumer (vLLM request seeds, numpy, logging as int).
-        return _blake2b_int(f"{base_seed}/{generation}/{index}", 4) & 0x7FFF_FFFF
+        return derive_seed(base_seed, generation, index)
 
     if antithetic:
         # Adjacent (s, +1), (s, -1): an evaluator that batches neighbours sees both halves of a pair.

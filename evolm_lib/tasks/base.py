@@ -45,6 +45,8 @@ class Task:
     """System message put before every user turn (None: no system turn)."""
     assistant_prefix: str = ""
     """Text the assistant turn starts with; the completion continues it."""
+    success_threshold: float | None = None
+    """Reward at or above which a completion counts as solved (None: the task has no such notion)."""
 
     def train_examples(self) -> list[Example]:
         """Examples the optimiser sees."""

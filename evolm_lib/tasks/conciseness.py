@@ -40,6 +40,7 @@ class ConcisenessTask(Task):
     """Short answers to simple questions; reward = -|len(completion) - len(target)|."""
 
     name = "conciseness"
+    success_threshold = 0.0  # minus the length gap: only an exact length reaches 0
 
     def train_examples(self) -> list[Example]:
         """The paper's two training examples."""

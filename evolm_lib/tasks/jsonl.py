@@ -88,6 +88,7 @@ class JsonlTask(Task):
             raise ValueError(f"'pattern' is only used by the regex reward, not {reward!r}")
         self.path = Path(path)
         self.reward_name = reward
+        self.success_threshold = 0.0 if reward == "length" else 1.0  # exact length, or a match
         self.case_sensitive = case_sensitive
         self.system_prompt = system
         self._examples = load_jsonl_examples(self.path)

@@ -11,7 +11,8 @@ from typing import Any
 import plotly.graph_objects as go
 from plotly.colors import hex_to_rgb, qualitative
 
-Row = Mapping[str, Any]
+from ..metrics import Row, Runs, aggregate_seeds, final_value, finite, series, x_key, x_values
+
 
 # Stable trace names: `update_fitness` finds traces by these.
 MEAN, BEST, BAND, EVAL, POLICY = "mean", "best", "p20-p80", "eval", "mean adapter (greedy)"
@@ -23,50 +24,6 @@ _METHOD_COLORS = {"es": _PALETTE[0], "grpo": _PALETTE[1]}
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def _finite(value: Any) -> bool:
-    """True for a real number that is not None/NaN/inf (bools are not numbers here)."""
-    if value is None or isinstance(value, bool):
-        return False
-    try:
-        return math.isfinite(float(value))
-    except (TypeError, ValueError):
-        return False
-
-
-def x_key(rows: Sequence[Row]) -> str:
-    """The x-axis key of a run's rows: "generation" (ES) or "step" (GRPO)."""
-    for key in ("generation", "step"):
-        if any(key in row for row in rows):
-            return key
-    return "generation"
-
-
-def _x_values(rows: Sequence[Row]) -> list[Any]:
-    key = x_key(rows)
-    # rows without the key fall back to their position, so a plot never fails on a partial row
-    return [row.get(key, i) for i, row in enumerate(rows)]
-
-
-def series(rows: Sequence[Row], key: str, x: str | None = None) -> tuple[list[float], list[float]]:
-    """(xs, ys) over the rows where both the x key and `key` hold finite numbers."""
-    xs_all = _x_values(rows) if x is None else [row.get(x) for row in rows]
-    xs, ys = [], []
-    for xv, row in zip(xs_all, rows):
-        yv = row.get(key)
-        if _finite(xv) and _finite(yv):
-            xs.append(float(xv))
-            ys.append(float(yv))
-    return xs, ys
-
-
-def final_value(rows: Sequence[Row], key: str) -> float | None:
-    """The last finite value of `key` in a run's rows (None when it never appears)."""
-    for row in reversed(rows):
-        if _finite(row.get(key)):
-            return float(row[key])
-    return None
 
 
 def _rgba(hex_color: str, alpha: float) -> str:
@@ -153,16 +110,16 @@ def fitness_figure_widget(title: str = "ES fitness") -> go.FigureWidget:
 def plot_time_breakdown(rows: Sequence[Row], title: str = "Time per generation") -> go.Figure:
     """Stacked bars of adapters/generate/reward/update seconds (plus the rest of time/generation_s)."""
     rows = list(rows)
-    xs = _x_values(rows)
+    xs = x_values(rows)
     fig = go.Figure()
     parts = {}
     for key in TIME_KEYS:
-        parts[key] = [float(r[key]) if _finite(r.get(key)) else 0.0 for r in rows]
+        parts[key] = [float(r[key]) if finite(r.get(key)) else 0.0 for r in rows]
         label = key.removeprefix("time/").removesuffix("_s")
         fig.add_bar(name=label, x=xs, y=parts[key])
     # whatever the phases above do not cover (logging, checkpoints, ...)
     other = [max(0.0, float(r["time/generation_s"]) - sum(p[i] for p in parts.values()))
-             if _finite(r.get("time/generation_s")) else 0.0 for i, r in enumerate(rows)]
+             if finite(r.get("time/generation_s")) else 0.0 for i, r in enumerate(rows)]
     if any(v > 1e-6 for v in other):
         fig.add_bar(name="other", x=xs, y=other)
     fig.update_layout(barmode="stack", title=title, xaxis_title=x_key(rows),
@@ -173,7 +130,7 @@ def plot_time_breakdown(rows: Sequence[Row], title: str = "Time per generation")
 def plot_reward_distribution(rewards: Iterable[float], title: str = "Reward distribution",
                              nbins: int | None = None) -> go.Figure:
     """Histogram of rewards (e.g. one generation's population, or per-prompt eval rewards)."""
-    values = [float(r) for r in rewards if _finite(r)]
+    values = [float(r) for r in rewards if finite(r)]
     fig = go.Figure(go.Histogram(x=values, nbinsx=nbins, name="reward"))
     fig.update_layout(title=title, xaxis_title="reward", yaxis_title="count",
                       template="plotly_white", bargap=0.05)
@@ -193,55 +150,6 @@ def plot_layer_scales(names: Sequence[str], values: Sequence[float],
 
 # --------------------------------------------------------------------------- ES vs GRPO
 
-Runs = Mapping[str, Sequence[Sequence[Row]]]  # method label -> one list of rows per seed
-
-
-def aggregate_seeds(seed_rows: Sequence[Sequence[Row]], x: str, y: str,
-                    max_points: int = 200) -> dict[str, list[float]]:
-    """Mean, std, min and max of `y` across seeds, interpolated on a common `x` grid.
-
-    The grid covers only the x range every seed reached (no extrapolation); it is the union of the
-    seeds' own x values there, thinned to `max_points`.
-    """
-    curves = []
-    for rows in seed_rows:
-        xs, ys = series(list(rows), y, x=x)
-        pairs = sorted(zip(xs, ys))
-        if pairs:
-            curves.append(([p[0] for p in pairs], [p[1] for p in pairs]))
-    if not curves:
-        return {k: [] for k in ("x", "mean", "std", "min", "max")}
-    lo = max(c[0][0] for c in curves)
-    hi = min(c[0][-1] for c in curves)
-    if lo > hi:  # seeds do not overlap: fall back to the union of their ranges
-        lo, hi = min(c[0][0] for c in curves), max(c[0][-1] for c in curves)
-    grid = sorted({v for c in curves for v in c[0] if lo <= v <= hi})
-    if len(grid) > max_points:
-        grid = [lo + (hi - lo) * i / (max_points - 1) for i in range(max_points)]
-    values = [[_interp(g, cx, cy) for cx, cy in curves] for g in grid]  # (len(grid), seeds)
-    mean = [sum(v) / len(v) for v in values]
-    std = [math.sqrt(sum((a - m) ** 2 for a in v) / len(v)) for v, m in zip(values, mean)]
-    return {"x": grid, "mean": mean, "std": std,
-            "min": [min(v) for v in values], "max": [max(v) for v in values]}
-
-
-def _interp(x: float, xs: list[float], ys: list[float]) -> float:
-    """Linear interpolation, clamped at the ends (like numpy.interp)."""
-    if x <= xs[0]:
-        return ys[0]
-    if x >= xs[-1]:
-        return ys[-1]
-    lo, hi = 0, len(xs) - 1
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if xs[mid] <= x:
-            lo = mid
-        else:
-            hi = mid
-    if xs[hi] == xs[lo]:
-        return ys[hi]
-    t = (x - xs[lo]) / (xs[hi] - xs[lo])
-    return ys[lo] + t * (ys[hi] - ys[lo])
 
 
 def plot_runs_curve(runs: Runs, x: str, y: str, band: str = "minmax",
@@ -287,7 +195,7 @@ def plot_reward_vs_time(runs: Runs, y: str = "policy/train_reward", band: str = 
 
 def pareto_front(points: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
     """Points not beaten by another with lower-or-equal KL and higher reward, by KL ascending."""
-    ordered = sorted((p for p in points if _finite(p.get("kl")) and _finite(p.get("reward"))),
+    ordered = sorted((p for p in points if finite(p.get("kl")) and finite(p.get("reward"))),
                      key=lambda p: (float(p["kl"]), -float(p["reward"])))
     front, best = [], -math.inf
     for p in ordered:
@@ -337,16 +245,5 @@ def plot_seed_spread(runs: Runs, y: str = "policy/train_reward",
     return fig
 
 
-# --------------------------------------------------------------------------- tables
 
 
-def completions_table(rows: Iterable[Mapping[str, Any]], max_chars: int | None = 200):
-    """A pandas DataFrame of dicts (prompts, completions, rewards), long strings shortened."""
-    import pandas as pd  # imported here: only tables need pandas
-
-    def short(v: Any) -> Any:
-        if max_chars is not None and isinstance(v, str) and len(v) > max_chars:
-            return v[: max_chars - 1] + "…"
-        return v
-
-    return pd.DataFrame([{k: short(v) for k, v in dict(r).items()} for r in rows])

@@ -13,6 +13,7 @@ from typing import Any
 
 import ipywidgets as widgets
 
+from ..metrics import completions_table
 from . import plots
 
 
@@ -124,7 +125,7 @@ class ESStepper:
             {"prompt": p, "best member": b, "worst member": w}
             for p, b, w in zip(last.get("prompts", []), last["best_completions"], last.get("worst_completions", []))
         ]
-        table = plots.completions_table(rows, max_chars=self.max_chars).to_html(index=False, escape=True)
+        table = completions_table(rows, max_chars=self.max_chars).to_html(index=False, escape=True)
         title = (f"generation {last['generation']}: best member {last['train/reward_best']:.3f}, "
                  f"worst {last['train/reward_worst']:.3f}")
         return f"<b>{html.escape(title)}</b>{table}"

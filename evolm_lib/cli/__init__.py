@@ -1,0 +1,45 @@
+"""The `evolm` command: one entry point for the project's jobs.
+
+    evolm demo     ES on conciseness with SmolLM2 through the stepper notebook (what `make demo` runs)
+    evolm bench    engine throughput and ES overhead
+    evolm batch    a notebook once per grid point of a batch file (papermill)
+    evolm sweep    ES vs GRPO at equal sample budgets, then the comparison notebook
+    evolm lab      JupyterLab on notebooks/, with the engine's environment defaults
+
+Each subcommand's module is imported only when it runs, so `evolm --help` is instant.
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Sequence
+
+COMMANDS = {
+    "demo": ("evolm_lib.cli.demo", "ES on conciseness with SmolLM2 through the stepper notebook"),
+    "bench": ("evolm_lib.cli.bench", "engine throughput and ES overhead"),
+    "batch": ("evolm_lib.cli.batch", "run a notebook once per grid point of a batch file"),
+    "sweep": ("evolm_lib.cli.sweep", "ES vs GRPO at equal sample budgets, then notebook 04"),
+    "lab": ("evolm_lib.cli.lab", "JupyterLab on notebooks/ with the engine's environment defaults"),
+}
+
+
+def usage() -> str:
+    """The top-level help text."""
+    width = max(map(len, COMMANDS))
+    lines = ["usage: evolm COMMAND [ARGS...]   (evolm COMMAND --help for a command's options)", "", "commands:"]
+    lines += [f"  {name:<{width}}  {about}" for name, (_, about) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Dispatch to a subcommand's ``main(argv)``; returns its exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"evolm: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    result = importlib.import_module(COMMANDS[name][0]).main(rest)
+    return result if isinstance(result, int) else 0

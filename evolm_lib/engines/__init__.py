@@ -1,0 +1,28 @@
+"""Engines behind one protocol (``base``): vLLM (multi-LoRA, one call per population), HF
+transformers + peft, and a synthetic engine for tests. Engine bugs are worked around in
+``workarounds``, each with its version."""
+from __future__ import annotations
+
+from .base import CompletionTable, Evaluator, PromptEncoder, SamplingSettings, TokenScorer
+
+__all__ = ["CompletionTable", "Evaluator", "PromptEncoder", "SamplingSettings", "TokenScorer", "make_evaluator"]
+
+
+def make_evaluator(config, max_loras: int = 8) -> Evaluator:
+    """The evaluator a run's settings ask for (``config.engine``), sized for ``max_loras`` adapters per call."""
+    if config.engine == "hf":
+        from .hf_engine import HFEvaluator
+
+        return HFEvaluator(config.model, dtype=config.dtype)
+    from .vllm_engine import VLLMEvaluator
+
+    return VLLMEvaluator(
+        config.model,
+        max_lora_rank=config.lora_rank,
+        max_loras=max_loras,
+        max_model_len=config.max_model_len,
+        dtype=config.dtype,
+        gpu_memory_utilization=config.gpu_memory_utilization,
+        kv_cache_gb=config.kv_cache_gb,
+        seed=config.seed,
+    )

