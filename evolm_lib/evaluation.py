@@ -186,3 +186,51 @@ def mean_kl_to_base(
     if policy.numel() == 0:
         raise ValueError("the adapter produced no tokens to measure the KL on")
     return float(kl_k3(policy, reference).mean())
+
+
+# ---------------------------------------------------------------------------- a population's first look
+
+
+@dataclass(frozen=True)
+class PopulationPreview:
+    """Greedy completions of a population around one adapter, and what they say about its diversity."""
+
+    members: tuple
+    examples: tuple[Example, ...]
+    completions: tuple[tuple[Completion, ...], ...]  # [member][example]
+    rewards: tuple[tuple[float, ...], ...]  # [member][example]
+    adapter_norm: float
+
+    def statistics(self) -> dict[str, float]:
+        """Adapter norm, distinct completions per prompt, and the spread of members' mean rewards."""
+        means = [sum(r) / len(r) for r in self.rewards]  # (members,)
+        mean = sum(means) / len(means)
+        distinct = sum(len({row[i].text for row in self.completions}) for i in range(len(self.examples)))
+        return {
+            "adapter norm": self.adapter_norm,
+            "distinct completions per prompt": distinct / len(self.examples),
+            "reward mean": mean,
+            "reward std": (sum((m - mean) ** 2 for m in means) / len(means)) ** 0.5,
+            "reward min": min(means),
+            "reward max": max(means),
+        }
+
+    def rows(self) -> list[dict]:
+        """One row per (member, prompt): member index, sign, prompt, completion and reward."""
+        return [{"member": j, "sign": member.sign, "prompt": example.prompt, "completion": self.completions[j][i].text,
+                 "reward": self.rewards[j][i]}
+                for j, member in enumerate(self.members) for i, example in enumerate(self.examples)]
+
+
+def preview_population(evaluator: Evaluator, task: Task, adapter: AdapterWeights, members: Sequence,
+                       sigmas, examples: Sequence[Example], max_new_tokens: int,
+                       noise_device: str = "cpu") -> PopulationPreview:
+    """Members' adapters (adapter + sigma x their seeded noise) scored greedily on ``examples`` in ONE engine call."""
+    from .es import perturb
+
+    population = [AdapterWeights(adapter.spec, perturb(dict(adapter.tensors), m, sigmas, noise_device)) for m in members]
+    sampling = SamplingSettings(max_new_tokens=max_new_tokens, temperature=0.0)
+    table = evaluator.generate([task.prompt(e) for e in examples], population, sampling)
+    rewards = tuple(tuple(task.reward_fn([c.text for c in row], list(examples))) for row in table)
+    norm = float(sum((t.float() ** 2).sum() for t in adapter.tensors.values()) ** 0.5)
+    return PopulationPreview(tuple(members), tuple(examples), tuple(tuple(row) for row in table), rewards, norm)

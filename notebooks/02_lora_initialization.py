@@ -42,9 +42,10 @@ import pandas as pd
 
 from evolm_lib import es
 from evolm_lib.config import ESConfig
-from evolm_lib.engines import SamplingSettings, make_evaluator
+from evolm_lib.engines import make_evaluator
+from evolm_lib.evaluation import preview_population
 from evolm_lib.lora import (
-    AdapterWeights, adapter_shapes, base_weight_magnitudes, init_adapter, layer_of, load_adapter, module_of,
+    adapter_shapes, base_weight_magnitudes, init_adapter, layer_of, load_adapter, module_of,
     noise_scales, save_adapter,
 )
 from evolm_lib.models import resolve_model
@@ -105,38 +106,21 @@ members = es.population(config.seed, 1, config.population_size, config.antitheti
 task_instance = get_task(config.task, **config.task_options)
 examples = task_instance.train_examples()
 evaluator = make_evaluator(config, max_loras=config.population_size)
-sampling = SamplingSettings(max_new_tokens=config.max_new_tokens)
 
 # %%
-population_completions = {}
-for scheme, adapter in initial.items():
-    population = [AdapterWeights(spec, es.perturb(dict(adapter.tensors), m, sigmas)) for m in members]
-    population_completions[scheme] = evaluator.generate([task_instance.prompt(e) for e in examples], population, sampling)
+previews = {scheme: preview_population(evaluator, task_instance, adapter, members, sigmas, examples, config.max_new_tokens)
+            for scheme, adapter in initial.items()}
 evaluator.close()
 
 # %% [markdown]
 # Diversity: distinct completions per prompt and the spread of member rewards.
 
 # %%
-member_rewards = {
-    scheme: pd.DataFrame([task_instance.reward_fn([c.text for c in row], examples) for row in rows]).mean(axis=1)
-    for scheme, rows in population_completions.items()
-}
-diversity = pd.DataFrame([
-    {"scheme": scheme,
-     "adapter norm": float(sum((t ** 2).sum() for t in initial[scheme].tensors.values()) ** 0.5),
-     "distinct completions per prompt": sum(len({row[i].text for row in rows}) for i in range(len(examples))) / len(examples),
-     "reward mean": member_rewards[scheme].mean(), "reward std": member_rewards[scheme].std(ddof=0),
-     "reward min": member_rewards[scheme].min(), "reward max": member_rewards[scheme].max()}
-    for scheme, rows in population_completions.items()
-])
+diversity = pd.DataFrame([{"scheme": scheme, **preview.statistics()} for scheme, preview in previews.items()])
 diversity
 
 # %%
-completions_table(
-    {"member": j, "prompt": examples[i].prompt, **{s: population_completions[s][j][i].text for s in initial}}
-    for j in range(len(members)) for i in range(len(examples))
-)
+completions_table([{"scheme": scheme, **row} for scheme, preview in previews.items() for row in preview.rows()])
 
 # %% [markdown]
 # Save the adapter of the chosen `init_scheme`; `03_es_stepper` starts from it with
@@ -151,5 +135,5 @@ reloaded = load_adapter(saved)
 assert reloaded.spec == spec
 assert all(reloaded.tensors[k].equal(initial[config.init_scheme].tensors[k]) for k in shapes)
 assert set(diversity["scheme"]) == {"peft_default", "random_ab"}
-assert all(len(rows) == config.population_size for rows in population_completions.values())
+assert all(len(preview.completions) == config.population_size for preview in previews.values())
 assert len(per_layer_magnitude) == len(per_layer_sigma) > 0

@@ -70,10 +70,8 @@ print(config.to_yaml())
 # starts the engine and scores the initial adapter as generation 0).
 
 # %%
-if init_adapter_dir and not (resume and list_checkpoints(run_dir)):
-    run = ESRun.create(config, run_dir, overwrite=overwrite, initial_adapter=load_adapter(init_adapter_dir))
-else:
-    run = ESRun.open(config, run_dir, resume=resume, overwrite=overwrite)
+run = ESRun.open(config, run_dir, resume=resume, overwrite=overwrite,
+                 initial_adapter=load_adapter(init_adapter_dir) if init_adapter_dir else None)
 print(f"{run.run_dir}: generation {run.generation}, {run.mean.num_parameters():,} LoRA parameters")
 
 # %% [markdown]

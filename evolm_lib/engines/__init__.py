@@ -3,9 +3,10 @@ transformers + peft, and a synthetic engine for tests. Engine bugs are worked ar
 ``workarounds``, each with its version."""
 from __future__ import annotations
 
-from .base import CompletionTable, Evaluator, PromptEncoder, SamplingSettings, TokenScorer
+from .base import CompletionTable, Evaluator, Population, PromptEncoder, SamplingSettings, TokenScorer
 
-__all__ = ["CompletionTable", "Evaluator", "PromptEncoder", "SamplingSettings", "TokenScorer", "make_evaluator"]
+__all__ = ["CompletionTable", "Evaluator", "Population", "PromptEncoder", "SamplingSettings", "TokenScorer",
+           "make_evaluator"]
 
 
 def make_evaluator(config, max_loras: int = 8) -> Evaluator:

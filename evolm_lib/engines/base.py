@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, Sequence, runtime_checkable
+from typing import Any, Optional, Protocol, Sequence, Union, runtime_checkable
 
+from ..es.core import Member, Sigma, perturb
 from ..lora import AdapterWeights, adapter_shapes
 from ..seeds import derive_seed
 from ..types import Completion, Prompt, PromptLike
@@ -47,6 +48,49 @@ class SamplingSettings:
         return derive_seed(self.seed, prompt_index)
 
 
+@dataclass(frozen=True)
+class Population:
+    """ES members as an engine may take them: the mean adapter, the members' seeds and signs, and the
+    noise scale. Engines that can regenerate noise where the weights live (vLLM slots written in
+    place, Ray actors) take this instead of N adapters; the others call :meth:`adapters`.
+
+    Member ``i`` is ``mean + sign_i * sigma * noise(seed_i)``, exactly as ``es.perturb`` makes it.
+    """
+
+    mean: AdapterWeights
+    members: tuple[Member, ...]
+    sigmas: Sigma
+    noise_device: str = "cpu"
+
+    def __len__(self) -> int:
+        return len(self.members)
+
+    def adapters(self) -> list[AdapterWeights]:
+        """Every member's adapter, made on the host."""
+        return [AdapterWeights(self.mean.spec, perturb(dict(self.mean.tensors), m, self.sigmas, self.noise_device))
+                for m in self.members]
+
+    def split(self, parts: int) -> list["Population"]:
+        """Balanced contiguous blocks of members (antithetic pairs stay together where the sizes allow)."""
+        if parts < 1 or parts > len(self.members):
+            raise ValueError(f"cannot split {len(self.members)} members into {parts} blocks")
+        size, extra = divmod(len(self.members), parts)
+        blocks, start = [], 0
+        for index in range(parts):
+            end = start + size + (index < extra)
+            blocks.append(Population(self.mean, self.members[start:end], self.sigmas, self.noise_device))
+            start = end
+        return blocks
+
+
+AdapterList = Union[Sequence[Optional[AdapterWeights]], Population]
+
+
+def materialize(adapters: AdapterList) -> list[AdapterWeights | None]:
+    """Adapters as a list: a :class:`Population`'s members made on the host, anything else as given."""
+    return adapters.adapters() if isinstance(adapters, Population) else list(adapters)
+
+
 class CompletionTable(list):
     """Completions indexed [adapter][prompt], plus the call's timing record (seconds by phase:
     ``adapters_s`` moving adapter weights into the engine, ``generate_s`` decoding)."""
@@ -60,14 +104,13 @@ class CompletionTable(list):
 class Evaluator(Protocol):
     """Prompts x adapters in, completions (with token ids) out; what every runner calls."""
 
-    def generate(
-        self, prompts: Sequence[PromptLike], adapters: Sequence[AdapterWeights | None], sampling: SamplingSettings
-    ) -> CompletionTable:
-        """Completions indexed [adapter][prompt] with the call's timing; ``None`` as an adapter is the base model."""
+    def generate(self, prompts: Sequence[PromptLike], adapters: AdapterList, sampling: SamplingSettings) -> CompletionTable:
+        """Completions indexed [adapter][prompt] with the call's timing; ``None`` as an adapter is the
+        base model; a :class:`Population` stands for its members, in order."""
         ...
 
     def generate_grids(
-        self, grids: Sequence[tuple[Sequence[PromptLike], Sequence[AdapterWeights | None], SamplingSettings]]
+        self, grids: Sequence[tuple[Sequence[PromptLike], AdapterList, SamplingSettings]]
     ) -> list[CompletionTable]:
         """Several (prompts x adapters, sampling) grids, in one engine call where the engine can."""
         ...

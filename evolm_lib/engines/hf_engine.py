@@ -9,7 +9,7 @@ from typing import Any, Sequence
 from ..env import apply_engine_defaults
 from ..lora import AdapterWeights
 from ..types import Completion, PromptLike
-from .base import CompletionTable, GridsOneByOne, PromptEncoder, SamplingSettings, check_adapters
+from .base import CompletionTable, GridsOneByOne, PromptEncoder, SamplingSettings, check_adapters, materialize
 
 class HFEvaluator(GridsOneByOne):
     """transformers + peft, batched over prompts, one adapter after another (the paper's reference style)."""
@@ -66,13 +66,15 @@ class HFEvaluator(GridsOneByOne):
         """Completions indexed [adapter][prompt]; each adapter's prompts run in batches."""
         import torch
 
-        adapters = list(adapters)
+        started = time.perf_counter()
+        adapters = materialize(adapters)
+        t_adapters = time.perf_counter() - started
         check_adapters(adapters, self.model_dir, None)
         encoded = [self.encoder.encode(p) for p in prompts]
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         eos = self.tokenizer.eos_token_id
         result: list[list[Completion]] = []
-        t_adapters = t_generate = 0.0
+        t_generate = 0.0
         for adapter in adapters:
             t0 = time.perf_counter()
             module = self._use_adapter(adapter)

@@ -13,7 +13,7 @@ import torch
 from ..es import member_noise
 from ..lora import AdapterWeights
 from ..types import Completion, PromptLike
-from .base import CompletionTable, GridsOneByOne, SamplingSettings
+from .base import CompletionTable, GridsOneByOne, SamplingSettings, materialize
 
 
 class SyntheticEvaluator(GridsOneByOne):
@@ -47,6 +47,7 @@ class SyntheticEvaluator(GridsOneByOne):
     ) -> CompletionTable:
         """Completions indexed [adapter][prompt]; identical for every prompt."""
         self.calls += 1
+        adapters = materialize(adapters)
         rows = []
         for adapter in adapters:
             distance = self.distance(adapter) if adapter is not None else 1.0

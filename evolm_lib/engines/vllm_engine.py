@@ -13,7 +13,7 @@ from typing import Sequence
 from ..env import apply_engine_defaults
 from ..lora import AdapterWeights, save_adapter
 from ..types import Completion, PromptLike
-from .base import CompletionTable, PromptEncoder, SamplingSettings, check_adapters
+from .base import CompletionTable, PromptEncoder, SamplingSettings, check_adapters, materialize
 from .workarounds import base_as_zero_adapter, vllm_cpu_prompt_logprobs_fix
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -143,6 +143,8 @@ class VLLMEvaluator:
         greedy scoring of its mean adapter; returns one [adapter][prompt] table per grid."""
         from vllm import SamplingParams
 
+        t0 = time.perf_counter()
+        grids = [(prompts, materialize(adapters), sampling) for prompts, adapters, sampling in grids]
         all_adapters = [a for _, adapters, _ in grids for a in adapters]
         distinct = len({id(a) for a in all_adapters if a is not None})
         if distinct > self.max_loras:
@@ -151,7 +153,6 @@ class VLLMEvaluator:
                 "start the evaluator with max_loras >= the population size"
             )
         check_adapters(all_adapters, self.model_dir, self.max_lora_rank)
-        t0 = time.perf_counter()
         lora_requests, paths = self._lora_requests(base_as_zero_adapter(all_adapters))
         t1 = time.perf_counter()
         inputs, params, loras, shapes = [], [], [], []

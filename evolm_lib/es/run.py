@@ -15,7 +15,7 @@ from typing import Sequence
 import torch
 
 from ..config import ESConfig
-from ..engines import Evaluator, SamplingSettings, make_evaluator
+from ..engines import Evaluator, Population, SamplingSettings, make_evaluator
 from ..lora import AdapterWeights, base_weight_magnitudes, noise_scales, save_adapter
 from ..loop import RunLoop, percentile
 from ..models import resolve_model
@@ -72,17 +72,19 @@ class ESRun(RunLoop):
         """The members of the next generation: integer seeds and signs."""
         return es.population(self.config.seed, self.generation + 1, self.config.population_size, self.config.antithetic)
 
+    def population(self, members: Sequence[es.Member]) -> Population:
+        """The members as the engine takes them: the mean, their seeds and signs, the noise scale."""
+        return Population(self.mean, tuple(members), self.sigmas, self.config.noise_device)
+
     def member_adapters(self, members: Sequence[es.Member]) -> list[AdapterWeights]:
-        """Mean adapter + sigma * regenerated noise, one per member."""
-        device = self.config.noise_device
-        return [AdapterWeights(self.mean.spec, es.perturb(dict(self.mean.tensors), m, self.sigmas, device)) for m in members]
+        """Mean adapter + sigma * regenerated noise, one per member, made on the host."""
+        return self.population(members).adapters()
 
     def evaluate(self, members: Sequence[es.Member]) -> PopulationResult:
-        """Score every member on this generation's prompts in ONE engine call."""
+        """Score every member on this generation's prompts in ONE engine call (the engine makes the
+        members' weights from their seeds: on the host, or where the weights live)."""
         timing: dict[str, float] = {}
         generation = self.generation + 1
-        with timed(timing, "adapters_s"):
-            adapters = self.member_adapters(members)
         examples = self.batch_examples(generation)
         sampling = SamplingSettings(
             max_new_tokens=self.config.max_new_tokens,
@@ -91,10 +93,10 @@ class ESRun(RunLoop):
             seed=derive_seed(self.config.seed, "sampling", generation),  # same seed for every member: common random numbers
         )
         started = time.perf_counter()
-        completions = self.evaluator.generate([self.task.prompt(e) for e in examples], adapters, sampling)
+        completions = self.evaluator.generate([self.task.prompt(e) for e in examples], self.population(members), sampling)
         call = time.perf_counter() - started
-        timing["adapters_s"] += completions.timing.get("adapters_s", 0.0)
-        timing["generate_s"] = completions.timing.get("generate_s", call - completions.timing.get("adapters_s", 0.0))
+        timing["adapters_s"] = completions.timing.get("adapters_s", 0.0)
+        timing["generate_s"] = completions.timing.get("generate_s", call - timing["adapters_s"])
         with timed(timing, "reward_s"):
             rewards = torch.tensor(
                 [self.task.reward_fn([c.text for c in row], examples) for row in completions], dtype=torch.float32
