@@ -1,0 +1,240 @@
+"""Resident LoRA slots written in place (``evolm_lib.engines.vllm_slots``) on a real vLLM engine:
+the same completions as the file path, the trainer's exact member tensors in the slots, rewrites
+that take effect (prefix cache included), pinned slots that survive file-path calls, and errors.
+
+The fast tests share ONE tiny-random engine started with the worker extension; the ``slow`` test
+starts its own SmolLM2 engine.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from evolm_lib import es
+from evolm_lib.engines import SamplingSettings
+from evolm_lib.engines import vllm_slots
+from evolm_lib.engines.vllm_engine import VLLMEvaluator
+from evolm_lib.engines.vllm_slots import EXTENSION, ResidentPopulation, SlotsUnsupported, stored_form, supported
+from evolm_lib.lora import AdapterWeights, LoraSpec, adapter_shapes, init_adapter
+from evolm_lib.types import Prompt
+
+# rank 2 < the engine's max_lora_rank 8 (padding); alpha / r = 1.5 (folded into B by vLLM)
+SPEC = LoraSpec(rank=2, alpha=3.0)
+SIGMA = 0.05  # large enough on tiny-random for members to differ from each other and from the base
+POPULATION = 4
+# Engine max_loras = 9 + 1: 4 slots + the zero slot resident, 5 left for the file path.
+MAX_LORAS = 9
+GREEDY = SamplingSettings(max_new_tokens=12)
+PROMPTS = [Prompt.user("What is 2+3?"), Prompt.user("Name a colour."), "Once upon a time"]
+# Longer than one KV block (128 tokens on CPU), so the prefix cache holds full blocks of it.
+LONG_PROMPT = Prompt.user("Count the words in this sentence, please. " * 30)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    """One tiny-random engine with the slot extension for the module."""
+    evaluator = VLLMEvaluator(
+        str(tiny_model_dir), max_loras=MAX_LORAS, max_lora_rank=8, max_model_len=512, kv_cache_gb=0.125,
+        engine_kwargs={"worker_extension_cls": EXTENSION},
+    )
+    yield evaluator
+    evaluator.close()
+
+
+@pytest.fixture
+def resident(engine):
+    population = ResidentPopulation(engine.llm, SPEC, POPULATION, engine.model_dir, engine.dtype)
+    yield population
+    population.close()
+
+
+def make_mean(model_dir, spec: LoraSpec = SPEC) -> AdapterWeights:
+    """A mean adapter with non-zero A and B (PEFT init moved by one seeded step)."""
+    init = init_adapter(spec, adapter_shapes(model_dir, spec), "peft_default", seed=0)
+    return AdapterWeights(spec, es.perturb(dict(init.tensors), es.Member(99), 0.02))
+
+
+def member_adapters(mean: AdapterWeights, members, sigma=SIGMA) -> list[AdapterWeights]:
+    """What the trainer builds for the file path (``ESRun.member_adapters``)."""
+    return [AdapterWeights(mean.spec, es.perturb(dict(mean.tensors), m, sigma)) for m in members]
+
+
+def token_ids(rows) -> list[list[tuple[int, ...]]]:
+    return [[c.token_ids for c in row] for row in rows]
+
+
+def test_supported_on_an_engine_with_the_extension(engine):
+    ok, reason = supported(engine.llm)
+    assert ok, reason
+    assert "max_loras 10" in reason and "max_lora_rank 8" in reason
+
+
+def test_not_supported_without_extension_or_lora():
+    class NoExtension:
+        class llm_engine:
+            class vllm_config:
+                lora_config = object()
+
+        def collective_rpc(self, method, args=()):
+            raise AttributeError(f"'CPUWorker' object has no attribute {method!r}")
+
+    ok, reason = supported(NoExtension())
+    assert not ok and "worker_extension_cls" in reason
+
+    class NoLora(NoExtension):
+        class llm_engine:
+            class vllm_config:
+                lora_config = None
+
+    ok, reason = supported(NoLora())
+    assert not ok and "enable_lora" in reason
+    with pytest.raises(SlotsUnsupported, match="worker_extension_cls"):
+        ResidentPopulation(NoExtension(), SPEC, 2, ".", "float32")
+
+
+def test_slots_give_the_file_paths_greedy_completions(engine, resident):
+    mean = make_mean(engine.model_dir)
+    members = es.population(base_seed=7, generation=1, population_size=POPULATION)
+    timing = resident.write(mean, members, SIGMA)
+    assert timing["slots_write_s"] >= 0 and timing["slots_call_s"] >= timing["slots_write_s"]
+    from_slots = resident.generate(PROMPTS, GREEDY, with_base=True)
+    from_files = engine.generate(PROMPTS, member_adapters(mean, members), GREEDY)
+    base = engine.generate(PROMPTS, [None], GREEDY)
+    assert token_ids(from_slots[:POPULATION]) == token_ids(from_files)
+    assert [[c.text for c in row] for row in from_slots[:POPULATION]] == [[c.text for c in row] for row in from_files]
+    assert token_ids(from_slots[POPULATION:]) == token_ids(base)  # the zero slot is the base model
+    # the test can fail: members differ from each other and from the base
+    assert len({tuple(row) for row in token_ids(from_files)}) == POPULATION
+    assert all(row != token_ids(base)[0] for row in token_ids(from_files))
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [SPEC, LoraSpec(("q_proj", "v_proj", "down_proj"), rank=1, alpha=1.0, layers_to_transform=(1,))],
+    ids=["all-projections-r2", "q-v-down-layer1-r1"],
+)
+def test_slot_checksums_equal_the_trainers_member_tensors(engine, spec):
+    # The second spec leaves k_proj (a slice of the packed qkv_proj), gate/up/o and layer 0 out: zero there.
+    mean = make_mean(engine.model_dir, spec)
+    members = es.population(base_seed=3, generation=5, population_size=POPULATION)
+    with ResidentPopulation(engine.llm, spec, POPULATION, engine.model_dir, engine.dtype) as population:
+        population.write(mean, members, SIGMA)
+        host = member_adapters(mean, members)  # es.perturb on the host, as the trainer does
+        assert population.checksums() == [population.expected_checksum(a.tensors) for a in host]
+        scaling = spec.alpha / spec.rank
+        for index, adapter in enumerate(host):
+            held = population.read(index)
+            for name, tensor in adapter.tensors.items():
+                expected = stored_form(tensor, ".lora_A." in name, torch.float32, torch.float32, scaling)
+                assert torch.equal(held[name], expected), name
+        # a checksum that cannot tell members apart would pass trivially
+        assert len(set(population.checksums())) == POPULATION
+
+
+def test_a_rewritten_slot_serves_the_new_weights(engine, resident):
+    mean = make_mean(engine.model_dir)
+    prompts = [LONG_PROMPT] + PROMPTS
+    first = es.population(base_seed=11, generation=1, population_size=POPULATION)
+    second = es.population(base_seed=11, generation=2, population_size=POPULATION)
+    resident.write(mean, first, SIGMA)
+    before = resident.generate(prompts, GREEDY)
+    resident.write(mean, second, SIGMA)
+    after = resident.generate(prompts, GREEDY)
+    # the new weights, not the old ones (nor KV blocks cached under the same slot names)
+    assert token_ids(after) == token_ids(engine.generate(prompts, member_adapters(mean, second), GREEDY))
+    assert token_ids(after) != token_ids(before)
+    # writing the first generation again brings its completions back
+    resident.write(mean, first, SIGMA)
+    assert token_ids(resident.generate(prompts, GREEDY)) == token_ids(before)
+
+
+def test_antithetic_pairs_are_opposite_in_the_slots(engine, resident):
+    mean = make_mean(engine.model_dir)
+    members = es.population(base_seed=5, generation=0, population_size=POPULATION)
+    assert members[0].seed == members[1].seed and (members[0].sign, members[1].sign) == (1, -1)
+    resident.write(mean, members, SIGMA)
+    scaling = SPEC.alpha / SPEC.rank
+    plus, minus = resident.read(0), resident.read(1)
+    for name, tensor in mean.tensors.items():
+        centre = stored_form(tensor, ".lora_A." in name, torch.float32, torch.float32, scaling).double()
+        up, down = plus[name].double() - centre, minus[name].double() - centre
+        assert up.abs().max() > 0.1 * SIGMA
+        # equal up to float32 rounding of mean +- step
+        torch.testing.assert_close(up, -down, rtol=0, atol=1e-6)
+
+
+def test_slots_stay_resident_through_file_path_calls(engine, resident):
+    mean = make_mean(engine.model_dir)
+    members = es.population(base_seed=13, generation=1, population_size=POPULATION)
+    resident.write(mean, members, SIGMA)
+    checksums = resident.checksums()
+    before = token_ids(resident.generate(PROMPTS, GREEDY))
+    # fill every free slot with file-path adapters, twice (the second call evicts the first)
+    for generation in (2, 3):
+        others = member_adapters(mean, es.population(13, generation, MAX_LORAS - POPULATION, antithetic=False))
+        engine.generate(PROMPTS[:1], others, GREEDY)
+    assert resident.checksums() == checksums
+    assert token_ids(resident.generate(PROMPTS, GREEDY)) == before
+    resident.write(mean, members, SIGMA)  # the slot layout check passes
+    # all free slots are taken by the resident population and its zero slot now: none is left
+    with pytest.raises(ValueError, match="free LoRA slots"):
+        ResidentPopulation(engine.llm, SPEC, MAX_LORAS - POPULATION, engine.model_dir, engine.dtype, first_id=2_000_000_000)
+
+
+def test_a_loader_mismatch_is_refused_and_the_slots_released(engine, monkeypatch):
+    # Pretend vLLM's loader stopped folding alpha / r into B: the fingerprint check must refuse.
+    def unscaled(tensor, is_a, file_dtype, slot_dtype, scaling):
+        return tensor.to(file_dtype).to(slot_dtype)
+
+    monkeypatch.setattr(vllm_slots, "stored_form", unscaled)
+    with pytest.raises(SlotsUnsupported, match="differently from the in-place write"):
+        ResidentPopulation(engine.llm, SPEC, POPULATION, engine.model_dir, engine.dtype)
+    monkeypatch.undo()
+    # nothing stayed pinned: a population of the same size fits again
+    with ResidentPopulation(engine.llm, SPEC, POPULATION, engine.model_dir, engine.dtype) as population:
+        population.write(make_mean(engine.model_dir), es.population(1, 1, 2), SIGMA)
+        assert len(population.lora_requests()) == 2
+
+
+def test_bad_input_is_refused(engine, resident):
+    mean = make_mean(engine.model_dir)
+    with pytest.raises(RuntimeError, match="call write"):
+        resident.lora_requests()
+    with pytest.raises(ValueError, match="5 members but only 4 resident slots"):
+        resident.write(mean, es.population(1, 1, 6)[:5], SIGMA)
+    with pytest.raises(ValueError, match="must not be empty"):
+        resident.write(mean, [], SIGMA)
+    with pytest.raises(ValueError, match="spec"):
+        resident.write(make_mean(engine.model_dir, LoraSpec(rank=1)), es.population(1, 1, 2), SIGMA)
+    partial = AdapterWeights(SPEC, dict(list(mean.tensors.items())[1:]))
+    with pytest.raises(ValueError, match="missing"):
+        resident.write(partial, es.population(1, 1, 2), SIGMA)
+    with pytest.raises(ValueError, match="sigma"):
+        resident.write(mean, es.population(1, 1, 2), -1.0)
+    with pytest.raises(ValueError, match="noise_device"):
+        resident.write(mean, es.population(1, 1, 2), SIGMA, noise_device="tpu")
+    with pytest.raises(TypeError, match="es.Member"):
+        resident.write(mean, [(1, 1)], SIGMA)
+    with pytest.raises(ValueError, match="max_lora_rank 8"):
+        ResidentPopulation(engine.llm, LoraSpec(rank=16), 2, engine.model_dir, engine.dtype, first_id=2_000_000_000)
+    with pytest.raises(ValueError, match="free LoRA slots"):
+        ResidentPopulation(engine.llm, SPEC, MAX_LORAS + 1, engine.model_dir, engine.dtype, first_id=2_000_000_000)
+
+
+@pytest.mark.slow
+def test_slots_match_the_file_path_on_smollm2(smollm2_dir):
+    spec = LoraSpec(rank=1, alpha=2.0)
+    prompts = [Prompt.user("What is 2+3?"), Prompt.user("Name a colour.")]
+    sampling = SamplingSettings(max_new_tokens=16)
+    with VLLMEvaluator(str(smollm2_dir), max_loras=8, max_lora_rank=1, max_model_len=512, kv_cache_gb=0.25,
+                       engine_kwargs={"worker_extension_cls": EXTENSION}) as evaluator:
+        mean = make_mean(smollm2_dir, spec)
+        members = es.population(base_seed=1, generation=1, population_size=POPULATION)
+        with ResidentPopulation(evaluator.llm, spec, POPULATION, smollm2_dir, evaluator.dtype) as population:
+            population.write(mean, members, 0.02)
+            from_slots = population.generate(prompts, sampling)
+            adapters = member_adapters(mean, members, 0.02)
+            from_files = evaluator.generate(prompts, adapters, sampling)
+            assert token_ids(from_slots) == token_ids(from_files)
+            assert population.checksums() == [population.expected_checksum(a.tensors) for a in adapters]
+            assert len({tuple(row) for row in token_ids(from_files)}) > 1
