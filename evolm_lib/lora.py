@@ -239,3 +239,24 @@ def load_adapter(path: str | Path) -> AdapterWeights:
     spec = LoraSpec(tuple(targets), int(config["r"]), float(config["lora_alpha"]), tuple(layers) if layers else None)
     tensors = {k: v.float() for k, v in load_file(str(path / "adapter_model.safetensors")).items()}
     return AdapterWeights(spec, tensors)
+
+
+def noise_below_resolution(tensors: Mapping[str, torch.Tensor], sigmas: Mapping[str, float], dtype: torch.dtype,
+                           ulps: float = 4.0) -> list[tuple[str, float, float]]:
+    """Tensors whose noise scale is within ``ulps`` units in the last place of ``dtype`` at the tensor's
+    typical magnitude: (name, sigma, ulp at rms |value|). An engine in that dtype rounds such a
+    perturbation away in part (bfloat16, sigma 1.5e-4 on A near 0.04: up to 42 % of it), so the
+    members it serves are not the ones the update assumes."""
+    if dtype == torch.float32 or dtype == torch.float64:
+        return []
+    mantissa_bits = {torch.bfloat16: 7, torch.float16: 10}.get(dtype, 23)
+    found = []
+    for name, tensor in tensors.items():
+        rms = float(tensor.float().pow(2).mean().sqrt())
+        if rms == 0.0:  # B = 0 at PEFT's init: the noise lands on zeros, which the dtype represents exactly
+            continue
+        ulp = 2.0 ** (math.floor(math.log2(rms)) - mantissa_bits)
+        if sigmas[name] < ulps * ulp:
+            found.append((name, float(sigmas[name]), ulp))
+    return found
+

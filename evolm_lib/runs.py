@@ -136,6 +136,8 @@ def write_checkpoint(
     root = Path(run_dir) / CHECKPOINTS
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{step:06d}"
+    for stale in root.glob(".[0-9]*-*"):  # a temporary folder a killed writer left (one writer per run)
+        shutil.rmtree(stale, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{step:06d}-", dir=root))
     save_adapter(adapter, tmp / "adapter", base_model=base_model)
     if optimizer_tensors:

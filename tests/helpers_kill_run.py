@@ -2,7 +2,7 @@
 
 Usage: python tests/helpers_kill_run.py RUN_DIR N_KILL
 
-tests/test_runner.py launches this as a subprocess, then resumes the run in-process and checks it
+tests/test_es_run.py launches this as a subprocess, then resumes the run in-process and checks it
 ends bit for bit like an uninterrupted one. ``kill_config`` is the run's settings, shared with that test.
 """
 from __future__ import annotations

@@ -223,3 +223,14 @@ def test_save_adapter_in_bfloat16(tmp_path, tiny_model_dir):
     loaded = load_adapter(save_adapter(adapter, tmp_path / "bf16", dtype=torch.bfloat16))
     for name, tensor in adapter.tensors.items():
         assert torch.equal(loaded.tensors[name], tensor.to(torch.bfloat16).float())
+
+
+def test_noise_below_resolution_flags_sigma_within_a_few_bfloat16_ulps():
+    from evolm_lib.lora import noise_below_resolution
+
+    tensors = {"a": torch.full((4, 4), 0.04), "b": torch.zeros(4, 4), "c": torch.full((2, 2), 1.0)}
+    # rms 0.04 lies in [2^-5, 2^-4): the bfloat16 ulp there is 2^-5 x 2^-7 = 2^-12 ~ 2.44e-4
+    found = noise_below_resolution(tensors, {"a": 1.5e-4, "b": 1e-9, "c": 0.05}, torch.bfloat16)
+    assert found == [("a", 1.5e-4, 2.0 ** -12)]  # b is all zeros (exact in any dtype); c: 0.05 > 4 x 2^-7
+    assert noise_below_resolution(tensors, {"a": 1.5e-4, "b": 1e-9, "c": 1e-9}, torch.float32) == []
+    assert noise_below_resolution(tensors, {"a": 4 * 2.0 ** -12, "b": 1, "c": 1}, torch.bfloat16) == []

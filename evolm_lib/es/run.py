@@ -8,6 +8,7 @@ Qiu et al. 2025, "Evolution Strategies at Scale" (arXiv 2509.24372).
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -16,7 +17,7 @@ import torch
 
 from ..config import ESConfig
 from ..engines import Evaluator, Population, SamplingSettings, make_evaluator
-from ..lora import AdapterWeights, base_weight_magnitudes, noise_scales, save_adapter
+from ..lora import AdapterWeights, base_weight_magnitudes, noise_below_resolution, noise_scales
 from ..loop import RunLoop, percentile
 from ..models import resolve_model
 from ..runs import timed, write_checkpoint
@@ -55,6 +56,14 @@ class ESRun(RunLoop):
         self.shapes = {k: tuple(v.shape) for k, v in mean.tensors.items()}
         magnitudes = base_weight_magnitudes(model_dir, mean.spec) if config.noise_mode == "per_layer" else None
         self.sigmas = noise_scales(self.shapes, config.sigma, config.noise_mode, magnitudes)
+        coarse = noise_below_resolution(mean.tensors, self.sigmas, getattr(torch, config.dtype))
+        if coarse:
+            name, sigma, ulp = min(coarse, key=lambda c: c[1] / c[2])
+            warnings.warn(
+                f"sigma is within a few {config.dtype} ulps of the adapter's values in {len(coarse)} tensor(s) "
+                f"(e.g. {name}: sigma {sigma:.2g}, ulp {ulp:.2g}): the engine rounds part of the noise away, so "
+                "the members it serves differ from those the update assumes; use dtype float32 or a larger sigma",
+                stacklevel=2)
 
     @classmethod
     def _build(cls, config: ESConfig, run_dir: Path, evaluator: Evaluator | None, task: Task, model_dir: Path,

@@ -6,6 +6,7 @@ import json
 import math
 import subprocess
 import sys
+import warnings
 import time
 from pathlib import Path
 
@@ -385,3 +386,12 @@ def test_two_generations_on_vllm_tiny_random(tmp_path):
         assert 0 < row["samples/tokens"] <= 4 * 2 * 8 * row["generation"]
     assert rows[-1]["samples/completions"] == 4 * 2 * 2
     assert [p.name for p in list_checkpoints(tmp_path / "run")][-1] == "000002"
+
+
+def test_sigma_below_the_engine_dtype_resolution_warns(tmp_path):
+    # random A (PEFT's kaiming init, rms ~ 0.3 on tiny-random) with sigma 1e-4: bfloat16 rounds most of it away
+    with pytest.warns(UserWarning, match="ulps"):
+        ESRun.create(small_config(sigma=1e-4, dtype="bfloat16"), tmp_path / "bf16", evaluator=SyntheticEvaluator())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ESRun.create(small_config(sigma=1e-4, dtype="float32"), tmp_path / "fp32", evaluator=SyntheticEvaluator())
