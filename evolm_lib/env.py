@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import os
 
+from .quiet import quiet_engines, verbose
+
 ENGINE_DEFAULTS = {
     # The engine in this process: works in scripts without a __main__ guard and in Jupyter kernels.
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    # vLLM's INFO lines drown a notebook's output; warnings a user can act on stay.
+    # vLLM's INFO lines drown a notebook's output; warnings a user can act on stay (EVOLM_VERBOSE=1: INFO).
     "VLLM_LOGGING_LEVEL": "WARNING",
     "TOKENIZERS_PARALLELISM": "false",
     # Spinning OpenMP threads starve the engine on a busy machine (one HF call: 154 s instead of 8 s).
@@ -23,19 +25,27 @@ CPU_DEFAULTS = {"OMP_NUM_THREADS": "1"}
 
 
 def apply_engine_defaults(cpu: bool | None = None) -> dict[str, str]:
-    """Set the engine's environment defaults (and one torch thread on a CPU machine); returns what was set."""
+    """Set the engine's environment defaults (and one torch thread on a CPU machine), and hide engine
+    notices a user cannot act on (``evolm_lib.quiet``); returns the variables it set."""
     if cpu is None:
         cpu = not _has_cuda()
+    defaults = {**ENGINE_DEFAULTS, **(CPU_DEFAULTS if cpu else {})}
+    if verbose():
+        defaults["VLLM_LOGGING_LEVEL"] = "INFO"
     changed = {}
-    for key, value in {**ENGINE_DEFAULTS, **(CPU_DEFAULTS if cpu else {})}.items():
+    for key, value in defaults.items():
         if key not in os.environ:
             os.environ[key] = value
             changed[key] = value
+    quiet_engines()
     if cpu and os.environ.get("OMP_NUM_THREADS") == "1":
         import torch
 
-        if torch.get_num_threads() != 1:
-            torch.set_num_threads(1)  # torch read OMP_NUM_THREADS at import, before it was set
+        # torch read OMP_NUM_THREADS at import, before it was set (a kernel started without it).
+        # After an engine started, vLLM's CPU worker has bound the threads and replaced
+        # torch.set_num_threads by a stub that only logs: leave it alone then.
+        if torch.get_num_threads() != 1 and type(torch.set_num_threads).__name__ == "builtin_function_or_method":
+            torch.set_num_threads(1)
     return changed
 
 

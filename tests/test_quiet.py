@@ -1,0 +1,142 @@
+"""Quiet engines: known engine notices are hidden, other warnings stay, EVOLM_VERBOSE shows all; and a
+kernel started without `make` (plain papermill or JupyterLab) still gets one thread and a quiet engine."""
+from __future__ import annotations
+
+import io
+import json
+import logging
+import re
+import warnings
+
+import pytest
+
+from evolm_lib import quiet
+from evolm_lib.env import apply_engine_defaults
+
+# What an engine notice looks like in a notebook's output: vLLM's log prefix, c10's "[W...] Warning:",
+# a Python warning's "file.py:N: SomethingWarning", or the plain Triton line.
+ENGINE_LINE = re.compile(r"WARNING \d\d-\d\d|^\[W\d{4}|\bWarning: |\w+Warning: |Triton is |LD_PRELOAD|set_num_threads")
+
+
+@pytest.fixture
+def vllm_log(monkeypatch):
+    """A handler at WARNING on a vLLM-named logger, as vLLM configures its own; yields the text it printed."""
+    monkeypatch.setattr(quiet, "_state", {"verbose_override": None, "c10_level": None})
+    monkeypatch.delenv(quiet.VERBOSE_ENV, raising=False)
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setLevel(logging.WARNING)
+    logger = logging.getLogger("vllm.test_quiet")
+    logger.addHandler(handler)
+    logger.propagate = False
+    previous = logging.getLogRecordFactory()
+    yield logger, stream
+    logging.setLogRecordFactory(previous)
+    logger.removeHandler(handler)
+
+
+def test_known_engine_notices_are_hidden_and_others_stay(vllm_log):
+    logger, stream = vllm_log
+    assert quiet.quiet_engines()
+    logger.warning("%s is not found in LD_PRELOAD. For best performance, ...", "libtcmalloc")
+    logger.warning("CPU backend doesn't allow to use `torch.set_num_threads` after the thread binding, skip it.")
+    logger.warning("Triton is installed, but doesn't include CPU backend. Disabling Triton.")
+    logger.warning("max_num_seqs is too small for this model")  # not known noise: a user may act on it
+    logger.error("The global random seed is set to 0")  # errors always show
+    assert stream.getvalue().splitlines() == ["max_num_seqs is too small for this model",
+                                              "The global random seed is set to 0"]
+    assert quiet.quiet_engines() and logging.getLogRecordFactory().__class__.__name__ == "_DemotingRecordFactory"
+
+
+def test_other_loggers_are_untouched(vllm_log):
+    quiet.quiet_engines()
+    assert not quiet.is_engine_noise("myproject", "libtcmalloc is not found in LD_PRELOAD")
+    assert quiet.is_engine_noise("vllm.v1.worker.cpu_worker", "libiomp is not found in LD_PRELOAD")
+
+
+def test_verbose_shows_everything(vllm_log, monkeypatch):
+    logger, stream = vllm_log
+    quiet.quiet_engines()
+    monkeypatch.setenv(quiet.VERBOSE_ENV, "1")
+    logger.warning("libtcmalloc is not found in LD_PRELOAD")
+    assert "LD_PRELOAD" in stream.getvalue()
+    assert not quiet.quiet_engines()  # nothing installed while verbose
+
+
+def test_set_verbose_reaches_kernels_and_vllm(vllm_log, monkeypatch):
+    for name in ("VLLM_LOGGING_LEVEL", "TORCH_CPP_LOG_LEVEL"):
+        monkeypatch.delenv(name, raising=False)
+    quiet.set_verbose(False)  # the notebooks' default: quiet unless the environment says otherwise
+    assert not quiet.verbose()
+    quiet.set_verbose(True)
+    assert quiet.verbose()
+    import os
+
+    assert os.environ[quiet.VERBOSE_ENV] == "1" and os.environ["VLLM_LOGGING_LEVEL"] == "INFO"
+    monkeypatch.delenv(quiet.VERBOSE_ENV)
+
+
+def test_engine_future_warnings_are_filtered_but_others_show(vllm_log):
+    quiet.quiet_engines()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        quiet.quiet_engines()  # catch_warnings reset the filters: install them again inside
+        warnings.warn_explicit("`torch.distributed.reduce_op` is deprecated, please use ...", FutureWarning,
+                               "dispatcher.py", 138, module="vllm.triton_utils.dispatcher")
+        warnings.warn_explicit("this setting is deprecated", FutureWarning, "mine.py", 1, module="mine")
+    assert [str(w.message) for w in caught] == ["this setting is deprecated"]
+
+
+def test_apply_engine_defaults_keeps_user_values(monkeypatch):
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "ERROR")
+    monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
+    changed = apply_engine_defaults(cpu=False)
+    import os
+
+    assert os.environ["VLLM_LOGGING_LEVEL"] == "ERROR" and "VLLM_LOGGING_LEVEL" not in changed
+    assert changed.get("TOKENIZERS_PARALLELISM") == "false"
+
+
+KERNEL_NOTEBOOK = """
+# %%
+import os
+import time
+
+import torch
+
+from evolm_lib.config import ESConfig
+from evolm_lib.engines import SamplingSettings, make_evaluator
+from evolm_lib.tasks import get_task
+
+threads_before = torch.get_num_threads()
+config = ESConfig(model="tiny-random", max_model_len=256, kv_cache_gb=0.1, max_new_tokens=8)
+evaluator = make_evaluator(config, max_loras=2)
+task = get_task("conciseness")
+started = time.perf_counter()
+table = evaluator.generate([task.prompt(e) for e in task.eval_examples()], [None], SamplingSettings(max_new_tokens=8))
+seconds = time.perf_counter() - started
+evaluator.close()
+print("RESULT", {"before": threads_before, "after": torch.get_num_threads(),
+                 "omp": os.environ.get("OMP_NUM_THREADS"), "seconds": seconds})
+"""
+
+
+@pytest.mark.slow
+def test_kernel_started_without_make_gets_one_thread_and_a_quiet_engine(tmp_path, monkeypatch):
+    """As JupyterLab or papermill start a kernel outside `make`/`evolm`: no OMP_NUM_THREADS, no vLLM
+    variables. The engine's defaults still give one torch thread, and its start prints no notices."""
+    from evolm_lib import batch
+
+    for name in ("OMP_NUM_THREADS", "VLLM_LOGGING_LEVEL", "VLLM_ENABLE_V1_MULTIPROCESSING", "OMP_WAIT_POLICY",
+                 "TORCH_CPP_LOG_LEVEL", quiet.VERBOSE_ENV):
+        monkeypatch.delenv(name, raising=False)
+    source = tmp_path / "kernel.py"
+    source.write_text(KERNEL_NOTEBOOK)
+    executed = batch.execute_notebook(source, tmp_path / "kernel.ipynb", {}, cwd=tmp_path)
+    outputs = [o for c in json.loads(executed.read_text())["cells"] for o in c.get("outputs", [])]
+    text = "".join("".join(o.get("text", "")) for o in outputs if o.get("output_type") == "stream")
+    result = eval(text.split("RESULT ", 1)[1].splitlines()[0])  # noqa: S307 - our own printed dict
+    assert result["omp"] == "1" and result["after"] == 1, result
+    noise = [line for line in text.splitlines() if ENGINE_LINE.search(line)]
+    assert not noise, noise
+    print(f"kernel: {result}")
