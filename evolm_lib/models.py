@@ -147,6 +147,23 @@ def _looks_like_hub_name(name: str) -> bool:
     return len(parts) == 2 and all(parts) and not name.startswith((".", "/", "~"))
 
 
+def _looks_like_path(name: str) -> bool:
+    """A name written as a path (a separator, or a leading ".", "/" or "~") and not a hub name."""
+    return "/" in name or os.sep in name or name.startswith((".", "~"))
+
+
+def cached_model_dir(name: str) -> Path | None:
+    """The local folder of a model without building, converting or downloading anything (None when
+    that would be needed), e.g. to check settings against its config.json in a dry run."""
+    if name in BUILDERS:
+        final = cache_dir() / "models" / f"{name}-v{CONVERSION_VERSION}"
+        return final if (final / "config.json").exists() else None
+    local = Path(name).expanduser()
+    if (local / "config.json").exists():
+        return local.resolve()
+    return None
+
+
 def check_model_name(name: str) -> None:
     """Cheap validation (no download, no conversion): raise ValueError for a name that cannot resolve."""
     if not isinstance(name, str) or not name:
@@ -157,6 +174,14 @@ def check_model_name(name: str) -> None:
         return
     if _looks_like_hub_name(name):
         return
+    if _looks_like_path(name):
+        local = Path(name).expanduser()
+        where = "" if local.is_absolute() else f" (relative to {Path.cwd()})"
+        kind = "is a file, not a model folder" if local.exists() else "not found"
+        raise ValueError(
+            f"model folder {name!r} {kind}{where}: give an existing folder holding config.json and "
+            f"weights, a known name ({', '.join(known_models())}) or a hub name like 'Qwen/Qwen2.5-0.5B-Instruct'"
+        )
     raise ValueError(
         f"unknown model {name!r}: give a known name ({', '.join(known_models())}), "
         "a local model folder, or a Hugging Face hub name like 'Qwen/Qwen2.5-0.5B-Instruct'"
@@ -187,7 +212,8 @@ def resolve_model(name: str) -> Path:
 
 def _offline_message(name: str) -> str:
     return (
-        f"model {name!r} is not in the local Hugging Face cache and the hub cannot be reached. "
+        f"model {name!r} is no local folder (relative to {Path.cwd()}), is not in the local Hugging Face "
+        "cache, and the hub cannot be reached. "
         "Download it on a machine with network (huggingface-cli download NAME --local-dir DIR) "
         "and pass the folder's path as the model, or use one of: " + ", ".join(known_models())
     )

@@ -175,10 +175,10 @@ def test_check_model_name_accepts_a_model_folder(tiny_model_dir):
         (None, "non-empty"),
         (3, "non-empty"),
         ("tiny_random", "known name"),
-        ("org/name/extra", "unknown model"),
-        ("org/", "unknown model"),
-        ("/no/such/folder", "unknown model"),
-        ("./missing/folder", "unknown model"),
+        ("org/name/extra", "model folder 'org/name/extra' not found"),  # a path, not a hub name
+        ("org/", "model folder 'org/' not found"),
+        ("/no/such/folder", "model folder '/no/such/folder' not found"),
+        ("./missing/folder", r"model folder './missing/folder' not found \(relative to "),
     ],
 )
 def test_check_model_name_rejects(name, match):
@@ -198,3 +198,17 @@ def test_cache_dir_follows_environment(tmp_path, monkeypatch):
     monkeypatch.delenv("EVOLM_CACHE_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert models.cache_dir() == tmp_path / "xdg" / "evolm"
+
+
+def test_a_file_is_not_a_model_folder(tmp_path):
+    (tmp_path / "weights.bin").write_bytes(b"")
+    with pytest.raises(ValueError, match="is a file, not a model folder"):
+        check_model_name(str(tmp_path / "weights.bin"))
+
+
+def test_cached_model_dir_builds_nothing(tmp_path, monkeypatch, tiny_model_dir):
+    monkeypatch.setenv("EVOLM_CACHE_DIR", str(tmp_path))
+    assert models.cached_model_dir("tiny-random") is None  # not built in this cache: no build either
+    assert not (tmp_path / "models").exists()
+    assert models.cached_model_dir(str(tiny_model_dir)) == tiny_model_dir.resolve()
+    assert models.cached_model_dir("some-org/some-model") is None

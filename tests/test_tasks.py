@@ -51,6 +51,18 @@ def test_every_registered_task_builds_prompts_and_rewards(name):
     assert isinstance(task.reward("42", train[0]), RewardResult)
 
 
+@pytest.mark.parametrize("name", list_tasks())
+def test_every_registered_task_says_what_its_reward_is(name):
+    label = get_task(name, **SMALL_OPTIONS.get(name, {})).reward_label
+    assert label and label != Task.reward_label and "/" not in label  # words for an axis, not a key
+
+
+def test_reward_labels_name_the_definition():
+    assert get_task("conciseness").reward_label == "-|length difference|, chars"
+    assert get_task("jsonl", path=USER_JSONL, reward="length").reward_label == "-|length difference|, chars"
+    assert get_task("jsonl", path=USER_JSONL).reward_label == "exact match, 0 or 1"
+
+
 def test_registry_lists_the_builtin_tasks():
     assert {"conciseness", "countdown", "jsonl"} <= set(list_tasks())
 
@@ -381,3 +393,30 @@ def test_jsonl_numeric_targets_become_text(tmp_path):
     path = tmp_path / "numbers.jsonl"
     path.write_text(json.dumps({"prompt": "2 + 2?", "target": 4}) + "\n")
     assert load_jsonl_examples(path)["train"] == [Example("2 + 2?", "4")]
+
+
+def test_jsonl_missing_file_is_a_configuration_error_naming_it(tmp_path):
+    from evolm_lib.config import ConfigError, ESConfig
+    from evolm_lib.tasks.jsonl import JsonlFileNotFoundError, JsonlTaskError
+
+    missing = tmp_path / "nope.jsonl"
+    with pytest.raises(JsonlFileNotFoundError, match=f"JSONL task file {missing} not found") as caught:
+        load_jsonl_examples(missing)
+    assert isinstance(caught.value, FileNotFoundError) and caught.value.path == missing
+    with pytest.raises(JsonlTaskError, match=r"not found \(relative to "):
+        load_jsonl_examples("no_such_dir/nope.jsonl")
+    with pytest.raises(ConfigError, match=f"JSONL task file {missing} not found"):
+        ESConfig(model="tiny-random", task="jsonl", task_options={"path": str(missing)})
+
+
+def test_jsonl_bad_line_is_a_configuration_error_with_file_and_line(tmp_path):
+    from evolm_lib.config import ConfigError, ESConfig
+    from evolm_lib.tasks.jsonl import JsonlTaskError
+
+    path = tmp_path / "task.jsonl"
+    path.write_text('{"prompt": "a", "target": "b"}\n\n{"prompt": 3, "target": "b"}\n')
+    with pytest.raises(JsonlTaskError) as caught:
+        load_jsonl_examples(path)
+    assert (caught.value.path, caught.value.line) == (path, 3)
+    with pytest.raises(ConfigError, match=f"JSONL task file {path}, line 3: 'prompt' must be a string"):
+        ESConfig(model="tiny-random", task="jsonl", task_options={"path": str(path)})

@@ -47,6 +47,8 @@ class Task:
     """Text the assistant turn starts with; the completion continues it."""
     success_threshold: float | None = None
     """Reward at or above which a completion counts as solved (None: the task has no such notion)."""
+    reward_label: str = "task reward"
+    """The reward in words with its unit, for axis labels, e.g. "-|length difference|, chars"."""
 
     def train_examples(self) -> list[Example]:
         """Examples the optimiser sees."""

@@ -41,6 +41,7 @@ class ConcisenessTask(Task):
 
     name = "conciseness"
     success_threshold = 0.0  # minus the length gap: only an exact length reaches 0
+    reward_label = "-|length difference|, chars"
 
     def train_examples(self) -> list[Example]:
         """The paper's two training examples."""

@@ -365,6 +365,7 @@ class CountdownTask(Task):
 
     name = "countdown"
     success_threshold = 1.0  # the answer right: the format alone gives at most 0.1
+    reward_label = "answer 0 or 1 + 0.1 x format"
     system_prompt = SYSTEM_PROMPT
     assistant_prefix = ASSISTANT_PREFIX
 

@@ -1,10 +1,25 @@
 """User tasks from a JSONL file, scored by a named reward.
 
-One JSON object per line: {"prompt": ..., "target": ..., "split": "train" | "eval"}
-("split" is optional and defaults to "train"). Blank lines are skipped.
+One JSON object per line::
+
+    {"prompt": "Capital of France?", "target": "Paris", "split": "eval"}
+
+- ``prompt`` (string, required): the user turn the model answers;
+- ``target`` (required): the reference answer (numbers become text);
+- ``split`` (optional): "train" (the default: what the optimiser sees) or "eval" (held out);
+- any other key is kept in ``Example.data`` for rewards that need it.
+Blank lines are skipped. Options (``task_options``): ``path`` (the file; relative paths are read from
+the working directory: the project folder for `evolm batch`, notebooks/ in JupyterLab), ``reward``
+("exact_match" 0/1 after stripping, "length" minus the character-length gap as in conciseness,
+"regex" 0/1 when the stripped completion fully matches ``pattern``), ``system`` (a system message),
+``case_sensitive`` (exact_match only).
+
+A missing file or a bad line is a JsonlTaskError (a ValueError, so a run's settings report it as a
+configuration error before any engine starts) naming the file and the line.
 """
 from __future__ import annotations
 
+import functools
 import json
 import re
 from pathlib import Path
@@ -15,34 +30,62 @@ from evolm_lib.tasks.conciseness import length_reward
 REWARDS = ("exact_match", "length", "regex")
 """Names of the rewards a JSONL task can use."""
 SPLITS = ("train", "eval")
+REWARD_LABELS = {
+    "exact_match": "exact match, 0 or 1",
+    "length": "-|length difference|, chars",
+    "regex": "regex match, 0 or 1",
+}
+"""Each reward in words with its unit, for axis labels."""
+
+
+class JsonlTaskError(ValueError):
+    """A JSONL task file is missing or holds a bad line; ``path`` and ``line`` (None for the file) say where."""
+
+    def __init__(self, message: str, path: str | Path, line: int | None = None):
+        super().__init__(message)
+        self.path = Path(path)
+        self.line = line
+
+
+class JsonlFileNotFoundError(JsonlTaskError, FileNotFoundError):
+    """The JSONL task file does not exist (also a FileNotFoundError)."""
+
+
+def _line_error(path: Path, line_number: int, problem: str) -> JsonlTaskError:
+    return JsonlTaskError(f"JSONL task file {path}, line {line_number}: {problem}", path, line_number)
 
 
 def load_jsonl_examples(path: str | Path) -> dict[str, list[Example]]:
     """Examples of a JSONL file grouped by split; ValueError naming the line for a bad file."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        where = "" if path.is_absolute() else f" (relative to {Path.cwd()})"
+        kind = "is a folder, not a file" if path.is_dir() else "not found"
+        raise JsonlFileNotFoundError(f"JSONL task file {path} {kind}{where}", path)
     examples: dict[str, list[Example]] = {split: [] for split in SPLITS}
     with open(path, encoding="utf-8") as file:
         for line_number, line in enumerate(file, start=1):
             if not line.strip():
                 continue
-            where = f"{path}, line {line_number}"
+            fail = functools.partial(_line_error, path, line_number)
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as error:
-                raise ValueError(f"{where}: bad JSON ({error.msg})") from None
+                raise fail(f"bad JSON ({error.msg})") from None
             if not isinstance(record, dict):
-                raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
+                raise fail(f"expected a JSON object, got {type(record).__name__}")
             missing = [key for key in ("prompt", "target") if key not in record]
             if missing:
-                raise ValueError(f"{where}: missing key {', '.join(map(repr, missing))}")
+                raise fail(f"missing key {', '.join(map(repr, missing))}")
             if not isinstance(record["prompt"], str):
-                raise ValueError(f"{where}: 'prompt' must be a string")
+                raise fail("'prompt' must be a string")
             split = record.get("split", "train")
             if split not in SPLITS:
-                raise ValueError(f"{where}: 'split' must be one of {SPLITS}, got {split!r}")
+                raise fail(f"'split' must be one of {SPLITS}, got {split!r}")
             extras = {key: value for key, value in record.items() if key not in ("prompt", "target", "split")}
             examples[split].append(Example(record["prompt"], str(record["target"]), extras))
     if not any(examples.values()):
-        raise ValueError(f"{path}: no examples (the file is empty)")
+        raise JsonlTaskError(f"JSONL task file {path}: no examples (the file is empty)", path)
     return examples
 
 
@@ -88,6 +131,7 @@ class JsonlTask(Task):
             raise ValueError(f"'pattern' is only used by the regex reward, not {reward!r}")
         self.path = Path(path)
         self.reward_name = reward
+        self.reward_label = REWARD_LABELS[reward]
         self.success_threshold = 0.0 if reward == "length" else 1.0  # exact length, or a match
         self.case_sensitive = case_sensitive
         self.system_prompt = system
