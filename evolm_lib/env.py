@@ -28,7 +28,7 @@ def apply_engine_defaults(cpu: bool | None = None) -> dict[str, str]:
     """Set the engine's environment defaults (and one torch thread on a CPU machine), and hide engine
     notices a user cannot act on (``evolm_lib.quiet``); returns the variables it set."""
     if cpu is None:
-        cpu = not _has_cuda()
+        cpu = not has_cuda()
     defaults = {**ENGINE_DEFAULTS, **(CPU_DEFAULTS if cpu else {})}
     if verbose():
         defaults["VLLM_LOGGING_LEVEL"] = "INFO"
@@ -49,7 +49,8 @@ def apply_engine_defaults(cpu: bool | None = None) -> dict[str, str]:
     return changed
 
 
-def _has_cuda() -> bool:
+def has_cuda() -> bool:
+    """True when torch sees a CUDA device (False without torch)."""
     try:
         import torch
 

@@ -19,6 +19,7 @@ from .engines import Evaluator
 from .evaluation import score_adapters
 from .lora import AdapterWeights, adapter_shapes, base_weight_magnitudes, init_adapter, save_adapter
 from .models import resolve_model
+from .preflight import check_engine_settings
 from .runs import (
     EXTENDABLE,
     append_metrics,
@@ -95,6 +96,7 @@ class RunLoop:
         model_dir = resolve_model(config.model)
         spec = config.lora_spec()
         shapes = adapter_shapes(model_dir, spec)  # bad targets / layers fail here, before any engine
+        check_engine_settings(config, model_dir, task)  # context, KV cache and memory, before the folder
         if initial_adapter is not None and initial_adapter.spec != spec:
             raise ConfigError(f"initial adapter spec {initial_adapter.spec} differs from the config's {spec}")
         run_dir = prepare_run_dir(run_dir, overwrite)

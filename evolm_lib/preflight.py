@@ -1,0 +1,232 @@
+"""Engine settings checked before any work: the context length against the model's, the KV cache
+against what one sequence and one population need, and memory against what the machine has free.
+
+Each failure is a ConfigError that names the project's own settings (``max_model_len``,
+``kv_cache_gb``, ``gpu_memory_utilization``, ``max_new_tokens``), raised before a run folder exists
+and before an engine starts: vLLM would otherwise fail later with its own names ("Try increasing
+gpu_memory_utilization" for a KV cache that is too small). A need that only slows a run down (a
+population that does not fit the KV cache at once) is a warning.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import math
+import sys
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .config import ConfigError
+
+GIB = 2**30
+CPU_DEFAULT_KV_GB = 1.0  # what the vLLM engine uses on a CPU when neither kv_cache_gb nor gpu_memory_utilization is set
+GPU_DEFAULT_UTILIZATION = 0.85  # the vLLM engine's default on a GPU
+BLOCK_TOKENS = 16  # vLLM allocates the KV cache in blocks of tokens
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int8": 1}
+# rope scalings that extend the context beyond max_position_embeddings (as vLLM derives it)
+_EXTENDING_ROPE = {"linear", "dynamic", "yarn", "ntk", "dynamic_ntk"}
+
+
+@dataclass(frozen=True)
+class EngineBudget:
+    """What the checks measured: limits of the model and machine, needs of the run."""
+
+    context_length: int | None
+    """Longest sequence the model supports (max_position_embeddings, with rope scaling)."""
+    kv_bytes_per_token: int | None
+    """KV cache bytes one token takes in every layer, in the engine's dtype."""
+    kv_cache_bytes: int | None
+    """KV cache the engine will get (None: sized by vLLM from gpu_memory_utilization)."""
+    longest_prompt_tokens: int | None
+    """Longest train or eval prompt of the task, chat template included."""
+    requests_per_call: int
+    """Requests of the largest engine call (population or group x prompts)."""
+    weights_bytes: int | None
+    """The model's weights in the engine's dtype."""
+
+    @property
+    def kv_tokens(self) -> int | None:
+        """Tokens the KV cache holds."""
+        if self.kv_cache_bytes is None or not self.kv_bytes_per_token:
+            return None
+        return self.kv_cache_bytes // self.kv_bytes_per_token
+
+
+def model_config(model_dir: str | Path) -> dict[str, Any]:
+    """The model's config.json (its text part for multimodal models)."""
+    data = json.loads((Path(model_dir) / "config.json").read_text())
+    return {**data, **data.get("text_config", {})} if isinstance(data.get("text_config"), dict) else data
+
+
+def context_length(config: dict[str, Any]) -> int | None:
+    """The model's longest sequence: max_position_embeddings (or its older names), times an extending rope scaling."""
+    length = next((config[k] for k in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+                   if isinstance(config.get(k), int)), None)
+    if length is None:
+        return None
+    scaling = config.get("rope_scaling") or {}
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind in _EXTENDING_ROPE and isinstance(scaling.get("factor"), (int, float)):
+        base = scaling.get("original_max_position_embeddings", length) if kind == "yarn" else length
+        length = int(base * scaling["factor"])
+    return length
+
+
+def kv_bytes_per_token(config: dict[str, Any], dtype: str) -> int | None:
+    """K and V of one token in every attention layer: 2 x layers x KV heads x head size x dtype bytes."""
+    layers, heads = config.get("num_hidden_layers"), config.get("num_attention_heads")
+    if not (isinstance(layers, int) and isinstance(heads, int)):
+        return None
+    kv_heads = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or config.get("hidden_size", 0) // heads
+    return 2 * layers * kv_heads * head_dim * DTYPE_BYTES.get(dtype, 4)
+
+
+def weights_bytes(model_dir: str | Path, config: dict[str, Any], dtype: str) -> int | None:
+    """The weight files' size, converted to the engine's dtype."""
+    files = list(Path(model_dir).glob("*.safetensors")) or list(Path(model_dir).glob("*.bin"))
+    if not files:
+        return None
+    stored = str(config.get("torch_dtype") or config.get("dtype") or "float32").removeprefix("torch.")
+    size = sum(f.stat().st_size for f in files)
+    return int(size * DTYPE_BYTES.get(dtype, 4) / DTYPE_BYTES.get(stored, 4))
+
+
+@functools.lru_cache(maxsize=8)
+def _tokenizer(model_dir: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def longest_prompt_tokens(model_dir: str | Path, task) -> int | None:
+    """Tokens of the task's longest train or eval prompt, rendered as the engine renders it (None: no tokenizer)."""
+    from .engines.base import PromptEncoder
+
+    try:
+        encoder = PromptEncoder(_tokenizer(str(model_dir)))
+        examples = task.train_examples() + task.eval_examples()
+        return max((len(encoder.encode(task.prompt(e))) for e in examples), default=0)
+    except Exception:  # noqa: BLE001 - no tokenizer or no chat template: the engine reports it itself
+        return None
+
+
+def requests_per_call(config, num_train: int) -> int:
+    """Requests of one training call: population (ES) or group (GRPO) x the prompts of a step."""
+    prompts = min(config.prompts_per_step or num_train, num_train) or 1
+    members = getattr(config, "population_size", None) or getattr(config, "group_size", 1)
+    return members * prompts
+
+
+def _gib(value: float) -> str:
+    return f"{value / GIB:.3g} GiB"
+
+
+def _round_up_gib(value: float) -> float:
+    """A kv_cache_gb to suggest: the need rounded up to 2 significant digits."""
+    gib = value / GIB
+    digits = 1 - int(math.floor(math.log10(gib))) if gib > 0 else 0
+    return math.ceil(gib * 10**digits) / 10**digits
+
+
+def _engine_live() -> bool:
+    """True while a vLLM engine runs in this process (a run may share it: memory is already taken)."""
+    module = sys.modules.get("evolm_lib.engines.vllm_engine")
+    return bool(module is not None and getattr(module.VLLMEvaluator, "_live_engines", 0) > 0)
+
+
+def _free_memory(cuda: bool) -> tuple[int, int] | None:
+    """(free, total) bytes of the GPU, or of RAM on a CPU machine."""
+    try:
+        if cuda:
+            import torch
+
+            return tuple(int(v) for v in torch.cuda.mem_get_info())
+        import psutil
+
+        memory = psutil.virtual_memory()
+        return int(memory.available), int(memory.total)
+    except Exception:  # noqa: BLE001 - unknown: the engine checks it itself
+        return None
+
+
+def check_engine_settings(config, model_dir: str | Path, task=None, *, cuda: bool | None = None) -> EngineBudget:
+    """Check a run's engine settings against the model and the machine; raise ConfigError naming the
+    setting to change, warn when the population will not fit the KV cache at once. Returns what it measured."""
+    model_dir = Path(model_dir)
+    if task is None:
+        from .tasks import get_task
+
+        task = get_task(config.task, **config.task_options)
+    if cuda is None:
+        from .env import has_cuda
+
+        cuda = has_cuda()
+    model = model_config(model_dir)
+    where = model_dir / "config.json"
+    context = context_length(model)
+    per_token = kv_bytes_per_token(model, config.dtype)
+    weights = weights_bytes(model_dir, model, config.dtype)
+    requests = requests_per_call(config, len(task.train_examples()))
+    prompt = longest_prompt_tokens(model_dir, task)
+
+    if config.engine != "vllm":  # the HF engine has no context limit of its own and no KV cache to size
+        return EngineBudget(context, per_token, None, prompt, requests, weights)
+
+    if context is not None and config.max_model_len > context:
+        raise ConfigError(f"max_model_len={config.max_model_len} is longer than the model's context "
+                          f"(max_position_embeddings={context} in {where}): set max_model_len <= {context}")
+    if config.max_new_tokens >= config.max_model_len:
+        raise ConfigError(f"max_new_tokens={config.max_new_tokens} leaves no room for a prompt in "
+                          f"max_model_len={config.max_model_len}: raise max_model_len or lower max_new_tokens")
+    if prompt is not None and prompt + config.max_new_tokens > config.max_model_len:
+        raise ConfigError(
+            f"max_model_len={config.max_model_len} is too short for the task's longest prompt ({prompt} tokens) "
+            f"plus max_new_tokens={config.max_new_tokens}: raise max_model_len to at least "
+            f"{prompt + config.max_new_tokens} or lower max_new_tokens")
+
+    kv_gb = config.kv_cache_gb
+    if kv_gb is None and config.gpu_memory_utilization is None and not cuda:
+        kv_gb = CPU_DEFAULT_KV_GB
+    kv_bytes = int(kv_gb * GIB) if kv_gb is not None else None
+    budget = EngineBudget(context, per_token, kv_bytes, prompt, requests, weights)
+
+    if kv_bytes is not None and per_token:
+        one_sequence = math.ceil(config.max_model_len / BLOCK_TOKENS) * BLOCK_TOKENS * per_token
+        if kv_bytes < one_sequence:
+            raise ConfigError(
+                f"kv_cache_gb={kv_gb:g} holds {budget.kv_tokens:,} tokens of KV cache for this model "
+                f"({per_token:,} bytes a token), fewer than one sequence of max_model_len={config.max_model_len}: "
+                f"raise kv_cache_gb to at least {_round_up_gib(one_sequence):g} or lower max_model_len")
+        sequence = (prompt or 0) + config.max_new_tokens
+        if prompt is not None and requests * sequence > budget.kv_tokens:
+            at_once = max(1, budget.kv_tokens // sequence)
+            warnings.warn(
+                f"kv_cache_gb={kv_gb:g} holds {budget.kv_tokens:,} tokens: {at_once} of the {requests} requests of a "
+                f"generation (up to {sequence} tokens each) run at once, the rest wait; kv_cache_gb="
+                f"{_round_up_gib(requests * sequence * per_token):g} would run them together",
+                stacklevel=2)
+
+    memory = None if _engine_live() else _free_memory(cuda)
+    if memory is not None:
+        free, total = memory
+        device = "GPU memory" if cuda else "RAM"
+        if kv_bytes is not None and kv_bytes + (weights or 0) > free:
+            raise ConfigError(
+                f"kv_cache_gb={kv_gb:g} plus the model's weights ({_gib(weights or 0)}) need more than the "
+                f"{_gib(free)} of {device} free now: lower kv_cache_gb")
+        if kv_bytes is None:
+            utilization = config.gpu_memory_utilization or GPU_DEFAULT_UTILIZATION
+            share = "share of GPU memory" if cuda else "share of RAM (on a CPU)"
+            if utilization * total > free:
+                raise ConfigError(
+                    f"gpu_memory_utilization={utilization:g} asks for {_gib(utilization * total)}, the engine's "
+                    f"{share}, but {_gib(free)} are free now: lower gpu_memory_utilization"
+                    + ("" if cuda else " or set kv_cache_gb"))
+            if weights is not None and utilization * total < weights:
+                raise ConfigError(
+                    f"gpu_memory_utilization={utilization:g} gives the engine {_gib(utilization * total)}, less "
+                    f"than the model's weights ({_gib(weights)}): raise gpu_memory_utilization")
+    return budget

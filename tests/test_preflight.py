@@ -1,0 +1,118 @@
+"""Engine settings are checked before a run folder exists, with the project's setting names."""
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+
+from evolm_lib import preflight
+from evolm_lib.config import ConfigError, ESConfig, GRPOConfig
+from evolm_lib.es.run import ESRun
+from evolm_lib.grpo.run import GRPORun
+from evolm_lib.preflight import check_engine_settings
+
+TINY = dict(model="tiny-random", max_model_len=256, kv_cache_gb=0.1, max_new_tokens=8, population_size=4)
+# tiny-random: 2 layers x 1 KV head x head size 32 x K and V x 4 bytes (float32) = 512 bytes a token
+TINY_BYTES_PER_TOKEN = 2 * 2 * 1 * 32 * 4
+
+
+@pytest.fixture(autouse=True)
+def plenty_of_memory(monkeypatch):
+    """The machine's free memory as the checks see it (tests set it where it matters)."""
+    monkeypatch.setattr(preflight, "_free_memory", lambda cuda: (20 * 2**30, 24 * 2**30))
+
+
+def test_the_tiny_settings_pass_and_report_the_budget(tiny_model_dir):
+    budget = check_engine_settings(ESConfig(**TINY), tiny_model_dir)
+    assert budget.context_length == 2048
+    assert budget.kv_bytes_per_token == TINY_BYTES_PER_TOKEN
+    assert budget.kv_tokens == int(0.1 * 2**30) // TINY_BYTES_PER_TOKEN
+    assert budget.requests_per_call == 4 * 2  # population x the 2 conciseness train prompts
+    assert 10 < budget.longest_prompt_tokens < 100
+
+
+def test_context_longer_than_the_model_fails_before_the_run_folder(tiny_model_dir, tmp_path):
+    config = ESConfig(**{**TINY, "max_model_len": 40960})
+    with pytest.raises(ConfigError, match=r"max_model_len=40960 is longer than the model's context "
+                                          r"\(max_position_embeddings=2048 in .*config.json\): set max_model_len <= 2048"):
+        ESRun.create(config, tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_kv_cache_smaller_than_one_sequence_names_kv_cache_gb(tiny_model_dir, tmp_path):
+    config = ESConfig(**{**TINY, "kv_cache_gb": 0.0001})  # 209 tokens for a max_model_len of 256
+    with pytest.raises(ConfigError) as caught:
+        ESRun.create(config, tmp_path / "run")
+    message = str(caught.value)
+    assert "kv_cache_gb=0.0001 holds 209 tokens" in message and "max_model_len=256" in message
+    assert "raise kv_cache_gb to at least 0.00013" in message and "gpu_memory_utilization" not in message
+    assert not (tmp_path / "run").exists()
+    config = ESConfig(**{**TINY, "kv_cache_gb": 0.00013})  # the suggestion works
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the population does not fit at once: a warning, checked below
+        check_engine_settings(config, tiny_model_dir)
+
+
+def test_a_population_that_does_not_fit_at_once_is_a_warning(tiny_model_dir):
+    config = ESConfig(**{**TINY, "kv_cache_gb": 0.0002, "population_size": 32})  # 419 tokens, 64 requests
+    with pytest.warns(UserWarning, match=r"of the 64 requests of a generation .* run at once.*kv_cache_gb="):
+        check_engine_settings(config, tiny_model_dir)
+
+
+def test_prompt_plus_new_tokens_must_fit_max_model_len(tiny_model_dir, tmp_path):
+    longest = check_engine_settings(ESConfig(**TINY), tiny_model_dir).longest_prompt_tokens
+    assert longest == 47  # the conciseness prompts with SmolLM2's chat template (its default system turn)
+    config = ESConfig(**{**TINY, "max_model_len": 64, "max_new_tokens": 20})
+    with pytest.raises(ConfigError, match=r"max_model_len=64 is too short for the task's longest prompt \(47 tokens\) "
+                                          r"plus max_new_tokens=20: raise max_model_len to at least 67"):
+        ESRun.create(config, tmp_path / "run")
+    with pytest.raises(ConfigError, match=r"max_new_tokens=64 leaves no room for a prompt in max_model_len=64"):
+        check_engine_settings(ESConfig(**{**TINY, "max_model_len": 64, "max_new_tokens": 64}), tiny_model_dir)
+    assert not (tmp_path / "run").exists()
+
+
+def test_memory_the_machine_does_not_have(tiny_model_dir, monkeypatch):
+    monkeypatch.setattr(preflight, "_free_memory", lambda cuda: (2 * 2**30, 24 * 2**30))
+    with pytest.raises(ConfigError, match=r"kv_cache_gb=4 plus the model's weights .* need more than the 2 GiB of RAM"):
+        check_engine_settings(ESConfig(**{**TINY, "kv_cache_gb": 4.0}), tiny_model_dir)
+    config = ESConfig(**{**TINY, "kv_cache_gb": None, "gpu_memory_utilization": 0.9})
+    with pytest.raises(ConfigError, match=r"gpu_memory_utilization=0.9 asks for 21.6 GiB, the engine's share of RAM "
+                                          r"\(on a CPU\), but 2 GiB are free now: lower gpu_memory_utilization or set kv_cache_gb"):
+        check_engine_settings(config, tiny_model_dir)
+
+
+def test_gpu_utilization_below_the_weights(tiny_model_dir, monkeypatch):
+    monkeypatch.setattr(preflight, "_free_memory", lambda cuda: (80 * 2**30, 80 * 2**30))
+    monkeypatch.setattr(preflight, "weights_bytes", lambda *a: 30 * 2**30)
+    config = ESConfig(**{**TINY, "kv_cache_gb": None, "gpu_memory_utilization": 0.3})
+    with pytest.raises(ConfigError, match="less than the model's weights .* raise gpu_memory_utilization"):
+        check_engine_settings(config, tiny_model_dir, cuda=True)
+
+
+def test_grpo_runs_are_checked_too(tiny_model_dir, tmp_path):
+    config = GRPOConfig(model="tiny-random", max_model_len=4096, kv_cache_gb=0.1, max_new_tokens=8, group_size=4)
+    with pytest.raises(ConfigError, match="max_model_len=4096 is longer"):
+        GRPORun.create(config, tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+    budget = check_engine_settings(config.replace(max_model_len=256), tiny_model_dir)
+    assert budget.requests_per_call == 4 * 2
+
+
+def test_hf_engine_has_no_kv_cache_to_check(tiny_model_dir):
+    config = ESConfig(**{**TINY, "engine": "hf", "kv_cache_gb": 0.0001, "max_model_len": 40960})
+    assert check_engine_settings(config, tiny_model_dir).kv_cache_bytes is None
+
+
+def test_context_length_reads_rope_scaling_and_old_names(tmp_path):
+    assert preflight.context_length({"n_positions": 1024}) == 1024
+    assert preflight.context_length({"max_position_embeddings": 4096,
+                                     "rope_scaling": {"rope_type": "linear", "factor": 2.0}}) == 8192
+    assert preflight.context_length({"max_position_embeddings": 131072,
+                                     "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}) == 131072
+    assert preflight.context_length({"max_position_embeddings": 32768, "rope_scaling": {
+        "type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}) == 131072
+    assert preflight.context_length({}) is None
+    nested = tmp_path / "config.json"
+    nested.write_text(json.dumps({"text_config": {"max_position_embeddings": 512, "num_hidden_layers": 2}}))
+    assert preflight.context_length(preflight.model_config(tmp_path)) == 512
