@@ -34,6 +34,12 @@ class CommonConfig(BaseModel):
     "vLLM memory share (on CPU: share of RAM); None picks 0.85 on GPU"
     kv_cache_gb: Optional[float] = Field(None, gt=0)
     "vLLM KV cache size in GiB; None: from gpu_memory_utilization on GPU, 1 GiB on CPU"
+    evaluator: Literal["local", "ray"] = "local"
+    "where engines run: one engine in this process, or num_engines Ray actors sharing each call (pip install evolm[ray])"
+    num_engines: int = Field(1, ge=1)
+    "evaluator ray: engines (Ray actors, one GPU or one CPU each) a population is sharded over"
+    ray_address: Optional[str] = None
+    "evaluator ray: a running cluster's address (host:port of `ray start --head`, ray://host:port, or auto); None: a local cluster"
 
     task: str = "conciseness"
     "task name from the registry"
@@ -96,6 +102,27 @@ class CommonConfig(BaseModel):
         if not value:
             raise ValueError("must name at least one module")
         return value
+
+    @field_validator("ray_address")
+    @classmethod
+    def _ray_address_form(cls, value: str | None) -> str | None:
+        if value is None or value == "auto":
+            return value
+        host, _, port = value.removeprefix("ray://").rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"expected host:port (the address `ray start --head` prints), ray://host:port or auto, got {value!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _ray_settings_consistent(self):
+        # Reachability and the cluster's GPUs are checked when the evaluator starts, before any engine.
+        if self.evaluator == "local" and self.num_engines > 1:
+            raise ValueError(f"num_engines: {self.num_engines} engines need evaluator: ray (evaluator is 'local': one engine in this process)")
+        if self.evaluator == "local" and self.ray_address is not None:
+            raise ValueError("ray_address: set, but evaluator is 'local'; use evaluator: ray to run engines on a Ray cluster")
+        if self.evaluator == "ray" and self.engine != "vllm":
+            raise ValueError(f"evaluator: 'ray' shards calls over vLLM engines; engine must be 'vllm', got {self.engine!r}")
+        return self
 
     @model_validator(mode="after")
     def _task_options_valid(self):
@@ -161,6 +188,8 @@ class ESConfig(CommonConfig):
     "noise std on LoRA weights (per_layer mode: a multiplier on each layer's mean |W|)"
     noise_mode: Literal["uniform", "per_layer"] = "uniform"
     "one sigma for every tensor, or sigma x mean |W| of each layer"
+    adapter_transfer: Literal["in_place", "files"] = "in_place"
+    "vLLM: write members into resident LoRA slots from their seeds (in_place; files where the engine cannot) or as adapter files"
     noise_device: Literal["cpu", "cuda"] = "cpu"
     "where noise is drawn: cpu (same bits on every machine) or cuda (faster for large adapters; GPU-only bits)"
     fitness_shaping: Literal["centered_ranks", "z_score", "per_prompt", "raw"] = "centered_ranks"
@@ -186,6 +215,13 @@ class ESConfig(CommonConfig):
     def _antithetic_even(self):
         if self.antithetic and self.population_size % 2:
             raise ValueError(f"population_size must be even with antithetic sampling, got {self.population_size}")
+        return self
+
+    @model_validator(mode="after")
+    def _population_covers_engines(self):
+        if self.evaluator == "ray" and self.population_size < self.num_engines:
+            raise ValueError(f"population_size: {self.population_size} members cannot keep num_engines={self.num_engines} "
+                             "engines busy; use at most population_size engines")
         return self
 
     def optimizer_config(self):

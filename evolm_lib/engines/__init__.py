@@ -10,7 +10,24 @@ __all__ = ["CompletionTable", "Evaluator", "Population", "PromptEncoder", "Sampl
 
 
 def make_evaluator(config, max_loras: int = 8) -> Evaluator:
-    """The evaluator a run's settings ask for (``config.engine``), sized for ``max_loras`` adapters per call."""
+    """The evaluator a run's settings ask for (``config.evaluator``, ``config.engine``), sized for
+    ``max_loras`` adapters per call (shared out over the engines with ``evaluator: ray``)."""
+    if getattr(config, "evaluator", "local") == "ray":
+        from .ray_engine import RayEvaluator  # imports Ray only when asked for
+
+        return RayEvaluator(
+            config.model,
+            num_engines=config.num_engines,
+            ray_address=config.ray_address,
+            population_size=getattr(config, "population_size", None),
+            max_lora_rank=config.lora_rank,
+            max_loras=max_loras,
+            max_model_len=config.max_model_len,
+            dtype=config.dtype,
+            gpu_memory_utilization=config.gpu_memory_utilization,
+            kv_cache_gb=config.kv_cache_gb,
+            seed=config.seed,
+        )
     if config.engine == "hf":
         from .hf_engine import HFEvaluator
 
@@ -26,4 +43,5 @@ def make_evaluator(config, max_loras: int = 8) -> Evaluator:
         gpu_memory_utilization=config.gpu_memory_utilization,
         kv_cache_gb=config.kv_cache_gb,
         seed=config.seed,
+        adapter_transfer=getattr(config, "adapter_transfer", "files"),  # GRPO serves one adapter: files
     )

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import shutil
 import tempfile
@@ -13,10 +14,13 @@ from typing import Sequence
 from ..env import apply_engine_defaults
 from ..lora import AdapterWeights, save_adapter
 from ..types import Completion, PromptLike
-from .base import CompletionTable, PromptEncoder, SamplingSettings, check_adapters, materialize
+from .base import AdapterList, CompletionTable, Population, PromptEncoder, SamplingSettings, check_adapters, materialize
+from .vllm_slots import EXTENSION as SLOTS_EXTENSION, completion_from_vllm, sampling_params
 from .workarounds import base_as_zero_adapter, vllm_cpu_prompt_logprobs_fix
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+ADAPTER_TRANSFERS = ("in_place", "files")
+logger = logging.getLogger(__name__)
 
 
 def _default_adapter_root() -> Path:
@@ -45,17 +49,25 @@ class VLLMEvaluator:
         gpu_memory_utilization: float | None = None,
         kv_cache_gb: float | None = None,
         seed: int = 0,
-        enforce_eager: bool = True,
-        max_num_seqs: int = 256,
+        enforce_eager: bool | None = None,
+        max_num_seqs: int | None = None,
+        adapter_transfer: str = "in_place",
         adapter_root: str | Path | None = None,
         engine_kwargs: dict | None = None,
     ):
+        """``enforce_eager`` None: eager on CPU (no compilation), CUDA graphs on a GPU.
+        ``max_num_seqs`` None: every request of a population call in one batch (at least 256).
+        ``adapter_transfer``: "in_place" writes a population's members into resident LoRA slots
+        inside the engine (falls back to files, with a warning, where the engine cannot host them);
+        "files" writes every member to an adapter file with a new LoRA id each call."""
         from ..models import resolve_model
 
         if max_lora_rank < 1 or max_lora_rank > VLLM_LORA_RANKS[-1]:
             raise ValueError(f"max_lora_rank must be in 1..{VLLM_LORA_RANKS[-1]}, got {max_lora_rank}")
         if max_loras < 1:
             raise ValueError(f"max_loras must be >= 1, got {max_loras}")
+        if adapter_transfer not in ADAPTER_TRANSFERS:
+            raise ValueError(f"adapter_transfer must be one of {', '.join(ADAPTER_TRANSFERS)}, got {adapter_transfer!r}")
         self.model_dir = resolve_model(str(model))
         self.max_lora_rank = max_lora_rank
         self.max_loras = max_loras
@@ -73,7 +85,18 @@ class VLLMEvaluator:
         if kv_cache_gb is not None:
             engine_kwargs["kv_cache_memory_bytes"] = int(kv_cache_gb * 2**30)
         if gpu_memory_utilization is None:
-            gpu_memory_utilization = 0.85 if on_gpu else 0.5
+            # leaves room on the card for a GRPO policy (transformers + AdamW) beside the engine
+            gpu_memory_utilization = 0.6 if on_gpu else 0.5
+        if enforce_eager is None:
+            enforce_eager = not on_gpu  # CUDA graphs: 3-4x the eager tokens/s on an H200
+        if max_num_seqs is None:
+            max_num_seqs = 256 if not on_gpu else 1024
+        self.adapter_transfer = adapter_transfer
+        if adapter_transfer == "in_place":
+            engine_kwargs.setdefault("worker_extension_cls", SLOTS_EXTENSION)
+        # file adapters (+1: the zero adapter that stands in for the base model in mixed calls), and
+        # with resident slots as many again, pinned (+1: their own zero slot)
+        engine_loras = (max_loras + 1) * (2 if adapter_transfer == "in_place" else 1)
         engine_rank = next(r for r in VLLM_LORA_RANKS if r >= max_lora_rank)
         started = time.perf_counter()
         self.llm = LLM(
@@ -82,8 +105,8 @@ class VLLMEvaluator:
             seed=seed,
             enable_lora=True,
             max_lora_rank=engine_rank,
-            max_loras=max_loras + 1,  # +1: the zero adapter that stands in for the base model in mixed calls
-            max_cpu_loras=2 * (max_loras + 1),
+            max_loras=engine_loras,
+            max_cpu_loras=2 * engine_loras,
             max_model_len=max_model_len,
             gpu_memory_utilization=gpu_memory_utilization,
             enforce_eager=enforce_eager,
@@ -99,6 +122,29 @@ class VLLMEvaluator:
         weakref.finalize(self, shutil.rmtree, str(self._workdir), True)
         # vLLM caches adapters by int id and its prefix cache by name: every adapter version gets new ones.
         self._ids = itertools.count(1)
+        self._resident = None  # ResidentPopulation, made on the first population call
+
+    def _slots_for(self, population: Population):
+        """The resident slots to write this population into, or None (files) where they cannot serve."""
+        if self.adapter_transfer != "in_place":
+            return None
+        if self._resident is not None and self._resident.spec != population.mean.spec:
+            self._resident.close()
+            self._resident = None
+        if self._resident is None:
+            from .vllm_slots import ResidentPopulation, SlotsUnsupported
+
+            try:
+                self._resident = ResidentPopulation(self.llm, population.mean.spec, self.max_loras, self.model_dir,
+                                                    self.dtype, workdir=self._workdir)
+            except SlotsUnsupported as error:
+                logger.warning("resident LoRA slots unavailable (%s): writing adapter files instead", error)
+                self.adapter_transfer = "files"
+                return None
+        if len(population) > self.max_loras:
+            raise ValueError(f"a population of {len(population)} exceeds the engine's max_loras={self.max_loras}: "
+                             "start the evaluator with max_loras >= the population size")
+        return self._resident
 
     @property
     def _torch_dtype(self):
@@ -136,58 +182,62 @@ class VLLMEvaluator:
         (completions,) = self.generate_grids([(prompts, adapters, sampling)])
         return completions
 
-    def generate_grids(
-        self, grids: Sequence[tuple[Sequence[PromptLike], Sequence[AdapterWeights | None], SamplingSettings]]
-    ) -> list[CompletionTable]:
+    def generate_grids(self, grids: Sequence[tuple[Sequence[PromptLike], AdapterList, SamplingSettings]]) -> list[CompletionTable]:
         """Several (prompts x adapters, sampling) grids in ONE engine call, e.g. a population and the
-        greedy scoring of its mean adapter; returns one [adapter][prompt] table per grid."""
-        from vllm import SamplingParams
-
+        greedy scoring of its mean adapter; returns one [adapter][prompt] table per grid. A
+        :class:`Population` goes into the resident slots (written in place from its seeds) when the
+        engine hosts them; every other adapter travels as a file."""
         t0 = time.perf_counter()
-        grids = [(prompts, materialize(adapters), sampling) for prompts, adapters, sampling in grids]
-        all_adapters = [a for _, adapters, _ in grids for a in adapters]
-        distinct = len({id(a) for a in all_adapters if a is not None})
+        timing: dict[str, float] = {}
+        resident, plans, file_adapters = None, [], []
+        for prompts, adapters, sampling in grids:
+            slots = self._slots_for(adapters) if isinstance(adapters, Population) and resident is None else None
+            if slots is not None:
+                timing.update(slots.write(adapters.mean, adapters.members, adapters.sigmas, adapters.noise_device))
+                resident = slots
+                plans.append((prompts, sampling, slots.lora_requests()))
+            else:
+                listed = materialize(adapters)
+                plans.append((prompts, sampling, listed))
+                file_adapters.extend(listed)
+        distinct = len({id(a) for a in file_adapters if a is not None})
         if distinct > self.max_loras:
             raise ValueError(
                 f"{distinct} adapters in one call but the engine holds max_loras={self.max_loras}: "
                 "start the evaluator with max_loras >= the population size"
             )
-        check_adapters(all_adapters, self.model_dir, self.max_lora_rank)
-        lora_requests, paths = self._lora_requests(base_as_zero_adapter(all_adapters))
+        check_adapters(file_adapters, self.model_dir, self.max_lora_rank)
+        if resident is not None:  # base requests beside slots: the resident zero slot (see base_as_zero_adapter)
+            file_requests, paths = self._lora_requests(file_adapters)
+            file_requests = [resident.base_request() if r is None else r for r in file_requests]
+        else:
+            file_requests, paths = self._lora_requests(base_as_zero_adapter(file_adapters))
         t1 = time.perf_counter()
         inputs, params, loras, shapes = [], [], [], []
         offset = 0
-        for prompts, adapters, sampling in grids:
+        for prompts, sampling, adapters in plans:
+            if adapters and not isinstance(adapters[0], (AdapterWeights, type(None))):
+                requests = adapters  # LoRA requests of resident slots
+            else:
+                requests = file_requests[offset : offset + len(adapters)]
+                offset += len(adapters)
             token_prompts = [{"prompt_token_ids": self.encoder.encode(p)} for p in prompts]
-            per_prompt = [
-                SamplingParams(
-                    max_tokens=sampling.max_new_tokens,
-                    temperature=sampling.temperature,
-                    top_p=sampling.top_p,
-                    top_k=sampling.top_k if sampling.top_k > 0 else -1,
-                    seed=None if sampling.greedy else sampling.request_seed(i),
-                    ignore_eos=sampling.ignore_eos,
-                    logprobs=0 if sampling.logprobs else None,
-                    skip_special_tokens=True,
-                )
-                for i in range(len(prompts))
-            ]
-            for a in range(len(adapters)):
+            per_prompt = [sampling_params(sampling, i) for i in range(len(prompts))]
+            for request in requests:
                 inputs.extend(token_prompts)
                 params.extend(per_prompt)
-                loras.extend([lora_requests[offset + a]] * len(prompts))
-            offset += len(adapters)
-            shapes.append((len(adapters), len(prompts), sampling.logprobs))
+                loras.extend([request] * len(prompts))
+            shapes.append((len(requests), len(prompts), sampling.logprobs))
         try:
             outputs = self.llm.generate(inputs, params, lora_request=loras, use_tqdm=False)
         finally:
             for path in paths:
                 shutil.rmtree(path, ignore_errors=True)
         t3 = time.perf_counter()
-        timing = {"adapters_s": t1 - t0, "generate_s": t3 - t1}
+        timing.update({"adapters_s": t1 - t0, "generate_s": t3 - t1})
         tables, start = [], 0
         for num_adapters, num_prompts, logprobs in shapes:
-            flat = [_completion_from_vllm(o.outputs[0], logprobs) for o in outputs[start : start + num_adapters * num_prompts]]
+            flat = [completion_from_vllm(o.outputs[0], logprobs) for o in outputs[start : start + num_adapters * num_prompts]]
             tables.append(CompletionTable([flat[i * num_prompts : (i + 1) * num_prompts] for i in range(num_adapters)], timing))
             start += num_adapters * num_prompts
         return tables
@@ -220,6 +270,7 @@ class VLLMEvaluator:
 
     def close(self) -> None:
         """Shut the engine down and delete the adapter folder."""
+        self._resident = None
         shutil.rmtree(self._workdir, ignore_errors=True)
         llm = getattr(self, "llm", None)
         if llm is not None:
@@ -242,12 +293,3 @@ class VLLMEvaluator:
 
     def __exit__(self, *exc):
         self.close()
-
-
-def _completion_from_vllm(output, want_logprobs: bool) -> Completion:
-    logprobs = None
-    if want_logprobs and output.logprobs is not None:
-        logprobs = tuple(step[token].logprob for step, token in zip(output.logprobs, output.token_ids))
-    return Completion(
-        text=output.text, token_ids=tuple(output.token_ids), finish_reason=str(output.finish_reason), logprobs=logprobs
-    )

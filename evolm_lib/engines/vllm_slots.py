@@ -398,27 +398,28 @@ class LoRASlotsExtension:
             raise ValueError(f"{len(members)} members for {len(state.slots)} slots")
         started = time.perf_counter()
         device = state.entries[0].stacked.device
+        seeds = list(dict.fromkeys(int(seed) for seed, _ in members))  # an antithetic pair shares one draw
         with torch.inference_mode():
-            mean_on_device = {name: unpack_tensor(tensor).to(device) for name, tensor in mean.items()}
-            remaining: dict[int, int] = {}
-            for seed, _ in members:
-                remaining[int(seed)] = remaining.get(int(seed), 0) + 1
-            noises: dict[int, dict[str, torch.Tensor]] = {}
-            for slot, (seed, sign) in zip(state.slots, members):
-                seed, sign = int(seed), int(sign)
-                if seed not in noises:  # an antithetic pair shares one draw
-                    noises[seed] = es.member_noise(seed, state.shapes, device=noise_device)
-                noise = noises[seed]
-                for entry in state.entries:
-                    base = mean_on_device[entry.name]
-                    # es.perturb's arithmetic, operation for operation (the tests check bit equality).
-                    sigma = float(sigmas[entry.name]) if isinstance(sigmas, Mapping) else float(sigmas)
-                    step = (sign * sigma) * noise[entry.name].to(device)
-                    value = (base.float() + step).to(base.dtype)
-                    _region(entry, slot).copy_(stored_form(value, entry.is_a, state.file_dtype, entry.stacked.dtype, state.scaling))
-                remaining[seed] -= 1
-                if remaining[seed] == 0:
-                    del noises[seed]
+            seed_index = torch.tensor([seeds.index(int(seed)) for seed, _ in members], device=device)
+            slot_index = torch.tensor(state.slots[: len(members)], device=device)
+            # One tensor name at a time, all members at once (few, large operations); the noise of
+            # (seed, name) comes from es.member_noise, the same generator the update regenerates.
+            for entry in state.entries:
+                name, shape = entry.name, state.shapes[entry.name]
+                base = unpack_tensor(mean[name]).to(device)
+                drawn = torch.stack([es.member_noise(seed, {name: shape}, device=noise_device)[name] for seed in seeds])
+                noise = drawn.to(device).index_select(0, seed_index)  # (members, *shape)
+                sigma = float(sigmas[name]) if isinstance(sigmas, Mapping) else float(sigmas)
+                coefficient = torch.tensor([int(sign) * sigma for _, sign in members], dtype=torch.float32, device=device)
+                # es.perturb's arithmetic, batched over members (the tests check bit equality).
+                step = coefficient.view(-1, *([1] * len(shape))) * noise
+                value = (base.float() + step).to(base.dtype)
+                stored = stored_form(value, entry.is_a, state.file_dtype, entry.stacked.dtype, state.scaling)
+                # index_put_ into the existing slot tensor: addresses stay (CUDA graphs)
+                if entry.is_a:
+                    entry.stacked[slot_index, 0, : entry.rank] = stored
+                else:
+                    entry.stacked[slot_index, 0, :, : entry.rank] = stored
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
         written = time.perf_counter() - started
@@ -479,6 +480,13 @@ def _engine_in_process(llm) -> bool:
     return type(core).__name__ == "InprocClient"
 
 
+def describe(llm) -> dict:
+    """What the engine's worker reports: vLLM version, device, slot dtype, ``max_loras``,
+    ``max_lora_rank``, slot ids, pinned ids and LoRA linear modules (``ok`` False with a ``reason``
+    where it cannot host slots)."""
+    return _rpc(llm, "evolm_slots_describe")
+
+
 def supported(llm) -> tuple[bool, str]:
     """Whether this vLLM engine can host a resident population, and why (not)."""
     try:
@@ -488,7 +496,7 @@ def supported(llm) -> tuple[bool, str]:
     if lora_config is None:
         return False, "LoRA is not enabled on this engine (enable_lora=True)"
     try:
-        info = _rpc(llm, "evolm_slots_describe")
+        info = describe(llm)
     except SlotsUnsupported as error:
         return False, str(error)
     except Exception as error:
@@ -519,7 +527,7 @@ class ResidentPopulation:
         ok, reason = supported(llm)
         if not ok:
             raise SlotsUnsupported(reason)
-        info = _rpc(llm, "evolm_slots_describe")
+        info = describe(llm)
         if spec.rank > info["max_lora_rank"]:
             raise ValueError(f"adapter rank {spec.rank} exceeds the engine's max_lora_rank {info['max_lora_rank']}: "
                              "start the engine with a larger max_lora_rank")
@@ -675,7 +683,6 @@ def sampling_params(sampling, prompt_index: int):
 
 def generate_with_requests(llm, prompt_token_ids: Sequence[Sequence[int]], requests: Sequence, sampling):
     """Completions [request][prompt] for every (LoRA request x prompt) pair, in ONE engine call."""
-    from ..types import Completion
     from .base import CompletionTable
 
     inputs, params, loras = [], [], []
@@ -687,12 +694,18 @@ def generate_with_requests(llm, prompt_token_ids: Sequence[Sequence[int]], reque
     started = time.perf_counter()
     outputs = llm.generate(inputs, params, lora_request=loras, use_tqdm=False)
     timing = {"adapters_s": 0.0, "generate_s": time.perf_counter() - started}
-    flat = []
-    for output in outputs:
-        out = output.outputs[0]
-        logprobs = None
-        if sampling.logprobs and out.logprobs is not None:
-            logprobs = tuple(step[token].logprob for step, token in zip(out.logprobs, out.token_ids))
-        flat.append(Completion(text=out.text, token_ids=tuple(out.token_ids), finish_reason=str(out.finish_reason), logprobs=logprobs))
+    flat = [completion_from_vllm(output.outputs[0], sampling.logprobs) for output in outputs]
     n = len(prompt_token_ids)
     return CompletionTable([flat[i * n : (i + 1) * n] for i in range(len(requests))], timing)
+
+
+def completion_from_vllm(output, want_logprobs: bool):
+    """A ``Completion`` from one vLLM ``CompletionOutput`` (with the sampled tokens' log-probs if asked)."""
+    from ..types import Completion
+
+    logprobs = None
+    if want_logprobs and output.logprobs is not None:
+        logprobs = tuple(step[token].logprob for step, token in zip(output.logprobs, output.token_ids))
+    return Completion(text=output.text, token_ids=tuple(output.token_ids), finish_reason=str(output.finish_reason),
+                      logprobs=logprobs)
+
