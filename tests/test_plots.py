@@ -88,6 +88,106 @@ def test_update_fitness_on_plain_figure():
     assert list(trace(fig, "best").y) == pytest.approx([0, 0.2])
 
 
+def test_time_breakdown_gives_eval_its_own_slice():
+    rows = make_rows(3)
+    for row in rows:
+        row.update({"time/eval_s": 0.25})  # the phases now sum to time/generation_s: no "other"
+    fig = plots.plot_time_breakdown(rows)
+    assert [t.name for t in fig.data] == ["adapters", "generate", "reward", "update", "eval"]
+    assert list(trace(fig, "eval").y) == [0.25] * 3
+    grpo = [{"step": s, "time/rollout_s": 1.0, "time/reward_s": 0.1, "time/update_s": 2.0, "time/eval_s": 0.5,
+             "time/generation_s": 3.6} for s in range(1, 4)]
+    fig = plots.plot_time_breakdown(grpo, title="GRPO")
+    assert [t.name for t in fig.data] == ["rollouts", "reward", "update", "eval"]
+    assert fig.layout.xaxis.title.text == "step" and fig.layout.yaxis.title.text == "time per generation (s)"
+
+
+def test_generation_axes_have_whole_number_ticks():
+    fig = plots.plot_fitness(make_rows(4))
+    assert fig.layout.xaxis.tickformat == "d" and fig.layout.xaxis.dtick == 1 and fig.layout.xaxis.tick0 == 0
+    long = [{"generation": g, "train/reward_mean": 0.0} for g in range(0, 501, 10)]
+    assert plots.plot_fitness(long).layout.xaxis.dtick == 100
+    assert plots.plot_time_breakdown(make_rows(3)).layout.xaxis.dtick == 1
+
+
+def test_tick_formats_read_right():
+    fig = plots.plot_reward_vs_kl([{"method": "es", "seed": 0, "kl": 1e-4, "reward": 1.0}])
+    assert fig.layout.xaxis.tickformat == "~g"  # 0.0001, not plotly's "100µ"
+    runs = {"es": [seed_run(0, [0, 10000, 20000])]}
+    assert plots.plot_reward_vs_samples(runs).layout.xaxis.tickformat == "~s"  # 20k
+
+
+def test_rewards_carry_the_task_definition():
+    fig = plots.plot_fitness(make_rows(), reward_label="-|length difference|, chars")
+    assert fig.layout.yaxis.title.text == "reward<br>(-|length difference|, chars)"
+    runs = {"es": [seed_run(0, [0, 10])]}
+    fig = plots.plot_reward_vs_samples(runs, reward_label="exact match, 0 or 1")
+    assert fig.layout.yaxis.title.text == "mean-adapter reward on<br>train prompts<br>(exact match, 0 or 1)"
+    assert fig.layout.xaxis.title.text == "training completions"
+
+
+def _axis_titles(fig) -> dict[str, str]:
+    return {name: fig.layout[name].title.text for name in fig.layout if name.startswith(("xaxis", "yaxis"))}
+
+
+def _figures_of_every_plot_function():
+    runs = {"es": [seed_run(0, [0, 10]), seed_run(2, [0, 10], seed=1)], "grpo": [seed_run(1, [0, 5, 10], method="grpo")]}
+    points = [{"method": "es", "seed": 0, "kl": 0.01, "reward": 0.5}, {"method": "grpo", "seed": 0, "kl": 0.5, "reward": 0.7}]
+    return {
+        "plot_fitness": plots.plot_fitness(make_rows()),
+        "fitness_figure_widget": plots.fitness_figure_widget(),
+        "plot_time_breakdown": plots.plot_time_breakdown(make_rows()),
+        "plot_reward_distribution": plots.plot_reward_distribution([0.0, 1.0]),
+        "plot_layer_scales": plots.plot_layer_scales(["0", "1"], [0.1, 0.2]),
+        "plot_runs_curve": plots.plot_runs_curve(runs, "samples/tokens", "grpo/grad_norm"),
+        "plot_reward_vs_samples": plots.plot_reward_vs_samples(runs),
+        "plot_reward_vs_time": plots.plot_reward_vs_time(runs),
+        "plot_reward_vs_kl": plots.plot_reward_vs_kl(points),
+        "plot_seed_spread": plots.plot_seed_spread(runs),
+    }
+
+
+def test_every_figure_function_labels_its_axes_in_words():
+    import inspect
+    import re
+
+    drawn = _figures_of_every_plot_function()
+    public = {name for name, f in inspect.getmembers(plots, inspect.isfunction)
+              if f.__module__ == plots.__name__ and (name.startswith("plot_") or name.endswith("_widget"))}
+    assert public == set(drawn), f"add {public - set(drawn)} to this test"
+    for name, fig in drawn.items():
+        titles = _axis_titles(fig)
+        assert set(titles) >= {"xaxis", "yaxis"}, name
+        for axis, text in titles.items():
+            assert text and not re.search(r"\w/\w", text), (name, axis, text)  # no raw `a/b` key
+
+
+def test_labels_map_keys_to_words_with_units():
+    from evolm_lib.viz import labels
+
+    assert labels.label("policy/train_reward", "-|length difference|, chars") == \
+        "mean-adapter reward on train prompts (-|length difference|, chars)"
+    assert labels.label("samples/completions") == "training completions"
+    assert labels.label("time/wall_s") == "wall-clock time (s)"
+    assert labels.label("policy/kl", "ignored for non-rewards") == "KL to the base model (nats per token)"
+    assert labels.label("grpo/some_new_metric") == "some new metric (grpo)"
+    assert labels.label("time/checkpoint_s") == "checkpoint (s)"
+    assert all("/" not in text for text in labels.KEY_LABELS.values())
+    assert labels.integer_ticks(3)["dtick"] == 1 and labels.integer_ticks(40)["dtick"] == 5
+
+
+def test_paper_style_drops_the_title_and_sizes_fonts_for_a_column():
+    fig = plots.plot_fitness(make_rows(), title="shown in the notebook")
+    paper = figures.paper_style(fig, width=900)
+    assert fig.layout.title.text == "shown in the notebook"  # the notebook's figure is untouched
+    assert not paper.layout.title.text
+    assert paper.layout.font.size == 30  # 8 pt once 900 px are shrunk to a 240 pt column
+    assert paper.layout.xaxis.title.font.size == paper.layout.yaxis.title.font.size == 34
+    assert paper.layout.legend.orientation == "h"
+    with pytest.raises(ValueError, match="unknown style"):
+        figures.export_figure(fig, "x", style="poster")
+
+
 def test_time_breakdown_stacks_phases_and_rest():
     fig = plots.plot_time_breakdown(make_rows(3))
     assert fig.layout.barmode == "stack"
@@ -134,7 +234,7 @@ def test_reward_vs_samples_and_time():
     assert list(trace(fig, "es ±std").y) == pytest.approx([2, 12, 10, 0])
     fig = plots.plot_reward_vs_time(runs)
     assert list(trace(fig, "grpo (n=1)").x) == pytest.approx([0, 0.5, 1.0])
-    assert fig.layout.xaxis.title.text == "time/wall_s"
+    assert fig.layout.xaxis.title.text == "wall-clock time (s)"  # words with units, not the key
     with pytest.raises(ValueError):
         plots.plot_reward_vs_samples(runs, band="iqr")
 
@@ -158,6 +258,20 @@ def test_seed_spread_uses_final_value_per_seed():
     assert list(trace(fig, "es").y) == [10.0, 1.0]
     assert list(trace(fig, "es").text) == ["seed 3", "seed 4"]
     assert list(trace(fig, "grpo").y) == [5.0]
+    # two seeds: their points and the mean, no box (quartiles of two values mean nothing)
+    assert trace(fig, "es").type == "scatter" and list(trace(fig, "es mean").y) == [5.5]
+    assert not [t for t in fig.data if t.type == "box"]
+
+
+def test_seed_spread_draws_a_box_from_five_seeds():
+    runs = {"es": [seed_run(float(s), [0, 10], seed=s) for s in range(5)],
+            "grpo": [seed_run(0, [0, 5], method="grpo", seed=s) for s in range(2)]}
+    fig = plots.plot_seed_spread(runs, reward_label="-|length difference|, chars")
+    es = trace(fig, "es")
+    assert es.type == "box" and es.boxpoints == "all" and es.boxmean is True
+    assert list(es.y) == [10.0, 11.0, 12.0, 13.0, 14.0]
+    assert trace(fig, "grpo").type == "scatter" and "grpo mean" in [t.name for t in fig.data]
+    assert fig.layout.yaxis.title.text.endswith("(-|length difference|, chars)")
 
 
 def test_completions_table_shortens_long_text():
@@ -182,6 +296,7 @@ def test_export_figure_writes_real_files(tmp_path):
     png, pdf, svg = (p.read_bytes() for p in paths)
     assert png.startswith(b"\x89PNG\r\n\x1a\n")
     assert int.from_bytes(png[16:20], "big") == 1800  # width 900 x scale 2
+    assert int.from_bytes(png[20:24], "big") == 1260  # the paper style's height: 0.7 x width
     assert pdf.startswith(b"%PDF")
     assert b"<svg" in svg[:200]
     # the sync server makes later exports fast

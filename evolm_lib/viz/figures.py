@@ -1,4 +1,6 @@
-"""Static figure export (PNG, PDF, SVG) with kaleido 1.x and a system chromium."""
+"""Static figure export (PNG, PDF, SVG) with kaleido 1.x and a system chromium, in a `paper` style by
+default: no title (the caption says it), fonts sized for a figure shrunk to one column of a
+two-column paper, axis lines and ticks outside."""
 from __future__ import annotations
 
 import os
@@ -11,6 +13,10 @@ from pathlib import Path
 import plotly.graph_objects as go
 
 FORMATS = ("png", "pdf", "svg")
+STYLES = ("paper", None)
+COLUMN_WIDTH_PT = 240  # one column of a two-column paper (3.33 in)
+FONT_PT = 8  # tick labels at that width; titles 9 pt
+PAPER_FONT = "Arial, Helvetica, Liberation Sans, DejaVu Sans, sans-serif"
 _CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable", "chrome")
 _MISSING_CHROMIUM = (
     "Static figure export needs a Chromium browser, and none was found. "
@@ -67,13 +73,59 @@ def sanitize_name(name: str) -> str:
     return stem
 
 
+def paper_style(fig: go.Figure, width: int = 900) -> go.Figure:
+    """A copy of `fig` for a paper: no title, fonts that read 8-9 pt once a `width`-pixel figure is
+    shrunk to one column (240 pt), thicker lines, axis lines with ticks outside, a light grid, and a
+    legend above the plot in rows of at most three entries."""
+    styled = go.Figure(fig)  # a copy (of a FigureWidget too): the notebook's figure keeps its look
+    pixel = width / COLUMN_WIDTH_PT  # pixels per point once shrunk to the column
+    tick, title = round(FONT_PT * pixel), round((FONT_PT + 1) * pixel)
+    shown = [t for t in styled.data if t.showlegend is not False and t.name]
+    legend_rows = 0
+    if styled.layout.showlegend is not False and len(shown) > 1:
+        # as many entries a row (up to 3) as the longest name leaves room for (a character ~0.5 em)
+        entry = 0.5 * tick * max(len(t.name) for t in shown) + 1.5 * tick
+        per_row = max(1, min(3, len(shown), int((width - 4.5 * title) // entry)))
+        legend_rows = -(-len(shown) // per_row)
+        styled.update_layout(legend=dict(orientation="h", x=0, xanchor="left", y=1.02, yanchor="bottom",
+                                         entrywidth=1 / per_row, entrywidthmode="fraction",
+                                         font_size=tick, bgcolor="rgba(0,0,0,0)"))
+    styled.update_layout(
+        title_text="", template="simple_white",
+        font=dict(family=PAPER_FONT, size=tick, color="black"),
+        margin=dict(l=round(3 * title), r=round(1.5 * tick), b=round(3 * title),
+                    t=round(legend_rows * 1.5 * tick + tick)),
+    )
+    axes = dict(title_font_size=title, tickfont_size=tick, showline=True, linewidth=max(1, round(pixel / 2)),
+                ticks="outside", ticklen=round(tick / 3), showgrid=True, gridcolor="#e6e6e6", automargin=True)
+    styled.update_xaxes(**axes)
+    styled.update_yaxes(**axes)
+    styled.update_xaxes(nticks=7)  # labels such as 0.0005 need room (axes with a fixed dtick keep it)
+    for trace in styled.data:
+        trace.legendgroup = None  # a horizontal legend puts each group on a row of its own
+        line = getattr(trace, "line", None)
+        if trace.type == "scatter" and line is not None and line.width != 0:
+            trace.line.width = max(line.width or 2, 2) * pixel / 2.5
+        marker = getattr(trace, "marker", None)
+        if trace.type in ("scatter", "box") and marker is not None and marker.size:
+            marker.size = marker.size * pixel / 2.5
+    return styled
+
+
 def export_figure(fig: go.Figure, name: str, out_dir: str | os.PathLike = "figures",
-                  formats: Sequence[str] = FORMATS, width: int = 900, height: int = 500,
-                  scale: float = 2) -> list[Path]:
-    """Write `fig` as out_dir/name.{png,pdf,svg}; returns the written paths."""
+                  formats: Sequence[str] = FORMATS, width: int = 900, height: int | None = None,
+                  scale: float = 2, style: str | None = "paper") -> list[Path]:
+    """Write `fig` as out_dir/name.{png,pdf,svg} in `style` ("paper" or None: as shown); returns the
+    paths. The default height is 0.7 x width for the paper style (a column figure), 500 otherwise."""
     bad = [f for f in formats if f not in ("png", "pdf", "svg", "jpeg", "jpg", "webp")]
     if bad:
         raise ValueError(f"unsupported formats {bad}; use png, pdf, svg, jpeg or webp")
+    if style not in STYLES:
+        raise ValueError(f"unknown style {style!r}; use one of {STYLES}")
+    if height is None:
+        height = round(0.7 * width) if style == "paper" else 500
+    if style == "paper":
+        fig = paper_style(fig, width)
     if not chromium_available():
         raise RuntimeError(_MISSING_CHROMIUM)
     _ensure_sync_server()

@@ -1,6 +1,8 @@
 """Figures from data: metrics rows (flat dicts, one per ES generation or GRPO step) in, plotly figures out.
 
-No I/O here; `evolm_lib.figures.export_figure` writes figures to disk.
+No I/O here; `evolm_lib.viz.figures.export_figure` writes figures to disk. Axis titles come from
+`evolm_lib.viz.labels` (words with units, never a raw `a/b` key); pass a task's `reward_label` to
+say what a reward measures.
 """
 from __future__ import annotations
 
@@ -12,12 +14,14 @@ import plotly.graph_objects as go
 from plotly.colors import hex_to_rgb, qualitative
 
 from ..metrics import Row, Runs, aggregate_seeds, final_value, finite, series, x_key, x_values
+from .labels import PHASE_NAMES, REWARD, axis_format, axis_title, integer_ticks, label
 
 
 # Stable trace names: `update_fitness` finds traces by these.
 MEAN, BEST, BAND, EVAL, POLICY = "mean", "best", "p20-p80", "eval", "mean adapter (greedy)"
 FITNESS_TRACE_NAMES = (BAND, MEAN, BEST, POLICY, EVAL)
-TIME_KEYS = ("time/adapters_s", "time/generate_s", "time/reward_s", "time/update_s")
+TIME_KEYS = tuple(PHASE_NAMES)  # phases of a generation (ES) or step (GRPO), in the order they run
+BOX_FROM_SEEDS = 5  # fewer seeds per method: every point and the mean, not a box
 
 _PALETTE = qualitative.Plotly
 _METHOD_COLORS = {"es": _PALETTE[0], "grpo": _PALETTE[1]}
@@ -31,8 +35,16 @@ def _rgba(hex_color: str, alpha: float) -> str:
     return f"rgba({r},{g},{b},{alpha})"
 
 
-def _method_color(label: str, index: int) -> str:
-    return _METHOD_COLORS.get(str(label).lower(), _PALETTE[index % len(_PALETTE)])
+def _method_color(method: str, index: int) -> str:
+    return _METHOD_COLORS.get(str(method).lower(), _PALETTE[index % len(_PALETTE)])
+
+
+def _axis(key: str, reward_label: str | None = None, values: Sequence[float] = ()) -> dict:
+    """Title and tick format of an axis holding ``key``; whole-number ticks for generations and steps."""
+    axis = {"title": {"text": axis_title(key, reward_label)}, **axis_format(key)}
+    if axis.get("tickformat") == "d" and values:
+        axis.update(integer_ticks(max(values)))
+    return axis
 
 
 # --------------------------------------------------------------------------- one run
@@ -52,8 +64,8 @@ def _fitness_traces() -> list[go.Scatter]:
     ]
 
 
-def _fitness_layout(fig: go.Figure, title: str, x_title: str = "generation") -> None:
-    fig.update_layout(title=title, xaxis_title=x_title, yaxis_title="reward",
+def _fitness_layout(fig: go.Figure, title: str, reward_label: str | None = None) -> None:
+    fig.update_layout(title=title, xaxis=_axis("generation"), yaxis=_axis(REWARD, reward_label),
                       template="plotly_white", hovermode="x unified",
                       legend=dict(orientation="h", yanchor="bottom", y=1.02, x=0))
 
@@ -75,11 +87,13 @@ def update_fitness(fig: go.Figure, rows: Sequence[Row]) -> go.Figure:
     data[BAND] = ([b[0] for b in band] + [b[0] for b in reversed(band)],
                   [b[2] for b in band] + [b[1] for b in reversed(band)])
 
+    x_axis = _axis(x_key(rows), values=[x for name in (MEAN, POLICY, EVAL) for x in data[name][0]])
+
     def apply() -> None:
         for trace in fig.data:
             if trace.name in data:
                 trace.x, trace.y = data[trace.name]
-        fig.layout.xaxis.title.text = x_key(rows)
+        fig.layout.xaxis.update(x_axis)
 
     if hasattr(fig, "batch_update"):  # FigureWidget: one message to the front end
         with fig.batch_update():
@@ -89,50 +103,53 @@ def update_fitness(fig: go.Figure, rows: Sequence[Row]) -> go.Figure:
     return fig
 
 
-def plot_fitness(rows: Sequence[Row], title: str = "ES fitness") -> go.Figure:
-    """Population reward per generation: mean, 20-80 percentile band, best, eval and greedy mean adapter."""
+def plot_fitness(rows: Sequence[Row], title: str = "ES fitness", reward_label: str | None = None) -> go.Figure:
+    """Population reward per generation: mean, 20-80 percentile band, best, eval and greedy mean adapter
+    (``reward_label``: the task's reward in words, e.g. ``task.reward_label``)."""
     rows = list(rows)
     fig = go.Figure(_fitness_traces())
-    _fitness_layout(fig, title)
+    _fitness_layout(fig, title, reward_label)
     update_fitness(fig, rows)
     # traces without any data (no eval yet, no greedy reward) stay out of the legend
     fig.data = [t for t in fig.data if t.name in (MEAN, BAND) or len(t.x or ()) > 0]
     return fig
 
 
-def fitness_figure_widget(title: str = "ES fitness") -> go.FigureWidget:
+def fitness_figure_widget(title: str = "ES fitness", reward_label: str | None = None) -> go.FigureWidget:
     """An empty live fitness plot; call `update_fitness(widget, rows)` after each generation."""
     fig = go.FigureWidget(_fitness_traces())  # plotly 7 needs `anywidget` for this
-    _fitness_layout(fig, title)
+    _fitness_layout(fig, title, reward_label)
     return fig
 
 
 def plot_time_breakdown(rows: Sequence[Row], title: str = "Time per generation") -> go.Figure:
-    """Stacked bars of adapters/generate/reward/update seconds (plus the rest of time/generation_s)."""
+    """Stacked bars of each phase's seconds (adapters, generate or rollouts, reward, update, eval),
+    plus whatever of time/generation_s they leave ("other": logging, checkpoints)."""
     rows = list(rows)
     xs = x_values(rows)
     fig = go.Figure()
     parts = {}
     for key in TIME_KEYS:
+        if not any(finite(r.get(key)) for r in rows):
+            continue  # a phase this method does not have (rollouts in ES, adapters in GRPO)
         parts[key] = [float(r[key]) if finite(r.get(key)) else 0.0 for r in rows]
-        label = key.removeprefix("time/").removesuffix("_s")
-        fig.add_bar(name=label, x=xs, y=parts[key])
-    # whatever the phases above do not cover (logging, checkpoints, ...)
+        fig.add_bar(name=PHASE_NAMES[key], x=xs, y=parts[key])
     other = [max(0.0, float(r["time/generation_s"]) - sum(p[i] for p in parts.values()))
              if finite(r.get("time/generation_s")) else 0.0 for i, r in enumerate(rows)]
     if any(v > 1e-6 for v in other):
         fig.add_bar(name="other", x=xs, y=other)
-    fig.update_layout(barmode="stack", title=title, xaxis_title=x_key(rows),
-                      yaxis_title="seconds", template="plotly_white")
+    fig.update_layout(barmode="stack", title=title, xaxis=_axis(x_key(rows), values=[x for x in xs if finite(x)]),
+                      yaxis=_axis("time/generation_s"), template="plotly_white")
     return fig
 
 
 def plot_reward_distribution(rewards: Iterable[float], title: str = "Reward distribution",
-                             nbins: int | None = None) -> go.Figure:
+                             nbins: int | None = None, reward_label: str | None = None) -> go.Figure:
     """Histogram of rewards (e.g. one generation's population, or per-prompt eval rewards)."""
     values = [float(r) for r in rewards if finite(r)]
     fig = go.Figure(go.Histogram(x=values, nbinsx=nbins, name="reward"))
-    fig.update_layout(title=title, xaxis_title="reward", yaxis_title="count",
+    fig.update_layout(title=title, xaxis=_axis(REWARD, reward_label),
+                      yaxis=dict(title_text="completions", **integer_ticks(len(values))),
                       template="plotly_white", bargap=0.05)
     return fig
 
@@ -143,7 +160,7 @@ def plot_layer_scales(names: Sequence[str], values: Sequence[float],
     if len(names) != len(values):
         raise ValueError(f"names and values differ in length: {len(names)} != {len(values)}")
     fig = go.Figure(go.Bar(x=list(names), y=[float(v) for v in values], name=y_title))
-    fig.update_layout(title=title, xaxis_title="layer", yaxis_title=y_title,
+    fig.update_layout(title=title, xaxis_title="layer", yaxis=dict(title_text=y_title, tickformat="~g"),
                       template="plotly_white")
     return fig
 
@@ -153,44 +170,47 @@ def plot_layer_scales(names: Sequence[str], values: Sequence[float],
 
 
 def plot_runs_curve(runs: Runs, x: str, y: str, band: str = "minmax",
-                    title: str | None = None) -> go.Figure:
+                    title: str | None = None, reward_label: str | None = None) -> go.Figure:
     """Mean curve of `y` over `x` per method, with a min-max (or +-std) band across seeds."""
     if band not in ("minmax", "std"):
         raise ValueError(f"band must be 'minmax' or 'std', got {band!r}")
     fig = go.Figure()
-    for i, (label, seed_rows) in enumerate(runs.items()):
+    xs_all: list[float] = []
+    for i, (method, seed_rows) in enumerate(runs.items()):
         agg = aggregate_seeds(seed_rows, x, y)
-        color = _method_color(label, i)
+        xs_all += agg["x"]
+        color = _method_color(method, i)
         if band == "minmax":
-            upper, lower, band_name = agg["max"], agg["min"], f"{label} min-max"
+            upper, lower, band_name = agg["max"], agg["min"], f"{method} min-max"
         else:
             upper = [m + s for m, s in zip(agg["mean"], agg["std"])]
             lower = [m - s for m, s in zip(agg["mean"], agg["std"])]
-            band_name = f"{label} ±std"
+            band_name = f"{method} ±std"
         if len(seed_rows) > 1:
-            fig.add_scatter(name=band_name, legendgroup=label, showlegend=False,
+            fig.add_scatter(name=band_name, legendgroup=method, showlegend=False,
                             x=agg["x"] + agg["x"][::-1], y=upper + lower[::-1], mode="lines",
                             fill="toself", fillcolor=_rgba(color, 0.2), line=dict(width=0),
                             hoverinfo="skip")
-        fig.add_scatter(name=f"{label} (n={len(seed_rows)})", legendgroup=label, x=agg["x"],
+        fig.add_scatter(name=f"{method} (n={len(seed_rows)})", legendgroup=method, x=agg["x"],
                         y=agg["mean"], mode="lines", line=dict(color=color, width=2))
-    fig.update_layout(title=title or f"{y} vs {x}", xaxis_title=x, yaxis_title=y,
-                      template="plotly_white", hovermode="x unified")
+    fig.update_layout(title=title or f"{label(y)} vs {label(x)}", xaxis=_axis(x, values=xs_all),
+                      yaxis=_axis(y, reward_label), template="plotly_white", hovermode="x unified")
     return fig
 
 
 def plot_reward_vs_samples(runs: Runs, x: str = "samples/completions",
                            y: str = "policy/train_reward", band: str = "minmax",
-                           title: str | None = None) -> go.Figure:
+                           title: str | None = None, reward_label: str | None = None) -> go.Figure:
     """Reward against samples used (completions or tokens), mean and band across seeds per method."""
-    return plot_runs_curve(runs, x=x, y=y, band=band, title=title or "Reward vs samples")
+    return plot_runs_curve(runs, x=x, y=y, band=band, title=title or "Reward vs samples",
+                           reward_label=reward_label)
 
 
 def plot_reward_vs_time(runs: Runs, y: str = "policy/train_reward", band: str = "minmax",
-                        title: str | None = None) -> go.Figure:
+                        title: str | None = None, reward_label: str | None = None) -> go.Figure:
     """Reward against wall-clock seconds, mean and band across seeds per method."""
     return plot_runs_curve(runs, x="time/wall_s", y=y, band=band,
-                           title=title or "Reward vs wall-clock time")
+                           title=title or "Reward vs wall-clock time", reward_label=reward_label)
 
 
 def pareto_front(points: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
@@ -205,9 +225,10 @@ def pareto_front(points: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]
     return front
 
 
-def plot_reward_vs_kl(points: Sequence[Mapping[str, Any]],
-                      title: str = "Reward vs KL to base") -> go.Figure:
-    """Scatter of final reward against KL to the base model, one marker per (method, seed)."""
+def plot_reward_vs_kl(points: Sequence[Mapping[str, Any]], title: str = "Reward vs KL to base",
+                      reward_key: str = "eval/reward", reward_label: str | None = None) -> go.Figure:
+    """Scatter of final reward (``reward_key``, for the axis title) against KL to the base model,
+    one marker per (method, seed)."""
     fig = go.Figure()
     methods = list(dict.fromkeys(str(p.get("method", "?")) for p in points))
     for i, method in enumerate(methods):
@@ -221,29 +242,36 @@ def plot_reward_vs_kl(points: Sequence[Mapping[str, Any]],
         fig.add_scatter(name="Pareto front", x=[p["kl"] for p in front],
                         y=[p["reward"] for p in front], mode="lines",
                         line=dict(color="gray", dash="dash", shape="hv"), hoverinfo="skip")
-    fig.update_layout(title=title, xaxis_title="KL to base (per token)", yaxis_title="reward",
+    fig.update_layout(title=title, xaxis=_axis("policy/kl"), yaxis=_axis(reward_key, reward_label),
                       template="plotly_white")
     return fig
 
 
-def plot_seed_spread(runs: Runs, y: str = "policy/train_reward",
-                     title: str | None = None) -> go.Figure:
-    """Box plot with every seed's final `y`, one box per method."""
+def plot_seed_spread(runs: Runs, y: str = "policy/train_reward", title: str | None = None,
+                     reward_label: str | None = None) -> go.Figure:
+    """Every seed's final `y` per method, with the mean; a box (with the points) from
+    BOX_FROM_SEEDS seeds up, where quartiles mean something."""
     fig = go.Figure()
-    for i, (label, seed_rows) in enumerate(runs.items()):
+    for i, (method, seed_rows) in enumerate(runs.items()):
         finals, seeds = [], []
         for j, rows in enumerate(seed_rows):
             value = final_value(list(rows), y)
             if value is not None:
                 finals.append(value)
                 seeds.append(next((r["seed"] for r in rows if "seed" in r), j))
-        fig.add_box(name=label, y=finals, boxpoints="all", pointpos=0, jitter=0.3,
-                    marker=dict(color=_method_color(label, i), size=8),
-                    text=[f"seed {s}" for s in seeds])
-    fig.update_layout(title=title or f"Final {y} per seed", yaxis_title=y,
-                      template="plotly_white", showlegend=False)
+        color = _method_color(method, i)
+        text = [f"seed {s}" for s in seeds]
+        if len(finals) >= BOX_FROM_SEEDS:
+            fig.add_box(name=method, x=[method] * len(finals), y=finals, boxpoints="all", pointpos=0,
+                        jitter=0.3, boxmean=True, marker=dict(color=color, size=8), text=text)
+            continue
+        fig.add_scatter(name=method, x=[method] * len(finals), y=finals, mode="markers", text=text,
+                        marker=dict(color=color, size=10, opacity=0.8),
+                        hovertemplate="%{text}: %{y:.4g}<extra></extra>")
+        if finals:
+            fig.add_scatter(name=f"{method} mean", x=[method], y=[sum(finals) / len(finals)], mode="markers",
+                            marker=dict(color=color, size=36, symbol="line-ew", line=dict(width=3, color=color)),
+                            hovertemplate=f"mean of {len(finals)} seeds: %{{y:.4g}}<extra></extra>")
+    fig.update_layout(title=title or f"Final {label(y)} per seed", xaxis_title="method",
+                      yaxis=_axis(y, reward_label), template="plotly_white", showlegend=False)
     return fig
-
-
-
-

@@ -22,7 +22,8 @@ class ESStepper:
 
     def __init__(self, run: Any, figure: Any = None, run_count: int = 5, max_chars: int = 160):
         self.run = run
-        self.figure = figure if figure is not None else plots.fitness_figure_widget()
+        reward_label = getattr(getattr(run, "task", None), "reward_label", None)  # the task's reward, in words
+        self.figure = figure if figure is not None else plots.fitness_figure_widget(reward_label=reward_label)
         self.max_chars = max_chars
         self.error: BaseException | None = None
         self._stop = threading.Event()
