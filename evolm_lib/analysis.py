@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .metrics import completions_table, final_value, interp, series
+from .metrics import RESULT_COLUMNS, completions_table, final_value, interp, run_summary, series
 
 # Settings that must agree across the compared runs, or the comparison is unfair.
 COMPARED_FIELDS = ("model", "task", "task_options", "target_modules", "lora_rank", "lora_alpha",
@@ -84,9 +84,9 @@ def read_run(path: str | os.PathLike, label: str | None = None) -> RunRecord:
 
 
 def _patterns(value: str | os.PathLike | Sequence[str | os.PathLike]) -> list[str]:
-    if isinstance(value, (str, os.PathLike)):
-        return [os.fspath(value)]
-    return [os.fspath(v) for v in value]
+    """The globs given, without empty ones (an empty pattern means "none of this method")."""
+    values = [value] if isinstance(value, (str, os.PathLike)) else list(value)
+    return [os.fspath(v) for v in values if os.fspath(v).strip()]
 
 
 def _expand(pattern: str) -> list[Path]:
@@ -105,9 +105,9 @@ def load_runs(patterns: str | os.PathLike | Sequence[str | os.PathLike] | Mappin
 
     The label is the mapping's key when ``patterns`` is a mapping {label: glob(s)}, else the
     config.yaml's `label` key if it has one, else its `kind` ("es" or "grpo"); a kind whose runs
-    differ in population or group size is split ("grpo G=8", "grpo G=30"). Every pattern must
-    match a folder, every folder must be a run folder, and the runs must share COMPARED_FIELDS
-    unless ``allow_mixed``.
+    differ in population or group size is split ("grpo G=8", "grpo G=30"). Empty patterns are
+    skipped (only ES runs: ``[es_glob, ""]``); every other pattern must match a folder, every
+    folder must be a run folder, and the runs must share COMPARED_FIELDS unless ``allow_mixed``.
     """
     if isinstance(patterns, Mapping):
         sources = [(str(label), p) for label, value in patterns.items() for p in _patterns(value)]
@@ -210,8 +210,8 @@ def _std(values: Sequence[float]) -> float:
 
 
 def seed_spread_table(groups: Groups, key: str = "eval/reward"):
-    """Per method: seeds, mean, std (n - 1), min, max of the final `key` across seeds, and
-    `std(es)/std`, the ratio of ES's std to this method's (the ES/GRPO ratio on GRPO rows)."""
+    """Per method: seeds, mean, std (n - 1), min, max of the final `key` across seeds, and, when ES
+    runs are among them, `std(es)/std`: ES's std over this method's (1 on the ES row itself)."""
     import pandas as pd
 
     lines = []
@@ -220,13 +220,66 @@ def seed_spread_table(groups: Groups, key: str = "eval/reward"):
         lines.append({"method": label, "seeds": len(finals),
                       "mean": sum(finals) / len(finals) if finals else math.nan, "std": _std(finals),
                       "min": min(finals, default=math.nan), "max": max(finals, default=math.nan)})
-    es_std = next((line["std"] for line in lines if line["method"] == "es"), math.nan)
-    for line in lines:
-        # a zero std has no ratio: NaN rather than inf
-        line["std(es)/std"] = es_std / line["std"] if line["method"] != "es" and line["std"] else math.nan
+    es_label = next((label for label, runs in groups.items() if runs and runs[0].kind == "es"), None)
+    if es_label is not None:
+        es_std = next(line["std"] for line in lines if line["method"] == es_label)
+        for line in lines:
+            # a zero std has no ratio: NaN rather than inf
+            line["std(es)/std"] = es_std / line["std"] if line["std"] else math.nan
     table = pd.DataFrame(lines).set_index("method")
     table.attrs["key"] = key
     return table
+
+
+def reward_label(groups: Groups) -> str | None:
+    """The compared runs' reward in words (their task's ``reward_label``), for axis titles."""
+    from .tasks import get_task
+
+    first = next((r for runs in groups.values() for r in runs), None)
+    if first is None:
+        return None
+    try:
+        return get_task(first.config.get("task", "conciseness"), **(first.config.get("task_options") or {})).reward_label
+    except Exception:  # noqa: BLE001 - a task file moved since: the axes say "reward" without its definition
+        return None
+
+
+def run_results(run_dir: str | os.PathLike) -> dict[str, Any]:
+    """A run folder's results, for batch summaries: kind, budget, `metrics.run_summary` and the
+    final eval accuracy where the task has a success threshold. {} for a folder that holds no run."""
+    try:
+        record = read_run(run_dir)
+    except (NotARunFolder, OSError):
+        return {}
+    config = record.config
+    budget = config.get("num_generations") if record.kind == "es" else config.get("num_steps")
+    return {"kind": record.kind, "budget": budget, **run_summary(record.rows),
+            "eval_accuracy_final": final_accuracy(record)}
+
+
+RUN_RESULT_COLUMNS = ("kind", "budget", *RESULT_COLUMNS, "eval_accuracy_final")
+"""The columns of `run_results`, in order."""
+
+
+def final_accuracy(record: RunRecord, split: str = "eval") -> float | None:
+    """Share of the final greedy completions on `split` prompts at or above the task's success
+    threshold (None when the task has none, or no completions were logged)."""
+    from .tasks import get_task
+
+    completions = next((row[f"policy/{split}_completions"] for row in reversed(record.rows)
+                        if row.get(f"policy/{split}_completions")), None)
+    if not completions:
+        return None
+    try:
+        task = get_task(record.config.get("task", "conciseness"), **(record.config.get("task_options") or {}))
+    except Exception:  # noqa: BLE001 - the task's data moved since: no accuracy rather than no summary
+        return None
+    if task.success_threshold is None:
+        return None
+    examples = task.eval_examples() if split == "eval" else task.train_examples()
+    pairs = list(zip(completions, examples))
+    rewards = task.reward_fn([c for c, _ in pairs], [e for _, e in pairs])
+    return sum(r >= task.success_threshold for r in rewards) / len(rewards) if rewards else None
 
 
 # --------------------------------------------------------------------------- the fair comparison

@@ -54,6 +54,47 @@ def final_value(rows: Sequence[Row], key: str) -> float | None:
     return None
 
 
+def first_value(rows: Sequence[Row], key: str) -> float | None:
+    """The first finite value of `key` in a run's rows (None when it never appears)."""
+    for row in rows:
+        if finite(row.get(key)):
+            return float(row[key])
+    return None
+
+
+def best_value(rows: Sequence[Row], key: str) -> float | None:
+    """The largest finite value of `key` in a run's rows (rewards are maximised; None when absent)."""
+    values = [float(row[key]) for row in rows if finite(row.get(key))]
+    return max(values) if values else None
+
+
+# The result columns of a run, in the order summaries show them.
+RESULT_COLUMNS = (
+    "generation", "train_reward_start", "train_reward_final", "train_reward_best",
+    "eval_reward_start", "eval_reward_final", "eval_reward_best", "kl_final",
+    "completions", "tokens", "wall_s",
+)
+
+
+def run_summary(rows: Sequence[Row]) -> dict[str, float | None]:
+    """A run's results from its metrics rows: the greedy mean-adapter reward on train and eval prompts
+    at the start (generation 0, the base or initial adapter), at the end and at its best; the last
+    KL to the base model; training completions and tokens; wall time (s). None where not logged."""
+    rows = list(rows)
+    last = rows[-1] if rows else {}
+    steps = last.get("generation", last.get("step"))
+    summary: dict[str, float | None] = {"generation": steps if finite(steps) else None}
+    for name, key in (("train_reward", "policy/train_reward"), ("eval_reward", "eval/reward")):
+        summary[f"{name}_start"] = first_value(rows, key)
+        summary[f"{name}_final"] = final_value(rows, key)
+        summary[f"{name}_best"] = best_value(rows, key)
+    summary["kl_final"] = final_value(rows, "policy/kl")
+    summary["completions"] = final_value(rows, "samples/completions")
+    summary["tokens"] = final_value(rows, "samples/tokens")
+    summary["wall_s"] = final_value(rows, "time/wall_s")
+    return {key: summary.get(key) for key in RESULT_COLUMNS}
+
+
 def aggregate_seeds(seed_rows: Sequence[Sequence[Row]], x: str, y: str,
                     max_points: int = 200) -> dict[str, list[float]]:
     """Mean, std, min and max of `y` across seeds, interpolated on a common `x` grid.
@@ -112,3 +153,10 @@ def completions_table(rows: Iterable[Mapping[str, Any]], max_chars: int | None =
         return v
 
     return pd.DataFrame([{k: short(v) for k, v in dict(r).items()} for r in rows])
+
+
+def wrap_table(table, max_width: str = "40em", precision: int = 3):
+    """A DataFrame for display with every text whole and wrapped (pandas cuts cells at 50 characters):
+    a Styler with pre-wrapped cells of at most ``max_width``, numbers to ``precision`` decimals."""
+    cells = f"white-space: pre-wrap; max-width: {max_width}; text-align: left; vertical-align: top"
+    return table.style.format(precision=precision).set_table_styles([{"selector": "td", "props": cells}])
