@@ -89,8 +89,9 @@ def run_summary(rows: Sequence[Row]) -> dict[str, float | None]:
         summary[f"{name}_final"] = final_value(rows, key)
         summary[f"{name}_best"] = best_value(rows, key)
     summary["kl_final"] = final_value(rows, "policy/kl")
-    summary["completions"] = final_value(rows, "samples/completions")
-    summary["tokens"] = final_value(rows, "samples/tokens")
+    for name, key in (("completions", "samples/completions"), ("tokens", "samples/tokens")):
+        value = final_value(rows, key)
+        summary[name] = int(value) if value is not None and value.is_integer() else value
     summary["wall_s"] = final_value(rows, "time/wall_s")
     return {key: summary.get(key) for key in RESULT_COLUMNS}
 

@@ -29,6 +29,10 @@ DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int8": 
 _EXTENDING_ROPE = {"linear", "dynamic", "yarn", "ntk", "dynamic_ntk"}
 
 
+class EngineWarning(UserWarning):
+    """A setting that works but slows the run down (e.g. a population that does not fit the KV cache at once)."""
+
+
 @dataclass(frozen=True)
 class EngineBudget:
     """What the checks measured: limits of the model and machine, needs of the run."""
@@ -207,7 +211,7 @@ def check_engine_settings(config, model_dir: str | Path, task=None, *, cuda: boo
                 f"kv_cache_gb={kv_gb:g} holds {budget.kv_tokens:,} tokens: {at_once} of the {requests} requests of a "
                 f"generation (up to {sequence} tokens each) run at once, the rest wait; kv_cache_gb="
                 f"{_round_up_gib(requests * sequence * per_token):g} would run them together",
-                stacklevel=2)
+                EngineWarning, stacklevel=2)
 
     memory = None if _engine_live() else _free_memory(cuda)
     if memory is not None:

@@ -3,7 +3,13 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import re
+import signal
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -123,15 +129,20 @@ def test_executed_notebook_is_small_and_parameterised(batch_out):
     assert "scale = 2.0" in "".join(injected[0]["source"])
 
 
-def test_refuses_to_overwrite_existing_runs(batch_out, tmp_path):
-    spec_path, out, _ = batch_out
-    with pytest.raises(FileExistsError, match="--overwrite"):
-        batch.run_batch(spec_path, out)
-    with pytest.raises(FileExistsError):
-        batch.run_batch(spec_path, out, dry_run=True)
+def test_rerun_skips_finished_points_and_failed_ones_unless_asked(batch_out, capsys):
+    spec_path, out, first = batch_out
+    again = batch.run_batch(spec_path, out)  # same settings: nothing runs
+    assert [(r.name, r.status, r.action) for r in again] == [
+        ("fx__scale-2", "ok", "skip"), ("fx__scale--1", "failed", "skip"), ("fx__scale-0.5", "ok", "skip")]
+    assert again[1].error == "ValueError: scale must be > 0" and "--retry-failed" in again[1].reason
+    assert [r.seconds for r in again] == pytest.approx([r.seconds for r in first])  # the first run's times
+    planned = batch.run_batch(spec_path, out, dry_run=True, retry_failed=True)
+    assert [(r.status, r.action) for r in planned] == [("planned", "skip"), ("planned", "retry"), ("planned", "skip")]
     planned = batch.run_batch(spec_path, out, overwrite=True, dry_run=True)
-    assert [r.status for r in planned] == ["planned"] * 3
-    assert batch_cli.main([str(spec_path), "--out", str(out)]) == 2  # CLI: clear error, no run
+    assert [r.status for r in planned] == ["planned"] * 3 and {r.action for r in planned} == {"overwrite"}
+    assert batch_cli.main([str(spec_path), "--out", str(out)]) == 1  # a failed point remains
+    printed = capsys.readouterr().out
+    assert "2 ok, 1 failed (3 skip)" in printed and "--retry-failed runs them again" in printed
 
 
 def test_cli_exit_code_and_summary(tmp_path, capsys):
@@ -154,3 +165,130 @@ def test_execute_notebook_single_run(tmp_path):
                                     {"seed": 2, "run_dir": str(tmp_path / "r")})
     assert output.is_file()
     assert json.loads((tmp_path / "r" / "result.json").read_text())["value"] == 2.0
+
+
+# --------------------------------------------------------------------------- batches that continue
+
+RUN_NB = DATA / "batch_run_nb.py"
+
+
+def executions(folder: Path) -> int:
+    path = folder / "executions.txt"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def test_a_bad_point_fails_before_its_kernel_and_a_rerun_after_the_fix_runs_only_it(tmp_path, capsys):
+    spec_path = write_yaml(tmp_path / "p.yaml", f"notebook: {RUN_NB}\nname: fx\ngrid: {{sigma: [0.05, -1.0]}}\n")
+    out = tmp_path / "out"
+    assert batch_cli.main([str(spec_path), "--out", str(out), "--dry-run"]) == 1  # checked without a kernel
+    printed = capsys.readouterr().out
+    assert re.search(r"invalid +fx__sigma--1 +ConfigError: invalid ESConfig: sigma: Input should be greater than 0",
+                     printed), printed
+    assert re.search(r"run +fx__sigma-0.05", printed) and not out.exists()
+
+    assert batch_cli.main([str(spec_path), "--out", str(out)]) == 1
+    capsys.readouterr()
+    bad = batch.read_status(out / "fx__sigma--1")
+    assert bad["status"] == "failed" and bad["before_start"] and bad["error"].startswith("ConfigError: invalid ESConfig")
+    assert not (out / "fx__sigma--1" / "notebook.ipynb").exists()  # no kernel started for it
+    assert executions(out / "fx__sigma-0.05") == 1
+
+    write_yaml(spec_path, f"notebook: {RUN_NB}\nname: fx\ngrid: {{sigma: [0.05, 0.02]}}\n")  # the fix
+    assert batch_cli.main([str(spec_path), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "2 ok, 0 failed (1 skip, 1 run)" in printed and "no longer points of this grid" in printed
+    assert executions(out / "fx__sigma-0.05") == 1 and executions(out / "fx__sigma-0.02") == 1
+    assert {r.name: r.status for r in batch.run_batch(spec_path, out, dry_run=True)} == {
+        "fx__sigma-0.05": "planned", "fx__sigma-0.02": "planned"}
+    assert [r.action for r in batch.run_batch(spec_path, out, dry_run=True)] == ["skip", "skip"]
+
+    # summary.csv: one row per point with the run's results
+    with open(out / "summary.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    fixture = [json.loads(line) for line in (DATA / "es_vs_grpo" / "es_seed0" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["run"] for r in rows] == ["fx__sigma-0.05", "fx__sigma-0.02"]
+    for column in ("kind", "budget", "generation", "train_reward_start", "train_reward_final", "train_reward_best",
+                   "eval_reward_start", "eval_reward_final", "eval_reward_best", "eval_accuracy_final", "kl_final",
+                   "completions", "tokens", "wall_s"):
+        assert column in rows[0], column
+    assert rows[0]["kind"] == "es" and int(rows[0]["generation"]) == 4 == int(rows[0]["budget"])
+    assert float(rows[0]["eval_reward_final"]) == fixture[-1]["eval/reward"]
+    assert float(rows[0]["train_reward_best"]) == max(r["policy/train_reward"] for r in fixture)
+    assert float(rows[0]["kl_final"]) == fixture[-1]["policy/kl"] and float(rows[0]["eval_accuracy_final"]) == 0.0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["runs"][1]["results"]["completions"] == 64
+
+
+def test_a_mapping_for_a_text_parameter_arrives_as_json_and_is_checked(tmp_path):
+    spec_path = write_yaml(tmp_path / "p.yaml", f"notebook: {RUN_NB}\nparameters: {{task_options: {{bogus: 1}}}}\n")
+    [planned] = batch.run_batch(spec_path, tmp_path / "out", dry_run=True)
+    assert planned.parameters["task_options"] == '{"bogus": 1}'
+    assert planned.action == "invalid" and "task 'conciseness' has no option 'bogus'" in planned.error
+
+
+def test_point_states(tmp_path):
+    folder, params = tmp_path / "p", {"seed": 1, "run_dir": str(tmp_path / "p" / "run")}
+    assert batch.point_state(folder, params)[0] == "new"
+    folder.mkdir()
+    (folder / "notebook.ipynb").write_text("{}")
+    assert batch.point_state(folder, params)[0] == "unfinished"  # a folder without status.json
+    batch.write_status(folder, {"status": "running", "pid": 999_999_999, "host": "elsewhere", "parameters": params})
+    assert batch.point_state(folder, params)[:2] == ("unfinished", "stopped while running (started ?)")
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        batch.write_status(folder, {"status": "running", "pid": sleeper.pid, "host": socket.gethostname(),
+                                    "parameters": params})
+        assert batch.point_state(folder, params)[0] == "running"  # another batch runs it now
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    batch.write_status(folder, {"status": "ok", "parameters": {**params, "run_dir": "/moved/run"}})
+    assert batch.point_state(folder, params)[0] == "finished"  # the injected paths do not count
+    assert batch.point_state(folder, {**params, "seed": 2})[:2] == ("changed", "settings changed: seed 1 -> 2")
+    # finished notebook, but its run short of its budget (e.g. a budget raised and run elsewhere): resume
+    run = folder / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("kind: es\nnum_generations: 10\nseed: 1\n")
+    (run / "metrics.jsonl").write_text(json.dumps({"generation": 0}) + "\n" + json.dumps({"generation": 3}) + "\n")
+    assert batch.point_state(folder, params)[:2] == ("unfinished", "its run reached generation 3 of 10")
+    batch.write_status(folder, {"status": "failed", "error": "E: x", "parameters": params})
+    assert batch.point_state(folder, params)[:2] == ("failed", "failed: E: x")
+
+
+def test_a_batch_killed_mid_grid_resumes(tmp_path):
+    """SIGKILL the batch command (and its kernel) while the second of three points runs; the rerun
+    skips the first, resumes the second in its folder and runs the third."""
+    release = tmp_path / "release"
+    spec_path = write_yaml(tmp_path / "p.yaml", f"""
+notebook: {RUN_NB}
+name: fx
+parameters: {{hold: {release}, hold_seed: 1}}
+grid: {{seed: [0, 1, 2]}}
+""")
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "evolm_lib.cli", "batch", str(spec_path), "--out", str(out)]
+    process = subprocess.Popen(command, cwd=Path(__file__).resolve().parents[1], start_new_session=True,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    pid_file = out / "fx__seed-1" / "run" / "kernel.pid"
+    try:
+        deadline = time.monotonic() + 300
+        while not pid_file.exists() and time.monotonic() < deadline and process.poll() is None:
+            time.sleep(0.5)
+        assert pid_file.exists(), "the second point never reached its hold"
+        time.sleep(0.5)
+        kernel = int(pid_file.read_text())
+    finally:
+        os.killpg(process.pid, signal.SIGKILL)  # the batch command and what shares its session
+        process.wait(30)
+    os.kill(kernel, signal.SIGKILL)  # jupyter starts kernels in a session of their own
+    assert batch.read_status(out / "fx__seed-1")["status"] == "running"
+    assert batch.point_state(out / "fx__seed-1", {})[0] in ("unfinished", "changed")
+    assert not (out / "fx__seed-2").exists()
+
+    release.write_text("go")
+    results = batch.run_batch(spec_path, out)
+    assert [(r.name, r.action, r.status) for r in results] == [
+        ("fx__seed-0", "skip", "ok"), ("fx__seed-1", "resume", "ok"), ("fx__seed-2", "run", "ok")]
+    assert [executions(out / f"fx__seed-{s}") for s in range(3)] == [1, 2, 1]
+    assert batch.read_status(out / "fx__seed-1")["attempts"] == 2
+    assert all(r.results["generation"] == 4 for r in results)  # every run reached its budget

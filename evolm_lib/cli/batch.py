@@ -1,8 +1,7 @@
-"""`evolm batch SPEC`: run a notebook once per grid point of a batch file (papermill)."""
+"""`evolm batch SPEC`: run a notebook once per grid point of a batch file (papermill); a rerun continues."""
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -10,20 +9,25 @@ from pathlib import Path
 import yaml
 
 from .. import batch
+from ..env import apply_engine_defaults
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Command line: run a batch file; exit 1 if any run failed, 2 on a bad batch file."""
+    """Command line: run or continue a batch; exit 0 when every point finished, 1 if any failed (or,
+    with --dry-run, would fail its checks), 2 on a bad batch file."""
     parser = argparse.ArgumentParser(prog="evolm batch", description=batch.__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("spec", help="batch YAML file")
     parser.add_argument("--out", help="output folder (default: runs/batch/<yaml name>)")
     parser.add_argument("--notebook", help="run this notebook instead of the YAML's `notebook`")
-    parser.add_argument("--dry-run", action="store_true", help="list the runs, execute nothing")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="check every point's settings and list what would run, resume or be skipped; run nothing")
+    parser.add_argument("--retry-failed", action="store_true", help="run failed points again (default: skip them)")
     parser.add_argument("--overwrite", action="store_true",
-                        help="replace run folders that already exist")
+                        help="delete every point's folder and run it from scratch")
     parser.add_argument("--log-output", action="store_true", help="stream notebook output")
     args = parser.parse_args(argv)
+    apply_engine_defaults()  # the kernels inherit the engine's environment (threads, quiet logs)
 
     try:
         spec = batch.load_batch_spec(args.spec)
@@ -31,18 +35,38 @@ def main(argv: list[str] | None = None) -> int:
             spec = replace(spec, notebook=batch.resolve_notebook(args.notebook, None))
         out_dir = Path(args.out) if args.out else Path("runs") / "batch" / Path(args.spec).stem
         results = batch.run_batch(spec, out_dir, overwrite=args.overwrite, dry_run=args.dry_run,
-                            log_output=args.log_output)
+                                  log_output=args.log_output, retry_failed=args.retry_failed)
     except (ValueError, FileNotFoundError, FileExistsError, yaml.YAMLError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
 
+    where = Path(out_dir).resolve()
+    stale = batch.stale_folders(spec, out_dir)
     if args.dry_run:
-        print(f"{len(results)} run(s) of {spec.notebook} into {Path(out_dir).resolve()}:")
-        for r in results:
-            print(f"  {r.name}: {json.dumps(r.parameters, default=str)}")
-        return 0
+        counts = _counts(r.action for r in results)
+        print(f"{len(results)} point(s) of {spec.notebook} in {where}: {counts}")
+        print(batch.format_plan(results))
+        _print_stale(stale)
+        return 1 if any(r.action == "invalid" for r in results) else 0
     print(batch.format_summary(results))
-    failed = sum(r.status != "ok" for r in results)
-    print(f"\n{len(results) - failed} ok, {failed} failed; summary in "
-          f"{Path(out_dir).resolve() / 'summary.csv'}")
+    failed = [r for r in results if r.status == batch.FAILED]
+    done = _counts(r.action for r in results)
+    print(f"\n{len(results) - len(failed)} ok, {len(failed)} failed ({done}); summary in {where / 'summary.csv'}")
+    skipped_failures = [r.name for r in failed if r.action == "skip"]
+    if skipped_failures:
+        print(f"skipped {len(skipped_failures)} point(s) that failed before: --retry-failed runs them again")
+    _print_stale(stale)
     return 1 if failed else 0
+
+
+def _counts(actions) -> str:
+    tally: dict[str, int] = {}
+    for action in actions:
+        tally[action] = tally.get(action, 0) + 1
+    return ", ".join(f"{n} {action}" for action, n in tally.items())
+
+
+def _print_stale(stale: list[Path]) -> None:
+    if stale:
+        print(f"{len(stale)} folder(s) in the output are no longer points of this grid (left as they are): "
+              + ", ".join(p.name for p in stale))
