@@ -39,7 +39,7 @@ class CommonConfig(BaseModel):
     num_engines: int = Field(1, ge=1)
     "evaluator ray: engines (Ray actors, one GPU or one CPU each) a population is sharded over"
     ray_address: Optional[str] = None
-    "evaluator ray: a running cluster's address (host:port of `ray start --head`, ray://host:port, or auto); None: a local cluster"
+    "evaluator ray: a running cluster's address (host:port of `ray start --head`, ray://host:port, or auto); None: as ray.init(), the cluster `ray start` left on this machine, else a new local one"
 
     task: str = "conciseness"
     "task name from the registry"
@@ -192,6 +192,12 @@ class ESConfig(CommonConfig):
     "vLLM: write members into resident LoRA slots from their seeds (in_place; files where the engine cannot) or as adapter files"
     noise_device: Literal["cpu", "cuda"] = "cpu"
     "where noise is drawn: cpu (same bits on every machine) or cuda (faster for large adapters; GPU-only bits)"
+    estimator: Optional[str] = None
+    "None: the ES update with fitness_shaping (Qiu et al.); or a zeroth-order estimator of evolm_lib.zo over the members' seeds (e.g. zoar)"
+    estimator_histories: int = Field(5, ge=0)
+    "zoar and zohs: past generations whose queries are reused (H)"
+    estimator_baseline: Literal["single", "average"] = "average"
+    "zoo and reinforce: 'average' (mean of the generation's rewards); 'single' needs f at the mean and is refused here"
     fitness_shaping: Literal["centered_ranks", "z_score", "per_prompt", "raw"] = "centered_ranks"
     "reward shaping before the update"
     gradient_form: Literal["qiu", "textbook"] = "qiu"
@@ -216,6 +222,43 @@ class ESConfig(CommonConfig):
         if self.antithetic and self.population_size % 2:
             raise ValueError(f"population_size must be even with antithetic sampling, got {self.population_size}")
         return self
+
+    @model_validator(mode="after")
+    def _estimator_fits_seeds(self):
+        if self.estimator is None:
+            return self
+        from .zo import ESTIMATORS, needs_center
+
+        # seeded directions, and no query of f at the mean (a generation queries only its members)
+        fitting = sorted(name for name, spec in ESTIMATORS.items() if spec.seed_population and spec.center != "always")
+        if self.estimator not in ESTIMATORS:
+            raise ValueError(f"estimator: unknown {self.estimator!r}; known: {', '.join(sorted(ESTIMATORS))} "
+                             f"(for the LLM population: {', '.join(fitting)})")
+        if not ESTIMATORS[self.estimator].seed_population:
+            raise ValueError(f"estimator: {self.estimator!r} needs explicit positions or a d-sized state, not a "
+                             f"population of seeds; use one of {', '.join(fitting)}")
+        if self.estimator not in fitting:
+            raise ValueError(f"estimator: {self.estimator!r} needs the reward of the mean adapter on the population's "
+                             f"prompts, which a generation does not query; use one of {', '.join(fitting)}")
+        if self.estimator == "twopoint" and not self.antithetic:
+            raise ValueError("estimator: twopoint takes central differences over +/- pairs: set antithetic true")
+        if self.noise_mode != "uniform":
+            raise ValueError("estimator: the zeroth-order estimators take one perturbation scale (mu = sigma): "
+                             "use noise_mode 'uniform'")
+        if needs_center(self.estimator_config()):
+            raise ValueError(f"estimator_baseline: {self.estimator!r} with baseline 'single' needs the reward of the "
+                             "mean adapter on the population's prompts, which a generation does not query; use 'average'")
+        return self
+
+    def estimator_config(self):
+        """The evolm_lib.zo settings of ``estimator`` (num_queries = population_size, mu = sigma)."""
+        from .zo import EstimatorConfig
+
+        try:
+            return EstimatorConfig(self.estimator, num_queries=self.population_size, mu=self.sigma,
+                                   num_histories=self.estimator_histories, baseline=self.estimator_baseline)
+        except ValueError as error:
+            raise ValueError(f"estimator: {error}") from None
 
     @model_validator(mode="after")
     def _population_covers_engines(self):

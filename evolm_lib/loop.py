@@ -63,10 +63,10 @@ class RunLoop:
     @classmethod
     def resume(cls, run_dir: str | Path, *, evaluator: Evaluator | None = None):
         """Continue a run from its latest checkpoint; it ends as if never interrupted."""
-        config, adapter, optimizer_tensors, generation, counters, rows = cls._load_latest(Path(run_dir))
+        config, adapter, optimizer_tensors, generation, counters, rows, state = cls._load_latest(Path(run_dir))
         task = get_task(config.task, **config.task_options)
         return cls._build(config, Path(run_dir), evaluator, task, resolve_model(config.model), adapter,
-                          optimizer_tensors, generation, counters, rows)
+                          optimizer_tensors, generation, counters, rows, state)
 
     @classmethod
     def open(cls, config, run_dir: str | Path, *, resume: bool = True, overwrite: bool = False,
@@ -108,7 +108,7 @@ class RunLoop:
 
     @classmethod
     def _load_latest(cls, run_dir: Path):
-        """(config, adapter, optimizer tensors, generation, counters, rows) of a run's latest checkpoint.
+        """(config, adapter, optimizer tensors, generation, counters, rows, state) of a run's latest checkpoint.
 
         Rows past the checkpoint come from a generation whose checkpoint never landed: they are
         dropped and that generation reruns; a row lost between checkpoint and log comes back."""
@@ -127,7 +127,7 @@ class RunLoop:
         if not rows or rows[-1].get("generation") != generation:
             rows.append(state["row"])
         rewrite_metrics(run_dir, rows)
-        return config, adapter, optimizer_tensors, generation, dict(state["counters"]), rows
+        return config, adapter, optimizer_tensors, generation, dict(state["counters"]), rows, state
 
     def _init_common(self, config, run_dir: Path, evaluator: Evaluator, task, generation: int, counters: dict,
                      history: list[dict], model_dir: Path) -> None:

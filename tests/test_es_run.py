@@ -432,3 +432,51 @@ def test_in_place_slots_and_files_give_the_same_run_and_resume_bit_exact(tmp_pat
     assert len(set(rows[1]["es/rewards"])) > 1  # the members really differ: the comparison can fail
     assert without_times(rows) == without_times(expected)
     assert_same_adapter(resumed.mean, reference.mean)
+
+
+# ------------------------------------------------------------------------------ zeroth-order estimators
+
+
+@pytest.mark.parametrize("estimator", ["zoar", "zoar_0", "rl", "twopoint"])
+def test_estimator_run_resumes_bit_for_bit(tmp_path, estimator):
+    """A run with a zeroth-order estimator (zoar: query reuse over past generations' seeds) learns,
+    checkpoints the estimator's memory and resumes exactly; killed after generation 3, it ends as
+    the uninterrupted run."""
+    # raw-reward estimators scale with the reward (hundreds here): Adam makes one learning rate fit all
+    config = small_config(num_generations=6, population_size=16, estimator=estimator, estimator_histories=2,
+                          optimizer="adam", learning_rate=0.005)
+    reference = run_to_end(config, tmp_path / "reference")
+    rows = read_metrics(tmp_path / "reference")
+    assert rows[-1]["policy/train_reward"] > rows[0]["policy/train_reward"]  # it learns on the synthetic quadratic
+    first = ESRun.create(config, tmp_path / "run", evaluator=SyntheticEvaluator())
+    first.run(3)
+    first.close()
+    resumed = ESRun.resume(tmp_path / "run", evaluator=SyntheticEvaluator())
+    if estimator == "zoar":  # the buffer came back from the checkpoint, not empty
+        assert len(resumed.estimator_state.generations) == 2
+    resumed.run()
+    assert_same_adapter(resumed.mean, reference.mean)
+    assert without_times(read_metrics(tmp_path / "run")) == without_times(rows)
+
+
+def test_zoar_reuses_past_generations_and_differs_from_its_baseline_only_variant(tmp_path):
+    settings = dict(optimizer="adam", learning_rate=0.005, population_size=16)
+    with_reuse = run_to_end(small_config(estimator="zoar", estimator_histories=2, **settings), tmp_path / "zoar")
+    without = run_to_end(small_config(estimator="zoar_0", **settings), tmp_path / "zoar_0")
+    assert len(with_reuse.estimator_state.generations) == 2 and without.estimator_state.generations == ()
+    assert not torch.equal(next(iter(with_reuse.mean.tensors.values())), next(iter(without.mean.tensors.values())))
+
+
+def test_estimator_settings_fail_with_the_field_named():
+    with pytest.raises(ConfigError, match="estimator: unknown 'nope'.*zoar"):
+        small_config(estimator="nope")
+    with pytest.raises(ConfigError, match="estimator: 'xnes' needs explicit positions"):
+        small_config(estimator="xnes")
+    with pytest.raises(ConfigError, match="num_histories must be >= 1 for zoar"):
+        small_config(estimator="zoar", estimator_histories=0)
+    with pytest.raises(ConfigError, match="twopoint.*antithetic"):
+        small_config(estimator="twopoint", antithetic=False)
+    with pytest.raises(ConfigError, match="estimator_baseline"):
+        small_config(estimator="zoo", estimator_baseline="single")
+    with pytest.raises(ConfigError, match="estimator: 'zohs' needs the reward of the mean adapter"):
+        small_config(estimator="zohs")

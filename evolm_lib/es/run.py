@@ -24,6 +24,7 @@ from ..runs import timed, write_checkpoint
 from ..seeds import derive_seed
 from ..tasks import Example, Task, get_task
 from ..types import Completion
+from .. import zo
 from . import core as es
 
 
@@ -56,6 +57,8 @@ class ESRun(RunLoop):
         self.shapes = {k: tuple(v.shape) for k, v in mean.tensors.items()}
         magnitudes = base_weight_magnitudes(model_dir, mean.spec) if config.noise_mode == "per_layer" else None
         self.sigmas = noise_scales(self.shapes, config.sigma, config.noise_mode, magnitudes)
+        # a zeroth-order estimator's memory of past generations (zoar, zohs); checkpointed with the run
+        self.estimator_state = zo.HistoryState() if config.estimator is not None else None
         coarse = noise_below_resolution(mean.tensors, self.sigmas, getattr(torch, config.dtype))
         if coarse:
             name, sigma, ulp = min(coarse, key=lambda c: c[1] / c[2])
@@ -68,13 +71,16 @@ class ESRun(RunLoop):
     @classmethod
     def _build(cls, config: ESConfig, run_dir: Path, evaluator: Evaluator | None, task: Task, model_dir: Path,
                adapter: AdapterWeights, optimizer_tensors: dict | None, generation: int, counters: dict,
-               history: list[dict]) -> "ESRun":
+               history: list[dict], state: dict | None = None) -> "ESRun":
         if optimizer_tensors is None:
             optimizer_state = es.init_optimizer_state(config.optimizer_config(), dict(adapter.tensors))
         else:
             optimizer_state = es.optimizer_state_from_tensors(config.optimizer_config(), optimizer_tensors)
         evaluator = evaluator or make_evaluator(config, max_loras=config.population_size + 1)
-        return cls(config, run_dir, evaluator, task, adapter, optimizer_state, generation, counters, history, model_dir)
+        run = cls(config, run_dir, evaluator, task, adapter, optimizer_state, generation, counters, history, model_dir)
+        if config.estimator is not None and state is not None:
+            run.estimator_state = zo.HistoryState.from_dict(state["estimator"])
+        return run
 
     # --- the loop ------------------------------------------------------------------------------
     def ask(self) -> list[es.Member]:
@@ -118,9 +124,7 @@ class ESRun(RunLoop):
         config = self.config
         timing = dict(result.timing)
         with timed(timing, "update_s"):
-            weights = es.shape_fitness(config.fitness_shaping, result.rewards)
-            gradient = es.es_gradient(members, weights, self.shapes, self.sigmas, form=config.gradient_form,
-                                      noise_device=config.noise_device)
+            weights, gradient = self.estimate(members, result.rewards)
             gradient = {k: v.to(self.mean.tensors[k].device) for k, v in gradient.items()}
             new_params, self.optimizer_state = es.apply_update(
                 self.optimizer_config, self.optimizer_state, dict(self.mean.tensors), gradient
@@ -152,6 +156,23 @@ class ESRun(RunLoop):
         }
         return row
 
+    def estimate(self, members: Sequence[es.Member], rewards: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """(members' weights, ascent direction) from a generation's rewards (population, prompts).
+
+        Without ``estimator``: shaped fitness and the ES gradient (Qiu et al.). With one: the
+        zeroth-order estimator of evolm_lib.zo on f = -mean reward, which may reuse past
+        generations' seeds (zoar); the direction is -g_f, and a member's weight its coefficient."""
+        config = self.config
+        if config.estimator is None:
+            weights = es.shape_fitness(config.fitness_shaping, rewards)
+            return weights, es.es_gradient(members, weights, self.shapes, self.sigmas, form=config.gradient_form,
+                                           noise_device=config.noise_device)
+        current = zo.Generation.from_members(members, -rewards.mean(dim=1))  # the zo package minimises f
+        coefficient, self.estimator_state = zo.coefficients(config.estimator_config(), current, self.estimator_state)
+        g = zo.seeded_gradient(coefficient, self.shapes, config.sigma, noise_device=config.noise_device)
+        weights = torch.tensor([-m.sign * coefficient.get(m.seed, 0.0) for m in members], dtype=torch.float32)
+        return weights, {name: -value for name, value in g.items()}
+
     def train_step(self) -> dict:
         """One generation's update: ask, evaluate, tell."""
         members = self.ask()
@@ -170,5 +191,7 @@ class ESRun(RunLoop):
         """Write a checkpoint of the current generation now."""
         row = row if row is not None else (self.history[-1] if self.history else {})
         state = {"generation": self.generation, "counters": self.counters, "row": row}
+        if self.estimator_state is not None:
+            state["estimator"] = self.estimator_state.to_dict()
         return write_checkpoint(self.run_dir, self.generation, self.mean, es.optimizer_state_to_tensors(self.optimizer_state),
                                 state, str(self.model_dir), keep=self.config.keep_checkpoints)

@@ -45,7 +45,7 @@ class GRPORun(RunLoop):
     @classmethod
     def _build(cls, config: GRPOConfig, run_dir: Path, evaluator: Evaluator | None, task: Task, model_dir: Path,
                adapter: AdapterWeights, optimizer_tensors: dict | None, generation: int, counters: dict,
-               history: list[dict]) -> "GRPORun":
+               history: list[dict], state: dict | None = None) -> "GRPORun":
         trainer = PolicyTrainer(model_dir, adapter, config)
         if optimizer_tensors is not None:
             trainer.load_optimizer_tensors(optimizer_tensors)
