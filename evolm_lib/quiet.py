@@ -41,6 +41,10 @@ ENGINE_NOISE: tuple[Pattern[str], ...] = tuple(re.compile(p) for p in (
 WARNING_NOISE = (
     (r"vllm\.", r"`torch\.distributed\.reduce_op` is deprecated", FutureWarning),
 )
+# What an engine notice looks like in a notebook's or terminal's output: vLLM's log prefix, c10's
+# "[W...] Warning:", a Python warning's "file.py:N: SomethingWarning", or a known notice's words.
+NOTICE_LINE = re.compile(r"(WARNING|INFO) \d\d-\d\d \d\d:|^\[W\d{4}|\bWarning: |\w+Warning: |Triton is |LD_PRELOAD"
+                         r"|set_num_threads|without encryption")
 # c10 log levels: 0 INFO, 1 WARNING, 2 ERROR.
 _C10_ERROR = 2
 
@@ -52,6 +56,11 @@ def verbose() -> bool:
     if _state["verbose_override"] is not None:
         return bool(_state["verbose_override"])
     return os.environ.get(VERBOSE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def notice_lines(text: str) -> list[str]:
+    """The lines of some output that look like engine notices (`NOTICE_LINE`), to measure what remains."""
+    return [line for line in text.splitlines() if NOTICE_LINE.search(line)]
 
 
 def is_engine_noise(logger_name: str, message: str) -> bool:

@@ -23,6 +23,7 @@
 # %% tags=["parameters"]
 model: str = "smollm2-135m-instruct"  # model name (smollm2-135m-instruct, tiny-random) or a local folder
 task: str = "conciseness"  # task whose train prompts the population answers
+task_options: str = "{}"  # task options as YAML or JSON, e.g. {num_train: 8} for countdown, {path: my_task.jsonl} for jsonl
 target_modules: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"  # comma-separated modules with adapters
 lora_rank: int = 1  # LoRA rank
 init_scheme: str = "peft_default"  # scheme of the adapter saved for the stepper: peft_default or random_ab
@@ -36,9 +37,11 @@ max_model_len: int = 512  # longest prompt + completion the engine serves
 kv_cache_gb: float = 0.5  # vLLM KV cache size in GiB
 engine: str = "vllm"  # rollout engine: vllm (one call per population) or hf (transformers + peft)
 init_adapter_dir: str = "../runs/notebooks/init_adapter"  # where the chosen initial adapter is saved
+verbose: bool = False  # show every engine message (as the environment variable EVOLM_VERBOSE does)
 
 # %%
 import pandas as pd
+import yaml
 
 from evolm_lib import es
 from evolm_lib.config import ESConfig
@@ -49,17 +52,22 @@ from evolm_lib.lora import (
     noise_scales, save_adapter,
 )
 from evolm_lib.models import resolve_model
-from evolm_lib.metrics import completions_table
+from evolm_lib.metrics import completions_table, wrap_table
+from evolm_lib.preflight import check_engine_settings
+from evolm_lib.quiet import set_verbose
 from evolm_lib.viz.plots import plot_layer_scales
 from evolm_lib.tasks import get_task
 
+set_verbose(verbose)
 config = ESConfig.from_dict(dict(
-    model=model, task=task, target_modules=tuple(target_modules.split(",")), lora_rank=lora_rank,
-    init_scheme=init_scheme, init_scale=init_scale, sigma=sigma, noise_mode=noise_mode,
+    model=model, task=task, task_options=yaml.safe_load(task_options) or {}, target_modules=tuple(target_modules.split(",")),
+    lora_rank=lora_rank, init_scheme=init_scheme, init_scale=init_scale, sigma=sigma, noise_mode=noise_mode,
     population_size=population_size, max_new_tokens=max_new_tokens, seed=seed, max_model_len=max_model_len,
     kv_cache_gb=kv_cache_gb, engine=engine,
 ))
-print(config.to_yaml())
+print(yaml.safe_dump({key: config.to_dict()[key] for key in (
+    "model", "task", "task_options", "target_modules", "lora_rank", "lora_alpha", "init_scheme", "init_scale",
+    "sigma", "noise_mode", "population_size", "max_new_tokens", "seed", "engine")}, sort_keys=False))
 
 # %% [markdown]
 # The adapter tensors this layout creates on the model (unknown modules or layers fail here).
@@ -105,6 +113,7 @@ initial = {
 members = es.population(config.seed, 1, config.population_size, config.antithetic)
 task_instance = get_task(config.task, **config.task_options)
 examples = task_instance.train_examples()
+check_engine_settings(config, model_dir, task_instance)  # context, KV cache and memory before the engine starts
 evaluator = make_evaluator(config, max_loras=config.population_size)
 
 # %%
@@ -113,14 +122,16 @@ previews = {scheme: preview_population(evaluator, task_instance, adapter, member
 evaluator.close()
 
 # %% [markdown]
-# Diversity: distinct completions per prompt and the spread of member rewards.
+# Diversity: distinct completions per prompt and the spread of member rewards; then every member's
+# whole completion (wrapped), prompt by prompt.
 
 # %%
 diversity = pd.DataFrame([{"scheme": scheme, **preview.statistics()} for scheme, preview in previews.items()])
 diversity
 
 # %%
-completions_table([{"scheme": scheme, **row} for scheme, preview in previews.items() for row in preview.rows()])
+wrap_table(completions_table([{"scheme": scheme, **row} for scheme, preview in previews.items() for row in preview.rows()],
+                             max_chars=None))
 
 # %% [markdown]
 # Save the adapter of the chosen `init_scheme`; `03_es_stepper` starts from it with

@@ -22,7 +22,8 @@
 
 # %% tags=["parameters"]
 model: str = "smollm2-135m-instruct"  # model name (smollm2-135m-instruct, tiny-random) or a local folder
-task: str = "conciseness"  # task from the registry (conciseness, countdown, ...)
+task: str = "conciseness"  # task from the registry (conciseness, countdown, jsonl)
+task_options: str = "{}"  # task options as YAML or JSON, e.g. {num_train: 8} for countdown, {path: my_task.jsonl} for jsonl
 population_size: int = 4  # members per generation (even: antithetic pairs)
 num_generations: int = 2  # generations to run in total
 sigma: float = 0.05  # noise std on LoRA weights
@@ -45,8 +46,11 @@ run_dir: str = "../runs/notebooks/03_es_stepper"  # run folder (relative to the 
 resume: bool = True  # continue the run in run_dir if it has the same settings
 overwrite: bool = False  # replace a run in run_dir instead of refusing
 figures_dir: str = "../figures"  # where PNG/PDF/SVG figures go
+verbose: bool = False  # show every engine message (as the environment variable EVOLM_VERBOSE does)
 
 # %%
+import yaml
+
 from evolm_lib.config import ESConfig
 from evolm_lib.viz.figures import export_figure
 from evolm_lib.lora import load_adapter
@@ -55,9 +59,11 @@ from evolm_lib.viz.plots import plot_fitness, plot_time_breakdown
 from evolm_lib.es.run import ESRun
 from evolm_lib.runs import list_checkpoints
 from evolm_lib.viz.stepper import ESStepper
+from evolm_lib.quiet import set_verbose
 
+set_verbose(verbose)
 config = ESConfig.from_dict(dict(
-    model=model, task=task, population_size=population_size, num_generations=num_generations, sigma=sigma,
+    model=model, task=task, task_options=yaml.safe_load(task_options) or {}, population_size=population_size, num_generations=num_generations, sigma=sigma,
     learning_rate=learning_rate, fitness_shaping=fitness_shaping, noise_mode=noise_mode, lora_rank=lora_rank,
     init_scheme=init_scheme, max_new_tokens=max_new_tokens, temperature=temperature,
     prompts_per_step=prompts_per_step or None, eval_every=eval_every, seed=seed, max_model_len=max_model_len,

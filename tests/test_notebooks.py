@@ -136,6 +136,22 @@ def test_es_stepper_papermill_run(stepper_run):
     assert b"<svg" in figures["svg"].read_bytes()[:500]
 
 
+def _stream_text(executed: Path) -> str:
+    cells = json.loads(executed.read_text())["cells"]
+    return "".join("".join(o.get("text", "")) for c in cells for o in c.get("outputs", [])
+                   if o.get("output_type") == "stream")
+
+
+@pytest.mark.slow
+def test_es_stepper_output_holds_no_engine_notices(stepper_run):
+    from evolm_lib.quiet import notice_lines
+
+    _, executed = stepper_run
+    text = _stream_text(executed)
+    assert "generation   1" in text  # the loop's own lines are there
+    assert not notice_lines(text), notice_lines(text)
+
+
 def _run_files(run_dir: Path) -> list[str]:
     return sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*") if p.is_file())
 

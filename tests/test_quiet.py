@@ -5,7 +5,6 @@ from __future__ import annotations
 import io
 import json
 import logging
-import re
 import warnings
 
 import pytest
@@ -13,9 +12,6 @@ import pytest
 from evolm_lib import quiet
 from evolm_lib.env import apply_engine_defaults
 
-# What an engine notice looks like in a notebook's output: vLLM's log prefix, c10's "[W...] Warning:",
-# a Python warning's "file.py:N: SomethingWarning", or the plain Triton line.
-ENGINE_LINE = re.compile(r"WARNING \d\d-\d\d|^\[W\d{4}|\bWarning: |\w+Warning: |Triton is |LD_PRELOAD|set_num_threads")
 
 
 @pytest.fixture
@@ -46,6 +42,16 @@ def test_known_engine_notices_are_hidden_and_others_stay(vllm_log):
     assert stream.getvalue().splitlines() == ["max_num_seqs is too small for this model",
                                               "The global random seed is set to 0"]
     assert quiet.quiet_engines() and logging.getLogRecordFactory().__class__.__name__ == "_DemotingRecordFactory"
+
+
+def test_notice_lines_recognise_what_engines_print():
+    printed = """(MainProcess pid=1) WARNING 11-26 10:11:08 [cpu_worker.py:114] libtcmalloc is not found in LD_PRELOAD.
+Triton is installed, but doesn't include CPU backend. Disabling Triton.
+/x/vllm/triton_utils/dispatcher.py:138: FutureWarning: `torch.distributed.reduce_op` is deprecated
+[W1126 10:11:08.755346745 utils.cpp:68] Warning: NUMA binding: Using MEMBIND policy (function init_cpu_memory_env)
+generation   1  reward mean  -95.000
+Loading safetensors checkpoint shards: 100% Completed | 1/1"""
+    assert len(quiet.notice_lines(printed)) == 4
 
 
 def test_other_loggers_are_untouched(vllm_log):
@@ -137,6 +143,5 @@ def test_kernel_started_without_make_gets_one_thread_and_a_quiet_engine(tmp_path
     text = "".join("".join(o.get("text", "")) for o in outputs if o.get("output_type") == "stream")
     result = eval(text.split("RESULT ", 1)[1].splitlines()[0])  # noqa: S307 - our own printed dict
     assert result["omp"] == "1" and result["after"] == 1, result
-    noise = [line for line in text.splitlines() if ENGINE_LINE.search(line)]
-    assert not noise, noise
+    assert not quiet.notice_lines(text), quiet.notice_lines(text)
     print(f"kernel: {result}")
