@@ -120,7 +120,7 @@ def _timed(label: str, call, requests: int) -> dict[str, Any]:
 
 def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
     """Measure paths (a)-(d) and return a flat result dict."""
-    from ..engines import SamplingSettings
+    from ..engines import Population, SamplingSettings
     from ..engines.hf_engine import HFEvaluator
     from ..engines.vllm_engine import VLLMEvaluator
     from ..models import resolve_model
@@ -128,7 +128,8 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
     model_dir = resolve_model(args.model)
     n, m = args.population, args.prompts
     prompts = make_prompts(m)
-    _, _, adapters = make_population(model_dir, n, args.rank)
+    members, mean, adapters = make_population(model_dir, n, args.rank)
+    population = Population(mean, tuple(members), 1e-3)  # the same members, made inside the engine
     sampling = SamplingSettings(max_new_tokens=args.new_tokens, ignore_eos=True)
     warmup = SamplingSettings(max_new_tokens=min(WARMUP_TOKENS, args.new_tokens), ignore_eos=True)
     result: dict[str, Any] = {
@@ -145,8 +146,9 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
     result["vllm_engine_start_s"] = time.perf_counter() - started
     try:
         vllm.generate(prompts, adapters, warmup)
-        row = _timed("vllm_population", lambda: vllm.generate(prompts, adapters, sampling), n * m)
-        rows.append(row)
+        rows.append(_timed("vllm_population", lambda: vllm.generate(prompts, adapters, sampling), n * m))
+        vllm.generate(prompts, population, warmup)  # sets the resident slots up
+        rows.append(_timed("vllm_population_in_place", lambda: vllm.generate(prompts, population, sampling), n * m))
         base_prompts = [p for _ in range(n) for p in prompts]
         vllm.generate(base_prompts, [None], warmup)
         rows.append(_timed("vllm_base", lambda: vllm.generate(base_prompts, [None], sampling), n * m))
@@ -172,6 +174,7 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
 
     by_path = {r["path"]: r["tokens_per_s"] for r in rows}
     result["ratio_population_over_base_vllm"] = by_path["vllm_population"] / by_path["vllm_base"]
+    result["ratio_in_place_over_base_vllm"] = by_path["vllm_population_in_place"] / by_path["vllm_base"]
     if "hf_member_by_member" in by_path:
         result["ratio_vllm_population_over_hf_member_by_member"] = by_path["vllm_population"] / by_path["hf_member_by_member"]
     result["load_after"] = _load()
@@ -266,12 +269,13 @@ def format_throughput(result: dict[str, Any]) -> str:
         f"vLLM engine start {result['vllm_engine_start_s']:.1f} s"
         + (f", HF model load {result['hf_load_s']:.1f} s" if "hf_load_s" in result else ""),
         "",
-        f"{'path':<22}{'requests':>9}{'tokens':>8}{'seconds':>9}{'tok/s':>8}",
+        f"{'path':<26}{'requests':>9}{'tokens':>8}{'seconds':>9}{'tok/s':>8}",
     ]
     for row in result["rows"]:
-        lines.append(f"{row['path']:<22}{row['requests']:>9}{row['tokens']:>8}{row['seconds']:>9.1f}{row['tokens_per_s']:>8.1f}")
+        lines.append(f"{row['path']:<26}{row['requests']:>9}{row['tokens']:>8}{row['seconds']:>9.1f}{row['tokens_per_s']:>8.1f}")
     lines.append("")
-    lines.append(f"vLLM population / vLLM base:          {result['ratio_population_over_base_vllm']:.2f}")
+    lines.append(f"vLLM population (files) / vLLM base:  {result['ratio_population_over_base_vllm']:.2f}")
+    lines.append(f"vLLM population (in place) / base:    {result['ratio_in_place_over_base_vllm']:.2f}")
     if "ratio_vllm_population_over_hf_member_by_member" in result:
         lines.append(f"vLLM population / HF member by member: {result['ratio_vllm_population_over_hf_member_by_member']:.2f}")
     return "\n".join(lines)

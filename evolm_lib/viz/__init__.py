@@ -1,0 +1,2 @@
+"""Figures and widgets on top of the library: plots with labels in words (``plots``, ``labels``),
+PNG/PDF/SVG export in a paper style (``figures``), the ES stepper's controls (``stepper``)."""
