@@ -1,0 +1,53 @@
+"""The `evolm` command: every subcommand answers --help, and importing the library sets no environment."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from evolm_lib.cli import COMMANDS, main
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_console_script_points_at_a_main_that_runs():
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts == {"evolm": "evolm_lib.cli:main"}
+    result = subprocess.run([sys.executable, "-m", "evolm_lib.cli", "--help"], capture_output=True, text=True, cwd=REPO)
+    assert result.returncode == 0
+    assert all(name in result.stdout for name in ("demo", "bench", "batch", "sweep", "lab"))
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_every_subcommand_answers_help(command, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--help"])
+    assert exit_info.value.code == 0
+    assert f"evolm {command}" in capsys.readouterr().out
+
+
+def test_unknown_subcommand_is_refused_with_the_list(capsys):
+    assert main(["nope"]) == 2
+    assert "unknown command 'nope'" in capsys.readouterr().err
+
+
+def test_importing_every_module_sets_no_environment():
+    code = """
+import importlib, json, os, pkgutil, sys
+before = dict(os.environ)
+import evolm_lib
+for info in pkgutil.walk_packages(evolm_lib.__path__, "evolm_lib."):
+    if not info.name.endswith("__main__"):
+        importlib.import_module(info.name)
+changed = sorted(k for k in set(os.environ) | set(before) if os.environ.get(k) != before.get(k))
+print(json.dumps(changed))
+"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "OMP_", "TOKENIZERS_"))}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == []
