@@ -278,3 +278,41 @@ def run_notebook(batch_part: dict, out: Path, spec_path: Path) -> Path:
     parameters = {**spec.parameters, "es_runs": str(out.resolve() / "es_*"),
                   "grpo_runs": str(out.resolve() / "grpo_*"), "figures_dir": str(out.resolve() / "figures")}
     return execute_notebook(spec.notebook, out / "04_es_vs_grpo.ipynb", parameters, kernel_name=spec.kernel)
+
+
+def summarize(out: str | Path) -> list[dict]:
+    """One row per run folder of a sweep (learning-rate sweep included): method, seed, learning rate,
+    the run's results (``analysis.run_results``), the KL of every measured checkpoint, and its wall time.
+    Written to OUT/summary.csv and OUT/summary.json."""
+    import csv
+
+    from .analysis import RUN_RESULT_COLUMNS, run_results
+    from .runs import load_run_config, read_config_kind
+
+    out = Path(out)
+    seconds = {}
+    for name in ("sweep_summary.jsonl", "study_log.jsonl"):
+        path = out / name
+        if path.exists():
+            for line in path.read_text().splitlines():
+                entry = json.loads(line)
+                seconds[entry["run"]] = entry["seconds"]
+    rows = []
+    for folder in sorted(p for p in out.iterdir() if (p / "config.yaml").exists()):
+        config = load_run_config(folder)
+        kls = read_checkpoint_kls(folder)
+        rows.append({
+            "run": folder.name, "method": read_config_kind(folder), "seed": config.seed,
+            "learning_rate": config.learning_rate, "lr_sweep": folder.name.startswith("lrsweep_"),
+            **run_results(folder),
+            "kl_by_checkpoint": {row["generation"]: row["policy/kl"] for row in kls},
+            "seconds": seconds.get(folder.name),
+        })
+    columns = ["run", "method", "seed", "learning_rate", "lr_sweep", *RUN_RESULT_COLUMNS, "kl_by_checkpoint", "seconds"]
+    with open(out / "summary.csv", "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=columns, extrasaction="ignore")
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({**row, "kl_by_checkpoint": json.dumps(row["kl_by_checkpoint"])})
+    (out / "summary.json").write_text(json.dumps(rows, indent=1, default=str) + "\n")
+    return rows

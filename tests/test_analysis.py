@@ -238,7 +238,8 @@ def test_sweep_plans_equal_budgets():
 
     batch_part, spec = sweep.load_sweep_spec(REPO / "papermill_runs" / "es_vs_grpo_conciseness_cpu.yaml")
     assert batch_part["notebook"] == "notebooks/04_es_vs_grpo.py"
-    plan = sweep.plan_sweep(spec, generations=3, seeds=[0, 1], overrides={"model": "tiny-random"})
+    plan = sweep.plan_sweep(spec, generations=3, seeds=[0, 1], overrides={"model": "tiny-random"},
+                            grpo_learning_rate=sweep.grpo_learning_rates(spec)[-1])
     assert [p.name for p in plan] == ["es_seed0", "grpo_seed0", "es_seed1", "grpo_seed1"]
     assert {p.budget for p in plan} == {16 * 2 * 3}
     assert [p.length for p in plan[:2]] == [3, 3]

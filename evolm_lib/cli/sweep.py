@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     if lr_runs:
         print(f"GRPO learning-rate sweep first ({', '.join(f'{r:g}' for r in rates)}, seed {lr_runs[0].config.seed}); "
               "the best rate then trains every seed")
-    print(f"{len(plan)} runs into {out}, {plan[0].budget} training completions each; "
+    print(f"{len(lr_runs) + len(plan)} runs into {out}, {plan[0].budget} training completions each; "
           f"estimated wall time {estimate / 60:.1f} min (seconds_per_completion "
           f"{spec.get('seconds_per_completion')}, engine start and KL not included)")
     for run in lr_runs + plan:
@@ -61,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     measured = time.perf_counter() - started
     per_run = ", ".join(f"{name} {s:.0f} s" for name, s in seconds.items())
     print(f"measured wall time {measured / 60:.1f} min (estimated {estimate / 60:.1f} min): {per_run}")
+    sweep.summarize(out)
+    print(f"summary: {out / 'summary.csv'}")
     if not args.no_notebook:
         executed = sweep.run_notebook(batch_part, out, spec_path)
         print(f"comparison: {executed}, figures in {out / 'figures'}")

@@ -1,0 +1,58 @@
+"""The sweep's library pieces: learning-rate sweep planning and selection, checkpoint KLs, the summary."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from evolm_lib import sweep
+
+REPO = Path(__file__).resolve().parents[1]
+FIXTURES = REPO / "tests" / "data" / "es_vs_grpo"
+SPEC = REPO / "papermill_runs" / "es_vs_grpo_conciseness_cpu.yaml"
+
+
+def test_learning_rate_sweep_plans_one_grpo_run_per_rate_on_the_first_seed():
+    _, spec = sweep.load_sweep_spec(SPEC)
+    spec["grpo"] = {**spec["grpo"], "learning_rate": [1e-3, 3e-3]}
+    assert sweep.grpo_learning_rates(spec) == [1e-3, 3e-3]
+    runs = sweep.plan_learning_rate_sweep(spec, generations=2, seeds=[4, 5], overrides={"model": "tiny-random"})
+    assert [r.name for r in runs] == ["lrsweep_grpo_lr0.001_seed4", "lrsweep_grpo_lr0.003_seed4"]
+    assert [r.config.learning_rate for r in runs] == [1e-3, 3e-3] and {r.config.seed for r in runs} == {4}
+    with pytest.raises(ValueError, match="pick one"):
+        sweep.plan_sweep(spec, generations=2, seeds=[4], overrides={"model": "tiny-random"})
+    plan = sweep.plan_sweep(spec, 2, [4], {"model": "tiny-random"}, grpo_learning_rate=3e-3)
+    assert [(r.name, r.config.learning_rate) for r in plan if r.kind == "grpo"] == [("grpo_seed4", 3e-3)]
+
+
+def test_best_rate_is_picked_by_the_last_greedy_rewards_and_its_run_adopted(tmp_path):
+    _, spec = sweep.load_sweep_spec(SPEC)
+    spec["grpo"] = {**spec["grpo"], "learning_rate": [1e-3, 3e-3]}
+    overrides = {"model": "tiny-random"}
+    lr_runs = sweep.plan_learning_rate_sweep(spec, 2, [0], overrides)
+    for run, rewards in zip(lr_runs, ([-9.0, -8.0, -7.0, -6.0], [-9.0, -5.0, -4.0, -3.0])):
+        (tmp_path / run.name).mkdir()
+        (tmp_path / run.name / "metrics.jsonl").write_text(
+            "".join(json.dumps({"generation": g, "policy/train_reward": r}) + "\n" for g, r in enumerate(rewards)))
+    best, scores = sweep.best_learning_rate(tmp_path, lr_runs)
+    assert best == 3e-3 and scores == {1e-3: -7.0, 3e-3: -4.0}  # means of the last three rows
+    assert json.loads((tmp_path / "grpo_lr_sweep.json").read_text())["best"] == 3e-3
+    plan = sweep.plan_sweep(spec, 2, [0], overrides, grpo_learning_rate=best)
+    sweep.adopt_learning_rate_run(tmp_path, lr_runs, plan, best)
+    assert (tmp_path / "grpo_seed0" / "metrics.jsonl").read_text() == (tmp_path / lr_runs[1].name / "metrics.jsonl").read_text()
+
+
+def test_summary_has_a_row_per_run_with_results_and_checkpoint_kls(tmp_path):
+    out = tmp_path / "sweep"
+    shutil.copytree(FIXTURES, out)
+    first = sorted(p for p in out.iterdir() if (p / "config.yaml").exists())[0]
+    (first / "kl.jsonl").write_text('{"generation": 0, "policy/kl": 0.0}\n{"generation": 2, "policy/kl": 0.25}\n')
+    rows = sweep.summarize(out)
+    assert {r["run"] for r in rows} == {p.name for p in out.iterdir() if (p / "config.yaml").exists()}
+    row = next(r for r in rows if r["run"] == first.name)
+    assert row["kl_by_checkpoint"] == {0: 0.0, 2: 0.25}
+    assert row["method"] in ("es", "grpo") and row["train_reward_final"] is not None
+    header = (out / "summary.csv").read_text().splitlines()[0].split(",")
+    assert {"run", "method", "seed", "learning_rate", "eval_reward_final", "kl_final", "kl_by_checkpoint"} <= set(header)
