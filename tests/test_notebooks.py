@@ -30,7 +30,8 @@ MAGIC = {"png": b"\x89PNG\r\n\x1a\n", "pdf": b"%PDF-"}
 
 
 def test_notebooks_exist():
-    assert [p.stem for p in SOURCES] == ["01_task_inspection", "02_lora_initialization", "03_es_stepper", "04_es_vs_grpo"]
+    assert [p.stem for p in SOURCES] == ["01_task_inspection", "02_lora_initialization", "03_es_stepper", "04_es_vs_grpo",
+                                        "05_zo_synthetic"]
 
 
 # --------------------------------------------------------------------------- static checks
@@ -70,7 +71,8 @@ def test_notebook_shape(source):
         assert info["inferred_type_name"] in ("str", "int", "float", "bool") and info["help"], line
     # the cell after the parameters validates them with the library (a config, or the runs to compare)
     build = cells[tagged[0] + 1].source
-    assert "config = ESConfig.from_dict(" in build or "groups = load_runs(" in build, build
+    assert any(call in build for call in ("config = ESConfig.from_dict(", "groups = load_runs(",
+                                          "config = ComparisonConfig.from_dict(")), build
     for cell in cells:
         if cell.cell_type == "code":
             nodes = list(ast.walk(ast.parse(cell.source)))
