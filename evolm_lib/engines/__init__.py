@@ -27,6 +27,7 @@ def make_evaluator(config, max_loras: int = 8) -> Evaluator:
             gpu_memory_utilization=config.gpu_memory_utilization,
             kv_cache_gb=config.kv_cache_gb,
             seed=config.seed,
+            adapter_transfer=getattr(config, "adapter_transfer", "files"),
         )
     if config.engine == "hf":
         from .hf_engine import HFEvaluator
