@@ -1,7 +1,9 @@
-"""The ES stepper in a real JupyterLab, driven by headless Chromium: run all cells, click Step,
-and see the live fitness plot gain a point."""
+"""The notebooks in a real JupyterLab, driven by headless Chromium: the ES stepper (run all cells,
+click Step, see the live fitness plot gain a point), and notebooks 02 and 04 run to the end without
+an error or an engine notice in their outputs."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -16,6 +18,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 STEPPER = REPO / "notebooks" / "03_es_stepper.ipynb"
+FIXTURE_RUNS = REPO / "tests" / "data" / "es_vs_grpo"
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync"]
@@ -40,21 +43,30 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _small_copy(folder: Path) -> Path:
-    """The stepper notebook with the CI parameters injected after its parameters cell, as papermill does."""
+def _ci_parameters() -> dict:
+    from evolm_lib.batch import load_batch_spec
+
+    return dict(load_batch_spec(REPO / "papermill_runs" / "ci_tiny.yaml").parameters)
+
+
+def _parameterized_copy(source: Path, folder: Path, parameters: dict) -> Path:
+    """A notebook with parameters injected after its parameters cell, as papermill does."""
     import nbformat
     from papermill.iorw import load_notebook_node
     from papermill.parameterize import parameterize_notebook
 
-    from evolm_lib.batch import load_batch_spec
-
-    parameters = dict(load_batch_spec(REPO / "papermill_runs" / "ci_tiny.yaml").parameters)
-    parameters.update(num_generations=1, run_dir=str(folder / "run"), figures_dir=str(folder / "figures"))
-    notebook = parameterize_notebook(load_notebook_node(str(STEPPER)), parameters, kernel_name="python3")
+    notebook = parameterize_notebook(load_notebook_node(str(source)), parameters, kernel_name="python3")
     notebook.metadata.pop("jupytext", None)  # no paired .py for the copy
-    path = folder / STEPPER.name
+    path = folder / source.name
     nbformat.write(notebook, path)
     return path
+
+
+def _small_copy(folder: Path) -> Path:
+    """The stepper notebook with the CI parameters injected after its parameters cell, as papermill does."""
+    parameters = _ci_parameters()
+    parameters.update(num_generations=1, run_dir=str(folder / "run"), figures_dir=str(folder / "figures"))
+    return _parameterized_copy(STEPPER, folder, parameters)
 
 
 def _wait_for_server(url: str, process: subprocess.Popen, timeout: float = 60) -> None:
@@ -71,12 +83,9 @@ def _wait_for_server(url: str, process: subprocess.Popen, timeout: float = 60) -
     raise TimeoutError(f"jupyter lab did not answer {url} within {timeout} s")
 
 
-@pytest.fixture
-def jupyterlab(tmp_path):
-    """A JupyterLab server on 127.0.0.1 serving a folder with the small stepper notebook."""
-    root = tmp_path / "lab"
-    root.mkdir()
-    notebook = _small_copy(root)
+@contextlib.contextmanager
+def _lab(tmp_path: Path, root: Path, notebook: Path):
+    """A JupyterLab server on 127.0.0.1 serving ``root``; yields the URL that opens ``notebook``."""
     port, token = _free_port(), secrets.token_hex(16)
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING",
            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),  # see tests/test_notebooks.py
@@ -112,8 +121,44 @@ def jupyterlab(tmp_path):
         log.close()
 
 
-def test_step_button_adds_a_point_to_the_live_plot(jupyterlab, tmp_path):
+@pytest.fixture
+def jupyterlab(tmp_path):
+    """A JupyterLab server on 127.0.0.1 serving a folder with the small stepper notebook."""
+    root = tmp_path / "lab"
+    root.mkdir()
+    with _lab(tmp_path, root, _small_copy(root)) as url:
+        yield url
+
+
+def _run_all_cells(page, timeout_ms: int = 150_000) -> None:
+    """Open the notebook's kernel, Run All, and wait until every code cell ran or one failed."""
     from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    page.wait_for_selector(".jp-NotebookPanel .jp-Notebook .jp-Cell", timeout=60_000)
+    # the kernel must be up before Run All, or the cells go to a kernel that is being replaced
+    page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=60_000)
+    select_kernel = page.locator(".jp-Dialog button.jp-mod-accept", has_text="Select")
+    try:  # JupyterLab may still ask which kernel to use
+        select_kernel.wait_for(timeout=5_000)
+        select_kernel.click()
+        page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=60_000)
+    except PlaywrightTimeout:
+        pass
+    page.get_by_role("menuitem", name="Run", exact=True).click()
+    page.get_by_role("menuitem", name="Run All Cells", exact=True).click()
+    # every code cell done (its prompt shows an execution count, not [*] or blank), or one failed
+    page.wait_for_function(
+        """() => {
+            const prompts = [...document.querySelectorAll('.jp-CodeCell .jp-InputArea-prompt')];
+            const failed = [...document.querySelectorAll('.jp-OutputArea-output')]
+                .some(o => o.textContent.includes('Traceback (most recent call last)'));
+            return failed || (prompts.length > 0 && prompts.every(p => /\\[\\d+\\]/.test(p.textContent)));
+        }""",
+        timeout=timeout_ms, polling=1000,
+    )
+
+
+def test_step_button_adds_a_point_to_the_live_plot(jupyterlab, tmp_path):
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as playwright:
@@ -121,33 +166,12 @@ def test_step_button_adds_a_point_to_the_live_plot(jupyterlab, tmp_path):
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
         try:
             page.goto(jupyterlab)
-            page.wait_for_selector(".jp-NotebookPanel .jp-Notebook .jp-Cell", timeout=60_000)
-            # the kernel must be up before Run All, or the cells go to a kernel that is being replaced
-            page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=60_000)
-            select_kernel = page.locator(".jp-Dialog button.jp-mod-accept", has_text="Select")
-            try:  # JupyterLab may still ask which kernel to use
-                select_kernel.wait_for(timeout=5_000)
-                select_kernel.click()
-                page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=60_000)
-            except PlaywrightTimeout:
-                pass
-            page.get_by_role("menuitem", name="Run", exact=True).click()
-            page.get_by_role("menuitem", name="Run All Cells", exact=True).click()
-
-            # every code cell done (its prompt shows an execution count, not [*] or blank), or one failed
-            page.wait_for_function(
-                """() => {
-                    const prompts = [...document.querySelectorAll('.jp-CodeCell .jp-InputArea-prompt')];
-                    const failed = [...document.querySelectorAll('.jp-OutputArea-output')]
-                        .some(o => o.textContent.includes('Traceback (most recent call last)'));
-                    return failed || (prompts.length > 0 && prompts.every(p => /\\[\\d+\\]/.test(p.textContent)));
-                }""",
-                timeout=150_000, polling=1000,
-            )
+            _run_all_cells(page)
             failed = page.locator(".jp-OutputArea-output", has_text="Traceback (most recent call last)")
             assert failed.count() == 0, failed.first.inner_text()
 
             cell = page.locator(".jp-CodeCell", has=page.locator("button", has_text="Step")).first
+            cell.scroll_into_view_if_needed()  # JupyterLab 4 renders the outputs of cells in view only
             step = cell.locator("button", has_text="Step").first
             step.wait_for(timeout=30_000)
             page.wait_for_function(f"cell => ({MEAN_POINTS_JS})(cell) >= 1", arg=cell.element_handle(),
@@ -161,6 +185,44 @@ def test_step_button_adds_a_point_to_the_live_plot(jupyterlab, tmp_path):
             assert cell.evaluate(MEAN_POINTS_JS) == before + 1
             assert "generation 2" in cell.inner_text()
             cell.screenshot(path=str(tmp_path / "stepper.png"))  # for a look when debugging
+        except Exception:
+            page.screenshot(path=str(tmp_path / "failure.png"))
+            raise
+        finally:
+            browser.close()
+
+
+def _browser_parameters(stem: str, folder: Path) -> dict:
+    tiny = {key: _ci_parameters()[key] for key in ("model", "max_new_tokens", "max_model_len", "kv_cache_gb")}
+    if stem == "02_lora_initialization":
+        return {**tiny, "population_size": 4, "init_adapter_dir": str(folder / "init_adapter")}
+    return {"es_runs": str(FIXTURE_RUNS / "es_*"), "grpo_runs": str(FIXTURE_RUNS / "grpo_*"),
+            "figures_dir": str(folder / "figures")}
+
+
+@pytest.mark.parametrize("stem", ["02_lora_initialization", "04_es_vs_grpo"])
+def test_notebook_runs_in_the_browser_without_error_output(tmp_path, stem):
+    from playwright.sync_api import sync_playwright
+
+    from evolm_lib.quiet import notice_lines
+
+    root = tmp_path / "lab"
+    root.mkdir()
+    notebook = _parameterized_copy(REPO / "notebooks" / f"{stem}.ipynb", root, _browser_parameters(stem, tmp_path))
+    with _lab(tmp_path, root, notebook) as url, sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        try:
+            page.goto(url)
+            _run_all_cells(page, timeout_ms=240_000)
+            outputs = page.locator(".jp-OutputArea-output")
+            texts = [outputs.nth(i).inner_text() for i in range(outputs.count())]
+            assert not [t for t in texts if "Traceback (most recent call last)" in t], texts
+            errors = page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']")
+            stderr = "\n".join(errors.nth(i).inner_text() for i in range(errors.count()))
+            assert not notice_lines(stderr), notice_lines(stderr)  # no engine notices either
+            assert page.locator(".jp-CodeCell").count() >= 8 and outputs.count() >= 5
+            page.screenshot(path=str(tmp_path / f"{stem}.png"), full_page=True)  # for a look when debugging
         except Exception:
             page.screenshot(path=str(tmp_path / "failure.png"))
             raise
