@@ -304,3 +304,31 @@ def test_smollm2_seeded_sampling(smollm2_vllm):
     first = sample(3)
     assert sample(3) == first
     assert sample(4) != first
+
+
+# ----------------------------------------------------------------------------- no hidden generation defaults
+
+
+def test_hf_ignores_the_models_own_generation_config(tmp_path, tiny_model_dir, tiny_hf):
+    """A model's generation_config.json (Qwen2.5-Instruct sets repetition_penalty 1.05, top_k 20) must
+    not change HF's completions: HF would then decode another policy than vLLM serves and GRPO scores."""
+    import json
+    import shutil
+
+    from evolm_lib.engines.hf_engine import generation_config
+
+    opinionated = tmp_path / "tiny-with-defaults"
+    shutil.copytree(tiny_model_dir, opinionated)
+    (opinionated / "generation_config.json").write_text(json.dumps({
+        "repetition_penalty": 3.0, "no_repeat_ngram_size": 2, "top_k": 2, "temperature": 0.1, "do_sample": True}))
+    evaluator = HFEvaluator(str(opinionated))
+    try:
+        greedy = evaluator.generate(PROMPTS, [None], SamplingSettings(max_new_tokens=24))
+        sampled = evaluator.generate(PROMPTS, [None], SamplingSettings(max_new_tokens=24, temperature=1.0, seed=3))
+    finally:
+        evaluator.close()
+    assert token_ids(greedy) == token_ids(tiny_hf.generate(PROMPTS, [None], SamplingSettings(max_new_tokens=24)))
+    assert token_ids(sampled) == token_ids(tiny_hf.generate(PROMPTS, [None], SamplingSettings(max_new_tokens=24, temperature=1.0, seed=3)))
+    # the explicit config sets every value a model's file could change, so none is left for it to fill
+    config = generation_config(SamplingSettings(max_new_tokens=8, temperature=0.7, top_k=0), pad_token_id=0, eos_token_id=2)
+    assert (config.repetition_penalty, config.no_repeat_ngram_size, config.top_k, config.temperature) == (1.0, 0, 0, 0.7)

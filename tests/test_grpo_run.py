@@ -267,3 +267,27 @@ def test_grpo_raises_conciseness_reward_on_smollm2(tmp_path, smollm2_dir):
     start, end = rows[0]["policy/train_reward"], rows[-1]["policy/train_reward"]
     assert end > start, (start, end)
     assert all(r["grpo/engine_logprob_gap"] < 1e-3 for r in rows[1:])  # trainer and engine agree on the real model too
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (measured on the lent H100: see the README)")
+def test_policy_trains_on_the_gpu_when_there_is_one(tmp_path):
+    config = GRPOConfig(model="tiny-random", group_size=2, num_steps=1, max_new_tokens=4, temperature=1.0)
+    run = GRPORun.create(config, tmp_path / "run", evaluator=SyntheticEvaluator())
+    assert run.trainer.device.type == "cuda"
+    assert all(p.device.type == "cuda" for p in run.trainer.parameters)
+    run.run()
+    assert all(p.device.type == "cuda" for p in run.trainer.parameters)
+    assert all(t.device.type == "cpu" for t in run.adapter.tensors.values())  # checkpoints and engines get host tensors
+
+
+def test_policy_device_can_be_named(tmp_path):
+    from evolm_lib.models import resolve_model
+
+    config = GRPOConfig(model="tiny-random", group_size=2)
+    model_dir = resolve_model("tiny-random")
+    from evolm_lib.lora import adapter_shapes, init_adapter
+
+    spec = config.lora_spec()
+    trainer = PolicyTrainer(model_dir, init_adapter(spec, adapter_shapes(model_dir, spec), "peft_default", 0), config,
+                            device="cpu")
+    assert trainer.device.type == "cpu" and all(p.device.type == "cpu" for p in trainer.parameters)
