@@ -21,6 +21,7 @@ TINY_BYTES_PER_TOKEN = 2 * 2 * 1 * 32 * 4
 def plenty_of_memory(monkeypatch):
     """The machine's free memory as the checks see it (tests set it where it matters)."""
     monkeypatch.setattr(preflight, "_free_memory", lambda cuda: (20 * 2**30, 24 * 2**30))
+    monkeypatch.setattr(preflight, "_engine_live", lambda: False)  # a session engine elsewhere must not matter
 
 
 def test_the_tiny_settings_pass_and_report_the_budget(tiny_model_dir):
@@ -80,6 +81,12 @@ def test_memory_the_machine_does_not_have(tiny_model_dir, monkeypatch):
     with pytest.raises(ConfigError, match=r"gpu_memory_utilization=0.9 asks for 21.6 GiB, the engine's share of RAM "
                                           r"\(on a CPU\), but 2 GiB are free now: lower gpu_memory_utilization or set kv_cache_gb"):
         check_engine_settings(config, tiny_model_dir)
+
+
+def test_memory_is_not_checked_while_an_engine_runs_in_this_process(tiny_model_dir, monkeypatch):
+    monkeypatch.setattr(preflight, "_free_memory", lambda cuda: (2 * 2**30, 24 * 2**30))
+    monkeypatch.setattr(preflight, "_engine_live", lambda: True)  # its memory is taken already; a run may share it
+    check_engine_settings(ESConfig(**{**TINY, "kv_cache_gb": 4.0}), tiny_model_dir)
 
 
 def test_gpu_utilization_below_the_weights(tiny_model_dir, monkeypatch):
