@@ -197,7 +197,7 @@ def split_points_by_kl(points: Sequence[Mapping[str, Any]]) -> tuple[list[Mappin
     note = ""
     if left_out:
         note = (f"{len(left_out)} run(s) without a KL or reward left out of the scatter: {', '.join(left_out)} "
-                "(scripts/es_vs_grpo_sweep.py records policy/kl at the end of each run)")
+                "(`evolm sweep` records policy/kl at the end of each run)")
     return kept, note
 
 
