@@ -179,7 +179,9 @@ def load_checkpoint(path: Path) -> tuple[AdapterWeights, dict[str, torch.Tensor]
 
 
 # Settings that do not change the science: a finished run may be extended with other values.
-EXTENDABLE = frozenset({"num_generations", "num_steps", "eval_every", "checkpoint_every", "keep_checkpoints"})
+# Where the engines run and how adapters reach them do not change the rows either (tested equal).
+EXTENDABLE = frozenset({"num_generations", "num_steps", "eval_every", "checkpoint_every", "keep_checkpoints",
+                        "evaluator", "num_engines", "ray_address", "adapter_transfer"})
 
 
 def write_run_config(run_dir: str | Path, config, kind: str) -> None:

@@ -41,6 +41,11 @@ max_model_len: int = 512  # longest prompt + completion the engine serves
 kv_cache_gb: float = 0.5  # vLLM KV cache size in GiB (None: from gpu_memory_utilization)
 gpu_memory_utilization: float = 0.85  # vLLM share of GPU memory, used when kv_cache_gb is None
 engine: str = "vllm"  # rollout engine: vllm (one call per population) or hf (transformers + peft)
+adapter_transfer: str = "in_place"  # vllm: members written into resident LoRA slots (in_place) or as adapter files
+estimator: str = ""  # empty: ES with fitness_shaping; or a zeroth-order estimator over the seeds (e.g. zoar)
+evaluator: str = "local"  # local (one engine in this kernel) or ray (num_engines Ray actors)
+num_engines: int = 1  # evaluator ray: engines the population is sharded over (one GPU each)
+ray_address: str = ""  # evaluator ray: the address `ray start --head` printed (empty: a local cluster)
 init_adapter_dir: str = ""  # start from this saved adapter from 02_lora_initialization (empty: fresh init)
 run_dir: str = "../runs/notebooks/03_es_stepper"  # run folder (relative to the kernel's working directory)
 resume: bool = True  # continue the run in run_dir if it has the same settings
@@ -57,7 +62,6 @@ from evolm_lib.lora import load_adapter
 from evolm_lib.metrics import completions_table
 from evolm_lib.viz.plots import plot_fitness, plot_time_breakdown
 from evolm_lib.es.run import ESRun
-from evolm_lib.runs import list_checkpoints
 from evolm_lib.viz.stepper import ESStepper
 from evolm_lib.quiet import set_verbose
 
@@ -68,6 +72,8 @@ config = ESConfig.from_dict(dict(
     init_scheme=init_scheme, max_new_tokens=max_new_tokens, temperature=temperature,
     prompts_per_step=prompts_per_step or None, eval_every=eval_every, seed=seed, max_model_len=max_model_len,
     kv_cache_gb=kv_cache_gb, gpu_memory_utilization=gpu_memory_utilization, engine=engine,
+    adapter_transfer=adapter_transfer, estimator=estimator or None, evaluator=evaluator, num_engines=num_engines,
+    ray_address=ray_address or None,
 ))
 print(config.to_yaml())
 
@@ -111,7 +117,7 @@ final_adapter = run.save_final()
 final_adapter
 
 # %%
-fitness = plot_fitness(run.history, title=f"ES on {task} ({model})")
+fitness = plot_fitness(run.history, title=f"ES on {task} ({model})", reward_label=run.task.reward_label)
 fitness
 
 # %%
