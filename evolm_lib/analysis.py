@@ -190,6 +190,23 @@ def final_points(groups: Groups, reward_key: str = "eval/reward", kl_key: str = 
             for label, runs in groups.items() for r in runs]
 
 
+def checkpoint_points(groups: Groups, reward_key: str = "eval/reward") -> list[dict]:
+    """One {method, seed, generation, kl, reward} per measured checkpoint (kl.jsonl of ``evolm sweep``):
+    each run's path through reward and KL, to compare the methods at equal reward. [] when none has any."""
+    from .runs import read_checkpoint_kls
+
+    points = []
+    for label, runs in groups.items():
+        for record in runs:
+            by_generation = {row.get("generation"): row.get(reward_key) for row in record.rows}
+            for entry in read_checkpoint_kls(record.path):
+                reward = by_generation.get(entry["generation"])
+                if reward is not None:
+                    points.append({"method": label, "seed": record.seed, "generation": entry["generation"],
+                                   "kl": entry["policy/kl"], "reward": reward})
+    return points
+
+
 def split_points_by_kl(points: Sequence[Mapping[str, Any]]) -> tuple[list[Mapping[str, Any]], str]:
     """(points with a KL, a note naming the runs without one: they are left out of the scatter)."""
     kept = [p for p in points if p.get("kl") is not None and p.get("reward") is not None]

@@ -91,6 +91,14 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
     return rows
 
 
+def read_checkpoint_kls(run_dir: str | Path) -> list[dict]:
+    """The rows of a run's kl.jsonl (``generation``, ``policy/kl``: KL to the base model of each
+    measured checkpoint, written by ``evolm sweep``), by generation; [] when none was measured."""
+    path = Path(run_dir) / "kl.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    return sorted(rows, key=lambda r: r["generation"])
+
+
 def rewrite_metrics(run_dir: Path, rows: Iterable[dict]) -> None:
     """Replace metrics.jsonl atomically (used on resume to drop rows past the checkpoint)."""
     run_dir = Path(run_dir)

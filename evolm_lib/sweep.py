@@ -41,7 +41,7 @@ from .engines import make_evaluator
 from .es.run import ESRun
 from .evaluation import mean_kl_to_base
 from .grpo.run import GRPORun
-from .runs import list_checkpoints, load_checkpoint, read_metrics
+from .runs import list_checkpoints, load_checkpoint, read_checkpoint_kls, read_metrics
 from .tasks import get_task
 
 DEFAULT_SPEC = "papermill_runs/es_vs_grpo_conciseness_cpu.yaml"  # relative to the project folder
@@ -219,13 +219,6 @@ def checkpoint_kls(evaluator, run, kl_settings: dict) -> list[dict]:
             handle.write(json.dumps(row) + "\n")
         rows.append(row)
     return rows
-
-
-def read_checkpoint_kls(run_dir: str | Path) -> list[dict]:
-    """The rows of a run's kl.jsonl (generation, policy/kl), by generation."""
-    path = Path(run_dir) / "kl.jsonl"
-    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-    return sorted(rows, key=lambda r: r["generation"])
 
 
 def run_one(planned: PlannedRun, out: Path, evaluator, kl_evaluator=None, kl_settings: dict | None = None):

@@ -41,6 +41,7 @@ figures_dir: str = "../figures"  # where PNG/PDF/SVG figures go
 from evolm_lib.analysis import (
     describe_runs,
     equal_budget_table,
+    checkpoint_points,
     final_points,
     load_runs,
     reward_label,
@@ -87,6 +88,18 @@ print(kl_note or f"{len(points)} runs with a KL")
 reward_vs_kl = plot_reward_vs_kl(points, reward_key=eval_key, reward_label=reward_definition)
 figure_paths += export_figure(reward_vs_kl, "es_vs_grpo_reward_vs_kl", figures_dir)
 reward_vs_kl
+
+# %% [markdown]
+# The same, checkpoint by checkpoint, where `evolm sweep` measured every checkpoint's KL
+# (`kl.jsonl`): each run's path through reward and drift, to compare the methods at equal reward.
+
+# %%
+path_points = checkpoint_points(groups, reward_key=eval_key)
+print(f"{len(path_points)} checkpoints with a KL" if path_points else "no checkpoint KLs in these runs (evolm sweep measures them)")
+if path_points:
+    reward_vs_kl_paths = plot_reward_vs_kl(path_points, reward_key=eval_key, reward_label=reward_definition)
+    figure_paths += export_figure(reward_vs_kl_paths, "es_vs_grpo_reward_vs_kl_checkpoints", figures_dir)
+    display(reward_vs_kl_paths)
 
 # %% [markdown]
 # Spread across seeds of the final held-out reward: every seed and the mean (a box from 5 seeds up);

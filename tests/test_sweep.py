@@ -56,3 +56,20 @@ def test_summary_has_a_row_per_run_with_results_and_checkpoint_kls(tmp_path):
     assert row["method"] in ("es", "grpo") and row["train_reward_final"] is not None
     header = (out / "summary.csv").read_text().splitlines()[0].split(",")
     assert {"run", "method", "seed", "learning_rate", "eval_reward_final", "kl_final", "kl_by_checkpoint"} <= set(header)
+
+
+def test_checkpoint_points_pair_each_measured_kl_with_the_reward_of_its_generation(tmp_path):
+    from evolm_lib.analysis import checkpoint_points, load_runs
+    from evolm_lib.viz.plots import plot_reward_vs_kl
+
+    out = tmp_path / "sweep"
+    shutil.copytree(FIXTURES, out)
+    run = out / "es_seed0"
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    (run / "kl.jsonl").write_text('{"generation": 0, "policy/kl": 0.0}\n{"generation": 2, "policy/kl": 0.5}\n')
+    groups = load_runs([str(out / "es_*"), str(out / "grpo_*")])
+    points = checkpoint_points(groups)
+    expected = {g: r["eval/reward"] for r in rows for g in [r["generation"]] if g in (0, 2)}
+    assert [(p["generation"], p["kl"], p["reward"]) for p in points] == [(0, 0.0, expected[0]), (2, 0.5, expected[2])]
+    fig = plot_reward_vs_kl(points)
+    assert [list(trace.x) for trace in fig.data if trace.mode == "lines+markers"] == [[0.0, 0.5]]

@@ -227,12 +227,23 @@ def pareto_front(points: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]
 
 def plot_reward_vs_kl(points: Sequence[Mapping[str, Any]], title: str = "Reward vs KL to base",
                       reward_key: str = "eval/reward", reward_label: str | None = None) -> go.Figure:
-    """Scatter of final reward (``reward_key``, for the axis title) against KL to the base model,
-    one marker per (method, seed)."""
+    """Reward (``reward_key``, for the axis title) against KL to the base model: one marker per
+    (method, seed) for final points, one path per (method, seed) for checkpoint points (with a
+    ``generation``: ``analysis.checkpoint_points``)."""
     fig = go.Figure()
     methods = list(dict.fromkeys(str(p.get("method", "?")) for p in points))
     for i, method in enumerate(methods):
         pts = [p for p in points if str(p.get("method", "?")) == method]
+        if any("generation" in p for p in pts):  # checkpoints: one path per seed, in generation order
+            for n, seed in enumerate(dict.fromkeys(p.get("seed") for p in pts)):
+                path = sorted((p for p in pts if p.get("seed") == seed), key=lambda p: p["generation"])
+                fig.add_scatter(name=method, legendgroup=method, showlegend=n == 0, mode="lines+markers",
+                                x=[p["kl"] for p in path], y=[p["reward"] for p in path],
+                                marker=dict(size=7, color=_method_color(method, i)),
+                                line=dict(width=1, color=_method_color(method, i)),
+                                text=[f"seed {seed}, generation {p['generation']}" for p in path],
+                                hovertemplate="%{text}<br>KL %{x:.4g}<br>reward %{y:.4g}<extra></extra>")
+            continue
         fig.add_scatter(name=method, x=[p.get("kl") for p in pts], y=[p.get("reward") for p in pts],
                         mode="markers", marker=dict(size=10, color=_method_color(method, i)),
                         text=[f"seed {p.get('seed')}" for p in pts],
