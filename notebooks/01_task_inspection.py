@@ -32,6 +32,7 @@ max_model_len: int = 512  # longest prompt + completion the engine serves
 kv_cache_gb: float = 0.5  # vLLM KV cache size in GiB
 engine: str = "vllm"  # rollout engine: vllm (one call per population) or hf (transformers + peft)
 verbose: bool = False  # show every engine message (as the environment variable EVOLM_VERBOSE does)
+figures_dir: str = "../figures"  # where PNG/PDF/SVG figures go
 
 # %%
 import yaml
@@ -42,6 +43,7 @@ from evolm_lib.metrics import completions_table, wrap_table
 from evolm_lib.models import resolve_model
 from evolm_lib.preflight import check_engine_settings
 from evolm_lib.quiet import set_verbose
+from evolm_lib.viz.figures import export_figure
 from evolm_lib.viz.plots import plot_reward_distribution
 from evolm_lib.tasks import get_task
 
@@ -94,7 +96,10 @@ wrap_table(completions_table(
 
 # %%
 rewards = [r.value for r in results]
-plot_reward_distribution(rewards, title=f"Base-model rewards on {task} ({model})", reward_label=task_instance.reward_label)
+distribution = plot_reward_distribution(rewards, title=f"Base-model rewards on {task} ({model})",
+                                        reward_label=task_instance.reward_label)
+figure_paths = export_figure(distribution, "task_inspection_rewards", figures_dir)
+distribution
 
 # %%
 evaluator.close()

@@ -38,6 +38,7 @@ kv_cache_gb: float = 0.5  # vLLM KV cache size in GiB
 engine: str = "vllm"  # rollout engine: vllm (one call per population) or hf (transformers + peft)
 init_adapter_dir: str = "../runs/notebooks/init_adapter"  # where the chosen initial adapter is saved
 verbose: bool = False  # show every engine message (as the environment variable EVOLM_VERBOSE does)
+figures_dir: str = "../figures"  # where PNG/PDF/SVG figures go
 
 # %%
 import pandas as pd
@@ -55,6 +56,7 @@ from evolm_lib.models import resolve_model
 from evolm_lib.metrics import completions_table, wrap_table
 from evolm_lib.preflight import check_engine_settings
 from evolm_lib.quiet import set_verbose
+from evolm_lib.viz.figures import export_figure
 from evolm_lib.viz.plots import plot_layer_scales
 from evolm_lib.tasks import get_task
 
@@ -98,8 +100,10 @@ magnitudes.groupby(module_of).mean().rename("mean |W|").to_frame()
 # %%
 sigmas = noise_scales(shapes, config.sigma, config.noise_mode, magnitudes.to_dict())
 per_layer_sigma = pd.Series(sigmas).groupby(layer_of).mean()
-plot_layer_scales([str(i) for i in per_layer_sigma.index], per_layer_sigma.tolist(),
-                  title=f"Noise std per layer ({config.noise_mode})", y_title="sigma")
+layer_sigmas = plot_layer_scales([str(i) for i in per_layer_sigma.index], per_layer_sigma.tolist(),
+                                 title=f"Noise std per layer ({config.noise_mode})", y_title="sigma")
+figure_paths = export_figure(layer_sigmas, "lora_initialization_sigma_per_layer", figures_dir)
+layer_sigmas
 
 # %% [markdown]
 # The initial adapter under each scheme, and a first population around it (mean + sigma * noise,
