@@ -129,6 +129,6 @@ equal_budget = equal_budget_table(groups, budget_key=budget_key, reward_key=eval
 equal_budget
 
 # %%
-assert len(figure_paths) == 12 and all(path.stat().st_size > 0 for path in figure_paths)
+assert len(figure_paths) == 3 * (4 + bool(path_points)) and all(path.stat().st_size > 0 for path in figure_paths)
 assert set(equal_budget.index) == set(groups) and equal_budget.attrs["budget"] > 0
 assert list(spread.index) == list(groups)
