@@ -6,21 +6,24 @@ a GRPO step group_size x prompts, so GRPO runs generations x population_size / g
 Runs are normal run folders (resumed when they already hold the same settings):
 OUT/es_seedN and OUT/grpo_seedN (OUT/grpo_G8_seedN, ... when the spec lists several group sizes).
 After each run the KL of its final adapter to the base model is measured (vLLM engines only) and
-stored as `policy/kl` in its last metrics row, for the reward-vs-KL figure.
+stored as `policy/kl` in its last metrics row, for the reward-vs-KL figure; with `kl.every_checkpoint`
+every kept checkpoint's KL goes to OUT/<run>/kl.jsonl. Several GRPO learning rates in the spec make
+a learning-rate sweep on the first seed; the best rate then trains every seed. `summarize` writes
+OUT/summary.csv/json.
 
 The spec is a batch file for notebook 04 (`notebook`, `parameters`) plus a `sweep` section:
 
     sweep:
       common: {model: ..., task: ..., lora_rank: ...}   # ESConfig/GRPOConfig settings shared by both
       es: {population_size: 16, sigma: 0.05, ...}       # ES-only settings
-      grpo: {group_size: [8, 16], learning_rate: ...}   # GRPO-only settings; group_size may be a list
+      grpo: {group_size: [8, 16], learning_rate: ...}   # GRPO-only settings; group_size and learning_rate may be lists
       generations: 12                                   # ES generations (sets the budget)
       seeds: [0, 1, 2]
       out: runs/es_vs_grpo
       seconds_per_completion: {es: 1.1, grpo: 1.6}      # for the wall-time estimate
-      kl: {num_samples: 4, temperature: 1.0}
+      kl: {num_samples: 4, temperature: 1.0, every_checkpoint: true}
 
-Usage: python scripts/es_vs_grpo_sweep.py [SPEC] [--generations G] [--seeds 0,1,2] [--out DIR]
+Usage: evolm sweep [SPEC] [--generations G] [--seeds 0,1,2] [--out DIR]
        [--model NAME] [--max-new-tokens N] [--no-kl] [--no-notebook] [--dry-run]
 """
 from __future__ import annotations

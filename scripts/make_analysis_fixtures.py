@@ -13,17 +13,15 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import es_vs_grpo_sweep as sweep  # noqa: E402  (also puts the repository on sys.path)
+from evolm_lib import sweep
 
-REPO = sweep.REPO
+REPO = Path(__file__).resolve().parents[1]
 FIXTURE_SWEEP = {
     "common": {"model": "tiny-random", "task": "conciseness", "target_modules": ["q_proj", "v_proj"],
                "lora_rank": 1, "max_new_tokens": 64, "max_model_len": 256, "kv_cache_gb": 0.25, "eval_every": 1},
-    "es": {"population_size": 8, "sigma": 0.02, "learning_rate": 0.05},  # tests/test_runner.py's synthetic settings
+    "es": {"population_size": 8, "sigma": 0.02, "learning_rate": 0.05},  # tests/test_es_run.py's synthetic settings
     # synthetic completions are identical within a group: only raw rewards carry a gradient
     "grpo": {"group_size": 8, "loss_type": "no_baseline", "normalize_by_std": False, "learning_rate": 0.001},
     "generations": 4,

@@ -1,4 +1,4 @@
-"""Tests for evolm_lib.runner: ES runs on the synthetic engine (convergence, metrics, exact resume,
+"""Tests for evolm_lib.es.run: ES runs on the synthetic engine (convergence, metrics, exact resume,
 kills, run folders, final adapter) and one end-to-end run on a real vLLM engine with tiny-random."""
 from __future__ import annotations
 
