@@ -287,12 +287,11 @@ def summarize(out: str | Path) -> list[dict]:
 
     out = Path(out)
     seconds = {}
-    for name in ("sweep_summary.jsonl", "study_log.jsonl"):
-        path = out / name
-        if path.exists():
-            for line in path.read_text().splitlines():
-                entry = json.loads(line)
-                seconds[entry["run"]] = entry["seconds"]
+    path = out / "sweep_summary.jsonl"
+    if path.exists():
+        for line in path.read_text().splitlines():
+            entry = json.loads(line)
+            seconds[entry["run"]] = entry["seconds"]
     rows = []
     for folder in sorted(p for p in out.iterdir() if (p / "config.yaml").exists()):
         config = load_run_config(folder)

@@ -195,10 +195,10 @@ class VLLMEvaluator:
             if slots is not None:
                 timing.update(slots.write(adapters.mean, adapters.members, adapters.sigmas, adapters.noise_device))
                 resident = slots
-                plans.append((prompts, sampling, slots.lora_requests()))
+                plans.append((prompts, sampling, slots.lora_requests(), True))
             else:
                 listed = materialize(adapters)
-                plans.append((prompts, sampling, listed))
+                plans.append((prompts, sampling, listed, False))
                 file_adapters.extend(listed)
         distinct = len({id(a) for a in file_adapters if a is not None})
         if distinct > self.max_loras:
@@ -215,8 +215,8 @@ class VLLMEvaluator:
         t1 = time.perf_counter()
         inputs, params, loras, shapes = [], [], [], []
         offset = 0
-        for prompts, sampling, adapters in plans:
-            if adapters and not isinstance(adapters[0], (AdapterWeights, type(None))):
+        for prompts, sampling, adapters, in_slots in plans:
+            if in_slots:
                 requests = adapters  # LoRA requests of resident slots
             else:
                 requests = file_requests[offset : offset + len(adapters)]
