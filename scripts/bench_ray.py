@@ -85,6 +85,12 @@ def measure(evaluator, model_dir: Path, args) -> dict:
             "tokens_per_call": timed[0]["tokens"], "adapters_s": statistics.median(c["adapters_s"] for c in timed)}
 
 
+def save(args, driver_card: str, results: list[dict]) -> None:
+    """Write the results so far to `--json`, if asked."""
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "driver_card": driver_card, "results": results}, indent=1))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m-instruct", help="model name or folder (every node resolves it)")
@@ -142,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 evaluator.close()
             results.append(row)
+            save(args, driver_card, results)  # a later setting that runs out of time keeps this one
             print(f"{Path(model).name} K={k}: {row['tok_s']:,.0f} tok/s ({row['tokens_per_call']} tokens a call, "
                   f"engines started in {row['start_s']:.0f} s) on {', '.join(row['cards'])}", flush=True)
         if args.in_process:
@@ -167,8 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         ratio = lambda base: f"{row['tok_s'] / base:.2f}" if base else "-"
         print(f"{Path(row['model']).name:<32} {row['path']:<11} {row['engines']:>2} {row['tok_s']:>10,.0f} "
               f"{ratio(one):>7} {ratio(local):>13}")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "driver_card": driver_card, "results": results}, indent=1))
+    save(args, driver_card, results)
     ray.shutdown()
     return 0
 
