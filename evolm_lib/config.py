@@ -192,6 +192,10 @@ class ESConfig(CommonConfig):
     "vLLM: write members into resident LoRA slots from their seeds (in_place; files where the engine cannot) or as adapter files"
     noise_device: Literal["cpu", "cuda"] = "cpu"
     "where noise is drawn: cpu (same bits on every machine) or cuda (faster for large adapters; GPU-only bits)"
+    noise_scheme: Literal["flat", "per_tensor"] = "flat"
+    "flat: one draw per member for all its tensors (fast); per_tensor: one per tensor (runs made before this setting)"
+    score_in_population: bool = True
+    "the mean adapter's greedy scoring rides in the next generation's population call (vLLM, Ray), not a call of its own"
     estimator: Optional[str] = None
     "None: the ES update with fitness_shaping (Qiu et al.); or a zeroth-order estimator of evolm_lib.zo over the members' seeds (e.g. zoar)"
     estimator_histories: int = Field(5, ge=0)

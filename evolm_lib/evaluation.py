@@ -44,9 +44,21 @@ def score_adapters(
     max_new_tokens: int,
 ) -> list[AdapterScore]:
     """Greedy rewards of one adapter on several example lists, in ONE engine call."""
+    prompts, adapters, sampling = scoring_grid(task, adapter, example_sets, max_new_tokens)
+    return scores_of(task, evaluator.generate(prompts, adapters, sampling)[0], example_sets)
+
+
+def scoring_grid(task: Task, adapter: AdapterWeights | None, example_sets: Sequence[Sequence[Example]],
+                 max_new_tokens: int) -> tuple[list, list, SamplingSettings]:
+    """The (prompts, [adapter], greedy sampling) grid that scores one adapter on several example
+    lists; it can ride in another call's ``generate_grids`` (e.g. an ES population's)."""
     flat = [example for examples in example_sets for example in examples]
-    sampling = SamplingSettings(max_new_tokens=max_new_tokens, temperature=0.0)
-    completions = evaluator.generate([task.prompt(e) for e in flat], [adapter], sampling)[0]
+    return [task.prompt(e) for e in flat], [adapter], SamplingSettings(max_new_tokens=max_new_tokens, temperature=0.0)
+
+
+def scores_of(task: Task, completions: Sequence, example_sets: Sequence[Sequence[Example]]) -> list[AdapterScore]:
+    """One :class:`AdapterScore` per example list from the completions of a :func:`scoring_grid`."""
+    flat = [example for examples in example_sets for example in examples]
     rewards = task.reward_fn([c.text for c in completions], flat)
     scores, start = [], 0
     for examples in example_sets:
@@ -224,11 +236,12 @@ class PopulationPreview:
 
 def preview_population(evaluator: Evaluator, task: Task, adapter: AdapterWeights, members: Sequence,
                        sigmas, examples: Sequence[Example], max_new_tokens: int,
-                       noise_device: str = "cpu") -> PopulationPreview:
+                       noise_device: str = "cpu", noise_scheme: str = "flat") -> PopulationPreview:
     """Members' adapters (adapter + sigma x their seeded noise) scored greedily on ``examples`` in ONE engine call."""
     from .es import perturb
 
-    population = [AdapterWeights(adapter.spec, perturb(dict(adapter.tensors), m, sigmas, noise_device)) for m in members]
+    population = [AdapterWeights(adapter.spec, perturb(dict(adapter.tensors), m, sigmas, noise_device, noise_scheme))
+                  for m in members]
     sampling = SamplingSettings(max_new_tokens=max_new_tokens, temperature=0.0)
     table = evaluator.generate([task.prompt(e) for e in examples], population, sampling)
     rewards = tuple(tuple(task.reward_fn([c.text for c in row], list(examples))) for row in table)

@@ -48,6 +48,7 @@ class RunLoop:
 
     kind = "run"
     config_class: type = None  # set by subclasses
+    _pending: dict | None = None  # a committed row whose scoring rides in the next engine call
 
     # --- construction ----------------------------------------------------------------------------
     @classmethod
@@ -111,7 +112,8 @@ class RunLoop:
         """(config, adapter, optimizer tensors, generation, counters, rows, state) of a run's latest checkpoint.
 
         Rows past the checkpoint come from a generation whose checkpoint never landed: they are
-        dropped and that generation reruns; a row lost between checkpoint and log comes back."""
+        dropped and that generation reruns; a row lost between checkpoint and log comes back (or,
+        when its scoring was to ride in the next generation's call, is scored again, see ``run``)."""
         kind = read_config_kind(run_dir)
         if kind != cls.kind:
             raise ConfigError(f"{run_dir} holds a {kind!r} run, not a {cls.kind.upper()} run")
@@ -124,8 +126,8 @@ class RunLoop:
             raise ConfigError(f"checkpoint adapter {adapter.spec} does not match config {config.lora_spec()}")
         generation = int(state["generation"])
         rows = [r for r in read_metrics(run_dir) if r.get("generation", -1) <= generation]
-        if not rows or rows[-1].get("generation") != generation:
-            rows.append(state["row"])
+        if (not rows or rows[-1].get("generation") != generation) and not state.get("scores_pending"):
+            rows.append(state["row"])  # a row whose scoring was riding in the next call stays pending
         rewrite_metrics(run_dir, rows)
         return config, adapter, optimizer_tensors, generation, dict(state["counters"]), rows, state
 
@@ -143,26 +145,97 @@ class RunLoop:
         self.eval_examples = task.eval_examples()
         self._started = time.perf_counter()
         self._wall_at_start = counters.get("wall_s", 0.0)
+        self._pending = None
 
     # --- the loop ------------------------------------------------------------------------------
     def step(self) -> dict:
         """One generation (ES) or step (GRPO): update, score when due, commit; returns the metrics row."""
+        self._flush()
         row = self.train_step()
         row.update(self.score())
         return self.commit(row)
 
     def run(self, num_generations: int | None = None, callback: Callable[[dict], None] | None = None,
             should_stop: Callable[[], bool] | None = None) -> list[dict]:
-        """Run generations (ES) or steps (GRPO) up to this total (default: the config's); returns the new rows."""
+        """Run generations (ES) or steps (GRPO) up to this total (default: the config's); returns the new rows.
+
+        Where the run can (``_rides()``: ES on an engine that batches grids), a generation's greedy
+        scoring of the moved adapter rides in the NEXT generation's engine call instead of a call
+        of its own: its row is checkpointed at once and logged (and handed to ``callback``) when the
+        scores arrive; the last generation of the call is scored on its own, so ``run`` returns
+        with every row logged."""
         target = num_generations if num_generations is not None else self._budget()
-        rows = []
+        rows: list[dict] = []
+
+        def done(row: dict) -> None:
+            rows.append(row)
+            if callback is not None:
+                callback(row)
+
         while self.generation < target:
             if should_stop is not None and should_stop():
                 break
-            rows.append(self.step())
-            if callback is not None:
-                callback(rows[-1])
+            for row in self._advance(target):
+                done(row)
+        for row in self._flush():
+            done(row)
         return rows
+
+    def _advance(self, target: int) -> list[dict]:
+        """One generation or step inside ``run``; the rows it finished (a pending one first)."""
+        if not self._rides():
+            finished = self._flush()
+            return finished + [self.step()]
+        finished: list[dict] = []
+        if self._pending is not None:
+            row, scores = self.train_step_scoring()  # the pending row's adapter scored in this call
+            finished.append(self._log(self._complete(self._pending, scores)))
+            self._pending = None
+        else:
+            row = self.train_step()
+        if self._defers(target):
+            self._defer(row)
+        else:
+            row.update(self.score())
+            finished.append(self.commit(row))
+        return finished
+
+    def train_step_scoring(self) -> tuple[dict, list]:
+        """``train_step`` whose engine call also scores the current adapter (``_score_sets``);
+        returns (the update's row, the scores). Only runs whose ``_rides()`` is true need it."""
+        raise NotImplementedError(f"{type(self).__name__} does not score in its training call")
+
+    def _rides(self) -> bool:
+        """Whether scoring can ride in the next generation's engine call (subclasses say)."""
+        return False
+
+    def _defers(self, target: int) -> bool:
+        """Whether the row just trained has its scoring due and a next generation in this call to carry it."""
+        return self._rides() and self._scoring_due() and self.generation < target
+
+    def _defer(self, row: dict) -> None:
+        """Checkpoint the row now, with its scoring's completions counted; log it once scored."""
+        self.counters["eval_completions"] = self.counters.get("eval_completions", 0) + self._scoring_size()
+        self._pending = row
+        self.commit(row, log=False)
+
+    def _flush(self) -> list[dict]:
+        """Score a pending row in a call of its own and log it (when no next generation carries it)."""
+        if self._pending is None:
+            return []
+        timing: dict[str, float] = {}
+        with timed(timing, "eval_s"):
+            scores = score_adapters(self.evaluator, self.task, self.adapter, self._score_sets(), self.config.max_new_tokens)
+        row = self._log(self._complete(self._pending, scores, timing["eval_s"]))
+        self._pending = None
+        return [row]
+
+    def _complete(self, row: dict, scores, eval_s: float | None = None) -> dict:
+        """A pending row with its scores (its completions were counted when it was deferred)."""
+        row.update(self._score_keys(scores, eval_s))
+        if eval_s is not None and "time/generation_s" in row:
+            row["time/generation_s"] += eval_s  # a scoring call of its own counts, as in ``commit``
+        return row
 
     def row_header(self) -> dict:
         """The keys that open every metrics row of this run."""
@@ -183,19 +256,33 @@ class RunLoop:
             return {}
         timing: dict[str, float] = {}
         with timed(timing, "eval_s"):
-            train, held_out = score_adapters(self.evaluator, self.task, self.adapter,
-                                             [self.train_examples, self.eval_examples], self.config.max_new_tokens)
-        self.counters["eval_completions"] = self.counters.get("eval_completions", 0) + len(train.rewards) + len(held_out.rewards)
-        return {
+            scores = score_adapters(self.evaluator, self.task, self.adapter, self._score_sets(), self.config.max_new_tokens)
+        self.counters["eval_completions"] = self.counters.get("eval_completions", 0) + self._scoring_size()
+        return self._score_keys(scores, timing["eval_s"])
+
+    def _score_sets(self) -> list[list[Example]]:
+        """What scoring covers: the train prompts, then the held-out prompts."""
+        return [self.train_examples, self.eval_examples]
+
+    def _scoring_size(self) -> int:
+        return sum(len(examples) for examples in self._score_sets())
+
+    @staticmethod
+    def _score_keys(scores, eval_s: float | None) -> dict:
+        """A row's scoring keys from (train, held-out) scores; ``eval_s`` when scoring had a call of its own."""
+        train, held_out = scores
+        keys = {
             "policy/train_reward": train.mean,
             "eval/reward": held_out.mean,
             "policy/train_completions": [c.text for c in train.completions],
             "policy/eval_completions": [c.text for c in held_out.completions],
             "policy/train_tokens": train.num_tokens,
-            "time/eval_s": timing["eval_s"],
         }
+        if eval_s is not None:
+            keys["time/eval_s"] = eval_s
+        return keys
 
-    def commit(self, row: dict) -> dict:
+    def commit(self, row: dict, log: bool = True) -> dict:
         """Add counters and timings to a row, then checkpoint (when due) and append the metrics line.
 
         Checkpoint first, then the metrics line: a kill in between reruns nothing finished."""
@@ -206,9 +293,22 @@ class RunLoop:
         row["time/wall_s"] = self._wall()
         if self.generation % self.config.checkpoint_every == 0 or self.generation >= self._budget():
             self.save_checkpoint(row)
+        return self._log(row) if log else row
+
+    def _log(self, row: dict) -> dict:
         append_metrics(self.run_dir, row)
         self.history.append(row)
         return row
+
+    def _checkpoint_state(self, row: dict | None) -> dict:
+        """What a checkpoint's state.json holds for the loop: generation, counters, the row (the
+        pending one, if any: its scores come in the next call or again on resume)."""
+        if row is None:
+            row = self._pending if self._pending is not None else (self.history[-1] if self.history else {})
+        state = {"generation": self.generation, "counters": self.counters, "row": row}
+        if row is self._pending and row is not None:
+            state["scores_pending"] = True
+        return state
 
     def _scoring_due(self) -> bool:
         last = max(self._budget(), self.generation)

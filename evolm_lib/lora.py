@@ -82,6 +82,13 @@ class AdapterWeights:
     def num_parameters(self) -> int:
         return sum(t.numel() for t in self.tensors.values())
 
+    def to(self, device: str | torch.device) -> "AdapterWeights":
+        """The same adapter with its tensors on `device` (itself when they are all there already)."""
+        device = torch.device(device)
+        if all(t.device.type == device.type for t in self.tensors.values()):
+            return self
+        return AdapterWeights(self.spec, {name: t.to(device) for name, t in self.tensors.items()})
+
 
 def _weight_files(model_dir: Path) -> list[Path]:
     files = sorted(Path(model_dir).glob("*.safetensors"))
@@ -222,7 +229,7 @@ def save_adapter(adapter: AdapterWeights, path: str | Path, base_model: str = ""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     (path / "adapter_config.json").write_text(json.dumps(adapter.spec.peft_config(base_model), indent=1))
-    save_file({k: v.detach().to(dtype).contiguous() for k, v in adapter.tensors.items()}, str(path / "adapter_model.safetensors"))
+    save_file({k: v.detach().to("cpu", dtype).contiguous() for k, v in adapter.tensors.items()}, str(path / "adapter_model.safetensors"))
     return path
 
 

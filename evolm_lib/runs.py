@@ -189,7 +189,7 @@ def load_checkpoint(path: Path) -> tuple[AdapterWeights, dict[str, torch.Tensor]
 # Settings that do not change the science: a finished run may be extended with other values.
 # Where the engines run and how adapters reach them do not change the rows either (tested equal).
 EXTENDABLE = frozenset({"num_generations", "num_steps", "eval_every", "checkpoint_every", "keep_checkpoints",
-                        "evaluator", "num_engines", "ray_address", "adapter_transfer"})
+                        "evaluator", "num_engines", "ray_address", "adapter_transfer", "score_in_population"})
 
 
 def write_run_config(run_dir: str | Path, config, kind: str) -> None:
@@ -208,6 +208,8 @@ def load_run_config(run_dir: str | Path, cls=None):
     data = yaml.safe_load((Path(run_dir) / "config.yaml").read_text())
     kind = data.pop("kind", "es")
     data.pop("label", None)  # a display label for analysis, not a setting
+    if kind == "es" and "noise_scheme" not in data:
+        data["noise_scheme"] = "per_tensor"  # runs recorded before the setting existed drew noise tensor by tensor
     return (cls or config_class(kind)).from_dict(data)
 
 

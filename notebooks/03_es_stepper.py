@@ -96,21 +96,15 @@ stepper = ESStepper(run)
 stepper
 
 # %% [markdown]
-# The ES loop, written out: ask for members (seeds), evaluate them in one engine call, tell the
-# update, score the new mean adapter (when due), commit (checkpoint, then the metrics line).
-# Headless (papermill), this is what runs the `num_generations`.
+# Headless (papermill), this runs the `num_generations`. One generation is: ask for members
+# (seeds), evaluate them in one engine call (`run.evaluate(members)`), tell the update
+# (`run.tell(members, result)`), score the new mean adapter when due (`run.score()`), commit
+# (checkpoint, then the metrics line: `run.commit(row)`). `run.run` (which `stepper.run_here` calls,
+# redrawing the plot) does exactly that, except that on vLLM and Ray the mean's scoring rides in the
+# next generation's engine call (`score_in_population`), so each row is printed once its scores are in.
 
 # %%
-for generation in range(run.generation, num_generations):
-    members = run.ask()
-    result = run.evaluate(members)
-    row = run.tell(members, result)
-    row.update(run.score())
-    run.commit(row)
-    stepper.refresh()
-    print(f"generation {row['generation']:3d}  reward mean {row['train/reward_mean']:8.3f}  "
-          f"best {row['train/reward_best']:8.3f}  update norm {row['es/update_norm']:.4f}  "
-          f"{row['time/generation_s']:.1f} s")
+new_rows = stepper.run_here(num_generations)
 
 # %%
 final_adapter = run.save_final()

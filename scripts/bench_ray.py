@@ -93,7 +93,8 @@ def save(args, driver_card: str, results: list[dict]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="smollm2-135m-instruct", help="model name or folder (every node resolves it)")
+    parser.add_argument("--model", default="smollm2-135m-instruct",
+                        help="model name or folder (every node resolves it); qwen-shape: only the Qwen2.5-1.5B-shaped model")
     parser.add_argument("--qwen-shape", action="store_true", help="also a random model with Qwen2.5-1.5B's shapes")
     parser.add_argument("--engines", default="1,2,4", help="engine counts to measure (those beyond the cluster's GPUs are skipped)")
     parser.add_argument("--population", type=int, default=64)
@@ -132,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     for k in sorted(set(wanted) - set(counts)):
         print(f"skipped K={k}: the cluster holds {capacity} {'GPUs' if gpus else 'CPUs'}", flush=True)
 
-    models = [args.model] + ([str(build_qwen_shape(cache_dir() / "qwen2.5-1.5b-shape-random"))] if args.qwen_shape else [])
+    qwen = [str(build_qwen_shape(cache_dir() / "qwen2.5-1.5b-shape-random"))] if args.qwen_shape or args.model == "qwen-shape" else []
+    models = ([] if args.model == "qwen-shape" else [args.model]) + qwen
     engine_kwargs = {"adapter_transfer": args.adapter_transfer, **({"enforce_eager": True} if args.eager else {})}
     results = []
     for model in models:

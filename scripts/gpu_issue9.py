@@ -83,7 +83,9 @@ def throughput(model_dir: Path, rank: int, members: int, prompts: int, new_token
 
 
 def es_generation(model: str, members: int, generations: int, out: Path, eager: bool | None) -> dict:
-    """ESRun with the demo's settings: seconds per generation and its split, in_place and files."""
+    """ESRun with the demo's settings: seconds per generation and its split, for resident slots with
+    the mean's scoring riding in the population call (the default), slots with a scoring call of
+    its own, and adapter files. ES overhead = noise + slot writes (adapters_s) + update."""
     gpu = torch.cuda.is_available()
     config = ESConfig(model=model, task="conciseness", population_size=members, sigma=0.05, learning_rate=0.4,
                       lora_rank=1, max_new_tokens=64, max_model_len=512, num_generations=generations,
@@ -91,20 +93,27 @@ def es_generation(model: str, members: int, generations: int, out: Path, eager: 
                       kv_cache_gb=None if gpu else 0.25, eval_every=1)
     engine = VLLMEvaluator(resolve_model(model), max_lora_rank=1, max_loras=members + 1, max_model_len=512,
                            dtype=config.dtype, enforce_eager=eager, adapter_transfer="in_place", kv_cache_gb=config.kv_cache_gb)
+    variants = {"in_place": dict(adapter_transfer="in_place"),
+                "in_place_own_scoring_call": dict(adapter_transfer="in_place", score_in_population=False),
+                "files": dict(adapter_transfer="files")}
     result = {}
     try:
-        for transfer in ("in_place", "files"):
-            engine.adapter_transfer = transfer
-            run = ESRun.create(config.replace(adapter_transfer=transfer), out / f"es_{transfer}", evaluator=engine,
-                               overwrite=True)
+        for label, changes in variants.items():
+            engine.adapter_transfer = changes["adapter_transfer"]
+            run = ESRun.create(config.replace(**changes), out / f"es_{label}", evaluator=engine, overwrite=True)
             rows = run.run()[1:]  # the first generation sets the slots up and warms the engine
             keys = ["time/adapters_s", "time/generate_s", "time/reward_s", "time/update_s", "time/eval_s",
-                    "time/generation_s"]
-            result[transfer] = {k.split("/")[1]: statistics.median(r.get(k, 0.0) for r in rows) for k in keys}
-            result[transfer]["slots_write_s"] = None
-            result[transfer]["train_reward"] = [rows[0].get("policy/train_reward"), rows[-1].get("policy/train_reward")]
-            result[transfer]["tokens_per_generation"] = statistics.median(
+                    "time/generation_s", "time/wall_s"]
+            median = {k.split("/")[1]: statistics.median(r.get(k, 0.0) for r in rows) for k in keys}
+            walls = [b["time/wall_s"] - a["time/wall_s"] for a, b in zip(rows, rows[1:])]
+            median["wall_per_generation_s"] = statistics.median(walls) if walls else None
+            median["es_overhead_s"] = median["adapters_s"] + median["update_s"]
+            median["es_overhead_of_generation"] = median["es_overhead_s"] / median["generation_s"]
+            median["train_reward"] = [rows[0].get("policy/train_reward"), rows[-1].get("policy/train_reward")]
+            median["tokens_per_generation"] = statistics.median(
                 b["samples/tokens"] - a["samples/tokens"] for a, b in zip(rows, rows[1:])) if len(rows) > 1 else None
+            result[label] = median
+            print(label, json.dumps(median), flush=True)
     finally:
         engine.close()
     return result

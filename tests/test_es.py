@@ -65,10 +65,55 @@ def test_different_seeds_give_different_noise():
     assert not torch.equal(member_noise(1, {Q: (16,)})[Q], member_noise(2, {Q: (16,)})[Q])
 
 
-def test_noise_of_a_tensor_does_not_depend_on_the_other_tensors():
-    alone = member_noise(9, {Q: (5,)})[Q]
-    together = member_noise(9, {V: (3, 3), Q: (5,)})[Q]
+def test_per_tensor_noise_of_a_tensor_does_not_depend_on_the_other_tensors():
+    # V sorts after Q: its noise sits after Q's in a flat draw, so test V, the one that would move
+    alone = member_noise(9, {V: (5,)}, scheme="per_tensor")[V]
+    together = member_noise(9, {V: (5,), Q: (3, 3)}, scheme="per_tensor")[V]
     assert torch.equal(alone, together)
+    expected = torch.randn((5,), generator=torch.Generator().manual_seed(tensor_seed(9, V)))
+    assert torch.equal(alone, expected)
+
+
+def test_flat_noise_is_one_draw_per_member_split_in_sorted_name_order():
+    noise = member_noise(9, {V: (2, 3), Q: (4,)}, scheme="flat")
+    draw = torch.randn((10,), generator=torch.Generator().manual_seed(es.flat_seed(9)))
+    assert torch.equal(noise[Q], draw[:4])  # Q < V
+    assert torch.equal(noise[V], draw[4:].view(2, 3))
+    assert list(noise) == [V, Q]  # the caller's order is kept in the returned mapping
+
+
+@pytest.mark.parametrize("scheme", ["flat", "per_tensor"])
+def test_population_noise_rows_are_the_members_noise(scheme):
+    shapes = {V: (2, 3), Q: (4,)}
+    layout = es.Layout.of(shapes)
+    rows = es.population_noise([5, 6, 5], layout, scheme=scheme)
+    assert rows.shape == (3, 10) and torch.equal(rows[0], rows[2])
+    for row, seed in zip(rows, (5, 6)):
+        split = layout.split(row)
+        for name, tensor in member_noise(seed, shapes, scheme=scheme).items():
+            assert torch.equal(split[name], tensor)
+
+
+def test_unknown_noise_scheme_is_refused():
+    with pytest.raises(ValueError, match="noise_scheme"):
+        member_noise(1, {Q: (2,)}, scheme="per_layer")
+
+
+@pytest.mark.parametrize("scheme", ["flat", "per_tensor"])
+def test_es_gradient_in_blocks_equals_the_member_by_member_sum(scheme, monkeypatch):
+    shapes = {Q: (3, 4), V: (5,)}
+    members = population(base_seed=2, generation=1, population_size=6)
+    weights = [0.5, -1.0, 2.0, 0.25, -0.75, 1.5]
+    expected = {name: torch.zeros(shape) for name, shape in shapes.items()}
+    for member, weight in zip(members, weights):
+        for name, tensor in member_noise(member.seed, shapes, scheme=scheme).items():
+            expected[name] += member.sign * weight * tensor / len(members)
+    whole = es_gradient(members, weights, shapes, sigma=0.1, scheme=scheme)
+    monkeypatch.setattr(es.core, "_BLOCK_ELEMENTS", 17)  # one member's noise per block
+    blocked = es_gradient(members, weights, shapes, sigma=0.1, scheme=scheme)
+    for name in shapes:
+        torch.testing.assert_close(whole[name], expected[name], rtol=0, atol=1e-6)
+        assert torch.equal(blocked[name], whole[name])
 
 
 def test_member_noise_dtype_is_a_cast_of_the_float32_draw():

@@ -245,6 +245,74 @@ def test_kill_between_checkpoint_and_metrics_line(tmp_path):
     assert without_times(read_metrics(tmp_path / "run")) == without_times(read_metrics(tmp_path / "reference"))
 
 
+class RoundTrips(SyntheticEvaluator):
+    """The synthetic engine, declaring that it batches grids (so scoring rides in the population's
+    call), and counting engine round trips: one per ``generate`` or ``generate_grids`` call."""
+
+    batches_grids = True
+
+    def __init__(self):
+        super().__init__()
+        self.round_trips = 0
+        self._inside = False
+
+    def generate(self, *args, **kwargs):
+        self.round_trips += not self._inside
+        return super().generate(*args, **kwargs)
+
+    def generate_grids(self, grids):
+        self.round_trips += 1
+        self._inside = True
+        try:
+            return super().generate_grids(grids)
+        finally:
+            self._inside = False
+
+
+def test_scoring_rides_in_the_next_population_call_with_the_same_rows(tmp_path):
+    config = small_config(num_generations=4, eval_every=1)
+    reference = run_to_end(config.replace(score_in_population=False), tmp_path / "reference")
+    engine = RoundTrips()
+    seen = []
+    run = ESRun.create(config, tmp_path / "run", evaluator=engine)
+    run.run(callback=lambda row: seen.append(row["generation"]))
+    # generation 0's scoring, 4 population calls (generations 2-4 carry the previous mean's
+    # scoring), and the last generation's scoring: 6 round trips, against 1 + 2 x 4 without riding
+    assert engine.round_trips == 6
+    assert seen == [1, 2, 3, 4]  # every row handed over once it is complete, in order
+    rows = read_metrics(tmp_path / "run")
+    assert all("eval/reward" in row for row in rows)
+    assert without_times(rows) == without_times(read_metrics(tmp_path / "reference"))
+    assert_same_adapter(run.mean, reference.mean)
+
+
+def test_a_row_whose_scoring_was_riding_is_scored_again_on_resume(tmp_path):
+    config = small_config(num_generations=4, eval_every=1, checkpoint_every=1)
+    reference = run_to_end(config, tmp_path / "reference")
+    run = ESRun.create(config, tmp_path / "run", evaluator=RoundTrips())
+    run._advance(4)  # generation 1, checkpointed; its scoring waits for generation 2's call
+    run._advance(4)  # generation 2's call scores generation 1's mean; generation 2 waits in turn
+    assert [r["generation"] for r in read_metrics(tmp_path / "run")] == [0, 1]
+    del run  # killed here: generation 2 is checkpointed, its metrics line not written
+
+    resumed = ESRun.resume(tmp_path / "run", evaluator=RoundTrips())
+    assert resumed.generation == 2 and resumed._pending["generation"] == 2
+    assert [r["generation"] for r in read_metrics(tmp_path / "run")] == [0, 1]
+    resumed.run()
+    assert without_times(read_metrics(tmp_path / "run")) == without_times(read_metrics(tmp_path / "reference"))
+    assert_same_adapter(resumed.mean, reference.mean)
+
+
+def test_step_after_a_pending_row_logs_it_first(tmp_path):
+    config = small_config(num_generations=3, eval_every=1)
+    run = ESRun.create(config, tmp_path / "run", evaluator=RoundTrips())
+    run._advance(3)
+    row = run.step()  # scores the pending generation 1 in a call of its own, then generation 2
+    assert row["generation"] == 2
+    assert [r["generation"] for r in read_metrics(tmp_path / "run")] == [0, 1, 2]
+    assert "eval/reward" in read_metrics(tmp_path / "run")[1]
+
+
 def test_torn_last_metrics_line_is_dropped_on_resume(tmp_path):
     config = small_config(num_generations=4)
     run = ESRun.create(config, tmp_path / "run", evaluator=SyntheticEvaluator())

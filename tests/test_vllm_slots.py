@@ -56,9 +56,9 @@ def make_mean(model_dir, spec: LoraSpec = SPEC) -> AdapterWeights:
     return AdapterWeights(spec, es.perturb(dict(init.tensors), es.Member(99), 0.02))
 
 
-def member_adapters(mean: AdapterWeights, members, sigma=SIGMA) -> list[AdapterWeights]:
+def member_adapters(mean: AdapterWeights, members, sigma=SIGMA, scheme="flat") -> list[AdapterWeights]:
     """What the trainer builds for the file path (``ESRun.member_adapters``)."""
-    return [AdapterWeights(mean.spec, es.perturb(dict(mean.tensors), m, sigma)) for m in members]
+    return [AdapterWeights(mean.spec, es.perturb(dict(mean.tensors), m, sigma, scheme=scheme)) for m in members]
 
 
 def free_slots(llm) -> int:
@@ -121,17 +121,18 @@ def test_slots_give_the_file_paths_greedy_completions(engine, resident):
 
 
 @pytest.mark.parametrize(
-    "spec",
-    [SPEC, LoraSpec(("q_proj", "v_proj", "down_proj"), rank=1, alpha=1.0, layers_to_transform=(1,))],
-    ids=["all-projections-r2", "q-v-down-layer1-r1"],
+    "spec, scheme",
+    [(SPEC, "flat"), (LoraSpec(("q_proj", "v_proj", "down_proj"), rank=1, alpha=1.0, layers_to_transform=(1,)), "flat"),
+     (SPEC, "per_tensor")],
+    ids=["all-projections-r2", "q-v-down-layer1-r1", "all-projections-r2-per-tensor-noise"],
 )
-def test_slot_checksums_equal_the_trainers_member_tensors(engine, spec):
+def test_slot_checksums_equal_the_trainers_member_tensors(engine, spec, scheme):
     # The second spec leaves k_proj (a slice of the packed qkv_proj), gate/up/o and layer 0 out: zero there.
     mean = make_mean(engine.model_dir, spec)
     members = es.population(base_seed=3, generation=5, population_size=POPULATION)
     with ResidentPopulation(engine.llm, spec, POPULATION, engine.model_dir, engine.dtype) as population:
-        population.write(mean, members, SIGMA)
-        host = member_adapters(mean, members)  # es.perturb on the host, as the trainer does
+        population.write(mean, members, SIGMA, noise_scheme=scheme)
+        host = member_adapters(mean, members, scheme=scheme)  # es.perturb on the host, as the trainer does
         assert population.checksums() == [population.expected_checksum(a.tensors) for a in host]
         scaling = spec.alpha / spec.rank
         for index, adapter in enumerate(host):

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Protocol, Sequence, Union, runtime_checkable
 
-from ..es.core import Member, Sigma, perturb
+from ..es.core import Member, NoiseScheme, Sigma, perturb
 from ..lora import AdapterWeights, adapter_shapes
 from ..seeds import derive_seed
 from ..types import Completion, Prompt, PromptLike
@@ -61,13 +61,15 @@ class Population:
     members: tuple[Member, ...]
     sigmas: Sigma
     noise_device: str = "cpu"
+    noise_scheme: NoiseScheme = "flat"
 
     def __len__(self) -> int:
         return len(self.members)
 
     def adapters(self) -> list[AdapterWeights]:
         """Every member's adapter, made on the host."""
-        return [AdapterWeights(self.mean.spec, perturb(dict(self.mean.tensors), m, self.sigmas, self.noise_device))
+        return [AdapterWeights(self.mean.spec, perturb(dict(self.mean.tensors), m, self.sigmas, self.noise_device,
+                                                       self.noise_scheme))
                 for m in self.members]
 
     def split(self, parts: int) -> list["Population"]:
@@ -78,7 +80,7 @@ class Population:
         blocks, start = [], 0
         for index in range(parts):
             end = start + size + (index < extra)
-            blocks.append(Population(self.mean, self.members[start:end], self.sigmas, self.noise_device))
+            blocks.append(Population(self.mean, self.members[start:end], self.sigmas, self.noise_device, self.noise_scheme))
             start = end
         return blocks
 

@@ -165,11 +165,13 @@ class PopulationBlock:
     members: tuple[Member, ...]
     sigmas: Sigma
     noise_device: str
+    noise_scheme: str
 
 
 def _unwire(adapters, shared: Sequence[AdapterWeights]):
     if isinstance(adapters, PopulationBlock):
-        return Population(shared[adapters.mean.index], adapters.members, adapters.sigmas, adapters.noise_device)
+        return Population(shared[adapters.mean.index], adapters.members, adapters.sigmas, adapters.noise_device,
+                          adapters.noise_scheme)
     return [None if a is None else shared[a.index] for a in adapters]
 
 
@@ -233,6 +235,8 @@ def _import_ray():
 class RayEvaluator:
     """K vLLM engines in Ray actors behind one ``Evaluator`` (and ``TokenScorer``): populations split
     by members, other calls by adapters or prompts; lost engines restarted and their shards rerun."""
+
+    batches_grids = True  # generate_grids sends every grid's shards in one round of actor calls
 
     def __init__(
         self,
@@ -367,7 +371,8 @@ class RayEvaluator:
             if population is not None:
                 # Blocks of members as Population.split makes them (or all members, split by prompts).
                 mean = ref(population.mean)
-                wired = [PopulationBlock(mean, population.members[rows], population.sigmas, population.noise_device)
+                wired = [PopulationBlock(mean, population.members[rows], population.sigmas, population.noise_device,
+                                         population.noise_scheme)
                          for rows, _ in plan]
             else:
                 wired = [[ref(a) for a in adapters[rows]] for rows, _ in plan]
@@ -377,7 +382,7 @@ class RayEvaluator:
                 per_engine[engine].append((prompts[cols], wire, shard_sampling(sampling, cols.start)))
             placements.append(grid_places)
 
-        refs = [ray.put(adapter) for adapter in shared]  # each adapter (a population's mean) travels once
+        refs = [ray.put(adapter.to("cpu")) for adapter in shared]  # each adapter (a population's mean) travels once
         calls = [(engine, "generate_grids", (work, *refs)) for engine, work in enumerate(per_engine) if work]
         results = dict(zip([engine for engine, _, _ in calls], self._run(calls)))
         adapters_s = max((tables[0].timing.get("adapters_s", 0.0) for tables in results.values()), default=0.0)
@@ -404,7 +409,7 @@ class RayEvaluator:
         prompt_token_ids, completion_token_ids = list(prompt_token_ids), list(completion_token_ids)
         if not prompt_token_ids:
             return []
-        adapter_ref = None if adapter is None else ray.put(adapter)
+        adapter_ref = None if adapter is None else ray.put(adapter.to("cpu"))
         blocks = balanced_blocks(len(prompt_token_ids), min(self.num_engines, len(prompt_token_ids)))
         calls = [(engine, "prompt_logprobs", (prompt_token_ids[rows], completion_token_ids[rows], adapter_ref))
                  for engine, rows in enumerate(blocks)]

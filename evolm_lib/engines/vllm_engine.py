@@ -32,6 +32,8 @@ def _default_adapter_root() -> Path:
 class VLLMEvaluator:
     """One vLLM engine with LoRA enabled; every (adapter x prompt) request of a call goes into ONE generate."""
 
+    batches_grids = True  # generate_grids puts every grid's requests into ONE generate
+
     # vLLM keeps process-wide state (parallel groups) that shutting one engine down tears down for
     # every other engine in the process, and an engine that is garbage-collected shuts down by
     # itself: closed engines are kept (not collected) until the last live one closes.
@@ -193,7 +195,8 @@ class VLLMEvaluator:
         for prompts, adapters, sampling in grids:
             slots = self._slots_for(adapters) if isinstance(adapters, Population) and resident is None else None
             if slots is not None:
-                timing.update(slots.write(adapters.mean, adapters.members, adapters.sigmas, adapters.noise_device))
+                timing.update(slots.write(adapters.mean, adapters.members, adapters.sigmas, adapters.noise_device,
+                                          adapters.noise_scheme))
                 resident = slots
                 plans.append((prompts, sampling, slots.lora_requests(), True))
             else:

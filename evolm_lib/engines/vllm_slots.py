@@ -4,8 +4,8 @@ The file path (``VLLMEvaluator``) writes every member adapter to a file and give
 name and id each call, so vLLM reloads the whole population every generation. Here N LoRA slots
 are loaded ONCE under fixed names and ids and pinned; every generation the worker rewrites their
 weights in place, ``mean + sign * sigma * noise(seed)``, regenerating each member's noise from
-its seed with the project's own noise code (``es.member_noise``, the arithmetic of
-``es.perturb``), on the engine's device. Only the mean adapter's tensors and the members'
+its seed with the project's own noise code (``es.population_noise``, the arithmetic of
+``es.perturb``), on the engine's device, all tensors of a block of members at once. Only the mean adapter's tensors and the members'
 (seed, sign) pairs cross the process boundary.
 
 Two halves:
@@ -72,6 +72,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import shutil
 import tempfile
 import time
@@ -91,6 +92,7 @@ ZERO_SLOT_NAME = "evolm-slot-zero"
 # Fixed LoRA ids, far above the file path's counter (which starts at 1); within int32.
 FIRST_SLOT_ID = 1_000_000_000
 _FINGERPRINT_SEED = 20261126
+_WRITE_BLOCK_ELEMENTS = 1 << 24  # values written per block (64 MiB of float32 temporaries)
 
 
 class SlotsUnsupported(RuntimeError):
@@ -403,7 +405,8 @@ class LoRASlotsExtension:
                 )
         return manager
 
-    def evolm_slots_write(self, key: int, mean: dict, members: list, sigmas: Any, noise_device: str) -> dict:
+    def evolm_slots_write(self, key: int, mean: dict, members: list, sigmas: Any, noise_device: str,
+                          noise_scheme: str = "flat") -> dict:
         """Write member i = mean + sign_i * sigma * noise(seed_i) into slot i, in place."""
         state = self._evolm_slot_set(key)
         self._evolm_slots_check_layout(state)
@@ -411,33 +414,75 @@ class LoRASlotsExtension:
             raise ValueError(f"{len(members)} members for {len(state.slots)} slots")
         started = time.perf_counter()
         device = state.entries[0].stacked.device
-        seeds = list(dict.fromkeys(int(seed) for seed, _ in members))  # an antithetic pair shares one draw
+        slot_dtype = state.entries[0].stacked.dtype
+        layout = es.Layout.of(state.shapes)
         with torch.inference_mode():
-            seed_index = torch.tensor([seeds.index(int(seed)) for seed, _ in members], device=device)
-            slot_index = torch.tensor(state.slots[: len(members)], device=device)
-            # One tensor name at a time, all members at once (few, large operations); the noise of
-            # (seed, name) comes from es.member_noise, the same generator the update regenerates.
-            for entry in state.entries:
-                name, shape = entry.name, state.shapes[entry.name]
-                base = unpack_tensor(mean[name]).to(device)
-                drawn = torch.stack([es.member_noise(seed, {name: shape}, device=noise_device)[name] for seed in seeds])
-                noise = drawn.to(device).index_select(0, seed_index)  # (members, *shape)
-                sigma = float(sigmas[name]) if isinstance(sigmas, Mapping) else float(sigmas)
-                coefficient = torch.tensor([int(sign) * sigma for _, sign in members], dtype=torch.float32, device=device)
-                # es.perturb's arithmetic, batched over members (the tests check bit equality).
-                step = coefficient.view(-1, *([1] * len(shape))) * noise
-                value = (base.float() + step).to(base.dtype)
-                stored = stored_form(value, entry.is_a, state.file_dtype, entry.stacked.dtype, state.scaling)
-                # index_put_ into the existing slot tensor: addresses stay (CUDA graphs)
-                if entry.is_a:
-                    entry.stacked[slot_index, 0, : entry.rank] = stored
+            tensors = [unpack_tensor(mean[name]) for name in layout.names]
+            dtypes = {t.dtype for t in tensors}
+            if len(dtypes) != 1:
+                raise ValueError(f"the mean adapter mixes dtypes {sorted(map(str, dtypes))}")
+            # The whole mean as one flat vector on the engine's device (one copy, not one per tensor).
+            base = torch.cat([t.reshape(-1) for t in tensors]).to(device).float()
+            sigma = torch.cat([torch.full((math.prod(shape),), float(sigmas[name]) if isinstance(sigmas, Mapping)
+                                          else float(sigmas), dtype=torch.float32)
+                               for name, shape in zip(layout.names, layout.shapes)]).to(device)
+            # vLLM folds alpha / r into B when it loads a file (see stored_form): B's elements get it here.
+            scale = torch.cat([torch.full((math.prod(shape),), 1.0 if entry_is_a else state.scaling, dtype=torch.float32)
+                               for shape, entry_is_a in zip(layout.shapes, self._evolm_is_a(state, layout))]).to(device)
+            needs_scale = state.scaling != 1
+            entries = sorted(state.entries, key=lambda e: layout.names.index(e.name))
+            # Members in even-sized blocks (a pair's two halves share one draw) of at most
+            # _WRITE_BLOCK_ELEMENTS values: the temporaries stay small beside vLLM's KV cache.
+            block = max(2, (_WRITE_BLOCK_ELEMENTS // max(1, layout.total)) // 2 * 2)
+            for start in range(0, len(members), block):
+                rows = members[start:start + block]
+                chunk = list(dict.fromkeys(int(seed) for seed, _ in rows))
+                drawn = es.population_noise(chunk, layout, noise_device, noise_scheme).to(device)  # (seeds, total)
+                pick = torch.tensor([chunk.index(int(seed)) for seed, _ in rows], device=device)
+                step = drawn.index_select(0, pick) if len(chunk) != len(rows) else drawn  # (members, total)
+                del drawn
+                sign = torch.tensor([float(sign) for _, sign in rows], dtype=torch.float32, device=device)
+                # es.perturb's arithmetic on every tensor at once, in place: (sign * sigma) * noise in
+                # float32 (sign * sigma is exact, so the order of the two products does not matter),
+                # plus the float32 mean, cast to the adapter's dtype; the tests check bit equality.
+                step.mul_(sigma).mul_(sign[:, None]).add_(base)
+                # then what vLLM's file loader does (stored_form): the casts, and alpha / r on B
+                stored = step.to(tensors[0].dtype).to(state.file_dtype).to(slot_dtype)
+                del step
+                if needs_scale:
+                    stored = (stored.float() * scale).to(slot_dtype)
+                views = layout.split(stored)
+                slots = state.slots[start:start + len(rows)]
+                destinations = [self._evolm_destination(entry, slots) for entry in entries]
+                if all(d is not None for d in destinations):
+                    # consecutive slots: one multi-tensor copy into the existing slot tensors (addresses stay)
+                    torch._foreach_copy_(destinations, [views[entry.name] for entry in entries])
                 else:
-                    entry.stacked[slot_index, 0, :, : entry.rank] = stored
+                    index = torch.tensor(slots, device=device)
+                    for entry in entries:  # index_put_ into the existing slot tensor: addresses stay (CUDA graphs)
+                        if entry.is_a:
+                            entry.stacked[index, 0, : entry.rank] = views[entry.name]
+                        else:
+                            entry.stacked[index, 0, :, : entry.rank] = views[entry.name]
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
         written = time.perf_counter() - started
         self._evolm_slots_check_layout(state)
         return {"write_s": written}
+
+    @staticmethod
+    def _evolm_is_a(state: _SlotSet, layout) -> list[bool]:
+        is_a = {entry.name: entry.is_a for entry in state.entries}
+        return [is_a[name] for name in layout.names]
+
+    @staticmethod
+    def _evolm_destination(entry: _Entry, slots: Sequence[int]) -> torch.Tensor | None:
+        """The slots' region of one entry as a view, when the slots are consecutive (else None)."""
+        first = slots[0]
+        if list(slots) != list(range(first, first + len(slots))):
+            return None
+        view = entry.stacked[first:first + len(slots), 0]
+        return view[:, : entry.rank] if entry.is_a else view[:, :, : entry.rank]
 
     def evolm_slots_checksums(self, key: int) -> list[str]:
         """A digest of each slot's bytes (every LoRA linear module, padding included)."""
@@ -574,7 +619,8 @@ class ResidentPopulation:
 
     # -- writing
 
-    def write(self, mean: AdapterWeights, members: Sequence[es.Member], sigmas: es.Sigma, noise_device: str = "cpu") -> dict[str, float]:
+    def write(self, mean: AdapterWeights, members: Sequence[es.Member], sigmas: es.Sigma, noise_device: str = "cpu",
+              noise_scheme: es.NoiseScheme = "flat") -> dict[str, float]:
         """Slot i <- mean + sign_i * sigma * noise(seed_i), regenerated on the engine; returns timings."""
         if mean.spec != self.spec:
             raise ValueError(f"the mean adapter's spec {mean.spec} differs from the slots' {self.spec}")
@@ -594,11 +640,13 @@ class ResidentPopulation:
         es.check_sigma(sigmas, list(self.shapes))
         if noise_device not in ("cpu", "cuda"):
             raise ValueError(f"noise_device must be 'cpu' or 'cuda', got {noise_device!r}")
+        es.check_noise_scheme(noise_scheme)
         started = time.perf_counter()
         # In-process: the tensors themselves (no copy); another process: plain bytes.
         tensors = {name: t.detach() if self._in_process else pack_tensor(t) for name, t in mean.tensors.items()}
         sigma_arg = {k: float(v) for k, v in sigmas.items()} if isinstance(sigmas, Mapping) else float(sigmas)
-        result = _rpc(self.llm, "evolm_slots_write", self.key, tensors, [[m.seed, m.sign] for m in members], sigma_arg, noise_device)
+        result = _rpc(self.llm, "evolm_slots_write", self.key, tensors, [[m.seed, m.sign] for m in members], sigma_arg, noise_device,
+                      noise_scheme)
         self._written = len(members)
         self._reset_prefix_cache()
         return {"slots_write_s": float(result["write_s"]), "slots_call_s": time.perf_counter() - started}

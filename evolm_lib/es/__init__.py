@@ -6,6 +6,13 @@ gradients, optimizers); the run that drives it against an engine is ``evolm_lib.
 """
 from .core import (
     SHAPING,
+    NOISE_SCHEMES,
+    Layout,
+    NoiseScheme,
+    check_noise_scheme,
+    flat_seed,
+    population_noise,
+    seeded_combination,
     tensor_seed,
     member_noise,
     shapes_of,
@@ -24,6 +31,7 @@ from .core import (
     OptimizerState,
     init_optimizer_state,
     apply_update,
+    optimizer_state_to,
     update_norm,
     optimizer_state_to_tensors,
     optimizer_state_from_tensors,
@@ -36,6 +44,13 @@ from .core import (
 
 __all__ = [
     "SHAPING",
+    "NOISE_SCHEMES",
+    "Layout",
+    "NoiseScheme",
+    "check_noise_scheme",
+    "flat_seed",
+    "population_noise",
+    "seeded_combination",
     "tensor_seed",
     "member_noise",
     "shapes_of",
@@ -54,6 +69,7 @@ __all__ = [
     "OptimizerState",
     "init_optimizer_state",
     "apply_update",
+    "optimizer_state_to",
     "update_norm",
     "optimizer_state_to_tensors",
     "optimizer_state_from_tensors",

@@ -31,24 +31,91 @@ GradientForm = Literal["qiu", "textbook"]
 # ----------------------------------------------------------------------------- seeded noise
 
 
+NoiseScheme = Literal["flat", "per_tensor"]
+NOISE_SCHEMES: tuple[str, ...] = ("flat", "per_tensor")
+_BLOCK_ELEMENTS = 1 << 26  # float32 elements of noise drawn at once (256 MiB): bounds memory at any population
+
+
 def tensor_seed(seed: int, name: str) -> int:
     """Stable 63-bit generator seed for one tensor of one member (blake2b of f"{seed}/{name}")."""
     return derive_seed(seed, name, bits=63)
 
 
-def member_noise(seed: int, shapes: Shapes, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> Params:
-    """Standard-normal noise for every tensor of a member; same seed (and device type) gives the same bits."""
-    noise: Params = {}
-    for name, shape in shapes.items():
-        # One generator per tensor, seeded by (seed, name): two same-shaped tensors get different
-        # noise (the paper's code reseeds each tensor with the member seed, correlating them).
-        # Drawn in float32 so the bits do not depend on the target dtype. The default CPU stream is
-        # the same on every machine; device="cuda" is much faster for large adapters but CUDA's
-        # stream differs from the CPU's (reproducible on GPUs, not across CPU and GPU).
-        generator = torch.Generator(device=device).manual_seed(tensor_seed(seed, name))
-        draw = torch.randn(tuple(shape), generator=generator, dtype=torch.float32, device=device)
-        noise[name] = draw.to(dtype)
-    return noise
+def flat_seed(seed: int) -> int:
+    """Stable 63-bit generator seed of a member's whole flat noise vector ("flat" scheme)."""
+    return derive_seed(seed, "flat-noise", bits=63)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where each named tensor sits in a member's flat parameter vector: sorted names, back to back."""
+
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    offsets: tuple[int, ...]
+    total: int
+
+    @classmethod
+    def of(cls, shapes: Shapes) -> "Layout":
+        names = tuple(sorted(shapes))
+        dims = tuple(tuple(int(d) for d in shapes[name]) for name in names)
+        offsets, total = [], 0
+        for dim in dims:
+            offsets.append(total)
+            total += math.prod(dim)
+        return cls(names, dims, tuple(offsets), total)
+
+    def split(self, flat: torch.Tensor) -> Params:
+        """Views of a (..., total) tensor as named tensors of shape (..., *shape); nothing is copied."""
+        lead = tuple(flat.shape[:-1])
+        return {name: flat[..., offset:offset + math.prod(shape)].view(*lead, *shape)
+                for name, shape, offset in zip(self.names, self.shapes, self.offsets)}
+
+    def block_size(self) -> int:
+        """How many members' noise to draw at once (at least one)."""
+        return max(1, _BLOCK_ELEMENTS // max(1, self.total))
+
+
+def check_noise_scheme(scheme: str) -> None:
+    """Raise ValueError unless `scheme` is a known noise scheme."""
+    if scheme not in NOISE_SCHEMES:
+        raise ValueError(f"noise_scheme must be one of {list(NOISE_SCHEMES)}, got {scheme!r}")
+
+
+def population_noise(seeds: Sequence[int], layout: Layout, device: str | torch.device = "cpu",
+                     scheme: NoiseScheme = "flat") -> torch.Tensor:
+    """Standard-normal noise (len(seeds), layout.total) in float32, one row per seed.
+
+    "flat": one generator per member, seeded by `flat_seed(seed)`, draws the member's whole vector
+      at once (tensors in `layout`'s sorted-name order): one kernel per member, whatever the number
+      of LoRA tensors (SmolLM2 has 420).
+    "per_tensor": one generator per (member, tensor), seeded by `tensor_seed(seed, name)`; a tensor's
+      noise does not depend on the other tensors (the scheme of runs made before "flat" existed).
+    Same seed, scheme and device type give the same bits. The default CPU stream is the same on every
+    machine; CUDA's stream differs from the CPU's (reproducible on GPUs, not across CPU and GPU)."""
+    check_noise_scheme(scheme)
+    out = torch.empty((len(seeds), layout.total), dtype=torch.float32, device=device)
+    for row, seed in zip(out, seeds):
+        if scheme == "flat":
+            generator = torch.Generator(device=device).manual_seed(flat_seed(int(seed)))
+            torch.randn((layout.total,), generator=generator, out=row)
+            continue
+        for name, view in layout.split(row).items():
+            # One generator per tensor, seeded by (seed, name): two same-shaped tensors get different
+            # noise (the paper's code reseeds each tensor with the member seed, correlating them).
+            generator = torch.Generator(device=device).manual_seed(tensor_seed(int(seed), name))
+            view.copy_(torch.randn(view.shape, generator=generator, dtype=torch.float32, device=device))
+    return out
+
+
+def member_noise(seed: int, shapes: Shapes, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 scheme: NoiseScheme = "flat") -> Params:
+    """Standard-normal noise for every tensor of a member; same seed (and device type) gives the same bits.
+
+    Drawn in float32 so the bits do not depend on the target dtype (see `population_noise`)."""
+    layout = Layout.of(shapes)
+    noise = layout.split(population_noise([seed], layout, device, scheme)[0])
+    return {name: noise[name].to(dtype) for name in shapes}
 
 
 def shapes_of(params: Mapping[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
@@ -113,10 +180,11 @@ def _sigma_of(sigma: Sigma, name: str) -> float:
     return float(sigma[name]) if isinstance(sigma, Mapping) else float(sigma)
 
 
-def perturb(mean: Params, member: Member, sigma: Sigma, noise_device: str = "cpu") -> Params:
+def perturb(mean: Params, member: Member, sigma: Sigma, noise_device: str = "cpu",
+            scheme: NoiseScheme = "flat") -> Params:
     """A member's parameters: mean + sign * sigma_t * noise, in the mean's dtype and device."""
     check_sigma(sigma, list(mean))
-    noise = member_noise(member.seed, shapes_of(mean), device=noise_device)
+    noise = member_noise(member.seed, shapes_of(mean), device=noise_device, scheme=scheme)
     perturbed: Params = {}
     for name, tensor in mean.items():
         step = (member.sign * _sigma_of(sigma, name)) * noise[name].to(tensor.device)
@@ -202,6 +270,7 @@ def es_gradient(
     sigma: Sigma,
     form: GradientForm = "qiu",
     noise_device: str = "cpu",
+    scheme: NoiseScheme = "flat",
 ) -> Params:
     """ES ascent direction from members and fitness weights, regenerating each member's noise."""
     # "qiu": g = 1/N sum_i w_i sign_i eps_i, exactly Qiu et al. 2025 (theta += alpha/N sum z_i eps_i,
@@ -223,22 +292,35 @@ def es_gradient(
     coefficient: dict[int, float] = {}
     for member, weight in zip(members, w.tolist()):
         coefficient[member.seed] = coefficient.get(member.seed, 0.0) + member.sign * weight
-
-    gradient: Params = {
-        name: torch.zeros(tuple(shape), dtype=torch.float32, device=noise_device) for name, shape in shapes.items()
-    }
-    for seed, c in coefficient.items():
-        if c == 0.0:
-            continue  # e.g. an antithetic pair with equal rewards
-        noise = member_noise(seed, shapes, device=noise_device)
-        for name in gradient:
-            gradient[name].add_(noise[name], alpha=c)  # float32 accumulation into a fresh buffer
-
     n = len(members)
+    scale = {name: n * _sigma_of(sigma, name) if form == "textbook" else n for name in shapes}
+    return seeded_combination(coefficient, shapes, scale, noise_device, scheme)
+
+
+def seeded_combination(coefficient: Mapping[int, float], shapes: Shapes, divisor: Mapping[str, float],
+                       noise_device: str = "cpu", scheme: NoiseScheme = "flat") -> Params:
+    """sum_s coefficient[s] * noise(s) / divisor[name], per tensor, in float32 on `noise_device`.
+
+    The members' noise is drawn in blocks (bounded memory) and accumulated seed by seed in a fixed
+    order, so the result is the same bits on every call (a resumed run stays bit-exact)."""
+    layout = Layout.of(shapes)
+    flat = torch.zeros(layout.total, dtype=torch.float32, device=noise_device)
+    seeds = [seed for seed, c in coefficient.items() if c != 0.0]  # 0: e.g. a pair with equal rewards
+    block = layout.block_size()
+    for start in range(0, len(seeds), block):
+        chunk = seeds[start:start + block]
+        for seed, row in zip(chunk, population_noise(chunk, layout, noise_device, scheme)):
+            if scheme == "flat":
+                flat.add_(row, alpha=coefficient[seed])  # float32 accumulation into a fresh buffer
+                continue
+            # per_tensor: tensor by tensor, the very kernels runs made before "flat" used (a
+            # vectorised add rounds a tensor's tail differently when the whole vector is one tensor)
+            for total, part in zip(layout.split(flat).values(), layout.split(row).values()):
+                total.add_(part, alpha=coefficient[seed])
+    gradient = layout.split(flat)
     for name in gradient:
-        scale = n * _sigma_of(sigma, name) if form == "textbook" else n
-        gradient[name].div_(scale)
-    return gradient
+        gradient[name].div_(divisor[name])
+    return {name: gradient[name] for name in shapes}
 
 
 # ----------------------------------------------------------------------------- optimizers
@@ -345,41 +427,60 @@ def apply_update(
         raise ValueError(f"state and params name different tensors: {sorted(set(master) ^ set(params))}")
     step = state.step + 1
     lr = config.learning_rate
-    new_master: Params = {}
+    names = list(master)
+    theta = [master[name] for name in names]
+    g = [gradient[name].detach().to(device=master[name].device, dtype=torch.float32) for name in names]
+
+    def buffer(buffers: Params) -> list[torch.Tensor]:
+        # A missing buffer (state made for another config, or restored without it) starts at 0.
+        return [buffers[name] if name in buffers else torch.zeros_like(master[name]) for name in names]
+
+    # One multi-tensor kernel per operation over all tensors (torch._foreach_*), not one per tensor:
+    # SmolLM2's LoRA has 420 tensors. Per element the arithmetic is the textbook formula, in order.
     first: Params = {}
     second: Params = {}
-
-    for name, theta in master.items():
-        g = gradient[name].detach().to(device=theta.device, dtype=torch.float32)
-        zero = torch.zeros_like(theta)
-        if isinstance(config, AdamConfig):
-            # A missing buffer (state made for another config, or restored without it) starts at 0.
-            m = config.beta1 * state.first_moment.get(name, zero) + (1 - config.beta1) * g
-            v = config.beta2 * state.second_moment.get(name, zero) + (1 - config.beta2) * g * g
-            m_hat = m / (1 - config.beta1**step)
-            v_hat = v / (1 - config.beta2**step)
-            direction = m_hat / (v_hat.sqrt() + config.eps)
-            first[name], second[name] = m, v
-        elif isinstance(config, SGDConfig):
-            if config.momentum > 0:
-                direction = config.momentum * state.first_moment.get(name, zero) + g
-                first[name] = direction
-            else:
-                direction = g
+    if isinstance(config, AdamConfig):
+        m = torch._foreach_add(torch._foreach_mul(buffer(state.first_moment), config.beta1),
+                               torch._foreach_mul(g, 1 - config.beta1))
+        v = torch._foreach_add(torch._foreach_mul(buffer(state.second_moment), config.beta2),
+                               torch._foreach_mul(torch._foreach_mul(g, 1 - config.beta2), g))
+        m_hat = torch._foreach_div(m, 1 - config.beta1**step)
+        v_hat = torch._foreach_div(v, 1 - config.beta2**step)
+        direction = torch._foreach_div(m_hat, torch._foreach_add(torch._foreach_sqrt(v_hat), config.eps))
+        first, second = dict(zip(names, m)), dict(zip(names, v))
+    elif isinstance(config, SGDConfig):
+        if config.momentum > 0:
+            direction = torch._foreach_add(torch._foreach_mul(buffer(state.first_moment), config.momentum), g)
+            first = dict(zip(names, direction))
         else:
-            raise TypeError(f"unknown optimizer config {type(config).__name__}")
-        # '+': ascent, rewards are maximised. Decay is decoupled and uses the pre-step theta.
-        new_master[name] = theta + lr * direction - (lr * config.weight_decay) * theta
+            direction = g
+    else:
+        raise TypeError(f"unknown optimizer config {type(config).__name__}")
+    # '+': ascent, rewards are maximised. Decay is decoupled and uses the pre-step theta.
+    moved = torch._foreach_add(theta, torch._foreach_mul(direction, lr))
+    new_master = dict(zip(names, torch._foreach_sub(moved, torch._foreach_mul(theta, lr * config.weight_decay))))
 
     new_params = {name: new_master[name].to(device=tensor.device, dtype=tensor.dtype) for name, tensor in params.items()}
     new_state = replace(state, step=step, master=new_master, first_moment=first, second_moment=second)
     return new_params, new_state
 
 
+def optimizer_state_to(state: OptimizerState, device: str | torch.device) -> OptimizerState:
+    """The same state with every buffer on `device`."""
+    def moved(buffers: Params) -> Params:
+        return {name: tensor.to(device) for name, tensor in buffers.items()}
+
+    return replace(state, master=moved(state.master), first_moment=moved(state.first_moment),
+                   second_moment=moved(state.second_moment))
+
+
 def update_norm(delta: Params) -> float:
     """Global L2 norm of an update (all tensors together), computed in float64."""
-    total = sum(float(tensor.detach().to(torch.float64).pow(2).sum()) for tensor in delta.values())
-    return math.sqrt(total)
+    tensors = [tensor.detach().to(torch.float64) for tensor in delta.values()]
+    if not tensors:
+        return 0.0
+    # one multi-tensor norm and one device->host read, not one per tensor
+    return float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(tensors))))
 
 
 _STATE_PREFIXES = {"master": "master", "m": "first_moment", "v": "second_moment"}

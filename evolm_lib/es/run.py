@@ -17,6 +17,7 @@ import torch
 
 from ..config import ESConfig
 from ..engines import Evaluator, Population, SamplingSettings, make_evaluator
+from ..evaluation import scoring_grid, scores_of
 from ..lora import AdapterWeights, base_weight_magnitudes, noise_below_resolution, noise_scales
 from ..loop import RunLoop, percentile
 from ..models import resolve_model
@@ -36,6 +37,7 @@ class PopulationResult:
     completions: list[list[Completion]]  # [member][prompt]
     examples: list[Example]
     timing: dict[str, float]
+    mean_scores: list | None = None  # the current mean's (train, held-out) scores, when they rode along
 
     @property
     def num_tokens(self) -> int:
@@ -51,9 +53,12 @@ class ESRun(RunLoop):
     def __init__(self, config: ESConfig, run_dir: Path, evaluator: Evaluator, task: Task, mean: AdapterWeights,
                  optimizer_state, generation: int, counters: dict, history: list[dict], model_dir: Path):
         self._init_common(config, run_dir, evaluator, task, generation, counters, history, model_dir)
-        self.mean = mean
+        # With noise on the GPU the mean adapter and the optimizer's buffers live there too: the
+        # update and the slot writes then move no tensor between host and card (checkpoints copy).
+        self.device = "cuda" if config.noise_device == "cuda" and torch.cuda.is_available() else "cpu"
+        self.mean = mean.to(self.device)
         self.optimizer_config = config.optimizer_config()
-        self.optimizer_state = optimizer_state
+        self.optimizer_state = es.optimizer_state_to(optimizer_state, self.device)
         self.shapes = {k: tuple(v.shape) for k, v in mean.tensors.items()}
         magnitudes = base_weight_magnitudes(model_dir, mean.spec) if config.noise_mode == "per_layer" else None
         self.sigmas = noise_scales(self.shapes, config.sigma, config.noise_mode, magnitudes)
@@ -80,6 +85,8 @@ class ESRun(RunLoop):
         run = cls(config, run_dir, evaluator, task, adapter, optimizer_state, generation, counters, history, model_dir)
         if config.estimator is not None and state is not None:
             run.estimator_state = zo.HistoryState.from_dict(state["estimator"])
+        if state is not None and state.get("scores_pending") and (not history or history[-1].get("generation") != generation):
+            run._pending = dict(state["row"])  # its scoring was riding in the next call: done again now
         return run
 
     # --- the loop ------------------------------------------------------------------------------
@@ -89,15 +96,16 @@ class ESRun(RunLoop):
 
     def population(self, members: Sequence[es.Member]) -> Population:
         """The members as the engine takes them: the mean, their seeds and signs, the noise scale."""
-        return Population(self.mean, tuple(members), self.sigmas, self.config.noise_device)
+        return Population(self.mean, tuple(members), self.sigmas, self.config.noise_device, self.config.noise_scheme)
 
     def member_adapters(self, members: Sequence[es.Member]) -> list[AdapterWeights]:
         """Mean adapter + sigma * regenerated noise, one per member, made on the host."""
         return self.population(members).adapters()
 
-    def evaluate(self, members: Sequence[es.Member]) -> PopulationResult:
+    def evaluate(self, members: Sequence[es.Member], score_mean: bool = False) -> PopulationResult:
         """Score every member on this generation's prompts in ONE engine call (the engine makes the
-        members' weights from their seeds: on the host, or where the weights live)."""
+        members' weights from their seeds: on the host, or where the weights live); with
+        ``score_mean`` the same call also scores the current mean greedily (``mean_scores``)."""
         timing: dict[str, float] = {}
         generation = self.generation + 1
         examples = self.batch_examples(generation)
@@ -108,7 +116,14 @@ class ESRun(RunLoop):
             seed=derive_seed(self.config.seed, "sampling", generation),  # same seed for every member: common random numbers
         )
         started = time.perf_counter()
-        completions = self.evaluator.generate([self.task.prompt(e) for e in examples], self.population(members), sampling)
+        prompts = [self.task.prompt(e) for e in examples]
+        if score_mean:
+            tables = self.evaluator.generate_grids([
+                (prompts, self.population(members), sampling),
+                scoring_grid(self.task, self.mean, self._score_sets(), self.config.max_new_tokens)])
+        else:
+            tables = [self.evaluator.generate(prompts, self.population(members), sampling)]
+        completions = tables[0]
         call = time.perf_counter() - started
         timing["adapters_s"] = completions.timing.get("adapters_s", 0.0)
         timing["generate_s"] = completions.timing.get("generate_s", call - timing["adapters_s"])
@@ -116,7 +131,8 @@ class ESRun(RunLoop):
             rewards = torch.tensor(
                 [self.task.reward_fn([c.text for c in row], examples) for row in completions], dtype=torch.float32
             )
-        return PopulationResult(rewards, completions, examples, timing)
+            mean_scores = scores_of(self.task, tables[1][0], self._score_sets()) if score_mean else None
+        return PopulationResult(rewards, completions, examples, timing, mean_scores)
 
     def tell(self, members: Sequence[es.Member], result: PopulationResult) -> dict:
         """Update the mean adapter from the members' rewards; return the update's metrics row
@@ -125,12 +141,15 @@ class ESRun(RunLoop):
         timing = dict(result.timing)
         with timed(timing, "update_s"):
             weights, gradient = self.estimate(members, result.rewards)
-            gradient = {k: v.to(self.mean.tensors[k].device) for k, v in gradient.items()}
             new_params, self.optimizer_state = es.apply_update(
                 self.optimizer_config, self.optimizer_state, dict(self.mean.tensors), gradient
             )
-            update = {k: new_params[k] - self.mean.tensors[k] for k in new_params}
+            names = list(new_params)
+            update = dict(zip(names, torch._foreach_sub([new_params[k] for k in names],
+                                                        [self.mean.tensors[k] for k in names])))
             self.mean = AdapterWeights(self.mean.spec, new_params)
+            if self.device == "cuda":
+                torch.cuda.synchronize()  # the update's kernels finish inside its timing
         self.generation += 1
         self.counters["completions"] = self.counters.get("completions", 0) + result.rewards.numel()
         self.counters["tokens"] = self.counters.get("tokens", 0) + result.num_tokens
@@ -148,7 +167,7 @@ class ESRun(RunLoop):
             "es/rewards": per_member.tolist(),
             "es/weights": weights.tolist(),
             "es/update_norm": es.update_norm(update),
-            "es/mean_norm": float(sum((v.float() ** 2).sum() for v in new_params.values()) ** 0.5),
+            "es/mean_norm": es.update_norm(new_params),  # the global L2 norm of the mean adapter
             "best_completions": [c.text for c in result.completions[best]],
             "worst_completions": [c.text for c in result.completions[worst]],
             "prompts": [e.prompt for e in result.examples],
@@ -166,10 +185,11 @@ class ESRun(RunLoop):
         if config.estimator is None:
             weights = es.shape_fitness(config.fitness_shaping, rewards)
             return weights, es.es_gradient(members, weights, self.shapes, self.sigmas, form=config.gradient_form,
-                                           noise_device=config.noise_device)
+                                           noise_device=config.noise_device, scheme=config.noise_scheme)
         current = zo.Generation.from_members(members, -rewards.mean(dim=1))  # the zo package minimises f
         coefficient, self.estimator_state = zo.coefficients(config.estimator_config(), current, self.estimator_state)
-        g = zo.seeded_gradient(coefficient, self.shapes, config.sigma, noise_device=config.noise_device)
+        g = zo.seeded_gradient(coefficient, self.shapes, config.sigma, noise_device=config.noise_device,
+                               scheme=config.noise_scheme)
         weights = torch.tensor([-m.sign * coefficient.get(m.seed, 0.0) for m in members], dtype=torch.float32)
         return weights, {name: -value for name, value in g.items()}
 
@@ -177,6 +197,16 @@ class ESRun(RunLoop):
         """One generation's update: ask, evaluate, tell."""
         members = self.ask()
         return self.tell(members, self.evaluate(members))
+
+    def train_step_scoring(self) -> tuple[dict, list]:
+        """``train_step`` whose population call also scores the current mean (before it moves)."""
+        members = self.ask()
+        result = self.evaluate(members, score_mean=True)
+        return self.tell(members, result), result.mean_scores
+
+    def _rides(self) -> bool:
+        # Only engines that batch several grids in one call gain anything (vLLM, Ray).
+        return self.config.score_in_population and bool(getattr(self.evaluator, "batches_grids", False))
 
     # --- helpers --------------------------------------------------------------------------------
     def _budget(self) -> int:
@@ -189,8 +219,7 @@ class ESRun(RunLoop):
 
     def save_checkpoint(self, row: dict | None = None) -> Path:
         """Write a checkpoint of the current generation now."""
-        row = row if row is not None else (self.history[-1] if self.history else {})
-        state = {"generation": self.generation, "counters": self.counters, "row": row}
+        state = self._checkpoint_state(row)
         if self.estimator_state is not None:
             state["estimator"] = self.estimator_state.to_dict()
         return write_checkpoint(self.run_dir, self.generation, self.mean, es.optimizer_state_to_tensors(self.optimizer_state),

@@ -140,8 +140,7 @@ class GRPORun(RunLoop):
 
     def save_checkpoint(self, row: dict | None = None) -> Path:
         """Write a checkpoint of the current step now: adapter, AdamW state, counters."""
-        row = row if row is not None else (self.history[-1] if self.history else {})
-        state = {"generation": self.generation, "step": self.generation, "counters": self.counters, "row": row}
+        state = {**self._checkpoint_state(row), "step": self.generation}
         return write_checkpoint(self.run_dir, self.generation, self.policy, self.trainer.optimizer_tensors(),
                                 state, str(self.model_dir), keep=self.config.keep_checkpoints)
 

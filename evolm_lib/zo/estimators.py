@@ -46,6 +46,7 @@ import numpy as np
 import torch
 
 from evolm_lib.es import Member, member_noise, population
+from evolm_lib.es.core import NoiseScheme, seeded_combination
 
 Params = dict[str, torch.Tensor]
 DIRECTION_NAME = "x"  # the one "tensor" of a synthetic point: u(seed) = member_noise(seed, {"x": (d,)})["x"]
@@ -323,14 +324,18 @@ def seeded_gradient(
     mu: float,
     dtype: torch.dtype = torch.float32,
     noise_device: str = "cpu",
+    scheme: NoiseScheme = "flat",
 ) -> Params:
     """g = (1/mu) sum_seed c_seed * noise(seed) for every tensor, regenerating each seed's noise.
 
     This is how the LLM runner turns coefficients into a gradient over LoRA tensors (the noise is
-    `es.member_noise`, as for its members). It estimates grad f with f = -reward: ascend along -g.
+    `es.member_noise` in the run's `scheme`, as for its members). It estimates grad f with
+    f = -reward: ascend along -g.
     """
     if not (mu > 0 and math.isfinite(mu)):
         raise ValueError(f"mu must be > 0 and finite, got {mu}")
+    if dtype == torch.float32:  # the LLM runner's case: blocked draws, one kernel per member with "flat"
+        return seeded_combination(coefficient, shapes, {name: mu for name in shapes}, noise_device, scheme)
     gradient = {name: torch.zeros(tuple(shape), dtype=dtype, device=noise_device) for name, shape in shapes.items()}
     for seed, c in coefficient.items():
         if c == 0.0:
