@@ -186,6 +186,8 @@ class _SlotSet:
     shapes: dict[str, tuple[int, ...]]
     file_dtype: torch.dtype
     scaling: float
+    flat_sigma: tuple | None = None  # (per-tensor sigmas, the flat float32 vector of them on the device)
+    flat_scale: torch.Tensor | None = None  # alpha / r on B's elements, 1 on A's, flat on the device
 
 
 def _adapter_manager(worker) -> Any:
@@ -278,6 +280,12 @@ def _entries(manager, linear: Mapping[str, Any], shapes: Mapping[str, Sequence[i
             raise SlotsUnsupported(f"{name} {tuple(shape)} does not fit {module} slice {index} {tuple(stacked.shape[2:])}")
         entries.append(_Entry(name, module, index, is_a, rank, stacked))
     return entries
+
+
+def _flat_values(layout, values: Sequence[float], device) -> torch.Tensor:
+    """One float32 value per tensor of ``layout``, repeated over that tensor's elements."""
+    counts = torch.tensor([math.prod(shape) for shape in layout.shapes])
+    return torch.repeat_interleave(torch.tensor(list(values), dtype=torch.float32), counts).to(device)
 
 
 def _region(entry: _Entry, slot: int) -> torch.Tensor:
@@ -423,12 +431,15 @@ class LoRASlotsExtension:
                 raise ValueError(f"the mean adapter mixes dtypes {sorted(map(str, dtypes))}")
             # The whole mean as one flat vector on the engine's device (one copy, not one per tensor).
             base = torch.cat([t.reshape(-1) for t in tensors]).to(device).float()
-            sigma = torch.cat([torch.full((math.prod(shape),), float(sigmas[name]) if isinstance(sigmas, Mapping)
-                                          else float(sigmas), dtype=torch.float32)
-                               for name, shape in zip(layout.names, layout.shapes)]).to(device)
+            per_tensor = tuple(float(sigmas[name]) if isinstance(sigmas, Mapping) else float(sigmas) for name in layout.names)
+            if state.flat_sigma is None or state.flat_sigma[0] != per_tensor:  # built once per sigma setting
+                state.flat_sigma = (per_tensor, _flat_values(layout, per_tensor, device))
+            sigma = state.flat_sigma[1]
             # vLLM folds alpha / r into B when it loads a file (see stored_form): B's elements get it here.
-            scale = torch.cat([torch.full((math.prod(shape),), 1.0 if entry_is_a else state.scaling, dtype=torch.float32)
-                               for shape, entry_is_a in zip(layout.shapes, self._evolm_is_a(state, layout))]).to(device)
+            if state.flat_scale is None:
+                is_a = {entry.name: entry.is_a for entry in state.entries}
+                state.flat_scale = _flat_values(layout, [1.0 if is_a[name] else state.scaling for name in layout.names], device)
+            scale = state.flat_scale
             needs_scale = state.scaling != 1
             entries = sorted(state.entries, key=lambda e: layout.names.index(e.name))
             # Members in even-sized blocks (a pair's two halves share one draw) of at most
@@ -469,11 +480,6 @@ class LoRASlotsExtension:
         written = time.perf_counter() - started
         self._evolm_slots_check_layout(state)
         return {"write_s": written}
-
-    @staticmethod
-    def _evolm_is_a(state: _SlotSet, layout) -> list[bool]:
-        is_a = {entry.name: entry.is_a for entry in state.entries}
-        return [is_a[name] for name in layout.names]
 
     @staticmethod
     def _evolm_destination(entry: _Entry, slots: Sequence[int]) -> torch.Tensor | None:
