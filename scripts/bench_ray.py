@@ -53,7 +53,7 @@ def build_qwen_shape(out: Path) -> Path:
     return out
 
 
-def make_population(model_dir: Path, rank: int, size: int, generation: int, sigma: float):
+def make_population(model_dir: Path, rank: int, size: int, generation: int, sigma: float, noise_device: str = "cpu"):
     """A generation's population around a PEFT-initialised mean adapter (B = 0), as ES makes it."""
     from evolm_lib import es
     from evolm_lib.engines import Population
@@ -61,7 +61,7 @@ def make_population(model_dir: Path, rank: int, size: int, generation: int, sigm
 
     spec = LoraSpec(rank=rank, alpha=float(rank))
     mean = init_adapter(spec, adapter_shapes(model_dir, spec), "peft_default", seed=0)
-    return Population(mean, tuple(es.population(0, generation, size, antithetic=True)), sigma)
+    return Population(mean, tuple(es.population(0, generation, size, antithetic=True)), sigma, noise_device)
 
 
 def measure(evaluator, model_dir: Path, args) -> dict:
@@ -73,7 +73,7 @@ def measure(evaluator, model_dir: Path, args) -> dict:
     sampling = SamplingSettings(max_new_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
     calls = []
     for generation in range(args.repeats + 1):
-        population = make_population(model_dir, args.rank, args.population, generation + 1, args.sigma)
+        population = make_population(model_dir, args.rank, args.population, generation + 1, args.sigma, args.noise_device)
         started = time.perf_counter()
         table = evaluator.generate(prompts, population, sampling)
         seconds = time.perf_counter() - started
@@ -109,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs (default: the engine's, CUDA graphs on a GPU)")
     parser.add_argument("--adapter-transfer", default="in_place", choices=["in_place", "files"],
                         help="members written into resident LoRA slots from their seeds (ES's default) or as adapter files")
+    parser.add_argument("--noise-device", default=None, choices=["cpu", "cuda"],
+                        help="where each engine regenerates its members' noise (default: cuda with GPUs)")
     parser.add_argument("--in-process", action="store_true", help="also one engine in this process, without Ray")
     parser.add_argument("--ray-address", default=None, help="a running cluster (default: a local one)")
     parser.add_argument("--json", default=None, help="write the results here")
@@ -126,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     gpus, cpus = int(resources.get("GPU", 0)), int(resources.get("CPU", 0))
     capacity = gpus or cpus
     dtype = args.dtype or ("bfloat16" if gpus else "float32")
+    args.noise_device = args.noise_device or ("cuda" if gpus else "cpu")
     driver_card = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU in this process"
     print(f"cluster: {gpus} GPUs, {cpus} CPUs; this process: {driver_card}; dtype {dtype}", flush=True)
     wanted = [int(k) for k in args.engines.split(",")]
