@@ -484,12 +484,18 @@ def test_in_place_slots_and_files_give_the_same_run_and_resume_bit_exact(tmp_pat
     finally:
         files.close()
     slots = engine("in_place")
+    as_files = []  # the adapters of each call that travelled as files
+    real = slots._lora_requests
+    slots._lora_requests = lambda adapters: (as_files.append([a for a in adapters if a is not None]), real(adapters))[1]
     try:
         run = ESRun.create(config, tmp_path / "slots", evaluator=slots)
         run.run(num_generations=2)
         assert slots.adapter_transfer == "in_place" and slots._resident is not None  # not a silent fall-back
     finally:
         slots.close()
+    # generation 0's scoring and generation 2's (the last of the call) go as files; generation 1's
+    # rode in generation 2's population call, served from the slot after the members'
+    assert [len(adapters) for adapters in as_files] == [1, 0, 0, 1]
     fresh = engine("in_place")
     try:
         resumed = ESRun.resume(tmp_path / "slots", evaluator=fresh)

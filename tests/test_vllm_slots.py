@@ -144,6 +144,25 @@ def test_slot_checksums_equal_the_trainers_member_tensors(engine, spec, scheme):
         assert len(set(population.checksums())) == POPULATION
 
 
+def test_the_mean_written_after_the_members_is_the_mean_exactly(engine, resident):
+    """The slot after the members holds the mean itself (sign 0): what the mean's greedy scoring
+    uses when it rides in the population's call, instead of an adapter file."""
+    mean = make_mean(engine.model_dir)
+    members = es.population(base_seed=17, generation=1, population_size=POPULATION - 2)
+    resident.write(mean, members, SIGMA, with_mean=True)
+    assert resident.checksums()[len(members)] == resident.expected_checksum(mean.tensors)
+    assert resident.checksums()[: len(members)] == [resident.expected_checksum(a.tensors)
+                                                    for a in member_adapters(mean, members)]
+    encoded = [engine.encoder.encode(p) for p in PROMPTS]
+    served = vllm_slots.generate_with_requests(engine.llm, encoded, [resident.mean_request()], GREEDY)
+    assert token_ids(served) == token_ids(engine.generate(PROMPTS, [mean], GREEDY))
+    resident.write(mean, members, SIGMA)
+    with pytest.raises(RuntimeError, match="with_mean"):
+        resident.mean_request()
+    with pytest.raises(ValueError, match="and the mean"):
+        resident.write(mean, es.population(base_seed=17, generation=1, population_size=POPULATION), SIGMA, with_mean=True)
+
+
 def test_a_rewritten_slot_serves_the_new_weights(engine, resident):
     mean = make_mean(engine.model_dir)
     prompts = [LONG_PROMPT] + PROMPTS

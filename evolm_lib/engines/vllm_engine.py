@@ -191,18 +191,24 @@ class VLLMEvaluator:
         engine hosts them; every other adapter travels as a file."""
         t0 = time.perf_counter()
         timing: dict[str, float] = {}
-        resident, plans, file_adapters = None, [], []
+        resident, resident_mean, plans, file_adapters = None, None, [], []
+        # The population's own mean, listed in another grid (its greedy scoring riding along), is
+        # served from the slot after the members' instead of an adapter file.
+        listed_elsewhere = {id(a) for _, adapters, _ in grids if not isinstance(adapters, Population)
+                            for a in adapters if a is not None}
         for prompts, adapters, sampling in grids:
             slots = self._slots_for(adapters) if isinstance(adapters, Population) and resident is None else None
             if slots is not None:
+                with_mean = id(adapters.mean) in listed_elsewhere and len(adapters) < slots.num_slots
                 timing.update(slots.write(adapters.mean, adapters.members, adapters.sigmas, adapters.noise_device,
-                                          adapters.noise_scheme))
-                resident = slots
+                                          adapters.noise_scheme, with_mean=with_mean))
+                resident, resident_mean = slots, adapters.mean if with_mean else None
                 plans.append((prompts, sampling, slots.lora_requests(), True))
             else:
-                listed = materialize(adapters)
-                plans.append((prompts, sampling, listed, False))
-                file_adapters.extend(listed)
+                plans.append((prompts, sampling, materialize(adapters), False))
+        for _, _, adapters, in_slots in plans:
+            if not in_slots:
+                file_adapters.extend(a for a in adapters if a is None or a is not resident_mean)
         distinct = len({id(a) for a in file_adapters if a is not None})
         if distinct > self.max_loras:
             raise ValueError(
@@ -217,13 +223,13 @@ class VLLMEvaluator:
             file_requests, paths = self._lora_requests(base_as_zero_adapter(file_adapters))
         t1 = time.perf_counter()
         inputs, params, loras, shapes = [], [], [], []
-        offset = 0
+        by_file = iter(file_requests)
         for prompts, sampling, adapters, in_slots in plans:
             if in_slots:
                 requests = adapters  # LoRA requests of resident slots
             else:
-                requests = file_requests[offset : offset + len(adapters)]
-                offset += len(adapters)
+                requests = [resident.mean_request() if resident_mean is not None and a is resident_mean else next(by_file)
+                            for a in adapters]
             token_prompts = [{"prompt_token_ids": self.encoder.encode(p)} for p in prompts]
             per_prompt = [sampling_params(sampling, i) for i in range(len(prompts))]
             for request in requests:

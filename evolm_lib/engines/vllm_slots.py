@@ -415,7 +415,7 @@ class LoRASlotsExtension:
 
     def evolm_slots_write(self, key: int, mean: dict, members: list, sigmas: Any, noise_device: str,
                           noise_scheme: str = "flat") -> dict:
-        """Write member i = mean + sign_i * sigma * noise(seed_i) into slot i, in place."""
+        """Write member i = mean + sign_i * sigma * noise(seed_i) into slot i, in place (sign 0: the mean)."""
         state = self._evolm_slot_set(key)
         self._evolm_slots_check_layout(state)
         if len(members) > len(state.slots):
@@ -626,8 +626,9 @@ class ResidentPopulation:
     # -- writing
 
     def write(self, mean: AdapterWeights, members: Sequence[es.Member], sigmas: es.Sigma, noise_device: str = "cpu",
-              noise_scheme: es.NoiseScheme = "flat") -> dict[str, float]:
-        """Slot i <- mean + sign_i * sigma * noise(seed_i), regenerated on the engine; returns timings."""
+              noise_scheme: es.NoiseScheme = "flat", with_mean: bool = False) -> dict[str, float]:
+        """Slot i <- mean + sign_i * sigma * noise(seed_i), regenerated on the engine; with ``with_mean``
+        the slot after the members holds the mean itself (``mean_request()``); returns timings."""
         if mean.spec != self.spec:
             raise ValueError(f"the mean adapter's spec {mean.spec} differs from the slots' {self.spec}")
         if set(mean.tensors) != set(self.shapes):
@@ -639,8 +640,9 @@ class ResidentPopulation:
                 raise ValueError(f"mean tensor {name} has shape {tuple(mean.tensors[name].shape)}, expected {tuple(shape)}")
         if not members:
             raise ValueError("members must not be empty")
-        if len(members) > self.num_slots:
-            raise ValueError(f"{len(members)} members but only {self.num_slots} resident slots")
+        if len(members) + with_mean > self.num_slots:
+            raise ValueError(f"{len(members)} members{' and the mean' if with_mean else ''} but only "
+                             f"{self.num_slots} resident slots")
         if not all(isinstance(m, es.Member) for m in members):
             raise TypeError("members must be es.Member values")
         es.check_sigma(sigmas, list(self.shapes))
@@ -651,9 +653,12 @@ class ResidentPopulation:
         # In-process: the tensors themselves (no copy); another process: plain bytes.
         tensors = {name: t.detach() if self._in_process else pack_tensor(t) for name, t in mean.tensors.items()}
         sigma_arg = {k: float(v) for k, v in sigmas.items()} if isinstance(sigmas, Mapping) else float(sigmas)
-        result = _rpc(self.llm, "evolm_slots_write", self.key, tensors, [[m.seed, m.sign] for m in members], sigma_arg, noise_device,
-                      noise_scheme)
+        rows = [[m.seed, m.sign] for m in members]
+        if with_mean:
+            rows.append([members[-1].seed, 0])  # sign 0: mean + 0 * noise, the mean exactly (its seed's draw is shared)
+        result = _rpc(self.llm, "evolm_slots_write", self.key, tensors, rows, sigma_arg, noise_device, noise_scheme)
         self._written = len(members)
+        self._mean_written = with_mean
         self._reset_prefix_cache()
         return {"slots_write_s": float(result["write_s"]), "slots_call_s": time.perf_counter() - started}
 
@@ -669,6 +674,12 @@ class ResidentPopulation:
         if not self._written:
             raise RuntimeError("no members written yet: call write() first")
         return list(self._requests[: self._written])
+
+    def mean_request(self):
+        """The ``LoRARequest`` of the mean adapter, written by the last ``write(..., with_mean=True)``."""
+        if not getattr(self, "_mean_written", False):
+            raise RuntimeError("the mean was not written: call write(..., with_mean=True) first")
+        return self._requests[self._written]
 
     def base_request(self):
         """A resident all-zero adapter: the base model inside calls that also serve slots."""
