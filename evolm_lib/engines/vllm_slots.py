@@ -188,6 +188,7 @@ class _SlotSet:
     scaling: float
     flat_sigma: tuple | None = None  # (per-tensor sigmas, the flat float32 vector of them on the device)
     flat_scale: torch.Tensor | None = None  # alpha / r on B's elements, 1 on A's, flat on the device
+    layout: Any = None  # es.Layout of the shapes (entries are kept in its order once it is set)
 
 
 def _adapter_manager(worker) -> Any:
@@ -423,7 +424,11 @@ class LoRASlotsExtension:
         started = time.perf_counter()
         device = state.entries[0].stacked.device
         slot_dtype = state.entries[0].stacked.dtype
-        layout = es.Layout.of(state.shapes)
+        if state.layout is None:  # once per slot set: the flat order, and the entries in that order
+            state.layout = es.Layout.of(state.shapes)
+            order = {name: index for index, name in enumerate(state.layout.names)}
+            state.entries = sorted(state.entries, key=lambda e: order[e.name])
+        layout, entries = state.layout, state.entries
         with torch.inference_mode():
             tensors = [unpack_tensor(mean[name]) for name in layout.names]
             dtypes = {t.dtype for t in tensors}
@@ -441,7 +446,6 @@ class LoRASlotsExtension:
                 state.flat_scale = _flat_values(layout, [1.0 if is_a[name] else state.scaling for name in layout.names], device)
             scale = state.flat_scale
             needs_scale = state.scaling != 1
-            entries = sorted(state.entries, key=lambda e: layout.names.index(e.name))
             # Members in even-sized blocks (a pair's two halves share one draw) of at most
             # _WRITE_BLOCK_ELEMENTS values: the temporaries stay small beside vLLM's KV cache.
             block = max(2, (_WRITE_BLOCK_ELEMENTS // max(1, layout.total)) // 2 * 2)

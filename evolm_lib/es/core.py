@@ -318,8 +318,16 @@ def seeded_combination(coefficient: Mapping[int, float], shapes: Shapes, divisor
             for total, part in zip(layout.split(flat).values(), layout.split(row).values()):
                 total.add_(part, alpha=coefficient[seed])
     gradient = layout.split(flat)
-    for name in gradient:
-        gradient[name].div_(divisor[name])
+    if scheme == "flat":  # one division for the whole vector (one value per tensor, repeated)
+        values = [float(divisor[name]) for name in layout.names]
+        if len(set(values)) == 1:
+            flat.div_(values[0])
+        else:
+            counts = torch.tensor([math.prod(shape) for shape in layout.shapes])
+            flat.div_(torch.repeat_interleave(torch.tensor(values, dtype=torch.float32), counts).to(flat.device))
+    else:
+        for name in gradient:
+            gradient[name].div_(divisor[name])
     return {name: gradient[name] for name in shapes}
 
 
@@ -475,12 +483,14 @@ def optimizer_state_to(state: OptimizerState, device: str | torch.device) -> Opt
 
 
 def update_norm(delta: Params) -> float:
-    """Global L2 norm of an update (all tensors together), computed in float64."""
-    tensors = [tensor.detach().to(torch.float64) for tensor in delta.values()]
+    """Global L2 norm of an update (all tensors together): per-tensor norms in float32 (at least),
+    combined in float64."""
+    tensors = [tensor.detach() if tensor.dtype in (torch.float32, torch.float64) else tensor.detach().float()
+               for tensor in delta.values()]
     if not tensors:
         return 0.0
-    # one multi-tensor norm and one device->host read, not one per tensor
-    return float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(tensors))))
+    # one multi-tensor norm and one device->host read, not one kernel and one read per tensor
+    return float(torch.linalg.vector_norm(torch.stack([n.double() for n in torch._foreach_norm(tensors)])))
 
 
 _STATE_PREFIXES = {"master": "master", "m": "first_moment", "v": "second_moment"}
