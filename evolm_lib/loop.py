@@ -83,8 +83,11 @@ class RunLoop:
             changed = sorted(k for k, v in config.to_dict().items() if existing.to_dict().get(k) != v)
             fixed = [k for k in changed if k not in EXTENDABLE]
             if fixed:
+                hint = ("; it was made before noise_scheme existed and draws noise per tensor: pass "
+                        "noise_scheme='per_tensor' to continue it" if "noise_scheme" in fixed
+                        and existing.to_dict().get("noise_scheme") == "per_tensor" else "")
                 raise ConfigError(f"{run_dir} holds a run with other settings ({', '.join(fixed)}); "
-                                  "use another run_dir or overwrite=True")
+                                  f"use another run_dir or overwrite=True{hint}")
             if changed:
                 write_run_config(run_dir, config, cls.kind)
             return cls.resume(run_dir, evaluator=evaluator)

@@ -375,6 +375,25 @@ def test_open_resumes_a_matching_run_and_refuses_other_settings(tmp_path):
     assert fresh.generation == 0 and load_run_config(run_dir).sigma == 0.5
 
 
+def test_a_run_made_before_noise_scheme_resumes_with_per_tensor_noise(tmp_path):
+    config = small_config(num_generations=4, noise_scheme="per_tensor")
+    reference = run_to_end(config, tmp_path / "reference")
+    run = ESRun.create(config, tmp_path / "run", evaluator=SyntheticEvaluator())
+    run.run(2)
+    settings = tmp_path / "run" / "config.yaml"
+    settings.write_text("".join(line for line in settings.read_text().splitlines(keepends=True)
+                                if not line.startswith("noise_scheme:")))  # as written before the setting existed
+    assert load_run_config(tmp_path / "run").noise_scheme == "per_tensor"
+    with pytest.raises(ConfigError, match="noise_scheme='per_tensor' to continue it"):
+        ESRun.open(config.replace(noise_scheme="flat"), tmp_path / "run", evaluator=SyntheticEvaluator())
+    resumed = ESRun.open(config, tmp_path / "run", evaluator=SyntheticEvaluator())
+    resumed.run()
+    assert_same_adapter(resumed.mean, reference.mean)
+    # and the two schemes are different draws: a flat run moves elsewhere
+    flat = run_to_end(config.replace(noise_scheme="flat"), tmp_path / "flat")
+    assert not torch.equal(next(iter(flat.mean.tensors.values())), next(iter(reference.mean.tensors.values())))
+
+
 def test_bad_lora_targets_fail_before_any_engine_or_folder(tmp_path):
     config = small_config(target_modules=("nonexistent_proj",))
     started = time.perf_counter()
