@@ -406,3 +406,27 @@ def test_the_benchmark_script_runs_on_cpu(tmp_path):
     assert "skipped K=512: the cluster holds" in result.stdout
     assert all(r["tokens_per_call"] == 4 * 2 * 4 and r["tok_s"] > 0 for r in rows)
     assert "vs in-process" in result.stdout and "cpu@" in result.stdout
+
+
+@pytest.mark.slow
+def test_a_two_node_cluster_runs_the_batch_cli(tmp_path):
+    """scripts/ray_two_nodes.py: the README's several-machines commands rehearsed on two Ray nodes of
+    this host; one engine lands on each node and `evolm batch` with ray_address finishes its run."""
+    import json
+    import subprocess
+
+    pytest.importorskip("ray")
+    stub = tmp_path / "stub"
+    stub.mkdir()
+    (stub / "rfc3987_syntax.py").write_text('raise ImportError("hidden from Ray processes (see start_local_ray)")\n')
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(stub)] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
+    script = Path(__file__).parents[1] / "scripts" / "ray_two_nodes.py"
+    result = subprocess.run([sys.executable, str(script), "--out", str(tmp_path / "out")],
+                            env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-3000:])
+    nodes = next(line for line in result.stdout.splitlines() if line.startswith("engines on nodes"))
+    assert len(set(json.loads(nodes.removeprefix("engines on nodes ")))) == 2
+    summary = json.loads((tmp_path / "out" / "batch" / "summary.json").read_text())
+    assert [run["status"] for run in summary["runs"]] == ["ok"]
+    metrics = [json.loads(line) for line in (tmp_path / "out" / "batch" / "two_nodes" / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [row["generation"] for row in metrics] == [0, 1, 2]

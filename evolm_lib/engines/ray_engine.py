@@ -175,6 +175,16 @@ def _unwire(adapters, shared: Sequence[AdapterWeights]):
     return [None if a is None else shared[a.index] for a in adapters]
 
 
+def _node_id() -> str | None:
+    """The Ray node this process runs on (several nodes may share a host)."""
+    import ray
+
+    try:
+        return ray.get_runtime_context().get_node_id()
+    except Exception:  # noqa: BLE001 - outside a Ray worker there is no node
+        return None
+
+
 class EngineActor:
     """One engine in its own process (a Ray actor): a ``VLLMEvaluator`` on the actor's GPU or CPU slice."""
 
@@ -192,6 +202,7 @@ class EngineActor:
         self.info = {
             "engine": index,
             "host": socket.gethostname(),
+            "node": _node_id(),
             "pid": os.getpid(),
             "device": torch.cuda.get_device_name() if on_gpu else "cpu",
             "cpu_affinity": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
