@@ -2,7 +2,7 @@
 # One lent 4-GPU machine, vLLM and Ray staged (../shared/GPU.md): issue 9's and issue 10's
 # measurements side by side, one GPU set each, results in $OUT.
 #   bash scripts/gpu_session.sh a   # Ray K=1,2 (GPUs 0,1) | issue 9 throughput (GPU 2) | ES generation (GPU 3)
-#   bash scripts/gpu_session.sh b   # Ray K=4 (GPUs 0-3), after a (the models are built and cached)
+#   bash scripts/gpu_session.sh b   # 4 GPUs: Ray K=1 and K=4 (noise on the GPUs), about 6 minutes
 #   bash scripts/gpu_session.sh c   # 2 GPUs: Ray K=1,2, then the ES generation alone (no other load)
 set -u
 export PYTHONPATH=/root/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 EVOLM_CACHE_DIR=/root/cache
@@ -27,6 +27,7 @@ elif [ "$1" = c ]; then
   CUDA_VISIBLE_DEVICES=0 python scripts/gpu_issue9.py --out /root/i9e --skip-throughput > /root/i9e.log 2>&1
   cp /root/i9e/issue9.json "$OUT/i9e.json"; keep /root/i9e.log; grep -h "^in_place\|^files" /root/i9e.log | cut -c 1-700
 else
-  python scripts/bench_ray.py --model qwen-shape --engines 4 --repeats 2 --json "$OUT/ray_qwen_4.json" > /root/ray4.log 2>&1
+  python -c "from evolm_lib.models import resolve_model; print(resolve_model('smollm2-135m-instruct'))" >/dev/null 2>&1
+  python scripts/bench_ray.py --model qwen-shape --engines 1,4 --repeats 2 --json "$OUT/ray_qwen_4.json" > /root/ray4.log 2>&1
   keep /root/ray4.log; tail -n 8 /root/ray4.log
 fi
