@@ -226,10 +226,7 @@ class RunLoop:
         """Score a pending row in a call of its own and log it (when no next generation carries it)."""
         if self._pending is None:
             return []
-        timing: dict[str, float] = {}
-        with timed(timing, "eval_s"):
-            scores = score_adapters(self.evaluator, self.task, self.adapter, self._score_sets(), self.config.max_new_tokens)
-        row = self._log(self._complete(self._pending, scores, timing["eval_s"]))
+        row = self._log(self._complete(self._pending, *self._score_call()))
         self._pending = None
         return [row]
 
@@ -257,11 +254,16 @@ class RunLoop:
         when due (every ``eval_every`` and at the end of the budget) or forced; else ``{}``."""
         if not (force or self._scoring_due()):
             return {}
+        scores, eval_s = self._score_call()
+        self.counters["eval_completions"] = self.counters.get("eval_completions", 0) + self._scoring_size()
+        return self._score_keys(scores, eval_s)
+
+    def _score_call(self) -> tuple[list, float]:
+        """(train, held-out) greedy scores of the current adapter in an engine call of their own, and its seconds."""
         timing: dict[str, float] = {}
         with timed(timing, "eval_s"):
             scores = score_adapters(self.evaluator, self.task, self.adapter, self._score_sets(), self.config.max_new_tokens)
-        self.counters["eval_completions"] = self.counters.get("eval_completions", 0) + self._scoring_size()
-        return self._score_keys(scores, timing["eval_s"])
+        return scores, timing["eval_s"]
 
     def _score_sets(self) -> list[list[Example]]:
         """What scoring covers: the train prompts, then the held-out prompts."""

@@ -72,7 +72,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import math
 import shutil
 import tempfile
 import time
@@ -283,12 +282,6 @@ def _entries(manager, linear: Mapping[str, Any], shapes: Mapping[str, Sequence[i
     return entries
 
 
-def _flat_values(layout, values: Sequence[float], device) -> torch.Tensor:
-    """One float32 value per tensor of ``layout``, repeated over that tensor's elements."""
-    counts = torch.tensor([math.prod(shape) for shape in layout.shapes])
-    return torch.repeat_interleave(torch.tensor(list(values), dtype=torch.float32), counts).to(device)
-
-
 def _region(entry: _Entry, slot: int) -> torch.Tensor:
     """The part of a slot that holds the adapter's rank (the rest is padding)."""
     view = entry.stacked[slot, 0]
@@ -438,12 +431,12 @@ class LoRASlotsExtension:
             base = torch.cat([t.reshape(-1) for t in tensors]).to(device).float()
             per_tensor = tuple(float(sigmas[name]) if isinstance(sigmas, Mapping) else float(sigmas) for name in layout.names)
             if state.flat_sigma is None or state.flat_sigma[0] != per_tensor:  # built once per sigma setting
-                state.flat_sigma = (per_tensor, _flat_values(layout, per_tensor, device))
+                state.flat_sigma = (per_tensor, layout.repeat(per_tensor, device))
             sigma = state.flat_sigma[1]
             # vLLM folds alpha / r into B when it loads a file (see stored_form): B's elements get it here.
             if state.flat_scale is None:
                 is_a = {entry.name: entry.is_a for entry in state.entries}
-                state.flat_scale = _flat_values(layout, [1.0 if is_a[name] else state.scaling for name in layout.names], device)
+                state.flat_scale = layout.repeat([1.0 if is_a[name] else state.scaling for name in layout.names], device)
             scale = state.flat_scale
             needs_scale = state.scaling != 1
             # Members in even-sized blocks (a pair's two halves share one draw) of at most
@@ -610,6 +603,7 @@ class ResidentPopulation:
         self.names = [SLOT_NAME.format(i) for i in range(num_slots)] + [ZERO_SLOT_NAME]
         self._in_process = _engine_in_process(llm)
         self._written = 0
+        self._mean_written = False  # whether the slot after the members holds the mean (write(..., with_mean=True))
         self._encoder = None
         folder = Path(tempfile.mkdtemp(prefix="evolm-slots-", dir=workdir))
         try:
@@ -681,7 +675,7 @@ class ResidentPopulation:
 
     def mean_request(self):
         """The ``LoRARequest`` of the mean adapter, written by the last ``write(..., with_mean=True)``."""
-        if not getattr(self, "_mean_written", False):
+        if not self._mean_written:
             raise RuntimeError("the mean was not written: call write(..., with_mean=True) first")
         return self._requests[self._written]
 

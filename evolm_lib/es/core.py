@@ -71,6 +71,11 @@ class Layout:
         return {name: flat[..., offset:offset + math.prod(shape)].view(*lead, *shape)
                 for name, shape, offset in zip(self.names, self.shapes, self.offsets)}
 
+    def repeat(self, values: Sequence[float], device: str | torch.device = "cpu") -> torch.Tensor:
+        """One float32 value per tensor (in `names` order), repeated over that tensor's elements: (total,)."""
+        counts = torch.tensor([math.prod(shape) for shape in self.shapes])
+        return torch.repeat_interleave(torch.tensor(list(values), dtype=torch.float32), counts).to(device)
+
     def block_size(self) -> int:
         """How many members' noise to draw at once (at least one)."""
         return max(1, _BLOCK_ELEMENTS // max(1, self.total))
@@ -323,8 +328,7 @@ def seeded_combination(coefficient: Mapping[int, float], shapes: Shapes, divisor
         if len(set(values)) == 1:
             flat.div_(values[0])
         else:
-            counts = torch.tensor([math.prod(shape) for shape in layout.shapes])
-            flat.div_(torch.repeat_interleave(torch.tensor(values, dtype=torch.float32), counts).to(flat.device))
+            flat.div_(layout.repeat(values, flat.device))
     else:
         for name in gradient:
             gradient[name].div_(divisor[name])
