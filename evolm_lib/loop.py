@@ -292,7 +292,9 @@ class RunLoop:
 
         Checkpoint first, then the metrics line: a kill in between reruns nothing finished."""
         row.update(self._sample_counters())
-        phases = [v for k, v in row.items() if k.startswith("time/") and k not in ("time/generation_s", "time/wall_s")]
+        # phases are "time/<phase>"; "time/<phase>/<part>" splits a phase further and is not added again
+        phases = [v for k, v in row.items() if k.startswith("time/") and k.count("/") == 1
+                  and k not in ("time/generation_s", "time/wall_s")]
         if phases and self.generation > 0:
             row["time/generation_s"] = sum(phases)
         row["time/wall_s"] = self._wall()

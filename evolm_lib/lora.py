@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from .es import tensor_seed
+from .es import FlatParams, tensor_seed
 
 ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 INIT_SCHEMES = ("peft_default", "random_ab")
@@ -85,6 +85,9 @@ class AdapterWeights:
     def to(self, device: str | torch.device) -> "AdapterWeights":
         """The same adapter with its tensors on `device` (itself when they are all there already)."""
         device = torch.device(device)
+        if isinstance(self.tensors, FlatParams):  # one copy of the flat vector, not one per tensor
+            moved = self.tensors.to(device)
+            return self if moved is self.tensors else AdapterWeights(self.spec, moved)
         if all(t.device.type == device.type for t in self.tensors.values()):
             return self
         return AdapterWeights(self.spec, {name: t.to(device) for name, t in self.tensors.items()})
@@ -224,12 +227,24 @@ def noise_scales(
     return {name: float(sigma * magnitudes[name]) for name in shapes}
 
 
+def _own_storage(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor`, copied when it is a view into a larger storage (a FlatParams' tensors are):
+    safetensors refuses tensors that share memory."""
+    if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
+        return tensor.clone()
+    return tensor
+
+
 def save_adapter(adapter: AdapterWeights, path: str | Path, base_model: str = "", dtype=torch.float32) -> Path:
     """Write an adapter in PEFT format; returns the folder."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     (path / "adapter_config.json").write_text(json.dumps(adapter.spec.peft_config(base_model), indent=1))
-    save_file({k: v.detach().to("cpu", dtype).contiguous() for k, v in adapter.tensors.items()}, str(path / "adapter_model.safetensors"))
+    tensors = adapter.tensors
+    if isinstance(tensors, FlatParams):  # one device-to-host copy, not one per tensor
+        tensors = tensors.to("cpu", dtype)
+    save_file({k: _own_storage(v.detach().to("cpu", dtype).contiguous()) for k, v in tensors.items()},
+              str(path / "adapter_model.safetensors"))
     return path
 
 

@@ -102,9 +102,9 @@ def es_generation(model: str, members: int, generations: int, out: Path, eager: 
             engine.adapter_transfer = changes["adapter_transfer"]
             run = ESRun.create(config.replace(**changes), out / f"es_{label}", evaluator=engine, overwrite=True)
             rows = run.run()[1:]  # the first generation sets the slots up and warms the engine
-            keys = ["time/adapters_s", "time/generate_s", "time/reward_s", "time/update_s", "time/eval_s",
-                    "time/generation_s", "time/wall_s"]
-            median = {k.split("/")[1]: statistics.median(r.get(k, 0.0) for r in rows) for k in keys}
+            keys = ["time/adapters_s", "time/adapters/slots_write_s", "time/adapters/slots_call_s", "time/generate_s", "time/reward_s",
+                    "time/update_s", "time/eval_s", "time/generation_s", "time/wall_s"]
+            median = {k.split("/")[-1]: statistics.median(r.get(k, 0.0) for r in rows) for k in keys}
             walls = [b["time/wall_s"] - a["time/wall_s"] for a, b in zip(rows, rows[1:])]
             median["wall_per_generation_s"] = statistics.median(walls) if walls else None
             median["es_overhead_s"] = median["adapters_s"] + median["update_s"]

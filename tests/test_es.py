@@ -380,6 +380,69 @@ def test_optimizer_state_from_tensors_checks_buffers():
 
 def test_update_norm_by_hand():
     assert update_norm({Q: torch.tensor([3.0]), V: torch.tensor([[4.0, 0.0]])}) == pytest.approx(5.0)
+    flat = es.FlatParams.of({Q: torch.tensor([3.0]), V: torch.tensor([[4.0, 0.0]])})
+    assert update_norm(flat) == 5.0
+
+
+# ----------------------------------------------------------------------------- flat parameters
+
+
+def test_flat_params_are_views_of_one_vector_in_sorted_name_order():
+    params = {V: torch.tensor([[5.0, 6.0]]), Q: torch.tensor([[1.0, 2.0], [3.0, 4.0]])}
+    flat = es.FlatParams.of(params)
+    assert list(flat) == [Q, V] and len(flat) == 2 and Q in flat and "other" not in flat
+    close(flat.flat, [1.0, 2.0, 3.0, 4.0, 5.0, 6.0], atol=0)
+    assert flat[Q].shape == (2, 2) and flat[V].shape == (1, 2)
+    flat.flat[4] = 9.0  # the values are views: they see the vector
+    assert flat[V][0, 0].item() == 9.0
+    assert es.FlatParams.of(flat) is not flat and es.flat_of(flat, flat.layout) is flat.flat  # no copy
+    assert dict(flat).keys() == {Q, V}
+    with pytest.raises(ValueError, match="do not match the layout"):
+        es.flat_of({Q: torch.zeros(2, 2)}, flat.layout)
+    with pytest.raises(ValueError, match="the layout says"):
+        es.flat_of({Q: torch.zeros(4), V: torch.zeros(1, 2)}, flat.layout)
+    with pytest.raises(ValueError, match="6 elements"):
+        es.FlatParams(torch.zeros(5), flat.layout)
+
+
+def test_flat_params_pickle_and_move_as_one_vector():
+    import pickle
+
+    flat = es.FlatParams.of({Q: torch.arange(4.0).reshape(2, 2), V: torch.ones(1, 3)})
+    flat[Q]  # views made: not pickled
+    again = pickle.loads(pickle.dumps(flat))
+    assert again.layout == flat.layout and torch.equal(again.flat, flat.flat) and torch.equal(again[V], flat[V])
+    assert flat.to("cpu") is flat
+    half = flat.to(dtype=torch.bfloat16)
+    assert half.flat.dtype == torch.bfloat16 and half[Q].dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("config", [AdamConfig(learning_rate=0.1, weight_decay=0.1), SGDConfig(0.1, momentum=0.9)])
+def test_update_on_flat_params_equals_the_update_on_a_dict_bit_for_bit(config):
+    generator = torch.Generator().manual_seed(0)
+    params = {Q: torch.randn(3, 4, generator=generator), V: torch.randn(2, 5, generator=generator)}
+    dict_params, dict_state = params, init_optimizer_state(config, params)
+    flat_params = es.FlatParams.of(params)
+    flat_state = init_optimizer_state(config, flat_params)
+    for _ in range(3):
+        gradient = {Q: torch.randn(3, 4, generator=generator), V: torch.randn(2, 5, generator=generator)}
+        dict_params, dict_state = apply_update(config, dict_state, dict(dict_params), gradient)
+        flat_params, flat_state = apply_update(config, flat_state, flat_params, es.FlatParams.of(gradient))
+        assert isinstance(flat_params, es.FlatParams) and isinstance(flat_state.master, es.FlatParams)
+        for name in params:
+            assert torch.equal(flat_params[name], dict_params[name])
+            assert torch.equal(flat_state.first_moment[name], dict_state.first_moment[name])
+    assert torch.equal(es.difference(flat_params, params).flat,
+                       torch.cat([(flat_params[n] - params[n]).reshape(-1) for n in sorted(params)]))
+
+
+def test_mixed_dtype_params_keep_their_dtypes_after_a_flat_update():
+    config = SGDConfig(learning_rate=1.0)
+    params = {Q: torch.tensor([1.0]), V: torch.tensor([2.0], dtype=torch.bfloat16)}
+    new, _ = apply_update(config, init_optimizer_state(config, params), params, {Q: torch.tensor([0.5]), V: torch.tensor([0.25])})
+    assert new[Q].dtype == torch.float32 and new[V].dtype == torch.bfloat16
+    close(new[Q], [1.5], atol=0)
+    assert new[V].item() == 2.25
 
 
 @pytest.mark.parametrize(

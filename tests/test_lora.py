@@ -218,6 +218,18 @@ def test_saved_adapter_loads_in_peft(tmp_path, tiny_model_dir, spec):
     assert all(torch.equal(again.tensors[n], t) for n, t in adapter.tensors.items())
 
 
+def test_flat_adapter_saves_and_moves_like_a_dict_of_tensors(tmp_path, tiny_model_dir):
+    from evolm_lib.es import FlatParams
+
+    adapter = _random_adapter(tiny_model_dir, LoraSpec(rank=2))
+    flat = AdapterWeights(adapter.spec, FlatParams.of(adapter.tensors))  # views of one vector: shared storage
+    for dtype in (torch.float32, torch.bfloat16):
+        loaded = load_adapter(save_adapter(flat, tmp_path / str(dtype), dtype=dtype))
+        assert loaded.tensors.keys() == adapter.tensors.keys()
+        assert all(torch.equal(loaded.tensors[n], t.to(dtype).float()) for n, t in adapter.tensors.items())
+    assert flat.to("cpu") is flat
+
+
 def test_save_adapter_in_bfloat16(tmp_path, tiny_model_dir):
     adapter = _random_adapter(tiny_model_dir, LoraSpec(rank=1))
     loaded = load_adapter(save_adapter(adapter, tmp_path / "bf16", dtype=torch.bfloat16))

@@ -91,7 +91,7 @@ ZERO_SLOT_NAME = "evolm-slot-zero"
 # Fixed LoRA ids, far above the file path's counter (which starts at 1); within int32.
 FIRST_SLOT_ID = 1_000_000_000
 _FINGERPRINT_SEED = 20261126
-_WRITE_BLOCK_ELEMENTS = 1 << 24  # values written per block (64 MiB of float32 temporaries)
+_WRITE_BLOCK_ELEMENTS = 1 << 25  # values written per block (128 MiB of float32 temporaries)
 
 
 class SlotsUnsupported(RuntimeError):
@@ -188,6 +188,8 @@ class _SlotSet:
     flat_sigma: tuple | None = None  # (per-tensor sigmas, the flat float32 vector of them on the device)
     flat_scale: torch.Tensor | None = None  # alpha / r on B's elements, 1 on A's, flat on the device
     layout: Any = None  # es.Layout of the shapes (entries are kept in its order once it is set)
+    staging: dict = dataclasses.field(default_factory=dict)  # rows -> (buffer in the slot dtype, its views by name)
+    destinations: dict = dataclasses.field(default_factory=dict)  # (first slot, rows) -> the slots' views, entry order
 
 
 def _adapter_manager(worker) -> Any:
@@ -407,9 +409,12 @@ class LoRASlotsExtension:
                 )
         return manager
 
-    def evolm_slots_write(self, key: int, mean: dict, members: list, sigmas: Any, noise_device: str,
+    def evolm_slots_write(self, key: int, mean: Any, members: list, sigmas: Any, noise_device: str,
                           noise_scheme: str = "flat") -> dict:
-        """Write member i = mean + sign_i * sigma * noise(seed_i) into slot i, in place (sign 0: the mean)."""
+        """Write member i = mean + sign_i * sigma * noise(seed_i) into slot i, in place (sign 0: the mean).
+
+        ``mean`` is the whole mean adapter as ONE flat vector in ``es.Layout`` order (a tensor, or
+        ``pack_tensor``'s form from another process)."""
         state = self._evolm_slot_set(key)
         self._evolm_slots_check_layout(state)
         if len(members) > len(state.slots):
@@ -419,16 +424,14 @@ class LoRASlotsExtension:
         slot_dtype = state.entries[0].stacked.dtype
         if state.layout is None:  # once per slot set: the flat order, and the entries in that order
             state.layout = es.Layout.of(state.shapes)
-            order = {name: index for index, name in enumerate(state.layout.names)}
+            order = state.layout.positions
             state.entries = sorted(state.entries, key=lambda e: order[e.name])
         layout, entries = state.layout, state.entries
         with torch.inference_mode():
-            tensors = [unpack_tensor(mean[name]) for name in layout.names]
-            dtypes = {t.dtype for t in tensors}
-            if len(dtypes) != 1:
-                raise ValueError(f"the mean adapter mixes dtypes {sorted(map(str, dtypes))}")
-            # The whole mean as one flat vector on the engine's device (one copy, not one per tensor).
-            base = torch.cat([t.reshape(-1) for t in tensors]).to(device).float()
+            flat_mean = unpack_tensor(mean)
+            if flat_mean.dim() != 1 or flat_mean.numel() != layout.total:
+                raise ValueError(f"the mean must be one flat vector of {layout.total} values, got shape {tuple(flat_mean.shape)}")
+            base = flat_mean.to(device).float()
             per_tensor = tuple(float(sigmas[name]) if isinstance(sigmas, Mapping) else float(sigmas) for name in layout.names)
             if state.flat_sigma is None or state.flat_sigma[0] != per_tensor:  # built once per sigma setting
                 state.flat_sigma = (per_tensor, layout.repeat(per_tensor, device))
@@ -455,28 +458,43 @@ class LoRASlotsExtension:
                 # plus the float32 mean, cast to the adapter's dtype; the tests check bit equality.
                 step.mul_(sigma).mul_(sign[:, None]).add_(base)
                 # then what vLLM's file loader does (stored_form): the casts, and alpha / r on B
-                stored = step.to(tensors[0].dtype).to(state.file_dtype).to(slot_dtype)
+                stored = step.to(flat_mean.dtype).to(state.file_dtype)
                 del step
                 if needs_scale:
-                    stored = (stored.float() * scale).to(slot_dtype)
-                views = layout.split(stored)
-                slots = state.slots[start:start + len(rows)]
-                destinations = [self._evolm_destination(entry, slots) for entry in entries]
-                if all(d is not None for d in destinations):
+                    stored = stored.to(slot_dtype).float().mul_(scale)
+                buffer, sources = self._evolm_staging(state, len(rows), slot_dtype, device)
+                buffer.copy_(stored)  # the cast to the slot dtype rounds as .to() does
+                del stored
+                slots = tuple(state.slots[start:start + len(rows)])
+                if slots not in state.destinations:  # views of the slot tensors: their addresses never change
+                    found = [self._evolm_destination(entry, slots) for entry in entries]
+                    state.destinations[slots] = found if all(d is not None for d in found) else None
+                destinations = state.destinations[slots]
+                if destinations is not None:
                     # consecutive slots: one multi-tensor copy into the existing slot tensors (addresses stay)
-                    torch._foreach_copy_(destinations, [views[entry.name] for entry in entries])
+                    torch._foreach_copy_(destinations, sources)
                 else:
                     index = torch.tensor(slots, device=device)
-                    for entry in entries:  # index_put_ into the existing slot tensor: addresses stay (CUDA graphs)
+                    for entry, source in zip(entries, sources):  # index_put_ into the existing slot tensor (CUDA graphs)
                         if entry.is_a:
-                            entry.stacked[index, 0, : entry.rank] = views[entry.name]
+                            entry.stacked[index, 0, : entry.rank] = source
                         else:
-                            entry.stacked[index, 0, :, : entry.rank] = views[entry.name]
+                            entry.stacked[index, 0, :, : entry.rank] = source
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
         written = time.perf_counter() - started
         self._evolm_slots_check_layout(state)
         return {"write_s": written}
+
+    @staticmethod
+    def _evolm_staging(state: _SlotSet, rows: int, dtype: torch.dtype, device: torch.device) -> tuple:
+        """A (rows, total) buffer in the slot dtype and its per-entry views, made once per block size:
+        a write then builds no view per tensor (SmolLM2's adapter has 420)."""
+        if rows not in state.staging:
+            buffer = torch.empty((rows, state.layout.total), dtype=dtype, device=device)
+            views = state.layout.split(buffer)
+            state.staging[rows] = (buffer, [views[entry.name] for entry in state.entries])
+        return state.staging[rows]
 
     @staticmethod
     def _evolm_destination(entry: _Entry, slots: Sequence[int]) -> torch.Tensor | None:
@@ -598,6 +616,7 @@ class ResidentPopulation:
                              f"{free} (max_loras {info['max_loras']}, {len(info['pinned'])} pinned): start it with a larger max_loras")
         self.llm, self.spec, self.num_slots, self.model_dir, self.dtype = llm, spec, num_slots, Path(model_dir), dtype
         self.shapes = adapter_shapes(self.model_dir, spec)
+        self.flat_layout = es.Layout.of(self.shapes)  # the order the mean travels in, flat
         self.key = int(first_id)
         self.ids = [first_id + i for i in range(num_slots + 1)]  # the last one is the zero slot
         self.names = [SLOT_NAME.format(i) for i in range(num_slots)] + [ZERO_SLOT_NAME]
@@ -629,13 +648,14 @@ class ResidentPopulation:
         the slot after the members holds the mean itself (``mean_request()``); returns timings."""
         if mean.spec != self.spec:
             raise ValueError(f"the mean adapter's spec {mean.spec} differs from the slots' {self.spec}")
-        if set(mean.tensors) != set(self.shapes):
-            missing = sorted(set(self.shapes) - set(mean.tensors))[:3]
-            extra = sorted(set(mean.tensors) - set(self.shapes))[:3]
-            raise ValueError(f"mean adapter tensors do not match the slots: missing {missing}, unexpected {extra}")
-        for name, shape in self.shapes.items():
-            if tuple(mean.tensors[name].shape) != tuple(shape):
-                raise ValueError(f"mean tensor {name} has shape {tuple(mean.tensors[name].shape)}, expected {tuple(shape)}")
+        if not (isinstance(mean.tensors, es.FlatParams) and mean.tensors.layout == self.flat_layout):
+            if set(mean.tensors) != set(self.shapes):
+                missing = sorted(set(self.shapes) - set(mean.tensors))[:3]
+                extra = sorted(set(mean.tensors) - set(self.shapes))[:3]
+                raise ValueError(f"mean adapter tensors do not match the slots: missing {missing}, unexpected {extra}")
+            for name, shape in self.shapes.items():
+                if tuple(mean.tensors[name].shape) != tuple(shape):
+                    raise ValueError(f"mean tensor {name} has shape {tuple(mean.tensors[name].shape)}, expected {tuple(shape)}")
         if not members:
             raise ValueError("members must not be empty")
         if len(members) + with_mean > self.num_slots:
@@ -648,13 +668,15 @@ class ResidentPopulation:
             raise ValueError(f"noise_device must be 'cpu' or 'cuda', got {noise_device!r}")
         es.check_noise_scheme(noise_scheme)
         started = time.perf_counter()
-        # In-process: the tensors themselves (no copy); another process: plain bytes.
-        tensors = {name: t.detach() if self._in_process else pack_tensor(t) for name, t in mean.tensors.items()}
+        # The mean in one piece (a FlatParams' own vector: no copy). In-process: the tensor itself;
+        # another process: plain bytes.
+        flat = es.flat_of(mean.tensors, self.flat_layout).detach()
+        payload = flat if self._in_process else pack_tensor(flat)
         sigma_arg = {k: float(v) for k, v in sigmas.items()} if isinstance(sigmas, Mapping) else float(sigmas)
         rows = [[m.seed, m.sign] for m in members]
         if with_mean:
             rows.append([members[-1].seed, 0])  # sign 0: mean + 0 * noise, the mean exactly (its seed's draw is shared)
-        result = _rpc(self.llm, "evolm_slots_write", self.key, tensors, rows, sigma_arg, noise_device, noise_scheme)
+        result = _rpc(self.llm, "evolm_slots_write", self.key, payload, rows, sigma_arg, noise_device, noise_scheme)
         self._written = len(members)
         self._mean_written = with_mean
         self._reset_prefix_cache()

@@ -7,7 +7,10 @@ gradients, optimizers); the run that drives it against an engine is ``evolm_lib.
 from .core import (
     SHAPING,
     NOISE_SCHEMES,
+    FlatParams,
     Layout,
+    difference,
+    flat_of,
     NoiseScheme,
     check_noise_scheme,
     flat_seed,
@@ -45,7 +48,10 @@ from .core import (
 __all__ = [
     "SHAPING",
     "NOISE_SCHEMES",
+    "FlatParams",
     "Layout",
+    "difference",
+    "flat_of",
     "NoiseScheme",
     "check_noise_scheme",
     "flat_seed",

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Callable, Literal, Mapping, Sequence, Union
+from functools import cached_property
+from typing import Callable, Iterator, Literal, Mapping, Sequence, Union
 
 import torch
 
 from ..seeds import derive_seed
 
-Params = dict[str, torch.Tensor]
+Params = Mapping[str, torch.Tensor]  # a dict, or a FlatParams (views of one flat vector)
 Shapes = Mapping[str, tuple[int, ...]]
 Sigma = Union[float, Mapping[str, float]]
 GradientForm = Literal["qiu", "textbook"]
@@ -79,6 +80,75 @@ class Layout:
     def block_size(self) -> int:
         """How many members' noise to draw at once (at least one)."""
         return max(1, _BLOCK_ELEMENTS // max(1, self.total))
+
+    @cached_property
+    def positions(self) -> dict[str, int]:
+        """Index of each name in `names`."""
+        return {name: index for index, name in enumerate(self.names)}
+
+
+class FlatParams(Mapping[str, torch.Tensor]):
+    """Named tensors held as ONE flat vector laid out by `layout` (sorted names, back to back).
+
+    It reads like a dict of tensors (the views are made on first access), but the update math, the
+    norms and the slot writes work on `flat` directly: a handful of kernels per step, whatever the
+    number of LoRA tensors (SmolLM2 has 420), instead of one operation (and one Python round) per
+    tensor. Read-only as a mapping: the values are views, so writing into them writes `flat`."""
+
+    def __init__(self, flat: torch.Tensor, layout: Layout):
+        if flat.dim() != 1 or flat.numel() != layout.total:
+            raise ValueError(f"a flat vector of {layout.total} elements is needed, got shape {tuple(flat.shape)}")
+        self.flat, self.layout = flat, layout
+        self._views: dict[str, torch.Tensor] | None = None
+
+    @classmethod
+    def of(cls, params: Mapping[str, torch.Tensor], layout: Layout | None = None) -> "FlatParams":
+        """`params` laid out flat (itself when it already is, in that layout; else one copy)."""
+        layout = layout or (params.layout if isinstance(params, FlatParams) else Layout.of(shapes_of(params)))
+        return cls(flat_of(params, layout), layout)
+
+    def _all(self) -> dict[str, torch.Tensor]:
+        if self._views is None:
+            self._views = self.layout.split(self.flat)
+        return self._views
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._all()[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.layout.positions
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.layout.names)
+
+    def __len__(self) -> int:
+        return len(self.layout.names)
+
+    def to(self, device: str | torch.device | None = None, dtype: torch.dtype | None = None) -> "FlatParams":
+        """The same tensors on `device` / in `dtype` (itself when nothing changes)."""
+        moved = self.flat.to(device=device, dtype=dtype)
+        return self if moved is self.flat else FlatParams(moved, self.layout)
+
+    def __getstate__(self) -> dict:  # pickled (Ray) without the cached views
+        return {"flat": self.flat, "layout": self.layout}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["flat"], state["layout"])
+
+    def __repr__(self) -> str:
+        return f"FlatParams({len(self)} tensors, {self.layout.total} {self.flat.dtype} values on {self.flat.device})"
+
+
+def flat_of(params: Mapping[str, torch.Tensor], layout: Layout) -> torch.Tensor:
+    """`params` as one vector in `layout`'s order: a FlatParams' own vector (no copy), else one cat."""
+    if isinstance(params, FlatParams) and (params.layout is layout or params.layout == layout):
+        return params.flat
+    if len(params) != len(layout.names) or any(name not in params for name in layout.names):
+        raise ValueError(f"tensors {sorted(set(params) ^ set(layout.names))[:3]} do not match the layout")
+    for name, shape in zip(layout.names, layout.shapes):
+        if tuple(params[name].shape) != shape:
+            raise ValueError(f"{name} has shape {tuple(params[name].shape)}, the layout says {shape}")
+    return torch.cat([params[name].reshape(-1) for name in layout.names])
 
 
 def check_noise_scheme(scheme: str) -> None:
@@ -304,7 +374,8 @@ def es_gradient(
 
 def seeded_combination(coefficient: Mapping[int, float], shapes: Shapes, divisor: Mapping[str, float],
                        noise_device: str = "cpu", scheme: NoiseScheme = "flat") -> Params:
-    """sum_s coefficient[s] * noise(s) / divisor[name], per tensor, in float32 on `noise_device`.
+    """sum_s coefficient[s] * noise(s) / divisor[name], per tensor, in float32 on `noise_device`
+    (a FlatParams).
 
     The members' noise is drawn in blocks (bounded memory) and accumulated seed by seed in a fixed
     order, so the result is the same bits on every call (a resumed run stays bit-exact)."""
@@ -322,7 +393,6 @@ def seeded_combination(coefficient: Mapping[int, float], shapes: Shapes, divisor
             # vectorised add rounds a tensor's tail differently when the whole vector is one tensor)
             for total, part in zip(layout.split(flat).values(), layout.split(row).values()):
                 total.add_(part, alpha=coefficient[seed])
-    gradient = layout.split(flat)
     if scheme == "flat":  # one division for the whole vector (one value per tensor, repeated)
         values = [float(divisor[name]) for name in layout.names]
         if len(set(values)) == 1:
@@ -330,9 +400,9 @@ def seeded_combination(coefficient: Mapping[int, float], shapes: Shapes, divisor
         else:
             flat.div_(layout.repeat(values, flat.device))
     else:
-        for name in gradient:
-            gradient[name].div_(divisor[name])
-    return {name: gradient[name] for name in shapes}
+        for name, view in layout.split(flat).items():
+            view.div_(divisor[name])
+    return FlatParams(flat, layout)
 
 
 # ----------------------------------------------------------------------------- optimizers
@@ -405,17 +475,18 @@ class OptimizerState:
     """Adam v (empty for SGD)."""
 
 
-def _float32_copy(params: Mapping[str, torch.Tensor]) -> Params:
-    """Detached float32 copies (never aliases of the inputs)."""
-    return {name: tensor.detach().to(torch.float32, copy=True) for name, tensor in params.items()}
+def _float32_copy(params: Mapping[str, torch.Tensor]) -> FlatParams:
+    """A detached float32 copy, laid out flat (never an alias of the inputs)."""
+    layout = params.layout if isinstance(params, FlatParams) else Layout.of(shapes_of(params))
+    return FlatParams(flat_of(params, layout).detach().to(torch.float32, copy=True), layout)
 
 
 def init_optimizer_state(config: OptimizerConfig, params: Params) -> OptimizerState:
-    """Fresh state for `params`: step 0, a float32 master copy and zero moments."""
+    """Fresh state for `params`: step 0, a float32 master copy and zero moments (all laid out flat)."""
     master = _float32_copy(params)
 
-    def zeros() -> Params:
-        return {name: torch.zeros_like(tensor) for name, tensor in master.items()}
+    def zeros() -> FlatParams:
+        return FlatParams(torch.zeros_like(master.flat), master.layout)
 
     if isinstance(config, AdamConfig):
         return OptimizerState(step=0, master=master, first_moment=zeros(), second_moment=zeros())
@@ -427,7 +498,10 @@ def init_optimizer_state(config: OptimizerConfig, params: Params) -> OptimizerSt
 def apply_update(
     config: OptimizerConfig, state: OptimizerState, params: Params, gradient: Params
 ) -> tuple[Params, OptimizerState]:
-    """One ascent step: new params (in the params' dtypes and devices) and the advanced state."""
+    """One ascent step: new params (in the params' dtypes and devices) and the advanced state.
+
+    The math runs on flat vectors (`FlatParams`), a dozen kernels whatever the number of tensors;
+    the state it returns is flat, and so are the params when they all share one dtype and device."""
     # All math runs on the float32 master copy in `state`, the source of truth between steps: an
     # update of ~1e-5 on a weight of ~1 vanishes when added in bfloat16 (8 mantissa bits), but
     # accumulates in the master copy until it shows. `params` supplies names, dtypes and devices.
@@ -437,42 +511,47 @@ def apply_update(
     master = state.master if state.master else _float32_copy(params)
     if set(master) != set(params):
         raise ValueError(f"state and params name different tensors: {sorted(set(master) ^ set(params))}")
+    layout = master.layout if isinstance(master, FlatParams) else Layout.of(shapes_of(master))
+    theta = flat_of(master, layout).to(torch.float32)
+    g = flat_of(gradient, layout).detach().to(device=theta.device, dtype=torch.float32)
     step = state.step + 1
     lr = config.learning_rate
-    names = list(master)
-    theta = [master[name] for name in names]
-    g = [gradient[name].detach().to(device=master[name].device, dtype=torch.float32) for name in names]
 
-    def buffer(buffers: Params) -> list[torch.Tensor]:
+    def buffer(buffers: Params) -> torch.Tensor:
         # A missing buffer (state made for another config, or restored without it) starts at 0.
-        return [buffers[name] if name in buffers else torch.zeros_like(master[name]) for name in names]
+        return flat_of(buffers, layout).to(theta.device) if buffers else torch.zeros_like(theta)
 
-    # One multi-tensor kernel per operation over all tensors (torch._foreach_*), not one per tensor:
-    # SmolLM2's LoRA has 420 tensors. Per element the arithmetic is the textbook formula, in order.
+    # Per element the arithmetic is the textbook formula, in order (no fused multiply-adds).
     first: Params = {}
     second: Params = {}
     if isinstance(config, AdamConfig):
-        m = torch._foreach_add(torch._foreach_mul(buffer(state.first_moment), config.beta1),
-                               torch._foreach_mul(g, 1 - config.beta1))
-        v = torch._foreach_add(torch._foreach_mul(buffer(state.second_moment), config.beta2),
-                               torch._foreach_mul(torch._foreach_mul(g, 1 - config.beta2), g))
-        m_hat = torch._foreach_div(m, 1 - config.beta1**step)
-        v_hat = torch._foreach_div(v, 1 - config.beta2**step)
-        direction = torch._foreach_div(m_hat, torch._foreach_add(torch._foreach_sqrt(v_hat), config.eps))
-        first, second = dict(zip(names, m)), dict(zip(names, v))
+        m = buffer(state.first_moment) * config.beta1 + g * (1 - config.beta1)
+        v = buffer(state.second_moment) * config.beta2 + (g * (1 - config.beta2)) * g
+        m_hat = m / (1 - config.beta1**step)
+        v_hat = v / (1 - config.beta2**step)
+        direction = m_hat / (v_hat.sqrt() + config.eps)
+        first, second = FlatParams(m, layout), FlatParams(v, layout)
     elif isinstance(config, SGDConfig):
         if config.momentum > 0:
-            direction = torch._foreach_add(torch._foreach_mul(buffer(state.first_moment), config.momentum), g)
-            first = dict(zip(names, direction))
+            direction = buffer(state.first_moment) * config.momentum + g
+            first = FlatParams(direction, layout)
         else:
             direction = g
     else:
         raise TypeError(f"unknown optimizer config {type(config).__name__}")
     # '+': ascent, rewards are maximised. Decay is decoupled and uses the pre-step theta.
-    moved = torch._foreach_add(theta, torch._foreach_mul(direction, lr))
-    new_master = dict(zip(names, torch._foreach_sub(moved, torch._foreach_mul(theta, lr * config.weight_decay))))
+    new_master = FlatParams((theta + direction * lr) - theta * (lr * config.weight_decay), layout)
 
-    new_params = {name: new_master[name].to(device=tensor.device, dtype=tensor.dtype) for name, tensor in params.items()}
+    if isinstance(params, FlatParams) and params.layout == layout:
+        new_params: Params = new_master.to(params.flat.device, params.flat.dtype)
+    else:
+        kinds = {(tensor.device, tensor.dtype) for tensor in params.values()}
+        if len(kinds) == 1:
+            (device, dtype), = kinds
+            new_params = new_master.to(device, dtype)
+        else:
+            new_params = {name: new_master[name].to(device=tensor.device, dtype=tensor.dtype)
+                          for name, tensor in params.items()}
     new_state = replace(state, step=step, master=new_master, first_moment=first, second_moment=second)
     return new_params, new_state
 
@@ -480,15 +559,25 @@ def apply_update(
 def optimizer_state_to(state: OptimizerState, device: str | torch.device) -> OptimizerState:
     """The same state with every buffer on `device`."""
     def moved(buffers: Params) -> Params:
+        if isinstance(buffers, FlatParams):
+            return buffers.to(device)
         return {name: tensor.to(device) for name, tensor in buffers.items()}
 
     return replace(state, master=moved(state.master), first_moment=moved(state.first_moment),
                    second_moment=moved(state.second_moment))
 
 
+def difference(new: Params, old: Params) -> FlatParams:
+    """new - old over all tensors, in float32 (e.g. the update a step made), laid out flat."""
+    layout = new.layout if isinstance(new, FlatParams) else Layout.of(shapes_of(new))
+    new_flat = flat_of(new, layout).float()
+    return FlatParams(new_flat - flat_of(old, layout).to(new_flat.device, torch.float32), layout)
+
+
 def update_norm(delta: Params) -> float:
-    """Global L2 norm of an update (all tensors together): per-tensor norms in float32 (at least),
-    combined in float64."""
+    """Global L2 norm of an update (all tensors together), accumulated in float64."""
+    if isinstance(delta, FlatParams):
+        return float(torch.linalg.vector_norm(delta.flat.detach(), dtype=torch.float64))
     tensors = [tensor.detach() if tensor.dtype in (torch.float32, torch.float64) else tensor.detach().float()
                for tensor in delta.values()]
     if not tensors:
@@ -505,7 +594,10 @@ def optimizer_state_to_tensors(state: OptimizerState) -> dict[str, torch.Tensor]
     # int64 with one element: safetensors stores it exactly and every reader handles 1-D.
     tensors: dict[str, torch.Tensor] = {"step": torch.tensor([state.step], dtype=torch.int64)}
     for prefix, attribute in _STATE_PREFIXES.items():
-        for name, tensor in getattr(state, attribute).items():
+        buffers = getattr(state, attribute)
+        if isinstance(buffers, FlatParams):  # one device-to-host copy, not one per tensor
+            buffers = buffers.to("cpu", torch.float32)
+        for name, tensor in buffers.items():
             # contiguous CPU clones: safetensors refuses shared or strided storage
             tensors[f"{prefix}/{name}"] = tensor.detach().to("cpu", torch.float32).contiguous().clone()
     return tensors

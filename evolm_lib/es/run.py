@@ -61,10 +61,13 @@ class ESRun(RunLoop):
                           "noise on the host (2-3 s for 64 rank-8 members of a 1.5B model on an H100 host); "
                           "noise_device: cuda is much faster (same bits on every GPU, not across CPU and GPU)",
                           stacklevel=2)
-        self.mean = mean.to(self.device)
+        self.shapes = {k: tuple(v.shape) for k, v in mean.tensors.items()}
+        # The mean and the optimizer's buffers are flat vectors (es.FlatParams): an update is a dozen
+        # kernels and the slot writes take the mean in one piece, however many LoRA tensors there are.
+        self.layout = es.Layout.of(self.shapes)
+        self.mean = AdapterWeights(mean.spec, es.FlatParams.of(mean.tensors, self.layout)).to(self.device)
         self.optimizer_config = config.optimizer_config()
         self.optimizer_state = es.optimizer_state_to(optimizer_state, self.device)
-        self.shapes = {k: tuple(v.shape) for k, v in mean.tensors.items()}
         magnitudes = base_weight_magnitudes(model_dir, mean.spec) if config.noise_mode == "per_layer" else None
         self.sigmas = noise_scales(self.shapes, config.sigma, config.noise_mode, magnitudes)
         # a zeroth-order estimator's memory of past generations (zoar, zohs); checkpointed with the run
@@ -132,6 +135,9 @@ class ESRun(RunLoop):
         call = time.perf_counter() - started
         timing["adapters_s"] = completions.timing.get("adapters_s", 0.0)
         timing["generate_s"] = completions.timing.get("generate_s", call - timing["adapters_s"])
+        for key in ("slots_write_s", "slots_call_s"):  # resident slots: the worker's write, and the whole call
+            if key in completions.timing:
+                timing[f"adapters/{key}"] = completions.timing[key]  # parts of adapters_s
         with timed(timing, "reward_s"):
             rewards = torch.tensor(
                 [self.task.reward_fn([c.text for c in row], examples) for row in completions], dtype=torch.float32
@@ -147,11 +153,9 @@ class ESRun(RunLoop):
         with timed(timing, "update_s"):
             weights, gradient = self.estimate(members, result.rewards)
             new_params, self.optimizer_state = es.apply_update(
-                self.optimizer_config, self.optimizer_state, dict(self.mean.tensors), gradient
+                self.optimizer_config, self.optimizer_state, self.mean.tensors, gradient
             )
-            names = list(new_params)
-            update = dict(zip(names, torch._foreach_sub([new_params[k] for k in names],
-                                                        [self.mean.tensors[k] for k in names])))
+            update = es.difference(new_params, self.mean.tensors)
             self.mean = AdapterWeights(self.mean.spec, new_params)
             if self.device == "cuda":
                 torch.cuda.synchronize()  # the update's kernels finish inside its timing
@@ -196,7 +200,7 @@ class ESRun(RunLoop):
         g = zo.seeded_gradient(coefficient, self.shapes, config.sigma, noise_device=config.noise_device,
                                scheme=config.noise_scheme)
         weights = torch.tensor([-m.sign * coefficient.get(m.seed, 0.0) for m in members], dtype=torch.float32)
-        return weights, {name: -value for name, value in g.items()}
+        return weights, es.FlatParams(-es.flat_of(g, self.layout), self.layout)
 
     def train_step(self) -> dict:
         """One generation's update: ask, evaluate, tell."""

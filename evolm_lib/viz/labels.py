@@ -46,6 +46,8 @@ KEY_LABELS: Mapping[str, str] = {
     # time per generation or step, by phase
     "time/generation_s": "time per generation (s)",
     "time/adapters_s": "writing adapters (s)",
+    "time/adapters/slots_write_s": "writing the resident slots, on the engine (s)",
+    "time/adapters/slots_call_s": "the slot-write call, with its RPC and prefix-cache reset (s)",
     "time/generate_s": "generation (s)",
     "time/rollout_s": "rollouts (s)",
     "time/reward_s": "rewards (s)",
