@@ -41,7 +41,8 @@ def tokens_of(table) -> int:
     return sum(c.num_tokens for row in table for c in row)
 
 
-def throughput(model_dir: Path, rank: int, members: int, prompts: int, new_tokens: int, repeats: int, eager: bool) -> dict:
+def throughput(model_dir: Path, rank: int, members: int, prompts: int, new_tokens: int, repeats: int, eager: bool,
+               lora_configs: str | None = "auto") -> dict:
     """Base, in-place population and file population tokens/s on one engine."""
     spec = LoraSpec(rank=rank, alpha=float(2 * rank))
     shapes = adapter_shapes(model_dir, spec)
@@ -51,10 +52,11 @@ def throughput(model_dir: Path, rank: int, members: int, prompts: int, new_token
     dtype = "bfloat16" if torch.cuda.is_available() else "float32"
     started = time.perf_counter()
     engine = VLLMEvaluator(model_dir, max_lora_rank=rank, max_loras=members, max_model_len=512, dtype=dtype,
-                           enforce_eager=eager, adapter_transfer="in_place",
+                           enforce_eager=eager, adapter_transfer="in_place", lora_kernel_configs=lora_configs,
                            kv_cache_gb=None if torch.cuda.is_available() else 0.25)
     result = {"rank": rank, "members": members, "prompts": prompts, "new_tokens": new_tokens,
-              "engine_start_s": time.perf_counter() - started, "eager": eager}
+              "engine_start_s": time.perf_counter() - started, "eager": eager,
+              "lora_kernel_configs": engine.lora_kernel_configs}
     try:
         def timed(name, call):
             call()  # warm-up (and, for slots, their set-up)
@@ -128,6 +130,7 @@ def main() -> int:
     parser.add_argument("--ranks", default="1,8")
     parser.add_argument("--skip-throughput", action="store_true")
     parser.add_argument("--skip-es", action="store_true")
+    parser.add_argument("--lora-configs", default="auto", help="tuned LoRA kernel configs: auto, none or a folder")
     args = parser.parse_args()
     apply_engine_defaults()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -147,7 +150,9 @@ def main() -> int:
             model_dir = resolve_model(args.model)
         report["throughput"] = []
         for rank in [int(r) for r in args.ranks.split(",")]:
-            report["throughput"].append(throughput(model_dir, rank, members, prompts, tokens, repeats, eager=not gpu))
+            configs = None if args.lora_configs == "none" else args.lora_configs
+            report["throughput"].append(throughput(model_dir, rank, members, prompts, tokens, repeats, eager=not gpu,
+                                                   lora_configs=configs))
             print(json.dumps(report["throughput"][-1])[:800], flush=True)
             path.write_text(json.dumps(report, indent=1))
     if not args.skip_es:

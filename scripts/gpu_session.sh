@@ -4,11 +4,42 @@
 #   bash scripts/gpu_session.sh a   # Ray K=1,2 (GPUs 0,1) | issue 9 throughput (GPU 2) | ES generation (GPU 3)
 #   bash scripts/gpu_session.sh b   # 4 GPUs: Ray K=1 and K=4 (noise on the GPUs), about 6 minutes
 #   bash scripts/gpu_session.sh c   # 2 GPUs: Ray K=1,2, then the ES generation alone (no other load)
+# One GPU, one call each (under 10 minutes):
+#   bash scripts/gpu_session.sh es      # the ES generation at population 32 on SmolLM2 (in_place riding / own call / files)
+#   bash scripts/gpu_session.sh tp      # population throughput against the base model, Qwen2.5-1.5B shapes, ranks 1 and 8
+#   bash scripts/gpu_session.sh tuned   # tune vLLM's LoRA kernels for those shapes, then the throughput again with them
+#   bash scripts/gpu_session.sh tp8     # rank 8: vLLM's default LoRA kernel tiles, then the tiles shipped here
 set -u
 export PYTHONPATH=/root/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 EVOLM_CACHE_DIR=/root/cache
 nvidia-smi -L
 keep() { grep -v "it/s]\|Loading\|Converting\|Writing model" "$1" | tail -c 100000 > "$OUT/$(basename "$1")"; }
-if [ "$1" = a ]; then
+model() { python -c "from evolm_lib.models import resolve_model; print(resolve_model('smollm2-135m-instruct'))" >/dev/null 2>&1; }
+if [ "$1" = es ]; then
+  model
+  python scripts/gpu_issue9.py --out /root/i9e --skip-throughput > /root/i9e.log 2>&1
+  cp /root/i9e/issue9.json "$OUT/i9e.json"; keep /root/i9e.log; grep -h "^in_place\|^files" /root/i9e.log | cut -c 1-900
+elif [ "$1" = tp ]; then
+  model
+  python scripts/gpu_issue9.py --out /root/i9t --skip-es > /root/i9t.log 2>&1
+  cp /root/i9t/issue9.json "$OUT/i9t.json"; keep /root/i9t.log; grep -h "tokens_per_s" /root/i9t.log | cut -c 1-900
+elif [ "$1" = tp8 ]; then
+  # rank 8 with vLLM's default LoRA kernel tiles, then with the tiles shipped in evolm_lib (one process each)
+  model
+  python scripts/gpu_issue9.py --out /root/i9n --skip-es --ranks 8 --lora-configs none > /root/i9n.log 2>&1
+  cp /root/i9n/issue9.json "$OUT/i9n.json"; keep /root/i9n.log; grep -h "tokens_per_s" /root/i9n.log | cut -c 1-1200
+  python scripts/gpu_issue9.py --out /root/i9a --skip-es --ranks 8 --lora-configs auto > /root/i9a.log 2>&1
+  cp /root/i9a/issue9.json "$OUT/i9a.json"; keep /root/i9a.log; grep -h "tokens_per_s" /root/i9a.log | cut -c 1-1200
+elif [ "$1" = tuned ]; then
+  model
+  python -c "import sys; sys.path.insert(0, 'scripts'); import torch; from pathlib import Path; from gpu_benchmark import build_model
+from evolm_lib.models import resolve_model
+print(build_model(Path('/root/cache/qwen25-1.5b-shape'), resolve_model('smollm2-135m-instruct'), torch.bfloat16))"
+  timeout 200 python scripts/tune_lora_kernels.py --model-dir /root/cache/qwen25-1.5b-shape --ranks 1,8 --num-loras 33 --max-loras 66 \
+      --num-tokens 256,2048 --quick --out /root/lora_configs --json "$OUT/tuning.json" > /root/tune.log 2>&1
+  keep /root/tune.log; tail -n 30 /root/tune.log
+  VLLM_TUNED_CONFIG_FOLDER=/root/lora_configs timeout 360 python scripts/gpu_issue9.py --out /root/i9k --skip-es > /root/i9k.log 2>&1
+  cp /root/i9k/issue9.json "$OUT/i9k.json"; keep /root/i9k.log; grep -h "tokens_per_s\|LoRA kernel" /root/i9k.log | cut -c 1-900
+elif [ "$1" = a ]; then
   # convert the embedded model once, before three processes want it
   python -c "from evolm_lib.models import resolve_model; print(resolve_model('smollm2-135m-instruct'))"
   (CUDA_VISIBLE_DEVICES=0,1 python scripts/bench_ray.py --model qwen-shape --engines 1,2 --repeats 2 \

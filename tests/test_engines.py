@@ -332,3 +332,40 @@ def test_hf_ignores_the_models_own_generation_config(tmp_path, tiny_model_dir, t
     # the explicit config sets every value a model's file could change, so none is left for it to fill
     config = generation_config(SamplingSettings(max_new_tokens=8, temperature=0.7, top_k=0), pad_token_id=0, eos_token_id=2)
     assert (config.repetition_penalty, config.no_repeat_ngram_size, config.top_k, config.temperature) == (1.0, 0, 0, 0.7)
+
+
+def test_tuned_lora_kernel_configs_are_picked_per_gpu_for_population_engines(tmp_path, monkeypatch):
+    from evolm_lib.engines.vllm_engine import LORA_KERNEL_CONFIGS, lora_kernel_folder
+
+    h100 = "NVIDIA H100 80GB HBM3"
+    monkeypatch.delenv("VLLM_TUNED_CONFIG_FOLDER", raising=False)
+    # shipped for the H100 the sessions measured on; vLLM names the files after the device
+    assert (LORA_KERNEL_CONFIGS / "NVIDIA_H100_80GB_HBM3_SHRINK.json").is_file()
+    assert (LORA_KERNEL_CONFIGS / "NVIDIA_H100_80GB_HBM3_EXPAND_TRUE.json").is_file()
+    assert lora_kernel_folder("auto", h100, 33) == str(LORA_KERNEL_CONFIGS)
+    assert lora_kernel_folder("auto", h100, 1) is None  # a GRPO engine: tuned for busy slots, slower with one
+    assert lora_kernel_folder("auto", "NVIDIA H200", 33) is None  # not tuned there: vLLM's defaults
+    assert lora_kernel_folder("auto", None, 33) is None
+    assert lora_kernel_folder(None, h100, 33) is None
+    assert lora_kernel_folder(tmp_path, "NVIDIA H200", 1) == str(tmp_path)
+    with pytest.raises(ValueError, match="lora_kernel_configs"):
+        lora_kernel_folder(tmp_path / "missing", h100, 33)
+    monkeypatch.setenv("VLLM_TUNED_CONFIG_FOLDER", str(LORA_KERNEL_CONFIGS))  # left by an earlier engine
+    assert lora_kernel_folder("auto", h100, 1) is None
+    monkeypatch.setenv("VLLM_TUNED_CONFIG_FOLDER", str(tmp_path))  # the user's own choice wins
+    assert lora_kernel_folder("auto", h100, 1) == str(tmp_path)
+
+
+def test_shipped_lora_kernel_configs_are_laid_out_as_vllm_reads_them():
+    import json
+
+    from evolm_lib.engines.vllm_engine import LORA_KERNEL_CONFIGS
+
+    keys = {"block_m", "block_n", "block_k", "num_warps", "num_stages"}
+    for path in LORA_KERNEL_CONFIGS.glob("*.json"):
+        tree = json.loads(path.read_text())
+        # config[max_loras + 1][num_slices][m][k][n] = tile settings (vllm/lora/ops/triton_ops/utils.py)
+        leaves = [leaf for by_slices in tree.values() for by_m in by_slices.values() for by_k in by_m.values()
+                  for by_n in by_k.values() for leaf in by_n.values()]
+        assert leaves and all(keys <= set(leaf) for leaf in leaves), path.name
+        assert all(set(by_slices) >= {"1"} for by_slices in tree.values())

@@ -503,6 +503,8 @@ def test_in_place_slots_and_files_give_the_same_run_and_resume_bit_exact(tmp_pat
     finally:
         files.close()
     slots = engine("in_place")
+    # slot names are fixed: an in-place engine runs without a prefix cache (nothing to go stale)
+    assert slots.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching is False
     as_files = []  # the adapters of each call that travelled as files
     real = slots._lora_requests
     slots._lora_requests = lambda adapters: (as_files.append([a for a in adapters if a is not None]), real(adapters))[1]

@@ -37,7 +37,9 @@ def engine(tiny_model_dir):
     """One tiny-random engine with the slot extension for the module."""
     evaluator = VLLMEvaluator(
         str(tiny_model_dir), max_loras=MAX_LORAS, max_lora_rank=8, max_model_len=512, kv_cache_gb=0.125, dtype=DTYPE,
-        engine_kwargs={"worker_extension_cls": EXTENSION},
+        # the prefix cache on (VLLMEvaluator turns it off for in-place engines): stale KV blocks under
+        # the fixed slot names are the danger the writes must reset
+        engine_kwargs={"worker_extension_cls": EXTENSION, "enable_prefix_caching": True},
     )
     yield evaluator
     evaluator.close()

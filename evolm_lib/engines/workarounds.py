@@ -47,3 +47,20 @@ def base_as_zero_adapter(adapters: list[AdapterWeights | None]) -> list[AdapterW
     template = present[0]
     zero = AdapterWeights(template.spec, {n: torch.zeros_like(t) for n, t in template.tensors.items()})
     return [zero if a is None else a for a in adapters]
+
+
+def fresh_cuda_graph_pool() -> None:
+    """Forget vLLM's process-wide CUDA graph memory pool once every engine has shut down.
+
+    vLLM 0.26 captures every engine's CUDA graphs into one pool, made once per process
+    (``Platform._global_graph_pool``). When the last engine that used it is gone, PyTorch releases
+    the pool, and the next engine of the process failed its capture on an H100 with
+    "it->second->use_count > 0 INTERNAL ASSERT FAILED" (CUDACachingAllocator.cpp): a second engine
+    after closing the first. A fresh pool for the next engine avoids it."""
+    try:
+        from vllm.platforms import current_platform
+    except Exception:  # no vLLM: nothing to reset
+        return
+    platform = type(current_platform)
+    if getattr(platform, "_global_graph_pool", None) is not None:
+        platform._global_graph_pool = None
