@@ -23,7 +23,7 @@ test-fast: setup sync
 	$(PY) -m pytest -q -m "not slow and not browser" tests
 
 benchmark: setup
-	$(PY) -m evolm_lib.cli bench
+	$(PY) -m evolm_lib.benchmark
 	$(PY) -m evolm_lib.cli bench --es-overhead
 
 lab: setup

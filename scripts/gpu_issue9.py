@@ -5,15 +5,14 @@
    ``VLLMEvaluator`` with a ``Population`` (members written in place from their seeds) and with the
    same members as adapter files, against the base model on the same 256 requests; r = 1 and 8.
 2. An ES generation with the demo's settings at population 32 on SmolLM2 (``ESRun``, in_place and
-   files): wall time per generation split into slot writes / adapter files, engine, reward, update
-   and the mean adapter's scoring.
+   files; ``evolm_lib.benchmark.es_generations``): wall time per generation split into slot writes /
+   adapter files, engine, reward, update and the mean adapter's scoring.
 Writes OUT/issue9.json.   CPU check: python scripts/gpu_issue9.py --out /tmp/x --model tiny-random --small
 """
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -22,12 +21,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from evolm_lib.config import ESConfig  # noqa: E402
+from evolm_lib.benchmark import es_generations, format_es_generations  # noqa: E402
 from evolm_lib.engines import Population, SamplingSettings  # noqa: E402
 from evolm_lib.engines.vllm_engine import VLLMEvaluator  # noqa: E402
 from evolm_lib.env import apply_engine_defaults  # noqa: E402
 from evolm_lib.es import population  # noqa: E402
-from evolm_lib.es.run import ESRun  # noqa: E402
 from evolm_lib.lora import LoraSpec, adapter_shapes, base_weight_magnitudes, init_adapter  # noqa: E402
 from evolm_lib.models import resolve_model  # noqa: E402
 from evolm_lib.types import Prompt  # noqa: E402
@@ -84,43 +82,6 @@ def throughput(model_dir: Path, rank: int, members: int, prompts: int, new_token
     return result
 
 
-def es_generation(model: str, members: int, generations: int, out: Path, eager: bool | None) -> dict:
-    """ESRun with the demo's settings: seconds per generation and its split, for resident slots with
-    the mean's scoring riding in the population call (the default), slots with a scoring call of
-    its own, and adapter files. ES overhead = noise + slot writes (adapters_s) + update."""
-    gpu = torch.cuda.is_available()
-    config = ESConfig(model=model, task="conciseness", population_size=members, sigma=0.05, learning_rate=0.4,
-                      lora_rank=1, max_new_tokens=64, max_model_len=512, num_generations=generations,
-                      dtype="bfloat16" if gpu else "float32", noise_device="cuda" if gpu else "cpu",
-                      kv_cache_gb=None if gpu else 0.25, eval_every=1)
-    engine = VLLMEvaluator(resolve_model(model), max_lora_rank=1, max_loras=members + 1, max_model_len=512,
-                           dtype=config.dtype, enforce_eager=eager, adapter_transfer="in_place", kv_cache_gb=config.kv_cache_gb)
-    variants = {"in_place": dict(adapter_transfer="in_place"),
-                "in_place_own_scoring_call": dict(adapter_transfer="in_place", score_in_population=False),
-                "files": dict(adapter_transfer="files")}
-    result = {}
-    try:
-        for label, changes in variants.items():
-            engine.adapter_transfer = changes["adapter_transfer"]
-            run = ESRun.create(config.replace(**changes), out / f"es_{label}", evaluator=engine, overwrite=True)
-            rows = run.run()[1:]  # the first generation sets the slots up and warms the engine
-            keys = ["time/adapters_s", "time/adapters/slots_write_s", "time/adapters/slots_call_s", "time/generate_s", "time/reward_s",
-                    "time/update_s", "time/eval_s", "time/generation_s", "time/wall_s"]
-            median = {k.split("/")[-1]: statistics.median(r.get(k, 0.0) for r in rows) for k in keys}
-            walls = [b["time/wall_s"] - a["time/wall_s"] for a, b in zip(rows, rows[1:])]
-            median["wall_per_generation_s"] = statistics.median(walls) if walls else None
-            median["es_overhead_s"] = median["adapters_s"] + median["update_s"]
-            median["es_overhead_of_generation"] = median["es_overhead_s"] / median["generation_s"]
-            median["train_reward"] = [rows[0].get("policy/train_reward"), rows[-1].get("policy/train_reward")]
-            median["tokens_per_generation"] = statistics.median(
-                b["samples/tokens"] - a["samples/tokens"] for a, b in zip(rows, rows[1:])) if len(rows) > 1 else None
-            result[label] = median
-            print(label, json.dumps(median), flush=True)
-    finally:
-        engine.close()
-    return result
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path, required=True)
@@ -156,8 +117,9 @@ def main() -> int:
             print(json.dumps(report["throughput"][-1])[:800], flush=True)
             path.write_text(json.dumps(report, indent=1))
     if not args.skip_es:
-        report["es_generation"] = es_generation(args.es_model if not args.small else args.model, 32 if not args.small else 4,
-                                                10 if not args.small else 3, args.out, None)
+        report["es_generation"] = es_generations(args.es_model if not args.small else args.model, 32 if not args.small else 4,
+                                                 10 if not args.small else 3, workdir=args.out)
+        print(format_es_generations(report["es_generation"]), flush=True)
         print(json.dumps(report["es_generation"]), flush=True)
     path.write_text(json.dumps(report, indent=1))
     return 0

@@ -51,3 +51,35 @@ print(json.dumps(changed))
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO)
     assert result.returncode == 0, result.stderr[-2000:]
     assert json.loads(result.stdout.strip().splitlines()[-1]) == []
+
+
+def test_the_benchmark_reports_throughput_and_split_es_generations_in_one_run(tmp_path, capsys):
+    from evolm_lib.benchmark import main as benchmark
+
+    out = tmp_path / "benchmark.json"
+    result = benchmark(["--model", "tiny-random", "--population", "4", "--generations", "3", "--prompts", "2",
+                        "--new-tokens", "8", "--variants", "in_place,files", "--json", str(out)])
+    printed = capsys.readouterr().out
+    assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+    throughput = result["throughput"]
+    assert {row["path"] for row in throughput["rows"]} == {"vllm_population", "vllm_population_in_place", "vllm_base"}
+    by_path = {row["path"]: row["tokens_per_s"] for row in throughput["rows"]}
+    assert throughput["ratio_in_place_over_base_vllm"] == pytest.approx(by_path["vllm_population_in_place"] / by_path["vllm_base"])
+    in_place, files = result["es_generations"]["in_place"], result["es_generations"]["files"]
+    assert in_place["slots_write_s"] > 0 and files["slots_write_s"] == 0  # the members went where each path says
+    for split in (in_place, files):
+        assert split["generate_s"] > 0 and split["update_s"] > 0 and split["tokens_per_generation"] > 0
+        assert split["es_overhead_s"] == pytest.approx(split["adapters_s"] + split["update_s"])
+        assert split["generation_s"] >= split["generate_s"] + split["update_s"]
+    assert "vLLM population (in place) / base" in printed and "in_place_own_scoring_call" not in printed
+    assert "files" in printed and "%" in printed
+
+
+def test_the_benchmark_refuses_bad_options(capsys):
+    from evolm_lib.benchmark import main as benchmark
+
+    for argv, message in ((["--population", "3"], "even"), (["--variants", "nope"], "--variants"),
+                          (["--rank", "0"], "--rank")):
+        with pytest.raises(SystemExit):
+            benchmark(argv)
+        assert message in capsys.readouterr().err

@@ -14,7 +14,7 @@ LAYERS = [
     {"config", "lora", "models", "runs", "env", "paths", "quiet"},
     {"engines", "preflight", "evaluation"},
     {"loop", "es.run", "grpo", "analysis", "batch", "sweep"},
-    {"viz", "cli"},
+    {"viz", "cli", "benchmark"},
 ]
 
 
