@@ -1,9 +1,12 @@
-"""Run an ES run on the synthetic engine and SIGKILL the process inside the population call of one generation.
+"""Run an ES run and SIGKILL the process inside the population call of one generation.
 
-Usage: python tests/helpers_kill_run.py RUN_DIR N_KILL
+Usage: python tests/helpers_kill_run.py RUN_DIR N_KILL [--vllm]
 
+On the synthetic engine, or with ``--vllm`` on a real vLLM engine (tiny-random) whose members are
+written in place into resident slots and whose mean's scoring rides in the population call.
 tests/test_es_run.py launches this as a subprocess, then resumes the run in-process and checks it
-ends bit for bit like an uninterrupted one. ``kill_config`` is the run's settings, shared with that test.
+ends bit for bit like an uninterrupted one. ``kill_config`` / ``vllm_kill_config`` are the runs'
+settings, shared with those tests.
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from evolm_lib.config import ESConfig
 from evolm_lib.engines import SamplingSettings
 from evolm_lib.es.run import ESRun
 from evolm_lib.engines.synthetic import SyntheticEvaluator
+from evolm_lib.engines.vllm_engine import VLLMEvaluator
 
 
 def kill_config() -> ESConfig:
@@ -50,7 +54,43 @@ class KillingEvaluator(SyntheticEvaluator):
         return super().generate(prompts, adapters, sampling)
 
 
-def main(run_dir: str, kill_at: int) -> None:
+def vllm_kill_config() -> ESConfig:
+    """Settings of the run killed on vLLM: greedy (the CPU engine repeats it token for token), a
+    momentum buffer, and checkpoints every 2 generations."""
+    return ESConfig(model="tiny-random", population_size=4, num_generations=5, max_new_tokens=8, sigma=0.5,
+                    learning_rate=0.5, optimizer="sgd", momentum=0.5, temperature=0.0, seed=3, lora_rank=1,
+                    checkpoint_every=2)
+
+
+def vllm_engine(killer: bool = False) -> VLLMEvaluator:
+    """The in-place tiny-random engine of the vLLM kill test (``KillingVLLMEvaluator`` when ``killer``)."""
+    kind = KillingVLLMEvaluator if killer else VLLMEvaluator
+    return kind("tiny-random", max_lora_rank=1, max_loras=5, max_model_len=256, kv_cache_gb=0.0625,
+                adapter_transfer="in_place")
+
+
+class KillingVLLMEvaluator(VLLMEvaluator):
+    """VLLMEvaluator that SIGKILLs its own process in the population call of generation ``kill_at``."""
+
+    kill_at = 0
+    run: ESRun | None = None
+
+    def generate_grids(self, grids):
+        """The engine's completions, or SIGKILL in the population call of generation ``kill_at``."""
+        population = any(len(adapters) > 1 for _, adapters, _ in grids)
+        if self.run is not None and population and self.run.generation + 1 == self.kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().generate_grids(grids)
+
+
+def main(run_dir: str, kill_at: int, on_vllm: bool = False) -> None:
+    if on_vllm:
+        evaluator = vllm_engine(killer=True)
+        evaluator.kill_at = kill_at
+        run = ESRun.open(vllm_kill_config(), Path(run_dir), evaluator=evaluator)
+        evaluator.run = run
+        run.run()
+        raise SystemExit(f"generation {kill_at} was never reached")
     evaluator = KillingEvaluator(kill_at)
     run = ESRun.open(kill_config(), Path(run_dir), evaluator=evaluator)
     evaluator.run = run
@@ -59,4 +99,4 @@ def main(run_dir: str, kill_at: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]))
+    main(sys.argv[1], int(sys.argv[2]), "--vllm" in sys.argv[3:])

@@ -223,6 +223,32 @@ def test_kill_mid_generation_then_resume(tmp_path):
     assert without_times(rows) == without_times(read_metrics(tmp_path / "reference"))
 
 
+def test_kill_mid_generation_on_vllm_in_place_then_resume_bit_exact(tmp_path):
+    """SIGKILL inside a population call on a real vLLM engine with resident slots (and the mean's
+    scoring riding): the resumed run ends as an uninterrupted one, row for row and bit for bit."""
+    from helpers_kill_run import vllm_engine, vllm_kill_config
+
+    run_dir = tmp_path / "killed"
+    process = subprocess.run([sys.executable, str(HELPER), str(run_dir), "4", "--vllm"], capture_output=True,
+                             text=True, timeout=600)
+    assert process.returncode == -9, process.stderr[-2000:]
+    assert [p.name for p in list_checkpoints(run_dir)] == ["000000", "000002"]
+    engine = vllm_engine()
+    try:
+        resumed = ESRun.resume(run_dir, evaluator=engine)
+        assert resumed.generation == 2
+        resumed.run()
+        reference = ESRun.create(vllm_kill_config(), tmp_path / "reference", evaluator=engine)
+        reference.run()
+        assert engine.adapter_transfer == "in_place" and engine._resident is not None  # no silent fall-back
+    finally:
+        engine.close()
+    assert_same_adapter(resumed.mean, reference.mean)
+    rows = read_metrics(run_dir)
+    assert [r["generation"] for r in rows] == list(range(6))
+    assert without_times(rows) == without_times(read_metrics(tmp_path / "reference"))
+
+
 def test_kill_between_checkpoint_and_metrics_line(tmp_path):
     config = small_config(num_generations=6)
     run = ESRun.create(config, tmp_path / "run", evaluator=SyntheticEvaluator())

@@ -188,7 +188,7 @@ class _SlotSet:
     flat_sigma: tuple | None = None  # (per-tensor sigmas, the flat float32 vector of them on the device)
     flat_scale: torch.Tensor | None = None  # alpha / r on B's elements, 1 on A's, flat on the device
     layout: Any = None  # es.Layout of the shapes (entries are kept in its order once it is set)
-    staging: dict = dataclasses.field(default_factory=dict)  # rows -> (buffer in the slot dtype, its views by name)
+    staging: dict = dataclasses.field(default_factory=dict)  # rows -> (buffer in the slot dtype, its views in entry order)
     destinations: dict = dataclasses.field(default_factory=dict)  # (first slot, rows) -> the slots' views, entry order
 
 
@@ -196,7 +196,8 @@ def _block_elements(device: torch.device) -> int:
     """Values to write per block: _WRITE_BLOCK_ELEMENTS, or on a GPU up to 1/32 of its free memory
     (the temporaries take about 16 bytes a value) and at most 2**28. Every block costs one copy
     kernel per LoRA tensor, so few large blocks: Qwen2.5-1.5B at rank 8 wrote 33 slots in 17 blocks
-    in 112 ms on an H100."""
+    in 112 ms on an H100, in 2 blocks in 26-29 ms. The staging buffer of a block stays allocated
+    (in the slot dtype: up to 512 MiB on a GPU) until the slots are released."""
     if device.type != "cuda":
         return _WRITE_BLOCK_ELEMENTS
     free, _ = torch.cuda.mem_get_info(device)
@@ -454,7 +455,7 @@ class LoRASlotsExtension:
             scale = state.flat_scale
             needs_scale = state.scaling != 1
             # Members in even-sized blocks (a pair's two halves share one draw) of at most
-            # _WRITE_BLOCK_ELEMENTS values: the temporaries stay small beside vLLM's KV cache.
+            # _block_elements values: the temporaries stay small beside vLLM's KV cache.
             block = max(2, (_block_elements(device) // max(1, layout.total)) // 2 * 2)
             for start in range(0, len(members), block):
                 rows = members[start:start + block]

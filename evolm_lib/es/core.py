@@ -575,7 +575,8 @@ def difference(new: Params, old: Params) -> FlatParams:
 
 
 def update_norm(delta: Params) -> float:
-    """Global L2 norm of an update (all tensors together), accumulated in float64."""
+    """Global L2 norm of an update (all tensors together): of the flat vector in float64 (FlatParams),
+    or per-tensor norms in float32 (at least) combined in float64 (a dict)."""
     if isinstance(delta, FlatParams):
         return float(torch.linalg.vector_norm(delta.flat.detach(), dtype=torch.float64))
     tensors = [tensor.detach() if tensor.dtype in (torch.float32, torch.float64) else tensor.detach().float()
