@@ -104,7 +104,7 @@ class FlatParams(Mapping[str, torch.Tensor]):
     @classmethod
     def of(cls, params: Mapping[str, torch.Tensor], layout: Layout | None = None) -> "FlatParams":
         """`params` laid out flat (itself when it already is, in that layout; else one copy)."""
-        layout = layout or (params.layout if isinstance(params, FlatParams) else Layout.of(shapes_of(params)))
+        layout = layout or layout_of(params)
         return cls(flat_of(params, layout), layout)
 
     def _all(self) -> dict[str, torch.Tensor]:
@@ -137,6 +137,11 @@ class FlatParams(Mapping[str, torch.Tensor]):
 
     def __repr__(self) -> str:
         return f"FlatParams({len(self)} tensors, {self.layout.total} {self.flat.dtype} values on {self.flat.device})"
+
+
+def layout_of(params: Mapping[str, torch.Tensor]) -> Layout:
+    """The flat layout of `params`: a FlatParams' own, else the sorted-name layout of their shapes."""
+    return params.layout if isinstance(params, FlatParams) else Layout.of(shapes_of(params))
 
 
 def flat_of(params: Mapping[str, torch.Tensor], layout: Layout) -> torch.Tensor:
@@ -477,7 +482,7 @@ class OptimizerState:
 
 def _float32_copy(params: Mapping[str, torch.Tensor]) -> FlatParams:
     """A detached float32 copy, laid out flat (never an alias of the inputs)."""
-    layout = params.layout if isinstance(params, FlatParams) else Layout.of(shapes_of(params))
+    layout = layout_of(params)
     return FlatParams(flat_of(params, layout).detach().to(torch.float32, copy=True), layout)
 
 
@@ -511,7 +516,7 @@ def apply_update(
     master = state.master if state.master else _float32_copy(params)
     if set(master) != set(params):
         raise ValueError(f"state and params name different tensors: {sorted(set(master) ^ set(params))}")
-    layout = master.layout if isinstance(master, FlatParams) else Layout.of(shapes_of(master))
+    layout = layout_of(master)
     theta = flat_of(master, layout).to(torch.float32)
     g = flat_of(gradient, layout).detach().to(device=theta.device, dtype=torch.float32)
     step = state.step + 1
@@ -569,7 +574,7 @@ def optimizer_state_to(state: OptimizerState, device: str | torch.device) -> Opt
 
 def difference(new: Params, old: Params) -> FlatParams:
     """new - old over all tensors, in float32 (e.g. the update a step made), laid out flat."""
-    layout = new.layout if isinstance(new, FlatParams) else Layout.of(shapes_of(new))
+    layout = layout_of(new)
     new_flat = flat_of(new, layout).float()
     return FlatParams(new_flat - flat_of(old, layout).to(new_flat.device, torch.float32), layout)
 
