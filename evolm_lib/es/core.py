@@ -149,7 +149,8 @@ def flat_of(params: Mapping[str, torch.Tensor], layout: Layout) -> torch.Tensor:
     if isinstance(params, FlatParams) and (params.layout is layout or params.layout == layout):
         return params.flat
     if len(params) != len(layout.names) or any(name not in params for name in layout.names):
-        raise ValueError(f"tensors {sorted(set(params) ^ set(layout.names))[:3]} do not match the layout")
+        missing, extra = sorted(set(layout.names) - set(params))[:3], sorted(set(params) - set(layout.names))[:3]
+        raise ValueError(f"tensors do not match the layout: missing {missing}, unexpected {extra}")
     for name, shape in zip(layout.names, layout.shapes):
         if tuple(params[name].shape) != shape:
             raise ValueError(f"{name} has shape {tuple(params[name].shape)}, the layout says {shape}")
