@@ -44,7 +44,7 @@ def es_generations(model: str, population: int, generations: int, variants: Sequ
 
     from .config import ESConfig
     from .engines.vllm_engine import VLLMEvaluator
-    from .es.run import ESRun
+    from .train.es import ESRun
     from .models import resolve_model
 
     unknown = [v for v in variants if v not in VARIANTS]

@@ -14,7 +14,7 @@ from typing import Sequence
 import torch
 
 from .engines import Evaluator, SamplingSettings, TokenScorer
-from .grpo.primitives import kl_k3
+from .divergence import kl_k3
 from .lora import AdapterWeights
 from .tasks import Example, Task
 from .types import Completion

@@ -41,9 +41,9 @@ from .analysis import record_final_metrics
 from .batch import execute_notebook, spec_from_dict
 from .config import ESConfig, GRPOConfig
 from .engines import make_evaluator
-from .es.run import ESRun
+from .train.es import ESRun
 from .evaluation import mean_kl_to_base
-from .grpo.run import GRPORun
+from .train.grpo import GRPORun
 from .runs import list_checkpoints, load_checkpoint, read_checkpoint_kls, read_metrics
 from .tasks import get_task
 

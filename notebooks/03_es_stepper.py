@@ -61,7 +61,7 @@ from evolm_lib.viz.figures import export_figure
 from evolm_lib.lora import load_adapter
 from evolm_lib.metrics import completions_table
 from evolm_lib.viz.plots import plot_fitness, plot_time_breakdown
-from evolm_lib.es.run import ESRun
+from evolm_lib.train.es import ESRun
 from evolm_lib.viz.stepper import ESStepper
 from evolm_lib.quiet import set_verbose
 

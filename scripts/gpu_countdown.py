@@ -18,9 +18,9 @@ from pathlib import Path
 from evolm_lib.config import ESConfig, GRPOConfig
 from evolm_lib.engines import make_evaluator
 from evolm_lib.env import apply_engine_defaults
-from evolm_lib.es.run import ESRun
+from evolm_lib.train.es import ESRun
 from evolm_lib.evaluation import evaluate_adapter
-from evolm_lib.grpo.run import GRPORun
+from evolm_lib.train.grpo import GRPORun
 from evolm_lib.tasks import get_task
 from evolm_lib.tasks.countdown import format_score
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from evolm_lib.config import ESConfig
 from evolm_lib.engines import make_evaluator
-from evolm_lib.es.run import ESRun
+from evolm_lib.train.es import ESRun
 
 BASE = dict(
     model="smollm2-135m-instruct", task="conciseness", population_size=16, antithetic=True, sigma=0.05,

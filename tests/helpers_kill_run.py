@@ -17,7 +17,7 @@ from pathlib import Path
 
 from evolm_lib.config import ESConfig
 from evolm_lib.engines import SamplingSettings
-from evolm_lib.es.run import ESRun
+from evolm_lib.train.es import ESRun
 from evolm_lib.engines.synthetic import SyntheticEvaluator
 from evolm_lib.engines.vllm_engine import VLLMEvaluator
 

@@ -1,4 +1,4 @@
-"""Tests for evolm_lib.es.run: ES runs on the synthetic engine (convergence, metrics, exact resume,
+"""Tests for evolm_lib.train.es: ES runs on the synthetic engine (convergence, metrics, exact resume,
 kills, run folders, final adapter) and one end-to-end run on a real vLLM engine with tiny-random."""
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch
 from evolm_lib import es
 from evolm_lib.config import ConfigError, ESConfig
 from evolm_lib.lora import load_adapter
-from evolm_lib.es.run import ESRun
+from evolm_lib.train.es import ESRun
 from evolm_lib.runs import load_run_config
 from evolm_lib.runs import RunFolderExists, list_checkpoints, read_metrics
 from evolm_lib.engines.synthetic import SyntheticEvaluator

@@ -10,8 +10,8 @@ import torch
 from evolm_lib.config import ConfigError
 from evolm_lib.engines import SamplingSettings
 from evolm_lib.config import GRPOConfig
-from evolm_lib.grpo.run import GRPORun
-from evolm_lib.grpo.trainer import PolicyTrainer, optimizer_state_from_tensors, optimizer_state_to_tensors, rollout_batch
+from evolm_lib.train.grpo import GRPORun
+from evolm_lib.train.policy import PolicyTrainer, optimizer_state_from_tensors, optimizer_state_to_tensors, rollout_batch
 from evolm_lib.runs import RunFolderExists, list_checkpoints, read_config_kind, read_metrics
 from evolm_lib.engines.synthetic import SyntheticEvaluator
 from evolm_lib.types import Completion
@@ -238,7 +238,7 @@ SMOLLM2_GRPO = """
 import json, sys
 from evolm_lib.engines.vllm_engine import VLLMEvaluator
 from evolm_lib.config import GRPOConfig
-from evolm_lib.grpo.run import GRPORun
+from evolm_lib.train.grpo import GRPORun
 
 evaluator = VLLMEvaluator(sys.argv[2], max_loras=1, max_lora_rank=1, max_model_len=512, kv_cache_gb=0.25)
 config = GRPOConfig.from_dict(dict(task="conciseness", lora_rank=1, lora_alpha=1.0, group_size=8, max_new_tokens=48,

@@ -1,4 +1,5 @@
-"""The library's layers: no module imports another's private names, and nothing imports upwards."""
+"""The library's layers: folders are layers, no module imports another's private names, nothing
+imports upwards, and library code never imports the command line."""
 from __future__ import annotations
 
 import ast
@@ -7,24 +8,27 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "evolm_lib"
-# bottom to top; a module may import from its own layer or below (the engines import the pure maths,
-# the runs import the engines, viz and cli sit on top)
+# bottom to top, by top-level module or folder; a module may import from its own layer or below
 LAYERS = [
-    {"seeds", "types", "es.core", "es", "zo", "tasks", "grpo.primitives", "metrics"},
+    # pure pieces: maths, data, rewards; nothing here touches an engine, a run folder or a model
+    {"seeds", "types", "divergence", "es", "zo", "tasks", "grpo", "metrics"},
+    # settings, adapters, model folders, run folders, process environment
     {"config", "lora", "models", "runs", "env", "paths", "quiet"},
-    {"engines", "preflight", "evaluation"},
-    {"loop", "es.run", "grpo", "analysis", "batch", "sweep"},
-    {"viz", "cli", "benchmark"},
+    # engines behind one protocol, and what is measured through them
+    {"engines", "preflight", "evaluation", "throughput"},
+    # runs (ES, GRPO, the loop they share) and what drives or reads many runs
+    {"train", "analysis", "batch", "sweep", "benchmark"},
+    # on top: widgets and figures, the evolm command
+    {"viz", "cli"},
 ]
+PURE = {"es", "grpo", "zo", "tasks"}
 
 
 def _layer(module: str) -> int:
-    parts = module.split(".")
-    for depth in (2, 1):
-        name = ".".join(parts[:depth])
-        for index, layer in enumerate(LAYERS):
-            if name in layer:
-                return index
+    top = module.split(".")[0]
+    for index, layer in enumerate(LAYERS):
+        if top in layer:
+            return index
     raise AssertionError(f"evolm_lib.{module} is in no layer of tests/test_layering.py: add it")
 
 
@@ -37,25 +41,63 @@ def _modules():
 
 
 def _imports(module: str, path: Path, is_package: bool):
-    """(imported evolm_lib module, names) of every import in a file, lazy ones included."""
+    """(imported evolm_lib module, names) of every import in a file, lazy ones included; the forms
+    ``from .. import x``, ``from evolm_lib import x`` and ``import evolm_lib.x`` name module x."""
     package = module.split(".") if is_package else module.split(".")[:-1]
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("evolm_lib."):
+                    yield alias.name.removeprefix("evolm_lib."), []
+        elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package[: len(package) - node.level + 1]
                 target = ".".join(base + ([node.module] if node.module else []))
-            elif node.module and node.module.startswith("evolm_lib"):
+            elif node.module and (node.module == "evolm_lib" or node.module.startswith("evolm_lib.")):
                 target = node.module.removeprefix("evolm_lib").lstrip(".")
             else:
                 continue
-            yield target, [alias.name for alias in node.names]
+            names = [alias.name for alias in node.names]
+            if target:
+                yield target, names
+            else:  # from .. import zo, from evolm_lib import es: each name is a module
+                for name in names:
+                    yield name, []
 
 
-@pytest.mark.parametrize("module, path, is_package", list(_modules()), ids=lambda v: str(v) if isinstance(v, str) else "")
+MODULES = list(_modules())
+
+
+@pytest.mark.parametrize("module, path, is_package", MODULES, ids=lambda v: str(v) if isinstance(v, str) else "")
 def test_imports_go_down_and_skip_private_names(module, path, is_package):
     own = _layer(module)
     for target, names in _imports(module, path, is_package):
         private = [n for n in names if n.startswith("_") and not n.startswith("__")]
         assert not private, f"evolm_lib.{module} imports private {private} from evolm_lib.{target}"
-        if target:
-            assert _layer(target) <= own, f"evolm_lib.{module} (layer {own}) imports evolm_lib.{target} (layer {_layer(target)})"
+        assert _layer(target) <= own, f"evolm_lib.{module} (layer {own}) imports evolm_lib.{target} (layer {_layer(target)})"
+        if module.split(".")[0] != "cli":
+            assert target.split(".")[0] != "cli", f"evolm_lib.{module} imports the command line (evolm_lib.{target})"
+
+
+@pytest.mark.parametrize("module, path, is_package", [m for m in MODULES if m[0].split(".")[0] in PURE],
+                         ids=lambda v: str(v) if isinstance(v, str) else "")
+def test_pure_folders_import_only_pure_pieces(module, path, is_package):
+    for target, _ in _imports(module, path, is_package):
+        assert _layer(target) == 0, f"evolm_lib.{module} is pure maths but imports evolm_lib.{target}"
+
+
+def test_the_checker_sees_every_import_form(tmp_path):
+    """`from .. import zo` was once invisible to this test; it must not be again."""
+    source = tmp_path / "mod.py"
+    source.write_text("from .. import zo, es as e\nfrom evolm_lib import train\nimport evolm_lib.cli.bench\n"
+                      "from ..engines.base import X\nfrom . import core\n")
+    found = [target for target, _ in _imports("es.mod", source, is_package=False)]
+    assert found == ["zo", "es", "train", "cli.bench", "engines.base", "es"]
+
+
+def test_no_exec_or_eval_in_the_library():
+    """Nothing read from a notebook, a spec or a model's output is ever run as code."""
+    for module, path, _ in MODULES:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+                assert node.func.id not in {"exec", "eval"}, f"evolm_lib.{module} calls {node.func.id}()"

@@ -12,7 +12,7 @@ import pytest
 
 from evolm_lib import batch
 from evolm_lib.cli import batch as batch_cli
-from evolm_lib.loop import RunLoop
+from evolm_lib.train.loop import RunLoop
 
 # Kernels inherit this: on a busy 2-core machine two spinning OpenMP threads per engine make vLLM's
 # LoRA decoding 10-50x slower; one thread avoids it (measured: nbval of notebooks/ 11.5 -> 2.6 min).

@@ -8,8 +8,8 @@ import pytest
 
 from evolm_lib import preflight
 from evolm_lib.config import ConfigError, ESConfig, GRPOConfig
-from evolm_lib.es.run import ESRun
-from evolm_lib.grpo.run import GRPORun
+from evolm_lib.train.es import ESRun
+from evolm_lib.train.grpo import GRPORun
 from evolm_lib.preflight import check_engine_settings
 
 TINY = dict(model="tiny-random", max_model_len=256, kv_cache_gb=0.1, max_new_tokens=8, population_size=4)

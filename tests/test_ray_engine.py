@@ -31,7 +31,7 @@ from evolm_lib.engines.ray_engine import (
     plan_grid,
     shard_sampling,
 )
-from evolm_lib.es.run import ESRun
+from evolm_lib.train.es import ESRun
 from evolm_lib.lora import AdapterWeights, LoraSpec, adapter_shapes, init_adapter
 from evolm_lib.runs import list_checkpoints, read_metrics
 from evolm_lib.types import Prompt
@@ -365,7 +365,7 @@ def test_an_engine_dead_for_good_raises_engine_lost_error(ray_cluster):
 
 @pytest.mark.slow
 def test_grpo_run_on_two_engines_equals_one_engine(ray_engines, local_engine, tmp_path):
-    from evolm_lib.grpo.run import GRPORun
+    from evolm_lib.train.grpo import GRPORun
 
     settings = dict(**ENGINE, task="conciseness", group_size=4, num_steps=2, max_new_tokens=6, learning_rate=1e-2,
                     micro_batch_size=8, beta=0.05)

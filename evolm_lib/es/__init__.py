@@ -1,8 +1,8 @@
 """Evolution Strategies over LoRA adapters.
 
 ``evolm_lib.es`` is the pure update math (``core``: seeded noise, populations, fitness shaping,
-gradients, optimizers); the run that drives it against an engine is ``evolm_lib.es.run.ESRun``
-(imported from there, so the maths never pulls in an engine).
+gradients, optimizers). The run that drives it against an engine is ``evolm_lib.train.es.ESRun``;
+nothing in this package imports an engine, a run or a model.
 """
 from .core import (
     SHAPING,

@@ -1,5 +1,5 @@
-"""GRPO on the same LoRA adapters, engine, tasks and run folders as ES.
+"""GRPO's pure maths: policy-gradient primitives with CS336 names (``primitives``).
 
-``primitives`` (pure policy-gradient maths, CS336 names), ``trainer`` (the policy as transformers +
-peft: log-probs, gradients, AdamW), ``run`` (``GRPORun``: rollouts, update, metrics, checkpoints).
+The run that drives them (rollouts from the engine, the transformers + peft policy, checkpoints)
+is ``evolm_lib.train.grpo.GRPORun``; the policy itself is ``evolm_lib.train.policy``.
 """

@@ -17,6 +17,8 @@ from typing import Any, Callable, Literal
 import torch
 from torch import Tensor
 
+from ..divergence import kl_k3  # GRPO's KL penalty; kept importable from here
+
 LossType = Literal["no_baseline", "reinforce_with_baseline", "grpo_clip"]
 LOSS_TYPES: tuple[str, ...] = ("no_baseline", "reinforce_with_baseline", "grpo_clip")
 
@@ -243,14 +245,6 @@ def compute_policy_gradient_loss(
     if loss_type == "reinforce_with_baseline":
         return compute_naive_policy_gradient_loss(advantages, policy_log_probs), {}
     return compute_grpo_clip_loss(advantages, policy_log_probs, old_log_probs, cliprange)
-
-
-def kl_k3(policy_log_probs: Tensor, ref_log_probs: Tensor) -> Tensor:
-    """Per-token k3 estimate of KL(pi || pi_ref): exp(r) - r - 1 with r = ref - policy log-prob; always >= 0."""
-    _check_same_shape(ref_log_probs, policy_log_probs, "ref_log_probs", "policy_log_probs")
-    log_ratio = ref_log_probs - policy_log_probs
-    # expm1 keeps precision when the policy is close to the reference (log_ratio near 0)
-    return torch.expm1(log_ratio) - log_ratio
 
 
 # ---------------------------------------------------------------- micro-batch train steps

@@ -16,7 +16,7 @@ from ..config import GRPOConfig
 from ..engines.base import PromptEncoder
 from ..lora import AdapterWeights
 from ..types import Completion
-from .primitives import grpo_microbatch_train_step
+from ..grpo.primitives import grpo_microbatch_train_step
 
 
 # ---------------------------------------------------------------------------- batches and AdamW state

@@ -14,13 +14,13 @@ from typing import Callable
 
 import torch
 
-from .config import ConfigError
-from .engines import Evaluator
-from .evaluation import score_adapters
-from .lora import AdapterWeights, adapter_shapes, base_weight_magnitudes, init_adapter, save_adapter
-from .models import resolve_model
-from .preflight import check_engine_settings
-from .runs import (
+from ..config import ConfigError
+from ..engines import Evaluator
+from ..evaluation import score_adapters
+from ..lora import AdapterWeights, adapter_shapes, base_weight_magnitudes, init_adapter, save_adapter
+from ..models import resolve_model
+from ..preflight import check_engine_settings
+from ..runs import (
     EXTENDABLE,
     append_metrics,
     list_checkpoints,
@@ -33,8 +33,8 @@ from .runs import (
     timed,
     write_run_config,
 )
-from .seeds import derive_seed
-from .tasks import Example, get_task
+from ..seeds import derive_seed
+from ..tasks import Example, get_task
 
 
 def percentile(values: torch.Tensor, q: float) -> float:

@@ -2,7 +2,7 @@
 
 A generation: seeds -> member adapters (mean + sigma * noise) -> one engine call for the whole
 population -> rewards -> shaped weights -> update of the float32 mean adapter -> metrics row.
-Scoring the new mean and the checkpoint are the loop's next steps (``evolm_lib.loop``).
+Scoring the new mean and the checkpoint are the loop's next steps (``evolm_lib.train.loop``).
 Qiu et al. 2025, "Evolution Strategies at Scale" (arXiv 2509.24372).
 """
 from __future__ import annotations
@@ -19,14 +19,14 @@ from ..config import ESConfig
 from ..engines import Evaluator, Population, SamplingSettings, make_evaluator
 from ..evaluation import scoring_grid, scores_of
 from ..lora import AdapterWeights, base_weight_magnitudes, noise_below_resolution, noise_scales
-from ..loop import RunLoop, percentile
 from ..models import resolve_model
 from ..runs import timed, write_checkpoint
 from ..seeds import derive_seed
 from ..tasks import Example, Task, get_task
 from ..types import Completion
 from .. import zo
-from . import core as es
+from ..es import core as es
+from .loop import RunLoop, percentile
 
 
 @dataclass(frozen=True)

@@ -18,13 +18,13 @@ from typing import Sequence
 from ..config import GRPOConfig
 from ..engines import Evaluator, SamplingSettings, TokenScorer, make_evaluator
 from ..lora import AdapterWeights
-from ..loop import RunLoop, percentile
 from ..runs import timed, write_checkpoint
 from ..seeds import derive_seed
 from ..tasks import Example, Task
 from ..types import Completion
-from .primitives import compute_group_normalized_rewards
-from .trainer import PolicyTrainer, engine_logprob_gap, rollout_batch
+from ..grpo.primitives import compute_group_normalized_rewards
+from .loop import RunLoop, percentile
+from .policy import PolicyTrainer, engine_logprob_gap, rollout_batch
 
 
 # ---------------------------------------------------------------------------- the run
