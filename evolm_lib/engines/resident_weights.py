@@ -1,0 +1,153 @@
+"""A model's own weights as the ES mean, written in place where they live (issue 19).
+
+Full-parameter ES (Qiu et al. 2025, https://arxiv.org/abs/2509.24372) and EGGROLL (Sarkar et al.
+2025, https://arxiv.org/abs/2511.16652) both move the model's weights, not an adapter. This class
+holds the targeted weights of a model that an engine serves (the tensors its kernels read) and:
+
+- keeps a float32 master of the mean beside them (the source of truth: an update below bfloat16's
+  resolution accumulates there instead of vanishing);
+- writes a member, ``theta + sign * sigma * eps(seed)``, into the live tensors from its seed
+  (full-rank noise, or EGGROLL's ``A B^T / sqrt(r)``), computed in float32 and cast once;
+- restores the mean by copying the master back, never by subtracting the noise again (bfloat16
+  add-then-subtract drifts a little every member);
+- applies the update from the members' seeds and shaped fitness on the weights' own device
+  (``es.es_gradient`` or ``es.lowrank.lowrank_gradient``, then ``es.apply_update`` on the master),
+  so no full-size tensor crosses to the host.
+
+The same object serves the HF engine (an ``nn.Module``'s parameters) and vLLM's worker (the model
+runner's parameters, reached through ``collective_rpc``). Writes are ``copy_`` into the existing
+tensors, so their addresses (and CUDA graphs captured over them) stay valid.
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import Literal, Mapping, Sequence
+
+import torch
+
+from .. import es
+from ..es import lowrank
+
+NoiseForm = Literal["full", "lowrank"]
+
+
+class ResidentWeights:
+    """The targeted live weights of a model with a float32 master of the ES mean beside them."""
+
+    def __init__(self, live: Mapping[str, torch.Tensor], *, scheme: es.NoiseScheme = "flat",
+                 noise: NoiseForm = "full", noise_rank: int = 1):
+        if not live:
+            raise ValueError("no weights to write: the targeted modules matched no parameter")
+        devices = {tensor.device for tensor in live.values()}
+        if len(devices) != 1:
+            raise ValueError(f"the targeted weights sit on several devices {sorted(map(str, devices))}")
+        if noise not in ("full", "lowrank"):
+            raise ValueError(f"noise must be 'full' or 'lowrank', got {noise!r}")
+        self.device = devices.pop()
+        self.scheme, self.noise, self.noise_rank = scheme, noise, noise_rank
+        self.layout = es.Layout.of({name: tuple(tensor.shape) for name, tensor in live.items()})
+        self.live = [live[name] for name in self.layout.names]  # in layout order
+        if noise == "lowrank":
+            lowrank.check_rank(noise_rank, self.shapes)
+        # the kept copy: float32, so the mean restores bit for bit and small updates accumulate
+        flat = es.flat_of({name: live[name].detach() for name in self.layout.names}, self.layout)
+        self.master = es.FlatParams(flat.to(torch.float32, copy=True), self.layout)
+        self.optimizer_state: es.OptimizerState | None = None
+
+    @property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Name -> shape of every targeted weight."""
+        return dict(zip(self.layout.names, self.layout.shapes))
+
+    def nbytes_needed(self) -> int:
+        """Bytes this object adds beside the live weights: the float32 master and one member's noise."""
+        return 2 * 4 * self.layout.total
+
+    # --- members ---------------------------------------------------------------------------------
+    def member_noise(self, member: es.Member, sigma: float) -> torch.Tensor:
+        """sign * sigma * eps(seed) over all targeted weights, float32, flat (layout order)."""
+        if self.noise == "full":
+            flat = es.population_noise([member.seed], self.layout, self.device, self.scheme)[0]
+            return flat.mul_(member.sign * float(sigma))
+        delta = lowrank.member_delta(member, self.shapes, self.noise_rank, float(sigma), self.device, self.scheme)
+        return torch.cat([delta[name].reshape(-1) for name in self.layout.names])
+
+    @torch.no_grad()
+    def write_member(self, member: es.Member, sigma: float) -> None:
+        """Serve member theta + sign * sigma * eps(seed): computed in float32, cast once into place."""
+        values = self.member_noise(member, sigma).add_(self.master.flat)
+        torch._foreach_copy_(self.live, list(self.layout.split(values).values()))
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        """Serve the mean again: the master copied back (cast), never noise subtracted."""
+        torch._foreach_copy_(self.live, list(self.master.values()))
+
+    def is_restored(self) -> bool:
+        """Whether every live weight holds exactly the master cast to its dtype."""
+        return all(torch.equal(live, mean.to(live.dtype)) for live, mean in zip(self.live, self.master.values()))
+
+    # --- the update -------------------------------------------------------------------------------
+    def gradient(self, members: Sequence[es.Member], weights: Sequence[float] | torch.Tensor, sigma: float,
+                 form: es.GradientForm = "qiu") -> es.FlatParams:
+        """The ES ascent direction over the targeted weights, from seeds and shaped fitness, on their device."""
+        if self.noise == "full":
+            return es.es_gradient(members, weights, self.shapes, sigma, form, self.device, self.scheme)
+        parts = lowrank.lowrank_gradient(members, weights, self.shapes, self.noise_rank, sigma, form, self.device,
+                                         self.scheme)
+        return es.FlatParams(torch.cat([parts[name].reshape(-1) for name in self.layout.names]), self.layout)
+
+    @torch.no_grad()
+    def step(self, optimizer: es.OptimizerConfig, members: Sequence[es.Member], weights: Sequence[float] | torch.Tensor,
+             sigma: float, form: es.GradientForm = "qiu") -> float:
+        """One ES update of the mean where the weights live; the live weights then hold the new mean.
+        Returns the update's L2 norm (float32 master, before the cast)."""
+        if self.optimizer_state is None:
+            self.optimizer_state = _fresh_state(optimizer, self.master)
+        before = self.master.flat.clone()
+        _, state = es.apply_update(optimizer, self.optimizer_state, self.master, self.gradient(members, weights, sigma, form))
+        self.optimizer_state = state
+        self.master = state.master if isinstance(state.master, es.FlatParams) else es.FlatParams.of(state.master, self.layout)
+        self.restore()
+        return float(torch.linalg.vector_norm(self.master.flat - before, dtype=torch.float64))
+
+    @torch.no_grad()
+    def load_master(self, flat: torch.Tensor) -> None:
+        """Set the mean (e.g. from a snapshot) and serve it."""
+        if flat.numel() != self.layout.total:
+            raise ValueError(f"a mean of {self.layout.total} values is needed, got {flat.numel()}")
+        self.master = es.FlatParams(flat.to(self.device, torch.float32).reshape(-1).clone(), self.layout)
+        if self.optimizer_state is not None:
+            self.optimizer_state = es.OptimizerState(self.optimizer_state.step, self.master,
+                                                     self.optimizer_state.first_moment,
+                                                     self.optimizer_state.second_moment)
+        self.restore()
+
+    def checksum(self) -> str:
+        """SHA-256 of the float32 master's bytes (the same bits give the same digest on any machine)."""
+        return hashlib.sha256(self.master.flat.detach().cpu().numpy().tobytes()).hexdigest()
+
+
+def _fresh_state(optimizer: es.OptimizerConfig, master: es.FlatParams) -> es.OptimizerState:
+    """Optimizer state over the master itself (no second full-size copy of the weights)."""
+    def zeros() -> es.FlatParams:
+        return es.FlatParams(torch.zeros_like(master.flat), master.layout)
+
+    if isinstance(optimizer, es.AdamConfig):
+        return es.OptimizerState(0, master, zeros(), zeros())
+    if isinstance(optimizer, es.SGDConfig):
+        return es.OptimizerState(0, master, zeros() if optimizer.momentum > 0 else {})
+    raise TypeError(f"unknown optimizer config {type(optimizer).__name__}")
+
+
+def targeted_weights(named: Mapping[str, torch.Tensor], target_modules: Sequence[str] | str) -> dict[str, torch.Tensor]:
+    """The 2-D weights of the modules a run targets: ``all`` for every parameter, else the weights
+    whose module name ends in one of ``target_modules`` (e.g. q_proj, v_proj)."""
+    if target_modules == "all":
+        return dict(named)
+    wanted = tuple(target_modules)
+    picked = {name: tensor for name, tensor in named.items()
+              if name.endswith(".weight") and name[: -len(".weight")].split(".")[-1] in wanted and tensor.dim() == 2}
+    if not picked:
+        raise ValueError(f"target_modules {list(wanted)} matched no 2-D weight of the model")
+    return picked
