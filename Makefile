@@ -8,7 +8,7 @@ export OMP_WAIT_POLICY ?= PASSIVE
 # vLLM's CPU worker binds its own threads; extra OpenMP threads made LoRA decoding 10-50x slower here.
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup demo test test-fast benchmark lab sync figures clean
+.PHONY: setup demo test test-fast benchmark lab sync figures clean docs docs-build
 
 setup:
 	@bash scripts/setup_env.sh
@@ -28,6 +28,13 @@ benchmark: setup
 
 lab: setup
 	$(PY) -m evolm_lib.cli lab
+
+# The documentation site (mkdocs.yml, docs/): served with live reload, or built as the tests build it.
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs serve
+
+docs-build: setup
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 
 # The .py (percent format) is the source of truth; the paired .ipynb is regenerated from it.
 sync: setup

@@ -23,8 +23,10 @@ The spec is a batch file for notebook 04 (`notebook`, `parameters`) plus a `swee
       seconds_per_completion: {es: 1.1, grpo: 1.6}      # for the wall-time estimate
       kl: {num_samples: 4, temperature: 1.0, every_checkpoint: true}
 
-Usage: evolm sweep [SPEC] [--generations G] [--seeds 0,1,2] [--out DIR]
-       [--model NAME] [--max-new-tokens N] [--no-kl] [--no-notebook] [--dry-run]
+Usage::
+
+    evolm sweep [SPEC] [--generations G] [--seeds 0,1,2] [--out DIR]
+                [--model NAME] [--max-new-tokens N] [--no-kl] [--no-notebook] [--dry-run]
 """
 from __future__ import annotations
 

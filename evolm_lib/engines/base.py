@@ -94,7 +94,7 @@ def materialize(adapters: AdapterList) -> list[AdapterWeights | None]:
 
 
 class CompletionTable(list):
-    """Completions indexed [adapter][prompt], plus the call's timing record (seconds by phase:
+    """Completions indexed ``[adapter][prompt]``, plus the call's timing record (seconds by phase:
     ``adapters_s`` moving adapter weights into the engine, ``generate_s`` decoding)."""
 
     def __init__(self, rows=(), timing: dict[str, float] | None = None):
@@ -107,7 +107,7 @@ class Evaluator(Protocol):
     """Prompts x adapters in, completions (with token ids) out; what every runner calls."""
 
     def generate(self, prompts: Sequence[PromptLike], adapters: AdapterList, sampling: SamplingSettings) -> CompletionTable:
-        """Completions indexed [adapter][prompt] with the call's timing; ``None`` as an adapter is the
+        """Completions indexed ``[adapter][prompt]`` with the call's timing; ``None`` as an adapter is the
         base model; a :class:`Population` stands for its members, in order."""
         ...
 

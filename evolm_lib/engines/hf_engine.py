@@ -63,7 +63,7 @@ class HFEvaluator(GridsOneByOne):
         adapters: Sequence[AdapterWeights | None] = (None,),
         sampling: SamplingSettings = SamplingSettings(),
     ) -> CompletionTable:
-        """Completions indexed [adapter][prompt]; each adapter's prompts run in batches."""
+        """Completions indexed ``[adapter][prompt]``; each adapter's prompts run in batches."""
         import torch
 
         started = time.perf_counter()

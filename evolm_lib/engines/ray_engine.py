@@ -349,13 +349,13 @@ class RayEvaluator:
     # --- the evaluator protocol ------------------------------------------------------------------
     def generate(self, prompts: Sequence[PromptLike], adapters: AdapterList = (None,),
                  sampling: SamplingSettings = SamplingSettings()) -> CompletionTable:
-        """Completions indexed [adapter][prompt], the call shared out over the engines."""
+        """Completions indexed ``[adapter][prompt]``, the call shared out over the engines."""
         (table,) = self.generate_grids([(prompts, adapters, sampling)])
         return table
 
     def generate_grids(self, grids: Sequence[tuple[Sequence[PromptLike], AdapterList, SamplingSettings]]) -> list[CompletionTable]:
         """Several grids in one call: every engine runs its share of all of them in ONE engine call;
-        one complete [adapter][prompt] table per grid, or an error and nothing."""
+        one complete ``[adapter][prompt]`` table per grid, or an error and nothing."""
         ray = _import_ray()
         started = time.perf_counter()
         shared: list[AdapterWeights] = []

@@ -45,7 +45,7 @@ class SyntheticEvaluator(GridsOneByOne):
     def generate(
         self, prompts: Sequence[PromptLike], adapters: Sequence[AdapterWeights | None] = (None,), sampling: SamplingSettings = SamplingSettings()
     ) -> CompletionTable:
-        """Completions indexed [adapter][prompt]; identical for every prompt."""
+        """Completions indexed ``[adapter][prompt]``; identical for every prompt."""
         self.calls += 1
         adapters = materialize(adapters)
         rows = []

@@ -238,13 +238,13 @@ class VLLMEvaluator:
         adapters: Sequence[AdapterWeights | None] = (None,),
         sampling: SamplingSettings = SamplingSettings(),
     ) -> CompletionTable:
-        """Completions indexed [adapter][prompt], from one batched engine call."""
+        """Completions indexed ``[adapter][prompt]``, from one batched engine call."""
         (completions,) = self.generate_grids([(prompts, adapters, sampling)])
         return completions
 
     def generate_grids(self, grids: Sequence[tuple[Sequence[PromptLike], AdapterList, SamplingSettings]]) -> list[CompletionTable]:
         """Several (prompts x adapters, sampling) grids in ONE engine call, e.g. a population and the
-        greedy scoring of its mean adapter; returns one [adapter][prompt] table per grid. A
+        greedy scoring of its mean adapter; returns one ``[adapter][prompt]`` table per grid. A
         :class:`Population` goes into the resident slots (written in place from its seeds) when the
         engine hosts them; every other adapter travels as a file."""
         t0 = time.perf_counter()

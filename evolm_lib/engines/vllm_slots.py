@@ -720,7 +720,7 @@ class ResidentPopulation:
         return self._requests[-1]
 
     def generate(self, prompts: Sequence, sampling, *, with_base: bool = False):
-        """Completions [member][prompt] (+ a last base row if ``with_base``) in one engine call."""
+        """Completions ``[member][prompt]`` (+ a last base row if ``with_base``) in one engine call."""
         from .base import PromptEncoder
 
         if self._encoder is None:
@@ -794,7 +794,7 @@ def sampling_params(sampling, prompt_index: int):
 
 
 def generate_with_requests(llm, prompt_token_ids: Sequence[Sequence[int]], requests: Sequence, sampling):
-    """Completions [request][prompt] for every (LoRA request x prompt) pair, in ONE engine call."""
+    """Completions ``[request][prompt]`` for every (LoRA request x prompt) pair, in ONE engine call."""
     from .base import CompletionTable
 
     inputs, params, loras = [], [], []

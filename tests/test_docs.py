@@ -1,0 +1,200 @@
+"""The documentation: the MkDocs site builds strictly (broken links, unknown anchors, missing API
+references and settings without a help text fail), the settings page lists every config field with
+its help text, every module has an API entry, and the README stays short with working links."""
+from __future__ import annotations
+
+import html
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from pydantic import BaseModel, Field
+
+from evolm_lib.config import CommonConfig, ESConfig, GRPOConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG_CLASSES = (CommonConfig, ESConfig, GRPOConfig)
+README_MAX_LINES = 150
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def _load_hook():
+    spec = importlib.util.spec_from_file_location("evolm_docs_hook", ROOT / "docs" / "hooks" / "evolm_docs.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+hook = _load_hook()
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> Path:
+    """The site as `make docs-build` builds it (mkdocs build --strict), into a temporary folder."""
+    out = tmp_path_factory.mktemp("site")
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
+    result = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, f"mkdocs build --strict failed:\n{result.stdout}\n{result.stderr}"
+    return out
+
+
+def _page(site: Path, doc: str) -> str:
+    """The built HTML of a docs page given by its path under docs/ (use_directory_urls)."""
+    stem = doc.removesuffix(".md")
+    path = site / (stem.removesuffix("index") if stem.endswith("index") else stem + "/") / "index.html"
+    return path.read_text()
+
+
+def _text(fragment: str) -> str:
+    """Visible text of an HTML fragment: table cells apart, inline tags (code) dropped, whitespace collapsed."""
+    cells = re.sub(r"</t[dh]>", " ", fragment)
+    return " ".join(html.unescape(re.sub(r"<[^>]+>", "", cells)).split())
+
+
+def _row(page: str, anchor: str) -> str:
+    """The visible text of the table row that holds ``id="anchor"`` ('' when there is none)."""
+    at = page.find(f'id="{anchor}"')
+    if at < 0:
+        return ""
+    return _text(page[page.rfind("<tr", 0, at):page.index("</tr>", at)])
+
+
+def _plain(help_text: str) -> str:
+    """A help text as the page shows it: Markdown code marks gone, whitespace collapsed."""
+    return " ".join(help_text.replace("`", "").split())
+
+
+# --- the build -----------------------------------------------------------------------------------
+
+def test_site_builds_strictly_with_every_page(site):
+    for page in ("index.md", "getting-started.md", "settings.md", "measurements.md", "api/engines.md"):
+        assert "<h1" in _page(site, page), page
+    assert (site / "figures" / "demo_fitness.png").stat().st_size > 0  # figures/ published beside the pages
+
+
+def test_settings_page_lists_every_field_with_its_help_text(site):
+    page = _page(site, "settings.md")
+    for cls in CONFIG_CLASSES:
+        own = set(hook.own_fields(cls))
+        for name in cls.model_fields:
+            # a field is documented in its class's table, or (inherited unchanged) in the common one
+            anchor = f"{hook.ANCHOR_PREFIX[cls.__name__]}-{name}" if name in own else f"common-{name}"
+            row = _row(page, anchor)
+            assert row, f"{cls.__name__}.{name}: no row with id {anchor!r} on the settings page"
+            assert row.startswith(name + " ") and _plain(hook.help_text(cls, name)) in row, (cls.__name__, name, row)
+
+
+def test_settings_page_shows_types_defaults_and_bounds(site):
+    page = _page(site, "settings.md")
+    assert _row(page, "es-sigma") == \
+        "sigma float 0.05 > 0 noise std on LoRA weights (per_layer mode: a multiplier on each layer's mean |W|)"
+    assert _row(page, "grpo-temperature").startswith("temperature float 1.0 > 0 sampling temperature of the rollouts")
+    assert _row(page, "common-noise_device") == ""  # an ES-only field is not in the common table
+    assert _row(page, "es-noise_device").startswith('noise_device "cpu" or "cuda" "cpu" where noise is drawn')
+
+
+# --- help texts ----------------------------------------------------------------------------------
+
+def test_every_config_field_has_a_help_text():
+    for cls in CONFIG_CLASSES:
+        assert hook.fields_without_help(cls) == [], cls.__name__
+
+
+def test_help_texts_come_from_the_field_docstring_or_description_and_follow_the_mro():
+    # the docstring under the field where it is declared (CommonConfig for ESConfig.model) ...
+    assert hook.help_text(ESConfig, "model") == hook.help_text(CommonConfig, "model") == \
+        "model name (smollm2-135m-instruct, tiny-random), local folder or hub name"
+    # ... the subclass's own where it redeclares the field
+    assert hook.help_text(CommonConfig, "temperature") == "sampling temperature for training rollouts (0: greedy)"
+    assert hook.help_text(GRPOConfig, "temperature").startswith("sampling temperature of the rollouts (> 0")
+    assert "temperature" in hook.own_fields(GRPOConfig) and "model" not in hook.own_fields(GRPOConfig)
+
+    class Described(BaseModel):
+        rate: float = Field(0.1, gt=0, description="step size, from the description")
+        width: int = 3
+        "width, from the docstring"
+
+    assert hook.help_text(Described, "rate") == "step size, from the description"
+    assert hook.help_text(Described, "width") == "width, from the docstring"
+    assert hook.fields_without_help(Described) == []
+
+
+def test_a_field_without_help_text_stops_the_settings_page():
+    class Undocumented(BaseModel):
+        documented: int = 1
+        "has one"
+        bare: int = 2
+
+    assert hook.fields_without_help(Undocumented) == ["bare"]
+    with pytest.raises(hook.MissingHelpText, match=r"Undocumented\.bare"):
+        hook.check_help_texts([Undocumented])
+    with pytest.raises(hook.MissingHelpText, match=r"Undocumented\.bare"):
+        hook.settings_table(Undocumented, ["documented", "bare"])
+    with pytest.raises(KeyError, match="Nonexistent"):
+        hook.expand_markers("<!-- settings-table: Nonexistent -->", {"ESConfig": ESConfig})
+
+
+def test_settings_table_cells_are_escaped_and_typed():
+    class Tricky(BaseModel):
+        mode: str = "a|b"
+        "pipes | and * stars stay text"
+        sizes: tuple[int, ...] = (1, 2)
+        "a tuple default"
+
+    table = hook.settings_table(Tricky, ["mode", "sizes"])
+    assert '| `"a\\|b"` |' in table and "pipes \\| and \\* stars stay text" in table
+    assert "| list of int | `1`, `2` |" in table
+    assert hook.type_text(ESConfig.model_fields["noise_device"].annotation) == '`"cpu"` or `"cuda"`'
+    assert hook.type_text(CommonConfig.model_fields["kv_cache_gb"].annotation) == "float or None"
+    assert hook.constraint_text(CommonConfig.model_fields["gpu_memory_utilization"]) == "> 0, <= 1"
+
+
+# --- the API reference ---------------------------------------------------------------------------
+
+def _modules() -> list[str]:
+    names = []
+    for path in sorted((ROOT / "evolm_lib").rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        names.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    return names
+
+
+def test_every_module_has_an_api_entry(site):
+    entries = set()
+    for page in (ROOT / "docs" / "api").glob("*.md"):
+        entries |= set(re.findall(r"^::: ([\w.]+)\s*$", page.read_text(), flags=re.M))
+    missing = [name for name in _modules() if name not in entries]
+    assert not missing, f"modules without an API entry: {missing} (add `::: NAME` to their layer's page in docs/api/)"
+    built = "".join(_page(site, f"api/{page.name}") for page in (ROOT / "docs" / "api").glob("*.md"))
+    assert all(f'id="{name}"' in built for name in _modules())
+
+
+# --- the README ----------------------------------------------------------------------------------
+
+def test_readme_is_under_150_lines():
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) < README_MAX_LINES, f"README.md has {len(lines)} lines; move detail into docs/"
+
+
+def test_readme_links_resolve(site):
+    links = [target for target in LINK.findall((ROOT / "README.md").read_text()) if "://" not in target]
+    into_docs = [target for target in links if target.startswith("docs/")]
+    assert len(into_docs) >= 10, into_docs  # the README points into the site
+    for target in links:
+        path, _, anchor = target.partition("#")
+        assert (ROOT / path).is_file(), f"README.md links to {target}, which does not exist"
+        if path.startswith("docs/") and path.endswith(".md"):
+            page = _page(site, path.removeprefix("docs/"))  # published, not only present
+            assert not anchor or f'id="{anchor}"' in page, f"README.md links to {target}: no such anchor"
+
+
+def test_readme_make_targets_exist():
+    targets = set(re.findall(r"^([\w-]+):", (ROOT / "Makefile").read_text(), flags=re.M))
+    named = set(re.findall(r"\bmake ([a-z][\w-]*)", (ROOT / "README.md").read_text()))
+    assert {"demo", "test", "docs", "docs-build"} <= named
+    assert named <= targets, named - targets
