@@ -238,8 +238,8 @@ def test_a_1_mb_completion_scores_in_milliseconds(shape):
         # int() of a million digits would take seconds (and raise past 4,300 digits): the rule never does it
         value = arithmetic_reward(completion, result)
         timings.append(time.perf_counter() - start)
-    # measured 0.3-12 ms on a shared 2-core machine; a quadratic reading would take seconds
-    assert min(timings) < 0.050, f"{shape}: best of 5 took {min(timings) * 1000:.1f} ms"
+    # measured 0.3-12 ms on a shared 2-core machine, up to 57 ms at a load of 8; a quadratic reading takes minutes
+    assert min(timings) < 0.100, f"{shape}: best of 5 took {min(timings) * 1000:.1f} ms"
     assert value.value == reward
     assert len(value.details["answer"] or "") < 80  # a huge answer is shortened in the details
 
