@@ -1,11 +1,14 @@
 """Tests of Countdown on the paper's data format: loading, float targets, malformed entries, the strict and
-lenient answer formats, linear-time rewards, and the `path` task option through a config."""
+lenient answer formats, linear-time rewards, the `path` task option through a config, and the difficulty
+of generated puzzles (numbers per puzzle, largest number, largest target), checked by an exhaustive solver."""
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import re
 import time
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
@@ -13,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from evolm_lib.config import ConfigError, ESConfig
-from evolm_lib.tasks import countdown_reward, get_task, load_countdown_json
+from evolm_lib.tasks import countdown_reward, evaluate_expression, get_task, load_countdown_json, task_options
 from evolm_lib.tasks.countdown import (
     CountdownDataError,
     CountdownFileNotFoundError,
@@ -315,3 +318,106 @@ def test_config_task_options_take_the_path_and_report_a_missing_file(tmp_path):
         ESConfig.from_dict({"task": "countdown", "task_options": {"path": str(missing)}})
     with pytest.raises(ConfigError, match="id 101"):
         ESConfig.from_dict({"task": "countdown", "task_options": {"path": str(MALFORMED), "num_train": 1}})
+
+
+# ------------------------------------------------------------------ difficulty of generated puzzles
+
+
+def solve(numbers: list[int], target: int) -> str | None:
+    """An expression using every number once that reaches `target` with + - * / (exact fractions), or None: every
+    way of combining two of the numbers is tried, then the result with the rest, so None means no solution."""
+
+    def search(parts: list[tuple[Fraction, str]]) -> str | None:
+        if len(parts) == 1:
+            return parts[0][1] if parts[0][0] == target else None
+        for i, j in itertools.combinations(range(len(parts)), 2):
+            (x, x_text), (y, y_text) = parts[i], parts[j]
+            rest = [part for k, part in enumerate(parts) if k not in (i, j)]
+            combined = [(x + y, f"({x_text} + {y_text})"), (x - y, f"({x_text} - {y_text})"),
+                        (y - x, f"({y_text} - {x_text})"), (x * y, f"({x_text} * {y_text})")]
+            combined += [(x / y, f"({x_text} / {y_text})")] if y else []
+            combined += [(y / x, f"({y_text} / {x_text})")] if x else []
+            for value, text in combined:
+                found = search(rest + [(value, text)])
+                if found is not None:
+                    return found
+        return None
+
+    return search([(Fraction(n), str(n)) for n in numbers])
+
+
+def test_the_solver_finds_solutions_and_only_solutions():
+    assert solve([1, 1], 3) is None  # 1 + 1, 1 - 1, 1 * 1, 1 / 1: no 3
+    assert solve([2, 3, 7], 100) is None
+    assert evaluate_expression(solve([2, 3], 6)) == 6
+    assert evaluate_expression(solve([4, 6, 3], 8)) == 8  # e.g. 4 * 6 / 3
+    assert solve([90, 47, 5], Fraction(137, 5)) is not None
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"num_numbers": 2, "max_number": 9, "max_target": 20},  # the easiest: what a 135M model might start on
+        {"num_numbers": [2, 3], "max_number": 10, "max_target": 30},
+        {"num_numbers": 3, "max_number": 20, "max_target": 100},
+        {"num_numbers": (3, 4), "max_number": 100, "max_target": 1000},  # the defaults
+        {"num_numbers": 4, "max_number": 25, "max_target": 50},
+    ],
+)
+def test_generated_puzzles_are_in_range_and_solvable(options):
+    task = get_task("countdown", num_train=40, num_eval=20, seed=11, **options)
+    counts = {options["num_numbers"]} if isinstance(options["num_numbers"], int) else set(options["num_numbers"])
+    puzzles = task.train_examples() + task.eval_examples()
+    assert len(puzzles) == 60
+    assert len({(tuple(sorted(p.data["numbers"])), p.target) for p in puzzles}) == 60  # no puzzle twice
+    for puzzle in puzzles:
+        numbers, target = puzzle.data["numbers"], int(puzzle.target)
+        assert len(numbers) in counts and all(1 <= n <= options["max_number"] for n in numbers), puzzle
+        assert 1 <= target <= options["max_target"] and puzzle.target == str(target), puzzle
+        # solvable whatever the generator's own solution says: found by search and scored by the reward
+        expression = solve(numbers, target)
+        assert expression is not None, puzzle
+        completion = f"reasoning</think>\n<answer>{expression}</answer>"
+        assert task.reward(completion, puzzle).value == pytest.approx(1.1), (puzzle, expression)
+    assert {len(p.data["numbers"]) for p in puzzles} == counts  # 60 puzzles reach every count
+
+
+def test_the_difficulty_defaults_keep_the_generated_puzzles():
+    # the puzzles of seed 0 before the difficulty options existed (copied from the earlier generator)
+    task = get_task("countdown", num_train=5, num_eval=2, seed=0)
+    assert [(e.data["numbers"], e.target) for e in task.train_examples() + task.eval_examples()] == [
+        ([93, 52, 91], "50"), ([73, 29, 31], "133"), ([71, 38, 91, 16], "42"), ([19, 90, 29], "138"),
+        ([12, 48, 15, 5], "825"), ([34, 9, 29], "335"), ([6, 77, 13, 90], "604"),
+    ]
+    assert task_options("countdown")["num_numbers"] == (3, 4)
+    assert (task_options("countdown")["max_number"], task_options("countdown")["max_target"]) == (100, 1000)
+
+
+def test_difficulty_options_are_for_generated_puzzles_only():
+    with pytest.raises(ValueError, match="max_number, max_target only apply to generated puzzles"):
+        get_task("countdown", path=PAPER_FORMAT, num_train=2, num_eval=1, max_number=9, max_target=20)
+    # the paper's file path works as before, also with the defaults written out ([3, 4] as YAML gives it)
+    task = get_task("countdown", path=PAPER_FORMAT, num_train=15, num_eval=5, num_numbers=[3, 4], max_target=1000)
+    assert [e.data["id"] for e in task.eval_examples()] == list(range(15, 20))
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"num_numbers": 1}, "num_numbers must be at least 2"),
+        ({"max_number": 0}, "need 1 <= min_number <= max_number"),
+        ({"max_target": 0}, "max_target must be >= 1"),
+        ({"num_numbers": 2, "max_number": 2, "max_target": 4, "num_train": 20}, "could only make .* max_target"),
+    ],
+)
+def test_bad_difficulty_options_are_named(options, message):
+    with pytest.raises(ValueError, match=message):
+        get_task("countdown", **{"num_train": 4, "num_eval": 2, **options})
+
+
+def test_a_config_takes_the_difficulty_options():
+    options = {"num_train": 16, "num_eval": 16, "num_numbers": 2, "max_number": 9, "max_target": 20}
+    config = ESConfig.from_dict({"task": "countdown", "task_options": options})
+    assert config.task_options == options
+    with pytest.raises(ConfigError, match="max_target must be >= 1"):
+        ESConfig.from_dict({"task": "countdown", "task_options": {"max_target": 0}})

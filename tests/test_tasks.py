@@ -27,6 +27,7 @@ USER_JSONL = DATA / "user_task.jsonl"
 
 # small options per task so every registered task is built and checked for free
 SMALL_OPTIONS = {
+    "arithmetic": {"num_train": 4, "num_eval": 2, "seed": 0},
     "countdown": {"num_train": 4, "num_eval": 2, "seed": 0},
     "jsonl": {"path": USER_JSONL},
 }
@@ -65,6 +66,10 @@ def test_reward_labels_name_the_definition():
 
 def test_registry_lists_the_builtin_tasks():
     assert {"conciseness", "countdown", "jsonl"} <= set(list_tasks())
+
+
+def test_registry_lists_the_arithmetic_task():
+    assert "arithmetic" in list_tasks()
 
 
 def test_unknown_task_names_the_known_ones():

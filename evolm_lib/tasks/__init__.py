@@ -13,6 +13,7 @@ from evolm_lib.tasks.base import (
 from evolm_lib.tasks.safe_arith import UnsafeExpressionError, evaluate_expression, numbers_used
 
 # importing the task modules also registers their tasks
+from evolm_lib.tasks.arithmetic import ArithmeticTask, arithmetic_reward, generate_arithmetic_problems, last_number
 from evolm_lib.tasks.conciseness import ConcisenessTask, length_reward
 from evolm_lib.tasks.countdown import (
     CountdownTask,
@@ -23,6 +24,7 @@ from evolm_lib.tasks.countdown import (
 from evolm_lib.tasks.jsonl import JsonlTask, load_jsonl_examples
 
 __all__ = [
+    "ArithmeticTask",
     "ConcisenessTask",
     "CountdownTask",
     "Example",
@@ -30,11 +32,14 @@ __all__ = [
     "RewardResult",
     "Task",
     "UnsafeExpressionError",
+    "arithmetic_reward",
     "completion_text",
     "countdown_reward",
     "evaluate_expression",
+    "generate_arithmetic_problems",
     "generate_countdown_puzzles",
     "get_task",
+    "last_number",
     "length_reward",
     "list_tasks",
     "load_countdown_json",

@@ -58,6 +58,8 @@ PAPER_REPOSITORY = "https://github.com/VsonicV/es-fine-tuning-paper"
 """The paper's code; its 2,200 puzzles are PAPER_DATA_FILE there (academic licence: not shipped here)."""
 PAPER_DATA_FILE = "countdown/data/countdown.json"
 """The paper's puzzles inside PAPER_REPOSITORY; pass the downloaded file as the task option `path`."""
+GENERATED_DIFFICULTY = {"num_numbers": (3, 4), "max_number": 100, "max_target": 1000}
+"""Defaults of the generated puzzles: 3 or 4 numbers from 1 to 100, a target from 1 to 1000."""
 
 _THINK_OPEN, _THINK_CLOSE = "<think>", "</think>"
 _ANSWER_OPEN, _ANSWER_CLOSE = "<answer>", "</answer>"
@@ -218,12 +220,13 @@ def countdown_reward(
 def generate_countdown_puzzles(
     n: int,
     seed: int,
-    num_numbers: int | Sequence[int] = (3, 4),
+    num_numbers: int | Sequence[int] = GENERATED_DIFFICULTY["num_numbers"],
     min_number: int = 1,
-    max_number: int = 100,
-    max_target: int = 1000,
+    max_number: int = GENERATED_DIFFICULTY["max_number"],
+    max_target: int = GENERATED_DIFFICULTY["max_target"],
 ) -> list[Example]:
-    """`n` distinct solvable puzzles: random numbers, and a positive integer target made from all of them."""
+    """`n` distinct solvable puzzles: `num_numbers` numbers (a count, or counts drawn from) in
+    [min_number, max_number], and a target in [1, max_target] made from all of them by + - * and exact /."""
     counts = [num_numbers] if isinstance(num_numbers, int) else list(num_numbers)
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
@@ -231,6 +234,8 @@ def generate_countdown_puzzles(
         raise ValueError(f"num_numbers must be at least 2, got {num_numbers}")
     if not 1 <= min_number <= max_number:
         raise ValueError(f"need 1 <= min_number <= max_number, got {min_number}, {max_number}")
+    if max_target < 1:
+        raise ValueError(f"max_target must be >= 1 (targets are positive integers), got {max_target}")
     rng = random.Random(seed)
     seen: set[tuple[tuple[int, ...], int]] = set()
     puzzles: list[Example] = []
@@ -246,7 +251,10 @@ def generate_countdown_puzzles(
         seen.add(key)
         puzzles.append(countdown_example(numbers, target, solution=solution))
     if len(puzzles) < n:
-        raise ValueError(f"could only make {len(puzzles)} distinct puzzles of {n}; widen the number ranges")
+        raise ValueError(
+            f"could only make {len(puzzles)} distinct puzzles of {n} with num_numbers={num_numbers}, numbers "
+            f"{min_number} to {max_number} and targets 1 to {max_target}; widen the number ranges or raise max_target"
+        )
     return puzzles
 
 
@@ -267,6 +275,11 @@ def _random_solution(numbers: Sequence[int], rng: random.Random) -> tuple[str, i
         parts = [part for index, part in enumerate(parts) if index not in (first, second)]
         parts.append((f"{left} {operation} {right}", value, False))
     return parts[0][0], parts[0][1]
+
+
+def _as_list(value: Any) -> Any:
+    """A sequence as a list (YAML gives [3, 4] where the default is (3, 4)); anything else as it is."""
+    return list(value) if isinstance(value, (list, tuple)) else value
 
 
 class CountdownDataError(ValueError):
@@ -377,6 +390,9 @@ class CountdownTask(Task):
         path: str | Path | None = None,
         skip_malformed: bool = False,
         answer_format: str = "strict",
+        num_numbers: int | Sequence[int] = GENERATED_DIFFICULTY["num_numbers"],
+        max_number: int = GENERATED_DIFFICULTY["max_number"],
+        max_target: int = GENERATED_DIFFICULTY["max_target"],
     ):
         """Train on the first `num_train` puzzles, evaluate on the next `num_eval` (from `path` when given, in file order).
 
@@ -385,13 +401,21 @@ class CountdownTask(Task):
         out with a warning instead of failing. `answer_format`: "strict" (the paper's) or "lenient".
         The paper evaluates on the file's last 100 entries; here evaluation takes the entries
         right after the training ones.
+        Generated puzzles only, to make them easier or harder: `num_numbers` numbers per puzzle
+        (a count, or a list of counts drawn from), each from 1 to `max_number`, and targets from
+        1 to `max_target` (e.g. 2 numbers up to 9 and targets up to 20 for a small model).
         """
         if num_train < 0 or num_eval < 0:
             raise ValueError(f"num_train and num_eval must be >= 0, got {num_train}, {num_eval}")
         self.answer_format = check_answer_format(answer_format)
+        difficulty = {"num_numbers": num_numbers, "max_number": max_number, "max_target": max_target}
         if path is None:
-            puzzles = generate_countdown_puzzles(num_train + num_eval, seed)
+            puzzles = generate_countdown_puzzles(num_train + num_eval, seed, **difficulty)
         else:
+            changed = [name for name, value in difficulty.items() if _as_list(value) != _as_list(GENERATED_DIFFICULTY[name])]
+            if changed:
+                # a file's puzzles are used as they are: a silently ignored setting would mislead
+                raise ValueError(f"{', '.join(changed)} only apply to generated puzzles; leave them out with `path`")
             puzzles = load_countdown_json(path, skip_malformed=skip_malformed)
             if len(puzzles) < num_train + num_eval:
                 raise ValueError(
