@@ -237,20 +237,26 @@ def load_average() -> list[float]:
 
 
 def throughput_report(spec: ThroughputSpec, paths: Sequence[str] = PATHS, engine: str = "local",
-                      **engine_options) -> dict[str, Any]:
-    """Start an engine (:func:`start_engine`), measure the paths on it, close it; returns the rows,
-    their ratios, the engine's start time and the machine it ran on."""
-    report: dict[str, Any] = {"mode": "throughput", **asdict(spec), "machine": machine_info(), "load_before": load_average()}
-    started = time.perf_counter()
-    evaluator = start_engine(spec, engine, **engine_options)
-    report["engine"] = engine
-    report["engine_start_s"] = time.perf_counter() - started
-    report["adapter_transfer"] = getattr(evaluator, "adapter_transfer", None)
+                      evaluator: Evaluator | None = None, **engine_options) -> dict[str, Any]:
+    """Measure the paths on an engine started for the spec (:func:`start_engine`, closed at the end)
+    or on ``evaluator`` (left open); returns the rows, their ratios, the engine's start time and the
+    machine it ran on."""
+    report: dict[str, Any] = {"mode": "throughput", **asdict(spec), "machine": machine_info(), "load_before": load_average(),
+                              "engine": engine}
+    own = evaluator is None
+    if own:
+        started = time.perf_counter()
+        evaluator = start_engine(spec, engine, **engine_options)
+        report["engine_start_s"] = time.perf_counter() - started
+    else:
+        report["engine_start_s"] = getattr(evaluator, "start_seconds", float("nan"))
     try:
         report["rows"] = measure_throughput(evaluator, spec, paths, "ray" if engine == "ray" else "vllm")
-        report["adapter_transfer"] = getattr(evaluator, "adapter_transfer", report["adapter_transfer"])  # after any fall-back
+        report["adapter_transfer"] = getattr(evaluator, "adapter_transfer", None)  # after any fall-back to files
+        report["lora_kernel_configs"] = getattr(evaluator, "lora_kernel_configs", None)  # tuned tiles a GPU engine uses
     finally:
-        evaluator.close()
+        if own:
+            evaluator.close()
     report["ratios"] = ratios(report["rows"])
     report["load_after"] = load_average()
     return report
