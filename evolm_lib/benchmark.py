@@ -1,8 +1,8 @@
 """The engine and ES benchmark in one run: ``python -m evolm_lib.benchmark``.
 
-1. Throughput on one vLLM engine (``evolm bench``'s measurement, HF paths left out): the base model,
-   a population of N rank-r members written in place into resident slots, and the same members as
-   adapter files; tokens/s and the ratios to the base model.
+1. Throughput on one vLLM engine (``evolm_lib.throughput``, the measurement ``evolm bench`` makes,
+   HF paths left out): the base model, a population of N rank-r members written in place into
+   resident slots, and the same members as adapter files; tokens/s and the ratios to the base model.
 2. ES generations (``ESRun`` on the conciseness task, the demo's settings): through resident slots
    with the mean's greedy scoring riding in the population call (the default), with a scoring call of
    its own, and through adapter files. Each generation's time is split into noise + slot writes (or
@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .env import apply_engine_defaults
+from .throughput import ThroughputSpec, format_throughput, throughput_report
 
 VARIANTS = {  # label -> ESConfig changes
     "in_place": {"adapter_transfer": "in_place"},
@@ -97,8 +98,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Run both parts, print them, optionally write JSON; returns the results."""
     import torch
 
-    from .cli.bench import format_throughput, run_throughput
-
     gpu = torch.cuda.is_available()
     parser = argparse.ArgumentParser(prog="python -m evolm_lib.benchmark", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m-instruct", help="known name or model folder")
@@ -119,8 +118,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if not variants or any(v not in VARIANTS for v in variants):
         parser.error(f"--variants must name some of {list(VARIANTS)}")
     apply_engine_defaults()
-    throughput = run_throughput(argparse.Namespace(model=args.model, population=args.population, prompts=args.prompts,
-                                                   new_tokens=args.new_tokens, rank=args.rank, max_model_len=512, hf=False))
+    spec = ThroughputSpec(model=args.model, population=args.population, prompts=args.prompts, new_tokens=args.new_tokens,
+                          rank=args.rank, noise_device="cuda" if gpu else "cpu")
+    throughput = throughput_report(spec, ("in_place", "files", "base"), max_model_len=512)
     print(format_throughput(throughput), flush=True)
     generations = es_generations(args.model, args.population, args.generations, variants)
     print(format_es_generations(generations))

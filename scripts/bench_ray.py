@@ -3,10 +3,12 @@ engine: tokens per second of whole population calls, for K = 1, 2, 4 (those the 
 
 Each call is what an ES generation asks of the engines: a Population (mean adapter + seeds) of
 `--population` rank-`--rank` LoRA members on `--prompts` prompts, `--new-tokens` tokens each with EOS
-ignored, greedy; the engines regenerate the members' noise themselves. A call's time is measured in
-this process, from submission to the last shard's completions (noise, adapter loading, decoding,
-transport). Every call uses a new generation's seeds, as ES does. `--in-process` also measures one
-engine in this process without Ray (last, once the actors have released their GPUs).
+ignored, greedy; the engines regenerate the members' noise themselves. The measurement is
+``evolm_lib.throughput``'s ``in_place`` path: a call's time is measured in this process, from
+submission to the last shard's completions (noise, adapter loading, decoding, transport), median of
+`--repeats` calls after a short warm-up, every call a new generation's seeds, as ES does.
+`--in-process` also measures one engine in this process without Ray (last, once the actors have
+released their GPUs). `--model qwen-shape`: Qwen2.5-1.5B's shapes, random weights (scripts/qwen_shape.py).
 
 GPU (the lent multi-GPU machine, vLLM and Ray staged as GPU.md says):
     python scripts/bench_ray.py --engines 1,2,4 [--qwen-shape] [--eager] [--json ray.json]
@@ -18,71 +20,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 from evolm_lib.env import apply_engine_defaults
 
-QWEN25_15B = dict(  # Qwen2.5-1.5B's shapes; the vocabulary is SmolLM2's tokenizer's
-    hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-    num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=True,
-)
 
+def measure(evaluator, model: str, args, engine: str) -> dict:
+    """Tokens/s of population calls (the library's ``in_place`` path; see the module docstring)."""
+    from evolm_lib.throughput import ThroughputSpec, measure_throughput
 
-def build_qwen_shape(out: Path) -> Path:
-    """A Qwen2-architecture model with Qwen2.5-1.5B's shapes, random bfloat16 weights and SmolLM2's tokenizer."""
-    if (out / "config.json").exists():
-        return out
-    import torch
-    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
-
-    from evolm_lib.models import resolve_model
-
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model("smollm2-135m-instruct"))
-    config = Qwen2Config(**QWEN25_15B, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    torch.manual_seed(0)
-    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        model = Qwen2ForCausalLM(config).to(torch.bfloat16)
-    tmp = out.with_name(out.name + ".tmp")
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    tmp.rename(out)
-    return out
-
-
-def make_population(model_dir: Path, rank: int, size: int, generation: int, sigma: float, noise_device: str = "cpu"):
-    """A generation's population around a PEFT-initialised mean adapter (B = 0), as ES makes it."""
-    from evolm_lib import es
-    from evolm_lib.engines import Population
-    from evolm_lib.lora import LoraSpec, adapter_shapes, init_adapter
-
-    spec = LoraSpec(rank=rank, alpha=float(rank))
-    mean = init_adapter(spec, adapter_shapes(model_dir, spec), "peft_default", seed=0)
-    return Population(mean, tuple(es.population(0, generation, size, antithetic=True)), sigma, noise_device)
-
-
-def measure(evaluator, model_dir: Path, args) -> dict:
-    """Tokens/s of `--repeats` population calls after one warm-up call."""
-    from evolm_lib.engines import SamplingSettings
-    from evolm_lib.types import Prompt
-
-    prompts = [Prompt.user(f"Tell me a long story about the number {i}.") for i in range(args.prompts)]
-    sampling = SamplingSettings(max_new_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
-    calls = []
-    for generation in range(args.repeats + 1):
-        population = make_population(model_dir, args.rank, args.population, generation + 1, args.sigma, args.noise_device)
-        started = time.perf_counter()
-        table = evaluator.generate(prompts, population, sampling)
-        seconds = time.perf_counter() - started
-        tokens = sum(c.num_tokens for row in table for c in row)
-        calls.append({"seconds": seconds, "tokens": tokens, "tok_s": tokens / seconds,
-                      "adapters_s": table.timing.get("adapters_s", 0.0)})
-    timed = calls[1:]  # the first call warms caches and allocators up
-    return {"tok_s": statistics.median(c["tok_s"] for c in timed), "calls": calls,
-            "tokens_per_call": timed[0]["tokens"], "adapters_s": statistics.median(c["adapters_s"] for c in timed)}
+    spec = ThroughputSpec(model=model, population=args.population, prompts=args.prompts, new_tokens=args.new_tokens,
+                          rank=args.rank, sigma=args.sigma, noise_device=args.noise_device, repeats=args.repeats)
+    (row,) = measure_throughput(evaluator, spec, ("in_place",), engine)
+    return {"tok_s": row["tokens_per_s"], "tokens_per_call": row["tokens"],
+            "adapters_s": row["timing"].get("adapters_s", 0.0), "calls": row["calls"]}
 
 
 def save(args, driver_card: str, results: list[dict]) -> None:
@@ -120,8 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     import ray
     import torch
 
-    from evolm_lib.engines.ray_engine import RayEvaluator
-    from evolm_lib.models import cache_dir, resolve_model
+    from evolm_lib.throughput import ThroughputSpec, start_engine
 
     ray.init(address=args.ray_address, include_dashboard=False, log_to_driver=False)
     resources = ray.cluster_resources()
@@ -136,20 +87,24 @@ def main(argv: list[str] | None = None) -> int:
     for k in sorted(set(wanted) - set(counts)):
         print(f"skipped K={k}: the cluster holds {capacity} {'GPUs' if gpus else 'CPUs'}", flush=True)
 
-    qwen = [str(build_qwen_shape(cache_dir() / "qwen2.5-1.5b-shape-random"))] if args.qwen_shape or args.model == "qwen-shape" else []
+    if args.qwen_shape or args.model == "qwen-shape":
+        from qwen_shape import build_qwen_shape  # scripts/, this script's folder
+
+        qwen = [str(build_qwen_shape())]
+    else:
+        qwen = []
     models = ([] if args.model == "qwen-shape" else [args.model]) + qwen
-    engine_kwargs = {"adapter_transfer": args.adapter_transfer, **({"enforce_eager": True} if args.eager else {})}
+    options = dict(dtype=dtype, max_model_len=args.max_model_len, kv_cache_gb=args.kv_cache_gb,
+                   adapter_transfer=args.adapter_transfer, **({"enforce_eager": True} if args.eager else {}))
     results = []
     for model in models:
-        model_dir = resolve_model(model)
+        sizes = ThroughputSpec(model=model, population=args.population, rank=args.rank)  # what the engines are sized for
         for k in counts:
-            evaluator = RayEvaluator(model, num_engines=k, max_lora_rank=args.rank, max_loras=args.population,
-                                     max_model_len=args.max_model_len, dtype=dtype, kv_cache_gb=args.kv_cache_gb,
-                                     adapter_transfer=args.adapter_transfer,
-                                     vllm_options={"enforce_eager": True} if args.eager else None)
+            evaluator = start_engine(sizes, "ray", num_engines=k, **options)
             try:
                 row = {"model": model, "path": "ray", "engines": k, "start_s": evaluator.start_seconds,
-                       "cards": [f"{i['device']}@{i['host']}" for i in evaluator.engine_info], **measure(evaluator, model_dir, args)}
+                       "cards": [f"{i['device']}@{i['host']}" for i in evaluator.engine_info],
+                       **measure(evaluator, model, args, "ray")}
             finally:
                 evaluator.close()
             results.append(row)
@@ -157,13 +112,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{Path(model).name} K={k}: {row['tok_s']:,.0f} tok/s ({row['tokens_per_call']} tokens a call, "
                   f"engines started in {row['start_s']:.0f} s) on {', '.join(row['cards'])}", flush=True)
         if args.in_process:
-            from evolm_lib.engines.vllm_engine import VLLMEvaluator
-
-            evaluator = VLLMEvaluator(model, max_lora_rank=args.rank, max_loras=args.population, max_model_len=args.max_model_len,
-                                      dtype=dtype, kv_cache_gb=args.kv_cache_gb, **engine_kwargs)
+            evaluator = start_engine(sizes, "local", **options)
             try:
                 row = {"model": model, "path": "in-process", "engines": 1, "start_s": evaluator.start_seconds,
-                       "cards": [driver_card], **measure(evaluator, model_dir, args)}
+                       "cards": [driver_card], **measure(evaluator, model, args, "vllm")}
             finally:
                 evaluator.close()
             results.append(row)

@@ -13,6 +13,8 @@ set -u
 export PYTHONPATH=/root/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 EVOLM_CACHE_DIR=/root/cache
 nvidia-smi -L
 keep() { grep -v "it/s]\|Loading\|Converting\|Writing model" "$1" | tail -c 100000 > "$OUT/$(basename "$1")"; }
+# the throughput tables evolm_lib.throughput.format_throughput prints (rows and ratios start with the engine)
+table() { grep -h "^model \|^vllm \|^vLLM engine start" "$@" | cut -c 1-200; }
 model() { python -c "from evolm_lib.models import resolve_model; print(resolve_model('smollm2-135m-instruct'))" >/dev/null 2>&1; }
 if [ "$1" = es ]; then
   model
@@ -21,24 +23,22 @@ if [ "$1" = es ]; then
 elif [ "$1" = tp ]; then
   model
   python scripts/gpu_issue9.py --out /root/i9t --skip-es > /root/i9t.log 2>&1
-  cp /root/i9t/issue9.json "$OUT/i9t.json"; keep /root/i9t.log; grep -h "tokens_per_s" /root/i9t.log | cut -c 1-900
+  cp /root/i9t/issue9.json "$OUT/i9t.json"; keep /root/i9t.log; table /root/i9t.log
 elif [ "$1" = tp8 ]; then
   # rank 8 with vLLM's default LoRA kernel tiles, then with the tiles shipped in evolm_lib (one process each)
   model
   python scripts/gpu_issue9.py --out /root/i9n --skip-es --ranks 8 --lora-configs none > /root/i9n.log 2>&1
-  cp /root/i9n/issue9.json "$OUT/i9n.json"; keep /root/i9n.log; grep -h "tokens_per_s" /root/i9n.log | cut -c 1-1200
+  cp /root/i9n/issue9.json "$OUT/i9n.json"; keep /root/i9n.log; table /root/i9n.log
   python scripts/gpu_issue9.py --out /root/i9a --skip-es --ranks 8 --lora-configs auto > /root/i9a.log 2>&1
-  cp /root/i9a/issue9.json "$OUT/i9a.json"; keep /root/i9a.log; grep -h "tokens_per_s" /root/i9a.log | cut -c 1-1200
+  cp /root/i9a/issue9.json "$OUT/i9a.json"; keep /root/i9a.log; table /root/i9a.log
 elif [ "$1" = tuned ]; then
   model
-  python -c "import sys; sys.path.insert(0, 'scripts'); import torch; from pathlib import Path; from gpu_benchmark import build_model
-from evolm_lib.models import resolve_model
-print(build_model(Path('/root/cache/qwen25-1.5b-shape'), resolve_model('smollm2-135m-instruct'), torch.bfloat16))"
-  timeout 200 python scripts/tune_lora_kernels.py --model-dir /root/cache/qwen25-1.5b-shape --ranks 1,8 --num-loras 33 --max-loras 66 \
+  shape=$(python scripts/qwen_shape.py | tail -n 1)  # Qwen2.5-1.5B's shapes, random weights
+  timeout 200 python scripts/tune_lora_kernels.py --model-dir "$shape" --ranks 1,8 --num-loras 33 --max-loras 66 \
       --num-tokens 256,2048 --quick --out /root/lora_configs --json "$OUT/tuning.json" > /root/tune.log 2>&1
   keep /root/tune.log; tail -n 30 /root/tune.log
   VLLM_TUNED_CONFIG_FOLDER=/root/lora_configs timeout 360 python scripts/gpu_issue9.py --out /root/i9k --skip-es > /root/i9k.log 2>&1
-  cp /root/i9k/issue9.json "$OUT/i9k.json"; keep /root/i9k.log; grep -h "tokens_per_s\|LoRA kernel" /root/i9k.log | cut -c 1-900
+  cp /root/i9k/issue9.json "$OUT/i9k.json"; keep /root/i9k.log; table /root/i9k.log; grep -h "LoRA kernel" /root/i9k.log | cut -c 1-300
 elif [ "$1" = a ]; then
   # convert the embedded model once, before three processes want it
   python -c "from evolm_lib.models import resolve_model; print(resolve_model('smollm2-135m-instruct'))"
@@ -49,7 +49,7 @@ elif [ "$1" = a ]; then
   wait
   cp /root/i9t/issue9.json "$OUT/i9t.json"; cp /root/i9e/issue9.json "$OUT/i9e.json"
   for f in /root/ray12.log /root/i9t.log /root/i9e.log; do keep "$f"; done
-  tail -n 8 /root/ray12.log; grep -h "tokens_per_s\|^in_place\|^files" /root/i9t.log /root/i9e.log | cut -c 1-600
+  tail -n 8 /root/ray12.log; table /root/i9t.log; grep -h "^in_place\|^files" /root/i9e.log | cut -c 1-600
 elif [ "$1" = c ]; then
   # 2 GPUs, one after the other: Ray K=1,2 (noise on the GPUs), then the ES generation alone
   python -c "from evolm_lib.models import resolve_model; print(resolve_model('smollm2-135m-instruct'))" >/dev/null 2>&1

@@ -1,5 +1,7 @@
-"""The Countdown result of scripts/gpu_countdown.py as a figure: held-out accuracy and format rate of
-the base model and of each method's final adapter.
+"""The README's Countdown figure from its stored summary (figures/countdown_gpu_summary.json, written
+by scripts/gpu_countdown.py before that script became papermill_runs/es_vs_grpo_countdown_smollm2_gpu.yaml):
+held-out accuracy and format rate of the base model and of each method's final adapter. The sweep
+draws its own figures with notebook 04.
 
     python scripts/plot_countdown_gpu.py figures/countdown_gpu_summary.json --out figures
 """

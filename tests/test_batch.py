@@ -292,3 +292,14 @@ grid: {{seed: [0, 1, 2]}}
     assert [executions(out / f"fx__seed-{s}") for s in range(3)] == [1, 2, 1]
     assert batch.read_status(out / "fx__seed-1")["attempts"] == 2
     assert all(r.results["generation"] == 4 for r in results)  # every run reached its budget
+
+
+def test_the_conciseness_spec_that_replaced_the_sweep_script_runs_both_rates_on_three_seeds():
+    """papermill_runs/conciseness_smollm2_lr_seeds_cpu.yaml, once scripts/sweep_conciseness.py: the demo's
+    settings at learning rates 0.2 and 0.4, seeds 0-2."""
+    spec = batch.load_batch_spec(Path(__file__).parents[1] / "papermill_runs" / "conciseness_smollm2_lr_seeds_cpu.yaml")
+    demo = batch.load_batch_spec(Path(__file__).parents[1] / "papermill_runs" / "conciseness_smollm2_cpu.yaml")
+    runs = batch.expand_runs(spec)
+    assert [(r.parameters["learning_rate"], r.parameters["seed"]) for r in runs] == \
+           [(lr, seed) for lr in (0.2, 0.4) for seed in (0, 1, 2)]
+    assert {k: v for k, v in spec.parameters.items()} == {k: v for k, v in demo.parameters.items() if k != "learning_rate"}

@@ -62,16 +62,18 @@ def test_the_benchmark_reports_throughput_and_split_es_generations_in_one_run(tm
     printed = capsys.readouterr().out
     assert json.loads(out.read_text()) == json.loads(json.dumps(result))
     throughput = result["throughput"]
-    assert {row["path"] for row in throughput["rows"]} == {"vllm_population", "vllm_population_in_place", "vllm_base"}
-    by_path = {row["path"]: row["tokens_per_s"] for row in throughput["rows"]}
-    assert throughput["ratio_in_place_over_base_vllm"] == pytest.approx(by_path["vllm_population_in_place"] / by_path["vllm_base"])
+    assert [row["name"] for row in throughput["rows"]] == ["vllm in_place", "vllm files", "vllm base"]
+    assert all(row["tokens"] == 4 * 2 * 8 for row in throughput["rows"])  # members x prompts x new tokens, EOS ignored
+    by_name = {row["name"]: row["tokens_per_s"] for row in throughput["rows"]}
+    assert throughput["ratios"]["vllm in_place / vllm base"] == pytest.approx(by_name["vllm in_place"] / by_name["vllm base"])
+    assert throughput["ratios"]["vllm files / vllm base"] == pytest.approx(by_name["vllm files"] / by_name["vllm base"])
     in_place, files = result["es_generations"]["in_place"], result["es_generations"]["files"]
     assert in_place["slots_write_s"] > 0 and files["slots_write_s"] == 0  # the members went where each path says
     for split in (in_place, files):
         assert split["generate_s"] > 0 and split["update_s"] > 0 and split["tokens_per_generation"] > 0
         assert split["es_overhead_s"] == pytest.approx(split["adapters_s"] + split["update_s"])
         assert split["generation_s"] >= split["generate_s"] + split["update_s"]
-    assert "vLLM population (in place) / base" in printed and "in_place_own_scoring_call" not in printed
+    assert "vllm in_place / vllm base" in printed and "in_place_own_scoring_call" not in printed
     assert "files" in printed and "%" in printed
 
 

@@ -73,3 +73,17 @@ def test_checkpoint_points_pair_each_measured_kl_with_the_reward_of_its_generati
     assert [(p["generation"], p["kl"], p["reward"]) for p in points] == [(0, 0.0, expected[0]), (2, 0.5, expected[2])]
     fig = plot_reward_vs_kl(points)
     assert [list(trace.x) for trace in fig.data if trace.mode == "lines+markers"] == [[0.0, 0.5]]
+
+
+def test_the_countdown_spec_that_replaced_the_gpu_script_keeps_its_budget_and_settings():
+    """papermill_runs/es_vs_grpo_countdown_smollm2_gpu.yaml, once scripts/gpu_countdown.py --generations 12."""
+    _, spec = sweep.load_sweep_spec(REPO / "papermill_runs" / "es_vs_grpo_countdown_smollm2_gpu.yaml")
+    es_run, grpo_run = sweep.plan_sweep(spec)
+    assert (es_run.name, es_run.length, grpo_run.name, grpo_run.length) == ("es_seed0", 12, "grpo_seed0", 45)
+    assert es_run.budget == grpo_run.budget == 12 * 30 * 8  # 2,880 training completions, as the README's table
+    assert (es_run.config.sigma, es_run.config.learning_rate, es_run.config.fitness_shaping) == (0.05, 0.4, "centered_ranks")
+    assert (grpo_run.config.group_size, grpo_run.config.learning_rate, grpo_run.config.temperature) == (8, 0.002, 1.0)
+    for run in (es_run, grpo_run):
+        assert (run.config.model, run.config.lora_rank, run.config.lora_alpha, run.config.max_new_tokens) == \
+               ("smollm2-135m-instruct", 8, 16.0, 256)
+        assert run.config.task_options == {"num_train": 256, "num_eval": 200} and run.config.prompts_per_step == 8

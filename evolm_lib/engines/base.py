@@ -101,6 +101,11 @@ class CompletionTable(list):
         super().__init__(rows)
         self.timing: dict[str, float] = dict(timing or {})
 
+    @property
+    def num_tokens(self) -> int:
+        """Generated tokens in the whole table (every adapter's every completion)."""
+        return sum(c.num_tokens for row in self for c in row)
+
 
 @runtime_checkable
 class Evaluator(Protocol):

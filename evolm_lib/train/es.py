@@ -16,14 +16,13 @@ from typing import Sequence
 import torch
 
 from ..config import ESConfig
-from ..engines import Evaluator, Population, SamplingSettings, make_evaluator
+from ..engines import CompletionTable, Evaluator, Population, SamplingSettings, make_evaluator
 from ..evaluation import scoring_grid, scores_of
 from ..lora import AdapterWeights, base_weight_magnitudes, noise_below_resolution, noise_scales
 from ..models import resolve_model
 from ..runs import timed, write_checkpoint
 from ..seeds import derive_seed
 from ..tasks import Example, Task, get_task
-from ..types import Completion
 from .. import zo
 from ..es import core as es
 from .loop import RunLoop, percentile
@@ -34,14 +33,15 @@ class PopulationResult:
     """What one population call produced."""
 
     rewards: torch.Tensor  # (population, prompts)
-    completions: list[list[Completion]]  # [member][prompt]
+    completions: CompletionTable  # [member][prompt]
     examples: list[Example]
     timing: dict[str, float]
     mean_scores: list | None = None  # the current mean's (train, held-out) scores, when they rode along
 
     @property
     def num_tokens(self) -> int:
-        return sum(c.num_tokens for row in self.completions for c in row)
+        """Tokens the members generated in this call."""
+        return self.completions.num_tokens
 
 
 class ESRun(RunLoop):

@@ -1,0 +1,353 @@
+"""Tokens per second of a LoRA population on an engine: the one measurement behind `evolm bench`,
+`python -m evolm_lib.benchmark` and the GPU scripts (`scripts/gpu_issue9.py`, `scripts/bench_ray.py`,
+`scripts/bench_slots.py`, `scripts/gpu_benchmark.py`).
+
+A measurement times whole engine calls of N members x M prompts x T new tokens, EOS ignored (so
+every call makes N*M*T tokens), one path after the other on the same engine:
+
+- ``base``: the same N*M requests without an adapter;
+- ``in_place``: a :class:`Population` (the mean adapter and the members' seeds), as an ES generation
+  hands it over: a vLLM engine with ``adapter_transfer="in_place"`` writes the members into its
+  resident LoRA slots, Ray actors each make their block of members;
+- ``files``: the same members made on the host (``Population.adapters``, inside the timed call) and
+  sent as N adapters, which vLLM loads from adapter files; on the HF engine, member by member.
+
+Each path is warmed up by one short call with the same requests (it also sets the resident slots
+up), then timed ``repeats`` times, every call with a new generation's seeds as ES does. A row keeps
+every call; its ``tokens_per_s`` is the median call's, and ratios between rows (:func:`ratios`)
+are computed from those rows only.
+
+:func:`measure_es_overhead` times what ES adds around such a call when members travel as files:
+noise and perturbation, writing the adapters, the gradient estimate and the update.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from .engines import Evaluator, Population, SamplingSettings
+from .types import Prompt
+
+PATHS = ("base", "in_place", "files")
+PATH_LABELS = {"base": "base model", "in_place": "population, in place", "files": "population, adapter files",
+               "hf files": "population, member by member"}  # by path, or by row name where it differs
+BENCH_PROMPTS = (
+    "What is 17 + 25? Explain briefly.",
+    "Name three colours of the rainbow.",
+    "Write a haiku about the sea.",
+    "Give one tip for learning to cook.",
+    "What is the capital of France?",
+    "Describe a cat in one sentence.",
+    "Why is the sky blue?",
+    "List two prime numbers above 10.",
+)
+# the ratios every report shows, where both rows were measured: (numerator, denominator) row names
+RATIOS = (("vllm in_place", "vllm base"), ("vllm files", "vllm base"), ("vllm in_place", "hf files"),
+          ("vllm files", "hf files"), ("hf base", "hf files"), ("ray in_place", "ray base"), ("ray files", "ray base"))
+
+
+@dataclass(frozen=True)
+class ThroughputSpec:
+    """What one throughput measurement generates, and how often."""
+
+    model: str = "smollm2-135m-instruct"
+    """Known model name, model folder or hub name."""
+    population: int = 8
+    """Members (adapters) per call."""
+    prompts: int = 4
+    """Prompts per member."""
+    new_tokens: int = 32
+    """Tokens generated per request (EOS ignored)."""
+    rank: int = 1
+    """LoRA rank of every member, on all 7 projections."""
+    alpha: float | None = None
+    """LoRA alpha; None: the rank (scale 1)."""
+    init_scheme: str = "peft_default"
+    """The mean adapter's init (``lora.init_adapter``): ``peft_default`` (B = 0) or ``random_ab``."""
+    init_scale: float = 0.1
+    """``random_ab`` only: std of A and B as a share of the base weight's mean |W|."""
+    sigma: float = 1e-3
+    """Noise std of the members around the mean."""
+    noise_device: str = "cpu"
+    """Where the members' noise is drawn (``cuda``: on the engine's GPU)."""
+    repeats: int = 1
+    """Timed calls per path, after one short warm-up call."""
+    warmup_tokens: int = 4
+    """New tokens of the warm-up call (at most ``new_tokens``)."""
+
+    def __post_init__(self) -> None:
+        for name in ("population", "prompts", "new_tokens", "rank", "repeats", "warmup_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"throughput setting {name} must be an integer >= 1, got {value!r}")
+        if not self.sigma > 0:
+            raise ValueError(f"throughput setting sigma must be > 0, got {self.sigma}")
+        if self.noise_device not in ("cpu", "cuda"):
+            raise ValueError(f"throughput setting noise_device must be 'cpu' or 'cuda', got {self.noise_device!r}")
+
+    @property
+    def requests(self) -> int:
+        """Requests per call: members x prompts."""
+        return self.population * self.prompts
+
+
+def bench_prompts(count: int) -> list[Prompt]:
+    """``count`` short chat prompts (the texts cycle when more are asked for)."""
+    return [Prompt.user(BENCH_PROMPTS[i % len(BENCH_PROMPTS)]) for i in range(count)]
+
+
+def mean_adapter(spec: ThroughputSpec):
+    """The mean adapter every member is drawn around, on the spec's model."""
+    from .lora import LoraSpec, adapter_shapes, base_weight_magnitudes, init_adapter
+    from .models import resolve_model
+
+    model_dir = resolve_model(spec.model)
+    lora = LoraSpec(rank=spec.rank, alpha=float(spec.alpha if spec.alpha is not None else spec.rank))
+    magnitudes = base_weight_magnitudes(model_dir, lora) if spec.init_scheme == "random_ab" else None
+    return init_adapter(lora, adapter_shapes(model_dir, lora), spec.init_scheme, 0, magnitudes, spec.init_scale)
+
+
+def population_of(spec: ThroughputSpec, mean, generation: int) -> Population:
+    """One generation's members around ``mean``, seeds as ES derives them (antithetic where even)."""
+    from .es import core as es
+
+    members = es.population(0, generation, spec.population, antithetic=spec.population % 2 == 0)
+    return Population(mean, tuple(members), spec.sigma, spec.noise_device)
+
+
+def start_engine(spec: ThroughputSpec, engine: str = "local", *, num_engines: int = 1, ray_address: str | None = None,
+                 dtype: str | None = None, max_model_len: int = 512, kv_cache_gb: float | None = None,
+                 adapter_transfer: str = "in_place", **vllm_options) -> Evaluator:
+    """A vLLM engine sized for the spec's population: in this process (``engine="local"``) or
+    ``num_engines`` Ray actors (``engine="ray"``). ``dtype`` None: bfloat16 with a GPU, float32
+    without; ``vllm_options``: other ``VLLMEvaluator`` arguments (``enforce_eager``,
+    ``lora_kernel_configs``, ...). Prefix caching is off, so repeated base prompts get no prefill
+    discount that the population lacks."""
+    import torch
+
+    if engine not in ("local", "ray"):
+        raise ValueError(f"engine must be 'local' or 'ray', got {engine!r}")
+    dtype = dtype or ("bfloat16" if torch.cuda.is_available() else "float32")
+    vllm_options = {**vllm_options, "engine_kwargs": {"enable_prefix_caching": False, **vllm_options.get("engine_kwargs", {})}}
+    common = dict(max_lora_rank=spec.rank, max_loras=spec.population, max_model_len=max_model_len, dtype=dtype,
+                  kv_cache_gb=kv_cache_gb, adapter_transfer=adapter_transfer)
+    if engine == "ray":
+        from .engines.ray_engine import RayEvaluator
+
+        return RayEvaluator(spec.model, num_engines=num_engines, ray_address=ray_address, population_size=spec.population,
+                            vllm_options=vllm_options, **common)
+    from .engines.vllm_engine import VLLMEvaluator
+
+    return VLLMEvaluator(spec.model, **common, **vllm_options)
+
+
+def _call(evaluator: Evaluator, spec: ThroughputSpec, path: str, prompts: list[Prompt], mean, generation: int,
+          sampling: SamplingSettings):
+    """One engine call of a path; returns the table and the seconds spent making host adapters."""
+    if path == "base":
+        return evaluator.generate([p for _ in range(spec.population) for p in prompts], [None], sampling), 0.0
+    population = population_of(spec, mean, generation)
+    if path == "in_place":
+        return evaluator.generate(prompts, population, sampling), 0.0
+    started = time.perf_counter()
+    adapters = population.adapters()
+    host = time.perf_counter() - started
+    return evaluator.generate(prompts, adapters, sampling), host
+
+
+def measure_throughput(evaluator: Evaluator, spec: ThroughputSpec, paths: Sequence[str] = PATHS,
+                       engine: str = "vllm") -> list[dict[str, Any]]:
+    """One row per path (see the module docstring), measured on ``evaluator`` in the order given;
+    ``engine`` names the rows ("vllm base", ...); a line per row goes to stderr as it is measured."""
+    unknown = [p for p in paths if p not in PATHS]
+    if unknown:
+        raise ValueError(f"unknown throughput paths {unknown}; choose from {list(PATHS)}")
+    prompts = bench_prompts(spec.prompts)
+    mean = mean_adapter(spec)
+    sampling = SamplingSettings(max_new_tokens=spec.new_tokens, ignore_eos=True)
+    warmup = SamplingSettings(max_new_tokens=min(spec.warmup_tokens, spec.new_tokens), ignore_eos=True)
+    rows = []
+    for path in paths:
+        _call(evaluator, spec, path, prompts, mean, 0, warmup)
+        calls = []
+        for generation in range(1, spec.repeats + 1):
+            started = time.perf_counter()
+            table, host_s = _call(evaluator, spec, path, prompts, mean, generation, sampling)
+            seconds = time.perf_counter() - started
+            timing = {**({"host_adapters_s": host_s} if path == "files" else {}),
+                      **getattr(table, "timing", {})}  # the engine's own split, where it reports one
+            calls.append({"seconds": seconds, "tokens": table.num_tokens, "tokens_per_s": table.num_tokens / seconds,
+                          "timing": timing})
+        shared = set.intersection(*(set(c["timing"]) for c in calls))
+        row = {"name": f"{engine} {path}", "engine": engine, "path": path, "requests": spec.requests,
+               "tokens": statistics.median_low(c["tokens"] for c in calls),
+               "seconds": statistics.median(c["seconds"] for c in calls),
+               "tokens_per_s": statistics.median(c["tokens_per_s"] for c in calls),
+               "best_tokens_per_s": max(c["tokens_per_s"] for c in calls),
+               "timing": {key: statistics.median(c["timing"][key] for c in calls) for key in sorted(shared)},
+               "calls": calls}
+        print(f"  {row['name']}: {row['tokens']} tokens a call, {row['tokens_per_s']:.1f} tok/s "
+              f"(median of {len(calls)})", file=sys.stderr, flush=True)
+        rows.append(row)
+    return rows
+
+
+def ratios(rows: Sequence[dict[str, Any]], pairs: Sequence[tuple[str, str]] = RATIOS) -> dict[str, float]:
+    """``"a / b"``: row a's tokens/s over row b's, for every pair of names both measured."""
+    rate = {row["name"]: row["tokens_per_s"] for row in rows}
+    return {f"{a} / {b}": rate[a] / rate[b] for a, b in pairs if a in rate and b in rate}
+
+
+def machine_info() -> dict[str, Any]:
+    """CPU model, core count, vector extensions, GPU and library versions, for the record next to the numbers."""
+    info: dict[str, Any] = {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()}
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        lines = text.splitlines()
+        info["cpu"] = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "")
+        flags = next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), [])
+        info["avx2"], info["avx512"] = "avx2" in flags, "avx512f" in flags
+    except OSError:
+        info["cpu"] = platform.processor()
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        info["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+        import vllm
+
+        info["vllm"] = vllm.__version__
+    except Exception:  # the record is best effort
+        pass
+    info["omp_wait_policy"] = os.environ.get("OMP_WAIT_POLICY")
+    return info
+
+
+def load_average() -> list[float]:
+    """The machine's 1, 5 and 15 minute load averages (empty where the system has none)."""
+    return [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else []
+
+
+def throughput_report(spec: ThroughputSpec, paths: Sequence[str] = PATHS, engine: str = "local",
+                      evaluator: Evaluator | None = None, **engine_options) -> dict[str, Any]:
+    """Measure the paths on an engine started for the spec (:func:`start_engine`, closed at the end)
+    or on ``evaluator`` (left open); returns the rows, their ratios, the engine's start time and the
+    machine it ran on."""
+    report: dict[str, Any] = {"mode": "throughput", **asdict(spec), "machine": machine_info(), "load_before": load_average(),
+                              "engine": engine}
+    own = evaluator is None
+    if own:
+        started = time.perf_counter()
+        evaluator = start_engine(spec, engine, **engine_options)
+        report["engine_start_s"] = time.perf_counter() - started
+    else:
+        report["engine_start_s"] = getattr(evaluator, "start_seconds", float("nan"))
+    try:
+        report["rows"] = measure_throughput(evaluator, spec, paths, "ray" if engine == "ray" else "vllm")
+        report["adapter_transfer"] = getattr(evaluator, "adapter_transfer", None)  # after any fall-back to files
+        report["lora_kernel_configs"] = getattr(evaluator, "lora_kernel_configs", None)  # tuned tiles a GPU engine uses
+    finally:
+        if own:
+            evaluator.close()
+    report["ratios"] = ratios(report["rows"])
+    report["load_after"] = load_average()
+    return report
+
+
+def format_throughput(report: dict[str, Any]) -> str:
+    """A small text table of a report's rows and ratios."""
+    machine = report["machine"]
+    lines = [
+        f"model {report['model']}: {report['population']} members (rank {report['rank']}) x {report['prompts']} prompts "
+        f"x {report['new_tokens']} new tokens (EOS ignored), median of {report['repeats']} call(s) a path",
+        f"machine: {machine.get('cpu', '?')}, {machine.get('cpus')} cores, AVX2 {machine.get('avx2')}, "
+        f"AVX-512 {machine.get('avx512')}, GPU {machine.get('gpu')}; load average before {report['load_before']} "
+        f"after {report['load_after']}",
+        f"vLLM engine start ({report['engine']}) {report['engine_start_s']:.1f} s"
+        + (f", HF model load {report['hf_load_s']:.1f} s" if "hf_load_s" in report else ""),
+        "",
+        f"{'engine':<7}{'path':<28}{'requests':>9}{'tokens':>8}{'seconds':>9}{'tok/s':>10}",
+    ]
+    for row in report["rows"]:
+        label = PATH_LABELS.get(f"{row['engine']} {row['path']}", PATH_LABELS[row["path"]])
+        lines.append(f"{row['engine']:<7}{label:<28}{row['requests']:>9}{row['tokens']:>8}"
+                     f"{row['seconds']:>9.2f}{row['tokens_per_s']:>10.1f}")
+    lines.append("")
+    width = max((len(name) for name in report["ratios"]), default=0)
+    lines.extend(f"{name:<{width}}  {value:.2f}" for name, value in report["ratios"].items())
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- ES overhead
+
+
+def _median_seconds(call, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def measure_es_overhead(spec: ThroughputSpec, device: str = "cpu", adapter_dtype: str = "float32",
+                        repeats: int = 3) -> dict[str, Any]:
+    """Median seconds of what ES adds around one population call of the spec when members travel as
+    files: noise + perturbation of every member, writing their adapters (to /dev/shm where it
+    exists, in ``adapter_dtype``), and the gradient estimate + Adam update; the mean lives on ``device``."""
+    import torch
+
+    from .es import core as es
+    from .lora import AdapterWeights, save_adapter
+    from .models import resolve_model
+
+    model_dir = resolve_model(spec.model)
+    mean = mean_adapter(spec)
+    params = {name: tensor.to(device) for name, tensor in mean.tensors.items()}
+    shapes = {name: tuple(t.shape) for name, t in params.items()}
+    members = population_of(spec, mean, 1).members
+    optimizer = es.AdamConfig(learning_rate=1e-3)
+    state = es.init_optimizer_state(optimizer, params)
+    rewards = torch.rand(spec.population, spec.prompts, generator=torch.Generator().manual_seed(0))  # (population, prompts)
+    shm = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else Path(tempfile.gettempdir())
+
+    def sync() -> None:
+        if device != "cpu" or spec.noise_device != "cpu":
+            torch.cuda.synchronize()
+
+    def noise_and_perturb():
+        adapters = [AdapterWeights(mean.spec, es.perturb(params, m, spec.sigma, spec.noise_device)) for m in members]
+        sync()
+        return adapters
+
+    adapters = noise_and_perturb()
+
+    def write_adapters():
+        folder = Path(tempfile.mkdtemp(prefix="evolm-bench-", dir=shm))
+        try:
+            for i, adapter in enumerate(adapters):
+                save_adapter(adapter, folder / f"a{i}", base_model=str(model_dir), dtype=getattr(torch, adapter_dtype))
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def update():
+        weights = es.shape_fitness("z_score", rewards)
+        gradient = es.es_gradient(members, weights, shapes, spec.sigma, noise_device=spec.noise_device)
+        result = es.apply_update(optimizer, state, params, gradient)  # moves the gradient to the mean's device
+        sync()
+        return result
+
+    write_adapters(), update()  # warm-up
+    parts = {"noise_perturb_s": _median_seconds(noise_and_perturb, repeats),
+             "write_adapters_s": _median_seconds(write_adapters, repeats),
+             "es_update_s": _median_seconds(update, repeats)}
+    return {"mode": "es_overhead", **asdict(spec), "device": device, "num_adapter_parameters": mean.num_parameters(),
+            **parts, "overhead_s": sum(parts.values())}
