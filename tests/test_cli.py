@@ -85,3 +85,22 @@ def test_the_benchmark_refuses_bad_options(capsys):
         with pytest.raises(SystemExit):
             benchmark(argv)
         assert message in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- the bare command and --version
+# (issue 21, item 7: the lab/CLI helper's block; batch and sweep tests live above)
+
+
+def test_evolm_without_a_command_prints_the_list_and_fails():
+    result = subprocess.run([sys.executable, "-m", "evolm_lib.cli"], capture_output=True, text=True, cwd=REPO)
+    assert result.returncode == 2, result
+    assert result.stdout == ""  # the list is an error message here, on stderr
+    assert result.stderr.startswith("usage: evolm COMMAND") and all(name in result.stderr for name in COMMANDS)
+
+
+def test_evolm_version_prints_the_package_version(capsys):
+    expected = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out == f"evolm {expected}\n"
+    result = subprocess.run([sys.executable, "-m", "evolm_lib.cli", "-V"], capture_output=True, text=True, cwd=REPO)
+    assert (result.returncode, result.stdout) == (0, f"evolm {expected}\n")

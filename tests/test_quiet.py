@@ -51,7 +51,46 @@ Triton is installed, but doesn't include CPU backend. Disabling Triton.
 [W1126 10:11:08.755346745 utils.cpp:68] Warning: NUMA binding: Using MEMBIND policy (function init_cpu_memory_env)
 generation   1  reward mean  -95.000
 Loading safetensors checkpoint shards: 100% Completed | 1/1"""
-    assert len(quiet.notice_lines(printed)) == 4
+    # vLLM colours its lines in a kernel's stdout (copied from a notebook 03 output, issue 21)
+    printed += ("\n\x1b[0;36m(MainProcess pid=10293)\x1b[0;0m \x1b[33mWARNING\x1b[0m \x1b[90m11-26 20:09:04\x1b[0m "
+                "\x1b[90m[cpu.py:317]\x1b[0m Reset SSM cache type to float32 for accelerated GDN mamba backend 'none'.")
+    found = quiet.notice_lines(printed)
+    assert len(found) == 6
+    assert [line for line in printed.splitlines() if line not in found and "\x1b" not in line] == [
+        "generation   1  reward mean  -95.000"]
+    assert found[-1].startswith("(MainProcess pid=10293) WARNING 11-26 20:09:04 [cpu.py:317] Reset SSM")
+
+
+def test_engine_notices_are_hidden_on_stdout_and_stderr_and_user_prints_stay(vllm_log, capsys):
+    """vLLM's handler writes to stdout by default (VLLM_LOGGING_STREAM), to stderr if the user says so:
+    the same notice is hidden on both, while the user's prints and an actionable warning stay."""
+    import sys
+
+    handlers = {name: logging.StreamHandler(stream) for name, stream in (("stdout", sys.stdout), ("stderr", sys.stderr))}
+    loggers = {name: logging.getLogger(f"vllm.platforms.test_{name}") for name in handlers}
+    for name, logger in loggers.items():
+        handlers[name].setLevel(logging.WARNING)
+        logger.addHandler(handlers[name])
+        logger.propagate = False
+    try:
+        quiet.quiet_engines()
+        for name, logger in loggers.items():
+            print(f"my own {name} line: WARNING 11-26 10:11 is just text", file=getattr(sys, name))
+            logger.warning("Reset SSM cache type to float32 for accelerated GDN mamba backend '%s'.", "none")
+            logger.warning("max_num_seqs is too small for this model")
+        captured = capsys.readouterr()
+    finally:
+        for name, logger in loggers.items():
+            logger.removeHandler(handlers[name])
+    for name, text in (("stdout", captured.out), ("stderr", captured.err)):
+        assert text.splitlines() == [f"my own {name} line: WARNING 11-26 10:11 is just text",
+                                     "max_num_seqs is too small for this model"], (name, text)
+
+
+def test_the_checkpoint_loading_bar_is_off_unless_verbose(vllm_log, monkeypatch):
+    assert quiet.engine_load_options() == {"use_tqdm_on_load": False}
+    monkeypatch.setenv(quiet.VERBOSE_ENV, "1")
+    assert quiet.engine_load_options() == {"use_tqdm_on_load": True}
 
 
 def test_other_loggers_are_untouched(vllm_log):
@@ -140,8 +179,14 @@ def test_kernel_started_without_make_gets_one_thread_and_a_quiet_engine(tmp_path
     source.write_text(KERNEL_NOTEBOOK)
     executed = batch.execute_notebook(source, tmp_path / "kernel.ipynb", {}, cwd=tmp_path)
     outputs = [o for c in json.loads(executed.read_text())["cells"] for o in c.get("outputs", [])]
-    text = "".join("".join(o.get("text", "")) for o in outputs if o.get("output_type") == "stream")
-    result = eval(text.split("RESULT ", 1)[1].splitlines()[0])  # noqa: S307 - our own printed dict
+    streams = {name: "".join("".join(o.get("text", "")) for o in outputs if o.get("name") == name)
+               for name in ("stdout", "stderr")}
+    result = eval(streams["stdout"].split("RESULT ", 1)[1].splitlines()[0])  # noqa: S307 - our own printed dict
     assert result["omp"] == "1" and result["after"] == 1, result
-    assert not quiet.notice_lines(text), quiet.notice_lines(text)
+    # vLLM logs to stdout: both streams are checked, and the user's print (RESULT) is there
+    for name, text in streams.items():
+        assert not quiet.notice_lines(text), (name, quiet.notice_lines(text))
+    # the checkpoint loader's bar came as a widget with a text/plain twin, not as a stream
+    rich = [json.dumps(o.get("data", {})) for o in outputs if o.get("output_type") != "stream"]
+    assert not [r for r in rich if "checkpoint shards" in r], rich
     print(f"kernel: {result}")

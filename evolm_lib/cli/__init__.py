@@ -4,7 +4,9 @@
     evolm bench    engine throughput and ES overhead
     evolm batch    a notebook once per grid point of a batch file (papermill)
     evolm sweep    ES vs GRPO at equal sample budgets, then the comparison notebook
-    evolm lab      JupyterLab on notebooks/, with the engine's environment defaults
+    evolm lab      JupyterLab on the project (notebooks/, runs/, figures/), with the engine's environment defaults
+
+`evolm` alone prints this list and exits with 2 (a command is missing); `evolm --version` prints the version.
 
 Each subcommand's module is imported only when it runs, so `evolm --help` is instant.
 """
@@ -19,23 +21,44 @@ COMMANDS = {
     "bench": ("evolm_lib.cli.bench", "engine throughput and ES overhead"),
     "batch": ("evolm_lib.cli.batch", "run a notebook once per grid point of a batch file"),
     "sweep": ("evolm_lib.cli.sweep", "ES vs GRPO at equal sample budgets, then notebook 04"),
-    "lab": ("evolm_lib.cli.lab", "JupyterLab on notebooks/ with the engine's environment defaults"),
+    "lab": ("evolm_lib.cli.lab", "JupyterLab on the project, opened at notebooks/ (--port, --no-browser, --ip)"),
 }
 
 
 def usage() -> str:
     """The top-level help text."""
     width = max(map(len, COMMANDS))
-    lines = ["usage: evolm COMMAND [ARGS...]   (evolm COMMAND --help for a command's options)", "", "commands:"]
+    lines = ["usage: evolm COMMAND [ARGS...]   (evolm COMMAND --help for a command's options; evolm --version)",
+             "", "commands:"]
     lines += [f"  {name:<{width}}  {about}" for name, (_, about) in COMMANDS.items()]
     return "\n".join(lines)
 
 
+def version() -> str:
+    """The installed package's version (pyproject.toml's, for a checkout on PYTHONPATH without an install)."""
+    from importlib.metadata import PackageNotFoundError, version as installed_version
+
+    try:
+        return installed_version("evolm")
+    except PackageNotFoundError:
+        import tomllib
+        from pathlib import Path
+
+        pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
+        return tomllib.loads(pyproject.read_text())["project"]["version"]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Dispatch to a subcommand's ``main(argv)``; returns its exit code."""
+    """Dispatch to a subcommand's ``main(argv)``; returns its exit code (2 without a command)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help", "help"):
+    if not argv:  # a command is missing: the list, and a failure for scripts
+        print(usage(), file=sys.stderr)
+        return 2
+    if argv[0] in ("-h", "--help", "help"):
         print(usage())
+        return 0
+    if argv[0] in ("-V", "--version"):
+        print(f"evolm {version()}")
         return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:

@@ -13,6 +13,7 @@ from typing import Sequence
 
 from ..env import apply_engine_defaults
 from ..lora import AdapterWeights, save_adapter
+from ..quiet import engine_load_options
 from ..types import Completion, PromptLike
 from .base import AdapterList, CompletionTable, Population, PromptEncoder, SamplingSettings, check_adapters, materialize
 from .vllm_slots import EXTENSION as SLOTS_EXTENSION, completion_from_vllm, sampling_params
@@ -128,7 +129,7 @@ class VLLMEvaluator:
         from vllm import LLM
 
         on_gpu = torch.cuda.is_available()
-        engine_kwargs = dict(engine_kwargs or {})
+        engine_kwargs = {**engine_load_options(), **(engine_kwargs or {})}  # no loading bar in notebooks
         if kv_cache_gb is None and gpu_memory_utilization is None and not on_gpu:
             # On CPU vLLM sizes the KV cache as a share of RAM minus what the process already holds,
             # which fails or wastes memory depending on the process; a fixed size is predictable.
