@@ -61,7 +61,7 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     task = get_task("countdown", **common["task_options"])
     held_out = task.eval_examples()
-    evaluator = make_evaluator(runs["es_paper"], max_loras=population + 1)
+    evaluator = make_evaluator(runs["es_paper"])  # its population, its mean and the GRPO policy
     summary = {"model": args.model, "budget_completions": args.generations * population * args.prompts_per_step,
                "num_eval": len(held_out), "max_new_tokens": args.max_new_tokens, "runs": {}}
     try:

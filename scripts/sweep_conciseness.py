@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from evolm_lib.config import ESConfig
-from evolm_lib.engines import make_evaluator
+from evolm_lib.engines import EngineSizing, make_evaluator
 from evolm_lib.train.es import ESRun
 
 BASE = dict(
@@ -45,9 +45,8 @@ def main() -> None:
     args = parser.parse_args()
     names = args.only.split(",")
     configs = {n: ESConfig(**{**BASE, **VARIANTS[n], "num_generations": args.generations}) for n in names}
-    max_rank = max(c.lora_rank for c in configs.values())
-    max_pop = max(c.population_size for c in configs.values())
-    evaluator = make_evaluator(next(iter(configs.values())).replace(lora_rank=max_rank), max_loras=max_pop + 1)
+    first = next(iter(configs.values()))
+    evaluator = make_evaluator(first, sizing=EngineSizing.from_config(first).covering(configs.values()))
     args.out.mkdir(parents=True, exist_ok=True)
     for name, config in configs.items():
         started = time.perf_counter()

@@ -7,6 +7,9 @@ nothing in this package imports an engine, a run or a model.
 from .core import (
     SHAPING,
     NOISE_SCHEMES,
+    NOISE_DEVICE,
+    NoiseDevice,
+    check_noise_device,
     FlatParams,
     Layout,
     difference,
@@ -48,6 +51,9 @@ from .core import (
 __all__ = [
     "SHAPING",
     "NOISE_SCHEMES",
+    "NOISE_DEVICE",
+    "NoiseDevice",
+    "check_noise_device",
     "FlatParams",
     "Layout",
     "difference",
