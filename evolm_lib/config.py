@@ -8,7 +8,7 @@ from typing import Any, Literal, Optional
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from .es.core import NOISE_DEVICE, NoiseDevice
+from .es.core import NOISE_DEVICE, NoiseDevice, check_population_size
 from .lora import ALL_PROJECTIONS, LoraSpec
 from .models import check_model_name
 from .tasks import get_task, list_tasks
@@ -42,9 +42,9 @@ class CommonConfig(BaseModel):
     max_model_len: int = Field(1024, ge=64)
     "longest prompt + completion the engine serves"
     gpu_memory_utilization: Optional[float] = Field(None, gt=0, le=1)
-    "vLLM memory share (on CPU: share of RAM); None: GPU_MEMORY_SHARE (0.6) on a GPU, room for a GRPO policy beside the engine"
+    "vLLM memory share (on CPU: share of RAM); None: GPU_MEMORY_SHARE on a GPU (room for a GRPO policy beside the engine)"
     kv_cache_gb: Optional[float] = Field(None, gt=0)
-    "vLLM KV cache size in GiB; None: from gpu_memory_utilization on a GPU, CPU_KV_CACHE_GB (1 GiB) on a CPU"
+    "vLLM KV cache size in GiB; None: from gpu_memory_utilization on a GPU, CPU_KV_CACHE_GB on a CPU"
     evaluator: Literal["local", "ray"] = "local"
     "where engines run: one engine in this process, or num_engines Ray actors sharing each call (pip install evolm[ray])"
     num_engines: int = Field(1, ge=1)
@@ -234,8 +234,7 @@ class ESConfig(CommonConfig):
 
     @model_validator(mode="after")
     def _antithetic_even(self):
-        if self.antithetic and self.population_size % 2:
-            raise ValueError(f"population_size must be even with antithetic sampling, got {self.population_size}")
+        check_population_size(self.population_size, self.antithetic)  # the rule es.population applies
         return self
 
     @model_validator(mode="after")

@@ -230,14 +230,20 @@ class Member:
             raise ValueError(f"sign must be +1 or -1, got {self.sign!r}")
 
 
+def check_population_size(population_size: int, antithetic: bool) -> None:
+    """Raise ValueError unless a population of this size can be drawn (antithetic: in +/- pairs, so even)."""
+    if population_size < 1:
+        raise ValueError(f"population_size must be >= 1, got {population_size}")
+    if antithetic and population_size % 2:
+        raise ValueError(f"population_size must be even with antithetic sampling (+/- pairs), got {population_size}; "
+                         "use an even population or antithetic: false")
+
+
 def population(
     base_seed: int, generation: int, population_size: int, antithetic: bool = True
 ) -> list[Member]:
     """Members of one generation, seeds derived from (base_seed, generation, index)."""
-    if population_size < 1:
-        raise ValueError(f"population_size must be >= 1, got {population_size}")
-    if antithetic and population_size % 2:
-        raise ValueError(f"population_size must be even with antithetic sampling, got {population_size}")
+    check_population_size(population_size, antithetic)
 
     def seed_of(index: int) -> int:
         # 31 bits: fits any int32 consumer (vLLM request seeds, numpy, logging as int).
