@@ -44,9 +44,8 @@ def es_generations(model: str, population: int, generations: int, variants: Sequ
     import torch
 
     from .config import ESConfig
-    from .engines.vllm_engine import VLLMEvaluator
+    from .engines import make_evaluator
     from .train.es import ESRun
-    from .models import resolve_model
 
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
@@ -59,8 +58,7 @@ def es_generations(model: str, population: int, generations: int, variants: Sequ
                       lora_rank=1, max_new_tokens=new_tokens, max_model_len=512, num_generations=generations,
                       dtype="bfloat16" if gpu else "float32", noise_device="cuda" if gpu else "cpu",
                       kv_cache_gb=None if gpu else 0.25, eval_every=1)
-    engine = VLLMEvaluator(resolve_model(model), max_lora_rank=1, max_loras=population + 1, max_model_len=512,
-                           dtype=config.dtype, adapter_transfer="in_place", kv_cache_gb=config.kv_cache_gb)
+    engine = make_evaluator(config)  # in_place: the variants switch the transfer on the engine below
     folder = Path(tempfile.mkdtemp(prefix="evolm-benchmark-", dir=workdir))
     result: dict[str, dict[str, Any]] = {}
     try:

@@ -8,6 +8,7 @@ from typing import Any, Literal, Optional
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from .es.core import NOISE_DEVICE, NoiseDevice, check_population_size
 from .lora import ALL_PROJECTIONS, LoraSpec
 from .models import check_model_name
 from .tasks import get_task, list_tasks
@@ -15,6 +16,16 @@ from .tasks import get_task, list_tasks
 
 class ConfigError(ValueError):
     """A setting is invalid; the message names the field."""
+
+
+GPU_MEMORY_SHARE = 0.6
+"""gpu_memory_utilization on a GPU when it is not set: leaves room on the card for a GRPO policy
+(transformers + AdamW) beside the engine."""
+CPU_KV_CACHE_GB = 1.0
+"""kv_cache_gb on a CPU when neither it nor gpu_memory_utilization is set: vLLM would size the KV cache
+as a share of RAM minus what the process already holds, which fails or wastes memory depending on
+the process; a fixed size is predictable."""
+AdapterTransfer = Literal["in_place", "files"]
 
 
 class CommonConfig(BaseModel):
@@ -31,9 +42,9 @@ class CommonConfig(BaseModel):
     max_model_len: int = Field(1024, ge=64)
     "longest prompt + completion the engine serves"
     gpu_memory_utilization: Optional[float] = Field(None, gt=0, le=1)
-    "vLLM memory share (on CPU: share of RAM); None picks 0.85 on GPU"
+    "vLLM memory share (on CPU: share of RAM); None: GPU_MEMORY_SHARE on a GPU (room for a GRPO policy beside the engine)"
     kv_cache_gb: Optional[float] = Field(None, gt=0)
-    "vLLM KV cache size in GiB; None: from gpu_memory_utilization on GPU, 1 GiB on CPU"
+    "vLLM KV cache size in GiB; None: from gpu_memory_utilization on a GPU, CPU_KV_CACHE_GB on a CPU"
     evaluator: Literal["local", "ray"] = "local"
     "where engines run: one engine in this process, or num_engines Ray actors sharing each call (pip install evolm[ray])"
     num_engines: int = Field(1, ge=1)
@@ -188,10 +199,10 @@ class ESConfig(CommonConfig):
     "noise std on LoRA weights (per_layer mode: a multiplier on each layer's mean |W|)"
     noise_mode: Literal["uniform", "per_layer"] = "uniform"
     "one sigma for every tensor, or sigma x mean |W| of each layer"
-    adapter_transfer: Literal["in_place", "files"] = "in_place"
+    adapter_transfer: AdapterTransfer = "in_place"
     "vLLM: write members into resident LoRA slots from their seeds (in_place; files where the engine cannot) or as adapter files"
-    noise_device: Literal["cpu", "cuda"] = "cpu"
-    "where noise is drawn: cpu (same bits on every machine) or cuda (faster for large adapters; GPU-only bits)"
+    noise_device: NoiseDevice = NOISE_DEVICE
+    "where noise is drawn: cpu (same bits on every machine) or cuda (faster for large adapters; GPU-only bits; cpu, with a warning, on a machine without a GPU)"
     noise_scheme: Literal["flat", "per_tensor"] = "flat"
     "flat: one draw per member for all its tensors (fast); per_tensor: one per tensor (runs made before this setting)"
     score_in_population: bool = True
@@ -223,8 +234,7 @@ class ESConfig(CommonConfig):
 
     @model_validator(mode="after")
     def _antithetic_even(self):
-        if self.antithetic and self.population_size % 2:
-            raise ValueError(f"population_size must be even with antithetic sampling, got {self.population_size}")
+        check_population_size(self.population_size, self.antithetic)  # the rule es.population applies
         return self
 
     @model_validator(mode="after")

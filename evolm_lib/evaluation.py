@@ -15,6 +15,7 @@ import torch
 
 from .engines import Evaluator, SamplingSettings, TokenScorer
 from .divergence import kl_k3
+from .es.core import NOISE_DEVICE
 from .lora import AdapterWeights
 from .tasks import Example, Task
 from .types import Completion
@@ -236,7 +237,7 @@ class PopulationPreview:
 
 def preview_population(evaluator: Evaluator, task: Task, adapter: AdapterWeights, members: Sequence,
                        sigmas, examples: Sequence[Example], max_new_tokens: int,
-                       noise_device: str = "cpu", noise_scheme: str = "flat") -> PopulationPreview:
+                       noise_device: str = NOISE_DEVICE, noise_scheme: str = "flat") -> PopulationPreview:
     """Members' adapters (adapter + sigma x their seeded noise) scored greedily on ``examples`` in ONE engine call."""
     from .es import perturb
 

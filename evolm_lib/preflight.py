@@ -19,10 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from .config import ConfigError
+from .engines.sizing import EngineSizing
 
 GIB = 2**30
-CPU_DEFAULT_KV_GB = 1.0  # what the vLLM engine uses on a CPU when neither kv_cache_gb nor gpu_memory_utilization is set
-GPU_DEFAULT_UTILIZATION = 0.85  # the vLLM engine's default on a GPU
 BLOCK_TOKENS = 16  # vLLM allocates the KV cache in blocks of tokens
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int8": 1}
 # rope scalings that extend the context beyond max_position_embeddings (as vLLM derives it)
@@ -191,10 +190,8 @@ def check_engine_settings(config, model_dir: str | Path, task=None, *, cuda: boo
             f"plus max_new_tokens={config.max_new_tokens}: raise max_model_len to at least "
             f"{prompt + config.max_new_tokens} or lower max_new_tokens")
 
-    kv_gb = config.kv_cache_gb
-    if kv_gb is None and config.gpu_memory_utilization is None and not cuda:
-        kv_gb = CPU_DEFAULT_KV_GB
-    kv_bytes = int(kv_gb * GIB) if kv_gb is not None else None
+    memory_asked = EngineSizing.from_config(config).memory(cuda)  # what the engine will ask for, exactly
+    kv_gb, kv_bytes = memory_asked.kv_cache_gb, memory_asked.kv_cache_bytes
     budget = EngineBudget(context, per_token, kv_bytes, prompt, requests, weights)
 
     if kv_bytes is not None and per_token:
@@ -222,7 +219,7 @@ def check_engine_settings(config, model_dir: str | Path, task=None, *, cuda: boo
                 f"kv_cache_gb={kv_gb:g} plus the model's weights ({_gib(weights or 0)}) need more than the "
                 f"{_gib(free)} of {device} free now: lower kv_cache_gb")
         if kv_bytes is None:
-            utilization = config.gpu_memory_utilization or GPU_DEFAULT_UTILIZATION
+            utilization = memory_asked.gpu_memory_utilization
             share = "share of GPU memory" if cuda else "share of RAM (on a CPU)"
             if utilization * total > free:
                 raise ConfigError(

@@ -42,7 +42,7 @@ import yaml
 from .analysis import record_final_metrics
 from .batch import execute_notebook, spec_from_dict
 from .config import ESConfig, GRPOConfig
-from .engines import make_evaluator
+from .engines import EngineSizing, make_evaluator
 from .train.es import ESRun
 from .evaluation import mean_kl_to_base
 from .train.grpo import GRPORun
@@ -186,9 +186,7 @@ def estimate_seconds(plan: list[PlannedRun], seconds_per_completion: dict) -> fl
 def make_shared_evaluator(plan: list[PlannedRun]):
     """One engine for every run: sized for the largest population and LoRA rank."""
     first = next(run.config for run in plan if run.kind == "es")
-    max_rank = max(run.config.lora_rank for run in plan)
-    max_population = max(run.config.population_size for run in plan if run.kind == "es")
-    return make_evaluator(first.replace(lora_rank=max_rank), max_loras=max_population + 1)
+    return make_evaluator(first, sizing=EngineSizing.from_config(first).covering(run.config for run in plan))
 
 
 def measure_kl(evaluator, run, kl_settings: dict) -> float | None:

@@ -70,6 +70,8 @@ def test_empty_yaml_gives_defaults(tmp_path):
         ({"sigma": 0.0}, "sigma", "greater than 0"),
         ({"sigma": -0.1}, "sigma", "greater than 0"),
         ({"population_size": 5}, "population_size", "even"),
+        ({"noise_device": "tpu"}, "noise_device", "'cpu' or 'cuda'"),
+        ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization", "less than or equal to 1"),
         ({"learning_rate": 0.0}, "learning_rate", "greater than 0"),
         ({"learning_rate": -1e-3}, "learning_rate", "greater than 0"),
         ({"lora_rank": 0}, "lora_rank", "greater than or equal to 1"),

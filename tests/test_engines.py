@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 
 import pytest
 import torch
@@ -159,7 +160,7 @@ def test_logprobs_are_returned_when_asked(tiny_vllm):
 
 
 def test_adapter_files_are_cleaned_up(tiny_vllm, tiny_model_dir, monkeypatch):
-    workdir = tiny_vllm._workdir
+    workdir = tiny_vllm.files.workdir
     adapters = [member_adapter(tiny_model_dir, seed) for seed in (61, 62)]
     tiny_vllm.generate(PROMPTS, adapters, GREEDY)
     assert workdir.is_dir() and list(workdir.iterdir()) == []
@@ -227,7 +228,7 @@ def test_more_adapters_than_max_loras(tiny_vllm, tiny_model_dir, monkeypatch):
     monkeypatch.setattr(tiny_vllm.llm, "generate", lambda *a, **k: pytest.fail("the engine must not be called"))
     with pytest.raises(ValueError, match=r"9 adapters .*max_loras=8"):
         tiny_vllm.generate(PROMPTS, adapters, GREEDY)
-    assert list(tiny_vllm._workdir.iterdir()) == []
+    assert list(tiny_vllm.files.workdir.iterdir()) == []
 
 
 @pytest.mark.parametrize("prompt", [123, None, [1, 2, 3], [{"content": "no role"}], b"bytes"])
@@ -369,3 +370,88 @@ def test_shipped_lora_kernel_configs_are_laid_out_as_vllm_reads_them():
                   for by_n in by_k.values() for leaf in by_n.values()]
         assert leaves and all(keys <= set(leaf) for leaf in leaves), path.name
         assert all(set(by_slices) >= {"1"} for by_slices in tree.values())
+
+
+# ----------------------------------------------------------------------------- sizing: one source per setting
+
+
+def test_a_runs_engine_is_sized_from_its_settings_once():
+    from evolm_lib.config import ESConfig, GRPOConfig
+    from evolm_lib.engines import EngineSizing
+
+    es_sizing = EngineSizing.from_config(ESConfig(model="tiny-random", population_size=6, lora_rank=2, max_model_len=256,
+                                                  dtype="bfloat16", kv_cache_gb=0.5, seed=4))
+    # the population and one slot for its mean, whose greedy scoring rides in the population's call
+    assert (es_sizing.max_loras, es_sizing.max_lora_rank, es_sizing.max_model_len, es_sizing.dtype) == (7, 2, 256, "bfloat16")
+    assert (es_sizing.kv_cache_gb, es_sizing.seed, es_sizing.adapter_transfer) == (0.5, 4, "in_place")
+    # vLLM's slots: rank 2 -> its next kernel rank 8; (7 + 1 zero adapter) files and as many resident slots
+    assert (es_sizing.engine_lora_rank, es_sizing.engine_loras) == (8, 16)
+    assert es_sizing.shard(3).max_loras == 3  # ceil(7 / 3) adapters on each of 3 engines
+    grpo_sizing = EngineSizing.from_config(GRPOConfig(model="tiny-random", lora_rank=4))
+    assert (grpo_sizing.max_loras, grpo_sizing.adapter_transfer, grpo_sizing.engine_loras) == (1, "files", 2)
+    # one engine for a sweep: the largest population (+ its mean) and the largest rank of its runs
+    covering = es_sizing.covering([ESConfig(model="tiny-random", population_size=10), GRPOConfig(model="tiny-random", lora_rank=16)])
+    assert (covering.max_loras, covering.max_lora_rank, covering.dtype) == (11, 16, "bfloat16")
+    # an engine started on its own has the run settings' defaults for what both have
+    assert (EngineSizing().max_model_len, EngineSizing().dtype, EngineSizing().seed) == (1024, "float32", 0)
+    with pytest.raises(ValueError, match="max_lora_rank must be in 1..512"):
+        EngineSizing(max_lora_rank=1024)
+    with pytest.raises(ValueError, match="adapter_transfer must be one of in_place, files"):
+        EngineSizing(adapter_transfer="nfs")
+
+
+def test_the_engine_asks_for_the_memory_the_settings_describe():
+    from evolm_lib.config import CPU_KV_CACHE_GB, GPU_MEMORY_SHARE, ESConfig
+    from evolm_lib.engines import EngineSizing
+    from evolm_lib.engines.vllm_engine import llm_arguments
+
+    sizing = EngineSizing.from_config(ESConfig(model="tiny-random", population_size=4))
+    on_gpu = llm_arguments("m", sizing, on_gpu=True)
+    # unset: 0.6 of the card (room for a GRPO policy beside the engine), vLLM sizes the KV cache from it
+    assert GPU_MEMORY_SHARE == 0.6 and on_gpu["gpu_memory_utilization"] == 0.6 and "kv_cache_memory_bytes" not in on_gpu
+    assert (on_gpu["enforce_eager"], on_gpu["max_num_seqs"], on_gpu["max_loras"], on_gpu["max_lora_rank"]) == (False, 1024, 12, 1)
+    assert on_gpu["worker_extension_cls"] == "evolm_lib.engines.vllm_worker.LoRASlotsExtension"
+    assert on_gpu["enable_prefix_caching"] is False  # slot names are fixed: cached KV would go stale
+    on_cpu = llm_arguments("m", sizing, on_gpu=False)
+    assert CPU_KV_CACHE_GB == 1.0 and on_cpu["kv_cache_memory_bytes"] == 2**30 and on_cpu["enforce_eager"] is True
+    set_by_user = llm_arguments("m", sizing.replace(gpu_memory_utilization=0.3, kv_cache_gb=0.25, adapter_transfer="files"),
+                                on_gpu=True, engine_kwargs={"enable_prefix_caching": True})
+    assert (set_by_user["gpu_memory_utilization"], set_by_user["kv_cache_memory_bytes"]) == (0.3, 2**28)
+    assert "worker_extension_cls" not in set_by_user and set_by_user["enable_prefix_caching"] is True
+    assert set_by_user["max_loras"] == 6  # files only: 5 adapters + the zero adapter
+
+
+def test_noise_device_falls_back_to_the_cpu_only_without_a_gpu():
+    from evolm_lib.engines import resolve_noise_device
+
+    with pytest.warns(UserWarning, match="noise_device is 'cuda' but this machine has no GPU"):
+        assert resolve_noise_device("cuda", cuda=False) == "cpu"
+    with pytest.warns(UserWarning, match="noise_device: cuda is much faster"):
+        assert resolve_noise_device("cpu", cuda=True) == "cpu"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert resolve_noise_device("cuda", cuda=True) == "cuda"
+        assert resolve_noise_device("cpu", cuda=False) == "cpu"
+    with pytest.raises(ValueError, match="noise_device must be one of"):
+        resolve_noise_device("tpu", cuda=True)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the fallback is for machines without a GPU")
+def test_an_es_generation_asked_for_cuda_noise_on_a_cpu_machine_warns_and_finishes(tiny_vllm, tmp_path):
+    from evolm_lib.config import ESConfig
+    from evolm_lib.runs import read_metrics
+    from evolm_lib.train.es import ESRun
+
+    config = ESConfig(model="tiny-random", population_size=4, num_generations=1, max_new_tokens=8, max_model_len=256,
+                      sigma=0.05, learning_rate=0.4, noise_device="cuda")
+    with pytest.warns(UserWarning, match="noise_device is 'cuda' but this machine has no GPU"):
+        run = ESRun.create(config, tmp_path / "cuda", evaluator=tiny_vllm)
+    assert run.noise_device == "cpu" and run.population(run.ask()).noise_device == "cpu"  # what the engine draws with
+    run.run()
+    assert [row["generation"] for row in read_metrics(run.run_dir)] == [0, 1]
+    # the same members and update as a run asked for CPU noise
+    reference = ESRun.create(config.replace(noise_device="cpu"), tmp_path / "cpu", evaluator=tiny_vllm)
+    reference.run()
+    assert [r["es/rewards"] for r in read_metrics(run.run_dir)[1:]] == [r["es/rewards"] for r in read_metrics(reference.run_dir)[1:]]
+    assert all(torch.equal(run.mean.tensors[name], reference.mean.tensors[name]) for name in run.mean.tensors)
+    assert read_metrics(run.run_dir)[1]["es/update_norm"] > 0  # the update moved the mean: a comparison that can fail

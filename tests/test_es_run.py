@@ -240,7 +240,7 @@ def test_kill_mid_generation_on_vllm_in_place_then_resume_bit_exact(tmp_path):
         resumed.run()
         reference = ESRun.create(vllm_kill_config(), tmp_path / "reference", evaluator=engine)
         reference.run()
-        assert engine.adapter_transfer == "in_place" and engine._resident is not None  # no silent fall-back
+        assert engine.adapter_transfer == "in_place" and engine.slots.resident is not None  # no silent fall-back
     finally:
         engine.close()
     assert_same_adapter(resumed.mean, reference.mean)
@@ -532,12 +532,12 @@ def test_in_place_slots_and_files_give_the_same_run_and_resume_bit_exact(tmp_pat
     # slot names are fixed: an in-place engine runs without a prefix cache (nothing to go stale)
     assert slots.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching is False
     as_files = []  # the adapters of each call that travelled as files
-    real = slots._lora_requests
-    slots._lora_requests = lambda adapters: (as_files.append([a for a in adapters if a is not None]), real(adapters))[1]
+    real = slots.files.written
+    slots.files.written = lambda adapters: (as_files.append([a for a in adapters if a is not None]), real(adapters))[1]
     try:
         run = ESRun.create(config, tmp_path / "slots", evaluator=slots)
         run.run(num_generations=2)
-        assert slots.adapter_transfer == "in_place" and slots._resident is not None  # not a silent fall-back
+        assert slots.adapter_transfer == "in_place" and slots.slots.resident is not None  # not a silent fall-back
     finally:
         slots.close()
     # generation 0's scoring and generation 2's (the last of the call) go as files; generation 1's

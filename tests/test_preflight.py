@@ -123,3 +123,20 @@ def test_context_length_reads_rope_scaling_and_old_names(tmp_path):
     nested = tmp_path / "config.json"
     nested.write_text(json.dumps({"text_config": {"max_position_embeddings": 512, "num_hidden_layers": 2}}))
     assert preflight.context_length(preflight.model_config(tmp_path)) == 512
+
+
+def test_on_a_gpu_the_check_tests_the_share_the_engine_asks_for(tiny_model_dir, monkeypatch):
+    """gpu_memory_utilization unset: the engine asks for 0.6 of the card (llm_arguments), and the
+    check tests 0.6 too: 6 of 10 GiB fit in 7 free GiB (0.85 would not), not in 5."""
+    from evolm_lib.engines import EngineSizing
+    from evolm_lib.engines.vllm_engine import llm_arguments
+
+    config = ESConfig(**{**TINY, "kv_cache_gb": None})
+    asked = llm_arguments(tiny_model_dir, EngineSizing.from_config(config), on_gpu=True)["gpu_memory_utilization"]
+    assert asked == 0.6
+    monkeypatch.setattr(preflight, "_free_memory", lambda cuda: (7 * 2**30, 10 * 2**30))
+    assert check_engine_settings(config, tiny_model_dir, cuda=True).kv_cache_bytes is None  # vLLM sizes it from the share
+    monkeypatch.setattr(preflight, "_free_memory", lambda cuda: (5 * 2**30, 10 * 2**30))
+    with pytest.raises(ConfigError, match=r"gpu_memory_utilization=0.6 asks for 6 GiB, the engine's share of GPU "
+                                          r"memory, but 5 GiB are free now"):
+        check_engine_settings(config, tiny_model_dir, cuda=True)

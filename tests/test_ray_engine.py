@@ -21,12 +21,15 @@ import torch
 from evolm_lib import es
 from evolm_lib.config import ConfigError, ESConfig, GRPOConfig
 from evolm_lib.engines import Population, SamplingSettings, make_evaluator
+from evolm_lib.engines.base import balanced_blocks
 from evolm_lib.engines.ray_engine import (
     EngineLostError,
+    EnginePool,
+    FaultPolicy,
     RayEvaluator,
     RayUnavailableError,
+    ShardPlan,
     ShardSampling,
-    balanced_blocks,
     check_cluster_resources,
     plan_grid,
     shard_sampling,
@@ -116,6 +119,35 @@ def test_plan_splits_members_when_there_are_enough_else_prompts():
     assert plan_grid(0, 10, 2, 4) == [] and plan_grid(3, 0, 2, 4) == []
 
 
+def test_a_shard_plan_puts_every_engines_answer_back_in_place():
+    """A population split by members and one adapter split by prompts, on 2 engines: each engine
+    answers its work with (who, prompt) labels, and the assembled tables hold every label in place."""
+    spec = LoraSpec(rank=1)
+    mean, other = AdapterWeights(spec, {"x": torch.zeros(1)}), AdapterWeights(spec, {"x": torch.ones(1)})
+    population = Population(mean, tuple(es.population(0, 1, 4)), 0.1)
+    prompts = ["p0", "p1", "p2"]
+    plan = ShardPlan.of([(prompts, population, GREEDY), (prompts, [other], GREEDY)], num_engines=2, engine_max_loras=3)
+    assert [a is b for a, b in zip(plan.shared, (mean, other))] == [True, True] and len(plan.shared) == 2
+    # engine 0: members 0-1 on every prompt, the other adapter on p0-p1; engine 1: members 2-3, the other on p2
+    assert [[list(block_prompts) for block_prompts, _, _ in work] for work in plan.work] == \
+           [[prompts, ["p0", "p1"]], [prompts, ["p2"]]]
+
+    def who(wire) -> list:
+        if hasattr(wire, "members"):  # a PopulationBlock: its members travel as seeds and signs
+            return [(m.seed, m.sign) for m in wire.members]
+        return [("adapter", ref.index) for ref in wire]
+
+    results = {engine: [[[(w, p) for p in block_prompts] for w in who(wire)] for block_prompts, wire, _ in work]
+               for engine, work in enumerate(plan.work)}
+    members_table, other_table = plan.assemble(results, {"generate_s": 1.5})
+    assert members_table == [[((m.seed, m.sign), p) for p in prompts] for m in population.members]
+    assert other_table == [[(("adapter", 1), p) for p in prompts]]
+    assert other_table.timing == {"generate_s": 1.5}
+    # the block of prompts p2 keeps the seed p2 has in the whole call
+    (_, _, shard), = [grid for grid in plan.work[1] if not hasattr(grid[1], "members")]
+    assert isinstance(shard, ShardSampling) and shard.prompt_offset == 2
+
+
 def test_a_block_of_prompts_keeps_each_request_seed():
     sampling = SamplingSettings(max_new_tokens=4, temperature=1.0, seed=11)
     block = shard_sampling(sampling, 5)
@@ -142,7 +174,7 @@ def test_without_ray_the_error_says_how_to_install_it(monkeypatch):
         RayEvaluator("tiny-random", num_engines=2)
     config = ESConfig(**ES_SETTINGS, evaluator="ray", num_engines=2)  # settings alone never need Ray
     with pytest.raises(ImportError, match=r"pip install evolm\[ray\]"):
-        make_evaluator(config, max_loras=5)
+        make_evaluator(config)
 
 
 def test_unreachable_address_fails_fast_before_ray_starts():
@@ -155,9 +187,10 @@ def test_unreachable_address_fails_fast_before_ray_starts():
     assert ray.is_initialized() == was_initialized
 
 
-def test_more_engines_than_the_population_is_refused():
-    with pytest.raises(ValueError, match="population_size: 2 members cannot keep num_engines=3"):
-        RayEvaluator("tiny-random", num_engines=3, population_size=2)
+def test_more_engines_than_the_population_is_refused_before_ray():
+    # one check, in the settings: a run's evaluator is made from validated settings only
+    with pytest.raises(ConfigError, match="population_size: 2 members cannot keep num_engines=3"):
+        make_evaluator(ESConfig(**{**ES_SETTINGS, "population_size": 2}, evaluator="ray", num_engines=3))
 
 
 # ----------------------------------------------------------------------------- a local Ray cluster
@@ -216,7 +249,7 @@ def local_engine(tiny_vllm):
 @pytest.fixture(scope="module")
 def ray_engines(ray_cluster, es_config):
     """Two engines, one Ray actor each, as an ES run makes them."""
-    evaluator = make_evaluator(es_config, max_loras=es_config.population_size + 1)
+    evaluator = make_evaluator(es_config)
     yield evaluator
     evaluator.close()
 
@@ -291,11 +324,11 @@ def kill_once(engine: int, at_call: int):
     """A hook that kills ``engine``'s actor (Ray restarts it) right after the ``at_call``-th submission."""
     state = {"calls": 0}
 
-    def hook(evaluator: RayEvaluator, engines: list[int]) -> None:
+    def hook(pool: EnginePool, engines: list[int]) -> None:
         state["calls"] += 1
         if state["calls"] == at_call:
             ray = sys.modules["ray"]
-            ray.kill(evaluator._actors[engine], no_restart=False)
+            ray.kill(pool.actors[engine], no_restart=False)
 
     return hook
 
@@ -306,12 +339,12 @@ def test_an_engine_killed_mid_generation_loses_nothing(ray_engines, es_config, r
     faults_before = len(ray_engines.faults)
     # calls of a run: create scores generation 0 (1), generation 1: population (2), score (3);
     # generation 2: population (4) -> killed while it runs
-    ray_engines.on_submitted = kill_once(engine=1, at_call=4)
+    ray_engines.pool.on_submitted = kill_once(engine=1, at_call=4)
     try:
         run = ESRun.create(es_config, tmp_path / "run", evaluator=ray_engines)
         run.run()
     finally:
-        ray_engines.on_submitted = None
+        ray_engines.pool.on_submitted = None
     assert without_times(read_metrics(run.run_dir)) == reference_rows
     new_faults = ray_engines.faults[faults_before:]
     assert [(f["engine"], f["method"], f["attempt"]) for f in new_faults] == [(1, "generate_grids", 1)]
@@ -320,16 +353,17 @@ def test_an_engine_killed_mid_generation_loses_nothing(ray_engines, es_config, r
 
 @pytest.mark.slow
 def test_an_engine_that_stays_lost_stops_the_run_at_its_last_generation(ray_engines, es_config, reference_rows, tmp_path):
-    ray_engines.max_attempts = 1  # one loss is too many: the run must stop cleanly
-    ray_engines.on_submitted = kill_once(engine=0, at_call=4)
+    policy = ray_engines.pool.policy
+    ray_engines.pool.policy = FaultPolicy(max_attempts=1)  # one loss is too many: the run must stop cleanly
+    ray_engines.pool.on_submitted = kill_once(engine=0, at_call=4)
     try:
         run = ESRun.create(es_config, tmp_path / "run", evaluator=ray_engines)
         run.step()
         with pytest.raises(EngineLostError, match=r"engine 0 of 2 \(Ray actor \w+, last on .* pid \d+\) is lost") as lost:
             run.step()
     finally:
-        ray_engines.on_submitted = None
-        ray_engines.max_attempts = 3
+        ray_engines.pool.on_submitted = None
+        ray_engines.pool.policy = policy
     assert lost.value.engine == 0 and lost.value.attempts == 1
     # the run holds generation 1, finished and checkpointed; nothing of generation 2
     assert [r["generation"] for r in read_metrics(run.run_dir)] == [0, 1]
@@ -352,15 +386,12 @@ def test_an_engine_dead_for_good_raises_engine_lost_error(ray_cluster):
         def generate_grids(self, grids, *shared):
             time.sleep(30)
 
-    evaluator = object.__new__(RayEvaluator)  # the evaluator's fault handling around stand-in engines
-    evaluator.num_engines, evaluator.max_attempts, evaluator.restart_timeout_s = 1, 3, 60.0
-    evaluator.faults, evaluator.on_submitted = [], None
-    evaluator._actors = [ray.remote(SlowEngine).options(num_cpus=0, max_restarts=0).remote()]
-    evaluator.engine_info = [ray.get(evaluator._actors[0].ready.remote())]
-    evaluator.on_submitted = lambda ev, engines: ray.kill(ev._actors[0], no_restart=False)
+    actor = ray.remote(SlowEngine).options(num_cpus=0, max_restarts=0).remote()  # a stand-in engine
+    pool = EnginePool([actor], [ray.get(actor.ready.remote())], FaultPolicy(max_attempts=3, restart_timeout_s=60.0))
+    pool.on_submitted = lambda pool, engines: ray.kill(pool.actors[0], no_restart=False)
     with pytest.raises(EngineLostError, match="engine 0 of 1 .* is lost: it is dead and Ray will not restart it") as lost:
-        evaluator._run([(0, "generate_grids", ([],))])
-    assert lost.value.attempts == 1 and len(evaluator.faults) == 1
+        pool.run([(0, "generate_grids", ([],))])
+    assert lost.value.attempts == 1 and len(pool.faults) == 1
 
 
 @pytest.mark.slow

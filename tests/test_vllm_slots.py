@@ -1,4 +1,5 @@
-"""Resident LoRA slots written in place (``evolm_lib.engines.vllm_slots``) on a real vLLM engine:
+"""Resident LoRA slots written in place (``evolm_lib.engines.vllm_slots``, the client, and
+``vllm_worker``, the extension inside the engine) on a real vLLM engine:
 the same completions as the file path, the trainer's exact member tensors in the slots, rewrites
 that take effect (prefix cache included), pinned slots that survive file-path calls, and errors.
 
@@ -12,9 +13,10 @@ import torch
 
 from evolm_lib import es
 from evolm_lib.engines import SamplingSettings
-from evolm_lib.engines import vllm_slots
-from evolm_lib.engines.vllm_engine import VLLMEvaluator
-from evolm_lib.engines.vllm_slots import EXTENSION, ResidentPopulation, SlotsUnsupported, describe, stored_form, supported
+from evolm_lib.engines import vllm_worker
+from evolm_lib.engines.vllm_engine import RequestGrid, VLLMEvaluator, run_requests
+from evolm_lib.engines.vllm_slots import EXTENSION, ResidentPopulation, SlotsUnsupported, describe, supported
+from evolm_lib.engines.vllm_worker import stored_form
 from evolm_lib.lora import AdapterWeights, LoraSpec, adapter_shapes, init_adapter
 from evolm_lib.types import Prompt
 
@@ -156,7 +158,7 @@ def test_the_mean_written_after_the_members_is_the_mean_exactly(engine, resident
     assert resident.checksums()[: len(members)] == [resident.expected_checksum(a.tensors)
                                                     for a in member_adapters(mean, members)]
     encoded = [engine.encoder.encode(p) for p in PROMPTS]
-    served = vllm_slots.generate_with_requests(engine.llm, encoded, [resident.mean_request()], GREEDY)
+    (served,) = run_requests(engine.llm, [RequestGrid(encoded, [resident.mean_request()], GREEDY)])
     assert token_ids(served) == token_ids(engine.generate(PROMPTS, [mean], GREEDY))
     resident.write(mean, members, SIGMA)
     with pytest.raises(RuntimeError, match="with_mean"):
@@ -222,7 +224,7 @@ def test_a_loader_mismatch_is_refused_and_the_slots_released(engine, monkeypatch
     def unscaled(tensor, is_a, file_dtype, slot_dtype, scaling):
         return tensor.to(file_dtype).to(slot_dtype)
 
-    monkeypatch.setattr(vllm_slots, "stored_form", unscaled)
+    monkeypatch.setattr(vllm_worker, "stored_form", unscaled)
     with pytest.raises(SlotsUnsupported, match="differently from the in-place write"):
         ResidentPopulation(engine.llm, SPEC, POPULATION, engine.model_dir, engine.dtype)
     monkeypatch.undo()

@@ -6,11 +6,12 @@ are rendered and tokenised by one ``PromptEncoder`` so that every engine sees id
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Protocol, Sequence, Union, runtime_checkable
 
-from ..es.core import Member, NoiseScheme, Sigma, perturb
+from ..es.core import NOISE_DEVICE, Member, NoiseScheme, Sigma, perturb
 from ..lora import AdapterWeights, adapter_shapes
 from ..seeds import derive_seed
 from ..types import Completion, Prompt, PromptLike
@@ -60,7 +61,7 @@ class Population:
     mean: AdapterWeights
     members: tuple[Member, ...]
     sigmas: Sigma
-    noise_device: str = "cpu"
+    noise_device: str = NOISE_DEVICE  # as resolved for this machine (``sizing.resolve_noise_device``)
     noise_scheme: NoiseScheme = "flat"
 
     def __len__(self) -> int:
@@ -76,13 +77,20 @@ class Population:
         """Balanced contiguous blocks of members (antithetic pairs stay together where the sizes allow)."""
         if parts < 1 or parts > len(self.members):
             raise ValueError(f"cannot split {len(self.members)} members into {parts} blocks")
-        size, extra = divmod(len(self.members), parts)
-        blocks, start = [], 0
-        for index in range(parts):
-            end = start + size + (index < extra)
-            blocks.append(Population(self.mean, self.members[start:end], self.sigmas, self.noise_device, self.noise_scheme))
-            start = end
-        return blocks
+        return [dataclasses.replace(self, members=self.members[block]) for block in balanced_blocks(len(self.members), parts)]
+
+
+def balanced_blocks(count: int, parts: int) -> list[slice]:
+    """``count`` items in ``parts`` contiguous blocks whose sizes differ by at most one, larger first."""
+    if parts < 1 or parts > max(count, 1):
+        raise ValueError(f"cannot split {count} items into {parts} blocks")
+    size, extra = divmod(count, parts)
+    blocks, start = [], 0
+    for index in range(parts):
+        end = start + size + (index < extra)
+        blocks.append(slice(start, end))
+        start = end
+    return blocks
 
 
 AdapterList = Union[Sequence[Optional[AdapterWeights]], Population]
@@ -149,6 +157,18 @@ class GridsOneByOne:
     def generate_grids(self, grids):
         """One table per grid, each from its own ``generate`` call."""
         return [self.generate(prompts, adapters, sampling) for prompts, adapters, sampling in grids]
+
+
+class GridsInOneCall:
+    """``generate`` for engines whose ``generate_grids`` serves every grid in one engine call."""
+
+    batches_grids = True  # a run may put its mean's greedy scoring into the population's call
+
+    def generate(self, prompts: Sequence[PromptLike], adapters: AdapterList = (None,),
+                 sampling: SamplingSettings = SamplingSettings()) -> CompletionTable:
+        """Completions indexed ``[adapter][prompt]``, from one engine call."""
+        (table,) = self.generate_grids([(prompts, adapters, sampling)])
+        return table
 
 
 def as_prompt(prompt: PromptLike) -> Prompt | str:

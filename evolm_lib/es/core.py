@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 from functools import cached_property
-from typing import Callable, Iterator, Literal, Mapping, Sequence, Union
+from typing import Callable, Iterator, Literal, Mapping, Sequence, Union, get_args
 
 import torch
 
@@ -34,6 +34,9 @@ GradientForm = Literal["qiu", "textbook"]
 
 NoiseScheme = Literal["flat", "per_tensor"]
 NOISE_SCHEMES: tuple[str, ...] = ("flat", "per_tensor")
+NoiseDevice = Literal["cpu", "cuda"]
+NOISE_DEVICE: NoiseDevice = "cpu"
+"""Where noise is drawn unless asked otherwise: the CPU stream is the same bits on every machine."""
 _BLOCK_ELEMENTS = 1 << 26  # float32 elements of noise drawn at once (256 MiB): bounds memory at any population
 
 
@@ -163,7 +166,13 @@ def check_noise_scheme(scheme: str) -> None:
         raise ValueError(f"noise_scheme must be one of {list(NOISE_SCHEMES)}, got {scheme!r}")
 
 
-def population_noise(seeds: Sequence[int], layout: Layout, device: str | torch.device = "cpu",
+def check_noise_device(device: str) -> None:
+    """Raise ValueError unless `device` is where noise can be drawn ("cpu" or "cuda")."""
+    if device not in get_args(NoiseDevice):
+        raise ValueError(f"noise_device must be one of {list(get_args(NoiseDevice))}, got {device!r}")
+
+
+def population_noise(seeds: Sequence[int], layout: Layout, device: str | torch.device = NOISE_DEVICE,
                      scheme: NoiseScheme = "flat") -> torch.Tensor:
     """Standard-normal noise (len(seeds), layout.total) in float32, one row per seed.
 
@@ -189,7 +198,7 @@ def population_noise(seeds: Sequence[int], layout: Layout, device: str | torch.d
     return out
 
 
-def member_noise(seed: int, shapes: Shapes, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+def member_noise(seed: int, shapes: Shapes, dtype: torch.dtype = torch.float32, device: str | torch.device = NOISE_DEVICE,
                  scheme: NoiseScheme = "flat") -> Params:
     """Standard-normal noise for every tensor of a member; same seed (and device type) gives the same bits.
 
@@ -221,14 +230,20 @@ class Member:
             raise ValueError(f"sign must be +1 or -1, got {self.sign!r}")
 
 
+def check_population_size(population_size: int, antithetic: bool) -> None:
+    """Raise ValueError unless a population of this size can be drawn (antithetic: in +/- pairs, so even)."""
+    if population_size < 1:
+        raise ValueError(f"population_size must be >= 1, got {population_size}")
+    if antithetic and population_size % 2:
+        raise ValueError(f"population_size must be even with antithetic sampling (+/- pairs), got {population_size}; "
+                         "use an even population or antithetic: false")
+
+
 def population(
     base_seed: int, generation: int, population_size: int, antithetic: bool = True
 ) -> list[Member]:
     """Members of one generation, seeds derived from (base_seed, generation, index)."""
-    if population_size < 1:
-        raise ValueError(f"population_size must be >= 1, got {population_size}")
-    if antithetic and population_size % 2:
-        raise ValueError(f"population_size must be even with antithetic sampling, got {population_size}")
+    check_population_size(population_size, antithetic)
 
     def seed_of(index: int) -> int:
         # 31 bits: fits any int32 consumer (vLLM request seeds, numpy, logging as int).
@@ -261,7 +276,7 @@ def _sigma_of(sigma: Sigma, name: str) -> float:
     return float(sigma[name]) if isinstance(sigma, Mapping) else float(sigma)
 
 
-def perturb(mean: Params, member: Member, sigma: Sigma, noise_device: str = "cpu",
+def perturb(mean: Params, member: Member, sigma: Sigma, noise_device: str = NOISE_DEVICE,
             scheme: NoiseScheme = "flat") -> Params:
     """A member's parameters: mean + sign * sigma_t * noise, in the mean's dtype and device."""
     check_sigma(sigma, list(mean))
@@ -350,7 +365,7 @@ def es_gradient(
     shapes: Shapes,
     sigma: Sigma,
     form: GradientForm = "qiu",
-    noise_device: str = "cpu",
+    noise_device: str = NOISE_DEVICE,
     scheme: NoiseScheme = "flat",
 ) -> Params:
     """ES ascent direction from members and fitness weights, regenerating each member's noise."""
@@ -379,7 +394,7 @@ def es_gradient(
 
 
 def seeded_combination(coefficient: Mapping[int, float], shapes: Shapes, divisor: Mapping[str, float],
-                       noise_device: str = "cpu", scheme: NoiseScheme = "flat") -> Params:
+                       noise_device: str = NOISE_DEVICE, scheme: NoiseScheme = "flat") -> Params:
     """sum_s coefficient[s] * noise(s) / divisor[name], per tensor, in float32 on `noise_device`
     (a FlatParams).
 

@@ -16,7 +16,7 @@ from typing import Sequence
 import torch
 
 from ..config import ESConfig
-from ..engines import CompletionTable, Evaluator, Population, SamplingSettings, make_evaluator
+from ..engines import CompletionTable, Evaluator, Population, SamplingSettings, make_evaluator, resolve_noise_device
 from ..evaluation import scoring_grid, scores_of
 from ..lora import AdapterWeights, base_weight_magnitudes, noise_below_resolution, noise_scales
 from ..models import resolve_model
@@ -53,14 +53,11 @@ class ESRun(RunLoop):
     def __init__(self, config: ESConfig, run_dir: Path, evaluator: Evaluator, task: Task, mean: AdapterWeights,
                  optimizer_state, generation: int, counters: dict, history: list[dict], model_dir: Path):
         self._init_common(config, run_dir, evaluator, task, generation, counters, history, model_dir)
+        # Resolved once (cuda falls back to cpu without a GPU): members, update and slots draw the same bits.
+        self.noise_device = resolve_noise_device(config.noise_device)
         # With noise on the GPU the mean adapter and the optimizer's buffers live there too: the
         # update and the slot writes then move no tensor between host and card (checkpoints copy).
-        self.device = "cuda" if config.noise_device == "cuda" and torch.cuda.is_available() else "cpu"
-        if config.noise_device == "cpu" and torch.cuda.is_available():
-            warnings.warn("noise_device is 'cpu' on a machine with a GPU: every generation draws the population's "
-                          "noise on the host (2-3 s for 64 rank-8 members of a 1.5B model on an H100 host); "
-                          "noise_device: cuda is much faster (same bits on every GPU, not across CPU and GPU)",
-                          stacklevel=2)
+        self.device = self.noise_device
         self.shapes = {k: tuple(v.shape) for k, v in mean.tensors.items()}
         # The mean and the optimizer's buffers are flat vectors (es.FlatParams): an update is a dozen
         # kernels and the slot writes take the mean in one piece, however many LoRA tensors there are.
@@ -89,7 +86,7 @@ class ESRun(RunLoop):
             optimizer_state = es.init_optimizer_state(config.optimizer_config(), dict(adapter.tensors))
         else:
             optimizer_state = es.optimizer_state_from_tensors(config.optimizer_config(), optimizer_tensors)
-        evaluator = evaluator or make_evaluator(config, max_loras=config.population_size + 1)
+        evaluator = evaluator or make_evaluator(config)
         run = cls(config, run_dir, evaluator, task, adapter, optimizer_state, generation, counters, history, model_dir)
         if config.estimator is not None and state is not None:
             run.estimator_state = zo.HistoryState.from_dict(state["estimator"])
@@ -104,7 +101,7 @@ class ESRun(RunLoop):
 
     def population(self, members: Sequence[es.Member]) -> Population:
         """The members as the engine takes them: the mean, their seeds and signs, the noise scale."""
-        return Population(self.mean, tuple(members), self.sigmas, self.config.noise_device, self.config.noise_scheme)
+        return Population(self.mean, tuple(members), self.sigmas, self.noise_device, self.config.noise_scheme)
 
     def member_adapters(self, members: Sequence[es.Member]) -> list[AdapterWeights]:
         """Mean adapter + sigma * regenerated noise, one per member, made on the host."""
@@ -194,10 +191,10 @@ class ESRun(RunLoop):
         if config.estimator is None:
             weights = es.shape_fitness(config.fitness_shaping, rewards)
             return weights, es.es_gradient(members, weights, self.shapes, self.sigmas, form=config.gradient_form,
-                                           noise_device=config.noise_device, scheme=config.noise_scheme)
+                                           noise_device=self.noise_device, scheme=config.noise_scheme)
         current = zo.Generation.from_members(members, -rewards.mean(dim=1))  # the zo package minimises f
         coefficient, self.estimator_state = zo.coefficients(config.estimator_config(), current, self.estimator_state)
-        g = zo.seeded_gradient(coefficient, self.shapes, config.sigma, noise_device=config.noise_device,
+        g = zo.seeded_gradient(coefficient, self.shapes, config.sigma, noise_device=self.noise_device,
                                scheme=config.noise_scheme)
         weights = torch.tensor([-m.sign * coefficient.get(m.seed, 0.0) for m in members], dtype=torch.float32)
         return weights, es.FlatParams(-es.flat_of(g, self.layout), self.layout)

@@ -49,7 +49,7 @@ class GRPORun(RunLoop):
         trainer = PolicyTrainer(model_dir, adapter, config)
         if optimizer_tensors is not None:
             trainer.load_optimizer_tensors(optimizer_tensors)
-        evaluator = evaluator or make_evaluator(config, max_loras=1)  # one policy adapter per call
+        evaluator = evaluator or make_evaluator(config)  # sized for one policy adapter per call
         return cls(config, run_dir, evaluator, task, trainer, generation, counters, history, model_dir)
 
     def row_header(self) -> dict:

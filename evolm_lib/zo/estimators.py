@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 from evolm_lib.es import Member, member_noise, population
-from evolm_lib.es.core import NoiseScheme, seeded_combination
+from evolm_lib.es.core import NOISE_DEVICE, NoiseScheme, seeded_combination
 
 Params = dict[str, torch.Tensor]
 DIRECTION_NAME = "x"  # the one "tensor" of a synthetic point: u(seed) = member_noise(seed, {"x": (d,)})["x"]
@@ -323,7 +323,7 @@ def seeded_gradient(
     shapes: Mapping[str, tuple[int, ...]],
     mu: float,
     dtype: torch.dtype = torch.float32,
-    noise_device: str = "cpu",
+    noise_device: str = NOISE_DEVICE,
     scheme: NoiseScheme = "flat",
 ) -> Params:
     """g = (1/mu) sum_seed c_seed * noise(seed) for every tensor, regenerating each seed's noise.
