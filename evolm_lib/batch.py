@@ -39,7 +39,8 @@ and the real run use this one comparison, so they say the same thing.
 A failed attempt never replaces a finished point: a point that is extended or overwritten keeps its
 notebook.ipynb, run folder, status and summary row until the attempt succeeds; a failed extension
 leaves its notebook beside it as notebook.failed-<time>.ipynb, a failed overwrite its whole folder
-as OUT/<point>.failed-<time>/ (both listed in status.json under `failed_attempts`).
+as OUT/<point>.failed-<time>/ (both listed in status.json under `failed_attempts`). While an overwrite
+runs, the point it replaces waits in OUT/.<point>.kept-<time>/ (left there if the batch is killed).
 
 Before any kernel starts, each point is checked without running notebook code: its parameters against
 the notebook's declared names and types (papermill's own inspection of the `parameters` cell), then,
@@ -627,7 +628,7 @@ def plan_points(spec: BatchSpec, out_dir: str | Path, retry_failed: bool = False
         config, error, notes = check_point(info, params) if validate else (None, "", [])
         state, reason, status = point_state(folder, params, config, info.defaults)
         action = ACTIONS[state]
-        if run.name in replace and state != "new":
+        if run.name in replace and state not in ("new", "running"):
             action, reason = "overwrite", f"was {state}" + (f": {reason}" if state == "changed" else "")
         elif state == "failed" and retry_failed:
             action = "retry"
@@ -684,11 +685,14 @@ def _execute_point(spec: BatchSpec, point: PointPlan, output: Path, base: dict[s
 def run_point(spec: BatchSpec, point: PointPlan, log_output: bool = False) -> RunResult:
     """Run one grid point's notebook in its folder, with status.json before and after. A finished
     point (status ok) is kept until the attempt succeeds: see the module's doc string."""
-    kept = dict(point.status) if point.status.get("status") == OK else None
+    # the finished point this attempt must not lose (also when an earlier attempt on it was killed)
+    kept = dict(point.status) if point.status.get("status") == OK else point.status.get("kept")
     attempts = int(point.status.get("attempts", 0)) + 1
     started = _now()
     base = {"parameters": point.parameters, "notebook": str(spec.notebook), "started": started,
             "attempts": attempts, "action": point.action}
+    if kept is not None and point.action != "overwrite":  # an attempt in the finished point's own folder
+        base["kept"] = kept
     if point.action == "invalid":  # failed its checks: no kernel
         if kept is not None:  # a finished point stays as it is; this attempt's error is reported beside it
             return _kept(point, kept, point.error)
@@ -707,6 +711,7 @@ def run_point(spec: BatchSpec, point: PointPlan, log_output: bool = False) -> Ru
     if status == OK or kept is None:
         if output.name != NOTEBOOK_FILE:
             os.replace(output, point.folder / NOTEBOOK_FILE)
+        base.pop("kept", None)
         write_status(point.folder, {**base, "status": status, "seconds": seconds, "error": error, "finished": _now()})
         if aside is not None:
             shutil.rmtree(aside)
