@@ -12,10 +12,31 @@ from .es.core import NOISE_DEVICE, NoiseDevice, check_population_size
 from .lora import ALL_PROJECTIONS, LoraSpec
 from .models import check_model_name
 from .tasks import get_task, list_tasks
+from .tasks import task_options as accepted_task_options
 
 
 class ConfigError(ValueError):
-    """A setting is invalid; the message names the field."""
+    """A setting is invalid; the message names the field.
+
+    ``errors`` holds (field path, message) pairs where the error came from a config class, so a
+    caller that knows where a field was written (e.g. a notebook's ``settings`` mapping, a sweep's
+    ``es:`` section) can name that place with :meth:`located`."""
+
+    def __init__(self, message: str, errors: list[tuple[str, str]] | None = None, config_name: str = ""):
+        super().__init__(message)
+        self.errors = list(errors or [])
+        self.config_name = config_name
+
+    @classmethod
+    def from_errors(cls, config_name: str, errors: list[tuple[str, str]]) -> "ConfigError":
+        """"invalid ESConfig: sigma: ...; lora_rank: ..." from (field path, message) pairs."""
+        return cls(_error_text(config_name, errors), errors, config_name)
+
+    def located(self, paths: dict[str, str]) -> "ConfigError":
+        """The same error with each field renamed to its path in ``paths`` (field -> path), where given."""
+        if not self.errors:
+            return self
+        return ConfigError.from_errors(self.config_name, [(paths.get(f, f), m) for f, m in self.errors])
 
 
 GPU_MEMORY_SHARE = 0.6
@@ -92,7 +113,7 @@ class CommonConfig(BaseModel):
         try:
             super().__init__(**data)
         except ValidationError as error:
-            raise ConfigError(_explain(type(self).__name__, error)) from None
+            raise _config_error(type(self), error) from None
 
     @field_validator("model")
     @classmethod
@@ -139,7 +160,12 @@ class CommonConfig(BaseModel):
     def _task_options_valid(self):
         try:
             get_task(self.task, **self.task_options)  # an unknown option fails here, naming it
-        except TypeError as error:  # pydantic wraps only ValueError: re-raise so from_dict gives a ConfigError
+        except (TypeError, ValueError) as error:  # pydantic wraps only ValueError: re-raised as one, with its field
+            accepted = list(accepted_task_options(self.task))
+            unknown = sorted(set(self.task_options) - set(accepted))
+            if isinstance(error, TypeError) and len(unknown) == 1:
+                raise ValueError(f"task_options.{unknown[0]}: task {self.task!r} has no option {unknown[0]!r}"
+                                 f"{did_you_mean(unknown[0], accepted)}; accepted options: {', '.join(accepted)}") from None
             raise ValueError(f"task_options: {error}") from None
         return self
 
@@ -177,15 +203,45 @@ class CommonConfig(BaseModel):
         return self.from_dict({**self.to_dict(), **changes})
 
 
-def _explain(name: str, error: ValidationError) -> str:
-    lines = []
+def _config_error(cls: type[BaseModel], error: ValidationError) -> ConfigError:
+    """A ConfigError naming every bad field: its path (``task_options.path``), or, for a check over
+    several fields, the field its message starts with; a misspelt name gets the nearest valid one."""
+    fields = list(cls.model_fields)
+    errors = []
     for item in error.errors():
-        field = ".".join(str(p) for p in item["loc"]) or "(settings)"
+        field = ".".join(str(p) for p in item["loc"])
         message = item["msg"].removeprefix("Value error, ")
         if item["type"] == "extra_forbidden":
-            message = "unknown setting"
-        lines.append(f"{field}: {message}")
-    return f"invalid {name}: " + "; ".join(lines)
+            message = "unknown setting" + did_you_mean(field, fields)
+        elif not field:  # a model-level check: its message starts with the field it is about
+            field, message = _leading_field(message, fields)
+        errors.append((field, message))
+    return ConfigError.from_errors(cls.__name__, errors)
+
+
+def _leading_field(message: str, fields: list[str]) -> tuple[str, str]:
+    """("population_size", "must be even ...") from "population_size must be even ..." or
+    "population_size: must be ..."; ("(settings)", message) when it names no field first."""
+    for name in sorted(fields, key=len, reverse=True):
+        if not message.startswith(name) or message[len(name):len(name) + 1] not in (":", ".", " "):
+            continue
+        head, colon, rest = message.partition(": ")
+        if colon and " " not in head:  # "task_options.path: ..." names a nested field by its path
+            return head, rest
+        return name, message[len(name) + 1:].strip()
+    return "(settings)", message
+
+
+def _error_text(name: str, errors: list[tuple[str, str]]) -> str:
+    return f"invalid {name}: " + "; ".join(f"{field}: {message}" for field, message in errors)
+
+
+def did_you_mean(name: str, valid: list[str] | tuple[str, ...]) -> str:
+    """" (did you mean sigma?)" for a misspelt name close to a valid one (difflib), else ""."""
+    import difflib
+
+    close = difflib.get_close_matches(str(name), [str(v) for v in valid], n=1, cutoff=0.6)
+    return f" (did you mean {close[0]}?)" if close else ""
 
 
 class ESConfig(CommonConfig):

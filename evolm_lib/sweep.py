@@ -37,11 +37,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from .analysis import record_final_metrics
-from .batch import execute_notebook, spec_from_dict
-from .config import ESConfig, GRPOConfig
+from .batch import execute_notebook, read_yaml_file, spec_from_dict
+from .config import ConfigError, ESConfig, GRPOConfig, did_you_mean
 from .engines import EngineSizing, make_evaluator
 from .train.es import ESRun
 from .evaluation import mean_kl_to_base
@@ -73,15 +71,56 @@ class PlannedRun:
 
 
 def load_sweep_spec(path: str | Path) -> tuple[dict, dict]:
-    """(batch part for notebook 04, sweep section) of a spec file; unknown sweep keys fail."""
-    data = yaml.safe_load(Path(path).read_text()) or {}
+    """(batch part for notebook 04, sweep section) of a spec file; unknown keys fail, each named by its
+    path with the nearest valid name (sweep.es.sigmaa: ... did you mean sigma?)."""
+    data = read_yaml_file(path) or {}
     sweep = data.pop("sweep", None)
     if not isinstance(sweep, dict):
         raise ValueError(f"{path} has no `sweep:` section (see `evolm sweep --help`)")
     unknown = sorted(set(sweep) - set(SWEEP_KEYS))
     if unknown:
-        raise ValueError(f"unknown key(s) {unknown} in the sweep section of {path}; allowed: {list(SWEEP_KEYS)}")
+        hints = "".join(did_you_mean(k, SWEEP_KEYS) for k in unknown)
+        raise ValueError(f"unknown key(s) {unknown} in the sweep section of {path}{hints}; allowed: {list(SWEEP_KEYS)}")
+    check_sections(sweep, path)
     return data, sweep
+
+
+SECTIONS = {"common": "settings of both ESConfig and GRPOConfig", "es": "ESConfig settings", "grpo": "GRPOConfig settings"}
+
+
+def _section_fields(section: str) -> list[str]:
+    if section == "common":
+        return [f for f in ESConfig.model_fields if f in GRPOConfig.model_fields]
+    return list((ESConfig if section == "es" else GRPOConfig).model_fields)
+
+
+def check_sections(sweep: dict, source: str | Path = "the spec") -> None:
+    """Every key of sweep.common, sweep.es and sweep.grpo is a setting of its class(es); a ValueError
+    names each other one by its path, with the nearest setting."""
+    problems = []
+    for section, what in SECTIONS.items():
+        values = sweep.get(section) or {}
+        if not isinstance(values, dict):
+            problems.append(f"sweep.{section}: expected a mapping of {what}, got {values!r}")
+            continue
+        fields = _section_fields(section)
+        problems += [f"sweep.{section}.{key}: not one of the {what}{did_you_mean(key, fields)}"
+                     for key in values if key not in fields]
+    if problems:
+        raise ValueError(f"{source}: " + "; ".join(problems))
+
+
+def _config(cls, sections: list[tuple[str, dict]], fixed: dict):
+    """``cls`` from the sweep's sections (later ones win) and the values the plan sets; a ConfigError
+    names each bad field by the place it was written (sweep.es.sigma, --model)."""
+    data, where = {}, {}
+    for name, values in sections:
+        data.update(values)
+        where.update({key: name if name.startswith("--") else f"{name}.{key}" for key in values})
+    try:
+        return cls.from_dict({**data, **fixed})
+    except ConfigError as error:
+        raise error.located(where) from None
 
 
 def _prompts_per_step(config) -> int:
@@ -101,7 +140,8 @@ def plan_sweep(sweep: dict, generations: int | None = None, seeds: list[int] | N
 
     With several GRPO learning rates in the spec, ``grpo_learning_rate`` says which one the
     per-seed GRPO runs use (see :func:`plan_learning_rate_sweep` and :func:`best_learning_rate`)."""
-    common = {**(sweep.get("common") or {}), **(overrides or {})}
+    common = sweep.get("common") or {}
+    given = [(f"--{key.replace('_', '-')}", {key: value}) for key, value in (overrides or {}).items()]
     generations = int(generations if generations is not None else sweep.get("generations", 10))
     seeds = list(seeds if seeds is not None else sweep.get("seeds", [0]))
     grpo = dict(sweep.get("grpo") or {})
@@ -113,7 +153,8 @@ def plan_sweep(sweep: dict, generations: int | None = None, seeds: list[int] | N
     group_sizes = group_sizes if isinstance(group_sizes, list) else [group_sizes]
     plan = []
     for seed in seeds:
-        es = ESConfig.from_dict({**common, **(sweep.get("es") or {}), "seed": seed, "num_generations": generations})
+        es = _config(ESConfig, [("sweep.common", common), ("sweep.es", sweep.get("es") or {}), *given],
+                     {"seed": seed, "num_generations": generations})
         prompts = _prompts_per_step(es)
         budget = generations * es.population_size * prompts
         plan.append(PlannedRun(f"es_seed{seed}", "es", "es", es, budget))
@@ -122,7 +163,8 @@ def plan_sweep(sweep: dict, generations: int | None = None, seeds: list[int] | N
             if rest or steps < 1:
                 raise ValueError(f"unequal budgets: {generations} generations x population {es.population_size} "
                                  f"is not a whole number of steps of group_size {group_size}; change --generations")
-            config = GRPOConfig.from_dict({**common, **grpo, "group_size": group_size, "seed": seed, "num_steps": steps})
+            config = _config(GRPOConfig, [("sweep.common", common), ("sweep.grpo", grpo), *given],
+                             {"group_size": group_size, "seed": seed, "num_steps": steps})
             name = f"grpo_G{group_size}_seed{seed}" if len(group_sizes) > 1 else f"grpo_seed{seed}"
             label = f"grpo G={group_size}" if len(group_sizes) > 1 else "grpo"
             plan.append(PlannedRun(name, label, "grpo", config, steps * group_size * _prompts_per_step(config)))
@@ -167,6 +209,21 @@ def adopt_learning_rate_run(out: str | Path, lr_runs: list[PlannedRun], plan: li
     for run in plan:
         if run.kind == "grpo" and run.config == source.config and not (Path(out) / run.name).exists():
             shutil.copytree(Path(out) / source.name, Path(out) / run.name)
+
+
+def timing_estimate(plan: list[PlannedRun], sweep: dict, overrides: dict | None = None) -> tuple[float | None, str]:
+    """(estimated seconds or None, how it was made): the spec's seconds_per_completion hold only for the
+    spec's own model and completion length, so a --model or --max-new-tokens that changes them gives none."""
+    timing = sweep.get("seconds_per_completion") or {}
+    common = sweep.get("common") or {}
+    changed = [f"--{key.replace('_', '-')} {value} (the spec's {key}: {common.get(key)})"
+               for key, value in (overrides or {}).items() if common.get(key) != value]
+    if changed:
+        return None, (f"no estimate: the spec's seconds_per_completion {timing} were measured with its own "
+                      f"settings, not with {', '.join(changed)}")
+    if not timing:
+        return None, "no estimate: the spec gives no seconds_per_completion"
+    return estimate_seconds(plan, timing), f"seconds_per_completion {timing}, engine start and KL not included"
 
 
 def estimate_seconds(plan: list[PlannedRun], seconds_per_completion: dict) -> float:

@@ -18,9 +18,10 @@
 # %% [markdown]
 # # ES stepper
 # Fine-tune a LoRA adapter with Evolution Strategies, one generation at a time: step it with the
-# buttons in JupyterLab, or let the loop below run `num_generations` (as papermill does).
+# buttons in JupyterLab, or let the loop below run `num_generations` (as papermill does). Every
+# `ESConfig` setting can be set: the common ones below by name, any other through `settings`.
 
-# %% tags=["parameters"]
+# %% tags=["parameters", "settings:es"]
 model: str = "smollm2-135m-instruct"  # model name (smollm2-135m-instruct, tiny-random) or a local folder
 task: str = "conciseness"  # task from the registry (conciseness, countdown, jsonl)
 task_options: str = "{}"  # task options as YAML or JSON, e.g. {num_train: 8} for countdown, {path: my_task.jsonl} for jsonl
@@ -39,7 +40,7 @@ eval_every: int = 1  # score the mean adapter on train and eval prompts every k 
 seed: int = 0  # master seed (noise, prompt order, sampling)
 max_model_len: int = 512  # longest prompt + completion the engine serves
 kv_cache_gb: float = 0.5  # vLLM KV cache size in GiB (None: from gpu_memory_utilization)
-gpu_memory_utilization: float = 0.85  # vLLM share of GPU memory, used when kv_cache_gb is None
+gpu_memory_utilization: float = None  # vLLM share of GPU memory when kv_cache_gb is None (None: the engine default, 0.6 on a GPU)
 engine: str = "vllm"  # rollout engine: vllm (one call per population) or hf (transformers + peft)
 adapter_transfer: str = "in_place"  # vllm: members written into resident LoRA slots (in_place) or as adapter files
 estimator: str = ""  # empty: ES with fitness_shaping; or a zeroth-order estimator over the seeds (e.g. zoar)
@@ -52,29 +53,20 @@ resume: bool = True  # continue the run in run_dir if it has the same settings
 overwrite: bool = False  # replace a run in run_dir instead of refusing
 figures_dir: str = "../figures"  # where PNG/PDF/SVG figures go
 verbose: bool = False  # show every engine message (as the environment variable EVOLM_VERBOSE does)
+settings: dict = {}  # any ESConfig setting by name, over the parameters above, e.g. {optimizer: adam, dtype: bfloat16, noise_device: cuda}
 
 # %%
-import yaml
-
 from evolm_lib.config import ESConfig
-from evolm_lib.viz.figures import export_figure
 from evolm_lib.lora import load_adapter
 from evolm_lib.metrics import completions_table
-from evolm_lib.viz.plots import plot_fitness, plot_time_breakdown
-from evolm_lib.train.es import ESRun
-from evolm_lib.viz.stepper import ESStepper
+from evolm_lib.parameters import notebook_config
 from evolm_lib.quiet import set_verbose
+from evolm_lib.train.es import ESRun
+from evolm_lib.viz.plots import plot_fitness, plot_time_breakdown
+from evolm_lib.viz.stepper import ESStepper
 
 set_verbose(verbose)
-config = ESConfig.from_dict(dict(
-    model=model, task=task, task_options=yaml.safe_load(task_options) or {}, population_size=population_size, num_generations=num_generations, sigma=sigma,
-    learning_rate=learning_rate, fitness_shaping=fitness_shaping, noise_mode=noise_mode, lora_rank=lora_rank,
-    init_scheme=init_scheme, max_new_tokens=max_new_tokens, temperature=temperature,
-    prompts_per_step=prompts_per_step or None, eval_every=eval_every, seed=seed, max_model_len=max_model_len,
-    kv_cache_gb=kv_cache_gb, gpu_memory_utilization=gpu_memory_utilization, engine=engine,
-    adapter_transfer=adapter_transfer, estimator=estimator or None, evaluator=evaluator, num_engines=num_engines,
-    ray_address=ray_address or None,
-))
+config = notebook_config(ESConfig, globals())  # the parameters above by name, then `settings` over them
 print(config.to_yaml())
 
 # %% [markdown]
@@ -89,14 +81,15 @@ print(f"{run.run_dir}: generation {run.generation}, {run.mean.num_parameters():,
 # %% [markdown]
 # The controls: **Step** runs one generation, **Run N** runs N more in the background (**Pause**
 # stops after the current one), **Save checkpoint** writes one now. The plot and the table of
-# best and worst completions update as generations finish.
+# best and worst completions update as generations finish; after every Step or Run N the fitness
+# figure in `figures_dir` is written again, so the files follow the run.
 
 # %%
-stepper = ESStepper(run)
+stepper = ESStepper(run, figures_dir=figures_dir)
 stepper
 
 # %% [markdown]
-# Headless (papermill), this runs the `num_generations`. One generation is: ask for members
+# Headless (papermill), this runs `config.num_generations`. One generation is: ask for members
 # (seeds), evaluate them in one engine call (`run.evaluate(members)`), tell the update
 # (`run.tell(members, result)`), score the new mean adapter when due (`run.score()`), commit
 # (checkpoint, then the metrics line: `run.commit(row)`). `run.run` (which `stepper.run_here` calls,
@@ -104,18 +97,18 @@ stepper
 # next generation's engine call (`score_in_population`), so each row is printed once its scores are in.
 
 # %%
-new_rows = stepper.run_here(num_generations)
+new_rows = stepper.run_here(config.num_generations)
 
 # %%
 final_adapter = run.save_final()
 final_adapter
 
 # %%
-fitness = plot_fitness(run.history, title=f"ES on {task} ({model})", reward_label=run.task.reward_label)
+fitness = plot_fitness(run.history, title=f"ES on {config.task} ({config.model})", reward_label=run.task.reward_label)
 fitness
 
 # %%
-figure_paths = export_figure(fitness, "es_stepper_fitness", figures_dir)
+figure_paths = stepper.export_figure()  # es_stepper_fitness.{png,pdf,svg}; the stepper rewrites them after each Step
 figure_paths
 
 # %%
@@ -128,8 +121,8 @@ completions_table(
 )
 
 # %%
-assert len(run.history) == num_generations + 1, len(run.history)
-assert [r["generation"] for r in run.history] == list(range(num_generations + 1))
+assert len(run.history) == config.num_generations + 1, len(run.history)
+assert [r["generation"] for r in run.history] == list(range(config.num_generations + 1))
 assert all(path.stat().st_size > 0 for path in figure_paths) and len(figure_paths) == 3
 assert (final_adapter / "adapter_model.safetensors").exists()
 assert "eval/reward" in run.history[-1]

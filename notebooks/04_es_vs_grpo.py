@@ -115,10 +115,14 @@ spread = seed_spread_table(groups, key=eval_key)
 spread
 
 # %% [markdown]
-# Final greedy completions of every run for the same held-out prompts.
+# Final greedy completions of every run for the same held-out prompts: one row per prompt and run,
+# so the table stays as wide as the screen however many runs there are.
 
 # %%
-wrap_table(side_by_side_completions(groups, example_index=range(num_examples), max_chars=None))
+completions = side_by_side_completions(groups, example_index=range(num_examples), max_chars=None)
+completions = completions.melt(id_vars=["prompt", "target"], var_name="run", value_name="final greedy completion",
+                               ignore_index=False).sort_index(kind="stable").reset_index(drop=True)
+wrap_table(completions, max_width="32em")
 
 # %% [markdown]
 # The fair comparison: each method's held-out reward at the largest sample count every run

@@ -303,3 +303,138 @@ def test_the_conciseness_spec_that_replaced_the_sweep_script_runs_both_rates_on_
     assert [(r.parameters["learning_rate"], r.parameters["seed"]) for r in runs] == \
            [(lr, seed) for lr in (0.2, 0.4) for seed in (0, 1, 2)]
     assert {k: v for k, v in spec.parameters.items()} == {k: v for k, v in demo.parameters.items() if k != "learning_rate"}
+
+
+# --------------------------------------------------------------------------- changed settings and failed attempts
+
+
+def _tree(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _summary_row(out: Path, name: str) -> dict[str, str]:
+    with open(out / "summary.csv", newline="") as f:
+        return next(row for row in csv.DictReader(f) if row["run"] == name)
+
+
+def _point_line(printed: str, name: str) -> str:
+    return next(line.strip() for line in printed.splitlines() if re.match(rf"\s*\w+ +{re.escape(name)} ", line))
+
+
+def test_changed_settings_keep_a_finished_point_and_say_so_the_same_way_in_dry_and_real_runs(tmp_path, capsys):
+    """A finished point, then a spec that changes its sigma over the same folder: the dry run and the
+    real run print the same line with the old value as its run has it (0.05, the notebook's default,
+    which the first spec never named); its notebook, run folder and summary row stay as they were, and
+    so they do after a failed --overwrite of that point, which is kept beside it. A good --overwrite
+    POINT then replaces that point alone."""
+    out = tmp_path / "out"
+    first = write_yaml(tmp_path / "a.yaml", f"notebook: {RUN_NB}\nname: fx\ngrid: {{seed: [0, 1]}}\n")
+    assert batch_cli.main([str(first), "--out", str(out)]) == 0
+    capsys.readouterr()
+    point = out / "fx__seed-0"
+    notebook, run, row = (point / "notebook.ipynb").read_bytes(), _tree(point / "run"), _summary_row(out, "fx__seed-0")
+
+    changed = write_yaml(tmp_path / "b.yaml", f"notebook: {RUN_NB}\nname: fx\nparameters: {{sigma: 0.1}}\n"
+                                              "grid: {seed: [0, 1]}\n")
+    assert batch_cli.main([str(changed), "--out", str(out), "--dry-run"]) == 1
+    dry = _point_line(capsys.readouterr().out, "fx__seed-0")
+    assert dry.startswith("conflict  fx__seed-0  settings changed (as its run has them): sigma 0.05 -> 0.1; "), dry
+    assert "`--overwrite fx__seed-0` replaces this point alone" in dry and "`--out` another folder" in dry
+    assert batch_cli.main([str(changed), "--out", str(out)]) == 1
+    real = capsys.readouterr().out
+    assert _point_line(real.split("other settings:")[1], "fx__seed-0") == dry  # the same words
+    assert "0 ok, 0 failed (2 conflict)" not in real and "2 ok, 0 failed (2 conflict)" in real
+    unchanged = (point / "notebook.ipynb").read_bytes(), _tree(point / "run"), _summary_row(out, "fx__seed-0")
+    assert unchanged[:2] == (notebook, run)
+    assert {k: unchanged[2][k] for k in row} == row and unchanged[2]["sigma"] == "0.05"  # the run's value
+
+    # a failed attempt to replace it keeps the finished point, and the attempt beside it
+    failing = write_yaml(tmp_path / "c.yaml", f"notebook: {RUN_NB}\nname: fx\nparameters: {{sigma: 0.1, fail: true}}\n"
+                                              "grid: {seed: [0, 1]}\n")
+    assert batch_cli.main([str(failing), "--out", str(out), "--overwrite", "fx__seed-0"]) == 1
+    printed = capsys.readouterr().out
+    assert re.search(r"fx__seed-0 +ok +overwrite .*kept; its attempt failed: RuntimeError: failing on purpose", printed)
+    assert re.search(r"conflict +fx__seed-1 ", printed)  # the other point is not overwritten
+    assert (point / "notebook.ipynb").read_bytes() == notebook and _tree(point / "run") == run
+    assert {k: v for k, v in _summary_row(out, "fx__seed-0").items() if k in row} == row
+    [attempt] = batch.read_status(point)["failed_attempts"]
+    kept = Path(attempt["kept_at"])
+    assert kept.parent == out and kept.name.startswith("fx__seed-0.failed-")
+    assert batch.read_status(kept)["error"] == "RuntimeError: failing on purpose"
+    assert "failing on purpose" in (kept / "notebook.ipynb").read_text()
+    assert kept not in batch.stale_folders(batch.load_batch_spec(failing), out)
+
+    # a good --overwrite POINT replaces that point alone
+    assert batch_cli.main([str(changed), "--out", str(out), "--overwrite", "fx__seed-0"]) == 1  # seed 1: conflict
+    assert "sigma: 0.1" in (point / "run" / "config.yaml").read_text()
+    assert "sigma: 0.05" in (out / "fx__seed-1" / "run" / "config.yaml").read_text()
+    assert not list(out.glob(".fx__seed-0.kept-*"))  # the replaced folder is gone once the attempt succeeded
+    with pytest.raises(ValueError, match=r"--overwrite names no point of this batch: \['fx__seed-2'\]"):
+        batch.run_batch(changed, out, overwrite=["fx__seed-2"], dry_run=True)
+
+
+def test_a_failed_extension_keeps_the_finished_notebook_beside_the_attempt(tmp_path):
+    """A budget raised over a finished point extends its run (num_generations may change); when that
+    attempt fails, notebook.ipynb and the point's status stay those of the finished point."""
+    out = tmp_path / "out"
+    spec = write_yaml(tmp_path / "a.yaml", f"notebook: {RUN_NB}\nname: fx\n")
+    assert [r.status for r in batch.run_batch(spec, out)] == ["ok"]
+    notebook = (out / "fx" / "notebook.ipynb").read_bytes()
+    longer = write_yaml(tmp_path / "b.yaml", f"notebook: {RUN_NB}\nname: fx\nparameters: {{num_generations: 6, fail: true}}\n")
+    [planned] = batch.run_batch(longer, out, dry_run=True)
+    assert (planned.action, planned.reason) == ("resume", "settings changed that its run can follow: num_generations 4 -> 6")
+    [result] = batch.run_batch(longer, out)
+    assert (result.status, result.action) == ("ok", "resume") and "RuntimeError: failing on purpose" in result.attempt_error
+    assert (out / "fx" / "notebook.ipynb").read_bytes() == notebook
+    [failed] = list((out / "fx").glob("notebook.failed-*.ipynb"))
+    assert "failing on purpose" in failed.read_text()
+    status = batch.read_status(out / "fx")
+    assert status["status"] == "ok" and status["failed_attempts"][0]["kept_at"] == str(failed)
+
+
+def test_dry_run_checks_the_stepper_through_papermill_inspection_and_its_config_class(tmp_path, capsys):
+    """Notebook 03's points are checked without a kernel and without running its cells: types from
+    papermill's inspection, settings through ESConfig as its config cell builds them, every error
+    naming the field (a setting given in `settings` by its path) and, for a misspelling, the nearest name."""
+    stepper = Path(__file__).resolve().parents[1] / "notebooks" / "03_es_stepper.py"
+    tiny = {"model": "tiny-random", "max_model_len": 256, "kv_cache_gb": 0.1, "max_new_tokens": 8}
+    spec = write_yaml(tmp_path / "p.yaml", json.dumps({"notebook": str(stepper), "name": "s", "parameters": tiny, "grid": {
+        "settings": [{"optimizr": "adam"}, {"optimizer": "adam", "antithetic": False}]}}))
+    results = batch.run_batch(spec, tmp_path / "out", dry_run=True)
+    assert [r.action for r in results] == ["invalid", "run"]
+    assert results[0].error == ("ConfigError: invalid ESConfig: settings.optimizr: unknown setting "
+                                "(did you mean optimizer?)")
+    bad = {"population_size": 5, "task_options": "{num_train: [8}", "num_generations": "two"}
+    for name, value in bad.items():
+        spec = write_yaml(tmp_path / "p.yaml", json.dumps({"notebook": str(stepper), "parameters": {**tiny, name: value}}))
+        [result] = batch.run_batch(spec, tmp_path / "out", dry_run=True)
+        assert result.action == "invalid", name
+        assert {"population_size": "population_size: must be even with antithetic sampling, got 5",
+                "task_options": "task_options: not valid YAML at line 1, column",
+                "num_generations": "num_generations: expected int (declared `num_generations: int`), got 'two'",
+                }[name] in result.error, result.error
+    for name, hint in (("sigmaa", "(did you mean sigma?)"),
+                       ("optimizer", "optimizer is a setting of ESConfig: give it under `settings` "
+                                     "(settings: {optimizer: 'adam'})")):
+        spec = write_yaml(tmp_path / "p.yaml", json.dumps({"notebook": str(stepper), "parameters": {name: "adam"}}))
+        assert batch_cli.main([str(spec), "--out", str(tmp_path / "out"), "--dry-run"]) == 2
+        assert hint in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_summary_columns_are_labelled_settings_without_a_grid_and_one_wall_time(tmp_path, capsys):
+    spec = write_yaml(tmp_path / "p.yaml", f"notebook: {RUN_NB}\nname: fx\n"
+                                           "parameters: {sigma: 0.02, settings: {lora_alpha: 2.0}}\n")
+    assert batch_cli.main([str(spec), "--out", str(tmp_path / "out")]) == 0
+    printed = capsys.readouterr().out
+    header = next(line for line in printed.splitlines() if line.startswith("run "))
+    assert header.split("  ")[0:1] == ["run"] and "wall min" in header and "train reward: start -> end (best)" in header
+    assert "KL to base (nats/token)" in header and "eval accuracy" in header  # the fixture run has both
+    with open(tmp_path / "out" / "summary.csv", newline="") as f:
+        [row] = list(csv.DictReader(f))
+    assert (row["sigma"], row["settings.lora_alpha"]) == ("0.02", "2.0")  # settings present without a grid
+    assert "seconds" not in row and "action" not in row and row["wall_s"] == f"{float(row['wall_s']):.1f}"
+    assert "kl_final" in row  # measured in this run
+    empty = batch.summary_rows([batch.RunResult("x", "ok", 1.26, "", tmp_path, tmp_path / "nb.ipynb", {},
+                                                results={"kind": "es", "kl_final": None})])
+    assert empty == [{"run": "x", "status": "ok", "wall_s": 1.3, "error": "", "kind": "es", "notebook": str(tmp_path / "nb.ipynb")}]

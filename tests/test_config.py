@@ -155,3 +155,33 @@ def test_optimizer_config_follows_the_settings():
     assert sgd == SGDConfig(0.3, momentum=0.5, weight_decay=0.01)
     adam = ESConfig(optimizer="adam", learning_rate=1e-3, adam_beta1=0.8, adam_beta2=0.99).optimizer_config()
     assert adam == AdamConfig(1e-3, 0.8, 0.99, weight_decay=0.0)
+
+
+def test_checks_over_several_fields_name_their_field_and_misspellings_the_nearest_name():
+    with pytest.raises(ConfigError) as caught:
+        ESConfig.from_dict({"population_size": 5})
+    assert str(caught.value) == "invalid ESConfig: population_size: must be even with antithetic sampling, got 5"
+    assert caught.value.errors == [("population_size", "must be even with antithetic sampling, got 5")]  # not "(settings)"
+    with pytest.raises(ConfigError, match=r"^invalid ESConfig: num_engines: 2 engines need evaluator: ray"):
+        ESConfig.from_dict({"evaluator": "local", "num_engines": 2})
+    with pytest.raises(ConfigError) as caught:
+        ESConfig.from_dict({"sigmaa": 0.1, "learnig_rate": 0.1, "zzz": 1})
+    assert str(caught.value) == ("invalid ESConfig: sigmaa: unknown setting (did you mean sigma?); learnig_rate: "
+                                 "unknown setting (did you mean learning_rate?); zzz: unknown setting")
+
+
+def test_task_option_errors_name_the_option_by_its_path():
+    with pytest.raises(ConfigError) as caught:
+        ESConfig.from_dict({"task": "countdown", "task_options": {"num_trian": 8}})
+    assert str(caught.value).startswith("invalid ESConfig: task_options.num_trian: task 'countdown' has no option "
+                                        "'num_trian' (did you mean num_train?); accepted options: num_train")
+    with pytest.raises(ConfigError, match=r"^invalid ESConfig: task_options: JSONL task file nope.jsonl not found"):
+        ESConfig.from_dict({"task": "jsonl", "task_options": {"path": "nope.jsonl"}})
+
+
+def test_a_config_error_can_name_where_a_field_was_written():
+    with pytest.raises(ConfigError) as caught:
+        ESConfig.from_dict({"sigma": -1.0, "lora_rank": 0})
+    located = caught.value.located({"sigma": "sweep.es.sigma"})
+    assert str(located) == ("invalid ESConfig: lora_rank: Input should be greater than or equal to 1; "
+                            "sweep.es.sigma: Input should be greater than 0")

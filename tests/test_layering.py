@@ -13,7 +13,7 @@ LAYERS = [
     # pure pieces: maths, data, rewards; nothing here touches an engine, a run folder or a model
     {"seeds", "types", "divergence", "es", "zo", "tasks", "grpo", "metrics"},
     # settings, adapters, model folders, run folders, process environment
-    {"config", "lora", "models", "runs", "env", "paths", "quiet"},
+    {"config", "parameters", "lora", "models", "runs", "env", "paths", "quiet"},
     # engines behind one protocol, and what is measured through them
     {"engines", "preflight", "evaluation", "throughput"},
     # runs (ES, GRPO, the loop they share) and what drives or reads many runs

@@ -3,6 +3,7 @@ fail in the config cell with the library's message, and the batch runner gives t
 from __future__ import annotations
 
 import ast
+import csv
 import json
 import os
 import time
@@ -12,6 +13,7 @@ import pytest
 
 from evolm_lib import batch
 from evolm_lib.cli import batch as batch_cli
+from evolm_lib.parameters import SETTINGS
 from evolm_lib.train.loop import RunLoop
 
 # Kernels inherit this: on a busy 2-core machine two spinning OpenMP threads per engine make vLLM's
@@ -56,7 +58,8 @@ def test_py_and_ipynb_in_sync(source):
 
 @pytest.mark.parametrize("source", SOURCES, ids=lambda p: p.stem)
 def test_notebook_shape(source):
-    """Title, ONE parameters cell of typed, commented scalars, a config cell, no definitions."""
+    """Title, ONE parameters cell of typed, commented scalars (and the `settings` mapping), a config
+    cell, no definitions."""
     import jupytext
 
     cells = jupytext.read(str(source)).cells
@@ -68,11 +71,15 @@ def test_notebook_shape(source):
     assert len(declared) == len(parameters), "every line of the parameters cell must parse as a parameter"
     for line, (name, info) in zip(parameters, declared.items()):
         assert line.startswith(f"{name}: "), line
-        assert info["inferred_type_name"] in ("str", "int", "float", "bool") and info["help"], line
+        types = ("str", "int", "float", "bool") + (("dict",) if name == SETTINGS else ())
+        assert info["inferred_type_name"] in types and info["help"], line
     # the cell after the parameters validates them with the library (a config, or the runs to compare)
     build = cells[tagged[0] + 1].source
     assert any(call in build for call in ("config = ESConfig.from_dict(", "groups = load_runs(",
-                                          "config = ComparisonConfig.from_dict(")), build
+                                          "config = ComparisonConfig.from_dict(",
+                                          "config = notebook_config(ESConfig, globals())")), build
+    if SETTINGS in declared:  # every setting reachable: the parameters by name and the rest through `settings`
+        assert "settings:es" in cells[tagged[0]].metadata["tags"] and "notebook_config(ESConfig" in build
     for cell in cells:
         if cell.cell_type == "code":
             nodes = list(ast.walk(ast.parse(cell.source)))
@@ -199,7 +206,8 @@ def test_bad_parameters_fail_in_config_cell(tmp_path, stem, parameters, message)
     error = caught.value
     assert error.ename == "ConfigError"
     assert error.evalue.startswith("invalid ESConfig: ") and message in error.evalue
-    assert "config = ESConfig.from_dict(" in error.source  # the config cell, before any engine starts
+    # the config cell, before any engine starts
+    assert "config = ESConfig.from_dict(" in error.source or "config = notebook_config(ESConfig" in error.source
 
 
 @pytest.mark.slow
@@ -288,3 +296,73 @@ def test_stepper_shows_errors_of_the_background_thread():
     stepper.wait(10)
     assert isinstance(stepper.error, ZeroDivisionError) and "ZeroDivisionError" in stepper.status.value
     assert not stepper.step_button.disabled
+
+
+# --------------------------------------------------------------------------- every setting reaches the stepper
+
+# settings that have no parameter of their own in notebook 03: they reach it through `settings`
+UNREACHABLE = {"optimizer": "adam", "adam_beta2": 0.99, "lora_alpha": 2.0, "noise_scheme": "per_tensor",
+               "antithetic": False, "population_size": 3, "checkpoint_every": 2, "keep_checkpoints": 3}
+
+
+@pytest.mark.slow
+def test_every_setting_reaches_the_stepper_through_settings(tmp_path):
+    """A papermill run of 03 with settings that have no parameter (and one that overrides a parameter:
+    population_size) finds them in the run folder's config; the dry run resolved the very same settings."""
+    import yaml
+
+    spec = tmp_path / "reach.yaml"
+    spec.write_text(json.dumps({"notebook": str(STEPPER), "name": "reach",
+                                "parameters": {**CI_PARAMETERS, "settings": UNREACHABLE}}))
+    [point] = batch.plan_points(batch.load_batch_spec(spec), tmp_path / "out")
+    assert point.action == "run" and point.error == ""
+    [result] = batch.run_batch(spec, tmp_path / "out")
+    assert result.status == "ok", result.error
+    written = yaml.safe_load((result.folder / "run" / "config.yaml").read_text())
+    assert written.pop("kind") == "es"
+    assert {key: written[key] for key in UNREACHABLE} == UNREACHABLE
+    assert written["model"] == CI_PARAMETERS["model"] and written["sigma"] == 0.05  # parameters and their defaults
+    assert written == point.config.to_dict()  # the dry run checks what the kernel builds
+    rows = [json.loads(line) for line in (result.folder / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows[-1]["es/rewards"]) == 3  # an odd population, allowed without antithetic pairs
+    with open(tmp_path / "out" / "summary.csv", newline="") as f:
+        [row] = list(csv.DictReader(f))
+    assert row["settings.optimizer"] == "adam" and row["settings.lora_alpha"] == "2.0" and row["model"] == "tiny-random"
+
+
+def test_the_stepper_exports_the_figure_again_after_every_step(tmp_path):
+    """03's fitness figure in figures_dir follows the run: Step rewrites it, so it never shows a run
+    that has since moved on."""
+    from evolm_lib.viz.stepper import ESStepper
+
+    stepper = ESStepper(FakeRun(), figures_dir=tmp_path)
+    assert not list(tmp_path.iterdir())  # nothing is written before a generation runs
+    stepper.step_button.click()
+    stepper.wait(120)
+    assert stepper.error is None and sorted(p.name for p in stepper.figure_paths) == [
+        "es_stepper_fitness.pdf", "es_stepper_fitness.png", "es_stepper_fitness.svg"]
+    after_one = (tmp_path / "es_stepper_fitness.svg").read_text()
+    stepper.step_button.click()
+    stepper.wait(120)
+    after_two = (tmp_path / "es_stepper_fitness.svg").read_text()
+    assert stepper.run.generation == 2 and after_two != after_one and "figure not exported" not in stepper.status.value
+
+
+@pytest.mark.slow
+def test_es_vs_grpo_shows_completions_long_so_the_table_fits_the_screen(tmp_path):
+    """Notebook 04's completions: one row per prompt and run under four columns, whatever the number of
+    runs (one column per run ran off the screen)."""
+    import re
+
+    fixtures = REPO / "tests" / "data" / "es_vs_grpo"
+    executed = _execute(NOTEBOOKS / "04_es_vs_grpo.py", tmp_path / "04.ipynb",
+                        {"es_runs": str(fixtures / "es_*"), "grpo_runs": str(fixtures / "grpo_*"),
+                         "figures_dir": str(tmp_path / "figures"), "num_examples": 2})
+    assert not _errors(executed)
+    tables = ["".join(o["data"]["text/html"]) for c in json.loads(executed.read_text())["cells"]
+              for o in c.get("outputs", []) if "final greedy completion" in "".join(o.get("data", {}).get("text/html", ""))]
+    [table] = tables
+    headings = re.findall(r'class="col_heading[^"]*" >([^<]*)</th>', table)
+    assert headings == ["prompt", "target", "run", "final greedy completion"]
+    runs = len(list(fixtures.glob("es_*"))) + len(list(fixtures.glob("grpo_*")))
+    assert table.count("<tr>") - 1 == 2 * runs  # a header row, then a row per prompt and run

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -87,3 +88,40 @@ def test_the_countdown_spec_that_replaced_the_gpu_script_keeps_its_budget_and_se
         assert (run.config.model, run.config.lora_rank, run.config.lora_alpha, run.config.max_new_tokens) == \
                ("smollm2-135m-instruct", 8, 16.0, 256)
         assert run.config.task_options == {"num_train": 256, "num_eval": 200} and run.config.prompts_per_step == 8
+
+
+def test_dry_run_estimates_only_from_timings_that_fit_the_runs(capsys):
+    """The spec's seconds_per_completion were measured with its own model and completion length: with
+    --model or --max-new-tokens the dry run says it has no estimate instead of printing a wrong one."""
+    from evolm_lib.cli import sweep as sweep_cli
+
+    assert sweep_cli.main([str(SPEC), "--dry-run"]) == 0
+    printed = capsys.readouterr().out
+    assert "estimated wall time 164.3 min (seconds_per_completion {'es': 2.0, 'grpo': 4.5}" in printed
+    assert sweep_cli.main([str(SPEC), "--dry-run", "--model", "tiny-random", "--generations", "1", "--seeds", "0"]) == 0
+    printed = capsys.readouterr().out
+    assert "estimated wall time" not in printed
+    assert "no estimate: the spec's seconds_per_completion {'es': 2.0, 'grpo': 4.5} were measured with its own " \
+           "settings, not with --model tiny-random (the spec's model: smollm2-135m-instruct)" in printed
+
+
+def test_spec_errors_name_the_section_the_setting_came_from(tmp_path, capsys):
+    from evolm_lib.cli import sweep as sweep_cli
+
+    text = SPEC.read_text()
+    misspelt = tmp_path / "misspelt.yaml"
+    misspelt.write_text(text.replace("    sigma: 0.05\n", "    sigmaa: 0.05\n"))
+    assert sweep_cli.main([str(misspelt), "--dry-run"]) == 2
+    assert "sweep.es.sigmaa: not one of the ESConfig settings (did you mean sigma?)" in capsys.readouterr().err
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(text.replace("    sigma: 0.05\n", "    sigma: -0.05\n").replace("lora_rank: 1\n", "lora_rank: 0\n"))
+    assert sweep_cli.main([str(bad), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "invalid ESConfig: sweep.common.lora_rank: Input should be greater than or equal to 1; " \
+           "sweep.es.sigma: Input should be greater than 0" in err, err
+    assert sweep_cli.main([str(SPEC), "--dry-run", "--model", "no-such-model"]) == 2
+    assert "invalid ESConfig: --model: unknown model 'no-such-model'" in capsys.readouterr().err
+    broken = tmp_path / "broken.yaml"
+    broken.write_text(text.replace("  es:  ", "  es: [  "))
+    assert sweep_cli.main([str(broken), "--dry-run"]) == 2
+    assert re.search(r"broken.yaml, line \d+, column \d+: not valid YAML", capsys.readouterr().err)

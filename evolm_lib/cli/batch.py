@@ -11,10 +11,13 @@ import yaml
 from .. import batch
 from ..env import apply_engine_defaults
 
+ALL = "\0all"  # --overwrite without a point name
+
 
 def main(argv: list[str] | None = None) -> int:
-    """Command line: run or continue a batch; exit 0 when every point finished, 1 if any failed (or,
-    with --dry-run, would fail its checks), 2 on a bad batch file."""
+    """Command line: run or continue a batch; exit 0 when every point finished, 1 if any failed or was
+    left as it was because its folder holds other settings (with --dry-run: would fail its checks or be
+    left so), 2 on a bad batch file."""
     parser = argparse.ArgumentParser(prog="evolm batch", description=batch.__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("spec", help="batch YAML file")
@@ -23,8 +26,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dry-run", action="store_true",
                         help="check every point's settings and list what would run, resume or be skipped; run nothing")
     parser.add_argument("--retry-failed", action="store_true", help="run failed points again (default: skip them)")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="delete every point's folder and run it from scratch")
+    parser.add_argument("--overwrite", nargs="?", action="append", const=ALL, metavar="POINT",
+                        help="run POINT from scratch, replacing its folder (once the new attempt succeeds); "
+                             "repeat for several points; without POINT: every point")
     parser.add_argument("--log-output", action="store_true", help="stream notebook output")
     args = parser.parse_args(argv)
     apply_engine_defaults()  # the kernels inherit the engine's environment (threads, quiet logs)
@@ -34,7 +38,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.notebook:
             spec = replace(spec, notebook=batch.resolve_notebook(args.notebook, None))
         out_dir = Path(args.out) if args.out else Path("runs") / "batch" / Path(args.spec).stem
-        results = batch.run_batch(spec, out_dir, overwrite=args.overwrite, dry_run=args.dry_run,
+        overwrite = True if ALL in (args.overwrite or []) else list(args.overwrite or [])
+        results = batch.run_batch(spec, out_dir, overwrite=overwrite, dry_run=args.dry_run,
                                   log_output=args.log_output, retry_failed=args.retry_failed)
     except (ValueError, FileNotFoundError, FileExistsError, yaml.YAMLError) as err:
         print(f"error: {err}", file=sys.stderr)
@@ -47,16 +52,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{len(results)} point(s) of {spec.notebook} in {where}: {counts}")
         print(batch.format_plan(results))
         _print_stale(stale)
-        return 1 if any(r.action == "invalid" for r in results) else 0
+        return 1 if any(r.action in ("invalid", "conflict") for r in results) else 0
     print(batch.format_summary(results))
-    failed = [r for r in results if r.status == batch.FAILED]
+    failed = [r for r in results if r.status == batch.FAILED or r.attempt_error]
     done = _counts(r.action for r in results)
     print(f"\n{len(results) - len(failed)} ok, {len(failed)} failed ({done}); summary in {where / 'summary.csv'}")
     skipped_failures = [r.name for r in failed if r.action == "skip"]
     if skipped_failures:
         print(f"skipped {len(skipped_failures)} point(s) that failed before: --retry-failed runs them again")
+    conflicts = [r for r in results if r.action == "conflict"]
+    if conflicts:  # the same lines as the dry run's
+        print(f"left {len(conflicts)} point(s) as they were, their folders holding other settings:")
+        print(batch.format_plan(conflicts))
     _print_stale(stale)
-    return 1 if failed else 0
+    return 1 if failed or conflicts else 0
 
 
 def _counts(actions) -> str:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 
@@ -11,7 +12,8 @@ from ..paths import resolve_in_project
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Command line: plan, estimate, run, measure; then draw the comparison with notebook 04."""
+    """Command line: plan, estimate, run, measure; then draw the comparison with notebook 04 (exit 2 on a
+    bad spec or option)."""
     parser = argparse.ArgumentParser(prog="evolm sweep", description=sweep.__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("spec", nargs="?", default=sweep.DEFAULT_SPEC, help="sweep spec (YAML)")
@@ -26,22 +28,25 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     apply_engine_defaults()
-    spec_path = resolve_in_project(args.spec)
-    batch_part, spec = sweep.load_sweep_spec(spec_path)
     overrides = {k: v for k, v in {"model": args.model, "max_new_tokens": args.max_new_tokens}.items() if v is not None}
-    seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else None
+    try:
+        spec_path = resolve_in_project(args.spec)
+        batch_part, spec = sweep.load_sweep_spec(spec_path)
+        seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else None
+        rates = sweep.grpo_learning_rates(spec)
+        lr_runs = sweep.plan_learning_rate_sweep(spec, args.generations, seeds, overrides) if len(rates) > 1 else []
+        plan = sweep.plan_sweep(spec, args.generations, seeds, overrides, grpo_learning_rate=rates[0])
+    except (ValueError, FileNotFoundError) as err:  # a bad spec or option: one line naming it
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     out = Path(args.out or spec.get("out", "runs/es_vs_grpo"))
     kl_settings = None if args.no_kl else dict(spec.get("kl") or {})
-    rates = sweep.grpo_learning_rates(spec)
-    lr_runs = sweep.plan_learning_rate_sweep(spec, args.generations, seeds, overrides) if len(rates) > 1 else []
-    plan = sweep.plan_sweep(spec, args.generations, seeds, overrides, grpo_learning_rate=rates[0])
-    estimate = sweep.estimate_seconds(lr_runs + plan, spec.get("seconds_per_completion") or {})
+    estimate, how = sweep.timing_estimate(lr_runs + plan, spec, overrides)
     if lr_runs:
         print(f"GRPO learning-rate sweep first ({', '.join(f'{r:g}' for r in rates)}, seed {lr_runs[0].config.seed}); "
               "the best rate then trains every seed")
-    print(f"{len(lr_runs) + len(plan)} runs into {out}, {plan[0].budget} training completions each; "
-          f"estimated wall time {estimate / 60:.1f} min (seconds_per_completion "
-          f"{spec.get('seconds_per_completion')}, engine start and KL not included)")
+    estimated = f"estimated wall time {estimate / 60:.1f} min ({how})" if estimate is not None else how
+    print(f"{len(lr_runs) + len(plan)} runs into {out}, {plan[0].budget} training completions each; {estimated}")
     for run in lr_runs + plan:
         print(f"  {run.name}: {run.kind} {run.length} {'generations' if run.kind == 'es' else 'steps'}")
     if args.dry_run:
@@ -60,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
         evaluator.close()
     measured = time.perf_counter() - started
     per_run = ", ".join(f"{name} {s:.0f} s" for name, s in seconds.items())
-    print(f"measured wall time {measured / 60:.1f} min (estimated {estimate / 60:.1f} min): {per_run}")
+    versus = f" (estimated {estimate / 60:.1f} min)" if estimate is not None else ""
+    print(f"measured wall time {measured / 60:.1f} min{versus}: {per_run}")
     sweep.summarize(out)
     print(f"summary: {out / 'summary.csv'}")
     if not args.no_notebook:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import html
 import threading
 import traceback
+from pathlib import Path
 from typing import Any
 
 import ipywidgets as widgets
@@ -20,10 +21,16 @@ from . import plots
 class ESStepper:
     """Widgets around an `ESRun` (or anything with step/run/save_checkpoint/history/generation)."""
 
-    def __init__(self, run: Any, figure: Any = None, run_count: int = 5, max_chars: int = 160):
+    def __init__(self, run: Any, figure: Any = None, run_count: int = 5, max_chars: int = 160,
+                 figures_dir: str | Path | None = None, figure_name: str = "es_stepper_fitness"):
         self.run = run
         reward_label = getattr(getattr(run, "task", None), "reward_label", None)  # the task's reward, in words
+        self.reward_label = reward_label
         self.figure = figure if figure is not None else plots.fitness_figure_widget(reward_label=reward_label)
+        self.figures_dir = figures_dir
+        """With a folder, the fitness figure is exported there again after every Step or Run N (the files follow the run)."""
+        self.figure_name = figure_name
+        self.figure_paths: list[Path] = []
         self.max_chars = max_chars
         self.error: BaseException | None = None
         self._stop = threading.Event()
@@ -76,6 +83,7 @@ class ESStepper:
             self._state = f"error: {type(error).__name__}: {error}"
             traceback.print_exc()
         finally:
+            self._export_after_steps()
             self._busy.release()
             self._set_buttons(running=False)
             self.refresh()
@@ -109,6 +117,24 @@ class ESStepper:
         finally:
             self._busy.release()
             self.refresh()
+
+    def export_figure(self) -> list[Path]:
+        """The fitness figure of the run so far as PNG, PDF and SVG in ``figures_dir`` (the paths)."""
+        from .figures import export_figure
+
+        if self.figures_dir is None:
+            raise ValueError("no figures_dir: pass ESStepper(run, figures_dir=...) to export the figure")
+        figure = plots.plot_fitness(self.run.history, reward_label=self.reward_label)
+        self.figure_paths = export_figure(figure, self.figure_name, self.figures_dir)
+        return self.figure_paths
+
+    def _export_after_steps(self) -> None:
+        if self.figures_dir is None:
+            return
+        try:
+            self.export_figure()
+        except Exception as error:  # noqa: BLE001 - the generations stand; say the files are behind
+            self._state += f" (figure not exported: {type(error).__name__}: {error})"
 
     def save_checkpoint(self):
         """Write a checkpoint of the current generation now."""
