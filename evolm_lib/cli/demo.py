@@ -34,6 +34,14 @@ def demo_parameters(spec_path: str | Path = DEFAULT_SPEC, seed: int = 0) -> tupl
     raise ValueError(f"{spec_path} has no run with seed {seed}")
 
 
+def gpu_settings() -> dict:
+    """What the demo changes on a GPU machine: bfloat16 (vLLM 0.26's GPU LoRA kernels reject a float32
+    engine) and noise drawn on the card; nothing on a CPU."""
+    import torch
+
+    return {"dtype": "bfloat16", "noise_device": "cuda"} if torch.cuda.is_available() else {}
+
+
 def _follow(run_dir: Path, done: threading.Event, total: int) -> None:
     """Print each metrics row as its generation lands (the notebook itself runs in a kernel)."""
     seen = 0
@@ -71,6 +79,7 @@ def run_demo(spec_path: str | Path = DEFAULT_SPEC, seed: int = 0, out_root: str 
     out = out / datetime.now().strftime("%Y%m%d-%H%M%S")
     run_dir, figures_dir, executed = out / "run", out / "figures", out / NOTEBOOK_FILE
     parameters.update(run_dir=str(run_dir), figures_dir=str(figures_dir), resume=False)
+    parameters["settings"] = {**gpu_settings(), **dict(parameters.get("settings") or {})}
     total = parameters.get("num_generations", "?")
     print(f"EvoLM demo: ES on {parameters.get('task')} with {parameters.get('model')}, population "
           f"{parameters.get('population_size')}, {total} generations (settings: {Path(spec_path).name}, seed {seed})")
