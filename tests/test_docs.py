@@ -198,3 +198,20 @@ def test_readme_make_targets_exist():
     named = set(re.findall(r"\bmake ([a-z][\w-]*)", (ROOT / "README.md").read_text()))
     assert {"demo", "test", "docs", "docs-build"} <= named
     assert named <= targets, named - targets
+
+
+def test_the_layout_page_names_every_module_and_folder_of_the_library():
+    """docs/layout.md is the map of the tree: a module or folder added without a line there fails here."""
+    root = Path(__file__).resolve().parents[1]
+    layout = (root / "docs" / "layout.md").read_text()
+    missing = []
+    for path in sorted((root / "evolm_lib").iterdir()):
+        if path.name.startswith(("_", ".")) or path.name == "__pycache__":
+            continue
+        name = path.name + "/" if path.is_dir() else path.name
+        if name not in layout:
+            missing.append(name)
+    for path in sorted((root / "evolm_lib").glob("*/*.py")):
+        if path.name != "__init__.py" and path.parent.name in {"engines", "train", "es"} and path.name not in layout:
+            missing.append(f"{path.parent.name}/{path.name}")
+    assert not missing, f"docs/layout.md does not mention {missing}"
