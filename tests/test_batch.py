@@ -409,7 +409,7 @@ def test_dry_run_checks_the_stepper_through_papermill_inspection_and_its_config_
         spec = write_yaml(tmp_path / "p.yaml", json.dumps({"notebook": str(stepper), "parameters": {**tiny, name: value}}))
         [result] = batch.run_batch(spec, tmp_path / "out", dry_run=True)
         assert result.action == "invalid", name
-        assert {"population_size": "population_size: must be even with antithetic sampling, got 5",
+        assert {"population_size": "population_size: must be even with antithetic sampling (+/- pairs), got 5; use an even population or antithetic: false",
                 "task_options": "task_options: not valid YAML at line 1, column",
                 "num_generations": "num_generations: expected int (declared `num_generations: int`), got 'two'",
                 }[name] in result.error, result.error

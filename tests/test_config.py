@@ -160,8 +160,8 @@ def test_optimizer_config_follows_the_settings():
 def test_checks_over_several_fields_name_their_field_and_misspellings_the_nearest_name():
     with pytest.raises(ConfigError) as caught:
         ESConfig.from_dict({"population_size": 5})
-    assert str(caught.value) == "invalid ESConfig: population_size: must be even with antithetic sampling, got 5"
-    assert caught.value.errors == [("population_size", "must be even with antithetic sampling, got 5")]  # not "(settings)"
+    assert str(caught.value) == "invalid ESConfig: population_size: must be even with antithetic sampling (+/- pairs), got 5; use an even population or antithetic: false"
+    assert caught.value.errors == [("population_size", "must be even with antithetic sampling (+/- pairs), got 5; use an even population or antithetic: false")]  # not "(settings)"
     with pytest.raises(ConfigError, match=r"^invalid ESConfig: num_engines: 2 engines need evaluator: ray"):
         ESConfig.from_dict({"evaluator": "local", "num_engines": 2})
     with pytest.raises(ConfigError) as caught:

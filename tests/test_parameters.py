@@ -55,7 +55,7 @@ def test_invalid_yaml_names_the_setting_and_the_line():
 
 
 def test_odd_population_names_the_field_and_antithetic_is_reachable():
-    with pytest.raises(ConfigError, match=r"invalid ESConfig: population_size: must be even with antithetic sampling, got 5"):
+    with pytest.raises(ConfigError, match=r"invalid ESConfig: population_size: must be even with antithetic sampling \(\+/- pairs\), got 5"):
         notebook_config(ESConfig, {"population_size": 5})
     assert notebook_config(ESConfig, {"population_size": 5, "settings": {"antithetic": False}}).population_size == 5
 
