@@ -100,20 +100,22 @@ def _weight_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def base_weight_shapes(model_dir: str | Path) -> dict[str, tuple[int, ...]]:
-    """Every 2-D weight of a model folder, by name, read from the safetensors headers only."""
+def base_weight_shapes(model_dir: str | Path, matrices_only: bool = True) -> dict[str, tuple[int, ...]]:
+    """Every 2-D weight of a model folder (every tensor with ``matrices_only=False``), by name, read
+    from the safetensors headers only."""
     shapes: dict[str, tuple[int, ...]] = {}
     for path in _weight_files(Path(model_dir)):
         with safe_open(str(path), framework="pt") as handle:
             for key in handle.keys():
                 shape = tuple(handle.get_slice(key).get_shape())
-                if len(shape) == 2:
+                if len(shape) == 2 or not matrices_only:
                     shapes[key] = shape
     return shapes
 
 
-def _targets(model_dir: str | Path, spec: LoraSpec) -> dict[str, tuple[int, int]]:
-    """Base weight name -> (out, in) for every module the spec targets, validated against the model."""
+def target_weight_shapes(model_dir: str | Path, spec: LoraSpec) -> dict[str, tuple[int, int]]:
+    """Base weight name -> (out, in) for every module the spec targets, validated against the model
+    (what an adapter adapts, and what full-parameter or EGGROLL ES perturbs)."""
     shapes = base_weight_shapes(model_dir)
     layers = sorted({int(m.group(1)) for k in shapes if (m := _LAYER.search(k))})
     available = sorted({k.rsplit(".", 2)[-2] for k in shapes if _LAYER.search(k) and k.endswith(".weight")})
@@ -144,7 +146,7 @@ def _peft_name(weight_key: str, which: str) -> str:
 def adapter_shapes(model_dir: str | Path, spec: LoraSpec) -> dict[str, tuple[int, int]]:
     """PEFT tensor name -> shape for every A and B the spec creates on this model."""
     shapes: dict[str, tuple[int, int]] = {}
-    for key, (out_features, in_features) in _targets(model_dir, spec).items():
+    for key, (out_features, in_features) in target_weight_shapes(model_dir, spec).items():
         shapes[_peft_name(key, "A")] = (spec.rank, in_features)
         shapes[_peft_name(key, "B")] = (out_features, spec.rank)
     return shapes
@@ -152,7 +154,7 @@ def adapter_shapes(model_dir: str | Path, spec: LoraSpec) -> dict[str, tuple[int
 
 def base_weight_magnitudes(model_dir: str | Path, spec: LoraSpec) -> dict[str, float]:
     """PEFT tensor name -> mean |W| of the base weight that tensor's module adapts (A and B share it)."""
-    targets = _targets(model_dir, spec)
+    targets = target_weight_shapes(model_dir, spec)
     means: dict[str, float] = {}
     for path in _weight_files(Path(model_dir)):
         with safe_open(str(path), framework="pt") as handle:

@@ -410,7 +410,7 @@ def test_the_engine_asks_for_the_memory_the_settings_describe():
     # unset: 0.6 of the card (room for a GRPO policy beside the engine), vLLM sizes the KV cache from it
     assert GPU_MEMORY_SHARE == 0.6 and on_gpu["gpu_memory_utilization"] == 0.6 and "kv_cache_memory_bytes" not in on_gpu
     assert (on_gpu["enforce_eager"], on_gpu["max_num_seqs"], on_gpu["max_loras"], on_gpu["max_lora_rank"]) == (False, 1024, 12, 1)
-    assert on_gpu["worker_extension_cls"] == "evolm_lib.engines.vllm_worker.LoRASlotsExtension"
+    assert on_gpu["worker_extension_cls"] == "evolm_lib.engines.vllm_weights.WorkerExtension"
     assert on_gpu["enable_prefix_caching"] is False  # slot names are fixed: cached KV would go stale
     on_cpu = llm_arguments("m", sizing, on_gpu=False)
     assert CPU_KV_CACHE_GB == 1.0 and on_cpu["kv_cache_memory_bytes"] == 2**30 and on_cpu["enforce_eager"] is True

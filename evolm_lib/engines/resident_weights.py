@@ -25,8 +25,11 @@ from typing import Literal, Mapping, Sequence
 
 import torch
 
+from pathlib import Path
+
 from .. import es
 from ..es import lowrank
+from ..lora import LoraSpec, base_weight_shapes, target_weight_shapes
 
 NoiseForm = Literal["full", "lowrank"]
 
@@ -151,3 +154,13 @@ def targeted_weights(named: Mapping[str, torch.Tensor], target_modules: Sequence
     if not picked:
         raise ValueError(f"target_modules {list(wanted)} matched no 2-D weight of the model")
     return picked
+
+
+def targeted_weight_shapes(model_dir: str | Path, target_modules: Sequence[str] | str,
+                           layers_to_transform: Sequence[int] | None = None) -> dict[str, tuple[int, ...]]:
+    """HF weight name -> shape of what a full-parameter or EGGROLL run moves: the weights of the LoRA
+    target modules (in the chosen layers), or ``all``: every tensor of the model folder."""
+    if target_modules == "all":
+        return base_weight_shapes(model_dir, matrices_only=False)
+    spec = LoraSpec(target_modules=tuple(target_modules), layers_to_transform=layers_to_transform)
+    return dict(target_weight_shapes(model_dir, spec))

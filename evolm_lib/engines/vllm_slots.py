@@ -182,6 +182,14 @@ class ResidentPopulation:
         self._reset_prefix_cache()
         return {"slots_write_s": float(result["write_s"]), "slots_call_s": time.perf_counter() - started}
 
+    def mark_written(self, count: int) -> None:
+        """Record that another writer (EGGROLL's factors, ``vllm_weights.EngineWeights.write_slots``)
+        filled the first ``count`` slots: they are served by ``lora_requests()`` from now on."""
+        if not 1 <= count <= self.num_slots:
+            raise ValueError(f"{count} written slots for {self.num_slots} resident slots")
+        self._written, self._mean_written = count, False
+        self._reset_prefix_cache()
+
     def _reset_prefix_cache(self) -> None:
         # Cached KV blocks are keyed by LoRA name, which is fixed here: stale after every write.
         if not self._prefix_caching:

@@ -61,8 +61,9 @@ import torch
 
 from .. import es
 
-EXTENSION = "evolm_lib.engines.vllm_worker.LoRASlotsExtension"
-"""The ``worker_extension_cls`` an engine must be started with to host resident slots."""
+EXTENSION = "evolm_lib.engines.vllm_weights.WorkerExtension"
+"""The ``worker_extension_cls`` an engine must be started with to host resident slots (and resident
+weights: ``vllm_weights.WorkerExtension`` is ``LoRASlotsExtension`` plus ``WeightsExtension``)."""
 
 FINGERPRINT_SEED = 20261126
 """Seed of the random adapter every slot is loaded with and checked against at set-up."""
