@@ -22,6 +22,7 @@ import os
 import shutil
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
@@ -29,7 +30,7 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
-from .config import config_class
+from .config import ConfigError, config_class
 from .lora import AdapterWeights, load_adapter, save_adapter
 
 CHECKPOINTS = "checkpoints"
@@ -211,6 +212,59 @@ def load_run_config(run_dir: str | Path, cls=None):
     if kind == "es" and "noise_scheme" not in data:
         data["noise_scheme"] = "per_tensor"  # runs recorded before the setting existed drew noise tensor by tensor
     return (cls or config_class(kind)).from_dict(data)
+
+
+@dataclass(frozen=True)
+class RunState:
+    """What a run is built from: a new run's settings and first adapter, or what its latest checkpoint holds."""
+
+    config: Any
+    """The run's settings (ESConfig or GRPOConfig)."""
+    adapter: AdapterWeights
+    """The adapter the run moves (the ES mean, the GRPO policy)."""
+    optimizer_tensors: dict[str, torch.Tensor] | None = None
+    """The optimizer's state as named tensors; None: a fresh optimizer."""
+    generation: int = 0
+    """Generations (ES) or steps (GRPO) done."""
+    counters: dict = field(default_factory=dict)
+    """Sample counters and wall clock (completions, tokens, eval_completions, wall_s)."""
+    rows: list[dict] = field(default_factory=list)
+    """The metrics rows so far, as metrics.jsonl now holds them."""
+    saved: dict = field(default_factory=dict)
+    """The checkpoint's state.json ({} for a new run): what the run kinds keep beyond the loop's."""
+
+    def pending_row(self) -> dict | None:
+        """The checkpoint's row when its scoring was riding in the next engine call and it never
+        reached metrics.jsonl: it is scored again (see ``RunLoop.run``); else None."""
+        logged = bool(self.rows) and self.rows[-1].get("generation") == self.generation
+        return dict(self.saved["row"]) if self.saved.get("scores_pending") and not logged else None
+
+
+def load_latest(run_dir: str | Path, kind: str, cls) -> RunState:
+    """The state of a run folder's latest checkpoint (``kind``: es | grpo; ``cls``: its config class).
+
+    metrics.jsonl is made to match it: rows past the checkpoint come from a generation whose
+    checkpoint never landed and are dropped (that generation reruns); a row lost between
+    checkpoint and log comes back from state.json (or, when its scoring was riding in the next
+    call, is scored again: ``RunState.pending_row``)."""
+    run_dir = Path(run_dir)
+    found = read_config_kind(run_dir)
+    if found != kind:
+        raise ConfigError(f"{run_dir} holds a {found!r} run, not a {kind.upper()} run")
+    config = load_run_config(run_dir, cls)
+    checkpoints = list_checkpoints(run_dir)
+    if not checkpoints:
+        raise FileNotFoundError(f"{run_dir} holds no checkpoint to resume from")
+    adapter, optimizer_tensors, state = load_checkpoint(checkpoints[-1])
+    if adapter.spec != config.lora_spec():
+        raise ConfigError(f"checkpoint adapter {adapter.spec} does not match config {config.lora_spec()}")
+    generation = int(state["generation"])
+    rows = [r for r in read_metrics(run_dir) if r.get("generation", -1) <= generation]
+    if (not rows or rows[-1].get("generation") != generation) and not state.get("scores_pending"):
+        rows.append(state["row"])
+    rewrite_metrics(run_dir, rows)
+    return RunState(config=config, adapter=adapter, optimizer_tensors=optimizer_tensors, generation=generation,
+                    counters=dict(state["counters"]), rows=rows, saved=state)
 
 
 @contextlib.contextmanager

@@ -22,19 +22,17 @@ from ..models import resolve_model
 from ..preflight import check_engine_settings
 from ..runs import (
     EXTENDABLE,
+    RunState,
     append_metrics,
     list_checkpoints,
-    load_checkpoint,
+    load_latest,
     load_run_config,
     prepare_run_dir,
-    read_config_kind,
-    read_metrics,
-    rewrite_metrics,
     timed,
     write_run_config,
 )
 from ..seeds import derive_seed
-from ..tasks import Example, get_task
+from ..tasks import Example, Task, get_task
 
 
 def percentile(values: torch.Tensor, q: float) -> float:
@@ -44,30 +42,55 @@ def percentile(values: torch.Tensor, q: float) -> float:
 
 class RunLoop:
     """The loop ES and GRPO runs share. Subclasses provide ``train_step()`` (the update's metrics
-    row), ``adapter`` (what the run moves), ``_budget()``, ``_build(...)`` and ``save_checkpoint(row)``."""
+    row), ``adapter`` (what the run moves), ``_budget()``, ``_build(state, ...)`` and ``save_checkpoint(row)``."""
 
     kind = "run"
     config_class: type = None  # set by subclasses
     _pending: dict | None = None  # a committed row whose scoring rides in the next engine call
 
     # --- construction ----------------------------------------------------------------------------
+    def __init__(self, state: RunState, *, run_dir: Path, evaluator: Evaluator, task: Task, model_dir: Path):
+        self.config = state.config
+        self.run_dir = Path(run_dir)
+        self.evaluator = evaluator
+        self.task = task
+        self.generation = state.generation
+        self.counters = dict(state.counters)
+        self.history = list(state.rows)
+        self.model_dir = model_dir
+        self.train_examples = task.train_examples()
+        self.eval_examples = task.eval_examples()
+        self._started = time.perf_counter()
+        self._wall_at_start = self.counters.get("wall_s", 0.0)
+        self._pending = state.pending_row()  # its scoring was riding in the next call: done again now
+
+    @classmethod
+    def _build(cls, state: RunState, *, run_dir: Path, evaluator: Evaluator | None, task: Task, model_dir: Path):
+        """The run of this kind from ``state``, on ``evaluator`` (None: the engine its config asks for)."""
+        raise NotImplementedError
+
     @classmethod
     def create(cls, config, run_dir: str | Path, *, evaluator: Evaluator | None = None, overwrite: bool = False,
                initial_adapter: AdapterWeights | None = None):
         """Start a new run in an empty folder (an existing run is refused unless ``overwrite``);
         ``initial_adapter`` replaces the config's initialisation (e.g. an adapter from notebook 02)."""
-        task, model_dir, run_dir, initial_adapter = cls._start_folder(config, run_dir, overwrite, initial_adapter)
-        run = cls._build(config, run_dir, evaluator, task, model_dir, initial_adapter, None, 0, {}, [])
+        task = get_task(config.task, **config.task_options)
+        model_dir = resolve_model(config.model)
+        adapter = cls._first_adapter(config, model_dir, task, initial_adapter)
+        run_dir = prepare_run_dir(run_dir, overwrite)
+        write_run_config(run_dir, config, cls.kind)
+        run = cls._build(RunState(config=config, adapter=adapter), run_dir=run_dir, evaluator=evaluator, task=task,
+                         model_dir=model_dir)
         run.commit({"generation": 0, **run.row_header(), **run.score(force=True)})
         return run
 
     @classmethod
     def resume(cls, run_dir: str | Path, *, evaluator: Evaluator | None = None):
         """Continue a run from its latest checkpoint; it ends as if never interrupted."""
-        config, adapter, optimizer_tensors, generation, counters, rows, state = cls._load_latest(Path(run_dir))
-        task = get_task(config.task, **config.task_options)
-        return cls._build(config, Path(run_dir), evaluator, task, resolve_model(config.model), adapter,
-                          optimizer_tensors, generation, counters, rows, state)
+        state = load_latest(run_dir, cls.kind, cls.config_class)
+        config = state.config
+        return cls._build(state, run_dir=Path(run_dir), evaluator=evaluator,
+                          task=get_task(config.task, **config.task_options), model_dir=resolve_model(config.model))
 
     @classmethod
     def open(cls, config, run_dir: str | Path, *, resume: bool = True, overwrite: bool = False,
@@ -93,62 +116,19 @@ class RunLoop:
             return cls.resume(run_dir, evaluator=evaluator)
         return cls.create(config, run_dir, evaluator=evaluator, overwrite=overwrite, initial_adapter=initial_adapter)
 
-    @classmethod
-    def _start_folder(cls, config, run_dir, overwrite: bool, initial_adapter: AdapterWeights | None):
-        """Everything a new run needs before its engine: validated targets, the folder, the first adapter."""
-        task = get_task(config.task, **config.task_options)
-        model_dir = resolve_model(config.model)
+    @staticmethod
+    def _first_adapter(config, model_dir: Path, task: Task, initial_adapter: AdapterWeights | None) -> AdapterWeights:
+        """A new run's first adapter, after every check that can fail before the folder and the engine:
+        LoRA targets, the engine's context, KV cache and memory, the given adapter's spec."""
         spec = config.lora_spec()
         shapes = adapter_shapes(model_dir, spec)  # bad targets / layers fail here, before any engine
         check_engine_settings(config, model_dir, task)  # context, KV cache and memory, before the folder
-        if initial_adapter is not None and initial_adapter.spec != spec:
-            raise ConfigError(f"initial adapter spec {initial_adapter.spec} differs from the config's {spec}")
-        run_dir = prepare_run_dir(run_dir, overwrite)
-        write_run_config(run_dir, config, cls.kind)
-        if initial_adapter is None:
-            magnitudes = base_weight_magnitudes(model_dir, spec) if config.init_scheme == "random_ab" else None
-            initial_adapter = init_adapter(spec, shapes, config.init_scheme, config.seed, magnitudes, config.init_scale)
-        return task, model_dir, run_dir, initial_adapter
-
-    @classmethod
-    def _load_latest(cls, run_dir: Path):
-        """(config, adapter, optimizer tensors, generation, counters, rows, state) of a run's latest checkpoint.
-
-        Rows past the checkpoint come from a generation whose checkpoint never landed: they are
-        dropped and that generation reruns; a row lost between checkpoint and log comes back (or,
-        when its scoring was to ride in the next generation's call, is scored again, see ``run``)."""
-        kind = read_config_kind(run_dir)
-        if kind != cls.kind:
-            raise ConfigError(f"{run_dir} holds a {kind!r} run, not a {cls.kind.upper()} run")
-        config = load_run_config(run_dir, cls.config_class)
-        checkpoints = list_checkpoints(run_dir)
-        if not checkpoints:
-            raise FileNotFoundError(f"{run_dir} holds no checkpoint to resume from")
-        adapter, optimizer_tensors, state = load_checkpoint(checkpoints[-1])
-        if adapter.spec != config.lora_spec():
-            raise ConfigError(f"checkpoint adapter {adapter.spec} does not match config {config.lora_spec()}")
-        generation = int(state["generation"])
-        rows = [r for r in read_metrics(run_dir) if r.get("generation", -1) <= generation]
-        if (not rows or rows[-1].get("generation") != generation) and not state.get("scores_pending"):
-            rows.append(state["row"])  # a row whose scoring was riding in the next call stays pending
-        rewrite_metrics(run_dir, rows)
-        return config, adapter, optimizer_tensors, generation, dict(state["counters"]), rows, state
-
-    def _init_common(self, config, run_dir: Path, evaluator: Evaluator, task, generation: int, counters: dict,
-                     history: list[dict], model_dir: Path) -> None:
-        self.config = config
-        self.run_dir = Path(run_dir)
-        self.evaluator = evaluator
-        self.task = task
-        self.generation = generation
-        self.counters = counters
-        self.history = history
-        self.model_dir = model_dir
-        self.train_examples = task.train_examples()
-        self.eval_examples = task.eval_examples()
-        self._started = time.perf_counter()
-        self._wall_at_start = counters.get("wall_s", 0.0)
-        self._pending = None
+        if initial_adapter is not None:
+            if initial_adapter.spec != spec:
+                raise ConfigError(f"initial adapter spec {initial_adapter.spec} differs from the config's {spec}")
+            return initial_adapter
+        magnitudes = base_weight_magnitudes(model_dir, spec) if config.init_scheme == "random_ab" else None
+        return init_adapter(spec, shapes, config.init_scheme, config.seed, magnitudes, config.init_scale)
 
     # --- the loop ------------------------------------------------------------------------------
     def step(self) -> dict:
