@@ -24,7 +24,9 @@ Rerunning a batch continues it. Each point's status.json says what happened to i
 - failed (its notebook raised): skipped, and rerun with --retry-failed;
 - changed (its folder holds another run's parameters): it runs again in its folder (03_es_stepper
   extends a run whose budget grew and refuses other changes: then use --overwrite);
-- running (another batch process is running it now): skipped.
+- running (another batch process is running it now): skipped;
+- busy (another process holds it: a batch running the point, or a notebook or sweep with its run
+  folder open, see `evolm_lib.runs.WriterLock`): skipped and reported busy, its files untouched.
 --overwrite deletes every point's folder first. Before any kernel starts, each point's settings are
 checked the way the notebook would check them (its parameters cell and config cell, executed here
 without a kernel, then the engine limits of `evolm_lib.preflight`): a bad point fails at once, and
@@ -62,9 +64,10 @@ INJECTED = ("run_dir", "figures_dir")  # filled in by the runner, per run
 NOTEBOOK_FILE = "notebook.ipynb"
 STATUS_FILE = "status.json"
 RUNNING, OK, FAILED, PLANNED = "running", "ok", "failed", "planned"
+BUSY = "busy"  # another process holds the point or its run folder: nothing done, nothing written
 # what a batch does with a grid point, by the point's state (see the module's doc string)
 ACTIONS = {"new": "run", "finished": "skip", "failed": "skip", "unfinished": "resume", "changed": "rerun",
-           "running": "skip"}
+           "running": "skip", "busy": "skip"}
 
 
 @dataclass(frozen=True)
@@ -99,7 +102,7 @@ class RunResult:
     """What happened (or, in a dry run, would happen) to one grid point."""
 
     name: str
-    status: str  # "ok" | "failed" | "running" | "planned" (dry run)
+    status: str  # "ok" | "failed" | "running" | "busy" | "planned" (dry run)
     seconds: float
     error: str
     folder: Path
@@ -401,9 +404,29 @@ def _run_results(parameters: dict[str, Any]) -> dict[str, Any]:
     return run_results(parameters["run_dir"])
 
 
+def _point_lock(folder: Path) -> Path:
+    """The lock a batch holds while it runs a point: beside the point's folder, not in it."""
+    return folder.parent / f".{folder.name}.lock"
+
+
+def _point_holder(folder: Path, parameters: dict[str, Any]) -> dict | None:
+    """Who holds the point (a batch running it) or its run folder (a notebook or sweep writing it), or None."""
+    from .runs import lock_holder  # runs imports torch: not at the command's start
+
+    holder = lock_holder(folder, lock_file=_point_lock(folder))
+    if holder is None and parameters.get("run_dir"):
+        holder = lock_holder(parameters["run_dir"])
+    return holder
+
+
 def point_state(folder: Path, parameters: dict[str, Any]) -> tuple[str, str, dict[str, Any]]:
     """(state, reason, status) of a grid point's folder; states as in the module's doc string."""
     folder = Path(folder)
+    holder = _point_holder(folder, parameters)
+    if holder is not None:
+        from .runs import describe_holder
+
+        return "busy", f"held by {describe_holder(holder)}", read_status(folder)
     if not folder.exists() or not any(folder.iterdir()):
         return "new", "", {}
     status = read_status(folder)
@@ -493,18 +516,35 @@ def _now() -> str:
     return datetime.now(timezone.utc).astimezone().isoformat(timespec="seconds")
 
 
-def _result(point: PointPlan, status: str, seconds: float, error: str, action: str | None = None) -> RunResult:
+def _result(point: PointPlan, status: str, seconds: float, error: str, action: str | None = None,
+            reason: str | None = None) -> RunResult:
     return RunResult(point.run.name, status, seconds, error, point.folder, point.folder / NOTEBOOK_FILE,
-                     point.parameters, action or point.action, point.reason, _run_results(point.parameters))
+                     point.parameters, action or point.action, reason or point.reason, _run_results(point.parameters))
 
 
 def _skipped(point: PointPlan) -> RunResult:
-    status = point.status.get("status", OK) if point.state != "running" else RUNNING
+    status = {"running": RUNNING, "busy": BUSY}.get(point.state, point.status.get("status", OK))
     return _result(point, status, float(point.status.get("seconds", 0.0)), point.status.get("error", ""))
 
 
 def run_point(spec: BatchSpec, point: PointPlan, log_output: bool = False) -> RunResult:
-    """Run one grid point's notebook in its folder, with status.json before and after."""
+    """Run one grid point's notebook in its folder, with status.json before and after; a point that
+    another process holds (another batch, or a run open on its run folder) is left untouched: busy."""
+    from .runs import RunFolderBusy, WriterLock, describe_holder, lock_holder
+
+    try:
+        lock = WriterLock.acquire(point.folder, lock_file=_point_lock(point.folder))
+    except RunFolderBusy as busy:
+        return _result(point, BUSY, 0.0, "", action="skip", reason=f"held by {describe_holder(busy.holder)}")
+    with lock:
+        run_dir = point.parameters.get("run_dir")
+        holder = lock_holder(run_dir) if run_dir else None  # e.g. the stepper open on it in JupyterLab
+        if holder is not None:
+            return _result(point, BUSY, 0.0, "", action="skip", reason=f"held by {describe_holder(holder)}")
+        return _run_point(spec, point, log_output)
+
+
+def _run_point(spec: BatchSpec, point: PointPlan, log_output: bool) -> RunResult:
     if point.action == "overwrite" and point.folder.exists():
         shutil.rmtree(point.folder)
     attempts = int(point.status.get("attempts", 0)) + 1
@@ -523,7 +563,8 @@ def run_point(spec: BatchSpec, point: PointPlan, log_output: bool = False) -> Ru
                          kernel_name=spec.kernel, log_output=log_output)
         status, error = OK, ""
     except Exception as err:  # noqa: BLE001 - one failed run must not stop the batch
-        status, error = FAILED, _error_text(err)
+        # a run folder that another process opened after the check above: busy, not failed
+        status, error = (BUSY if getattr(err, "ename", "") == "RunFolderBusy" else FAILED), _error_text(err)
     seconds = time.perf_counter() - clock
     write_status(point.folder, {**base, "status": status, "seconds": seconds, "error": error, "finished": _now()})
     return _result(point, status, seconds, error)

@@ -13,8 +13,8 @@ from ..env import apply_engine_defaults
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Command line: run or continue a batch; exit 0 when every point finished, 1 if any failed (or,
-    with --dry-run, would fail its checks), 2 on a bad batch file."""
+    """Command line: run or continue a batch; exit 0 when no point failed (a point that another process
+    holds is reported busy), 1 if any failed (or, with --dry-run, would fail its checks), 2 on a bad batch file."""
     parser = argparse.ArgumentParser(prog="evolm batch", description=batch.__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("spec", help="batch YAML file")
@@ -50,8 +50,12 @@ def main(argv: list[str] | None = None) -> int:
         return 1 if any(r.action == "invalid" for r in results) else 0
     print(batch.format_summary(results))
     failed = [r for r in results if r.status == batch.FAILED]
+    busy = [r for r in results if r.status == batch.BUSY]
     done = _counts(r.action for r in results)
-    print(f"\n{len(results) - len(failed)} ok, {len(failed)} failed ({done}); summary in {where / 'summary.csv'}")
+    print(f"\n{len(results) - len(failed) - len(busy)} ok, {len(failed)} failed ({done}); "
+          f"summary in {where / 'summary.csv'}")
+    for r in busy:
+        print(f"busy, left as it is: {r.name}, {r.reason}")
     skipped_failures = [r.name for r in failed if r.action == "skip"]
     if skipped_failures:
         print(f"skipped {len(skipped_failures)} point(s) that failed before: --retry-failed runs them again")

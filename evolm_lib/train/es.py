@@ -20,7 +20,7 @@ from ..engines import Evaluator, Population, SamplingSettings, make_evaluator
 from ..evaluation import scoring_grid, scores_of
 from ..lora import AdapterWeights, base_weight_magnitudes, noise_below_resolution, noise_scales
 from ..models import resolve_model
-from ..runs import RunState, timed, write_checkpoint
+from ..runs import RunState, timed
 from ..seeds import derive_seed
 from ..tasks import Example, Task
 from ..types import Completion
@@ -229,5 +229,4 @@ class ESRun(RunLoop):
         state = self._checkpoint_state(row)
         if self.estimator_state is not None:
             state["estimator"] = self.estimator_state.to_dict()
-        return write_checkpoint(self.run_dir, self.generation, self.mean, es.optimizer_state_to_tensors(self.optimizer_state),
-                                state, str(self.model_dir), keep=self.config.keep_checkpoints)
+        return self._write_checkpoint(self.mean, es.optimizer_state_to_tensors(self.optimizer_state), state)

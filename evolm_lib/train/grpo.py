@@ -18,7 +18,7 @@ from typing import Sequence
 from ..config import GRPOConfig
 from ..engines import Evaluator, SamplingSettings, TokenScorer, make_evaluator
 from ..lora import AdapterWeights
-from ..runs import RunState, timed, write_checkpoint
+from ..runs import RunState, timed
 from ..seeds import derive_seed
 from ..tasks import Example, Task
 from ..types import Completion
@@ -141,8 +141,7 @@ class GRPORun(RunLoop):
     def save_checkpoint(self, row: dict | None = None) -> Path:
         """Write a checkpoint of the current step now: adapter, AdamW state, counters."""
         state = {**self._checkpoint_state(row), "step": self.generation}
-        return write_checkpoint(self.run_dir, self.generation, self.policy, self.trainer.optimizer_tensors(),
-                                state, str(self.model_dir), keep=self.config.keep_checkpoints)
+        return self._write_checkpoint(self.policy, self.trainer.optimizer_tensors(), state)
 
     def close(self) -> None:
         """Release the engine and the trainer's model."""

@@ -23,12 +23,14 @@ from ..preflight import check_engine_settings
 from ..runs import (
     EXTENDABLE,
     RunState,
+    WriterLock,
     append_metrics,
     list_checkpoints,
     load_latest,
     load_run_config,
     prepare_run_dir,
     timed,
+    write_checkpoint,
     write_run_config,
 )
 from ..seeds import derive_seed
@@ -63,6 +65,8 @@ class RunLoop:
         self._started = time.perf_counter()
         self._wall_at_start = self.counters.get("wall_s", 0.0)
         self._pending = state.pending_row()  # its scoring was riding in the next call: done again now
+        self._writer: WriterLock | None = None  # the folder's writer lock, set by create/resume/open
+        self._owns_evaluator = False  # whether close() closes the engine: only one the run started
 
     @classmethod
     def _build(cls, state: RunState, *, run_dir: Path, evaluator: Evaluator | None, task: Task, model_dir: Path):
@@ -73,24 +77,37 @@ class RunLoop:
     def create(cls, config, run_dir: str | Path, *, evaluator: Evaluator | None = None, overwrite: bool = False,
                initial_adapter: AdapterWeights | None = None):
         """Start a new run in an empty folder (an existing run is refused unless ``overwrite``);
-        ``initial_adapter`` replaces the config's initialisation (e.g. an adapter from notebook 02)."""
+        ``initial_adapter`` replaces the config's initialisation (e.g. an adapter from notebook 02).
+        The run holds the folder's writer lock until ``close()``; ``RunFolderBusy`` if another has it."""
         task = get_task(config.task, **config.task_options)
         model_dir = resolve_model(config.model)
         adapter = cls._first_adapter(config, model_dir, task, initial_adapter)
-        run_dir = prepare_run_dir(run_dir, overwrite)
-        write_run_config(run_dir, config, cls.kind)
-        run = cls._build(RunState(config=config, adapter=adapter), run_dir=run_dir, evaluator=evaluator, task=task,
-                         model_dir=model_dir)
-        run.commit({"generation": 0, **run.row_header(), **run.score(force=True)})
+        lock = WriterLock.acquire(run_dir)  # before the folder is touched and before any engine
+        with lock.released_on_error():
+            run_dir = prepare_run_dir(run_dir, overwrite)
+            write_run_config(run_dir, config, cls.kind)
+            run = cls._build(RunState(config=config, adapter=adapter), run_dir=run_dir, evaluator=evaluator,
+                             task=task, model_dir=model_dir)
+            run._writer, run._owns_evaluator = lock, evaluator is None
+            run.commit({"generation": 0, **run.row_header(), **run.score(force=True)})
         return run
 
     @classmethod
     def resume(cls, run_dir: str | Path, *, evaluator: Evaluator | None = None):
-        """Continue a run from its latest checkpoint; it ends as if never interrupted."""
+        """Continue a run from its latest checkpoint; it ends as if never interrupted. The run holds
+        the folder's writer lock until ``close()``; ``RunFolderBusy`` if another has it."""
+        lock = WriterLock.acquire(run_dir, create=False)
+        with lock.released_on_error():
+            return cls._resume(Path(run_dir), lock, evaluator)
+
+    @classmethod
+    def _resume(cls, run_dir: Path, lock: WriterLock, evaluator: Evaluator | None):
         state = load_latest(run_dir, cls.kind, cls.config_class)
         config = state.config
-        return cls._build(state, run_dir=Path(run_dir), evaluator=evaluator,
-                          task=get_task(config.task, **config.task_options), model_dir=resolve_model(config.model))
+        run = cls._build(state, run_dir=run_dir, evaluator=evaluator, task=get_task(config.task, **config.task_options),
+                         model_dir=resolve_model(config.model))
+        run._writer, run._owns_evaluator = lock, evaluator is None
+        return run
 
     @classmethod
     def open(cls, config, run_dir: str | Path, *, resume: bool = True, overwrite: bool = False,
@@ -99,21 +116,24 @@ class RunLoop:
 
         Settings that do not change the science (``EXTENDABLE``: the budget, eval and checkpoint
         cadence) may differ: a finished run can be extended. ``initial_adapter`` is used only when
-        the run is created."""
+        the run is created. One writer at a time: ``RunFolderBusy`` (naming the holder) when another
+        process, or a run still open in this one, writes the folder; nothing is written then."""
         run_dir = Path(run_dir)
         if resume and not overwrite and list_checkpoints(run_dir):
-            existing = load_run_config(run_dir, type(config))
-            changed = sorted(k for k, v in config.to_dict().items() if existing.to_dict().get(k) != v)
-            fixed = [k for k in changed if k not in EXTENDABLE]
-            if fixed:
-                hint = ("; it was made before noise_scheme existed and draws noise per tensor: pass "
-                        "noise_scheme='per_tensor' to continue it" if "noise_scheme" in fixed
-                        and existing.to_dict().get("noise_scheme") == "per_tensor" else "")
-                raise ConfigError(f"{run_dir} holds a run with other settings ({', '.join(fixed)}); "
-                                  f"use another run_dir or overwrite=True{hint}")
-            if changed:
-                write_run_config(run_dir, config, cls.kind)
-            return cls.resume(run_dir, evaluator=evaluator)
+            lock = WriterLock.acquire(run_dir, create=False)
+            with lock.released_on_error():
+                existing = load_run_config(run_dir, type(config))
+                changed = sorted(k for k, v in config.to_dict().items() if existing.to_dict().get(k) != v)
+                fixed = [k for k in changed if k not in EXTENDABLE]
+                if fixed:
+                    hint = ("; it was made before noise_scheme existed and draws noise per tensor: pass "
+                            "noise_scheme='per_tensor' to continue it" if "noise_scheme" in fixed
+                            and existing.to_dict().get("noise_scheme") == "per_tensor" else "")
+                    raise ConfigError(f"{run_dir} holds a run with other settings ({', '.join(fixed)}); "
+                                      f"use another run_dir or overwrite=True{hint}")
+                if changed:
+                    write_run_config(run_dir, config, cls.kind)
+                return cls._resume(run_dir, lock, evaluator)
         return cls.create(config, run_dir, evaluator=evaluator, overwrite=overwrite, initial_adapter=initial_adapter)
 
     @staticmethod
@@ -133,6 +153,7 @@ class RunLoop:
     # --- the loop ------------------------------------------------------------------------------
     def step(self) -> dict:
         """One generation (ES) or step (GRPO): update, score when due, commit; returns the metrics row."""
+        self._check_writer()
         self._flush()
         row = self.train_step()
         row.update(self.score())
@@ -283,9 +304,23 @@ class RunLoop:
         return self._log(row) if log else row
 
     def _log(self, row: dict) -> dict:
+        self._check_writer()
         append_metrics(self.run_dir, row)
         self.history.append(row)
         return row
+
+    def _check_writer(self) -> None:
+        """Every write to the folder goes through here: only a run that holds the folder writes."""
+        if self._writer is None or not self._writer.held:
+            raise RuntimeError(f"{self.run_dir}: this run was closed and no longer writes its folder; "
+                               f"open it again ({type(self).__name__}.open) to continue it")
+
+    def _write_checkpoint(self, adapter: AdapterWeights, optimizer_tensors: dict[str, torch.Tensor],
+                          state: dict) -> Path:
+        """Checkpoint the current generation (or step): adapter, optimizer tensors, state.json."""
+        self._check_writer()
+        return write_checkpoint(self.run_dir, self.generation, adapter, optimizer_tensors, state,
+                                str(self.model_dir), keep=self.config.keep_checkpoints)
 
     def _checkpoint_state(self, row: dict | None) -> dict:
         """What a checkpoint's state.json holds for the loop: generation, counters, the row (the
@@ -315,9 +350,13 @@ class RunLoop:
 
     def save_final(self) -> Path:
         """The adapter in PEFT format under run_dir/final_adapter (loadable by vLLM and peft)."""
+        self._check_writer()
         return save_adapter(self.adapter, self.run_dir / "final_adapter", base_model=str(self.model_dir))
 
     def close(self) -> None:
-        """Release the engine."""
-        if self.evaluator is not None:
+        """Release the run folder (another process may open it now) and the engine, if the run
+        started it; an evaluator passed in belongs to the caller (it may serve other runs)."""
+        if self._writer is not None:
+            self._writer.release()
+        if self.evaluator is not None and self._owns_evaluator:
             self.evaluator.close()
