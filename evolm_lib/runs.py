@@ -5,7 +5,8 @@ Layout::
     run_dir/
       config.yaml            resolved settings (kind: es | grpo)
       metrics.jsonl          one row per generation/step, appended as each finishes
-      checkpoints/000012/    adapter (PEFT format), optimizer.safetensors, state.json (with that row)
+      checkpoints/000012/    adapter (PEFT format), optimizer.safetensors, state.json (with that row),
+                             manifest.json (size and SHA-256 of each of those files, written last)
       final_adapter/         PEFT format, loadable by vLLM and peft
       .writer.lock           the writer's lock: who writes the folder now (pid, host, since when)
 
@@ -19,6 +20,13 @@ A checkpoint is written to a temporary folder, fsynced, and renamed into place, 
 moment leaves either the previous checkpoint or the new one, never half of one. Rewriting an existing
 checkpoint (after a resume from an older one) renames the old folder aside first, renames the new one
 in, then deletes the old: a kill between the steps still leaves one loadable copy.
+
+A resume verifies the latest checkpoint against its manifest (one written before manifests existed
+must load instead). A damaged one (a truncated, changed or missing file, as a partial copy between
+machines or a failing disk leaves) is renamed aside to checkpoints/NNNNNN.damaged, never deleted;
+the run falls back to the newest intact checkpoint with a warning that says what was wrong, and the
+metrics rows past it move to metrics.after-NNNNNN.jsonl. Leftover temporary folders of an
+interrupted write are removed on that resume.
 """
 from __future__ import annotations
 
@@ -26,6 +34,7 @@ import contextlib
 import errno
 import fcntl
 import gc
+import hashlib
 import json
 import math
 import os
@@ -34,6 +43,7 @@ import socket
 import sys
 import tempfile
 import time
+import warnings
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,8 +58,14 @@ from .lora import AdapterWeights, load_adapter, save_adapter
 from .paths import project_root
 
 CHECKPOINTS = "checkpoints"
+MANIFEST = "manifest.json"  # in a checkpoint: {"files": {relative path: {"bytes": n, "sha256": hex}}}
+CHECKPOINT_FORMAT = 2  # state.json's "checkpoint_format": 2 = written with a manifest (none: written before)
+DAMAGED = ".damaged"  # suffix of a checkpoint folder that failed its check, renamed aside
 LOCK_FILE = ".writer.lock"
 NOTEBOOK_RUNS_ENV = "EVOLM_NOTEBOOK_RUNS"  # the folder of the notebooks' default run folders (tests set it)
+
+
+# --- the folder and its one writer ------------------------------------------------------------
 
 
 class RunFolderExists(FileExistsError):
@@ -247,6 +263,9 @@ def prepare_run_dir(run_dir: str | Path, overwrite: bool = False) -> Path:
     return run_dir
 
 
+# --- metrics.jsonl ---------------------------------------------------------------------------
+
+
 def _clean(value: Any) -> Any:
     # JSON has no NaN/inf: store them as null so every line stays valid JSON.
     if isinstance(value, float) and not math.isfinite(value):
@@ -302,6 +321,17 @@ def rewrite_metrics(run_dir: Path, rows: Iterable[dict]) -> None:
     _fsync_dir(run_dir)
 
 
+# --- checkpoints -------------------------------------------------------------------------------
+
+
+class CheckpointDamaged(RuntimeError):
+    """No checkpoint of a run folder is intact: the run cannot be resumed."""
+
+
+class CheckpointFallback(UserWarning):
+    """The latest checkpoint was damaged: the run resumes from an older one."""
+
+
 def _fsync_tree(path: Path) -> None:
     """fsync every file under ``path`` and the folders themselves, so a rename publishes durable data."""
     for folder, _, files in os.walk(path):
@@ -322,6 +352,21 @@ def _fsync_dir(path: Path) -> None:
 _ASIDE = ".old"  # suffix of a checkpoint renamed aside while its replacement is renamed in
 
 
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _write_manifest(folder: Path) -> None:
+    """manifest.json: size and SHA-256 of every other file of a checkpoint folder."""
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
+    entries = {str(p.relative_to(folder)): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files}
+    (folder / MANIFEST).write_text(json.dumps({"files": entries}, indent=1) + "\n")
+
+
 def write_checkpoint(
     run_dir: Path,
     step: int,
@@ -331,17 +376,17 @@ def write_checkpoint(
     base_model: str,
     keep: int = 2,
 ) -> Path:
-    """Write checkpoint ``step`` atomically and durably, and prune older ones beyond ``keep``."""
+    """Write checkpoint ``step`` atomically and durably, its manifest last, and prune older ones beyond ``keep``."""
     root = Path(run_dir) / CHECKPOINTS
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{step:06d}"
-    for stale in root.glob(".[0-9]*-*"):  # a temporary folder a killed writer left (one writer per run)
-        shutil.rmtree(stale, ignore_errors=True)
+    _remove_leftovers(run_dir)  # of a killed writer (one writer per run: nobody else writes them)
     tmp = Path(tempfile.mkdtemp(prefix=f".{step:06d}-", dir=root))
     save_adapter(adapter, tmp / "adapter", base_model=base_model)
     if optimizer_tensors:
         save_file({k: v.contiguous() for k, v in optimizer_tensors.items()}, str(tmp / "optimizer.safetensors"))
-    (tmp / "state.json").write_text(json.dumps(_clean(state)))
+    (tmp / "state.json").write_text(json.dumps(_clean({**state, "checkpoint_format": CHECKPOINT_FORMAT})))
+    _write_manifest(tmp)
     _fsync_tree(tmp)
     aside = root / f"{step:06d}{_ASIDE}"
     if final.exists():  # re-written after a resume from an older checkpoint
@@ -355,15 +400,25 @@ def write_checkpoint(
     return final
 
 
+def _remove_leftovers(run_dir: Path) -> None:
+    """Remove what an interrupted write leaves: temporary checkpoint folders, a half-written metrics copy."""
+    root = Path(run_dir) / CHECKPOINTS
+    for stale in root.glob(".[0-9]*-*") if root.exists() else ():
+        shutil.rmtree(stale, ignore_errors=True)
+    (Path(run_dir) / ".metrics.jsonl.tmp").unlink(missing_ok=True)
+
+
 def list_checkpoints(run_dir: str | Path) -> list[Path]:
-    """Complete checkpoints, oldest first (a copy renamed aside stands in while its replacement is missing)."""
+    """Checkpoint folders, oldest first (a copy renamed aside stands in while its replacement is
+    missing); whether each is intact is ``verify_checkpoint``'s to say."""
     root = Path(run_dir) / CHECKPOINTS
     if not root.exists():
         return []
     found: dict[int, Path] = {}
     for path in root.iterdir():
         name = path.name.removesuffix(_ASIDE)
-        if not (path.is_dir() and name.isdigit() and (path / "state.json").exists()):
+        written = (path / "state.json").exists() or (path / MANIFEST).exists()
+        if not (path.is_dir() and name.isdigit() and written):
             continue
         if path.name == name or int(name) not in found:  # the renamed-in copy wins over the aside one
             found[int(name)] = path
@@ -375,6 +430,99 @@ def load_checkpoint(path: Path) -> tuple[AdapterWeights, dict[str, torch.Tensor]
     optimizer_path = path / "optimizer.safetensors"
     optimizer = load_file(str(optimizer_path)) if optimizer_path.exists() else {}
     return load_adapter(path / "adapter"), optimizer, json.loads((path / "state.json").read_text())
+
+
+def verify_checkpoint(path: Path) -> str | None:
+    """What is wrong with a checkpoint folder, in words, or None when it is intact: every file of its
+    manifest present with its size and SHA-256. One written before manifests existed (no manifest,
+    no ``checkpoint_format`` in state.json) is intact when it loads."""
+    path = Path(path)
+    if (path / MANIFEST).exists():
+        try:
+            files = json.loads((path / MANIFEST).read_text())["files"]
+        except (ValueError, KeyError, TypeError):
+            return f"{MANIFEST} is unreadable"
+        for name, entry in files.items():
+            file = path / name
+            if not file.is_file():
+                return f"{name} is missing"
+            if file.stat().st_size != entry["bytes"]:
+                return f"{name} has {file.stat().st_size} bytes, its manifest says {entry['bytes']}"
+            if _sha256(file) != entry["sha256"]:
+                return f"{name} differs from its manifest's SHA-256"
+        return None
+    try:
+        state = json.loads((path / "state.json").read_text())
+    except FileNotFoundError:
+        return f"state.json and {MANIFEST} are missing"
+    except ValueError:
+        return "state.json is unreadable"
+    if state.get("checkpoint_format", 1) >= CHECKPOINT_FORMAT:
+        return f"{MANIFEST} is missing"
+    try:  # written before manifests: intact if it loads
+        load_checkpoint(path)
+    except Exception as error:  # noqa: BLE001 - any failure to load is the damage to report
+        return f"it does not load ({type(error).__name__}: {error})"
+    return None
+
+
+def _free_name(folder: Path, stem: str, suffix: str = "") -> Path:
+    """folder/stem+suffix, or stem-2+suffix, stem-3+suffix, ... when that name is taken (nothing is overwritten)."""
+    candidate, number = folder / f"{stem}{suffix}", 1
+    while candidate.exists():
+        number += 1
+        candidate = folder / f"{stem}-{number}{suffix}"
+    return candidate
+
+
+def latest_intact_checkpoint(run_dir: str | Path) -> Path:
+    """The newest intact checkpoint of a run folder, after leftovers of an interrupted write are removed.
+
+    Damaged newer ones are renamed aside (``NNNNNN.damaged``), never deleted, the metrics rows past
+    the intact one move to metrics.after-NNNNNN.jsonl, and a ``CheckpointFallback`` warning says what
+    was wrong. With none intact, ``CheckpointDamaged`` names the folder and what was found, and
+    nothing is moved. Only the folder's writer calls this (it renames and rewrites)."""
+    run_dir = Path(run_dir)
+    _remove_leftovers(run_dir)
+    checkpoints = list_checkpoints(run_dir)
+    if not checkpoints:
+        raise FileNotFoundError(f"{run_dir} holds no checkpoint to resume from")
+    damaged: list[tuple[Path, str]] = []
+    for path in reversed(checkpoints):
+        problem = verify_checkpoint(path)
+        if problem is None:
+            break
+        damaged.append((path, problem))
+    else:
+        found = "; ".join(f"{path.name}: {problem}" for path, problem in damaged)
+        raise CheckpointDamaged(f"{run_dir} holds no intact checkpoint to resume from ({found}); nothing was "
+                                f"moved: restore the checkpoints/ folder from a copy, or start the run again")
+    if damaged:
+        generation = int(json.loads((path / "state.json").read_text())["generation"])
+        moved = []
+        for bad, _ in damaged:
+            target = _free_name(bad.parent, bad.name + DAMAGED)
+            os.rename(bad, target)
+            moved.append(target.name)
+        rows = read_metrics(run_dir)
+        beyond = [r for r in rows if r.get("generation", -1) > generation]
+        kept = ""
+        if beyond:
+            side = _free_name(run_dir, f"metrics.after-{generation:06d}", ".jsonl")
+            with open(side, "w") as handle:  # on disk before the rows leave metrics.jsonl
+                handle.write("".join(json.dumps(_clean(r)) + "\n" for r in beyond))
+                handle.flush()
+                os.fsync(handle.fileno())
+            rewrite_metrics(run_dir, [r for r in rows if r.get("generation", -1) <= generation])
+            kept = f"; the metrics rows past generation {generation} are kept in {side.name}"
+        what = "; ".join(f"{bad.name}: {problem}" for bad, problem in damaged)
+        warnings.warn(f"{run_dir}: damaged checkpoint ({what}) renamed aside to {CHECKPOINTS}/{', '.join(moved)}; "
+                      f"resuming from checkpoint {path.name} (generation {generation}){kept}",
+                      CheckpointFallback, stacklevel=3)
+    return path
+
+
+# --- settings and resuming ---------------------------------------------------------------------
 
 
 # Settings that do not change the science: a finished run may be extended with other values.
@@ -404,6 +552,22 @@ def load_run_config(run_dir: str | Path, cls=None):
     return (cls or config_class(kind)).from_dict(data)
 
 
+def extended_settings(run_dir: str | Path, config) -> list[str]:
+    """The settings ``config`` changes in the run that ``run_dir`` holds, all of them ``EXTENDABLE``
+    (a larger budget, another cadence: the run may continue with them); ``ConfigError`` naming the
+    others, which would make a different run."""
+    existing = load_run_config(run_dir, type(config)).to_dict()
+    changed = sorted(k for k, v in config.to_dict().items() if existing.get(k) != v)
+    fixed = [k for k in changed if k not in EXTENDABLE]
+    if fixed:
+        hint = ("; it was made before noise_scheme existed and draws noise per tensor: pass "
+                "noise_scheme='per_tensor' to continue it" if "noise_scheme" in fixed
+                and existing.get("noise_scheme") == "per_tensor" else "")
+        raise ConfigError(f"{run_dir} holds a run with other settings ({', '.join(fixed)}); "
+                          f"use another run_dir or overwrite=True{hint}")
+    return changed
+
+
 @dataclass(frozen=True)
 class RunState:
     """What a run is built from: a new run's settings and first adapter, or what its latest checkpoint holds."""
@@ -431,7 +595,8 @@ class RunState:
 
 
 def load_latest(run_dir: str | Path, kind: str, cls) -> RunState:
-    """The state of a run folder's latest checkpoint (``kind``: es | grpo; ``cls``: its config class).
+    """The state of a run folder's latest intact checkpoint (``kind``: es | grpo; ``cls``: its config
+    class; a damaged newer one is set aside: ``latest_intact_checkpoint``).
 
     metrics.jsonl is made to match it: rows past the checkpoint come from a generation whose
     checkpoint never landed and are dropped (that generation reruns); a row lost between
@@ -442,10 +607,7 @@ def load_latest(run_dir: str | Path, kind: str, cls) -> RunState:
     if found != kind:
         raise ConfigError(f"{run_dir} holds a {found!r} run, not a {kind.upper()} run")
     config = load_run_config(run_dir, cls)
-    checkpoints = list_checkpoints(run_dir)
-    if not checkpoints:
-        raise FileNotFoundError(f"{run_dir} holds no checkpoint to resume from")
-    adapter, optimizer_tensors, state = load_checkpoint(checkpoints[-1])
+    adapter, optimizer_tensors, state = load_checkpoint(latest_intact_checkpoint(run_dir))
     if adapter.spec != config.lora_spec():
         raise ConfigError(f"checkpoint adapter {adapter.spec} does not match config {config.lora_spec()}")
     generation = int(state["generation"])

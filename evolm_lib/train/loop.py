@@ -21,13 +21,12 @@ from ..lora import AdapterWeights, adapter_shapes, base_weight_magnitudes, init_
 from ..models import resolve_model
 from ..preflight import check_engine_settings
 from ..runs import (
-    EXTENDABLE,
     RunState,
     WriterLock,
     append_metrics,
+    extended_settings,
     list_checkpoints,
     load_latest,
-    load_run_config,
     prepare_run_dir,
     timed,
     write_checkpoint,
@@ -122,16 +121,7 @@ class RunLoop:
         if resume and not overwrite and list_checkpoints(run_dir):
             lock = WriterLock.acquire(run_dir, create=False)
             with lock.released_on_error():
-                existing = load_run_config(run_dir, type(config))
-                changed = sorted(k for k, v in config.to_dict().items() if existing.to_dict().get(k) != v)
-                fixed = [k for k in changed if k not in EXTENDABLE]
-                if fixed:
-                    hint = ("; it was made before noise_scheme existed and draws noise per tensor: pass "
-                            "noise_scheme='per_tensor' to continue it" if "noise_scheme" in fixed
-                            and existing.to_dict().get("noise_scheme") == "per_tensor" else "")
-                    raise ConfigError(f"{run_dir} holds a run with other settings ({', '.join(fixed)}); "
-                                      f"use another run_dir or overwrite=True{hint}")
-                if changed:
+                if extended_settings(run_dir, config):  # a larger budget, another cadence: recorded
                     write_run_config(run_dir, config, cls.kind)
                 return cls._resume(run_dir, lock, evaluator)
         return cls.create(config, run_dir, evaluator=evaluator, overwrite=overwrite, initial_adapter=initial_adapter)
