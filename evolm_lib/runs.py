@@ -162,9 +162,12 @@ class WriterLock:
             raise
 
     def __del__(self):
-        if getattr(self, "_descriptor", None) is not None:
-            os.close(self._descriptor)
-            self._descriptor = None
+        # a run dropped without close(): closing the descriptor drops the lock (no cleanup of the
+        # file's text here: at interpreter exit the modules it would need may be gone)
+        descriptor, self._descriptor = getattr(self, "_descriptor", None), None
+        if descriptor is not None:
+            with contextlib.suppress(OSError, TypeError):
+                os.close(descriptor)
 
     def __enter__(self) -> "WriterLock":
         return self
