@@ -76,9 +76,9 @@ class ESRun(RunLoop):
         self.sigmas = noise_scales(self.shapes, config.sigma, config.noise_mode, magnitudes)
         # a zeroth-order estimator's memory of past generations (zoar, zohs); checkpointed with the run
         self.estimator_state = None
-        if config.estimator is not None:
-            saved = state.saved.get("estimator")
-            self.estimator_state = zo.HistoryState.from_dict(saved) if saved is not None else zo.HistoryState()
+        if config.estimator is not None:  # a resumed run restores its buffer; a new one starts empty
+            saved = state.saved
+            self.estimator_state = zo.HistoryState.from_dict(saved["estimator"]) if saved else zo.HistoryState()
         coarse = noise_below_resolution(mean.tensors, self.sigmas, getattr(torch, config.dtype))
         if coarse:
             name, sigma, ulp = min(coarse, key=lambda c: c[1] / c[2])

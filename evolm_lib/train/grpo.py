@@ -144,6 +144,6 @@ class GRPORun(RunLoop):
         return self._write_checkpoint(self.policy, self.trainer.optimizer_tensors(), state)
 
     def close(self) -> None:
-        """Release the engine and the trainer's model."""
+        """Release the run folder, the engine (if the run started it) and the trainer's model."""
         super().close()
         self.trainer = None
