@@ -225,7 +225,7 @@ def checkpoint_kls(evaluator, run, kl_settings: dict) -> list[dict]:
 
 
 def run_one(planned: PlannedRun, out: Path, evaluator, kl_evaluator=None, kl_settings: dict | None = None):
-    """Run (or resume) one planned run to its end, save its final adapter and record its KL."""
+    """Run (or resume) one planned run to its end, save its final adapter, record its KL, release its folder."""
     cls = ESRun if planned.kind == "es" else GRPORun
     run = cls.open(planned.config, out / planned.name, evaluator=evaluator)
     run.run(callback=lambda row: print(
@@ -241,6 +241,7 @@ def run_one(planned: PlannedRun, out: Path, evaluator, kl_evaluator=None, kl_set
         if kl is not None:
             run.history[-1] = record_final_metrics(run.run_dir, {"policy/kl": kl})
             print(f"  {planned.name} KL to base {kl:.4g}", flush=True)
+    run.close()  # frees the run folder; the shared engine was passed in and stays open
     return run
 
 
