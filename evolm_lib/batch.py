@@ -29,7 +29,9 @@ Rerunning a batch continues it. Each point's status.json says what happened to i
   that point alone (--overwrite alone replaces every point);
 - changed-failed (a failed or unfinished point whose settings changed, its folder holding no run made
   with other settings): it runs again in its folder;
-- running (another batch process is running it now): skipped.
+- running (another batch process is running it now): skipped;
+- busy (another process holds it: a batch running the point, or a notebook or sweep with its run
+  folder open, see `evolm_lib.runs.WriterLock`): skipped and reported busy, its files untouched.
 Settings are compared as the run has them: for a notebook whose parameters cell is tagged
 `settings:es` (or `settings:grpo`), the run folder's config.yaml against the point's resolved settings
 (a change of budget or cadence, `evolm_lib.runs.EXTENDABLE`, extends the run instead); otherwise the
@@ -100,9 +102,10 @@ INJECTED = ("run_dir", "figures_dir")  # filled in by the runner, per run
 NOTEBOOK_FILE = "notebook.ipynb"
 STATUS_FILE = "status.json"
 RUNNING, OK, FAILED, PLANNED = "running", "ok", "failed", "planned"
+BUSY = "busy"  # another process holds the point or its run folder: nothing done, nothing written
 # what a batch does with a grid point, by the point's state (see the module's doc string)
 ACTIONS = {"new": "run", "finished": "skip", "failed": "skip", "unfinished": "resume", "changed": "conflict",
-           "changed-failed": "rerun", "running": "skip"}
+           "changed-failed": "rerun", "running": "skip", "busy": "skip"}
 NOT_RUN = ("skip", "conflict")  # actions that leave a point's folder as it is
 # papermill's inferred type names -> the Python types a value given for them may have
 TYPES = {"str": (str,), "int": (int,), "float": (int, float), "bool": (bool,), "dict": (dict,), "list": (list,)}
@@ -164,7 +167,7 @@ class RunResult:
     """What happened (or, in a dry run, would happen) to one grid point."""
 
     name: str
-    status: str  # "ok" | "failed" | "running" | "planned" (dry run)
+    status: str  # "ok" | "failed" | "running" | "busy" | "planned" (dry run)
     seconds: float
     error: str
     folder: Path
@@ -530,11 +533,31 @@ def settings_changes(folder: Path, parameters: dict[str, Any], config=None, defa
     return changes, bool(changes), False
 
 
+def _point_lock(folder: Path) -> Path:
+    """The lock a batch holds while it runs a point: beside the point's folder, not in it."""
+    return folder.parent / f".{folder.name}.lock"
+
+
+def _point_holder(folder: Path, parameters: dict[str, Any]) -> dict | None:
+    """Who holds the point (a batch running it) or its run folder (a notebook or sweep writing it), or None."""
+    from .runs import lock_holder  # runs imports torch: not at the command's start
+
+    holder = lock_holder(folder, lock_file=_point_lock(folder))
+    if holder is None and parameters.get("run_dir"):
+        holder = lock_holder(parameters["run_dir"])
+    return holder
+
+
 def point_state(folder: Path, parameters: dict[str, Any], config=None,
                 defaults: dict[str, Any] | None = None) -> tuple[str, str, dict[str, Any]]:
     """(state, reason, status) of a grid point's folder; states as in the module's doc string.
     ``config`` and ``defaults`` (see :func:`settings_changes`) make the comparison of settings exact."""
     folder = Path(folder)
+    holder = _point_holder(folder, parameters)
+    if holder is not None:
+        from .runs import describe_holder
+
+        return "busy", f"held by {describe_holder(holder)}", read_status(folder)
     if not folder.exists() or not any(folder.iterdir()):
         return "new", "", {}
     status = read_status(folder)
@@ -653,14 +676,15 @@ def _stamp() -> str:
     return datetime.now().strftime("%Y%m%d-%H%M%S")
 
 
-def _result(point: PointPlan, status: str, seconds: float, error: str, action: str | None = None) -> RunResult:
+def _result(point: PointPlan, status: str, seconds: float, error: str, action: str | None = None,
+            reason: str | None = None) -> RunResult:
     return RunResult(point.run.name, status, seconds, error, point.folder, point.folder / NOTEBOOK_FILE,
-                     point.parameters, action or point.action, point.reason, _run_results(point.parameters))
+                     point.parameters, action or point.action, reason or point.reason, _run_results(point.parameters))
 
 
 def _kept(point: PointPlan, record: dict[str, Any], attempt_error: str = "") -> RunResult:
     """The row of a point left as its folder has it: its status, time, error and parameters as recorded."""
-    status = record.get("status", OK) if point.state != "running" else RUNNING
+    status = {"running": RUNNING, "busy": BUSY}.get(point.state, record.get("status", OK))
     parameters = {**record.get("parameters", {}), **{k: point.parameters[k] for k in INJECTED if k in point.parameters}}
     return RunResult(point.run.name, status, float(record.get("seconds", 0.0)), record.get("error", ""),
                      point.folder, point.folder / NOTEBOOK_FILE, parameters or point.parameters, point.action,
@@ -678,13 +702,31 @@ def _execute_point(spec: BatchSpec, point: PointPlan, output: Path, base: dict[s
                          kernel_name=spec.kernel, log_output=log_output)
         status, error = OK, ""
     except Exception as err:  # noqa: BLE001 - one failed run must not stop the batch
-        status, error = FAILED, _error_text(err)
+        # a run folder that another process opened after the check in run_point: busy, not failed
+        status, error = (BUSY if getattr(err, "ename", "") == "RunFolderBusy" else FAILED), _error_text(err)
     return status, time.perf_counter() - clock, error
 
 
 def run_point(spec: BatchSpec, point: PointPlan, log_output: bool = False) -> RunResult:
-    """Run one grid point's notebook in its folder, with status.json before and after. A finished
-    point (status ok) is kept until the attempt succeeds: see the module's doc string."""
+    """Run one grid point's notebook in its folder, with status.json before and after; a point that
+    another process holds (another batch, or a run open on its run folder) is left untouched: busy."""
+    from .runs import RunFolderBusy, WriterLock, describe_holder, lock_holder
+
+    try:
+        lock = WriterLock.acquire(point.folder, lock_file=_point_lock(point.folder))
+    except RunFolderBusy as busy:
+        return _result(point, BUSY, 0.0, "", action="skip", reason=f"held by {describe_holder(busy.holder)}")
+    with lock:
+        run_dir = point.parameters.get("run_dir")
+        holder = lock_holder(run_dir) if run_dir else None  # e.g. the stepper open on it in JupyterLab
+        if holder is not None:
+            return _result(point, BUSY, 0.0, "", action="skip", reason=f"held by {describe_holder(holder)}")
+        return _run_point(spec, point, log_output)
+
+
+def _run_point(spec: BatchSpec, point: PointPlan, log_output: bool) -> RunResult:
+    """One attempt at a point under its lock. A finished point (status ok) is kept until the attempt
+    succeeds: see the module's doc string."""
     # the finished point this attempt must not lose (also when an earlier attempt on it was killed)
     kept = dict(point.status) if point.status.get("status") == OK else point.status.get("kept")
     attempts = int(point.status.get("attempts", 0)) + 1
@@ -708,6 +750,11 @@ def run_point(spec: BatchSpec, point: PointPlan, log_output: bool = False) -> Ru
             shutil.rmtree(point.folder)
     output = point.folder / (NOTEBOOK_FILE if kept is None or aside is not None else "notebook.attempt.ipynb")
     status, seconds, error = _execute_point(spec, point, output, base, log_output)
+    if status == BUSY and kept is not None and aside is None:  # another writer came first: nothing lost, nothing kept
+        if output.exists():
+            output.unlink()
+        write_status(point.folder, kept)
+        return _result(point, BUSY, 0.0, "", action="skip", reason=f"its run folder is held: {error}")
     if status == OK or kept is None:
         if output.name != NOTEBOOK_FILE:
             os.replace(output, point.folder / NOTEBOOK_FILE)

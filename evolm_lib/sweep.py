@@ -44,7 +44,7 @@ from .engines import EngineSizing, make_evaluator
 from .train.es import ESRun
 from .evaluation import mean_kl_to_base
 from .train.grpo import GRPORun
-from .runs import list_checkpoints, load_checkpoint, read_checkpoint_kls, read_metrics
+from .runs import RunFolderBusy, list_checkpoints, load_checkpoint, read_checkpoint_kls, read_metrics
 from .tasks import get_task
 
 DEFAULT_SPEC = "papermill_runs/es_vs_grpo_conciseness_cpu.yaml"  # relative to the project folder
@@ -282,7 +282,7 @@ def checkpoint_kls(evaluator, run, kl_settings: dict) -> list[dict]:
 
 
 def run_one(planned: PlannedRun, out: Path, evaluator, kl_evaluator=None, kl_settings: dict | None = None):
-    """Run (or resume) one planned run to its end, save its final adapter and record its KL."""
+    """Run (or resume) one planned run to its end, save its final adapter, record its KL, release its folder."""
     cls = ESRun if planned.kind == "es" else GRPORun
     run = cls.open(planned.config, out / planned.name, evaluator=evaluator)
     run.run(callback=lambda row: print(
@@ -298,12 +298,14 @@ def run_one(planned: PlannedRun, out: Path, evaluator, kl_evaluator=None, kl_set
         if kl is not None:
             run.history[-1] = record_final_metrics(run.run_dir, {"policy/kl": kl})
             print(f"  {planned.name} KL to base {kl:.4g}", flush=True)
+    run.close()  # frees the run folder; the shared engine was passed in and stays open
     return run
 
 
 def run_sweep(plan: list[PlannedRun], out: str | Path, evaluator=None, kl_evaluator=None,
               kl_settings: dict | None = None) -> dict[str, float]:
-    """Run every planned run into OUT/<name>; returns {name: wall seconds}. One engine shared by all."""
+    """Run every planned run into OUT/<name>; returns {name: wall seconds}. One engine shared by all.
+    A run whose folder another process writes is left as it is and recorded busy (no seconds)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     own = evaluator is None
@@ -314,7 +316,14 @@ def run_sweep(plan: list[PlannedRun], out: str | Path, evaluator=None, kl_evalua
             started = time.perf_counter()
             print(f"{planned.name}: {planned.kind}, {planned.length} {'generations' if planned.kind == 'es' else 'steps'}, "
                   f"{planned.budget} training completions", flush=True)
-            run_one(planned, out, evaluator, kl_evaluator, kl_settings)
+            try:
+                run_one(planned, out, evaluator, kl_evaluator, kl_settings)
+            except RunFolderBusy as busy:
+                print(f"  {planned.name}: busy, left as it is ({busy})", flush=True)
+                with open(out / "sweep_summary.jsonl", "a") as handle:
+                    handle.write(json.dumps({"run": planned.name, "label": planned.label, "status": "busy",
+                                             "holder": busy.holder}) + "\n")
+                continue
             seconds[planned.name] = time.perf_counter() - started
             with open(out / "sweep_summary.jsonl", "a") as handle:
                 handle.write(json.dumps({"run": planned.name, "label": planned.label, "seconds": seconds[planned.name],
@@ -343,24 +352,28 @@ def summarize(out: str | Path) -> list[dict]:
     from .runs import load_run_config, read_config_kind
 
     out = Path(out)
-    seconds = {}
+    seconds, status = {}, {}
     path = out / "sweep_summary.jsonl"
     if path.exists():
         for line in path.read_text().splitlines():
-            entry = json.loads(line)
-            seconds[entry["run"]] = entry["seconds"]
+            entry = json.loads(line)  # a run's last entry says how its latest attempt ended (ok or busy)
+            status[entry["run"]] = entry.get("status", "ok")
+            if "seconds" in entry:
+                seconds[entry["run"]] = entry["seconds"]
     rows = []
     for folder in sorted(p for p in out.iterdir() if (p / "config.yaml").exists()):
         config = load_run_config(folder)
         kls = read_checkpoint_kls(folder)
         rows.append({
-            "run": folder.name, "method": read_config_kind(folder), "seed": config.seed,
+            "run": folder.name, "status": status.get(folder.name, "ok"), "method": read_config_kind(folder),
+            "seed": config.seed,
             "learning_rate": config.learning_rate, "lr_sweep": folder.name.startswith("lrsweep_"),
             **run_results(folder),
             "kl_by_checkpoint": {row["generation"]: row["policy/kl"] for row in kls},
             "seconds": seconds.get(folder.name),
         })
-    columns = ["run", "method", "seed", "learning_rate", "lr_sweep", *RUN_RESULT_COLUMNS, "kl_by_checkpoint", "seconds"]
+    columns = ["run", "status", "method", "seed", "learning_rate", "lr_sweep", *RUN_RESULT_COLUMNS, "kl_by_checkpoint",
+               "seconds"]
     with open(out / "summary.csv", "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=columns, extrasaction="ignore")
         writer.writeheader()

@@ -48,7 +48,7 @@ evaluator: str = "local"  # local (one engine in this kernel) or ray (num_engine
 num_engines: int = 1  # evaluator ray: engines the population is sharded over (one GPU each)
 ray_address: str = ""  # evaluator ray: the address `ray start --head` printed (empty: a local cluster)
 init_adapter_dir: str = ""  # start from this saved adapter from 02_lora_initialization (empty: fresh init)
-run_dir: str = "../runs/notebooks/03_es_stepper"  # run folder (relative to the kernel's working directory)
+run_dir: str = ""  # run folder (empty: runs/notebooks/03_es_stepper in the project; the tests use their own)
 resume: bool = True  # continue the run in run_dir if it has the same settings
 overwrite: bool = False  # replace a run in run_dir instead of refusing
 figures_dir: str = "../figures"  # where PNG/PDF/SVG figures go
@@ -61,6 +61,7 @@ from evolm_lib.lora import load_adapter
 from evolm_lib.metrics import completions_table
 from evolm_lib.parameters import notebook_config
 from evolm_lib.quiet import set_verbose
+from evolm_lib.runs import notebook_run_dir
 from evolm_lib.train.es import ESRun
 from evolm_lib.viz.plots import plot_fitness, plot_time_breakdown
 from evolm_lib.viz.stepper import ESStepper
@@ -74,7 +75,7 @@ print(config.to_yaml())
 # starts the engine and scores the initial adapter as generation 0).
 
 # %%
-run = ESRun.open(config, run_dir, resume=resume, overwrite=overwrite,
+run = ESRun.open(config, run_dir or notebook_run_dir("03_es_stepper"), resume=resume, overwrite=overwrite,
                  initial_adapter=load_adapter(init_adapter_dir) if init_adapter_dir else None)
 print(f"{run.run_dir}: generation {run.generation}, {run.mean.num_parameters():,} LoRA parameters")
 

@@ -343,6 +343,7 @@ def test_torn_last_metrics_line_is_dropped_on_resume(tmp_path):
     config = small_config(num_generations=4)
     run = ESRun.create(config, tmp_path / "run", evaluator=SyntheticEvaluator())
     run.run(2)
+    run.close()
     with open(tmp_path / "run" / "metrics.jsonl", "a") as handle:
         handle.write('{"generation": 3, "train/rew')  # a kill in the middle of a write
     resumed = ESRun.resume(tmp_path / "run", evaluator=SyntheticEvaluator())
@@ -388,6 +389,7 @@ def test_open_resumes_a_matching_run_and_refuses_other_settings(tmp_path):
     assert reopened.generation == 2
     assert_same_adapter(reopened.mean, created.mean)
     assert [r["generation"] for r in read_metrics(run_dir)] == [0, 1, 2]
+    reopened.close()
 
     with pytest.raises(ConfigError) as caught:
         ESRun.open(config.replace(learning_rate=0.1), run_dir, evaluator=SyntheticEvaluator())
@@ -406,6 +408,7 @@ def test_a_run_made_before_noise_scheme_resumes_with_per_tensor_noise(tmp_path):
     reference = run_to_end(config, tmp_path / "reference")
     run = ESRun.create(config, tmp_path / "run", evaluator=SyntheticEvaluator())
     run.run(2)
+    run.close()
     settings = tmp_path / "run" / "config.yaml"
     settings.write_text("".join(line for line in settings.read_text().splitlines(keepends=True)
                                 if not line.startswith("noise_scheme:")))  # as written before the setting existed
@@ -449,8 +452,10 @@ def test_save_final_loads_in_evolm_and_peft(tmp_path, tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
     config = small_config(target_modules=("q_proj", "v_proj", "down_proj"), num_generations=2)
-    run = run_to_end(config, tmp_path / "run")
+    run = ESRun.create(config, tmp_path / "run", evaluator=SyntheticEvaluator())
+    run.run()
     path = run.save_final()
+    run.close()
     assert path == tmp_path / "run" / "final_adapter"
     assert {p.name for p in path.iterdir()} == {"adapter_config.json", "adapter_model.safetensors"}
     adapter_config = json.loads((path / "adapter_config.json").read_text())
@@ -540,6 +545,7 @@ def test_in_place_slots_and_files_give_the_same_run_and_resume_bit_exact(tmp_pat
         assert slots.adapter_transfer == "in_place" and slots.slots.resident is not None  # not a silent fall-back
     finally:
         slots.close()
+    run.close()  # the folder is free for the resume below (the engine was the test's: closed above)
     # generation 0's scoring and generation 2's (the last of the call) go as files; generation 1's
     # rode in generation 2's population call, served from the slot after the members'
     assert [len(adapters) for adapters in as_files] == [1, 0, 0, 1]

@@ -148,6 +148,7 @@ def test_run_folder_metrics_and_sample_accounting(tmp_path):
     state = json.loads((list_checkpoints(run_dir)[-1] / "state.json").read_text())
     assert state["step"] == 2 and (list_checkpoints(run_dir)[-1] / "optimizer.safetensors").exists()
     assert (run.save_final() / "adapter_model.safetensors").exists()
+    run.close()
     with pytest.raises(RunFolderExists):
         GRPORun.create(tiny_config(), run_dir, evaluator=SyntheticEvaluator())
 
@@ -185,6 +186,7 @@ def test_resume_gives_the_same_adapter_as_an_uninterrupted_run(tmp_path, changes
 def test_open_refuses_other_settings_and_other_kinds(tmp_path):
     run = GRPORun.create(tiny_config(num_steps=1), tmp_path / "run", evaluator=SyntheticEvaluator())
     run.run()
+    run.close()
     with pytest.raises(ConfigError, match="learning_rate"):
         GRPORun.open(tiny_config(num_steps=1, learning_rate=0.5), tmp_path / "run", evaluator=SyntheticEvaluator())
     (tmp_path / "run" / "config.yaml").write_text((tmp_path / "run" / "config.yaml").read_text().replace("kind: grpo", "kind: es"))

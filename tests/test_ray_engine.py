@@ -368,6 +368,7 @@ def test_an_engine_that_stays_lost_stops_the_run_at_its_last_generation(ray_engi
     # the run holds generation 1, finished and checkpointed; nothing of generation 2
     assert [r["generation"] for r in read_metrics(run.run_dir)] == [0, 1]
     assert list_checkpoints(run.run_dir)[-1].name.endswith("1")
+    run.close()  # its folder is free again (the engines are the fixture's: they stay)
     # started again (the engine is back: Ray restarted it), it ends as if never interrupted
     resumed = ESRun.open(es_config, run.run_dir, evaluator=ray_engines)
     assert resumed.generation == 1

@@ -1,17 +1,25 @@
-"""Run folders: a kill between the steps of a checkpoint rewrite still leaves a loadable checkpoint."""
+"""Run folders: a kill between the steps of a checkpoint rewrite still leaves a loadable checkpoint;
+folders written by earlier code still open."""
 from __future__ import annotations
 
+import importlib.util
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
 
+from evolm_lib.config import ESConfig, GRPOConfig
+from evolm_lib.engines.synthetic import SyntheticEvaluator
 from evolm_lib.lora import AdapterWeights, LoraSpec
-from evolm_lib.runs import list_checkpoints, load_checkpoint, write_checkpoint
+from evolm_lib.runs import list_checkpoints, load_checkpoint, read_metrics, write_checkpoint
+from evolm_lib.train.es import ESRun
+from evolm_lib.train.grpo import GRPORun
 
 SPEC = LoraSpec(("q_proj",), 1, 1.0, None)
 NAME = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
@@ -69,3 +77,48 @@ def test_aside_copy_is_ignored_once_its_replacement_is_in(tmp_path):
     write_checkpoint(tmp_path, 3, adapter(2.0), {}, {"generation": 3, "v": 2}, "m")
     (found,) = list_checkpoints(tmp_path)
     assert found.name == "000003" and load_checkpoint(found)[2]["v"] == 2
+
+
+# ------------------------------------------------------------------ folders written by earlier code
+
+OLD_LAYOUT = Path(__file__).with_name("data") / "old_layout"
+
+
+def _old_layout_settings():
+    """The settings tests/data/make_old_layout_runs.py wrote the old folders with (one source)."""
+    source = OLD_LAYOUT.with_name("make_old_layout_runs.py")
+    spec = importlib.util.spec_from_file_location("make_old_layout_runs", source)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _science(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in row.items() if not k.startswith("time/")} for row in rows]
+
+
+@pytest.mark.parametrize("kind", ["es", "grpo"])
+def test_a_run_folder_written_before_the_runs_moved_resumes_like_an_uninterrupted_run(tmp_path, kind):
+    """tests/data/old_layout: folders written by evolm_lib/es/run.py and grpo/run.py (commit 3456869),
+    stopped part-way; today's code opens them and ends where an uninterrupted run of today ends."""
+    old = _old_layout_settings()
+    if kind == "es":
+        cls, config, stopped_at = ESRun, ESConfig.from_dict(old.OLD_ES), 2  # checkpoint 2; row 3 reruns
+    else:
+        cls, config, stopped_at = GRPORun, GRPOConfig.from_dict(old.OLD_GRPO), old.OLD_GRPO_STOP
+    run_dir = tmp_path / "old"
+    shutil.copytree(OLD_LAYOUT / kind, run_dir)
+    resumed = cls.open(config, run_dir, evaluator=SyntheticEvaluator())
+    assert resumed.generation == stopped_at
+    resumed.run()
+    resumed.close()
+    reference = cls.create(config, tmp_path / "reference", evaluator=SyntheticEvaluator())
+    reference.run()
+    reference.close()
+    for name, value in reference.adapter.tensors.items():
+        assert torch.equal(value, resumed.adapter.tensors[name]), name
+    rows, expected = read_metrics(run_dir), read_metrics(tmp_path / "reference")
+    generations = list(range(reference.generation + 1))
+    assert [r["generation"] for r in rows] == [r["generation"] for r in expected] == generations
+    # rows written by the old code carry the keys they had then; each equals today's value
+    assert [{k: e[k] for k in r} for r, e in zip(_science(rows), _science(expected))] == _science(rows)

@@ -15,9 +15,9 @@ ALL = "\0all"  # --overwrite without a point name
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Command line: run or continue a batch; exit 0 when every point finished, 1 if any failed or was
-    left as it was because its folder holds other settings (with --dry-run: would fail its checks or be
-    left so), 2 on a bad batch file."""
+    """Command line: run or continue a batch; exit 0 when every point finished or was busy (another
+    process holds it: reported, left as it is), 1 if any failed or was left as it was because its folder
+    holds other settings (with --dry-run: would fail its checks or be left so), 2 on a bad batch file."""
     parser = argparse.ArgumentParser(prog="evolm batch", description=batch.__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("spec", help="batch YAML file")
@@ -55,8 +55,12 @@ def main(argv: list[str] | None = None) -> int:
         return 1 if any(r.action in ("invalid", "conflict") for r in results) else 0
     print(batch.format_summary(results))
     failed = [r for r in results if r.status == batch.FAILED or r.attempt_error]
+    busy = [r for r in results if r.status == batch.BUSY]
     done = _counts(r.action for r in results)
-    print(f"\n{len(results) - len(failed)} ok, {len(failed)} failed ({done}); summary in {where / 'summary.csv'}")
+    print(f"\n{len(results) - len(failed) - len(busy)} ok, {len(failed)} failed ({done}); "
+          f"summary in {where / 'summary.csv'}")
+    for r in busy:
+        print(f"busy, left as it is: {r.name}, {r.reason}")
     skipped_failures = [r.name for r in failed if r.action == "skip"]
     if skipped_failures:
         print(f"skipped {len(skipped_failures)} point(s) that failed before: --retry-failed runs them again")

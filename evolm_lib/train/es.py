@@ -20,9 +20,9 @@ from ..engines import CompletionTable, Evaluator, Population, SamplingSettings, 
 from ..evaluation import scoring_grid, scores_of
 from ..lora import AdapterWeights, base_weight_magnitudes, noise_below_resolution, noise_scales
 from ..models import resolve_model
-from ..runs import timed, write_checkpoint
+from ..runs import RunState, timed
 from ..seeds import derive_seed
-from ..tasks import Example, Task, get_task
+from ..tasks import Example, Task
 from .. import zo
 from ..es import core as es
 from .loop import RunLoop, percentile
@@ -50,9 +50,9 @@ class ESRun(RunLoop):
     kind = "es"
     config_class = ESConfig
 
-    def __init__(self, config: ESConfig, run_dir: Path, evaluator: Evaluator, task: Task, mean: AdapterWeights,
-                 optimizer_state, generation: int, counters: dict, history: list[dict], model_dir: Path):
-        self._init_common(config, run_dir, evaluator, task, generation, counters, history, model_dir)
+    def __init__(self, state: RunState, *, run_dir: Path, evaluator: Evaluator, task: Task, model_dir: Path):
+        super().__init__(state, run_dir=run_dir, evaluator=evaluator, task=task, model_dir=model_dir)
+        config, mean = self.config, state.adapter
         # Resolved once (cuda falls back to cpu without a GPU): members, update and slots draw the same bits.
         self.noise_device = resolve_noise_device(config.noise_device)
         # With noise on the GPU the mean adapter and the optimizer's buffers live there too: the
@@ -64,11 +64,18 @@ class ESRun(RunLoop):
         self.layout = es.Layout.of(self.shapes)
         self.mean = AdapterWeights(mean.spec, es.FlatParams.of(mean.tensors, self.layout)).to(self.device)
         self.optimizer_config = config.optimizer_config()
+        if state.optimizer_tensors is None:  # a new run
+            optimizer_state = es.init_optimizer_state(self.optimizer_config, dict(mean.tensors))
+        else:
+            optimizer_state = es.optimizer_state_from_tensors(self.optimizer_config, state.optimizer_tensors)
         self.optimizer_state = es.optimizer_state_to(optimizer_state, self.device)
         magnitudes = base_weight_magnitudes(model_dir, mean.spec) if config.noise_mode == "per_layer" else None
         self.sigmas = noise_scales(self.shapes, config.sigma, config.noise_mode, magnitudes)
         # a zeroth-order estimator's memory of past generations (zoar, zohs); checkpointed with the run
-        self.estimator_state = zo.HistoryState() if config.estimator is not None else None
+        self.estimator_state = None
+        if config.estimator is not None:  # a resumed run restores its buffer; a new one starts empty
+            saved = state.saved
+            self.estimator_state = zo.HistoryState.from_dict(saved["estimator"]) if saved else zo.HistoryState()
         coarse = noise_below_resolution(mean.tensors, self.sigmas, getattr(torch, config.dtype))
         if coarse:
             name, sigma, ulp = min(coarse, key=lambda c: c[1] / c[2])
@@ -79,20 +86,11 @@ class ESRun(RunLoop):
                 stacklevel=2)
 
     @classmethod
-    def _build(cls, config: ESConfig, run_dir: Path, evaluator: Evaluator | None, task: Task, model_dir: Path,
-               adapter: AdapterWeights, optimizer_tensors: dict | None, generation: int, counters: dict,
-               history: list[dict], state: dict | None = None) -> "ESRun":
-        if optimizer_tensors is None:
-            optimizer_state = es.init_optimizer_state(config.optimizer_config(), dict(adapter.tensors))
-        else:
-            optimizer_state = es.optimizer_state_from_tensors(config.optimizer_config(), optimizer_tensors)
+    def _build(cls, state: RunState, *, run_dir: Path, evaluator: Evaluator | None, task: Task,
+               model_dir: Path) -> "ESRun":
+        config = state.config
         evaluator = evaluator or make_evaluator(config)
-        run = cls(config, run_dir, evaluator, task, adapter, optimizer_state, generation, counters, history, model_dir)
-        if config.estimator is not None and state is not None:
-            run.estimator_state = zo.HistoryState.from_dict(state["estimator"])
-        if state is not None and state.get("scores_pending") and (not history or history[-1].get("generation") != generation):
-            run._pending = dict(state["row"])  # its scoring was riding in the next call: done again now
-        return run
+        return cls(state, run_dir=run_dir, evaluator=evaluator, task=task, model_dir=model_dir)
 
     # --- the loop ------------------------------------------------------------------------------
     def ask(self) -> list[es.Member]:
@@ -228,5 +226,4 @@ class ESRun(RunLoop):
         state = self._checkpoint_state(row)
         if self.estimator_state is not None:
             state["estimator"] = self.estimator_state.to_dict()
-        return write_checkpoint(self.run_dir, self.generation, self.mean, es.optimizer_state_to_tensors(self.optimizer_state),
-                                state, str(self.model_dir), keep=self.config.keep_checkpoints)
+        return self._write_checkpoint(self.mean, es.optimizer_state_to_tensors(self.optimizer_state), state)

@@ -18,7 +18,7 @@ from typing import Sequence
 from ..config import GRPOConfig
 from ..engines import Evaluator, SamplingSettings, TokenScorer, make_evaluator
 from ..lora import AdapterWeights
-from ..runs import timed, write_checkpoint
+from ..runs import RunState, timed
 from ..seeds import derive_seed
 from ..tasks import Example, Task
 from ..types import Completion
@@ -36,21 +36,21 @@ class GRPORun(RunLoop):
     kind = "grpo"
     config_class = GRPOConfig
 
-    def __init__(self, config: GRPOConfig, run_dir: Path, evaluator: Evaluator, task: Task, trainer: PolicyTrainer,
-                 generation: int, counters: dict, history: list[dict], model_dir: Path):
-        self._init_common(config, run_dir, evaluator, task, generation, counters, history, model_dir)
+    def __init__(self, state: RunState, *, trainer: PolicyTrainer, run_dir: Path, evaluator: Evaluator, task: Task,
+                 model_dir: Path):
+        super().__init__(state, run_dir=run_dir, evaluator=evaluator, task=task, model_dir=model_dir)
         self.trainer = trainer
         self.policy = trainer.adapter()
 
     @classmethod
-    def _build(cls, config: GRPOConfig, run_dir: Path, evaluator: Evaluator | None, task: Task, model_dir: Path,
-               adapter: AdapterWeights, optimizer_tensors: dict | None, generation: int, counters: dict,
-               history: list[dict], state: dict | None = None) -> "GRPORun":
-        trainer = PolicyTrainer(model_dir, adapter, config)
-        if optimizer_tensors is not None:
-            trainer.load_optimizer_tensors(optimizer_tensors)
+    def _build(cls, state: RunState, *, run_dir: Path, evaluator: Evaluator | None, task: Task,
+               model_dir: Path) -> "GRPORun":
+        config = state.config
+        trainer = PolicyTrainer(model_dir, state.adapter, config)
+        if state.optimizer_tensors is not None:
+            trainer.load_optimizer_tensors(state.optimizer_tensors)
         evaluator = evaluator or make_evaluator(config)  # sized for one policy adapter per call
-        return cls(config, run_dir, evaluator, task, trainer, generation, counters, history, model_dir)
+        return cls(state, trainer=trainer, run_dir=run_dir, evaluator=evaluator, task=task, model_dir=model_dir)
 
     def row_header(self) -> dict:
         """GRPO rows also carry ``step`` (= generation)."""
@@ -141,10 +141,9 @@ class GRPORun(RunLoop):
     def save_checkpoint(self, row: dict | None = None) -> Path:
         """Write a checkpoint of the current step now: adapter, AdamW state, counters."""
         state = {**self._checkpoint_state(row), "step": self.generation}
-        return write_checkpoint(self.run_dir, self.generation, self.policy, self.trainer.optimizer_tensors(),
-                                state, str(self.model_dir), keep=self.config.keep_checkpoints)
+        return self._write_checkpoint(self.policy, self.trainer.optimizer_tensors(), state)
 
     def close(self) -> None:
-        """Release the engine and the trainer's model."""
+        """Release the run folder, the engine (if the run started it) and the trainer's model."""
         super().close()
         self.trainer = None

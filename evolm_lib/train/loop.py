@@ -21,20 +21,19 @@ from ..lora import AdapterWeights, adapter_shapes, base_weight_magnitudes, init_
 from ..models import resolve_model
 from ..preflight import check_engine_settings
 from ..runs import (
-    EXTENDABLE,
+    RunState,
+    WriterLock,
     append_metrics,
+    extended_settings,
     list_checkpoints,
-    load_checkpoint,
-    load_run_config,
+    load_latest,
     prepare_run_dir,
-    read_config_kind,
-    read_metrics,
-    rewrite_metrics,
     timed,
+    write_checkpoint,
     write_run_config,
 )
 from ..seeds import derive_seed
-from ..tasks import Example, get_task
+from ..tasks import Example, Task, get_task
 
 
 def percentile(values: torch.Tensor, q: float) -> float:
@@ -44,30 +43,70 @@ def percentile(values: torch.Tensor, q: float) -> float:
 
 class RunLoop:
     """The loop ES and GRPO runs share. Subclasses provide ``train_step()`` (the update's metrics
-    row), ``adapter`` (what the run moves), ``_budget()``, ``_build(...)`` and ``save_checkpoint(row)``."""
+    row), ``adapter`` (what the run moves), ``_budget()``, ``_build(state, ...)`` and ``save_checkpoint(row)``."""
 
     kind = "run"
     config_class: type = None  # set by subclasses
     _pending: dict | None = None  # a committed row whose scoring rides in the next engine call
 
     # --- construction ----------------------------------------------------------------------------
+    def __init__(self, state: RunState, *, run_dir: Path, evaluator: Evaluator, task: Task, model_dir: Path):
+        self.config = state.config
+        self.run_dir = Path(run_dir)
+        self.evaluator = evaluator
+        self.task = task
+        self.generation = state.generation
+        self.counters = dict(state.counters)
+        self.history = list(state.rows)
+        self.model_dir = model_dir
+        self.train_examples = task.train_examples()
+        self.eval_examples = task.eval_examples()
+        self._started = time.perf_counter()
+        self._wall_at_start = self.counters.get("wall_s", 0.0)
+        self._pending = state.pending_row()  # its scoring was riding in the next call: done again now
+        self._writer: WriterLock | None = None  # the folder's writer lock, set by create/resume/open
+        self._owns_evaluator = False  # whether close() closes the engine: only one the run started
+
+    @classmethod
+    def _build(cls, state: RunState, *, run_dir: Path, evaluator: Evaluator | None, task: Task, model_dir: Path):
+        """The run of this kind from ``state``, on ``evaluator`` (None: the engine its config asks for)."""
+        raise NotImplementedError
+
     @classmethod
     def create(cls, config, run_dir: str | Path, *, evaluator: Evaluator | None = None, overwrite: bool = False,
                initial_adapter: AdapterWeights | None = None):
         """Start a new run in an empty folder (an existing run is refused unless ``overwrite``);
-        ``initial_adapter`` replaces the config's initialisation (e.g. an adapter from notebook 02)."""
-        task, model_dir, run_dir, initial_adapter = cls._start_folder(config, run_dir, overwrite, initial_adapter)
-        run = cls._build(config, run_dir, evaluator, task, model_dir, initial_adapter, None, 0, {}, [])
-        run.commit({"generation": 0, **run.row_header(), **run.score(force=True)})
+        ``initial_adapter`` replaces the config's initialisation (e.g. an adapter from notebook 02).
+        The run holds the folder's writer lock until ``close()``; ``RunFolderBusy`` if another has it."""
+        task = get_task(config.task, **config.task_options)
+        model_dir = resolve_model(config.model)
+        adapter = cls._first_adapter(config, model_dir, task, initial_adapter)
+        lock = WriterLock.acquire(run_dir)  # before the folder is touched and before any engine
+        with lock.released_on_error():
+            run_dir = prepare_run_dir(run_dir, overwrite)
+            write_run_config(run_dir, config, cls.kind)
+            run = cls._build(RunState(config=config, adapter=adapter), run_dir=run_dir, evaluator=evaluator,
+                             task=task, model_dir=model_dir)
+            run._writer, run._owns_evaluator = lock, evaluator is None
+            run.commit({"generation": 0, **run.row_header(), **run.score(force=True)})
         return run
 
     @classmethod
     def resume(cls, run_dir: str | Path, *, evaluator: Evaluator | None = None):
-        """Continue a run from its latest checkpoint; it ends as if never interrupted."""
-        config, adapter, optimizer_tensors, generation, counters, rows, state = cls._load_latest(Path(run_dir))
-        task = get_task(config.task, **config.task_options)
-        return cls._build(config, Path(run_dir), evaluator, task, resolve_model(config.model), adapter,
-                          optimizer_tensors, generation, counters, rows, state)
+        """Continue a run from its latest checkpoint; it ends as if never interrupted. The run holds
+        the folder's writer lock until ``close()``; ``RunFolderBusy`` if another has it."""
+        lock = WriterLock.acquire(run_dir, create=False)
+        with lock.released_on_error():
+            return cls._resume(Path(run_dir), lock, evaluator)
+
+    @classmethod
+    def _resume(cls, run_dir: Path, lock: WriterLock, evaluator: Evaluator | None):
+        state = load_latest(run_dir, cls.kind, cls.config_class)
+        config = state.config
+        run = cls._build(state, run_dir=run_dir, evaluator=evaluator, task=get_task(config.task, **config.task_options),
+                         model_dir=resolve_model(config.model))
+        run._writer, run._owns_evaluator = lock, evaluator is None
+        return run
 
     @classmethod
     def open(cls, config, run_dir: str | Path, *, resume: bool = True, overwrite: bool = False,
@@ -76,83 +115,35 @@ class RunLoop:
 
         Settings that do not change the science (``EXTENDABLE``: the budget, eval and checkpoint
         cadence) may differ: a finished run can be extended. ``initial_adapter`` is used only when
-        the run is created."""
+        the run is created. One writer at a time: ``RunFolderBusy`` (naming the holder) when another
+        process, or a run still open in this one, writes the folder; nothing is written then."""
         run_dir = Path(run_dir)
         if resume and not overwrite and list_checkpoints(run_dir):
-            existing = load_run_config(run_dir, type(config))
-            changed = sorted(k for k, v in config.to_dict().items() if existing.to_dict().get(k) != v)
-            fixed = [k for k in changed if k not in EXTENDABLE]
-            if fixed:
-                hint = ("; it was made before noise_scheme existed and draws noise per tensor: pass "
-                        "noise_scheme='per_tensor' to continue it" if "noise_scheme" in fixed
-                        and existing.to_dict().get("noise_scheme") == "per_tensor" else "")
-                raise ConfigError(f"{run_dir} holds a run with other settings ({', '.join(fixed)}); "
-                                  f"use another run_dir or overwrite=True{hint}")
-            if changed:
-                write_run_config(run_dir, config, cls.kind)
-            return cls.resume(run_dir, evaluator=evaluator)
+            lock = WriterLock.acquire(run_dir, create=False)
+            with lock.released_on_error():
+                if extended_settings(run_dir, config):  # a larger budget, another cadence: recorded
+                    write_run_config(run_dir, config, cls.kind)
+                return cls._resume(run_dir, lock, evaluator)
         return cls.create(config, run_dir, evaluator=evaluator, overwrite=overwrite, initial_adapter=initial_adapter)
 
-    @classmethod
-    def _start_folder(cls, config, run_dir, overwrite: bool, initial_adapter: AdapterWeights | None):
-        """Everything a new run needs before its engine: validated targets, the folder, the first adapter."""
-        task = get_task(config.task, **config.task_options)
-        model_dir = resolve_model(config.model)
+    @staticmethod
+    def _first_adapter(config, model_dir: Path, task: Task, initial_adapter: AdapterWeights | None) -> AdapterWeights:
+        """A new run's first adapter, after every check that can fail before the folder and the engine:
+        LoRA targets, the engine's context, KV cache and memory, the given adapter's spec."""
         spec = config.lora_spec()
         shapes = adapter_shapes(model_dir, spec)  # bad targets / layers fail here, before any engine
         check_engine_settings(config, model_dir, task)  # context, KV cache and memory, before the folder
-        if initial_adapter is not None and initial_adapter.spec != spec:
-            raise ConfigError(f"initial adapter spec {initial_adapter.spec} differs from the config's {spec}")
-        run_dir = prepare_run_dir(run_dir, overwrite)
-        write_run_config(run_dir, config, cls.kind)
-        if initial_adapter is None:
-            magnitudes = base_weight_magnitudes(model_dir, spec) if config.init_scheme == "random_ab" else None
-            initial_adapter = init_adapter(spec, shapes, config.init_scheme, config.seed, magnitudes, config.init_scale)
-        return task, model_dir, run_dir, initial_adapter
-
-    @classmethod
-    def _load_latest(cls, run_dir: Path):
-        """(config, adapter, optimizer tensors, generation, counters, rows, state) of a run's latest checkpoint.
-
-        Rows past the checkpoint come from a generation whose checkpoint never landed: they are
-        dropped and that generation reruns; a row lost between checkpoint and log comes back (or,
-        when its scoring was to ride in the next generation's call, is scored again, see ``run``)."""
-        kind = read_config_kind(run_dir)
-        if kind != cls.kind:
-            raise ConfigError(f"{run_dir} holds a {kind!r} run, not a {cls.kind.upper()} run")
-        config = load_run_config(run_dir, cls.config_class)
-        checkpoints = list_checkpoints(run_dir)
-        if not checkpoints:
-            raise FileNotFoundError(f"{run_dir} holds no checkpoint to resume from")
-        adapter, optimizer_tensors, state = load_checkpoint(checkpoints[-1])
-        if adapter.spec != config.lora_spec():
-            raise ConfigError(f"checkpoint adapter {adapter.spec} does not match config {config.lora_spec()}")
-        generation = int(state["generation"])
-        rows = [r for r in read_metrics(run_dir) if r.get("generation", -1) <= generation]
-        if (not rows or rows[-1].get("generation") != generation) and not state.get("scores_pending"):
-            rows.append(state["row"])  # a row whose scoring was riding in the next call stays pending
-        rewrite_metrics(run_dir, rows)
-        return config, adapter, optimizer_tensors, generation, dict(state["counters"]), rows, state
-
-    def _init_common(self, config, run_dir: Path, evaluator: Evaluator, task, generation: int, counters: dict,
-                     history: list[dict], model_dir: Path) -> None:
-        self.config = config
-        self.run_dir = Path(run_dir)
-        self.evaluator = evaluator
-        self.task = task
-        self.generation = generation
-        self.counters = counters
-        self.history = history
-        self.model_dir = model_dir
-        self.train_examples = task.train_examples()
-        self.eval_examples = task.eval_examples()
-        self._started = time.perf_counter()
-        self._wall_at_start = counters.get("wall_s", 0.0)
-        self._pending = None
+        if initial_adapter is not None:
+            if initial_adapter.spec != spec:
+                raise ConfigError(f"initial adapter spec {initial_adapter.spec} differs from the config's {spec}")
+            return initial_adapter
+        magnitudes = base_weight_magnitudes(model_dir, spec) if config.init_scheme == "random_ab" else None
+        return init_adapter(spec, shapes, config.init_scheme, config.seed, magnitudes, config.init_scale)
 
     # --- the loop ------------------------------------------------------------------------------
     def step(self) -> dict:
         """One generation (ES) or step (GRPO): update, score when due, commit; returns the metrics row."""
+        self._check_writer()
         self._flush()
         row = self.train_step()
         row.update(self.score())
@@ -303,9 +294,23 @@ class RunLoop:
         return self._log(row) if log else row
 
     def _log(self, row: dict) -> dict:
+        self._check_writer()
         append_metrics(self.run_dir, row)
         self.history.append(row)
         return row
+
+    def _check_writer(self) -> None:
+        """Every write to the folder goes through here: only a run that holds the folder writes."""
+        if self._writer is None or not self._writer.held:
+            raise RuntimeError(f"{self.run_dir}: this run was closed and no longer writes its folder; "
+                               f"open it again ({type(self).__name__}.open) to continue it")
+
+    def _write_checkpoint(self, adapter: AdapterWeights, optimizer_tensors: dict[str, torch.Tensor],
+                          state: dict) -> Path:
+        """Checkpoint the current generation (or step): adapter, optimizer tensors, state.json."""
+        self._check_writer()
+        return write_checkpoint(self.run_dir, self.generation, adapter, optimizer_tensors, state,
+                                str(self.model_dir), keep=self.config.keep_checkpoints)
 
     def _checkpoint_state(self, row: dict | None) -> dict:
         """What a checkpoint's state.json holds for the loop: generation, counters, the row (the
@@ -335,9 +340,13 @@ class RunLoop:
 
     def save_final(self) -> Path:
         """The adapter in PEFT format under run_dir/final_adapter (loadable by vLLM and peft)."""
+        self._check_writer()
         return save_adapter(self.adapter, self.run_dir / "final_adapter", base_model=str(self.model_dir))
 
     def close(self) -> None:
-        """Release the engine."""
-        if self.evaluator is not None:
+        """Release the run folder (another process may open it now) and the engine, if the run
+        started it; an evaluator passed in belongs to the caller (it may serve other runs)."""
+        if self._writer is not None:
+            self._writer.release()
+        if self.evaluator is not None and self._owns_evaluator:
             self.evaluator.close()
