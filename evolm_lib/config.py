@@ -247,6 +247,12 @@ def did_you_mean(name: str, valid: list[str] | tuple[str, ...]) -> str:
 class ESConfig(CommonConfig):
     """An ES run: population of LoRA adapters = mean + sigma * seeded noise (Qiu et al. 2025)."""
 
+    es_mode: Literal["lora", "full", "eggroll"] = "lora"
+    "what ES moves: lora (a LoRA adapter; members in LoRA slots), full (the model's own weights in es_weights, one member at a time per engine, Qiu et al.) or eggroll (those weights, each member a rank-noise_rank perturbation served in a LoRA slot, full-rank update; Sarkar et al.)"
+    es_weights: Optional[str] = None
+    "full and eggroll: the weights ES moves; None: those of the LoRA target_modules (in layers_to_transform); all: every parameter (full only)"
+    noise_rank: int = Field(1, ge=1)
+    "eggroll: rank r of each member's noise A B^T / sqrt(r) per weight matrix"
     population_size: int = Field(16, ge=2)
     "members per generation"
     antithetic: bool = True
@@ -329,6 +335,28 @@ class ESConfig(CommonConfig):
                                    num_histories=self.estimator_histories, baseline=self.estimator_baseline)
         except ValueError as error:
             raise ValueError(f"estimator: {error}") from None
+
+    @model_validator(mode="after")
+    def _mode_fits(self):
+        if self.es_mode == "lora":
+            return self
+        mode = self.es_mode
+        if self.es_weights not in (None, "all"):
+            raise ValueError(f"es_weights: None (the LoRA target_modules) or 'all', got {self.es_weights!r}")
+        if self.es_weights == "all" and mode == "eggroll":
+            raise ValueError("es_weights: eggroll perturbs weight matrices through LoRA slots; 'all' is for es_mode full")
+        if self.adapter_transfer == "files":
+            raise ValueError(f"adapter_transfer: es_mode {mode} writes the engine's weights in place; 'files' serves "
+                             "adapters from files and cannot (use in_place)")
+        if self.estimator is not None:
+            raise ValueError(f"estimator: es_mode {mode} takes the ES update with fitness_shaping; estimators run in es_mode lora")
+        if self.noise_mode != "uniform":
+            raise ValueError(f"noise_mode: es_mode {mode} takes one sigma for every weight ('uniform')")
+        if self.evaluator == "ray":
+            raise ValueError(f"evaluator: es_mode {mode} runs on one local engine so far (Ray engines: not yet)")
+        if mode == "eggroll" and self.noise_rank > 512:
+            raise ValueError(f"noise_rank: vLLM serves LoRA ranks up to 512, got {self.noise_rank}")
+        return self
 
     @model_validator(mode="after")
     def _population_covers_engines(self):

@@ -107,6 +107,17 @@ class HFEvaluator(GridsOneByOne):
         """Token ids of a rendered prompt."""
         return self.encoder.encode(prompt)
 
+    def resident_weights(self, target_modules, *, noise: str = "full", noise_rank: int = 1, noise_scheme: str = "flat",
+                         layers_to_transform=None):
+        """The model's targeted weights, written in place (``resident_weights.HostWeights``); members
+        are then served one at a time, with no adapter."""
+        from .resident_weights import HostWeights
+
+        if self.peft_model is not None:  # the plain model's parameter names
+            self.model, self.peft_model, self._peft_spec = self.peft_model.unload(), None, None
+        return HostWeights(self.model, self.model_dir, target_modules, noise=noise, noise_rank=noise_rank,
+                           noise_scheme=noise_scheme, layers_to_transform=layers_to_transform)
+
     def close(self) -> None:
         """Drop the model."""
         self.model = self.peft_model = None

@@ -21,6 +21,7 @@ tensors, so their addresses (and CUDA graphs captured over them) stay valid.
 from __future__ import annotations
 
 import hashlib
+import time
 from typing import Literal, Mapping, Sequence
 
 import torch
@@ -164,3 +165,81 @@ def targeted_weight_shapes(model_dir: str | Path, target_modules: Sequence[str] 
         return base_weight_shapes(model_dir, matrices_only=False)
     spec = LoraSpec(target_modules=tuple(target_modules), layers_to_transform=layers_to_transform)
     return dict(target_weight_shapes(model_dir, spec))
+
+
+class HostWeights:
+    """``ResidentWeights`` over a model in this process (the HF engine's), behind the interface of
+    ``vllm_weights.EngineWeights``: members are served one at a time (EGGROLL's too, as dense deltas)."""
+
+    def __init__(self, model, model_dir: str | Path, target_modules: Sequence[str] | str, *, noise: NoiseForm = "full",
+                 noise_rank: int = 1, noise_scheme: es.NoiseScheme = "flat",
+                 layers_to_transform: Sequence[int] | None = None):
+        self.shapes = targeted_weight_shapes(model_dir, target_modules, layers_to_transform)
+        params = dict(model.named_parameters())
+        missing = sorted(set(self.shapes) - set(params))
+        if missing:
+            raise ValueError(f"the model has no parameter {missing[:3]} (it has e.g. {sorted(params)[:3]})")
+        self.noise, self.noise_rank = noise, noise_rank
+        self.resident = ResidentWeights({name: params[name] for name in self.shapes}, scheme=noise_scheme, noise=noise,
+                                        noise_rank=noise_rank)
+
+    def write_member(self, member: es.Member, sigma: float) -> float:
+        """Serve one member; returns the write's seconds."""
+        started = time.perf_counter()
+        self.resident.write_member(member, sigma)
+        return time.perf_counter() - started
+
+    def restore(self) -> float:
+        """Serve the mean again; returns the restore's seconds."""
+        started = time.perf_counter()
+        self.resident.restore()
+        return time.perf_counter() - started
+
+    def step(self, optimizer: es.OptimizerConfig, members: Sequence[es.Member], weights: Sequence[float],
+             sigma: float, form: es.GradientForm = "qiu") -> dict:
+        """The update in place: {"update_s", "update_norm"}."""
+        started = time.perf_counter()
+        norm = self.resident.step(optimizer, members, list(weights), sigma, form)
+        return {"update_s": time.perf_counter() - started, "update_norm": norm}
+
+    def checksum(self) -> dict:
+        """{"master": SHA-256 of the float32 master, "restored": the model holds it exactly, "step"}."""
+        state = self.resident.optimizer_state
+        return {"master": self.resident.checksum(), "restored": self.resident.is_restored(),
+                "step": 0 if state is None else state.step}
+
+    def read(self) -> dict:
+        """The master and optimizer buffers (copies)."""
+        return snapshot_of(self.resident)
+
+    def load(self, snapshot: Mapping[str, torch.Tensor]) -> None:
+        """Serve the mean of a snapshot made by ``read``."""
+        load_snapshot(self.resident, snapshot)
+
+    def close(self) -> None:
+        """Serve the mean (the model stays as it is: the HF engine owns it)."""
+        self.resident.restore()
+
+
+def snapshot_of(resident: ResidentWeights) -> dict:
+    """The float32 master and the optimizer's step and buffers, on the host."""
+    out = {"master": resident.master.flat.detach().cpu().clone()}
+    state = resident.optimizer_state
+    if state is not None:
+        out["step"] = state.step
+        for name in ("first_moment", "second_moment"):
+            buffers = getattr(state, name)
+            if isinstance(buffers, es.FlatParams):
+                out[name] = buffers.flat.detach().cpu().clone()
+    return out
+
+
+def load_snapshot(resident: ResidentWeights, snapshot: Mapping[str, torch.Tensor]) -> None:
+    """Set the mean and the optimizer's buffers from ``snapshot_of``'s form, and serve the mean."""
+    resident.load_master(snapshot["master"])
+    if "step" in snapshot:
+        def flat(name):
+            value = snapshot.get(name)
+            return es.FlatParams(value.to(resident.device, torch.float32), resident.layout) if value is not None else {}
+        resident.optimizer_state = es.OptimizerState(int(snapshot["step"]), resident.master, flat("first_moment"),
+                                                     flat("second_moment"))

@@ -77,7 +77,9 @@ class EngineSizing:
         if max_loras is None:
             population = getattr(config, "population_size", None)
             max_loras = population + 1 if population is not None else 1
-        return cls(max_loras=max_loras, max_lora_rank=config.lora_rank, max_model_len=config.max_model_len,
+        # EGGROLL serves each member's rank-noise_rank noise in a LoRA slot; the other modes their adapter
+        rank = config.noise_rank if getattr(config, "es_mode", "lora") == "eggroll" else config.lora_rank
+        return cls(max_loras=max_loras, max_lora_rank=rank, max_model_len=config.max_model_len,
                    dtype=config.dtype, gpu_memory_utilization=config.gpu_memory_utilization,
                    kv_cache_gb=config.kv_cache_gb, seed=config.seed,
                    adapter_transfer=getattr(config, "adapter_transfer", "files"))  # GRPO serves one adapter: files

@@ -33,6 +33,9 @@ from .base import (AdapterList, CompletionTable, GridsInOneCall, Population, Pro
                    check_adapters, materialize)
 from .sizing import ADAPTER_TRANSFERS, EngineSizing
 from .vllm_worker import EXTENSION as SLOTS_EXTENSION
+
+LOWRANK_SLOT_ID = 7_000_000
+"""First LoRA id of EGGROLL's resident slots (the population slots and adapter files use others)."""
 from .workarounds import base_as_zero_adapter, fresh_cuda_graph_pool, vllm_cpu_prompt_logprobs_fix
 
 # vLLM's multi-LoRA Triton kernel tiles tuned by scripts/tune_lora_kernels.py, one file pair per GPU model
@@ -439,6 +442,33 @@ class VLLMEvaluator(GridsInOneCall):
     def encode(self, prompt: PromptLike) -> list[int]:
         """Token ids of a rendered prompt."""
         return self.encoder.encode(prompt)
+
+    # --- the model's own weights as the ES mean (es_mode full / eggroll) ----------------------------
+    def resident_weights(self, target_modules, *, noise: str = "full", noise_rank: int = 1, noise_scheme: str = "flat",
+                         layers_to_transform=None):
+        """The engine's targeted weights, written in place (``vllm_weights.EngineWeights``)."""
+        from .vllm_weights import EngineWeights
+
+        return EngineWeights(self.llm, self.model_dir, target_modules, noise=noise, noise_rank=noise_rank,
+                             noise_scheme=noise_scheme, layers_to_transform=layers_to_transform)
+
+    def lowrank_slots(self, spec, num_slots: int):
+        """Resident LoRA slots for EGGROLL's members (rank = noise rank, alpha = rank), beside the
+        population slots, and a zero slot for base requests (the mean) in the same call."""
+        from .vllm_slots import ResidentPopulation
+
+        if spec.rank > self.max_lora_rank:
+            raise ValueError(f"noise_rank {spec.rank} exceeds the engine's max_lora_rank {self.max_lora_rank}: "
+                             "start the engine with a larger max_lora_rank")
+        return ResidentPopulation(self.llm, spec, num_slots, self.model_dir, self.dtype, first_id=LOWRANK_SLOT_ID)
+
+    def run_lowrank(self, slots, grids: Sequence[tuple[Sequence[PromptLike], str, SamplingSettings]]) -> list[CompletionTable]:
+        """Grids served from EGGROLL's slots in ONE engine call: ``"members"`` (every written slot) or
+        ``"base"`` (the zero slot: the mean, which lives in the base weights)."""
+        requests = {"members": slots.lora_requests(), "base": [slots.base_request()]}
+        request_grids = [RequestGrid([self.encoder.encode(p) for p in prompts], requests[which], sampling)
+                         for prompts, which, sampling in grids]
+        return run_requests(self.llm, request_grids, {"adapters_s": 0.0})
 
     def close(self) -> None:
         """Shut the engine down and delete the adapter folder."""

@@ -30,7 +30,7 @@ import torch
 
 from .. import es
 from ..es import lowrank
-from .resident_weights import NoiseForm, ResidentWeights, targeted_weight_shapes
+from .resident_weights import NoiseForm, ResidentWeights, load_snapshot, snapshot_of, targeted_weight_shapes
 from .vllm_worker import LoRASlotsExtension
 
 
@@ -206,27 +206,12 @@ class WeightsExtension:
 
     def evolm_weights_read(self, key: int) -> dict:
         """The float32 master and the optimizer's buffers, on the host (a snapshot: full size, kept rare)."""
-        resident = self._evolm_weights(key).resident
-        out = {"master": resident.master.flat.detach().cpu().clone()}
-        state = resident.optimizer_state
-        if state is not None:
-            out["step"] = state.step
-            for name in ("first_moment", "second_moment"):
-                buffers = getattr(state, name)
-                if isinstance(buffers, es.FlatParams):
-                    out[name] = buffers.flat.detach().cpu().clone()
-        return out
+        return snapshot_of(self._evolm_weights(key).resident)
 
     def evolm_weights_load(self, key: int, snapshot: dict) -> dict:
         """Set the mean (and the optimizer's buffers) from a snapshot and serve it."""
         resident = self._evolm_weights(key).resident
-        resident.load_master(snapshot["master"])
-        if "step" in snapshot:
-            def flat(name):
-                value = snapshot.get(name)
-                return es.FlatParams(value.to(resident.device, torch.float32), resident.layout) if value is not None else {}
-            resident.optimizer_state = es.OptimizerState(int(snapshot["step"]), resident.master, flat("first_moment"),
-                                                         flat("second_moment"))
+        load_snapshot(resident, snapshot)
         return {"restored": resident.is_restored()}
 
     def evolm_weights_write_slots(self, key: int, slots_key: int, members: list, sigma: float) -> dict:
@@ -298,9 +283,10 @@ class EngineWeights:
     _keys = iter(range(1, 1 << 30))
 
     def __init__(self, llm, model_dir: str | Path, target_modules: Sequence[str] | str, *, noise: NoiseForm = "full",
-                 noise_rank: int = 1, noise_scheme: es.NoiseScheme = "flat"):
+                 noise_rank: int = 1, noise_scheme: es.NoiseScheme = "flat",
+                 layers_to_transform: Sequence[int] | None = None):
         self.llm, self.noise, self.noise_rank = llm, noise, noise_rank
-        self.shapes = targeted_weight_shapes(model_dir, target_modules)
+        self.shapes = targeted_weight_shapes(model_dir, target_modules, layers_to_transform)
         if noise == "lowrank":
             lowrank.check_rank(noise_rank, self.shapes)
         self.key = next(self._keys)

@@ -26,6 +26,7 @@ from ..tasks import Example, Task
 from .. import zo
 from ..es import core as es
 from .loop import RunLoop, percentile
+from .modes import WeightsES
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,7 @@ class ESRun(RunLoop):
 
     kind = "es"
     config_class = ESConfig
+    weights_es: WeightsES | None = None  # es_mode full / eggroll: the mean is the model's own weights
 
     def __init__(self, state: RunState, *, run_dir: Path, evaluator: Evaluator, task: Task, model_dir: Path):
         super().__init__(state, run_dir=run_dir, evaluator=evaluator, task=task, model_dir=model_dir)
@@ -76,7 +78,7 @@ class ESRun(RunLoop):
         if config.estimator is not None:  # a resumed run restores its buffer; a new one starts empty
             saved = state.saved
             self.estimator_state = zo.HistoryState.from_dict(saved["estimator"]) if saved else zo.HistoryState()
-        coarse = noise_below_resolution(mean.tensors, self.sigmas, getattr(torch, config.dtype))
+        coarse = noise_below_resolution(mean.tensors, self.sigmas, getattr(torch, config.dtype)) if config.es_mode == "lora" else []
         if coarse:
             name, sigma, ulp = min(coarse, key=lambda c: c[1] / c[2])
             warnings.warn(
@@ -84,6 +86,11 @@ class ESRun(RunLoop):
                 f"(e.g. {name}: sigma {sigma:.2g}, ulp {ulp:.2g}): the engine rounds part of the noise away, so "
                 "the members it serves differ from those the update assumes; use dtype float32 or a larger sigma",
                 stacklevel=2)
+        # es_mode full / eggroll: the mean is the model's own weights, in the engine (issue 19)
+        self.weights_es = None
+        if config.es_mode != "lora":
+            self.weights_es = WeightsES(config, self.evaluator, self.run_dir, model_dir)
+            self.weights_es.restore_to(self.generation)
 
     @classmethod
     def _build(cls, state: RunState, *, run_dir: Path, evaluator: Evaluator | None, task: Task,
@@ -120,6 +127,8 @@ class ESRun(RunLoop):
         )
         started = time.perf_counter()
         prompts = [self.task.prompt(e) for e in examples]
+        if self.weights_es is not None:
+            return self._evaluate_weights(members, examples, prompts, sampling, score_mean)
         if score_mean:
             tables = self.evaluator.generate_grids([
                 (prompts, self.population(members), sampling),
@@ -140,20 +149,37 @@ class ESRun(RunLoop):
             mean_scores = scores_of(self.task, tables[1][0], self._score_sets()) if score_mean else None
         return PopulationResult(rewards, completions, examples, timing, mean_scores)
 
+    def _evaluate_weights(self, members, examples, prompts, sampling, score_mean: bool) -> PopulationResult:
+        """``evaluate`` when the mean is the model's own weights (es_mode full / eggroll)."""
+        score = scoring_grid(self.task, None, self._score_sets(), self.config.max_new_tokens) if score_mean else None
+        completions, scored, timing = self.weights_es.evaluate(members, prompts, sampling, score)
+        with timed(timing, "reward_s"):
+            rewards = torch.tensor(
+                [self.task.reward_fn([c.text for c in row], examples) for row in completions], dtype=torch.float32
+            )
+            mean_scores = scores_of(self.task, scored[0], self._score_sets()) if scored is not None else None
+        return PopulationResult(rewards, completions, examples, timing, mean_scores)
+
     def tell(self, members: Sequence[es.Member], result: PopulationResult) -> dict:
         """Update the mean adapter from the members' rewards; return the update's metrics row
         (scoring the new mean and committing the row are the loop's next steps)."""
         config = self.config
         timing = dict(result.timing)
+        mean_norm = None
         with timed(timing, "update_s"):
-            weights, gradient = self.estimate(members, result.rewards)
-            new_params, self.optimizer_state = es.apply_update(
-                self.optimizer_config, self.optimizer_state, self.mean.tensors, gradient
-            )
-            update = es.difference(new_params, self.mean.tensors)
-            self.mean = AdapterWeights(self.mean.spec, new_params)
-            if self.device == "cuda":
-                torch.cuda.synchronize()  # the update's kernels finish inside its timing
+            if self.weights_es is not None:  # where the weights live, from seeds and shaped fitness
+                weights = es.shape_fitness(config.fitness_shaping, result.rewards)
+                update_norm = self.weights_es.tell(self.generation + 1, members, weights)["update_norm"]
+            else:
+                weights, gradient = self.estimate(members, result.rewards)
+                new_params, self.optimizer_state = es.apply_update(
+                    self.optimizer_config, self.optimizer_state, self.mean.tensors, gradient
+                )
+                update_norm = es.update_norm(es.difference(new_params, self.mean.tensors))
+                self.mean = AdapterWeights(self.mean.spec, new_params)
+                mean_norm = es.update_norm(self.optimizer_state.master)  # the mean's global L2 norm (float32 master)
+                if self.device == "cuda":
+                    torch.cuda.synchronize()  # the update's kernels finish inside its timing
         self.generation += 1
         self.counters["completions"] = self.counters.get("completions", 0) + result.rewards.numel()
         self.counters["tokens"] = self.counters.get("tokens", 0) + result.num_tokens
@@ -170,8 +196,8 @@ class ESRun(RunLoop):
             "train/reward_p80": percentile(per_member, 0.8),
             "es/rewards": per_member.tolist(),
             "es/weights": weights.tolist(),
-            "es/update_norm": es.update_norm(update),
-            "es/mean_norm": es.update_norm(self.optimizer_state.master),  # the mean's global L2 norm (float32 master)
+            "es/update_norm": update_norm,
+            **({"es/mean_norm": mean_norm} if mean_norm is not None else {}),
             "best_completions": [c.text for c in result.completions[best]],
             "worst_completions": [c.text for c in result.completions[worst]],
             "prompts": [e.prompt for e in result.examples],
@@ -208,6 +234,21 @@ class ESRun(RunLoop):
         result = self.evaluate(members, score_mean=True)
         return self.tell(members, result), result.mean_scores
 
+    def save_final(self) -> Path:
+        """The adapter in PEFT format under run_dir/final_adapter; for es_mode full / eggroll the
+        model itself under run_dir/final_model (safetensors, config, tokenizer)."""
+        if self.weights_es is None:
+            return super().save_final()
+        self._check_writer()
+        return self.weights_es.save_model(self.model_dir, self.run_dir / "final_model", self.config.dtype)
+
+    def close(self) -> None:
+        """Release the engine's resident weights, then the folder and the engine (see RunLoop.close)."""
+        if self.weights_es is not None:
+            self.weights_es.close(reset=not self._owns_evaluator)  # a shared engine serves the model again
+            self.weights_es = None
+        super().close()
+
     def _rides(self) -> bool:
         # Only engines that batch several grids in one call gain anything (vLLM, Ray).
         return self.config.score_in_population and bool(getattr(self.evaluator, "batches_grids", False))
@@ -217,13 +258,23 @@ class ESRun(RunLoop):
         return self.config.num_generations
 
     @property
-    def adapter(self) -> AdapterWeights:
-        """The adapter the run moves (the ES mean)."""
-        return self.mean
+    def adapter(self) -> AdapterWeights | None:
+        """The adapter the run moves (the ES mean); None when the mean is the model's own weights,
+        which the engine then serves as its base model."""
+        return self.mean if self.weights_es is None else None
+
+    def _checkpoint_due(self) -> bool:
+        # es_mode full / eggroll: a checkpoint every generation is small (the seed log holds the
+        # update); the full-size snapshot comes every checkpoint_every generations
+        return self.weights_es is not None or super()._checkpoint_due()
 
     def save_checkpoint(self, row: dict | None = None) -> Path:
-        """Write a checkpoint of the current generation now."""
+        """Write a checkpoint of the current generation now (and, for the model's own weights, a
+        snapshot of them when one is due)."""
         state = self._checkpoint_state(row)
         if self.estimator_state is not None:
             state["estimator"] = self.estimator_state.to_dict()
+        if self.weights_es is not None and self.generation > 0 and (
+                self.generation % self.config.checkpoint_every == 0 or self.generation >= self._budget()):
+            state["snapshot"] = self.weights_es.snapshot(self.generation).name
         return self._write_checkpoint(self.mean, es.optimizer_state_to_tensors(self.optimizer_state), state)

@@ -289,9 +289,13 @@ class RunLoop:
         if phases and self.generation > 0:
             row["time/generation_s"] = sum(phases)
         row["time/wall_s"] = self._wall()
-        if self.generation % self.config.checkpoint_every == 0 or self.generation >= self._budget():
+        if self._checkpoint_due():
             self.save_checkpoint(row)
         return self._log(row) if log else row
+
+    def _checkpoint_due(self) -> bool:
+        """Whether ``commit`` checkpoints this generation: every ``checkpoint_every``, and at the end."""
+        return self.generation % self.config.checkpoint_every == 0 or self.generation >= self._budget()
 
     def _log(self, row: dict) -> dict:
         self._check_writer()

@@ -1,0 +1,225 @@
+"""ES on the model's own weights: full-parameter ES and EGGROLL inside an ``ESRun`` (issue 19).
+
+``es_mode: full`` (Qiu et al. 2025, https://arxiv.org/abs/2509.24372): member i is
+theta + sign_i * sigma * eps_i over the targeted weights, written into the engine's weights from its
+seed, its prompts generated, then the mean restored from a float32 master; members run one after
+another. ``es_mode: eggroll`` (Sarkar et al. 2025, https://arxiv.org/abs/2511.16652): member i's
+noise in each weight matrix is A_i B_i^T / sqrt(r), served from a LoRA slot, so the population is
+one batched call on a vLLM engine (one member at a time on the HF engine); the mean lives in the
+base weights and its greedy scoring is a base request in the same call. Both update the mean where
+the weights live, from the members' seeds and shaped fitness (``engines.resident_weights``).
+
+What a run folder keeps, so that a resume gives the rows of an uninterrupted run without full-size
+weights in every checkpoint:
+- ``seed_log.jsonl``: per generation, the members (seed, sign), their shaped fitness, sigma and the
+  learning rate, appended (fsynced) before the generation's checkpoint;
+- ``snapshots/NNNNNN.safetensors``: the float32 mean and the optimizer's buffers every
+  ``checkpoint_every`` generations (the last two kept);
+- on resume the mean is the newest snapshot at or before the checkpoint's generation (or the model
+  folder's weights), then the seed log's updates after it, replayed in order: the same bits.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from ..config import ConfigError, ESConfig
+from ..engines import CompletionTable, SamplingSettings
+from ..es import core as es
+from ..lora import LoraSpec
+
+
+SEED_LOG = "seed_log.jsonl"
+SNAPSHOTS = "snapshots"
+KEEP_SNAPSHOTS = 2
+
+
+def targets_of(config: ESConfig) -> tuple[Sequence[str] | str, Sequence[int] | None]:
+    """(target modules or "all", layers) of the weights a full or EGGROLL run moves."""
+    if config.es_weights == "all":
+        return "all", None
+    spec = config.lora_spec()
+    return spec.target_modules, spec.layers_to_transform
+
+
+class WeightsES:
+    """The engine side of an ES run whose mean is the model's own weights (``es_mode`` full or eggroll)."""
+
+    def __init__(self, config: ESConfig, evaluator, run_dir: Path, model_dir: Path):
+        if not hasattr(evaluator, "resident_weights"):
+            raise ConfigError(f"es_mode: {config.es_mode} needs an engine that writes its weights in place "
+                              f"(vLLM or HF), not {type(evaluator).__name__}")
+        self.config, self.evaluator, self.run_dir, self.model_dir = config, evaluator, Path(run_dir), Path(model_dir)
+        targets, layers = targets_of(config)
+        self.noise = "full" if config.es_mode == "full" else "lowrank"
+        self.weights = evaluator.resident_weights(targets, noise=self.noise, noise_rank=config.noise_rank,
+                                                  noise_scheme=config.noise_scheme, layers_to_transform=layers)
+        self.slots = None
+        if config.es_mode == "eggroll" and hasattr(evaluator, "lowrank_slots"):
+            spec = LoraSpec(target_modules=tuple(targets), rank=config.noise_rank, alpha=float(config.noise_rank),
+                            layers_to_transform=layers)
+            try:
+                self.slots = evaluator.lowrank_slots(spec, config.population_size)
+            except ValueError as error:
+                raise ConfigError(f"noise_rank: {error}") from None
+        self.optimizer = config.optimizer_config()
+
+    # --- a generation ---------------------------------------------------------------------------
+    def evaluate(self, members: Sequence[es.Member], prompts: list, sampling: SamplingSettings,
+                 score_grid: tuple | None = None) -> tuple[CompletionTable, CompletionTable | None, dict[str, float]]:
+        """(members' completions, the mean's scoring completions or None, timing)."""
+        timing = {"adapters_s": 0.0, "generate_s": 0.0}
+        if self.slots is not None:  # EGGROLL on vLLM: every member in its slot, the mean as a base request
+            timing["adapters_s"] = self.weights.write_slots(self.slots, members, self.config.sigma)
+            grids = [(prompts, "members", sampling)]
+            if score_grid is not None:
+                grids.append((score_grid[0], "base", score_grid[2]))
+            started = time.perf_counter()
+            tables = self.evaluator.run_lowrank(self.slots, grids)
+            timing["generate_s"] = time.perf_counter() - started
+            return tables[0], tables[1] if score_grid is not None else None, timing
+        rows, write_s, restore_s = [], 0.0, 0.0
+        for member in members:  # one member at a time: its weights written, its prompts, the mean back
+            write_s += self.weights.write_member(member, self.config.sigma)
+            started = time.perf_counter()
+            rows.append(self.evaluator.generate(prompts, [None], sampling)[0])
+            timing["generate_s"] += time.perf_counter() - started
+            restore_s += self.weights.restore()
+        timing["adapters_s"] = write_s + restore_s
+        timing["adapters/write_s"], timing["adapters/restore_s"] = write_s, restore_s
+        scores = None
+        if score_grid is not None:
+            started = time.perf_counter()
+            scores = self.evaluator.generate(score_grid[0], [None], score_grid[2])
+            timing["generate_s"] += time.perf_counter() - started
+        return CompletionTable(rows), scores, timing
+
+    def tell(self, generation: int, members: Sequence[es.Member], weights: torch.Tensor) -> dict[str, float]:
+        """The update where the weights live; its seed-log line is on disk before this returns."""
+        info = self.weights.step(self.optimizer, members, weights.tolist(), self.config.sigma, self.config.gradient_form)
+        self._append_log({"generation": generation, "members": [[m.seed, m.sign] for m in members],
+                          "weights": [float(w) for w in weights.tolist()], "sigma": self.config.sigma,
+                          "learning_rate": self.config.learning_rate})
+        return info
+
+    # --- the folder: seed log and snapshots -----------------------------------------------------
+    def _append_log(self, entry: dict[str, Any]) -> None:
+        with open(self.run_dir / SEED_LOG, "a") as handle:
+            handle.write(json.dumps(entry) + "\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+
+    def read_log(self) -> list[dict[str, Any]]:
+        """The seed log's entries (a torn last line from a kill is skipped)."""
+        path = self.run_dir / SEED_LOG
+        entries = []
+        if path.exists():
+            for line in path.read_text().splitlines():
+                try:
+                    entries.append(json.loads(line))
+                except json.JSONDecodeError:
+                    break
+        return entries
+
+    def snapshot(self, generation: int) -> Path:
+        """The float32 mean and optimizer buffers of this generation, written atomically; older ones pruned."""
+        folder = self.run_dir / SNAPSHOTS
+        folder.mkdir(exist_ok=True)
+        data = self.weights.read()
+        tensors = {k: v.contiguous() for k, v in data.items() if isinstance(v, torch.Tensor)}
+        tensors["step"] = torch.tensor([int(data.get("step", 0))], dtype=torch.int64)
+        final = folder / f"{generation:06d}.safetensors"
+        handle, temporary = tempfile.mkstemp(dir=folder, prefix=".snapshot-")
+        os.close(handle)
+        save_file(tensors, temporary)
+        with open(temporary, "rb") as written:
+            os.fsync(written.fileno())
+        os.replace(temporary, final)
+        for old in sorted(folder.glob("*.safetensors"))[:-KEEP_SNAPSHOTS]:
+            old.unlink()
+        return final
+
+    def model_weights(self) -> torch.Tensor:
+        """The targeted weights as the model folder has them: one float32 vector in layout order (the
+        mean of generation 0, whatever an engine shared with earlier runs holds now)."""
+        layout = es.Layout.of(self.weights.shapes)
+        found: dict[str, torch.Tensor] = {}
+        for path in sorted(Path(self.model_dir).glob("*.safetensors")):
+            found.update({k: v for k, v in load_file(str(path)).items() if k in self.weights.shapes})
+        return torch.cat([found[name].to(torch.float32).reshape(-1) for name in layout.names])
+
+    def restore_to(self, generation: int) -> None:
+        """Make the engine's mean that of ``generation``: the newest snapshot at or before it (else
+        the model folder's weights), then the seed log's updates after it; later log lines go."""
+        snapshots = [p for p in sorted((self.run_dir / SNAPSHOTS).glob("*.safetensors")) if int(p.stem) <= generation]
+        start = 0
+        if not snapshots:
+            self.weights.load({"master": self.model_weights()})
+        else:
+            tensors = load_file(str(snapshots[-1]))
+            snapshot = {k: v for k, v in tensors.items() if k != "step"}
+            snapshot["step"] = int(tensors["step"][0])
+            self.weights.load(snapshot)
+            start = int(snapshots[-1].stem)
+        entries = self.read_log()
+        for entry in entries:
+            if start < entry["generation"] <= generation:
+                members = [es.Member(int(seed), int(sign)) for seed, sign in entry["members"]]
+                self.weights.step(self.optimizer, members, entry["weights"], float(entry["sigma"]),
+                                  self.config.gradient_form)
+        kept = [e for e in entries if e["generation"] <= generation]
+        if len(kept) != len(entries) or (self.run_dir / SEED_LOG).exists():
+            path = self.run_dir / SEED_LOG
+            temporary = path.with_suffix(".jsonl.tmp")
+            temporary.write_text("".join(json.dumps(e) + "\n" for e in kept))
+            os.replace(temporary, path)
+        for stale in (self.run_dir / SNAPSHOTS).glob("*.safetensors"):
+            if int(stale.stem) > generation:
+                stale.unlink()  # from a generation whose checkpoint never landed
+
+    def save_model(self, model_dir: Path, out: Path, dtype: str) -> Path:
+        """The model with the mean's weights as a folder transformers and vLLM load (safetensors,
+        config, tokenizer), the targeted weights in ``dtype``."""
+        from ..lora import base_weight_shapes
+
+        master = self.weights.read()["master"]
+        layout = es.Layout.of(self.weights.shapes)
+        moved = layout.split(master)
+        staging = Path(tempfile.mkdtemp(prefix=".final-", dir=out.parent))
+        for item in Path(model_dir).iterdir():  # config, tokenizer, generation config: as they are
+            if item.is_file() and item.suffix != ".safetensors" and not item.name.endswith(".index.json"):
+                shutil.copy2(item, staging / item.name)
+        tensors: dict[str, torch.Tensor] = {}
+        for path in sorted(Path(model_dir).glob("*.safetensors")):
+            for name, tensor in load_file(str(path)).items():
+                tensors[name] = moved[name].to(getattr(torch, dtype)).contiguous() if name in moved else tensor
+        missing = set(moved) - set(tensors) - set(base_weight_shapes(model_dir, matrices_only=False))
+        if missing:
+            raise ValueError(f"{model_dir} has no tensor {sorted(missing)[:3]}")
+        save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(staging, out)
+        return out
+
+    def close(self, reset: bool = False) -> None:
+        """Release EGGROLL's slots and the engine's master; the engine then serves the current mean,
+        or with ``reset`` the model folder's weights again (an engine that serves other runs next)."""
+        if reset and self.weights is not None:
+            self.weights.load({"master": self.model_weights()})
+        if self.slots is not None:
+            self.slots.close()
+            self.slots = None
+        if self.weights is not None:
+            self.weights.close()
+            self.weights = None
+
+

@@ -1,0 +1,169 @@
+"""es_mode full and eggroll (issue 19): ES on the model's own weights, on a real vLLM engine and on
+the HF engine, checked against host-side references from the same seeds and fitness."""
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from evolm_lib import es
+from evolm_lib.config import ConfigError, ESConfig
+from evolm_lib.engines.resident_weights import targeted_weight_shapes
+from evolm_lib.es import lowrank
+from evolm_lib.train.es import ESRun
+from evolm_lib.train.modes import SEED_LOG, SNAPSHOTS
+
+TARGETS = ["q_proj", "v_proj", "down_proj"]
+BASE = dict(model="tiny-random", task="conciseness", population_size=4, sigma=0.1, learning_rate=0.05, lora_rank=1,
+            target_modules=TARGETS, max_new_tokens=6, max_model_len=256, kv_cache_gb=0.0625, eval_every=1)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    """An engine of these tests' own (its targeted layers get their weights back, and runs move them)."""
+    from evolm_lib.engines.vllm_engine import VLLMEvaluator
+
+    evaluator = VLLMEvaluator(str(tiny_model_dir), max_loras=8, max_lora_rank=8, max_model_len=256, kv_cache_gb=0.0625)
+    yield evaluator
+    evaluator.close()
+
+
+def _config(**overrides) -> ESConfig:
+    return ESConfig(**{**BASE, **overrides})
+
+
+def _host_reference(model_dir, config: ESConfig, log: list[dict]) -> dict[str, torch.Tensor]:
+    """The mean after the seed log's updates, computed on the host from the model folder's weights."""
+    shapes = targeted_weight_shapes(model_dir, TARGETS)
+    tensors = load_file(str(next(model_dir.glob("*.safetensors"))))
+    mean = {name: tensors[name].float().clone() for name in shapes}
+    optimizer = config.optimizer_config()
+    state = es.init_optimizer_state(optimizer, mean)
+    for entry in log:
+        members = [es.Member(seed, sign) for seed, sign in entry["members"]]
+        if config.es_mode == "full":
+            gradient = es.es_gradient(members, entry["weights"], shapes, config.sigma)
+        else:
+            gradient = lowrank.lowrank_gradient(members, entry["weights"], shapes, config.noise_rank, config.sigma)
+        mean, state = es.apply_update(optimizer, state, mean, gradient)
+    return mean
+
+
+def _engine_mean(run: ESRun) -> dict[str, torch.Tensor]:
+    master = run.weights_es.weights.read()["master"]
+    return es.Layout.of(run.weights_es.weights.shapes).split(master)
+
+
+def _rows(run_dir) -> list[dict]:
+    from evolm_lib.runs import read_metrics
+
+    return [{k: v for k, v in row.items() if not k.startswith("time/")} for row in read_metrics(run_dir)]
+
+
+@pytest.mark.parametrize("mode", ["full", "eggroll"])
+def test_the_engines_weights_follow_the_host_reference_and_a_resume_gives_the_same_rows(mode, engine, tiny_model_dir,
+                                                                                         tmp_path):
+    config = _config(es_mode=mode, noise_rank=2, num_generations=3, checkpoint_every=2)
+    run = ESRun.open(config, tmp_path / "a", evaluator=engine)
+    run.run()
+    log = run.weights_es.read_log()
+    assert [entry["generation"] for entry in log] == [1, 2, 3]
+    reference = _host_reference(tiny_model_dir, config, log)
+    for name, tensor in _engine_mean(run).items():
+        assert torch.allclose(tensor, reference[name], atol=1e-6, rtol=0), name
+    assert sorted(p.name for p in (tmp_path / "a" / SNAPSHOTS).iterdir()) == ["000002.safetensors", "000003.safetensors"]
+    uninterrupted = _rows(tmp_path / "a")
+    assert [r["generation"] for r in uninterrupted] == [0, 1, 2, 3]
+    assert uninterrupted[-1]["policy/train_reward"] is not None
+    run.close()  # the shared engine serves the model folder's weights again
+
+    # stopped after generation 1, reopened: generation 2 replays the seed log, 3 comes from a snapshot-free resume
+    first = ESRun.open(config, tmp_path / "b", evaluator=engine)
+    first.run(1)
+    first.close()
+    again = ESRun.open(config, tmp_path / "b", evaluator=engine)
+    again.run()
+    assert _rows(tmp_path / "b") == uninterrupted
+    again.close()
+
+
+def test_a_mean_restored_from_a_snapshot_and_the_log_equals_the_uninterrupted_mean(engine, tmp_path):
+    config = _config(es_mode="full", num_generations=5, checkpoint_every=2)
+    run = ESRun.open(config, tmp_path / "r", evaluator=engine)
+    run.run(3)  # snapshot at 2, generation 3 in the seed log only
+    mean_at_3 = {k: v.clone() for k, v in _engine_mean(run).items()}
+    checksum = run.weights_es.weights.checksum()
+    run.close()
+    resumed = ESRun.open(config, tmp_path / "r", evaluator=engine)
+    assert resumed.generation == 3
+    assert resumed.weights_es.weights.checksum() == checksum  # the same bits, served exactly
+    for name, tensor in _engine_mean(resumed).items():
+        assert torch.equal(tensor, mean_at_3[name])
+    resumed.close()
+
+
+def test_a_kill_mid_generation_resumes_to_the_rows_of_an_uninterrupted_run(tiny_model_dir, tmp_path):
+    """SIGKILL inside generation 2's evaluation (after generation 1's seed log line and checkpoint)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import textwrap
+
+    config = _config(es_mode="full", num_generations=3, checkpoint_every=1, engine="hf")
+    script = textwrap.dedent(f"""
+        import os, signal
+        from evolm_lib.config import ESConfig
+        from evolm_lib.train.es import ESRun
+        run = ESRun.open(ESConfig(**{config.to_dict()!r}), {str(tmp_path / 'k')!r})
+        run.run(1)
+        original = run.weights_es.evaluate
+        def dying(*args, **kwargs):
+            os.kill(os.getpid(), signal.SIGKILL)
+        run.weights_es.evaluate = dying
+        run.run()
+    """)
+    process = subprocess.run([sys.executable, "-c", script], env=dict(os.environ), capture_output=True, text=True)
+    assert process.returncode == -signal.SIGKILL, process.stderr[-2000:]
+    resumed = ESRun.open(config, tmp_path / "k")
+    assert resumed.generation == 1
+    resumed.run()
+    resumed.close()
+    whole = ESRun.open(config, tmp_path / "w")
+    whole.run()
+    whole.close()
+    assert _rows(tmp_path / "k") == _rows(tmp_path / "w")
+    assert len((tmp_path / "k" / SEED_LOG).read_text().splitlines()) == 3
+
+
+@pytest.mark.parametrize("mode", ["full", "eggroll"])
+def test_the_hf_engine_runs_both_modes(mode, tiny_model_dir, tmp_path):
+    config = _config(es_mode=mode, noise_rank=1, num_generations=2, engine="hf")
+    run = ESRun.open(config, tmp_path / mode)
+    run.run()
+    reference = _host_reference(tiny_model_dir, config, run.weights_es.read_log())
+    for name, tensor in _engine_mean(run).items():
+        assert torch.allclose(tensor, reference[name], atol=1e-6, rtol=0), name
+    # the model folder save_final writes loads in transformers with the mean's weights
+    from transformers import AutoModelForCausalLM
+
+    folder = run.save_final()
+    loaded = dict(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).named_parameters())
+    for name, tensor in _engine_mean(run).items():
+        assert torch.equal(loaded[name], tensor), name
+    run.close()
+
+
+def test_bad_mode_settings_name_the_setting(engine, tmp_path):
+    with pytest.raises(ConfigError, match="adapter_transfer: es_mode full writes the engine's weights in place"):
+        _config(es_mode="full", adapter_transfer="files")
+    with pytest.raises(ConfigError, match="estimator: es_mode eggroll"):
+        _config(es_mode="eggroll", estimator="zoar")
+    with pytest.raises(ConfigError, match="es_weights: eggroll perturbs weight matrices"):
+        _config(es_mode="eggroll", es_weights="all")
+    with pytest.raises(ConfigError, match="noise_rank: noise_rank 16 exceeds the engine's max_lora_rank 8"):
+        ESRun.open(_config(es_mode="eggroll", noise_rank=16), tmp_path / "rank", evaluator=engine)
+    lora = ESRun.open(_config(num_generations=1), tmp_path / "lora", evaluator=engine)
+    lora.close()
+    with pytest.raises(ConfigError, match="es_mode"):
+        ESRun.open(_config(num_generations=1, es_mode="full"), tmp_path / "lora", evaluator=engine)
