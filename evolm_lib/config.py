@@ -326,6 +326,13 @@ class ESConfig(CommonConfig):
                              "mean adapter on the population's prompts, which a generation does not query; use 'average'")
         return self
 
+    def weight_targets(self) -> tuple:
+        """(target modules, or "all", and the layers) of the weights es_mode full / eggroll moves."""
+        if self.es_weights == "all":
+            return "all", None
+        spec = self.lora_spec()
+        return spec.target_modules, spec.layers_to_transform
+
     def estimator_config(self):
         """The evolm_lib.zo settings of ``estimator`` (num_queries = population_size, mu = sigma)."""
         from .zo import EstimatorConfig

@@ -230,4 +230,24 @@ def check_engine_settings(config, model_dir: str | Path, task=None, *, cuda: boo
                 raise ConfigError(
                     f"gpu_memory_utilization={utilization:g} gives the engine {_gib(utilization * total)}, less "
                     f"than the model's weights ({_gib(weights)}): raise gpu_memory_utilization")
+        if getattr(config, "es_mode", "lora") != "lora":
+            engine = kv_bytes + (weights or 0) if kv_bytes is not None else memory_asked.gpu_memory_utilization * total
+            needed, left = weights_mode_bytes(config, model_dir), free - engine
+            if needed > left:
+                raise ConfigError(
+                    f"es_mode={config.es_mode}: the float32 master of the moved weights and one member's noise "
+                    f"(and the optimizer's buffers) need {_gib(needed)} of {device} beside the engine, which leaves "
+                    f"{_gib(max(left, 0))} of the {_gib(free)} free now: lower gpu_memory_utilization or kv_cache_gb, "
+                    "or move fewer weights (es_weights, target_modules)")
     return budget
+
+
+def weights_mode_bytes(config, model_dir: str | Path) -> int:
+    """Bytes es_mode full or eggroll keeps beside the engine: the float32 master of the moved weights,
+    one member's float32 noise, and Adam's two moments or SGD momentum's buffer."""
+    from .engines.resident_weights import targeted_weight_shapes
+
+    targets, layers = config.weight_targets()
+    values = sum(math.prod(shape) for shape in targeted_weight_shapes(model_dir, targets, layers).values())
+    buffers = 2 if config.optimizer == "adam" else (1 if config.momentum > 0 else 0)
+    return 4 * values * (2 + buffers)

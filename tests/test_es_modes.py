@@ -167,3 +167,19 @@ def test_bad_mode_settings_name_the_setting(engine, tmp_path):
     lora.close()
     with pytest.raises(ConfigError, match="es_mode"):
         ESRun.open(_config(num_generations=1, es_mode="full"), tmp_path / "lora", evaluator=engine)
+
+
+def test_full_mode_without_room_for_the_master_is_refused_before_the_engine_starts(tiny_model_dir, monkeypatch, tmp_path):
+    """The master and one member's noise must fit beside the engine: with 1 MiB free the check names both."""
+    from evolm_lib import preflight
+
+    config = _config(es_mode="full", es_weights="all", optimizer="adam")
+    needed = preflight.weights_mode_bytes(config, tiny_model_dir)
+    values = sum(torch.Size(s).numel() for s in targeted_weight_shapes(tiny_model_dir, "all").values())
+    assert needed == 4 * values * 4  # master, noise, Adam's two moments
+    monkeypatch.setattr(preflight, "_free_memory", lambda cuda: (config.kv_cache_gb * 2**30 + 2**20 + 50 * 2**20, 64 * 2**30))
+    monkeypatch.setattr(preflight, "weights_bytes", lambda *a: 50 * 2**20)
+    monkeypatch.setattr(preflight, "_engine_live", lambda: False)  # this module's engine holds no memory of its own here
+    with pytest.raises(ConfigError, match=r"es_mode=full: the float32 master .* need .* beside the engine, which leaves 0\.000977 GiB"):
+        ESRun.open(config, tmp_path / "tight")
+    assert not (tmp_path / "tight").exists()

@@ -42,14 +42,6 @@ SNAPSHOTS = "snapshots"
 KEEP_SNAPSHOTS = 2
 
 
-def targets_of(config: ESConfig) -> tuple[Sequence[str] | str, Sequence[int] | None]:
-    """(target modules or "all", layers) of the weights a full or EGGROLL run moves."""
-    if config.es_weights == "all":
-        return "all", None
-    spec = config.lora_spec()
-    return spec.target_modules, spec.layers_to_transform
-
-
 class WeightsES:
     """The engine side of an ES run whose mean is the model's own weights (``es_mode`` full or eggroll)."""
 
@@ -58,7 +50,7 @@ class WeightsES:
             raise ConfigError(f"es_mode: {config.es_mode} needs an engine that writes its weights in place "
                               f"(vLLM or HF), not {type(evaluator).__name__}")
         self.config, self.evaluator, self.run_dir, self.model_dir = config, evaluator, Path(run_dir), Path(model_dir)
-        targets, layers = targets_of(config)
+        targets, layers = config.weight_targets()
         self.noise = "full" if config.es_mode == "full" else "lowrank"
         self.weights = evaluator.resident_weights(targets, noise=self.noise, noise_rank=config.noise_rank,
                                                   noise_scheme=config.noise_scheme, layers_to_transform=layers)
