@@ -40,6 +40,8 @@ ENGINE_NOISE: tuple[Pattern[str], ...] = tuple(re.compile(p) for p in (
     r"^Node \S+ is not in available memory nodes",              # container NUMA views
     r"^CPU group key \S+ is not a valid memory node",
     r"^Reset SSM cache type to float32 for accelerated GDN mamba backend",  # CPUs with AVX-512 BF16, any model
+    # vLLM's CPU worker exports VLLM_DIST_IDENT; a kernel started later from that process inherits it
+    r"^Unknown vLLM environment variable detected: VLLM_DIST_IDENT",
 ))
 # Python warnings from engine internals (module regex, message regex, category).
 WARNING_NOISE = (

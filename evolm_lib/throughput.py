@@ -10,7 +10,10 @@ every call makes N*M*T tokens), one path after the other on the same engine:
   hands it over: a vLLM engine with ``adapter_transfer="in_place"`` writes the members into its
   resident LoRA slots, Ray actors each make their block of members;
 - ``files``: the same members made on the host (``Population.adapters``, inside the timed call) and
-  sent as N adapters, which vLLM loads from adapter files; on the HF engine, member by member.
+  sent as N adapters, which vLLM loads from adapter files; on the HF engine, member by member;
+- ``eggroll``: es_mode eggroll's population on a vLLM engine: each member's rank-``rank`` noise on
+  every weight of the 7 projections, written from its seed into a resident LoRA slot (inside the
+  timed call), the mean in the base weights.
 
 Each path is warmed up by one short call with the same requests (it also sets the resident slots
 up), then timed ``repeats`` times, every call with a new generation's seeds as ES does. A row keeps
@@ -37,7 +40,11 @@ from .engines import Evaluator, Population, SamplingSettings
 from .types import Prompt
 
 PATHS = ("base", "in_place", "files")
+"""The paths a measurement takes unless told otherwise; ``eggroll`` is asked for by name (it moves the
+engine's weights of the 7 projections to a path of its own on a CPU engine)."""
+KNOWN_PATHS = (*PATHS, "eggroll")
 PATH_LABELS = {"base": "base model", "in_place": "population, in place", "files": "population, adapter files",
+               "eggroll": "EGGROLL population (rank-r noise in slots)",
                "hf files": "population, member by member"}  # by path, or by row name where it differs
 BENCH_PROMPTS = (
     "What is 17 + 25? Explain briefly.",
@@ -50,7 +57,7 @@ BENCH_PROMPTS = (
     "List two prime numbers above 10.",
 )
 # the ratios every report shows, where both rows were measured: (numerator, denominator) row names
-RATIOS = (("vllm in_place", "vllm base"), ("vllm files", "vllm base"), ("vllm in_place", "hf files"),
+RATIOS = (("vllm eggroll", "vllm base"), ("vllm in_place", "vllm base"), ("vllm files", "vllm base"), ("vllm in_place", "hf files"),
           ("vllm files", "hf files"), ("hf base", "hf files"), ("ray in_place", "ray base"), ("ray files", "ray base"))
 
 
@@ -115,12 +122,16 @@ def mean_adapter(spec: ThroughputSpec):
     return init_adapter(lora, adapter_shapes(model_dir, lora), spec.init_scheme, 0, magnitudes, spec.init_scale)
 
 
-def population_of(spec: ThroughputSpec, mean, generation: int) -> Population:
-    """One generation's members around ``mean``, seeds as ES derives them (antithetic where even)."""
+def members_of(spec: ThroughputSpec, generation: int) -> list:
+    """One generation's members (seeds and signs) as ES derives them (antithetic where even)."""
     from .es import core as es
 
-    members = es.population(0, generation, spec.population, antithetic=spec.population % 2 == 0)
-    return Population(mean, tuple(members), spec.sigma, spec.noise_device)
+    return es.population(0, generation, spec.population, antithetic=spec.population % 2 == 0)
+
+
+def population_of(spec: ThroughputSpec, mean, generation: int) -> Population:
+    """One generation's members around ``mean``."""
+    return Population(mean, tuple(members_of(spec, generation)), spec.sigma, spec.noise_device)
 
 
 def start_engine(spec: ThroughputSpec, engine: str = "local", *, num_engines: int = 1, ray_address: str | None = None,
@@ -142,11 +153,33 @@ def start_engine(spec: ThroughputSpec, engine: str = "local", *, num_engines: in
     if engine == "ray":
         from .engines.ray_engine import RayEvaluator
 
-        return RayEvaluator(spec.model, num_engines=num_engines, ray_address=ray_address, population_size=spec.population,
-                            vllm_options=vllm_options, **common)
+        return RayEvaluator(spec.model, num_engines=num_engines, ray_address=ray_address, vllm_options=vllm_options,
+                            **common)
     from .engines.vllm_engine import VLLMEvaluator
 
     return VLLMEvaluator(spec.model, **common, **vllm_options)
+
+
+_EGGROLL: dict[int, tuple] = {}  # id(evaluator) -> (its EGGROLL weights, its slots), made by the first call
+
+
+def eggroll_of(evaluator: Evaluator, spec: ThroughputSpec) -> tuple:
+    """(resident weights, low-rank slots) of es_mode eggroll on a vLLM engine, made once per engine."""
+    from .lora import ALL_PROJECTIONS, LoraSpec
+
+    if id(evaluator) not in _EGGROLL:
+        weights = evaluator.resident_weights(ALL_PROJECTIONS, noise="lowrank", noise_rank=spec.rank)
+        slots = evaluator.lowrank_slots(LoraSpec(rank=spec.rank, alpha=float(spec.rank)), spec.population)
+        _EGGROLL[id(evaluator)] = (weights, slots)
+    return _EGGROLL[id(evaluator)]
+
+
+def release_eggroll(evaluator: Evaluator) -> None:
+    """Give back an engine's EGGROLL slots and master (before it measures something else)."""
+    weights, slots = _EGGROLL.pop(id(evaluator), (None, None))
+    if slots is not None:
+        slots.close()
+        weights.close()
 
 
 def _call(evaluator: Evaluator, spec: ThroughputSpec, path: str, prompts: list[Prompt], mean, generation: int,
@@ -154,6 +187,12 @@ def _call(evaluator: Evaluator, spec: ThroughputSpec, path: str, prompts: list[P
     """One engine call of a path; returns the table and the seconds spent making host adapters."""
     if path == "base":
         return evaluator.generate([p for _ in range(spec.population) for p in prompts], [None], sampling), 0.0
+    if path == "eggroll":
+        weights, slots = eggroll_of(evaluator, spec)
+        write_s = weights.write_slots(slots, members_of(spec, generation), spec.sigma)
+        (table,) = evaluator.run_lowrank(slots, [(prompts, "members", sampling)])
+        table.timing["slots_write_s"] = write_s
+        return table, 0.0
     population = population_of(spec, mean, generation)
     if path == "in_place":
         return evaluator.generate(prompts, population, sampling), 0.0
@@ -167,9 +206,9 @@ def measure_throughput(evaluator: Evaluator, spec: ThroughputSpec, paths: Sequen
                        engine: str = "vllm") -> list[dict[str, Any]]:
     """One row per path (see the module docstring), measured on ``evaluator`` in the order given;
     ``engine`` names the rows ("vllm base", ...); a line per row goes to stderr as it is measured."""
-    unknown = [p for p in paths if p not in PATHS]
+    unknown = [p for p in paths if p not in KNOWN_PATHS]
     if unknown:
-        raise ValueError(f"unknown throughput paths {unknown}; choose from {list(PATHS)}")
+        raise ValueError(f"unknown throughput paths {unknown}; choose from {list(KNOWN_PATHS)}")
     prompts = bench_prompts(spec.prompts)
     mean = mean_adapter(spec)
     sampling = SamplingSettings(max_new_tokens=spec.new_tokens, ignore_eos=True)
@@ -351,3 +390,36 @@ def measure_es_overhead(spec: ThroughputSpec, device: str = "cpu", adapter_dtype
              "es_update_s": _median_seconds(update, repeats)}
     return {"mode": "es_overhead", **asdict(spec), "device": device, "num_adapter_parameters": mean.num_parameters(),
             **parts, "overhead_s": sum(parts.values())}
+
+
+def measure_weight_modes(evaluator: Evaluator, spec: ThroughputSpec, repeats: int = 3) -> dict[str, Any]:
+    """What es_mode full and eggroll add on the engine's own weights of the 7 projections (medians):
+    EGGROLL's update from ``spec.population`` rank-``rank`` members; full mode's write of one member
+    and its restore from the float32 master; each as the worker times it (the GPU synchronised)."""
+    from .es import core as es
+    from .lora import ALL_PROJECTIONS
+
+    release_eggroll(evaluator)
+    optimizer = es.SGDConfig(learning_rate=1e-4)
+    out: dict[str, Any] = {"population": spec.population, "rank": spec.rank, "repeats": repeats}
+    lowrank = evaluator.resident_weights(ALL_PROJECTIONS, noise="lowrank", noise_rank=spec.rank)
+    try:
+        updates = [lowrank.step(optimizer, members_of(spec, g), [1.0] * spec.population, spec.sigma)
+                   for g in range(1, repeats + 2)][1:]  # the first warms the kernels up
+        out["eggroll_update_s"] = statistics.median(u["update_s"] for u in updates)
+        out["weights_values"] = int(lowrank.info.get("values", 0))
+    finally:
+        lowrank.close()
+    full = evaluator.resident_weights(ALL_PROJECTIONS, noise="full")
+    try:
+        writes, restores = [], []
+        for g in range(repeats + 1):
+            member = members_of(spec, g + 1)[0]
+            writes.append(full.write_member(member, spec.sigma))
+            restores.append(full.restore())
+        out["full_write_s"] = statistics.median(writes[1:])
+        out["full_restore_s"] = statistics.median(restores[1:])
+        out["full_restored_exactly"] = bool(full.checksum()["restored"])
+    finally:
+        full.close()
+    return out

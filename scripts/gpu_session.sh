@@ -9,6 +9,9 @@
 #   bash scripts/gpu_session.sh tp      # population throughput against the base model, Qwen2.5-1.5B shapes, ranks 1 and 8
 #   bash scripts/gpu_session.sh tuned   # tune vLLM's LoRA kernels for those shapes, then the throughput again with them
 #   bash scripts/gpu_session.sh tp8     # rank 8: vLLM's default LoRA kernel tiles, then the tiles shipped here
+# Two GPUs, side by side:
+#   bash scripts/gpu_session.sh modes   # es_mode eggroll throughput against base, its update, full mode's write/restore
+#                                       # (Qwen2.5-1.5B shapes; shipped LoRA tiles on GPU 0, vLLM's on GPU 1)
 set -u
 export PYTHONPATH=/root/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 EVOLM_CACHE_DIR=/root/cache
 nvidia-smi -L
@@ -39,6 +42,16 @@ elif [ "$1" = tuned ]; then
   keep /root/tune.log; tail -n 30 /root/tune.log
   VLLM_TUNED_CONFIG_FOLDER=/root/lora_configs timeout 360 python scripts/gpu_issue9.py --out /root/i9k --skip-es > /root/i9k.log 2>&1
   cp /root/i9k/issue9.json "$OUT/i9k.json"; keep /root/i9k.log; table /root/i9k.log; grep -h "LoRA kernel" /root/i9k.log | cut -c 1-300
+elif [ "$1" = modes ]; then
+  model
+  python scripts/qwen_shape.py > /dev/null 2>&1  # built once, before two processes want it
+  (CUDA_VISIBLE_DEVICES=0 python scripts/gpu_modes.py --tiles auto --json "$OUT/modes_auto.json" > /root/ma.log 2>&1) &
+  a=$!
+  (CUDA_VISIBLE_DEVICES=1 python scripts/gpu_modes.py --tiles none --json "$OUT/modes_none.json" > /root/mn.log 2>&1) &
+  b=$!
+  wait $a $b
+  keep /root/ma.log; keep /root/mn.log
+  grep -h "^vllm\|^ratios\|^modes\|^vLLM engine start\|Error" /root/ma.log /root/mn.log | cut -c 1-600
 elif [ "$1" = a ]; then
   # convert the embedded model once, before three processes want it
   python -c "from evolm_lib.models import resolve_model; print(resolve_model('smollm2-135m-instruct'))"

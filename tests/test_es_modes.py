@@ -14,6 +14,7 @@ from evolm_lib.train.es import ESRun
 from evolm_lib.train.modes import SEED_LOG, SNAPSHOTS
 
 TARGETS = ["q_proj", "v_proj", "down_proj"]
+ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 BASE = dict(model="tiny-random", task="conciseness", population_size=4, sigma=0.1, learning_rate=0.05, lora_rank=1,
             target_modules=TARGETS, max_new_tokens=6, max_model_len=256, kv_cache_gb=0.0625, eval_every=1)
 
@@ -183,3 +184,19 @@ def test_full_mode_without_room_for_the_master_is_refused_before_the_engine_star
     with pytest.raises(ConfigError, match=r"es_mode=full: the float32 master .* need .* beside the engine, which leaves 0\.000977 GiB"):
         ESRun.open(config, tmp_path / "tight")
     assert not (tmp_path / "tight").exists()
+
+
+def test_the_throughput_measurement_serves_eggroll_and_times_the_weight_modes(engine, tiny_model_dir):
+    from evolm_lib.throughput import ThroughputSpec, measure_throughput, measure_weight_modes, ratios, release_eggroll
+
+    spec = ThroughputSpec(model=str(tiny_model_dir), population=4, prompts=2, new_tokens=5, rank=1, repeats=1)
+    rows = measure_throughput(engine, spec, ("base", "eggroll"))
+    assert [r["name"] for r in rows] == ["vllm base", "vllm eggroll"]
+    assert all(r["tokens"] == 4 * 2 * 5 for r in rows)  # EOS ignored: every request its 5 tokens
+    assert rows[1]["timing"]["slots_write_s"] > 0
+    assert ratios(rows)["vllm eggroll / vllm base"] == rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"]
+    release_eggroll(engine)
+    modes = measure_weight_modes(engine, spec, repeats=1)
+    values = sum(torch.Size(s).numel() for s in targeted_weight_shapes(tiny_model_dir, ALL).values())
+    assert modes["weights_values"] == values and modes["full_restored_exactly"]
+    assert modes["eggroll_update_s"] > 0 and modes["full_write_s"] > 0 and modes["full_restore_s"] > 0

@@ -97,9 +97,10 @@ class ResidentWeights:
         """The ES ascent direction over the targeted weights, from seeds and shaped fitness, on their device."""
         if self.noise == "full":
             return es.es_gradient(members, weights, self.shapes, sigma, form, self.device, self.scheme)
-        parts = lowrank.lowrank_gradient(members, weights, self.shapes, self.noise_rank, sigma, form, self.device,
-                                         self.scheme)
-        return es.FlatParams(torch.cat([parts[name].reshape(-1) for name in self.layout.names]), self.layout)
+        flat = torch.empty(self.layout.total, dtype=torch.float32, device=self.device)
+        lowrank.lowrank_gradient(members, weights, self.shapes, self.noise_rank, sigma, form, self.device, self.scheme,
+                                 out=self.layout.split(flat))  # straight into one flat vector
+        return es.FlatParams(flat, self.layout)
 
     @torch.no_grad()
     def step(self, optimizer: es.OptimizerConfig, members: Sequence[es.Member], weights: Sequence[float] | torch.Tensor,
@@ -108,12 +109,12 @@ class ResidentWeights:
         Returns the update's L2 norm (float32 master, before the cast)."""
         if self.optimizer_state is None:
             self.optimizer_state = _fresh_state(optimizer, self.master)
-        before = self.master.flat.clone()
+        before = self.master  # apply_update returns a new master and leaves this one as it was
         _, state = es.apply_update(optimizer, self.optimizer_state, self.master, self.gradient(members, weights, sigma, form))
         self.optimizer_state = state
         self.master = state.master if isinstance(state.master, es.FlatParams) else es.FlatParams.of(state.master, self.layout)
         self.restore()
-        return float(torch.linalg.vector_norm(self.master.flat - before, dtype=torch.float64))
+        return float(torch.linalg.vector_norm(self.master.flat.sub(before.flat), dtype=torch.float64))
 
     @torch.no_grad()
     def load_master(self, flat: torch.Tensor) -> None:

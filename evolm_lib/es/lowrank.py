@@ -98,8 +98,10 @@ def combine_factors(a: torch.Tensor, b: torch.Tensor, coefficients: torch.Tensor
 
 def lowrank_gradient(members: Sequence[Member], weights: torch.Tensor | Sequence[float], shapes: Shapes, rank: int,
                      sigma: Sigma, form: GradientForm = "qiu", device: str | torch.device = "cpu",
-                     scheme: NoiseScheme = "flat", block: int | None = None) -> dict[str, torch.Tensor]:
-    """The full-rank ES ascent direction from low-rank members: name -> (out, in) float32 on `device`.
+                     scheme: NoiseScheme = "flat", block: int | None = None,
+                     out: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """The full-rank ES ascent direction from low-rank members: name -> (out, in) float32 on `device`
+    (written into ``out``'s tensors when given, e.g. views of one flat vector: no copy afterwards).
 
     "qiu": 1/N sum_i w_i sign_i E_i (sigma folded into the learning rate, as in ``core.es_gradient``);
     "textbook": divided by sigma as well. Antithetic pairs share a seed and are drawn once, with the
@@ -118,14 +120,17 @@ def lowrank_gradient(members: Sequence[Member], weights: torch.Tensor | Sequence
         coefficient[member.seed] = coefficient.get(member.seed, 0.0) + member.sign * weight
     seeds = [seed for seed, c in coefficient.items() if c != 0.0]
     n = len(members)
-    totals = {name: torch.zeros(tuple(shape), dtype=torch.float32, device=device) for name, shape in shapes.items()}
+    if out is not None:
+        totals = {name: out[name].view(tuple(shape)).zero_() for name, shape in shapes.items()}
+    else:
+        totals = {name: torch.zeros(tuple(shape), dtype=torch.float32, device=device) for name, shape in shapes.items()}
     layout = factor_layout(shapes, rank)
     step = block or layout.block_size()
     for start in range(0, len(seeds), step):
         chunk = seeds[start:start + step]
         c = torch.tensor([coefficient[seed] for seed in chunk], dtype=torch.float32)
         for name, (a, b) in member_factors(chunk, shapes, rank, device, scheme).items():
-            totals[name] += combine_factors(a, b, c)
+            totals[name].add_(combine_factors(a, b, c))
     for name, total in totals.items():
         divisor = n * math.sqrt(rank) * (_sigma_of(sigma, name) if form == "textbook" else 1.0)
         total.div_(divisor)
