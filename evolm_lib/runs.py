@@ -566,6 +566,9 @@ def extended_settings(run_dir: str | Path, config) -> list[str]:
         hint = ("; it was made before noise_scheme existed and draws noise per tensor: pass "
                 "noise_scheme='per_tensor' to continue it" if "noise_scheme" in fixed
                 and existing.get("noise_scheme") == "per_tensor" else "")
+        if "deterministic" in fixed and existing.get("deterministic"):
+            hint += ("; it ran with deterministic decoding, and continuing it without would give rows an "
+                     "uninterrupted run cannot: pass deterministic=True")
         raise ConfigError(f"{run_dir} holds a run with other settings ({', '.join(fixed)}); "
                           f"use another run_dir or overwrite=True{hint}")
     return changed

@@ -9,6 +9,9 @@
 #   bash scripts/gpu_session.sh tp      # population throughput against the base model, Qwen2.5-1.5B shapes, ranks 1 and 8
 #   bash scripts/gpu_session.sh tuned   # tune vLLM's LoRA kernels for those shapes, then the throughput again with them
 #   bash scripts/gpu_session.sh tp8     # rank 8: vLLM's default LoRA kernel tiles, then the tiles shipped here
+#   bash scripts/gpu_session.sh det1    # deterministic: rank-1 population throughput and repeat rates, off then on
+#   bash scripts/gpu_session.sh det8    # the same at rank 8
+#   bash scripts/gpu_session.sh detes   # deterministic ES on SmolLM2: two runs, and a SIGKILL then resume, identical rows?
 # Two GPUs, side by side:
 #   bash scripts/gpu_session.sh modes   # es_mode eggroll throughput against base, its update, full mode's write/restore
 #                                       # (Qwen2.5-1.5B shapes; shipped LoRA tiles on GPU 0, vLLM's on GPU 1)
@@ -42,6 +45,17 @@ elif [ "$1" = tuned ]; then
   keep /root/tune.log; tail -n 30 /root/tune.log
   VLLM_TUNED_CONFIG_FOLDER=/root/lora_configs timeout 360 python scripts/gpu_issue9.py --out /root/i9k --skip-es > /root/i9k.log 2>&1
   cp /root/i9k/issue9.json "$OUT/i9k.json"; keep /root/i9k.log; table /root/i9k.log; grep -h "LoRA kernel" /root/i9k.log | cut -c 1-300
+elif [ "$1" = det1 ] || [ "$1" = det8 ]; then
+  model; python scripts/qwen_shape.py > /dev/null 2>&1
+  r=${1#det}
+  for d in 0 1; do  # one process each: vLLM reads batch invariance once per process
+    python scripts/gpu_deterministic.py throughput --rank "$r" --deterministic $d --json "$OUT/det_r${r}_d$d.json" > /root/det$r$d.log 2>&1
+    keep /root/det$r$d.log; tail -n 1 /root/det$r$d.log | cut -c 1-1500
+  done
+elif [ "$1" = detes ]; then
+  model
+  python scripts/gpu_deterministic.py es --json "$OUT/det_es.json" > /root/detes.log 2>&1
+  keep /root/detes.log; tail -n 1 /root/detes.log | cut -c 1-1500
 elif [ "$1" = modes ]; then
   model
   python scripts/qwen_shape.py > /dev/null 2>&1  # built once, before two processes want it

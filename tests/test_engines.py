@@ -455,3 +455,31 @@ def test_an_es_generation_asked_for_cuda_noise_on_a_cpu_machine_warns_and_finish
     assert [r["es/rewards"] for r in read_metrics(run.run_dir)[1:]] == [r["es/rewards"] for r in read_metrics(reference.run_dir)[1:]]
     assert all(torch.equal(run.mean.tensors[name], reference.mean.tensors[name]) for name in run.mean.tensors)
     assert read_metrics(run.run_dir)[1]["es/update_norm"] > 0  # the update moved the mean: a comparison that can fail
+
+
+def test_batch_invariance_is_set_once_per_process_and_refused_the_other_way(monkeypatch):
+    """deterministic: CPU engines repeat on their own; on a GPU the first engine's mode holds for the process."""
+    from evolm_lib.config import ConfigError
+    from evolm_lib.engines import vllm_engine
+
+    monkeypatch.delenv(vllm_engine.BATCH_INVARIANT_ENV, raising=False)
+    monkeypatch.setitem(vllm_engine._batch_invariant, "process", None)
+    monkeypatch.setitem(vllm_engine._batch_invariant, "by_user", False)
+    assert vllm_engine.batch_invariance(False, on_gpu=False) is True
+    assert vllm_engine._batch_invariant["process"] is None  # a CPU engine decides nothing for the GPU
+    assert vllm_engine.batch_invariance(True, on_gpu=True) is True
+    assert os.environ[vllm_engine.BATCH_INVARIANT_ENV] == "1"
+    assert vllm_engine.batch_invariance(True, on_gpu=True) is True
+    with pytest.raises(ConfigError, match="deterministic: this process already started a GPU engine with deterministic=True"):
+        vllm_engine.batch_invariance(False, on_gpu=True)
+
+
+def test_a_deterministic_run_is_not_resumed_without_it(tmp_path):
+    from evolm_lib.config import ConfigError, ESConfig
+    from evolm_lib.runs import extended_settings, write_run_config
+
+    config = ESConfig(model="tiny-random", deterministic=True)
+    write_run_config(tmp_path, config, "es")
+    assert extended_settings(tmp_path, config.replace(num_generations=20)) == ["num_generations"]
+    with pytest.raises(ConfigError, match="ran with deterministic decoding.*pass deterministic=True"):
+        extended_settings(tmp_path, config.replace(deterministic=False))

@@ -61,6 +61,8 @@ class EngineSizing:
     "the engine's sampling seed"
     adapter_transfer: str = _setting("adapter_transfer")
     "in_place: populations written into resident LoRA slots; files: an adapter file per member"
+    deterministic: bool = _setting("deterministic")
+    "GPU engines: vLLM's batch-invariant kernels (VLLM_BATCH_INVARIANT=1), started before vLLM loads them"
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_lora_rank <= VLLM_LORA_RANKS[-1]:
@@ -81,7 +83,7 @@ class EngineSizing:
         rank = config.noise_rank if getattr(config, "es_mode", "lora") == "eggroll" else config.lora_rank
         return cls(max_loras=max_loras, max_lora_rank=rank, max_model_len=config.max_model_len,
                    dtype=config.dtype, gpu_memory_utilization=config.gpu_memory_utilization,
-                   kv_cache_gb=config.kv_cache_gb, seed=config.seed,
+                   kv_cache_gb=config.kv_cache_gb, seed=config.seed, deterministic=config.deterministic,
                    adapter_transfer=getattr(config, "adapter_transfer", "files"))  # GRPO serves one adapter: files
 
     def covering(self, configs: Iterable[CommonConfig]) -> "EngineSizing":

@@ -89,6 +89,34 @@ def _use_lora_kernel_folder(folder: str | None) -> None:
 
 # ----------------------------------------------------------------------------- starting an engine
 
+BATCH_INVARIANT_ENV = "VLLM_BATCH_INVARIANT"
+_batch_invariant: dict[str, bool | None] = {"process": None, "by_user": False}  # this process's first GPU engine
+
+
+def batch_invariance(wanted: bool, on_gpu: bool) -> bool:
+    """Put vLLM's batch-invariant kernels on (or leave them off) for the engine about to start;
+    returns whether its completions repeat whatever else shares a batch.
+
+    CPU engines repeat without them. On a GPU vLLM reads the switch when it first loads its kernels,
+    once per process, so every GPU engine of a process runs as the first did: asking for the other
+    mode later is refused (start it in a new process). ``VLLM_BATCH_INVARIANT=1`` set by the user
+    before the first engine turns it on for every engine."""
+    if not on_gpu:
+        return True
+    first = _batch_invariant["process"]
+    if first is None:
+        by_user = os.environ.get(BATCH_INVARIANT_ENV) == "1"
+        if wanted:
+            os.environ[BATCH_INVARIANT_ENV] = "1"
+        _batch_invariant.update(process=wanted or by_user, by_user=by_user)
+        return wanted or by_user
+    if first != wanted and not (first and _batch_invariant["by_user"]):
+        from ..config import ConfigError
+
+        raise ConfigError(f"deterministic: this process already started a GPU engine with deterministic={first}, and "
+                          f"vLLM reads batch invariance once per process: run deterministic={wanted} in a new process")
+    return first
+
 
 def llm_arguments(model_dir: str | Path, sizing: EngineSizing, on_gpu: bool, *, enforce_eager: bool | None = None,
                   max_num_seqs: int | None = None, engine_kwargs: dict | None = None) -> dict[str, Any]:
@@ -326,6 +354,7 @@ class VLLMEvaluator(GridsInOneCall):
         from vllm import LLM
 
         on_gpu = torch.cuda.is_available()
+        self.deterministic = batch_invariance(self.sizing.deterministic, on_gpu)
         self.lora_kernel_configs = None
         if on_gpu:
             self.lora_kernel_configs = lora_kernel_folder(lora_kernel_configs, torch.cuda.get_device_name(),
