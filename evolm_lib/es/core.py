@@ -374,23 +374,34 @@ def es_gradient(
     # "textbook": g = 1/(N sigma_t) sum_i w_i sign_i eps_i, an unbiased estimate of the gradient of
     #   the Gaussian-smoothed objective when w are raw rewards.
     # eps is standard normal in both (the perturbation was sigma_t * eps), also with per-tensor sigma.
+    coefficient = member_coefficients(members, weights, form, sigma, list(shapes))
+    n = len(members)
+    scale = {name: n * _sigma_of(sigma, name) if form == "textbook" else n for name in shapes}
+    return seeded_combination(coefficient, shapes, scale, noise_device, scheme)
+
+
+def member_coefficients(members: Sequence[Member], weights: torch.Tensor | Sequence[float], form: GradientForm,
+                        sigma: Sigma, names: Sequence[str]) -> dict[int, float]:
+    """seed -> sum of sign * weight over the members drawn from it, after checking the gradient's
+    inputs: members sharing a seed (an antithetic pair) share their noise, drawn once with the
+    combined coefficient w+ - w-."""
     if form not in ("qiu", "textbook"):
         raise ValueError(f"form must be 'qiu' or 'textbook', got {form!r}")
-    check_sigma(sigma, list(shapes))
+    check_sigma(sigma, list(names))
     w = torch.as_tensor(weights, dtype=torch.float64).reshape(-1)  # (population,)
     if len(members) == 0:
         raise ValueError("members must not be empty")
     if w.numel() != len(members):
         raise ValueError(f"weights has {w.numel()} entries but members has {len(members)}")
-
-    # Members sharing a seed (an antithetic pair) share their noise: draw it once, with the
-    # combined coefficient w+ - w-.
     coefficient: dict[int, float] = {}
     for member, weight in zip(members, w.tolist()):
         coefficient[member.seed] = coefficient.get(member.seed, 0.0) + member.sign * weight
-    n = len(members)
-    scale = {name: n * _sigma_of(sigma, name) if form == "textbook" else n for name in shapes}
-    return seeded_combination(coefficient, shapes, scale, noise_device, scheme)
+    return coefficient
+
+
+def sigma_of(sigma: Sigma, name: str) -> float:
+    """Noise scale of one tensor (a scalar sigma, or one per tensor)."""
+    return _sigma_of(sigma, name)
 
 
 def seeded_combination(coefficient: Mapping[int, float], shapes: Shapes, divisor: Mapping[str, float],

@@ -24,12 +24,8 @@ from typing import Mapping, Sequence
 
 import torch
 
-from .core import GradientForm, Layout, Member, NoiseScheme, Shapes, Sigma, check_sigma, population_noise
-
-def _sigma_of(sigma: Sigma, name: str) -> float:
-    """Noise scale of one weight (scalar sigma, or one per weight)."""
-    return float(sigma[name]) if isinstance(sigma, Mapping) else float(sigma)
-
+from .core import (GradientForm, Layout, Member, NoiseScheme, Shapes, Sigma, check_sigma, member_coefficients,
+                   population_noise, sigma_of)
 
 # a factor's name in the member's flat factor vector: "<weight name>::a" (out, r) and "::b" (in, r)
 _A, _B = "::a", "::b"
@@ -72,7 +68,7 @@ def member_delta(member: Member, shapes: Shapes, rank: int, sigma: Sigma, device
     check_sigma(sigma, list(shapes))
     factors = member_factors([member.seed], shapes, rank, device, scheme)
     scale = 1.0 / math.sqrt(rank)
-    return {name: (member.sign * _sigma_of(sigma, name) * scale) * (a[0] @ b[0].T) for name, (a, b) in factors.items()}
+    return {name: (member.sign * sigma_of(sigma, name) * scale) * (a[0] @ b[0].T) for name, (a, b) in factors.items()}
 
 
 def slot_factors(member: Member, shapes: Shapes, rank: int, sigma: Sigma, device: str | torch.device = "cpu",
@@ -82,7 +78,7 @@ def slot_factors(member: Member, shapes: Shapes, rank: int, sigma: Sigma, device
     check_sigma(sigma, list(shapes))
     factors = member_factors([member.seed], shapes, rank, device, scheme)
     scale = 1.0 / math.sqrt(rank)
-    return {name: (b[0].T.contiguous(), (member.sign * _sigma_of(sigma, name) * scale) * a[0])
+    return {name: (b[0].T.contiguous(), (member.sign * sigma_of(sigma, name) * scale) * a[0])
             for name, (a, b) in factors.items()}
 
 
@@ -107,17 +103,7 @@ def lowrank_gradient(members: Sequence[Member], weights: torch.Tensor | Sequence
     "textbook": divided by sigma as well. Antithetic pairs share a seed and are drawn once, with the
     combined coefficient w+ - w-. Members are drawn in blocks (bounded memory), accumulated in a
     fixed order, so a resumed run gets the same bits."""
-    if form not in ("qiu", "textbook"):
-        raise ValueError(f"form must be 'qiu' or 'textbook', got {form!r}")
-    check_sigma(sigma, list(shapes))
-    w = torch.as_tensor(weights, dtype=torch.float64).reshape(-1)  # (population,)
-    if len(members) == 0:
-        raise ValueError("members must not be empty")
-    if w.numel() != len(members):
-        raise ValueError(f"weights has {w.numel()} entries but members has {len(members)}")
-    coefficient: dict[int, float] = {}
-    for member, weight in zip(members, w.tolist()):
-        coefficient[member.seed] = coefficient.get(member.seed, 0.0) + member.sign * weight
+    coefficient = member_coefficients(members, weights, form, sigma, list(shapes))
     seeds = [seed for seed, c in coefficient.items() if c != 0.0]
     n = len(members)
     if out is not None:
@@ -132,7 +118,7 @@ def lowrank_gradient(members: Sequence[Member], weights: torch.Tensor | Sequence
         for name, (a, b) in member_factors(chunk, shapes, rank, device, scheme).items():
             totals[name].add_(combine_factors(a, b, c))
     for name, total in totals.items():
-        divisor = n * math.sqrt(rank) * (_sigma_of(sigma, name) if form == "textbook" else 1.0)
+        divisor = n * math.sqrt(rank) * (sigma_of(sigma, name) if form == "textbook" else 1.0)
         total.div_(divisor)
     return totals
 
