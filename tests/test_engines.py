@@ -462,7 +462,10 @@ def test_batch_invariance_is_set_once_per_process_and_refused_the_other_way(monk
     from evolm_lib.config import ConfigError
     from evolm_lib.engines import vllm_engine
 
-    monkeypatch.delenv(vllm_engine.BATCH_INVARIANT_ENV, raising=False)
+    # recorded by monkeypatch either way, so the variable this test sets is gone after it (a kernel or
+    # engine started later in this process would otherwise run vLLM's GPU-only batch-invariant kernels)
+    monkeypatch.setenv(vllm_engine.BATCH_INVARIANT_ENV, "0")
+    monkeypatch.delenv(vllm_engine.BATCH_INVARIANT_ENV)
     monkeypatch.setitem(vllm_engine._batch_invariant, "process", None)
     monkeypatch.setitem(vllm_engine._batch_invariant, "by_user", False)
     assert vllm_engine.batch_invariance(False, on_gpu=False) is True

@@ -17,7 +17,7 @@ Faults: an engine's actor that dies (killed, out of memory, node lost) is restar
 call reaches the runner, so a run keeps its last finished generation (checkpointed by
 ``RunLoop.commit``) and resumes from it when started again.
 
-Ray is optional (``pip install evolm[ray]``) and imported only here, when this evaluator is built.
+Ray is optional (``pip install -e '.[ray]'``) and imported only here, when this evaluator is built.
 Qiu et al. 2025 (arXiv 2509.24372) run one vLLM engine per GPU under Ray; EGGROLL's vLLM port
 (Sarkar et al. 2025) shards the population over Ray engines; neither survives a lost engine.
 """
@@ -38,7 +38,7 @@ from .sizing import EngineSizing
 
 logger = logging.getLogger(__name__)
 
-INSTALL_HINT = "pip install evolm[ray]  (or: pip install ray==2.60.0)"
+INSTALL_HINT = "pip install -e '.[ray]'  (or: pip install ray==2.60.0)"
 
 # The engine runs in the actor's own process (no child process per engine), whatever the cluster says.
 ACTOR_REQUIRED_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
