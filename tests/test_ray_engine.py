@@ -170,10 +170,10 @@ def test_cluster_resources_one_gpu_per_engine_else_a_cpu_slice():
 
 def test_without_ray_the_error_says_how_to_install_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
-    with pytest.raises(RayUnavailableError, match=r"pip install evolm\[ray\]"):
+    with pytest.raises(RayUnavailableError, match=r"pip install -e '\.\[ray\]'"):
         RayEvaluator("tiny-random", num_engines=2)
     config = ESConfig(**ES_SETTINGS, evaluator="ray", num_engines=2)  # settings alone never need Ray
-    with pytest.raises(ImportError, match=r"pip install evolm\[ray\]"):
+    with pytest.raises(ImportError, match=r"pip install -e '\.\[ray\]'"):
         make_evaluator(config)
 
 
