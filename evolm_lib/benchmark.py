@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .env import apply_engine_defaults
-from .throughput import ThroughputSpec, format_throughput, throughput_report
+from .throughput import KNOWN_PATHS, ThroughputSpec, format_throughput, throughput_report
 
 VARIANTS = {  # label -> ESConfig changes
     "in_place": {"adapter_transfer": "in_place"},
@@ -105,6 +105,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--new-tokens", type=int, default=128 if gpu else 32, help="throughput: tokens per request")
     parser.add_argument("--rank", type=int, default=1, help="throughput: LoRA rank")
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"ES variants, from {list(VARIANTS)}")
+    parser.add_argument("--paths", default="in_place,files,base",
+                        help="throughput paths, from in_place, files, base, eggroll (es_mode eggroll's population)")
+    parser.add_argument("--weight-modes", action="store_true",
+                        help="also time es_mode full's member write and restore and EGGROLL's update on the engine")
     parser.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")
     args = parser.parse_args(argv)
     for name in ("population", "prompts", "new_tokens", "rank"):
@@ -115,10 +119,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     variants = [v for v in args.variants.split(",") if v]
     if not variants or any(v not in VARIANTS for v in variants):
         parser.error(f"--variants must name some of {list(VARIANTS)}")
+    paths = [p for p in args.paths.split(",") if p]
+    if not paths or any(p not in KNOWN_PATHS for p in paths):
+        parser.error(f"--paths must name some of {list(KNOWN_PATHS)}, got {args.paths!r}")
     apply_engine_defaults()
     spec = ThroughputSpec(model=args.model, population=args.population, prompts=args.prompts, new_tokens=args.new_tokens,
                           rank=args.rank, noise_device="cuda" if gpu else "cpu")
-    throughput = throughput_report(spec, ("in_place", "files", "base"), max_model_len=512)
+    throughput = throughput_report(spec, paths, max_model_len=512, weight_modes=args.weight_modes)
     print(format_throughput(throughput), flush=True)
     generations = es_generations(args.model, args.population, args.generations, variants)
     print(format_es_generations(generations))

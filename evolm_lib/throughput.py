@@ -276,10 +276,13 @@ def load_average() -> list[float]:
 
 
 def throughput_report(spec: ThroughputSpec, paths: Sequence[str] = PATHS, engine: str = "local",
-                      evaluator: Evaluator | None = None, **engine_options) -> dict[str, Any]:
+                      evaluator: Evaluator | None = None, weight_modes: bool = False, **engine_options) -> dict[str, Any]:
     """Measure the paths on an engine started for the spec (:func:`start_engine`, closed at the end)
     or on ``evaluator`` (left open); returns the rows, their ratios, the engine's start time and the
-    machine it ran on."""
+    machine it ran on; with ``weight_modes`` also es_mode full's and EGGROLL's own costs on that
+    engine (:func:`measure_weight_modes`). ``eggroll`` is measured after the other paths (on a CPU
+    engine it moves the projections' weights to plain kernels)."""
+    paths = [p for p in paths if p != "eggroll"] + [p for p in paths if p == "eggroll"]
     report: dict[str, Any] = {"mode": "throughput", **asdict(spec), "machine": machine_info(), "load_before": load_average(),
                               "engine": engine}
     own = evaluator is None
@@ -293,6 +296,9 @@ def throughput_report(spec: ThroughputSpec, paths: Sequence[str] = PATHS, engine
         report["rows"] = measure_throughput(evaluator, spec, paths, "ray" if engine == "ray" else "vllm")
         report["adapter_transfer"] = getattr(evaluator, "adapter_transfer", None)  # after any fall-back to files
         report["lora_kernel_configs"] = getattr(evaluator, "lora_kernel_configs", None)  # tuned tiles a GPU engine uses
+        if weight_modes:
+            release_eggroll(evaluator)
+            report["weight_modes"] = measure_weight_modes(evaluator, spec, repeats=max(spec.repeats, 1))
     finally:
         if own:
             evaluator.close()
@@ -322,6 +328,12 @@ def format_throughput(report: dict[str, Any]) -> str:
     lines.append("")
     width = max((len(name) for name in report["ratios"]), default=0)
     lines.extend(f"{name:<{width}}  {value:.2f}" for name, value in report["ratios"].items())
+    modes = report.get("weight_modes")
+    if modes:
+        lines += ["", f"the model's own weights ({modes['weights_values']:,} values of the 7 projections): EGGROLL update at "
+                      f"population {modes['population']} {modes['eggroll_update_s'] * 1e3:.1f} ms; es_mode full: write a "
+                      f"member {modes['full_write_s'] * 1e3:.1f} ms, restore the mean {modes['full_restore_s'] * 1e3:.1f} ms"
+                      f" ({'exactly' if modes['full_restored_exactly'] else 'NOT exactly'})"]
     return "\n".join(lines)
 
 

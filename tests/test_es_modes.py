@@ -200,3 +200,16 @@ def test_the_throughput_measurement_serves_eggroll_and_times_the_weight_modes(en
     values = sum(torch.Size(s).numel() for s in targeted_weight_shapes(tiny_model_dir, ALL).values())
     assert modes["weights_values"] == values and modes["full_restored_exactly"]
     assert modes["eggroll_update_s"] > 0 and modes["full_write_s"] > 0 and modes["full_restore_s"] > 0
+
+
+def test_the_report_and_the_benchmark_command_take_eggroll_and_the_weight_modes(engine, tiny_model_dir):
+    from evolm_lib import benchmark
+    from evolm_lib.throughput import ThroughputSpec, format_throughput, throughput_report
+
+    spec = ThroughputSpec(model=str(tiny_model_dir), population=2, prompts=1, new_tokens=3, rank=1)
+    report = throughput_report(spec, ("eggroll", "base"), evaluator=engine, weight_modes=True)
+    assert [row["path"] for row in report["rows"]] == ["base", "eggroll"]  # eggroll last
+    assert report["weight_modes"]["full_restored_exactly"]
+    assert "EGGROLL update at population 2" in format_throughput(report)
+    with pytest.raises(SystemExit):
+        benchmark.main(["--paths", "in_place,nope"])
