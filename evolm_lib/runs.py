@@ -292,7 +292,13 @@ def append_metrics(run_dir: Path, row: dict) -> None:
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
     """All rows of a run's metrics.jsonl (a torn last line from a kill is skipped)."""
-    path = Path(run_dir) / "metrics.jsonl"
+    return read_jsonl(Path(run_dir) / "metrics.jsonl")
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    """Every JSON line of an append-only log (none if the file is missing); a line torn by a kill
+    mid-write is skipped."""
+    path = Path(path)
     if not path.exists():
         return []
     rows = []

@@ -35,6 +35,7 @@ from ..config import ConfigError, ESConfig
 from ..engines import CompletionTable, SamplingSettings
 from ..es import core as es
 from ..lora import LoraSpec
+from ..runs import read_jsonl
 
 
 SEED_LOG = "seed_log.jsonl"
@@ -111,15 +112,7 @@ class WeightsES:
 
     def read_log(self) -> list[dict[str, Any]]:
         """The seed log's entries (a torn last line from a kill is skipped)."""
-        path = self.run_dir / SEED_LOG
-        entries = []
-        if path.exists():
-            for line in path.read_text().splitlines():
-                try:
-                    entries.append(json.loads(line))
-                except json.JSONDecodeError:
-                    break
-        return entries
+        return read_jsonl(self.run_dir / SEED_LOG)
 
     def snapshot(self, generation: int) -> Path:
         """The float32 mean and optimizer buffers of this generation, written atomically; older ones pruned."""
