@@ -113,6 +113,17 @@ def base_weight_shapes(model_dir: str | Path, matrices_only: bool = True) -> dic
     return shapes
 
 
+def read_base_weights(model_dir: str | Path, names) -> dict[str, torch.Tensor]:
+    """The named tensors of a model folder's safetensors files (the names it lacks are left out)."""
+    wanted, out = set(names), {}
+    for path in _weight_files(Path(model_dir)):
+        with safe_open(str(path), framework="pt") as handle:
+            for key in handle.keys():
+                if key in wanted:
+                    out[key] = handle.get_tensor(key)
+    return out
+
+
 def target_weight_shapes(model_dir: str | Path, spec: LoraSpec) -> dict[str, tuple[int, int]]:
     """Base weight name -> (out, in) for every module the spec targets, validated against the model
     (what an adapter adapts, and what full-parameter or EGGROLL ES perturbs)."""

@@ -32,6 +32,7 @@ import statistics
 import sys
 import tempfile
 import time
+import weakref
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -160,23 +161,25 @@ def start_engine(spec: ThroughputSpec, engine: str = "local", *, num_engines: in
     return VLLMEvaluator(spec.model, **common, **vllm_options)
 
 
-_EGGROLL: dict[int, tuple] = {}  # id(evaluator) -> (its EGGROLL weights, its slots), made by the first call
+# evaluator -> (its EGGROLL weights, its slots), made by the first call; an engine that is gone takes
+# its entry with it (an id could be reused by the next engine)
+_EGGROLL: "weakref.WeakKeyDictionary[Evaluator, tuple]" = weakref.WeakKeyDictionary()
 
 
 def eggroll_of(evaluator: Evaluator, spec: ThroughputSpec) -> tuple:
     """(resident weights, low-rank slots) of es_mode eggroll on a vLLM engine, made once per engine."""
     from .lora import ALL_PROJECTIONS, LoraSpec
 
-    if id(evaluator) not in _EGGROLL:
+    if evaluator not in _EGGROLL:
         weights = evaluator.resident_weights(ALL_PROJECTIONS, noise="lowrank", noise_rank=spec.rank)
         slots = evaluator.lowrank_slots(LoraSpec(rank=spec.rank, alpha=float(spec.rank)), spec.population)
-        _EGGROLL[id(evaluator)] = (weights, slots)
-    return _EGGROLL[id(evaluator)]
+        _EGGROLL[evaluator] = (weights, slots)
+    return _EGGROLL[evaluator]
 
 
 def release_eggroll(evaluator: Evaluator) -> None:
     """Give back an engine's EGGROLL slots and master (before it measures something else)."""
-    weights, slots = _EGGROLL.pop(id(evaluator), (None, None))
+    weights, slots = _EGGROLL.pop(evaluator, (None, None))
     if slots is not None:
         slots.close()
         weights.close()

@@ -63,10 +63,6 @@ class ResidentWeights:
         """Name -> shape of every targeted weight."""
         return dict(zip(self.layout.names, self.layout.shapes))
 
-    def nbytes_needed(self) -> int:
-        """Bytes this object adds beside the live weights: the float32 master and one member's noise."""
-        return 2 * 4 * self.layout.total
-
     # --- members ---------------------------------------------------------------------------------
     def member_noise(self, member: es.Member, sigma: float) -> torch.Tensor:
         """sign * sigma * eps(seed) over all targeted weights, float32, flat (layout order)."""
@@ -108,7 +104,7 @@ class ResidentWeights:
         """One ES update of the mean where the weights live; the live weights then hold the new mean.
         Returns the update's L2 norm (float32 master, before the cast)."""
         if self.optimizer_state is None:
-            self.optimizer_state = _fresh_state(optimizer, self.master)
+            self.optimizer_state = es.init_optimizer_state(optimizer, self.master, copy=False)
         before = self.master  # apply_update returns a new master and leaves this one as it was
         _, state = es.apply_update(optimizer, self.optimizer_state, self.master, self.gradient(members, weights, sigma, form))
         self.optimizer_state = state
@@ -131,18 +127,6 @@ class ResidentWeights:
     def checksum(self) -> str:
         """SHA-256 of the float32 master's bytes (the same bits give the same digest on any machine)."""
         return hashlib.sha256(self.master.flat.detach().cpu().numpy().tobytes()).hexdigest()
-
-
-def _fresh_state(optimizer: es.OptimizerConfig, master: es.FlatParams) -> es.OptimizerState:
-    """Optimizer state over the master itself (no second full-size copy of the weights)."""
-    def zeros() -> es.FlatParams:
-        return es.FlatParams(torch.zeros_like(master.flat), master.layout)
-
-    if isinstance(optimizer, es.AdamConfig):
-        return es.OptimizerState(0, master, zeros(), zeros())
-    if isinstance(optimizer, es.SGDConfig):
-        return es.OptimizerState(0, master, zeros() if optimizer.momentum > 0 else {})
-    raise TypeError(f"unknown optimizer config {type(optimizer).__name__}")
 
 
 def targeted_weights(named: Mapping[str, torch.Tensor], target_modules: Sequence[str] | str) -> dict[str, torch.Tensor]:

@@ -30,6 +30,7 @@ import torch
 
 from .. import es
 from ..es import lowrank
+from ..lora import read_base_weights
 from .resident_weights import NoiseForm, ResidentWeights, load_snapshot, snapshot_of, targeted_weight_shapes
 from .vllm_worker import LoRASlotsExtension
 
@@ -70,15 +71,8 @@ def _engine_weight_map(model) -> dict[str, tuple[Any, slice | None]]:
 
 def _read_weights(model_dir: Path, names: Sequence[str]) -> dict[str, torch.Tensor]:
     """Tensors of the model folder's safetensors files, by HF name."""
-    from safetensors import safe_open
-
-    wanted, out = set(names), {}
-    for path in sorted(Path(model_dir).glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as handle:
-            for key in handle.keys():
-                if key in wanted:
-                    out[key] = handle.get_tensor(key)
-    missing = sorted(wanted - set(out))
+    out = read_base_weights(model_dir, names)
+    missing = sorted(set(names) - set(out))
     if missing:
         raise WeightsUnsupported(f"{model_dir} has no tensor {missing[:3]}{' ...' if len(missing) > 3 else ''}")
     return out
@@ -237,14 +231,15 @@ class WeightsExtension:
         with torch.inference_mode():
             seeds = [int(seed) for seed, _ in members]
             factors = lowrank.member_factors(seeds, shapes, rank, resident.device, resident.scheme)
+            # once per call, not once per weight: the members' signs and the slots they go to
+            step = torch.tensor([float(s) * scale for _, s in members], device=resident.device).view(-1, 1, 1)
+            index = torch.tensor(slot_set.slots[: len(members)], device=slot_set.entries[0].stacked.device)
             for name, (a, b) in factors.items():  # a (members, out, r), b (members, in, r)
-                sign = torch.tensor([float(s) for _, s in members], device=a.device).view(-1, 1, 1)
                 entry_a, entry_b = entries[name][True], entries[name][False]
                 if entry_a.rank != rank:
                     raise WeightsUnsupported(f"{name}: slots of rank {entry_a.rank} for noise_rank {rank}")
-                index = torch.tensor(slot_set.slots[: len(members)], device=entry_a.stacked.device)
                 entry_a.stacked[index, 0, :rank] = b.transpose(1, 2).to(entry_a.stacked.dtype)
-                entry_b.stacked[index, 0, :, :rank] = (a * (sign * scale)).to(entry_b.stacked.dtype)
+                entry_b.stacked[index, 0, :, :rank] = (a * step).to(entry_b.stacked.dtype)
         return {"write_s": _synchronized(started)}
 
     def evolm_weights_release(self, key: int) -> None:

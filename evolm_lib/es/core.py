@@ -271,7 +271,7 @@ def check_sigma(sigma: Sigma, names: Sequence[str] | None = None) -> None:
         raise ValueError(f"sigma must be > 0 and finite, got {sigma}")
 
 
-def _sigma_of(sigma: Sigma, name: str) -> float:
+def sigma_of(sigma: Sigma, name: str) -> float:
     """Noise scale of one tensor."""
     return float(sigma[name]) if isinstance(sigma, Mapping) else float(sigma)
 
@@ -283,7 +283,7 @@ def perturb(mean: Params, member: Member, sigma: Sigma, noise_device: str = NOIS
     noise = member_noise(member.seed, shapes_of(mean), device=noise_device, scheme=scheme)
     perturbed: Params = {}
     for name, tensor in mean.items():
-        step = (member.sign * _sigma_of(sigma, name)) * noise[name].to(tensor.device)
+        step = (member.sign * sigma_of(sigma, name)) * noise[name].to(tensor.device)
         # Add in float32: sigma ~1e-3 noise partly rounds away if added in bfloat16.
         perturbed[name] = (tensor.float() + step).to(tensor.dtype)
     return perturbed
@@ -376,7 +376,7 @@ def es_gradient(
     # eps is standard normal in both (the perturbation was sigma_t * eps), also with per-tensor sigma.
     coefficient = member_coefficients(members, weights, form, sigma, list(shapes))
     n = len(members)
-    scale = {name: n * _sigma_of(sigma, name) if form == "textbook" else n for name in shapes}
+    scale = {name: n * sigma_of(sigma, name) if form == "textbook" else n for name in shapes}
     return seeded_combination(coefficient, shapes, scale, noise_device, scheme)
 
 
@@ -397,11 +397,6 @@ def member_coefficients(members: Sequence[Member], weights: torch.Tensor | Seque
     for member, weight in zip(members, w.tolist()):
         coefficient[member.seed] = coefficient.get(member.seed, 0.0) + member.sign * weight
     return coefficient
-
-
-def sigma_of(sigma: Sigma, name: str) -> float:
-    """Noise scale of one tensor (a scalar sigma, or one per tensor)."""
-    return _sigma_of(sigma, name)
 
 
 def seeded_combination(coefficient: Mapping[int, float], shapes: Shapes, divisor: Mapping[str, float],
@@ -513,9 +508,12 @@ def _float32_copy(params: Mapping[str, torch.Tensor]) -> FlatParams:
     return FlatParams(flat_of(params, layout).detach().to(torch.float32, copy=True), layout)
 
 
-def init_optimizer_state(config: OptimizerConfig, params: Params) -> OptimizerState:
-    """Fresh state for `params`: step 0, a float32 master copy and zero moments (all laid out flat)."""
-    master = _float32_copy(params)
+def init_optimizer_state(config: OptimizerConfig, params: Params, copy: bool = True) -> OptimizerState:
+    """Fresh state for `params`: step 0, a float32 master copy and zero moments (all laid out flat).
+    ``copy=False`` adopts `params` as the master when it already is a float32 FlatParams (no second
+    full-size copy: a model's own weights keep theirs beside the engine)."""
+    adopt = not copy and isinstance(params, FlatParams) and params.flat.dtype == torch.float32
+    master = params if adopt else _float32_copy(params)
 
     def zeros() -> FlatParams:
         return FlatParams(torch.zeros_like(master.flat), master.layout)

@@ -122,12 +122,3 @@ def lowrank_gradient(members: Sequence[Member], weights: torch.Tensor | Sequence
         total.div_(divisor)
     return totals
 
-
-def weight_shapes(shapes: Mapping[str, Sequence[int]]) -> dict[str, tuple[int, int]]:
-    """The 2-D weights of a model's targeted modules, as (out, in) shapes (others refused by name)."""
-    out: dict[str, tuple[int, int]] = {}
-    for name, shape in shapes.items():
-        if len(shape) != 2:
-            raise ValueError(f"low-rank noise needs 2-D weights; {name} has shape {tuple(shape)}")
-        out[name] = (int(shape[0]), int(shape[1]))
-    return out

@@ -240,7 +240,7 @@ class ESRun(RunLoop):
         if self.weights_es is None:
             return super().save_final()
         self._check_writer()
-        return self.weights_es.save_model(self.model_dir, self.run_dir / "final_model", self.config.dtype)
+        return self.weights_es.save_model(self.run_dir / "final_model", self.config.dtype)
 
     def close(self) -> None:
         """Release the engine's resident weights, then the folder and the engine (see RunLoop.close)."""

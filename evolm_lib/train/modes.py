@@ -34,7 +34,7 @@ from safetensors.torch import load_file, save_file
 from ..config import ConfigError, ESConfig
 from ..engines import CompletionTable, SamplingSettings
 from ..es import core as es
-from ..lora import LoraSpec
+from ..lora import LoraSpec, read_base_weights
 from ..runs import read_jsonl
 
 
@@ -136,9 +136,7 @@ class WeightsES:
         """The targeted weights as the model folder has them: one float32 vector in layout order (the
         mean of generation 0, whatever an engine shared with earlier runs holds now)."""
         layout = es.Layout.of(self.weights.shapes)
-        found: dict[str, torch.Tensor] = {}
-        for path in sorted(Path(self.model_dir).glob("*.safetensors")):
-            found.update({k: v for k, v in load_file(str(path)).items() if k in self.weights.shapes})
+        found = read_base_weights(self.model_dir, layout.names)
         return torch.cat([found[name].to(torch.float32).reshape(-1) for name in layout.names])
 
     def restore_to(self, generation: int) -> None:
@@ -160,21 +158,21 @@ class WeightsES:
                 members = [es.Member(int(seed), int(sign)) for seed, sign in entry["members"]]
                 self.weights.step(self.optimizer, members, entry["weights"], float(entry["sigma"]),
                                   self.config.gradient_form)
-        kept = [e for e in entries if e["generation"] <= generation]
-        if len(kept) != len(entries) or (self.run_dir / SEED_LOG).exists():
-            path = self.run_dir / SEED_LOG
+        # later generations' lines go, and so does a line torn by a kill (the next append would join it)
+        kept = "".join(json.dumps(e) + "\n" for e in entries if e["generation"] <= generation)
+        path = self.run_dir / SEED_LOG
+        if path.exists() and path.read_text() != kept:
             temporary = path.with_suffix(".jsonl.tmp")
-            temporary.write_text("".join(json.dumps(e) + "\n" for e in kept))
+            temporary.write_text(kept)
             os.replace(temporary, path)
         for stale in (self.run_dir / SNAPSHOTS).glob("*.safetensors"):
             if int(stale.stem) > generation:
                 stale.unlink()  # from a generation whose checkpoint never landed
 
-    def save_model(self, model_dir: Path, out: Path, dtype: str) -> Path:
+    def save_model(self, out: Path, dtype: str) -> Path:
         """The model with the mean's weights as a folder transformers and vLLM load (safetensors,
         config, tokenizer), the targeted weights in ``dtype``."""
-        from ..lora import base_weight_shapes
-
+        model_dir = self.model_dir
         master = self.weights.read()["master"]
         layout = es.Layout.of(self.weights.shapes)
         moved = layout.split(master)
@@ -186,7 +184,7 @@ class WeightsES:
         for path in sorted(Path(model_dir).glob("*.safetensors")):
             for name, tensor in load_file(str(path)).items():
                 tensors[name] = moved[name].to(getattr(torch, dtype)).contiguous() if name in moved else tensor
-        missing = set(moved) - set(tensors) - set(base_weight_shapes(model_dir, matrices_only=False))
+        missing = set(moved) - set(tensors)
         if missing:
             raise ValueError(f"{model_dir} has no tensor {sorted(missing)[:3]}")
         save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
