@@ -8,8 +8,9 @@ References:
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, ContextManager, Sequence
 
 import torch
 
@@ -172,12 +173,15 @@ def mean_kl_to_base(
     temperature: float = 1.0,
     max_new_tokens: int = 64,
     seed: int = 0,
+    serving_base: Callable[[], ContextManager] | None = None,
 ) -> float:
     """Mean per-token KL(adapter || base), k3 estimate, from the engine's log-probs of the adapter's samples.
 
     Samples come from the adapter (with their log-probs); the base model then scores those very tokens
     (``evaluator.prompt_logprobs``). The engine reports untempered log-probs, so the estimate is
-    unbiased at temperature 1 only.
+    unbiased at temperature 1 only. When the policy is the engine's own weights (``adapter`` None,
+    ES modes full and eggroll), ``serving_base`` is a context in which the engine serves the base
+    model's weights (``WeightsES.serving_base``); the base's scoring runs inside it.
     """
     if num_samples < 1:
         raise ValueError(f"num_samples must be >= 1, got {num_samples}")
@@ -193,7 +197,8 @@ def mean_kl_to_base(
     if any(c.logprobs is None for c in completions):
         raise TypeError(f"{type(evaluator).__name__} returned no sampled-token log-probs")
     prompt_ids = [evaluator.encode(p) for p in prompts]
-    base = evaluator.prompt_logprobs(prompt_ids, [c.token_ids for c in completions], adapter=None)
+    with serving_base() if serving_base is not None else nullcontext():
+        base = evaluator.prompt_logprobs(prompt_ids, [c.token_ids for c in completions], adapter=None)
     policy = torch.tensor([lp for c in completions for lp in c.logprobs], dtype=torch.float64)  # (tokens,)
     reference = torch.tensor([lp for row in base for lp in row], dtype=torch.float64)  # (tokens,)
     if policy.numel() == 0:

@@ -16,6 +16,9 @@ The spec is a batch file for notebook 04 (`notebook`, `parameters`) plus a `swee
     sweep:
       common: {model: ..., task: ..., lora_rank: ...}   # ESConfig/GRPOConfig settings shared by both
       es: {population_size: 16, sigma: 0.05, ...}       # ES-only settings
+      es_modes:                                         # optional: several ES variants, each over `es`
+        lora: {}                                        # -> OUT/es_lora_seedN
+        full: {es_mode: full, sigma: 0.001, learning_rate: 0.0005}   # -> OUT/es_full_seedN
       grpo: {group_size: [8, 16], learning_rate: ...}   # GRPO-only settings; group_size and learning_rate may be lists
       generations: 12                                   # ES generations (sets the budget)
       seeds: [0, 1, 2]
@@ -23,14 +26,21 @@ The spec is a batch file for notebook 04 (`notebook`, `parameters`) plus a `swee
       seconds_per_completion: {es: 1.1, grpo: 1.6}      # for the wall-time estimate
       kl: {num_samples: 4, temperature: 1.0, every_checkpoint: true}
 
+Every ES variant of `es_modes` (all at the same budget: the same population x prompts) is one
+more method; `--methods es_full,grpo` runs only those methods' runs (several processes, each with its
+own engine, can share one OUT this way). After each run its final adapter (or, for `es_mode` full and
+eggroll, the engine's mean) is scored greedily on every held-out problem, one line per problem in
+OUT/<run>/heldout.jsonl: the input of the study's intervals (``evolm_lib.analysis``).
+
 Usage::
 
-    evolm sweep [SPEC] [--generations G] [--seeds 0,1,2] [--out DIR]
+    evolm sweep [SPEC] [--generations G] [--seeds 0,1,2] [--methods es_lora,grpo] [--out DIR]
                 [--model NAME] [--max-new-tokens N] [--no-kl] [--no-notebook] [--dry-run]
 """
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
 from dataclasses import dataclass, replace
@@ -42,13 +52,14 @@ from .batch import execute_notebook, read_yaml_file, spec_from_dict
 from .config import ConfigError, ESConfig, GRPOConfig, did_you_mean
 from .engines import EngineSizing, make_evaluator
 from .train.es import ESRun
-from .evaluation import mean_kl_to_base
+from .evaluation import evaluate_adapter, mean_kl_to_base, success
 from .train.grpo import GRPORun
 from .runs import RunFolderBusy, list_checkpoints, load_checkpoint, read_checkpoint_kls, read_metrics
 from .tasks import get_task
 
 DEFAULT_SPEC = "papermill_runs/es_vs_grpo_conciseness_cpu.yaml"  # relative to the project folder
-SWEEP_KEYS = ("common", "es", "grpo", "generations", "seeds", "out", "seconds_per_completion", "kl")
+SWEEP_KEYS = ("common", "es", "es_modes", "grpo", "generations", "seeds", "out", "seconds_per_completion", "kl")
+HELDOUT = "heldout.jsonl"  # a finished run's greedy score on every held-out problem, one line each
 
 
 @dataclass(frozen=True)
@@ -60,6 +71,11 @@ class PlannedRun:
     kind: str  # "es" | "grpo"
     config: Any  # ESConfig | GRPOConfig
     budget: int  # training completions it will use
+
+    @property
+    def method(self) -> str:
+        """The run's method as ``--methods`` names it: its folder name without the seed (es_full, grpo)."""
+        return self.name.rsplit("_seed", 1)[0]
 
     @property
     def length(self) -> int:
@@ -106,6 +122,19 @@ def check_sections(sweep: dict, source: str | Path = "the spec") -> None:
         fields = _section_fields(section)
         problems += [f"sweep.{section}.{key}: not one of the {what}{did_you_mean(key, fields)}"
                      for key in values if key not in fields]
+    variants = sweep.get("es_modes") or {}
+    if not isinstance(variants, dict):
+        problems.append(f"sweep.es_modes: expected a mapping of name -> ESConfig settings, got {variants!r}")
+        variants = {}
+    for name, values in variants.items():
+        if not str(name).replace("_", "").isalnum():
+            problems.append(f"sweep.es_modes.{name}: a name of letters, digits and _ (it names run folders)")
+        if not isinstance(values or {}, dict):
+            problems.append(f"sweep.es_modes.{name}: expected a mapping of ESConfig settings, got {values!r}")
+            continue
+        fields = _section_fields("es")
+        problems += [f"sweep.es_modes.{name}.{key}: not one of the ESConfig settings{did_you_mean(key, fields)}"
+                     for key in (values or {}) if key not in fields]
     if problems:
         raise ValueError(f"{source}: " + "; ".join(problems))
 
@@ -151,13 +180,17 @@ def plan_sweep(sweep: dict, generations: int | None = None, seeds: list[int] | N
     grpo["learning_rate"] = grpo_learning_rate if grpo_learning_rate is not None else rates[0]
     group_sizes = grpo.pop("group_size", 8)
     group_sizes = group_sizes if isinstance(group_sizes, list) else [group_sizes]
+    variants = sweep.get("es_modes") or {None: {}}
     plan = []
     for seed in seeds:
-        es = _config(ESConfig, [("sweep.common", common), ("sweep.es", sweep.get("es") or {}), *given],
-                     {"seed": seed, "num_generations": generations})
-        prompts = _prompts_per_step(es)
-        budget = generations * es.population_size * prompts
-        plan.append(PlannedRun(f"es_seed{seed}", "es", "es", es, budget))
+        for variant, settings in variants.items():
+            sections = [("sweep.common", common), ("sweep.es", sweep.get("es") or {})]
+            if variant is not None:
+                sections.append((f"sweep.es_modes.{variant}", settings or {}))
+            es = _config(ESConfig, [*sections, *given], {"seed": seed, "num_generations": generations})
+            budget = generations * es.population_size * _prompts_per_step(es)
+            name, label = (f"es_{variant}", f"es {variant}") if variant is not None else ("es", "es")
+            plan.append(PlannedRun(f"{name}_seed{seed}", label, "es", es, budget))
         for group_size in group_sizes:
             steps, rest = divmod(generations * es.population_size, group_size)
             if rest or steps < 1:
@@ -172,6 +205,19 @@ def plan_sweep(sweep: dict, generations: int | None = None, seeds: list[int] | N
     if len(budgets) > 1:  # prompts_per_step differs between the methods' settings
         raise ValueError(f"unequal budgets across runs: {sorted(budgets)} training completions")
     return plan
+
+
+def select_methods(plan: list[PlannedRun], methods: list[str] | None) -> list[PlannedRun]:
+    """The planned runs of the named methods (``PlannedRun.method``: es_full, grpo, ...), all when None;
+    a name no run has fails, listing the plan's methods."""
+    if not methods:
+        return plan
+    known = list(dict.fromkeys(run.method for run in plan))
+    unknown = [m for m in methods if m not in known]
+    if unknown:
+        hints = "".join(did_you_mean(m, known) for m in unknown)
+        raise ValueError(f"--methods: {unknown} not in this sweep{hints}; its methods: {known}")
+    return [run for run in plan if run.method in methods]
 
 
 def plan_learning_rate_sweep(sweep: dict, generations: int | None = None, seeds: list[int] | None = None,
@@ -246,39 +292,75 @@ def make_shared_evaluator(plan: list[PlannedRun]):
     return make_evaluator(first, sizing=EngineSizing.from_config(first).covering(run.config for run in plan))
 
 
+def _kl_of(evaluator, run, adapter, kl_settings: dict) -> float:
+    """KL(policy || base) on the run's eval prompts: ``adapter``, or with None the engine's own weights
+    (es_mode full/eggroll), the base then served from the model folder's weights while it scores."""
+    weights = getattr(run, "weights_es", None)
+    return mean_kl_to_base(evaluator, run.task, adapter, run.eval_examples,
+                           num_samples=int(kl_settings.get("num_samples", 4)),
+                           temperature=float(kl_settings.get("temperature", 1.0)),
+                           max_new_tokens=run.config.max_new_tokens, seed=run.config.seed,
+                           serving_base=weights.serving_base if adapter is None and weights is not None else None)
+
+
 def measure_kl(evaluator, run, kl_settings: dict) -> float | None:
-    """Mean per-token KL of the run's final adapter to the base model on the eval prompts (None: engine cannot)."""
-    adapter = run.mean if run.kind == "es" else run.policy
+    """Mean per-token KL of the run's final adapter (or mean weights) to the base model on the eval
+    prompts (None: the engine cannot score tokens)."""
     try:
-        return mean_kl_to_base(evaluator, run.task, adapter, run.eval_examples,
-                               num_samples=int(kl_settings.get("num_samples", 4)),
-                               temperature=float(kl_settings.get("temperature", 1.0)),
-                               max_new_tokens=run.config.max_new_tokens, seed=run.config.seed)
+        return _kl_of(evaluator, run, run.adapter, kl_settings)
     except TypeError as error:  # an engine without token log-probs (HF, synthetic)
         print(f"  no KL: {error}", flush=True)
         return None
 
 
 def checkpoint_kls(evaluator, run, kl_settings: dict) -> list[dict]:
-    """KL(adapter || base) of every kept checkpoint of a run not yet measured, appended to run_dir/kl.jsonl."""
+    """KL(adapter || base) of every kept checkpoint of a run not yet measured, appended to run_dir/kl.jsonl.
+    For es_mode full/eggroll the checkpoints are the weight snapshots' generations (every
+    ``checkpoint_every`` and the last), whose means the seed log replays on the engine."""
     path = Path(run.run_dir) / "kl.jsonl"
     done = {json.loads(line)["generation"] for line in path.read_text().splitlines()} if path.exists() else set()
     rows = []
-    for checkpoint in list_checkpoints(run.run_dir):
-        generation = int(checkpoint.name.split(".")[0])
-        if generation in done:
-            continue
-        adapter, _, _ = load_checkpoint(checkpoint)
+
+    def record(generation: int, adapter) -> None:
         started = time.perf_counter()
-        kl = mean_kl_to_base(evaluator, run.task, adapter, run.eval_examples,
-                             num_samples=int(kl_settings.get("num_samples", 4)),
-                             temperature=float(kl_settings.get("temperature", 1.0)),
-                             max_new_tokens=run.config.max_new_tokens, seed=run.config.seed)
+        kl = _kl_of(evaluator, run, adapter, kl_settings)
         row = {"generation": generation, "policy/kl": kl, "seconds": time.perf_counter() - started}
         with open(path, "a") as handle:
             handle.write(json.dumps(row) + "\n")
         rows.append(row)
+
+    weights = getattr(run, "weights_es", None)
+    if weights is not None:
+        every, last = run.config.checkpoint_every, run.generation
+        wanted = [g for g in range(0, last + 1) if (g % every == 0 or g == last) and g not in done]
+        for generation in weights.replay(wanted):
+            record(generation, None)
+        return rows
+    for checkpoint in list_checkpoints(run.run_dir):
+        generation = int(checkpoint.name.split(".")[0])
+        if generation not in done:
+            record(generation, load_checkpoint(checkpoint)[0])
     return rows
+
+
+def score_held_out(evaluator, run) -> Path:
+    """The run's final adapter (or mean weights) scored greedily on every held-out problem, one JSON
+    line per problem in run_dir/heldout.jsonl (index, prompt, target, completion, reward, success);
+    written atomically, kept when it already exists."""
+    path = Path(run.run_dir) / HELDOUT
+    if path.exists():
+        return path
+    result = evaluate_adapter(evaluator, run.task, run.adapter, run.eval_examples,
+                              max_new_tokens=run.config.max_new_tokens)
+    threshold = result["success_threshold"]
+    lines = [json.dumps({"index": i, "prompt": str(run.task.prompt(example)), "target": example.target,
+                         "completion": completion, "reward": reward, "success": success(reward, threshold)})
+             for i, (example, completion, reward) in enumerate(zip(run.eval_examples, result["completions"],
+                                                                   result["rewards"]))]
+    temporary = path.with_suffix(".jsonl.tmp")
+    temporary.write_text("".join(line + "\n" for line in lines))
+    os.replace(temporary, path)
+    return path
 
 
 def run_one(planned: PlannedRun, out: Path, evaluator, kl_evaluator=None, kl_settings: dict | None = None):
@@ -290,6 +372,7 @@ def run_one(planned: PlannedRun, out: Path, evaluator, kl_evaluator=None, kl_set
         f"greedy {row.get('policy/train_reward', float('nan')):9.3f}  samples {row['samples/completions']:>6}  "
         f"{row['time/generation_s']:6.1f} s", flush=True))
     run.save_final()
+    score_held_out(evaluator, run)
     if kl_settings is not None and kl_settings.get("every_checkpoint"):
         for row in checkpoint_kls(kl_evaluator or evaluator, run, kl_settings):
             print(f"  {planned.name} checkpoint {row['generation']}: KL to base {row['policy/kl']:.4g}", flush=True)

@@ -213,3 +213,42 @@ def test_the_report_and_the_benchmark_command_take_eggroll_and_the_weight_modes(
     assert "EGGROLL update at population 2" in format_throughput(report)
     with pytest.raises(SystemExit):
         benchmark.main(["--paths", "in_place,nope"])
+
+
+def test_a_sweep_of_the_three_modes_scores_every_held_out_problem_and_replays_each_checkpoints_kl(engine, tmp_path):
+    from evolm_lib import sweep
+    from evolm_lib.runs import read_jsonl
+
+    spec = {"common": {k: v for k, v in BASE.items() if k not in ("population_size", "sigma", "learning_rate")},
+            "es": {"population_size": 4, "sigma": 0.1, "learning_rate": 0.05, "checkpoint_every": 2,
+                   "keep_checkpoints": 10},
+            "es_modes": {"lora": {}, "full": {"es_mode": "full"}, "eggroll": {"es_mode": "eggroll", "noise_rank": 2}},
+            "grpo": {"group_size": 4}, "generations": 3, "seeds": [0]}
+    sweep.check_sections(spec)
+    plan = sweep.select_methods(sweep.plan_sweep(spec), ["es_lora", "es_full", "es_eggroll"])
+    assert [(r.name, r.label, r.config.es_mode) for r in plan] == [
+        ("es_lora_seed0", "es lora", "lora"), ("es_full_seed0", "es full", "full"),
+        ("es_eggroll_seed0", "es eggroll", "eggroll")]
+    with pytest.raises(ValueError, match=r"--methods: \['es_ful'\] not in this sweep \(did you mean es_full\?\)"):
+        sweep.select_methods(plan, ["es_ful"])
+    base_before = engine.generate(["Hello"], [None], _greedy())[0][0].text
+    sweep.run_sweep(plan, tmp_path, evaluator=engine, kl_settings={"num_samples": 2, "every_checkpoint": True})
+    for run in plan:
+        folder = tmp_path / run.name
+        held_out = read_jsonl(folder / sweep.HELDOUT)
+        assert [line["index"] for line in held_out] == list(range(8))  # conciseness: eight held-out questions
+        assert all(line["success"] == (line["reward"] >= 0.0) for line in held_out)
+        final_row = _rows(folder)[-1]
+        assert sum(line["reward"] for line in held_out) / 8 == pytest.approx(final_row["eval/reward"])
+        kls = {row["generation"]: row["policy/kl"] for row in read_jsonl(folder / "kl.jsonl")}
+        assert set(kls) == {0, 2, 3}
+        assert kls[0] == pytest.approx(0.0, abs=1e-4)  # generation 0's mean is the base model
+        # the replayed last mean is the run's own: its KL is the one measured on the final mean
+        assert kls[3] == pytest.approx(final_row["policy/kl"], rel=1e-6, abs=1e-9) and kls[3] > 1e-4
+    assert engine.generate(["Hello"], [None], _greedy())[0][0].text == base_before  # the engine serves the base again
+
+
+def _greedy():
+    from evolm_lib.engines import SamplingSettings
+
+    return SamplingSettings(max_new_tokens=6, temperature=0.0)

@@ -19,6 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("spec", nargs="?", default=sweep.DEFAULT_SPEC, help="sweep spec (YAML)")
     parser.add_argument("--generations", type=int, help="ES generations (GRPO steps follow from the equal budget)")
     parser.add_argument("--seeds", help="comma-separated seeds, e.g. 0,1,2")
+    parser.add_argument("--methods", help="comma-separated methods to run, e.g. es_full,grpo (default: all of the spec's)")
     parser.add_argument("--out", help="folder for the run folders (default: the spec's sweep.out)")
     parser.add_argument("--model", help="override the model (e.g. tiny-random for a quick check)")
     parser.add_argument("--max-new-tokens", type=int, help="override max_new_tokens")
@@ -35,7 +36,11 @@ def main(argv: list[str] | None = None) -> int:
         seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else None
         rates = sweep.grpo_learning_rates(spec)
         lr_runs = sweep.plan_learning_rate_sweep(spec, args.generations, seeds, overrides) if len(rates) > 1 else []
-        plan = sweep.plan_sweep(spec, args.generations, seeds, overrides, grpo_learning_rate=rates[0])
+        methods = [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods else None
+        plan = sweep.select_methods(sweep.plan_sweep(spec, args.generations, seeds, overrides,
+                                                     grpo_learning_rate=rates[0]), methods)
+        if methods and not any(run.kind == "grpo" for run in plan):
+            lr_runs = []  # no GRPO run asked for: no learning-rate sweep either
     except (ValueError, FileNotFoundError) as err:  # a bad spec or option: one line naming it
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -58,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
         if lr_runs:
             best, scores = sweep.best_learning_rate(out, lr_runs)
             print(f"GRPO learning rates by score: {scores}; best {best:g}", flush=True)
-            plan = sweep.plan_sweep(spec, args.generations, seeds, overrides, grpo_learning_rate=best)
+            plan = sweep.select_methods(sweep.plan_sweep(spec, args.generations, seeds, overrides,
+                                                         grpo_learning_rate=best), methods)
             sweep.adopt_learning_rate_run(out, lr_runs, plan, best)
         seconds.update(sweep.run_sweep(plan, out, evaluator, kl_settings=kl_settings))
     finally:

@@ -220,8 +220,11 @@ def snapshot_of(resident: ResidentWeights) -> dict:
 
 
 def load_snapshot(resident: ResidentWeights, snapshot: Mapping[str, torch.Tensor]) -> None:
-    """Set the mean and the optimizer's buffers from ``snapshot_of``'s form, and serve the mean."""
+    """Set the mean and the optimizer's buffers from ``snapshot_of``'s form, and serve the mean; a
+    snapshot without ``step`` is a mean no update has touched yet (the optimizer starts afresh)."""
     resident.load_master(snapshot["master"])
+    if "step" not in snapshot:
+        resident.optimizer_state = None
     if "step" in snapshot:
         def flat(name):
             value = snapshot.get(name)

@@ -25,8 +25,9 @@ import os
 import shutil
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -168,6 +169,39 @@ class WeightsES:
         for stale in (self.run_dir / SNAPSHOTS).glob("*.safetensors"):
             if int(stale.stem) > generation:
                 stale.unlink()  # from a generation whose checkpoint never landed
+
+    @contextmanager
+    def serving_base(self) -> Iterator[None]:
+        """Inside the block the engine serves the model folder's weights (the base model), after it
+        the mean and optimizer buffers it served before, bit for bit (from the float32 master)."""
+        saved = self.weights.read()
+        self.weights.load({"master": self.model_weights()})
+        try:
+            yield
+        finally:
+            self.weights.load(saved)
+
+    def replay(self, generations: Iterable[int]) -> Iterator[int]:
+        """Serve the mean of each of ``generations`` in turn (ascending), rebuilt from the model
+        folder's weights and the seed log as a resume does, so each is the run's own mean bit for
+        bit; yields the generation while the engine serves it. Afterwards the engine serves the mean
+        it served before. For measurements per checkpoint (KL to the base model) after a run."""
+        wanted = sorted(set(int(g) for g in generations))
+        saved = self.weights.read()
+        try:
+            self.weights.load({"master": self.model_weights()})
+            done = 0
+            entries = sorted(self.read_log(), key=lambda e: e["generation"])
+            for generation in wanted:
+                for entry in entries:
+                    if done < entry["generation"] <= generation:
+                        members = [es.Member(int(seed), int(sign)) for seed, sign in entry["members"]]
+                        self.weights.step(self.optimizer, members, entry["weights"], float(entry["sigma"]),
+                                          self.config.gradient_form)
+                done = generation
+                yield generation
+        finally:
+            self.weights.load(saved)
 
     def save_model(self, out: Path, dtype: str) -> Path:
         """The model with the mean's weights as a folder transformers and vLLM load (safetensors,
