@@ -287,8 +287,9 @@ def estimate_seconds(plan: list[PlannedRun], seconds_per_completion: dict) -> fl
 
 
 def make_shared_evaluator(plan: list[PlannedRun]):
-    """One engine for every run: sized for the largest population and LoRA rank."""
-    first = next(run.config for run in plan if run.kind == "es")
+    """One engine for every run: sized for the largest population and LoRA rank (a plan of GRPO runs
+    alone, ``--methods grpo``, included)."""
+    first = next((run.config for run in plan if run.kind == "es"), plan[0].config)
     return make_evaluator(first, sizing=EngineSizing.from_config(first).covering(run.config for run in plan))
 
 
