@@ -8,6 +8,7 @@ Layout::
       checkpoints/000012/    adapter (PEFT format), optimizer.safetensors, state.json (with that row),
                              manifest.json (size and SHA-256 of each of those files, written last)
       final_adapter/         PEFT format, loadable by vLLM and peft
+      tensorboard/           with report_to: [tensorboard], the rows as event files (evolm_lib.reporting)
       .writer.lock           the writer's lock: who writes the folder now (pid, host, since when)
 
 One process writes a run folder at a time: the run that opens it holds an exclusive OS lock
