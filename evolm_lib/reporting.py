@@ -3,9 +3,11 @@ metrics.jsonl, which stays the run's record.
 
 ``tensorboard`` writes the numbers of each row as scalars (tag: the row's key, e.g.
 ``train/reward_mean``; step: its ``generation``) to event files in ``run_dir/tensorboard``, offline;
-``tensorboard --logdir run_dir`` shows them. A reporter is two methods, ``report(row)`` and
-``close()``; another backend is a class with them, registered in ``BACKENDS`` under its name in
-``evolm_lib.config.ReportTo``. Backends are imported only when ``report_to`` names them.
+``tensorboard --logdir run_dir`` shows them. A reporter (``Reporter``) is built from the run folder,
+the rows to write again and the first generation it reports, and has ``report(row)`` and ``close()``;
+another backend is such a class, registered in ``BACKENDS`` under its name in
+``evolm_lib.config.ReportTo``. Its ``require()`` imports what it needs, only when ``report_to``
+names it, before the run touches its folder.
 
 A resumed run redoes the generations past its checkpoint: its reporters are opened with the
 checkpoint's generation, drop what an earlier process reported from that generation on, and report
@@ -31,7 +33,8 @@ CLOCK_SLACK_S = 2.0
 
 
 class Reporter(Protocol):
-    """Where metrics rows go besides metrics.jsonl: one call per row, flushed before it returns."""
+    """Where metrics rows go besides metrics.jsonl: one call per row, flushed before it returns.
+    Built as ``Backend(run_dir, history, first_step)`` (see ``TensorBoardReporter``)."""
 
     @staticmethod
     def require() -> object:
@@ -77,10 +80,13 @@ class TensorBoardReporter:
         if earlier and not self._wait_to_sort_after(earlier):
             shutil.rmtree(self.folder)  # written under a clock far ahead: rebuilt whole from metrics.jsonl
             earlier = []
-        purge_step = first_step if earlier else None
+        # Every writer opens with a purge (a session start), a new run's at 0 too: TensorBoard's
+        # Python reader takes the first start it sees as no restart, and would keep the points the
+        # first resume purges.
+        purge_step = first_step if earlier else 0
         self._writer = summary_writer(str(self.folder), purge_step=purge_step)
         for row in history:
-            if row.get("generation", -1) >= (purge_step or 0):
+            if row.get("generation", -1) >= purge_step:
                 self._write(row)
         self._writer.flush()
 

@@ -8,15 +8,16 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+import typing
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from evolm_lib.config import ConfigError, ESConfig, GRPOConfig
+from evolm_lib.config import ConfigError, ESConfig, GRPOConfig, ReportTo
 from evolm_lib.engines.synthetic import SyntheticEvaluator
 from evolm_lib.parameters import notebook_config
-from evolm_lib.reporting import TENSORBOARD_DIR, scalars
+from evolm_lib.reporting import BACKENDS, TENSORBOARD_DIR, scalars
 from evolm_lib.runs import list_checkpoints, read_metrics
 from evolm_lib.train.es import ESRun
 from evolm_lib.train.grpo import GRPORun
@@ -32,13 +33,21 @@ GRPO_SETTINGS = dict(model="tiny-random", target_modules=["q_proj", "v_proj"], l
 
 def tensorboard_points(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
     """(step, value) of every scalar point in the run's event files, tag by tag, as TensorBoard's
-    own reader gives them (with its purge of points a restarted writer dropped)."""
+    own reader gives them (with its purge of points a restarted writer dropped); the reader behind
+    ``tensorboard --load_fast=false``, which purges by other rules, must give the same."""
+    from tensorboard.backend.event_processing import plugin_event_accumulator
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.util import tensor_util
 
     accumulator = EventAccumulator(str(run_dir / TENSORBOARD_DIR), size_guidance={"scalars": 0})  # 0: keep all
     accumulator.Reload()
-    return {tag: [(event.step, event.value) for event in accumulator.Scalars(tag)]
-            for tag in accumulator.Tags()["scalars"]}
+    points = {tag: [(event.step, event.value) for event in accumulator.Scalars(tag)]
+              for tag in accumulator.Tags()["scalars"]}
+    server = plugin_event_accumulator.EventAccumulator(str(run_dir / TENSORBOARD_DIR), size_guidance={"tensors": 0})
+    server.Reload()
+    assert {tag: [(event.step, tensor_util.make_ndarray(event.tensor_proto).item()) for event in server.Tensors(tag)]
+            for tag in server.Tags()["tensors"]} == points
+    return points
 
 
 def jsonl_points(rows: list[dict]) -> dict[str, list[tuple[int, float]]]:
@@ -75,6 +84,7 @@ def test_report_to_defaults_to_none_and_refuses_unknown_backends(config_class):
         config_class(model="tiny-random", report_to=["tensorboard", "wandb"])
     assert str(error.value) == (f"invalid {config_class.__name__}: report_to: 'wandb' is not supported; "
                                 "allowed: ['tensorboard']")
+    assert set(BACKENDS) == set(typing.get_args(ReportTo))  # every name the settings allow has a backend
 
 
 def test_notebook_settings_and_text_parameters_reach_report_to():
