@@ -232,7 +232,7 @@ def test_event_files_named_by_a_clock_ahead_are_rebuilt_from_metrics(tmp_path):
     run.close()
     (event_file,) = (tmp_path / "run" / TENSORBOARD_DIR).iterdir()
     ahead = int(time.time()) + 3600
-    event_file.rename(event_file.with_name(event_file.name.replace(event_file.name.split(".")[3], str(ahead))))
+    event_file.rename(event_file.with_name(f"events.out.tfevents.{ahead}.elsewhere.1.0"))
     resumed = ESRun.resume(tmp_path / "run", evaluator=SyntheticEvaluator())
     resumed.run()
     resumed.close()
