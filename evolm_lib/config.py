@@ -2,6 +2,7 @@
 with a message naming the field, before any model is converted or engine started."""
 from __future__ import annotations
 
+import typing
 from pathlib import Path
 from typing import Any, Literal, Optional
 
@@ -47,6 +48,8 @@ CPU_KV_CACHE_GB = 1.0
 as a share of RAM minus what the process already holds, which fails or wastes memory depending on
 the process; a fixed size is predictable."""
 AdapterTransfer = Literal["in_place", "files"]
+ReportTo = Literal["tensorboard"]
+"""Where ``report_to`` can stream metrics rows; each name has a backend in ``evolm_lib.reporting.BACKENDS``."""
 
 
 class CommonConfig(BaseModel):
@@ -110,6 +113,8 @@ class CommonConfig(BaseModel):
     "write a checkpoint every k generations/steps (and always at the end)"
     keep_checkpoints: int = Field(2, ge=1)
     "how many recent checkpoints to keep"
+    report_to: tuple[ReportTo, ...] = ()
+    "where each metrics row also goes, beside metrics.jsonl: tensorboard (its numbers as scalars in run_dir/tensorboard, offline; view with `tensorboard --logdir run_dir`; needs the tensorboard package); empty: metrics.jsonl only"
 
     def __init__(self, **data: Any):
         try:
@@ -129,6 +134,19 @@ class CommonConfig(BaseModel):
         if value not in list_tasks():
             raise ValueError(f"unknown task {value!r}; known tasks: {', '.join(list_tasks())}")
         return value
+
+    @field_validator("report_to", mode="before")
+    @classmethod
+    def _report_to_known(cls, value: Any) -> Any:
+        # before pydantic's own check, so an unknown name gets the allowed ones, not "Input should be ..."
+        names = (value,) if isinstance(value, str) else value
+        if not isinstance(names, (list, tuple)):
+            return value  # pydantic names the expected type
+        allowed = list(typing.get_args(ReportTo))
+        for name in names:
+            if name not in allowed:
+                raise ValueError(f"{name!r} is not supported; allowed: {allowed}")
+        return tuple(dict.fromkeys(names))  # a name given twice streams once
 
     @field_validator("target_modules")
     @classmethod

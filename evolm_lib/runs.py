@@ -8,6 +8,7 @@ Layout::
       checkpoints/000012/    adapter (PEFT format), optimizer.safetensors, state.json (with that row),
                              manifest.json (size and SHA-256 of each of those files, written last)
       final_adapter/         PEFT format, loadable by vLLM and peft
+      tensorboard/           with report_to: [tensorboard], the rows as event files (evolm_lib.reporting)
       .writer.lock           the writer's lock: who writes the folder now (pid, host, since when)
 
 One process writes a run folder at a time: the run that opens it holds an exclusive OS lock
@@ -535,9 +536,11 @@ def latest_intact_checkpoint(run_dir: str | Path) -> Path:
 
 
 # Settings that do not change the science: a finished run may be extended with other values.
-# Where the engines run and how adapters reach them do not change the rows either (tested equal).
+# Where the engines run and how adapters reach them do not change the rows either (tested equal),
+# nor where else the rows are streamed (report_to: a run gains TensorBoard with all its rows so far).
 EXTENDABLE = frozenset({"num_generations", "num_steps", "eval_every", "checkpoint_every", "keep_checkpoints",
-                        "evaluator", "num_engines", "ray_address", "adapter_transfer", "score_in_population"})
+                        "evaluator", "num_engines", "ray_address", "adapter_transfer", "score_in_population",
+                        "report_to"})
 
 
 def write_run_config(run_dir: str | Path, config, kind: str) -> None:

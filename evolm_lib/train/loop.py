@@ -20,6 +20,7 @@ from ..evaluation import score_adapters
 from ..lora import AdapterWeights, adapter_shapes, base_weight_magnitudes, init_adapter, save_adapter
 from ..models import resolve_model
 from ..preflight import check_engine_settings
+from ..reporting import Reporters, check_backends, open_reporters
 from ..runs import (
     RunState,
     WriterLock,
@@ -66,6 +67,7 @@ class RunLoop:
         self._pending = state.pending_row()  # its scoring was riding in the next call: done again now
         self._writer: WriterLock | None = None  # the folder's writer lock, set by create/resume/open
         self._owns_evaluator = False  # whether close() closes the engine: only one the run started
+        self._reporters = Reporters()  # report_to's, set by create/resume/open
 
     @classmethod
     def _build(cls, state: RunState, *, run_dir: Path, evaluator: Evaluator | None, task: Task, model_dir: Path):
@@ -81,6 +83,7 @@ class RunLoop:
         task = get_task(config.task, **config.task_options)
         model_dir = resolve_model(config.model)
         adapter = cls._first_adapter(config, model_dir, task, initial_adapter)
+        check_backends(config.report_to)  # a missing package fails here, before the folder and the engine
         lock = WriterLock.acquire(run_dir)  # before the folder is touched and before any engine
         with lock.released_on_error():
             run_dir = prepare_run_dir(run_dir, overwrite)
@@ -88,6 +91,7 @@ class RunLoop:
             run = cls._build(RunState(config=config, adapter=adapter), run_dir=run_dir, evaluator=evaluator,
                              task=task, model_dir=model_dir)
             run._writer, run._owns_evaluator = lock, evaluator is None
+            run._reporters = open_reporters(config.report_to, run_dir)
             run.commit({"generation": 0, **run.row_header(), **run.score(force=True)})
         return run
 
@@ -103,9 +107,12 @@ class RunLoop:
     def _resume(cls, run_dir: Path, lock: WriterLock, evaluator: Evaluator | None):
         state = load_latest(run_dir, cls.kind, cls.config_class)
         config = state.config
+        check_backends(config.report_to)
         run = cls._build(state, run_dir=run_dir, evaluator=evaluator, task=get_task(config.task, **config.task_options),
                          model_dir=resolve_model(config.model))
         run._writer, run._owns_evaluator = lock, evaluator is None
+        # the generations past the checkpoint are redone: their points go, metrics.jsonl's rows from it on come back
+        run._reporters = open_reporters(config.report_to, run_dir, state.rows, first_step=state.generation)
         return run
 
     @classmethod
@@ -299,8 +306,9 @@ class RunLoop:
 
     def _log(self, row: dict) -> dict:
         self._check_writer()
-        append_metrics(self.run_dir, row)
+        append_metrics(self.run_dir, row)  # the record first, then report_to's copies
         self.history.append(row)
+        self._reporters.report(row)
         return row
 
     def _check_writer(self) -> None:
@@ -348,8 +356,9 @@ class RunLoop:
         return save_adapter(self.adapter, self.run_dir / "final_adapter", base_model=str(self.model_dir))
 
     def close(self) -> None:
-        """Release the run folder (another process may open it now) and the engine, if the run
-        started it; an evaluator passed in belongs to the caller (it may serve other runs)."""
+        """Close report_to's reporters, release the run folder (another process may open it now) and
+        the engine, if the run started it; an evaluator passed in belongs to the caller (it may serve other runs)."""
+        self._reporters.close()
         if self._writer is not None:
             self._writer.release()
         if self.evaluator is not None and self._owns_evaluator:
