@@ -33,6 +33,7 @@ Qiu et al. 2025 (arXiv 2509.24372) run one vLLM engine per GPU under Ray; EGGROL
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -545,7 +546,6 @@ def _kill(actors: list) -> None:
             pass
 
 
-
 # ----------------------------------------------------------------------------- the mean inside every engine
 
 
@@ -570,7 +570,8 @@ class RayWeights:
         try:
             results = pool.run([(e, "weights_open", (self.key, self.target_modules, self.options)) for e in engines])
         except BaseException:
-            self.close()
+            with contextlib.suppress(Exception):  # the engines that took it give it back; the first error stands
+                self.close()
             raise
         self.restarts = list(self.evaluator.restarts)
         self.evaluator.means.add(self.key)
@@ -646,7 +647,8 @@ class RaySlots:
         try:
             evaluator.pool.run([(e, "lowrank_open", (key, spec, size)) for e, size in enumerate(self.sizes)])
         except BaseException:
-            self.close()
+            with contextlib.suppress(Exception):
+                self.close()
             raise
 
     def close(self) -> None:
