@@ -379,8 +379,6 @@ class ESConfig(CommonConfig):
             raise ValueError(f"estimator: es_mode {mode} takes the ES update with fitness_shaping; estimators run in es_mode lora")
         if self.noise_mode != "uniform":
             raise ValueError(f"noise_mode: es_mode {mode} takes one sigma for every weight ('uniform')")
-        if self.evaluator == "ray":
-            raise ValueError(f"evaluator: es_mode {mode} runs on one local engine so far (Ray engines: not yet)")
         if mode == "eggroll" and self.noise_rank > 512:
             raise ValueError(f"noise_rank: vLLM serves LoRA ranks up to 512, got {self.noise_rank}")
         return self

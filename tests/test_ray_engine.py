@@ -395,6 +395,33 @@ def test_an_engine_dead_for_good_raises_engine_lost_error(ray_cluster):
     assert lost.value.attempts == 1 and len(pool.faults) == 1
 
 
+def test_an_engine_back_without_the_state_it_held_ends_the_call(ray_cluster):
+    """A restarted engine that lost what it kept between calls (a run's mean, es_mode full / eggroll)
+    is not handed the call again: the pool's on_restarted names why, and EngineLostError says it."""
+    ray = ray_cluster
+
+    class SlowEngine:  # a stand-in engine that Ray restarts once
+        def ready(self):
+            return {"host": "here", "pid": os.getpid()}
+
+        def generate_grids(self, grids, *shared):
+            time.sleep(30)
+
+    actor = ray.remote(SlowEngine).options(num_cpus=0, max_restarts=1).remote()
+    pool = EnginePool([actor], [ray.get(actor.ready.remote())], FaultPolicy(max_attempts=3, restart_timeout_s=60.0))
+    pid_before = pool.engine_info[0]["pid"]
+    asked = []
+    pool.on_restarted = lambda engine: asked.append(engine) or "it came back without the run's mean"
+    pool.on_submitted = lambda pool, engines: ray.kill(pool.actors[0], no_restart=False)
+    try:
+        with pytest.raises(EngineLostError, match="engine 0 of 1 .* is lost: it came back without the run's mean") as lost:
+            pool.run([(0, "generate_grids", ([],))])
+    finally:
+        ray.kill(actor, no_restart=True)
+    assert asked == [0] and lost.value.attempts == 1  # asked once, after the engine answered again
+    assert pool.engine_info[0]["pid"] != pid_before
+
+
 @pytest.mark.slow
 def test_grpo_run_on_two_engines_equals_one_engine(ray_engines, local_engine, tmp_path):
     from evolm_lib.train.grpo import GRPORun

@@ -118,6 +118,17 @@ class HFEvaluator(GridsOneByOne):
         return HostWeights(self.model, self.model_dir, target_modules, noise=noise, noise_rank=noise_rank,
                            noise_scheme=noise_scheme, layers_to_transform=layers_to_transform)
 
+    def run_members(self, weights, members, sigma: float, prompts: Sequence[PromptLike], sampling: SamplingSettings,
+                    score=None, slots=None) -> tuple[CompletionTable, CompletionTable | None, dict[str, float]]:
+        """ES members of ``weights`` (from ``resident_weights``) one after another, EGGROLL's as dense
+        deltas (no LoRA slots here), then ``score``'s prompts under the mean: see
+        ``resident_weights.run_members_one_by_one``."""
+        from .resident_weights import run_members_one_by_one
+
+        if slots is not None:
+            raise ValueError("the HF engine has no low-rank slots: its members are served one at a time")
+        return run_members_one_by_one(self, weights, members, sigma, prompts, sampling, score)
+
     def close(self) -> None:
         """Drop the model."""
         self.model = self.peft_model = None

@@ -11,11 +11,21 @@ How a call travels:
   global prompt indices, so seeded sampling draws exactly what one engine would.
 - Completions come back in member (adapter) and prompt order; the runner sees one complete table.
 
+The model's own weights as the ES mean (``es_mode`` full and eggroll): every engine keeps its own
+float32 master of the mean (``resident_weights``). An update goes to every engine as seeds and shaped
+fitness, and each computes the same new mean where its weights live, so no full-size tensor crosses
+the network; a snapshot is read from one engine, and loaded into all of them (through the object
+store, once). ``run_members`` gives each engine a contiguous block of the members (written from their
+seeds one after another, or into its EGGROLL slots) and a block of the mean's scoring prompts, all in
+one concurrent call.
+
 Faults: an engine's actor that dies (killed, out of memory, node lost) is restarted by Ray
 (``max_restarts``) and the shards it held are resubmitted once it answers again. A shard lost
 ``max_attempts`` times, or an engine that stays dead, raises :class:`EngineLostError`; nothing of that
 call reaches the runner, so a run keeps its last finished generation (checkpointed by
-``RunLoop.commit``) and resumes from it when started again.
+``RunLoop.commit``) and resumes from it when started again. An engine that held a run's mean (es_mode
+full or eggroll) comes back without it: that also raises :class:`EngineLostError` at once, and the
+resumed run rebuilds the mean on every engine from its snapshot and seed log.
 
 Ray is optional (``pip install -e '.[ray]'``) and imported only here, when this evaluator is built.
 Qiu et al. 2025 (arXiv 2509.24372) run one vLLM engine per GPU under Ray; EGGROLL's vLLM port
@@ -23,13 +33,16 @@ Qiu et al. 2025 (arXiv 2509.24372) run one vLLM engine per GPU under Ray; EGGROL
 """
 from __future__ import annotations
 
+import contextlib
+import itertools
 import logging
 import os
 import socket
 import time
 from dataclasses import dataclass, fields
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
+from .. import es
 from ..es.core import Member, Sigma
 from ..lora import AdapterWeights
 from ..types import PromptLike
@@ -79,6 +92,19 @@ def plan_grid(num_adapters: int, num_prompts: int, num_engines: int, engine_max_
     if num_adapters >= num_engines or num_adapters > engine_max_loras:
         return [(block, slice(0, num_prompts)) for block in balanced_blocks(num_adapters, min(num_engines, num_adapters))]
     return [(slice(0, num_adapters), block) for block in balanced_blocks(num_prompts, min(num_engines, num_prompts))]
+
+
+def plan_members(num_members: int, num_score_prompts: int, num_engines: int) -> list[tuple[int, slice, slice | None]]:
+    """How ``RayEvaluator.run_members`` shares out members (es_mode full / eggroll) and the mean's
+    scoring prompts: ``(engine, its contiguous block of members, its block of scoring prompts or
+    None)`` for every engine with work, in engine order."""
+    members = balanced_blocks(num_members, min(num_engines, num_members)) if num_members else []
+    scores = balanced_blocks(num_score_prompts, min(num_engines, num_score_prompts)) if num_score_prompts else []
+    plan = []
+    for engine in range(max(len(members), len(scores))):
+        block = members[engine] if engine < len(members) else slice(num_members, num_members)
+        plan.append((engine, block, scores[engine] if engine < len(scores) else None))
+    return plan
 
 
 def check_cluster_resources(num_engines: int, resources: dict[str, float], cpus_per_engine: float = 1.0) -> dict[str, float]:
@@ -184,6 +210,8 @@ class EngineActor:
 
         self.index = index
         self.engine = VLLMEvaluator(model, sizing, **options)
+        self.resident: dict[int, Any] = {}  # es_mode full / eggroll: key -> this engine's EngineWeights
+        self.lowrank: dict[int, Any] = {}  # eggroll: key -> this engine's slots for its block of members
         on_gpu = torch.cuda.is_available()
         self.info = {
             "engine": index,
@@ -212,6 +240,62 @@ class EngineActor:
     def prompt_logprobs(self, prompt_token_ids, completion_token_ids, adapter=None) -> list[list[float]]:
         """Log-prob of each completion token given its prompt."""
         return self.engine.prompt_logprobs(prompt_token_ids, completion_token_ids, adapter=adapter)
+
+    # --- the model's own weights as the ES mean (es_mode full / eggroll), kept here between calls ---
+    def _resident(self, key: int):
+        if key not in self.resident:
+            raise RuntimeError(f"engine {self.index} holds no resident weights {key}: its actor restarted since they "
+                               "were set up, or they were released")
+        return self.resident[key]
+
+    def weights_open(self, key: int, target_modules, options: dict) -> dict:
+        """Set up the targeted weights with their float32 master (``VLLMEvaluator.resident_weights``)."""
+        weights = self.engine.resident_weights(target_modules, **options)
+        self.resident[key] = weights
+        return {"shapes": weights.shapes, "info": weights.info}
+
+    def weights_step(self, key: int, optimizer, members: list, weights: list, sigma: float, form: str) -> dict:
+        """One ES update of this engine's mean, from the members' seeds and shaped fitness."""
+        return self._resident(key).step(optimizer, members, weights, sigma, form)
+
+    def weights_read(self, key: int) -> dict:
+        """This engine's float32 master and optimizer buffers (full size)."""
+        return self._resident(key).read()
+
+    def weights_load(self, key: int, snapshot: dict) -> None:
+        """Serve the mean of a snapshot."""
+        self._resident(key).load(snapshot)
+
+    def weights_checksum(self, key: int) -> dict:
+        """SHA-256 of this engine's master, whether it serves it exactly, and the optimizer's step."""
+        return self._resident(key).checksum()
+
+    def weights_close(self, key: int) -> None:
+        """Serve the mean and release the master (nothing to do where it is gone already)."""
+        weights = self.resident.pop(key, None)
+        if weights is not None:
+            weights.close()
+
+    def lowrank_open(self, key: int, spec, num_slots: int) -> None:
+        """EGGROLL's resident LoRA slots for this engine's block of members."""
+        self.lowrank[key] = self.engine.lowrank_slots(spec, num_slots)
+
+    def lowrank_close(self, key: int) -> None:
+        """Release EGGROLL's slots."""
+        slots = self.lowrank.pop(key, None)
+        if slots is not None:
+            slots.close()
+
+    def run_members(self, weights_key: int, slots_key: int | None, members: list, sigma: float, prompts: list,
+                    sampling: SamplingSettings, score) -> tuple:
+        """This engine's block of members, and its block of the mean's scoring prompts, in one call
+        (``VLLMEvaluator.run_members``)."""
+        slots = None
+        if slots_key is not None:
+            slots = self.lowrank.get(slots_key)
+            if slots is None:
+                raise RuntimeError(f"engine {self.index} holds no low-rank slots {slots_key}: its actor restarted")
+        return self.engine.run_members(self._resident(weights_key), members, sigma, prompts, sampling, score, slots=slots)
 
     def close(self) -> None:
         """Shut the engine down."""
@@ -336,6 +420,9 @@ class EnginePool:
         self.actors, self.engine_info, self.policy = list(actors), list(engine_info), policy
         self.faults: list[dict] = []  # one record per call lost to a dead engine
         self.on_submitted: Callable[["EnginePool", list[int]], None] | None = None  # test seam: runs after calls are submitted
+        # Asked when a lost engine answers again, before its call is resubmitted: a reason returned
+        # (state the engine held and lost, such as a run's mean) ends the call with EngineLostError.
+        self.on_restarted: Callable[[int], str | None] | None = None
 
     @classmethod
     def start(cls, model: str, sizing: EngineSizing, options: dict, num_engines: int, placement: dict[str, float],
@@ -400,6 +487,9 @@ class EnginePool:
                 if losses[position] >= self.policy.max_attempts:
                     raise self._lost(engine, losses[position], f"its {method} call was lost {losses[position]} times", error)
                 self._await_engine(engine, losses[position])
+                why = self.on_restarted(engine) if self.on_restarted is not None else None
+                if why:
+                    raise self._lost(engine, losses[position], why, error)
                 submit(position)
         return results
 
@@ -456,6 +546,117 @@ def _kill(actors: list) -> None:
             pass
 
 
+# ----------------------------------------------------------------------------- the mean inside every engine
+
+
+class RayWeights:
+    """The targeted weights of every engine (each an ``EngineWeights`` in its actor) as one client,
+    with the interface ``WeightsES`` uses: each engine keeps its own float32 master of the same mean.
+    ``step`` sends the seeds and shaped fitness to every engine (each computes the same update),
+    ``load`` sends a snapshot to every engine (once through the object store), ``read`` and
+    ``checksum`` come from engine 0 (``checksums``: every engine's)."""
+
+    def __init__(self, evaluator: "RayEvaluator", key: int, target_modules, options: dict):
+        self.evaluator, self.key, self.target_modules, self.options = evaluator, key, target_modules, dict(options)
+        self.noise, self.noise_rank = options["noise"], options["noise_rank"]
+        self.restarts: list[int] = []  # each engine's restart count when its weights were set up
+        results = self._open(range(evaluator.num_engines))
+        self.shapes: dict[str, tuple[int, ...]] = {name: tuple(shape) for name, shape in results[0]["shapes"].items()}
+        self.info = [r["info"] for r in results]
+
+    def _open(self, engines) -> list:
+        engines = list(engines)
+        pool = self.evaluator.pool
+        try:
+            results = pool.run([(e, "weights_open", (self.key, self.target_modules, self.options)) for e in engines])
+        except BaseException:
+            with contextlib.suppress(Exception):  # the engines that took it give it back; the first error stands
+                self.close()
+            raise
+        self.restarts = list(self.evaluator.restarts)
+        self.evaluator.means.add(self.key)
+        return results
+
+    def lost_engines(self) -> list[int]:
+        """Engines that restarted since they took this mean (and so no longer hold it)."""
+        return [e for e, count in enumerate(self.restarts) if count != self.evaluator.restarts[e]]
+
+    def check_whole(self) -> None:
+        """Raise EngineLostError where an engine no longer holds this mean."""
+        lost = self.lost_engines()
+        if lost:
+            raise EngineLostError(
+                f"engine {lost[0]} of {self.evaluator.num_engines} restarted since it took this run's mean (es_mode "
+                f"{'full' if self.noise == 'full' else 'eggroll'}) and lost it: close the run and open it again, "
+                "which resumes from its checkpoint and sets the mean up on every engine", engine=lost[0], attempts=0)
+
+    def _every_engine(self, method: str, *args) -> list:
+        self.check_whole()
+        return self.evaluator.pool.run([(e, method, (self.key, *args)) for e in range(self.evaluator.num_engines)])
+
+    def step(self, optimizer: es.OptimizerConfig, members: Sequence[Member], weights: Sequence[float], sigma: float,
+             form: es.GradientForm = "qiu") -> dict:
+        """The same update on every engine, from seeds and shaped fitness: {"update_s" (the slowest), "update_norm"}."""
+        results = self._every_engine("weights_step", optimizer, list(members), [float(w) for w in weights],
+                                     float(sigma), form)
+        norms = [r["update_norm"] for r in results]
+        if len(set(norms)) > 1:  # the same seeds and fitness on engines that draw other bits (other hardware)
+            logger.warning("the engines' updates differ (norms %s): their means drift apart", norms)
+        return {"update_s": max(r["update_s"] for r in results), "update_norm": norms[0]}
+
+    def read(self) -> dict:
+        """Engine 0's master and optimizer buffers on the host (a full-size snapshot)."""
+        return self.evaluator.pool.run([(0, "weights_read", (self.key,))])[0]
+
+    def load(self, snapshot: Mapping[str, Any]) -> None:
+        """Every engine serves the mean of ``snapshot``; an engine that restarted since (and lost its
+        master) gets its weights set up again first."""
+        lost = self.lost_engines()
+        if lost:
+            self._open(lost)
+        ray = _import_ray()
+        shared = ray.put(dict(snapshot))  # full size: sent once, each engine reads it from the object store
+        self._every_engine("weights_load", shared)
+
+    def checksums(self) -> list[dict]:
+        """Every engine's {"master": SHA-256 of its float32 master, "restored", "step"}, in engine order."""
+        return self._every_engine("weights_checksum")
+
+    def checksum(self) -> dict:
+        """Engine 0's checksum; raises RuntimeError where another engine's master differs."""
+        every = self.checksums()
+        differing = [e for e, c in enumerate(every) if c != every[0]]
+        if differing:
+            raise RuntimeError(f"the engines' means differ: engine {differing[0]} holds {every[differing[0]]}, "
+                               f"engine 0 {every[0]}")
+        return every[0]
+
+    def close(self) -> None:
+        """Every engine serves its mean and releases its master."""
+        self.evaluator.means.discard(self.key)
+        if self.evaluator.pool.actors:
+            self.evaluator.pool.run([(e, "weights_close", (self.key,)) for e in range(self.evaluator.num_engines)])
+
+
+class RaySlots:
+    """EGGROLL's resident LoRA slots, a block on every engine (``sizes[e]`` slots on engine ``e``) for
+    the members that engine serves."""
+
+    def __init__(self, evaluator: "RayEvaluator", key: int, spec, sizes: list[int]):
+        self.evaluator, self.key, self.spec, self.sizes = evaluator, key, spec, list(sizes)
+        try:
+            evaluator.pool.run([(e, "lowrank_open", (key, spec, size)) for e, size in enumerate(self.sizes)])
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self.close()
+            raise
+
+    def close(self) -> None:
+        """Release every engine's slots."""
+        if self.evaluator.pool.actors:
+            self.evaluator.pool.run([(e, "lowrank_close", (self.key,)) for e in range(len(self.sizes))])
+
+
 # ----------------------------------------------------------------------------- the evaluator
 
 
@@ -495,6 +696,10 @@ class RayEvaluator(GridsInOneCall):
             self._shutdown_ray()
             raise
         self.start_seconds = time.perf_counter() - started
+        # es_mode full / eggroll: keys of the means the engines keep between calls, and each engine's restarts
+        self.means: set[int] = set()
+        self.restarts = [0] * num_engines
+        self.pool.on_restarted = self._restarted
 
     @property
     def engine_info(self) -> list[dict]:
@@ -536,6 +741,68 @@ class RayEvaluator(GridsInOneCall):
         calls = [(engine, "prompt_logprobs", (prompt_token_ids[rows], completion_token_ids[rows], adapter_ref))
                  for engine, rows in enumerate(blocks)]
         return [row for part in self.pool.run(calls) for row in part]
+
+    # --- the model's own weights as the ES mean (es_mode full / eggroll) ----------------------------
+    _keys = itertools.count(1)
+
+    def resident_weights(self, target_modules, *, noise: str = "full", noise_rank: int = 1, noise_scheme: str = "flat",
+                         layers_to_transform=None) -> RayWeights:
+        """Every engine's targeted weights with its own float32 master of the same mean (``RayWeights``)."""
+        options = dict(noise=noise, noise_rank=noise_rank, noise_scheme=noise_scheme,
+                       layers_to_transform=None if layers_to_transform is None else list(layers_to_transform))
+        return RayWeights(self, next(self._keys), target_modules, options)
+
+    def lowrank_slots(self, spec, num_slots: int) -> RaySlots:
+        """EGGROLL's slots for ``num_slots`` members, shared out over the engines as ``run_members``
+        shares out the members (rank = noise rank, alpha = rank), each engine with a zero slot for
+        the mean's base requests."""
+        if spec.rank > self.engine_sizing.max_lora_rank:
+            raise ValueError(f"noise_rank {spec.rank} exceeds the engine's max_lora_rank "
+                             f"{self.engine_sizing.max_lora_rank}: start the engine with a larger max_lora_rank")
+        if num_slots < self.num_engines:
+            raise ValueError(f"{num_slots} slots cannot keep num_engines={self.num_engines} engines busy")
+        sizes = [block.stop - block.start for block in balanced_blocks(num_slots, self.num_engines)]
+        return RaySlots(self, next(self._keys), spec, sizes)
+
+    def run_members(self, weights: RayWeights, members: Sequence[Member], sigma: float, prompts: Sequence[PromptLike],
+                    sampling: SamplingSettings, score: tuple[Sequence[PromptLike], SamplingSettings] | None = None,
+                    slots: RaySlots | None = None) -> tuple[CompletionTable, CompletionTable | None, dict[str, float]]:
+        """``VLLMEvaluator.run_members`` over the engines, in one concurrent call: engine ``e`` serves
+        the ``e``-th contiguous block of the members (one after another, or from its EGGROLL slots)
+        on every prompt, and the ``e``-th block of ``score``'s prompts under its mean (each request
+        keeping its seed). Tables come back in member and prompt order; the timing's ``adapters*``
+        parts are those of the engine that spent longest writing, ``generate_s`` the rest of the call."""
+        members, prompts = list(members), list(prompts)
+        score_prompts = list(score[0]) if score is not None else []
+        plan = plan_members(len(members), len(score_prompts), self.num_engines)
+        calls = []
+        for engine, block, rows in plan:
+            if slots is not None and block.stop - block.start > slots.sizes[engine]:
+                raise ValueError(f"{len(members)} members for {sum(slots.sizes)} EGGROLL slots")
+            scored = None if rows is None else (score_prompts[rows], shard_sampling(score[1], rows.start))
+            calls.append((engine, "run_members", (weights.key, None if slots is None else slots.key, members[block],
+                                                  float(sigma), prompts, sampling, scored)))
+        weights.check_whole()
+        started = time.perf_counter()
+        results = self.pool.run(calls)
+        elapsed = time.perf_counter() - started
+        table = CompletionTable([row for members_table, _, _ in results for row in members_table])
+        scores = None
+        if score is not None:
+            scores = CompletionTable([[c for _, scored, _ in results if scored is not None for c in scored[0]]])
+        slowest = max((timing for _, _, timing in results), key=lambda t: t.get("adapters_s", 0.0), default={})
+        timing = {key: value for key, value in slowest.items() if key.startswith("adapters")}
+        timing["adapters_s"] = timing.get("adapters_s", 0.0)
+        timing["generate_s"] = max(elapsed - timing["adapters_s"], 0.0)
+        return table, scores, timing
+
+    def _restarted(self, engine: int) -> str | None:
+        """The pool's question when a lost engine answers again: counted, and refused while the
+        engines hold a run's mean (the restarted engine came back without it)."""
+        self.restarts[engine] += 1
+        if self.means:
+            return "it came back without the run's mean it held (es_mode full / eggroll keep it inside the engines)"
+        return None
 
     def close(self) -> None:
         """Shut every engine down, end the actors, and leave a cluster this evaluator started."""

@@ -16,7 +16,9 @@ holds the targeted weights of a model that an engine serves (the tensors its ker
 
 The same object serves the HF engine (an ``nn.Module``'s parameters) and vLLM's worker (the model
 runner's parameters, reached through ``collective_rpc``). Writes are ``copy_`` into the existing
-tensors, so their addresses (and CUDA graphs captured over them) stay valid.
+tensors, so their addresses (and CUDA graphs captured over them) stay valid. ``run_members_one_by_one``
+is how an engine in this process serves a list of members from them (the Ray evaluator runs it on
+every engine, each on its block of members).
 """
 from __future__ import annotations
 
@@ -31,6 +33,8 @@ from pathlib import Path
 from .. import es
 from ..es import lowrank
 from ..lora import LoraSpec, base_weight_shapes, target_weight_shapes
+from ..types import PromptLike
+from .base import CompletionTable, SamplingSettings
 
 NoiseForm = Literal["full", "lowrank"]
 
@@ -204,6 +208,32 @@ class HostWeights:
     def close(self) -> None:
         """Serve the mean (the model stays as it is: the HF engine owns it)."""
         self.resident.restore()
+
+
+def run_members_one_by_one(evaluator, weights, members: Sequence[es.Member], sigma: float,
+                           prompts: Sequence[PromptLike], sampling: SamplingSettings,
+                           score: tuple[Sequence[PromptLike], SamplingSettings] | None = None,
+                           ) -> tuple[CompletionTable, CompletionTable | None, dict[str, float]]:
+    """Members served one after another by an engine in this process: each written into
+    ``weights`` (``EngineWeights`` or ``HostWeights``) from its seed, its prompts generated, the mean
+    restored; then ``score``'s prompts under the mean (the base model), if given.
+    Returns (``[member][prompt]`` table, the mean's one-row table or None, timing in seconds:
+    ``adapters_s`` = ``adapters/write_s`` + ``adapters/restore_s``, and ``generate_s``)."""
+    rows, write_s, restore_s, generate_s = [], 0.0, 0.0, 0.0
+    for member in members:
+        write_s += weights.write_member(member, sigma)
+        started = time.perf_counter()
+        rows.append(evaluator.generate(prompts, [None], sampling)[0])
+        generate_s += time.perf_counter() - started
+        restore_s += weights.restore()
+    scores = None
+    if score is not None:
+        started = time.perf_counter()
+        scores = evaluator.generate(score[0], [None], score[1])
+        generate_s += time.perf_counter() - started
+    timing = {"adapters_s": write_s + restore_s, "generate_s": generate_s,
+              "adapters/write_s": write_s, "adapters/restore_s": restore_s}
+    return CompletionTable(rows), scores, timing
 
 
 def snapshot_of(resident: ResidentWeights) -> dict:

@@ -499,6 +499,28 @@ class VLLMEvaluator(GridsInOneCall):
                          for prompts, which, sampling in grids]
         return run_requests(self.llm, request_grids, {"adapters_s": 0.0})
 
+    def run_members(self, weights, members, sigma: float, prompts: Sequence[PromptLike], sampling: SamplingSettings,
+                    score: tuple[Sequence[PromptLike], SamplingSettings] | None = None, slots=None,
+                    ) -> tuple[CompletionTable, CompletionTable | None, dict[str, float]]:
+        """ES members of ``weights`` (from ``resident_weights``) on ``prompts``, and ``score``'s
+        prompts under the mean: one member after another (``full``; see
+        ``resident_weights.run_members_one_by_one``), or, given EGGROLL's ``slots``, every member
+        written into its slot and served with the mean's base requests in ONE engine call. Returns
+        (``[member][prompt]`` table, the mean's table or None, timing in seconds)."""
+        from .resident_weights import run_members_one_by_one
+
+        if slots is None:
+            return run_members_one_by_one(self, weights, members, sigma, prompts, sampling, score)
+        members = list(members)
+        write_s = weights.write_slots(slots, members, sigma) if members else 0.0
+        grids = [(prompts, "members", sampling)] if members else []
+        if score is not None:
+            grids.append((score[0], "base", score[1]))
+        started = time.perf_counter()
+        tables = self.run_lowrank(slots, grids) if grids else []
+        timing = {"adapters_s": write_s, "generate_s": time.perf_counter() - started}
+        return (tables[0] if members else CompletionTable()), (tables[-1] if score is not None else None), timing
+
     def close(self) -> None:
         """Shut the engine down and delete the adapter folder."""
         if getattr(self, "slots", None) is not None:

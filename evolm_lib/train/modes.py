@@ -6,7 +6,9 @@ seed, its prompts generated, then the mean restored from a float32 master; membe
 another. ``es_mode: eggroll`` (Sarkar et al. 2025, https://arxiv.org/abs/2511.16652): member i's
 noise in each weight matrix is A_i B_i^T / sqrt(r), served from a LoRA slot, so the population is
 one batched call on a vLLM engine (one member at a time on the HF engine); the mean lives in the
-base weights and its greedy scoring is a base request in the same call. Both update the mean where
+base weights and its greedy scoring is a base request in the same call. With ``evaluator: ray``
+every engine keeps its own copy of the mean (the same updates from the same seeds and fitness) and
+serves its block of the members. Both update the mean where
 the weights live, from the members' seeds and shaped fitness (``engines.resident_weights``).
 
 What a run folder keeps, so that a resume gives the rows of an uninterrupted run without full-size
@@ -69,32 +71,12 @@ class WeightsES:
     # --- a generation ---------------------------------------------------------------------------
     def evaluate(self, members: Sequence[es.Member], prompts: list, sampling: SamplingSettings,
                  score_grid: tuple | None = None) -> tuple[CompletionTable, CompletionTable | None, dict[str, float]]:
-        """(members' completions, the mean's scoring completions or None, timing)."""
-        timing = {"adapters_s": 0.0, "generate_s": 0.0}
-        if self.slots is not None:  # EGGROLL on vLLM: every member in its slot, the mean as a base request
-            timing["adapters_s"] = self.weights.write_slots(self.slots, members, self.config.sigma)
-            grids = [(prompts, "members", sampling)]
-            if score_grid is not None:
-                grids.append((score_grid[0], "base", score_grid[2]))
-            started = time.perf_counter()
-            tables = self.evaluator.run_lowrank(self.slots, grids)
-            timing["generate_s"] = time.perf_counter() - started
-            return tables[0], tables[1] if score_grid is not None else None, timing
-        rows, write_s, restore_s = [], 0.0, 0.0
-        for member in members:  # one member at a time: its weights written, its prompts, the mean back
-            write_s += self.weights.write_member(member, self.config.sigma)
-            started = time.perf_counter()
-            rows.append(self.evaluator.generate(prompts, [None], sampling)[0])
-            timing["generate_s"] += time.perf_counter() - started
-            restore_s += self.weights.restore()
-        timing["adapters_s"] = write_s + restore_s
-        timing["adapters/write_s"], timing["adapters/restore_s"] = write_s, restore_s
-        scores = None
-        if score_grid is not None:
-            started = time.perf_counter()
-            scores = self.evaluator.generate(score_grid[0], [None], score_grid[2])
-            timing["generate_s"] += time.perf_counter() - started
-        return CompletionTable(rows), scores, timing
+        """(members' completions, the mean's scoring completions or None, timing): the evaluator's
+        ``run_members`` serves them, one member after another or from EGGROLL's slots in one call,
+        on its one engine or spread over its Ray engines."""
+        score = None if score_grid is None else (score_grid[0], score_grid[2])
+        return self.evaluator.run_members(self.weights, members, self.config.sigma, prompts, sampling, score,
+                                          slots=self.slots)
 
     def tell(self, generation: int, members: Sequence[es.Member], weights: torch.Tensor) -> dict[str, float]:
         """The update where the weights live; its seed-log line is on disk before this returns."""

@@ -1,0 +1,214 @@
+"""es_mode full and eggroll with evaluator: ray (issue 19): every engine keeps its own float32 master
+of the mean and serves a block of the members. On a local 2-CPU Ray cluster with tiny-random: a run
+on two engines gives the metrics rows of the same run on one engine and on the engine in this
+process, every engine ends with the same master, and an engine lost with the mean stops the run,
+which then resumes to the same rows.
+
+The engines are started in turn (the cluster has one CPU per engine): one Ray engine, then the
+engine in this process, then two Ray engines. Starting them takes minutes on this shared 2-core
+machine: every test that needs engines is ``slow``.
+"""
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from evolm_lib import es
+from evolm_lib.config import ConfigError, ESConfig
+from evolm_lib.engines import SamplingSettings
+from evolm_lib.engines.ray_engine import EngineLostError, RayEvaluator, plan_members
+from evolm_lib.engines.sizing import EngineSizing
+from evolm_lib.runs import read_metrics
+from evolm_lib.train.es import ESRun
+from test_ray_engine import PROMPTS, start_local_ray, without_times
+
+MODES = ("full", "eggroll")
+SETTINGS = dict(model="tiny-random", task="conciseness", population_size=4, sigma=0.1, learning_rate=0.05,
+                target_modules=["q_proj", "v_proj", "down_proj"], noise_rank=2, max_new_tokens=6, max_model_len=256,
+                kv_cache_gb=0.0625, num_generations=2, eval_every=1, seed=0)
+# Every engine of these tests, whichever mode it serves: the population's slots and the mean's, rank 2.
+SIZING = EngineSizing(max_loras=5, max_lora_rank=2, max_model_len=256, kv_cache_gb=0.0625, seed=0)
+
+
+def config_for(mode: str, engines: int | None) -> ESConfig:
+    """The run's settings on ``engines`` Ray engines, or (None) on the engine in this process."""
+    ray = {} if engines is None else {"evaluator": "ray", "num_engines": engines}
+    return ESConfig(**SETTINGS, es_mode=mode, **ray)
+
+
+# ----------------------------------------------------------------------------- settings (no Ray)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_both_modes_accept_ray_engines_and_keep_their_other_refusals(mode):
+    assert config_for(mode, 2).evaluator == "ray"
+    for changes, message in (({"adapter_transfer": "files"}, f"adapter_transfer: es_mode {mode}"),
+                             ({"estimator": "zoar"}, f"estimator: es_mode {mode}"),
+                             ({"noise_mode": "per_layer"}, f"noise_mode: es_mode {mode}")):
+        with pytest.raises(ConfigError, match=message):
+            config_for(mode, 2).replace(**changes)
+
+
+def test_members_go_in_contiguous_blocks_and_the_scoring_prompts_beside_them():
+    # 5 members and 3 scoring prompts on 2 engines: members 0-2 and prompts 0-1, then members 3-4 and prompt 2
+    assert plan_members(5, 3, 2) == [(0, slice(0, 3), slice(0, 2)), (1, slice(3, 5), slice(2, 3))]
+    assert plan_members(4, 0, 2) == [(0, slice(0, 2), None), (1, slice(2, 4), None)]  # no scoring this generation
+    # fewer members than engines: the last engine only scores (an empty block of members)
+    assert plan_members(1, 3, 2) == [(0, slice(0, 1), slice(0, 2)), (1, slice(1, 1), slice(2, 3))]
+    assert plan_members(4, 1, 3) == [(0, slice(0, 2), slice(0, 1)), (1, slice(2, 3), None), (2, slice(3, 4), None)]
+    assert plan_members(0, 0, 2) == []
+
+
+# ----------------------------------------------------------------------------- engines
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(tmp_path_factory):
+    ray = pytest.importorskip("ray")
+    if ray.is_initialized():
+        ray.shutdown()
+    start_local_ray(ray, tmp_path_factory.mktemp("ray_stub"))
+    yield ray
+    ray.shutdown()
+
+
+def run_both_modes(evaluator, engines: int | None, folder) -> dict:
+    """Each mode's run on ``evaluator``: its rows (timings apart), every engine's master checksum, the mean."""
+    out = {}
+    for mode in MODES:
+        run = ESRun.create(config_for(mode, engines), folder / mode, evaluator=evaluator)
+        run.run()
+        weights = run.weights_es.weights
+        out[mode] = {"rows": read_metrics(run.run_dir),
+                     "checksums": weights.checksums() if engines else [weights.checksum()],
+                     "master": weights.read()["master"]}
+        run.close()  # the engines serve the model folder's weights again for the next mode
+    return out
+
+
+@pytest.fixture(scope="module")
+def one_engine_runs(ray_cluster, tmp_path_factory):
+    """Both modes on one Ray engine, which is then shut down (its CPU goes to the next engines)."""
+    with RayEvaluator("tiny-random", SIZING, num_engines=1) as evaluator:
+        return run_both_modes(evaluator, 1, tmp_path_factory.mktemp("one_engine"))
+
+
+@pytest.fixture(scope="module")
+def local_runs(one_engine_runs, tmp_path_factory):
+    """Both modes on an engine in this process (its own: the modes change the layers they move)."""
+    from evolm_lib.engines.vllm_engine import VLLMEvaluator
+
+    with VLLMEvaluator("tiny-random", SIZING) as evaluator:
+        return run_both_modes(evaluator, None, tmp_path_factory.mktemp("local"))
+
+
+@pytest.fixture(scope="module")
+def two_engines(ray_cluster, one_engine_runs):
+    """Two Ray engines, started once the one-engine runs have given their CPU back."""
+    with RayEvaluator("tiny-random", SIZING, num_engines=2) as evaluator:
+        yield evaluator
+
+
+@pytest.fixture(scope="module")
+def two_engine_runs(two_engines, tmp_path_factory):
+    return run_both_modes(two_engines, 2, tmp_path_factory.mktemp("two_engines"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
+def test_two_ray_engines_give_the_rows_of_one_and_of_the_local_engine(mode, one_engine_runs, local_runs,
+                                                                       two_engine_runs):
+    rows = without_times(two_engine_runs[mode]["rows"])
+    assert [row["generation"] for row in rows] == [0, 1, 2]
+    assert len(rows[1]["es/rewards"]) == 4 and rows[-1]["policy/train_reward"] is not None
+    assert rows == without_times(one_engine_runs[mode]["rows"])
+    assert rows == without_times(local_runs[mode]["rows"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
+def test_every_engine_ends_with_the_same_master_as_one_engine(mode, one_engine_runs, local_runs, two_engine_runs):
+    first, second = two_engine_runs[mode]["checksums"]
+    assert first == second  # same bits, and each engine serves them exactly
+    assert first["restored"] and first["step"] == 2  # both engines took both updates
+    assert one_engine_runs[mode]["checksums"] == [first] == local_runs[mode]["checksums"]
+    assert torch.equal(two_engine_runs[mode]["master"], local_runs[mode]["master"])
+    assert not torch.equal(two_engine_runs["full"]["master"], two_engine_runs["eggroll"]["master"])  # the modes moved it
+
+
+@pytest.mark.slow
+def test_the_timing_keys_split_a_generation_over_the_engines(two_engine_runs):
+    full = two_engine_runs["full"]["rows"][1]
+    assert full["time/adapters/write_s"] > 0 and full["time/adapters/restore_s"] > 0 and full["time/generate_s"] > 0
+    # the slowest engine's writes and restores make up the adapters phase
+    assert full["time/adapters_s"] == pytest.approx(full["time/adapters/write_s"] + full["time/adapters/restore_s"])
+    eggroll = two_engine_runs["eggroll"]["rows"][1]
+    assert eggroll["time/adapters_s"] > 0 and eggroll["time/generate_s"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
+def test_each_engine_serves_its_block_of_members_in_one_concurrent_call(mode, two_engines, two_engine_runs):
+    """Four members over two engines in one call: every row equals that member served alone (on engine 0)."""
+    targets = SETTINGS["target_modules"]
+    noise = "full" if mode == "full" else "lowrank"
+    weights = two_engines.resident_weights(targets, noise=noise, noise_rank=2)
+    slots = None
+    if mode == "eggroll":
+        from evolm_lib.lora import LoraSpec
+
+        slots = two_engines.lowrank_slots(LoraSpec(target_modules=tuple(targets), rank=2, alpha=2.0), 4)
+    greedy = SamplingSettings(max_new_tokens=6)
+    members = es.population(0, 1, 4)
+    submitted = []
+    try:
+        two_engines.pool.on_submitted = lambda pool, engines: submitted.append(engines)
+        table, scores, _ = two_engines.run_members(weights, members, 0.5, PROMPTS, greedy, score=(PROMPTS[:1], greedy),
+                                                   slots=slots)
+        two_engines.pool.on_submitted = None
+        alone = [two_engines.run_members(weights, [member], 0.5, PROMPTS, greedy, slots=slots)[0][0] for member in members]
+        (mean,) = two_engines.run_members(weights, [], 0.5, PROMPTS, greedy, score=(PROMPTS, greedy), slots=slots)[1]
+    finally:
+        two_engines.pool.on_submitted = None
+        if slots is not None:
+            slots.close()
+        weights.close()
+    assert submitted == [[0, 1]]  # one call, both engines
+    assert [[c.token_ids for c in row] for row in table] == [[c.token_ids for c in row] for row in alone]
+    assert len({tuple(c.token_ids for c in row) for row in table}) > 1  # the members differ from each other
+    assert [c.token_ids for c in scores[0]] == [c.token_ids for c in mean[:1]]
+
+
+def kill_at_next_call(engine: int):
+    """A hook that kills ``engine``'s actor (Ray restarts it) right after the next call is submitted."""
+    def hook(pool, engines: list[int]) -> None:
+        pool.on_submitted = None
+        sys.modules["ray"].kill(pool.actors[engine], no_restart=False)
+
+    return hook
+
+
+@pytest.mark.slow
+def test_an_engine_lost_with_the_mean_stops_the_run_and_it_resumes_to_the_same_rows(two_engines, two_engine_runs,
+                                                                                      tmp_path):
+    config = config_for("full", 2)
+    pid_before = two_engines.engine_info[1]["pid"]
+    run = ESRun.create(config, tmp_path / "run", evaluator=two_engines)
+    run.step()
+    two_engines.pool.on_submitted = kill_at_next_call(engine=1)  # generation 2's members
+    with pytest.raises(EngineLostError, match="engine 1 of 2 .* is lost: it came back without the run's mean"):
+        run.step()
+    assert two_engines.engine_info[1]["pid"] != pid_before  # a new process, with a fresh engine
+    assert [r["generation"] for r in read_metrics(run.run_dir)] == [0, 1]
+    with pytest.raises(EngineLostError, match="engine 1 of 2 restarted since it took this run's mean"):
+        run.weights_es.weights.checksums()
+    run.close()  # hands the engines back serving the model folder's weights: engine 1 set up again for that
+    resumed = ESRun.open(config, tmp_path / "run", evaluator=two_engines)
+    assert resumed.generation == 1
+    resumed.run()
+    assert without_times(read_metrics(run.run_dir)) == without_times(two_engine_runs["full"]["rows"])
+    first, second = resumed.weights_es.weights.checksums()
+    assert first == second == two_engine_runs["full"]["checksums"][0]
+    resumed.close()
