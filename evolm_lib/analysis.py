@@ -1,29 +1,42 @@
 """ES vs GRPO from run folders: load runs grouped by method, final points, seed spread, side-by-side
-completions and the reward at an equal sample budget (the fair comparison). Reads files, starts no engine.
+completions, the reward at an equal sample budget (the fair comparison), and the study's held-out
+tables: accuracy per method with bootstrap intervals and whether two methods differ by more than seed
+noise (`study_table`, `method_comparisons`; the maths in `evolm_lib.stats`). Reads files, starts no engine.
 
-A run folder is what `ESRun` and `GRPORun` write (see `evolm_lib.runs`): config.yaml (with `kind`)
-and metrics.jsonl. Rows of both methods share the keys used here: `generation`/`step`, `seed`,
-`policy/train_reward`, `eval/reward`, `samples/completions`, `samples/tokens`, `time/wall_s`,
+A run folder is what `ESRun` and `GRPORun` write (see `evolm_lib.runs`): config.yaml (with `kind`,
+and `es_mode` for ES runs: lora, full or eggroll; older folders have none: lora) and metrics.jsonl.
+Rows of both methods share the keys used here: `generation`/`step`, `seed`, `policy/train_reward`,
+`eval/reward`, `samples/completions`, `samples/tokens`, `time/wall_s`, `time/generation_s`,
 `policy/train_completions`, `policy/eval_completions`; `policy/kl` where a script recorded it
-(`record_final_metrics`).
+(`record_final_metrics`). `evolm sweep` adds kl.jsonl (the KL of each checkpoint) and heldout.jsonl
+(the final mean adapter or policy scored greedily on the held-out problems, one line per problem:
+`index`, `prompt`, `target`, `completion`, `reward`, `success`).
 """
 from __future__ import annotations
 
 import glob
+import itertools
 import math
 import os
+import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .metrics import RESULT_COLUMNS, completions_table, final_value, interp, run_summary, series
+from .metrics import RESULT_COLUMNS, completions_table, final_value, finite, interp, run_summary, series
+from .stats import bootstrap_interval, compare_seeds
 
 # Settings that must agree across the compared runs, or the comparison is unfair.
 COMPARED_FIELDS = ("model", "task", "task_options", "target_modules", "lora_rank", "lora_alpha",
                    "layers_to_transform", "max_new_tokens", "prompts_per_step")
 # Per method, the setting that splits one kind into several labels when runs differ in it.
 SIZE_FIELDS = {"es": ("population_size", "N"), "grpo": ("group_size", "G")}
+# What a held-out score of a run is, per `measure`: the heldout.jsonl field averaged over problems,
+# and the key its axes and tables are labelled by (evolm_lib.viz.labels).
+HELDOUT_MEASURES = {"success": ("success", "heldout/accuracy"), "reward": ("reward", "heldout/reward")}
+HELDOUT_FIELDS = ("index", "reward", "success")
+"""The fields every line of heldout.jsonl must hold (``prompt``, ``target``, ``completion`` are shown, not scored)."""
 
 
 class NotARunFolder(ValueError):
@@ -54,6 +67,11 @@ class RunRecord:
         """The folder's name."""
         return self.path.name
 
+    @property
+    def es_mode(self) -> str | None:
+        """What an ES run moved (lora, full or eggroll; lora for folders older than the setting); None for GRPO."""
+        return str(self.config.get("es_mode") or "lora") if self.kind == "es" else None
+
 
 Groups = Mapping[str, Sequence[RunRecord]]
 
@@ -77,10 +95,35 @@ def read_run(path: str | os.PathLike, label: str | None = None) -> RunRecord:
     rows = read_metrics(path)
     if not rows:
         raise NotARunFolder(f"{path}/metrics.jsonl holds no rows (a run that never scored its first adapter)")
-    kind = str(config.get("kind", "es"))
-    method = label or str(config.get("label") or kind)
+    method = label or str(config.get("label") or method_label(config))
     seed = config.get("seed", next((r["seed"] for r in rows if "seed" in r), None))
     return RunRecord(path, method, seed, config, rows)
+
+
+def method_label(config: Mapping[str, Any]) -> str:
+    """A run's default label from its settings: its kind ("es", "grpo"), and for ES runs that moved
+    the model's own weights the mode too ("es full", "es eggroll"; LoRA ES stays "es")."""
+    kind = str(config.get("kind", "es"))
+    mode = str(config.get("es_mode") or "lora")
+    return f"{kind} {mode}" if kind == "es" and mode != "lora" else kind
+
+
+def read_heldout(run_dir: str | os.PathLike) -> list[dict] | None:
+    """The rows of a run's heldout.jsonl (its final mean adapter or policy scored greedily on the
+    held-out problems, one row per problem), in file order; None when the run has no such file.
+    A line torn by a kill is skipped; a row without `index`, `reward` or `success` fails, naming it."""
+    from .runs import read_jsonl
+
+    path = Path(run_dir) / "heldout.jsonl"
+    if not path.is_file():
+        return None
+    rows = read_jsonl(path)
+    for number, row in enumerate(rows, start=1):
+        missing = [name for name in HELDOUT_FIELDS if name not in row]
+        if missing:
+            raise ValueError(f"{path}: row {number} has no {', '.join(missing)} "
+                             f"(each line of heldout.jsonl holds {', '.join(HELDOUT_FIELDS)})")
+    return rows
 
 
 def _patterns(value: str | os.PathLike | Sequence[str | os.PathLike]) -> list[str]:
@@ -104,8 +147,10 @@ def load_runs(patterns: str | os.PathLike | Sequence[str | os.PathLike] | Mappin
     """Run folders from globs, grouped by method label: {label: [RunRecord, ...] sorted by seed}.
 
     The label is the mapping's key when ``patterns`` is a mapping {label: glob(s)}, else the
-    config.yaml's `label` key if it has one, else its `kind` ("es" or "grpo"); a kind whose runs
-    differ in population or group size is split ("grpo G=8", "grpo G=30"). Empty patterns are
+    config.yaml's `label` key if it has one, else its `kind` ("es" or "grpo") and, for ES runs that
+    moved the model's own weights, its `es_mode` ("es full", "es eggroll": `method_label`); a kind
+    whose runs differ in population or group size is split ("grpo G=8", "grpo G=30"). Without a
+    mapping, ES labels are ordered lora, eggroll, full where ES first appears. Empty patterns are
     skipped (only ES runs: ``[es_glob, ""]``); every other pattern must match a folder, every
     folder must be a run folder, and the runs must share COMPARED_FIELDS unless ``allow_mixed``.
     """
@@ -129,7 +174,28 @@ def load_runs(patterns: str | os.PathLike | Sequence[str | os.PathLike] | Mappin
     for label, runs in groups.items():
         runs.sort(key=lambda r: (r.seed is None, r.seed if r.seed is not None else 0, str(r.path)))
         groups[label] = [r if r.method == label else RunRecord(r.path, label, r.seed, r.config, r.rows) for r in runs]
+    if not isinstance(patterns, Mapping):
+        groups = _ordered_by_mode(groups)
     return groups
+
+
+ES_MODE_ORDER = ("lora", "eggroll", "full")
+"""The order of ES labels of one kind in tables and figures (folder names sort eggroll, full, lora)."""
+
+
+def _ordered_by_mode(groups: dict[str, list[RunRecord]]) -> dict[str, list[RunRecord]]:
+    """The labels with each kind where it first appears, and within ES the modes in ES_MODE_ORDER."""
+    labels = list(groups)
+    first_of_kind: dict[str, int] = {}
+    for index, label in enumerate(labels):
+        first_of_kind.setdefault(groups[label][0].kind, index)
+
+    def position(label: str) -> tuple[int, int, int]:
+        record = groups[label][0]
+        mode = ES_MODE_ORDER.index(record.es_mode) if record.es_mode in ES_MODE_ORDER else len(ES_MODE_ORDER)
+        return first_of_kind[record.kind], mode, labels.index(label)
+
+    return {label: groups[label] for label in sorted(labels, key=position)}
 
 
 def _split_label(record: RunRecord, records: Sequence[RunRecord]) -> str:
@@ -198,7 +264,7 @@ def checkpoint_points(groups: Groups, reward_key: str = "eval/reward") -> list[d
     points = []
     for label, runs in groups.items():
         for record in runs:
-            by_generation = {row.get("generation"): row.get(reward_key) for row in record.rows}
+            by_generation = {row.get("generation", row.get("step")): row.get(reward_key) for row in record.rows}
             for entry in read_checkpoint_kls(record.path):
                 reward = by_generation.get(entry["generation"])
                 if reward is not None:
@@ -237,7 +303,9 @@ def seed_spread_table(groups: Groups, key: str = "eval/reward"):
         lines.append({"method": label, "seeds": len(finals),
                       "mean": sum(finals) / len(finals) if finals else math.nan, "std": _std(finals),
                       "min": min(finals, default=math.nan), "max": max(finals, default=math.nan)})
-    es_label = next((label for label, runs in groups.items() if runs and runs[0].kind == "es"), None)
+    # the LoRA ES runs when there are several ES modes; else the first ES label
+    es_labels = [label for label, runs in groups.items() if runs and runs[0].kind == "es"]
+    es_label = next((label for label in es_labels if groups[label][0].es_mode == "lora"), next(iter(es_labels), None))
     if es_label is not None:
         es_std = next(line["std"] for line in lines if line["method"] == es_label)
         for line in lines:
@@ -329,6 +397,153 @@ def equal_budget_table(groups: Groups, budget_key: str = "samples/completions", 
                       "final_reward_mean": sum(ys[-1] for _, ys in runs) / len(runs)})
     table = pd.DataFrame(lines).set_index("method")
     table.attrs.update(budget=budget, budget_key=budget_key, reward_key=reward_key)
+    return table
+
+
+# --------------------------------------------------------------------------- the study: held-out scores
+
+
+def _measure(measure: str) -> tuple[str, str]:
+    """(heldout.jsonl field, label key) of a measure; fails naming the setting."""
+    if measure not in HELDOUT_MEASURES:
+        raise ValueError(f"measure: one of {', '.join(map(repr, HELDOUT_MEASURES))} (share of problems solved, "
+                         f"or the task's mean reward where accuracy does not apply), got {measure!r}")
+    return HELDOUT_MEASURES[measure]
+
+
+def heldout_scores(record: RunRecord, measure: str = "success") -> list[float] | None:
+    """One number per held-out problem of a run: 1.0 or 0.0 for ``measure="success"``, the task's
+    reward for ``"reward"``; None when the run has no heldout.jsonl."""
+    field_name, _ = _measure(measure)
+    rows = read_heldout(record.path)
+    if rows is None:
+        return None
+    return [float(bool(row[field_name])) if field_name == "success" else float(row[field_name]) for row in rows]
+
+
+def _runs_with_scores(groups: Groups, measure: str) -> tuple[dict[str, list[tuple[RunRecord, list[float]]]], list[str]]:
+    """{label: [(run, its held-out scores), ...]} of the runs that have any, and the names of those left out."""
+    kept: dict[str, list[tuple[RunRecord, list[float]]]] = {}
+    left_out = []
+    for label, runs in groups.items():
+        for record in runs:
+            scores = heldout_scores(record, measure)
+            if scores:
+                kept.setdefault(label, []).append((record, scores))
+            else:
+                left_out.append(f"{label} seed {record.seed} ({record.name})")
+    return kept, left_out
+
+
+def _left_out_note(left_out: Sequence[str]) -> str:
+    return (f"{len(left_out)} run(s) without held-out scores left out: {', '.join(left_out)} "
+            "(`evolm sweep` writes heldout.jsonl after each run)") if left_out else ""
+
+
+def _seconds_per_step(rows: Sequence[Mapping[str, Any]]) -> list[float]:
+    return [float(row["time/generation_s"]) for row in rows if finite(row.get("time/generation_s"))]
+
+
+def heldout_table(groups: Groups, measure: str = "success", level: float = 0.95, num_resamples: int = 10_000,
+                  seed: int = 0):
+    """One row per run: its held-out score (mean over problems of ``measure``) with a percentile
+    bootstrap interval over problems (`stats.bootstrap_interval`, ``seed``), the problem count, and the
+    final KL to the base model (a DataFrame: method, seed, run, problems, value, ci_low, ci_high, kl).
+    Runs without heldout.jsonl get 0 problems and NaN scores."""
+    import pandas as pd
+
+    _measure(measure)
+    lines = []
+    for label, runs in groups.items():
+        for record in runs:
+            scores = heldout_scores(record, measure)
+            value, low, high = (bootstrap_interval(scores, level=level, num_resamples=num_resamples, seed=seed)
+                                if scores else (math.nan, math.nan, math.nan))
+            kl = final_value(record.rows, "policy/kl")
+            lines.append({"method": label, "seed": record.seed, "run": record.name, "problems": len(scores or ()),
+                          "value": value, "ci_low": low, "ci_high": high, "kl": math.nan if kl is None else kl})
+    table = pd.DataFrame(lines, columns=["method", "seed", "run", "problems", "value", "ci_low", "ci_high", "kl"])
+    table.attrs.update(measure=measure, key=HELDOUT_MEASURES[measure][1], level=level)
+    return table
+
+
+def study_table(groups: Groups, measure: str = "success", level: float = 0.95, num_resamples: int = 10_000,
+                seed: int = 0):
+    """One row per method, from each run's heldout.jsonl (a DataFrame indexed by method).
+
+    Columns: ``seeds`` (runs with held-out scores), ``problems`` (the fewest any of them scored);
+    ``mean``, ``ci_low``, ``ci_high``: the mean across seeds of each run's held-out score (share of
+    problems solved for ``measure="success"``, mean task reward for ``"reward"``, e.g. minus the
+    length gap for conciseness) with a percentile bootstrap interval across seeds at ``level``
+    (`stats.bootstrap_interval`: with few seeds it is narrow and says little; 2 seeds give [min, max]);
+    ``seed_std`` (n - 1), ``min``, ``max``; ``per_seed``: each seed's score and its bootstrap interval
+    over problems, as text; ``kl_mean``, ``kl_std``: final KL to the base model across seeds;
+    ``seconds_per_step``: median `time/generation_s` over every generation or step of every seed;
+    ``training_completions``: mean final `samples/completions`. Runs without heldout.jsonl are left
+    out, named in ``.attrs["note"]``; ``.attrs`` also holds measure, key (the axis label key) and level.
+    """
+    import pandas as pd
+
+    _measure(measure)
+    kept, left_out = _runs_with_scores(groups, measure)
+    lines = []
+    for label, pairs in kept.items():
+        values, texts = [], []
+        for record, scores in pairs:
+            value, low, high = bootstrap_interval(scores, level=level, num_resamples=num_resamples, seed=seed)
+            values.append(value)
+            texts.append(f"{record.seed}: {value:.3g} [{low:.3g}, {high:.3g}]")
+        mean, low, high = bootstrap_interval(values, level=level, num_resamples=num_resamples, seed=seed)
+        kls = [kl for kl in (final_value(record.rows, "policy/kl") for record, _ in pairs) if kl is not None]
+        seconds = [s for record, _ in pairs for s in _seconds_per_step(record.rows)]
+        completions = [c for c in (final_value(record.rows, "samples/completions") for record, _ in pairs) if c is not None]
+        lines.append({
+            "method": label, "seeds": len(values), "problems": min(len(scores) for _, scores in pairs),
+            "mean": mean, "ci_low": low, "ci_high": high, "seed_std": _std(values),
+            "min": min(values), "max": max(values), "per_seed": "; ".join(texts),
+            "kl_mean": sum(kls) / len(kls) if kls else math.nan, "kl_std": _std(kls),
+            "seconds_per_step": statistics.median(seconds) if seconds else math.nan,
+            "training_completions": sum(completions) / len(completions) if completions else math.nan,
+        })
+    columns = ["method", "seeds", "problems", "mean", "ci_low", "ci_high", "seed_std", "min", "max", "per_seed",
+               "kl_mean", "kl_std", "seconds_per_step", "training_completions"]
+    table = pd.DataFrame(lines, columns=columns).set_index("method")
+    table.attrs.update(measure=measure, key=HELDOUT_MEASURES[measure][1], level=level, note=_left_out_note(left_out))
+    return table
+
+
+def method_comparisons(groups: Groups, measure: str = "success", alpha: float = 0.05, level: float = 0.95,
+                       num_resamples: int = 10_000, seed: int = 0, max_exact: int = 100_000,
+                       num_permutations: int = 100_000):
+    """Every pair of methods (in label order): is their difference in held-out score larger than seed
+    noise? One row per pair (a DataFrame): ``method_a``, ``method_b``, ``seeds_a``, ``seeds_b``,
+    ``difference`` (mean of a's per-seed scores minus b's), ``ci_low``, ``ci_high`` (its bootstrap
+    interval at ``level``), ``permutation_p`` (two-sided, over seed labels; ``exact``: every split
+    enumerated), ``smallest_p`` (the least p the seed counts allow: 1/3 for 2 vs 2, 2/252 for 5 vs 5),
+    ``welch_t``, ``welch_dof``, ``welch_p`` (for reference), and ``larger_than_seed_noise``: "yes"
+    when permutation_p < alpha, else "no" (`stats.compare_seeds`). Runs without heldout.jsonl are
+    left out (``.attrs["note"]``)."""
+    import pandas as pd
+
+    _measure(measure)
+    kept, left_out = _runs_with_scores(groups, measure)
+    per_seed = {label: [sum(scores) / len(scores) for _, scores in pairs] for label, pairs in kept.items()}
+    lines = []
+    for first, second in itertools.combinations(per_seed, 2):
+        result = compare_seeds(per_seed[first], per_seed[second], alpha=alpha, level=level,
+                               num_resamples=num_resamples, max_exact=max_exact,
+                               num_permutations=num_permutations, seed=seed)
+        lines.append({
+            "method_a": first, "method_b": second, "seeds_a": len(per_seed[first]), "seeds_b": len(per_seed[second]),
+            "difference": result.difference, "ci_low": result.low, "ci_high": result.high,
+            "permutation_p": result.permutation.p, "exact": result.permutation.exact,
+            "smallest_p": result.permutation.smallest_p, "welch_t": result.welch.t, "welch_dof": result.welch.dof,
+            "welch_p": result.welch.p, "larger_than_seed_noise": "yes" if result.larger_than_seed_noise else "no",
+        })
+    columns = ["method_a", "method_b", "seeds_a", "seeds_b", "difference", "ci_low", "ci_high", "permutation_p",
+               "exact", "smallest_p", "welch_t", "welch_dof", "welch_p", "larger_than_seed_noise"]
+    table = pd.DataFrame(lines, columns=columns)
+    table.attrs.update(measure=measure, alpha=alpha, level=level, note=_left_out_note(left_out))
     return table
 
 

@@ -17,13 +17,15 @@
 
 # %% [markdown]
 # # ES vs GRPO
-# Compare finished ES and GRPO run folders: reward per sample and per second, reward against KL to
-# the base model, spread across seeds, completions side by side, and the reward at an equal budget.
+# Compare finished ES and GRPO run folders: held-out accuracy per method with 95 % bootstrap intervals
+# and whether two methods differ by more than seed noise, reward per sample and per second, reward
+# against KL to the base model, spread across seeds, completions side by side, and the reward at an
+# equal budget. ES runs are labelled by what they moved: `es` (a LoRA adapter), `es eggroll`, `es full`.
 #
 # The defaults show the tiny fixture runs in `tests/data/es_vs_grpo/` (tiny-random with a synthetic
-# engine: their numbers mean nothing); point `es_runs` and `grpo_runs` at your own, e.g. the folders
-# `evolm sweep` writes to `runs/es_vs_grpo/`. Either may be empty: the notebook then shows the other
-# method alone.
+# engine, and hand-made held-out scores: their numbers mean nothing); point `es_runs` and `grpo_runs`
+# at your own, e.g. the folders `evolm sweep` writes to `runs/es_vs_grpo/`. Either may be empty: the
+# notebook then shows the other method alone.
 
 # %% tags=["parameters"]
 es_runs: str = "../tests/data/es_vs_grpo/es_*"  # glob of ES run folders, relative to the kernel's working directory (empty: none)
@@ -34,31 +36,75 @@ budget_key: str = "samples/completions"  # sample count: samples/completions or 
 kl_key: str = "policy/kl"  # KL of the final adapter to the base model, as recorded by the sweep script
 band: str = "minmax"  # band across seeds: minmax or std
 num_examples: int = 4  # held-out prompts shown side by side
+measure: str = "success"  # held-out score of a run: success (share of problems solved) or reward (mean task reward)
 allow_mixed: bool = False  # compare runs with different models, tasks or LoRA layouts anyway
 figures_dir: str = "../figures"  # where PNG/PDF/SVG figures go
 
 # %%
 from evolm_lib.analysis import (
+    checkpoint_points,
     describe_runs,
     equal_budget_table,
-    checkpoint_points,
     final_points,
+    heldout_table,
     load_runs,
+    method_comparisons,
     reward_label,
     runs_for_plots,
     seed_spread_table,
     side_by_side_completions,
     split_points_by_kl,
+    study_table,
 )
 from evolm_lib.metrics import wrap_table
 from evolm_lib.viz.figures import export_figure
-from evolm_lib.viz.plots import plot_reward_vs_kl, plot_reward_vs_samples, plot_reward_vs_time, plot_seed_spread
+from evolm_lib.viz.plots import (
+    plot_heldout,
+    plot_reward_vs_kl,
+    plot_reward_vs_samples,
+    plot_reward_vs_time,
+    plot_seed_spread,
+)
 
 groups = load_runs([es_runs, grpo_runs], allow_mixed=allow_mixed)
 runs = runs_for_plots(groups)
 reward_definition = reward_label(groups)  # the task's reward in words, for the axes
 figure_paths = []
 describe_runs(groups)
+
+# %% [markdown]
+# ## The study
+# Each run's final mean adapter (ES) or policy (GRPO), scored greedily on the held-out problems
+# (`heldout.jsonl`, written by `evolm sweep`). Per method: the mean across seeds of each run's score
+# with a 95 % percentile bootstrap interval across seeds, the spread across seeds, each seed's score
+# with its interval over problems, KL to the base model, seconds per generation or step, and the
+# training completions (equal budgets). Runs without held-out scores are left out, and named.
+
+# %%
+study = study_table(groups, measure=measure)
+runs_heldout = heldout_table(groups, measure=measure)
+print(study.attrs["note"] or f"{len(study)} methods with held-out scores ({measure})")
+study
+
+# %% [markdown]
+# Is a difference larger than seed noise? For every pair of methods: the difference of the means,
+# its bootstrap interval, and a two-sided permutation test over seed labels (every split of the
+# seeds into the two methods; with 5 seeds each the smallest possible p is 2/252 = 0.008, with 2
+# seeds each 1/3, so 2 seeds can never show it). "yes" where p < 0.05; Welch's t for reference.
+
+# %%
+comparisons = method_comparisons(groups, measure=measure)
+comparisons
+
+# %% [markdown]
+# Held-out score per method: each seed's score with its 95 % interval over problems (thin bars), and
+# the mean across seeds with its 95 % interval across seeds (diamond, thick bars).
+
+# %%
+if len(study):
+    heldout_figure = plot_heldout(runs_heldout, study, y=study.attrs["key"], reward_label=reward_definition)
+    figure_paths += export_figure(heldout_figure, "es_vs_grpo_heldout", figures_dir)
+    display(heldout_figure)
 
 # %% [markdown]
 # Reward of the current adapter (greedy) against the training completions used so far: the mean
@@ -103,7 +149,8 @@ if path_points:
 
 # %% [markdown]
 # Spread across seeds of the final held-out reward: every seed and the mean (a box from 5 seeds up);
-# with ES runs among them, the table gives the ratio of ES's std to each method's.
+# with ES runs among them, the table gives the ratio of ES's std (LoRA ES's, where there are several
+# ES modes) to each method's.
 
 # %%
 seed_spread = plot_seed_spread(runs, y=eval_key, reward_label=reward_definition)
@@ -133,6 +180,8 @@ equal_budget = equal_budget_table(groups, budget_key=budget_key, reward_key=eval
 equal_budget
 
 # %%
-assert len(figure_paths) == 3 * (4 + bool(path_points)) and all(path.stat().st_size > 0 for path in figure_paths)
+assert len(figure_paths) == 3 * (4 + bool(path_points) + bool(len(study))) and all(path.stat().st_size > 0 for path in figure_paths)
 assert set(equal_budget.index) == set(groups) and equal_budget.attrs["budget"] > 0
 assert list(spread.index) == list(groups)
+assert set(study.index) <= set(groups) and len(comparisons) == len(study) * (len(study) - 1) // 2
+assert ((study["ci_low"] <= study["mean"]) & (study["mean"] <= study["ci_high"])).all()

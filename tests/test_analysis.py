@@ -1,6 +1,8 @@
-"""Tests for evolm_lib.analysis: loading run folders (and its errors), the equal-budget table and the
-seed spread on hand-computed rows, final points, the sweep's equal budgets, and notebook 04 run by
-papermill on the fixture runs in tests/data/es_vs_grpo (rebuilt by scripts/make_analysis_fixtures.py)."""
+"""Tests for evolm_lib.analysis: loading run folders (and its errors), labels per ES mode, the
+equal-budget table and the seed spread on hand-computed rows, final and checkpoint points, the study's
+held-out tables against values worked out by hand from the fixtures' heldout.jsonl, the sweep's equal
+budgets, and notebook 04 run by papermill on the fixture runs in tests/data/es_vs_grpo (rebuilt by
+scripts/make_analysis_fixtures.py: LoRA ES and GRPO trained, ES EGGROLL and full made by hand)."""
 from __future__ import annotations
 
 import json
@@ -19,6 +21,8 @@ REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "data" / "es_vs_grpo"
 ES, GRPO = str(FIXTURES / "es_*"), str(FIXTURES / "grpo_*")
 MAGIC = {"png": b"\x89PNG\r\n\x1a\n", "pdf": b"%PDF-", "svg": b"<svg"}
+METHODS = ["es", "es eggroll", "es full", "grpo"]
+ES_RUNS = ["es_eggroll_seed0", "es_eggroll_seed1", "es_full_seed0", "es_full_seed1", "es_seed0", "es_seed1"]
 
 
 def fixture_groups():
@@ -45,21 +49,43 @@ def record(method: str, seed: int, budgets: list, rewards: list, **extra) -> Run
 # ----------------------------------------------------------------------------- loading
 
 
-def test_load_runs_groups_the_fixtures_by_kind():
+def test_load_runs_groups_the_fixtures_by_kind_and_es_mode():
     groups = fixture_groups()
-    assert list(groups) == ["es", "grpo"]
-    assert [(r.name, r.seed, r.kind) for r in groups["es"]] == [("es_seed0", 0, "es"), ("es_seed1", 1, "es")]
-    assert [r.seed for r in groups["grpo"]] == [0, 1]
+    assert list(groups) == METHODS  # ES modes in the order lora, eggroll, full (folder names sort otherwise)
+    assert [(r.name, r.seed, r.kind, r.es_mode) for r in groups["es"]] == [("es_seed0", 0, "es", "lora"),
+                                                                          ("es_seed1", 1, "es", "lora")]
+    assert "es_mode" not in groups["es"][0].config  # a folder older than the setting: LoRA
+    assert [(r.name, r.es_mode) for r in groups["es full"]] == [("es_full_seed0", "full"), ("es_full_seed1", "full")]
+    assert [r.name for r in groups["es eggroll"]] == ["es_eggroll_seed0", "es_eggroll_seed1"]
+    assert [r.seed for r in groups["grpo"]] == [0, 1] and groups["grpo"][0].es_mode is None
     for runs in groups.values():
         for run in runs:
             assert [row["generation"] for row in run.rows] == list(range(5))
             assert run.rows[-1]["samples/completions"] == 64  # equal budgets: 8 x 2 prompts x 4
             assert run.config["model"] == "tiny-random" and run.config["task"] == "conciseness"
     plots = analysis.runs_for_plots(groups)
-    assert {k: len(v) for k, v in plots.items()} == {"es": 2, "grpo": 2}
+    assert {k: len(v) for k, v in plots.items()} == {method: 2 for method in METHODS}
     assert plots["es"][0] is groups["es"][0].rows
     table = analysis.describe_runs(groups)
-    assert list(table["run"]) == ["es_seed0", "es_seed1", "grpo_seed0", "grpo_seed1"]
+    assert list(table["run"]) == ["es_seed0", "es_seed1", "es_eggroll_seed0", "es_eggroll_seed1", "es_full_seed0",
+                                  "es_full_seed1", "grpo_seed0", "grpo_seed1"]
+
+
+def test_method_labels_per_es_mode_unless_a_label_is_given(tmp_path):
+    assert analysis.method_label({"kind": "es"}) == "es"
+    assert analysis.method_label({"kind": "es", "es_mode": "lora"}) == "es"
+    assert analysis.method_label({"kind": "es", "es_mode": "eggroll"}) == "es eggroll"
+    assert analysis.method_label({"kind": "es", "es_mode": "full"}) == "es full"
+    assert analysis.method_label({"kind": "grpo"}) == "grpo"
+    runs = copy_runs(tmp_path)
+    edit_config(runs / "es_full_seed1", label="paper ES")
+    groups = analysis.load_runs(str(runs / "es_*"))
+    assert list(groups) == ["es", "es eggroll", "es full", "paper ES"]
+    assert [r.name for r in groups["es full"]] == ["es_full_seed0"]
+    # the modes share every compared setting; a LoRA rank that differs is still caught across modes
+    edit_config(runs / "es_eggroll_seed0", lora_rank=4)
+    with pytest.raises(MixedRuns, match=r"lora_rank: 4 \(es_eggroll_seed0\); 1 \(es_eggroll_seed1, es_full_seed0"):
+        analysis.load_runs(str(runs / "es_*"))
 
 
 def test_load_runs_labels_from_a_mapping_and_from_config(tmp_path):
@@ -68,14 +94,17 @@ def test_load_runs_labels_from_a_mapping_and_from_config(tmp_path):
     assert all(r.method == "ES (fixture)" for r in groups["ES (fixture)"])
     runs = copy_runs(tmp_path)
     edit_config(runs / "grpo_seed1", label="grpo-lr")
-    assert list(analysis.load_runs(str(runs / "*"))) == ["es", "grpo", "grpo-lr"]
+    assert list(analysis.load_runs(str(runs / "*"))) == [*METHODS, "grpo-lr"]
+    # a mapping keeps its own order, and its label covers every ES mode its glob matches
+    groups = analysis.load_runs({"GRPO": GRPO, "ES": ES})
+    assert list(groups) == ["GRPO", "ES"] and [r.name for r in groups["ES"]][:2] == ["es_eggroll_seed0", "es_full_seed0"]
 
 
 def test_runs_of_one_kind_with_different_group_sizes_are_split(tmp_path):
     runs = copy_runs(tmp_path)
     edit_config(runs / "grpo_seed1", group_size=4)
     groups = analysis.load_runs(str(runs / "*"))
-    assert list(groups) == ["es", "grpo G=8", "grpo G=4"]
+    assert list(groups) == ["es", "es eggroll", "es full", "grpo G=8", "grpo G=4"]
     assert [r.method for r in groups["grpo G=4"]] == ["grpo G=4"]
 
 
@@ -104,7 +133,8 @@ def test_mixed_tasks_and_models_fail_listing_the_fields(tmp_path):
     with pytest.raises(MixedRuns) as caught:
         analysis.load_runs([str(runs / "es_*"), str(runs / "grpo_*")])
     message = str(caught.value)
-    assert "model: 'tiny-random' (es_seed0, es_seed1, grpo_seed1); 'smollm2-135m-instruct' (grpo_seed0)" in message
+    assert (f"model: 'tiny-random' ({', '.join(ES_RUNS)}, grpo_seed1); 'smollm2-135m-instruct' (grpo_seed0)"
+            in message)
     assert "task: 'conciseness'" in message and "'countdown' (grpo_seed0)" in message
     assert "lora_rank" not in message and "allow_mixed=True" in message
     groups = analysis.load_runs([str(runs / "es_*"), str(runs / "grpo_*")], allow_mixed=True)
@@ -137,8 +167,8 @@ def test_equal_budget_table_interpolates_at_the_common_budget():
 
 def test_equal_budget_table_on_the_fixtures():
     table = analysis.equal_budget_table(fixture_groups())
-    assert list(table.index) == ["es", "grpo"] and table.attrs["budget"] == 64
-    assert list(table["seeds"]) == [2, 2]
+    assert list(table.index) == METHODS and table.attrs["budget"] == 64
+    assert list(table["seeds"]) == [2, 2, 2, 2]
 
 
 def test_final_points_take_the_last_kl_and_reward():
@@ -154,7 +184,7 @@ def test_final_points_take_the_last_kl_and_reward():
     assert [(p["method"], p["seed"]) for p in kept] == [("es", 0), ("grpo", 1)]
     assert "1 run(s)" in note and "grpo seed 0" in note
     fixture_points = analysis.final_points(fixture_groups())
-    assert len(fixture_points) == 4 and all(p["kl"] > 0 for p in fixture_points)
+    assert len(fixture_points) == 8 and all(p["kl"] > 0 for p in fixture_points)
     assert analysis.split_points_by_kl(fixture_points)[1] == ""
 
 
@@ -179,7 +209,7 @@ def test_seed_spread_table_of_one_method_has_no_ratio_column():
 
 def test_empty_patterns_mean_no_runs_of_that_method():
     groups = analysis.load_runs([ES, ""])
-    assert list(groups) == ["es"]
+    assert list(groups) == ["es", "es eggroll", "es full"]
     with pytest.raises(ValueError, match="no run folder patterns"):
         analysis.load_runs(["", " "])
 
@@ -215,7 +245,9 @@ def test_side_by_side_completions_share_the_prompts():
     table = analysis.side_by_side_completions(fixture_groups(), example_index=[0, 2], max_chars=None)
     eval_examples = get_task("conciseness").eval_examples()
     assert list(table["prompt"]) == [eval_examples[0].prompt, eval_examples[2].prompt]
-    assert list(table.columns) == ["prompt", "target", "es seed 0", "es seed 1", "grpo seed 0", "grpo seed 1"]
+    assert list(table.columns) == ["prompt", "target", *(f"{m} seed {s}" for m in METHODS for s in (0, 1))]
+    eggroll = fixture_groups()["es eggroll"][0].rows[-1]["policy/eval_completions"]
+    assert table["es eggroll seed 0"].tolist() == [eggroll[0], eggroll[2]]
     last = fixture_groups()["grpo"][1].rows[-1]["policy/eval_completions"]
     assert table["grpo seed 1"].tolist() == [last[0], last[2]]
     with pytest.raises(IndexError, match="out of range"):
@@ -228,6 +260,153 @@ def test_record_final_metrics_adds_to_the_last_row(tmp_path):
     row = analysis.record_final_metrics(run, {"policy/kl": 0.5})
     after = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert after[:-1] == before[:-1] and after[-1] == row == {**before[-1], "policy/kl": 0.5}
+
+
+# ----------------------------------------------------------------------------- the study: held-out tables
+
+# Per-seed held-out scores of the fixtures, worked out from their heldout.jsonl (eight problems each;
+# scripts/make_analysis_fixtures.py's HELDOUT_GAPS): successes are the problems with gap 0, rewards
+# minus the gaps. es: 8 and 6 of 8; eggroll: 4 and 4; full: 3 and 5; grpo: 2 and 1.
+SUCCESS = {"es": [1.0, 0.75], "es eggroll": [0.5, 0.5], "es full": [0.375, 0.625], "grpo": [0.25, 0.125]}
+REWARD = {"es": [0.0, -3 / 8], "es eggroll": [-0.5, -0.5], "es full": [-10 / 8, -12 / 8], "grpo": [-18 / 8, -35 / 8]}
+
+
+def fixture_rows(name: str) -> list[dict]:
+    return [json.loads(line) for line in (FIXTURES / name / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_read_heldout_reads_the_lines_and_names_a_bad_one(tmp_path):
+    rows = analysis.read_heldout(FIXTURES / "es_seed1")
+    assert [r["index"] for r in rows] == list(range(8)) and [r["success"] for r in rows].count(True) == 6
+    assert rows[3] == {"index": 3, "prompt": "What comes next: 2, 4, 6, 8, ?", "target": "10", "completion": "xxxx",
+                       "reward": -2.0, "success": False}
+    assert analysis.read_heldout(tmp_path) is None
+    (tmp_path / "heldout.jsonl").write_text('{"index": 0, "reward": 1.0, "success": true}\n{"index": 1, "rew')
+    assert len(analysis.read_heldout(tmp_path)) == 1  # a line torn by a kill is skipped
+    (tmp_path / "heldout.jsonl").write_text('{"index": 0, "reward": 1.0, "success": true}\n{"index": 1, "reward": 0}\n')
+    with pytest.raises(ValueError, match="heldout.jsonl: row 2 has no success"):
+        analysis.read_heldout(tmp_path)
+
+
+def test_study_table_of_the_fixtures_by_hand():
+    groups = fixture_groups()
+    table = analysis.study_table(groups)
+    assert list(table.index) == METHODS and table.attrs["note"] == "" and table.attrs["key"] == "heldout/accuracy"
+    assert table["seeds"].tolist() == [2, 2, 2, 2] and table["problems"].tolist() == [8, 8, 8, 8]
+    assert table["mean"].tolist() == pytest.approx([0.875, 0.5, 0.5, 0.1875])
+    # two seeds: a resampled mean is the lower, the middle or the higher value with chances 1/4, 1/2,
+    # 1/4, so the 95 % interval across seeds runs from the lower seed to the higher
+    assert table["ci_low"].tolist() == pytest.approx([0.75, 0.5, 0.375, 0.125])
+    assert table["ci_high"].tolist() == pytest.approx([1.0, 0.5, 0.625, 0.25])
+    assert table["seed_std"].tolist() == pytest.approx([0.25 / math.sqrt(2), 0.0, 0.25 / math.sqrt(2), 0.125 / math.sqrt(2)])
+    assert table["min"].tolist() == [0.75, 0.5, 0.375, 0.125] and table["max"].tolist() == [1.0, 0.5, 0.625, 0.25]
+    assert table.loc["es", "per_seed"].startswith("0: 1 [1, 1]; 1: 0.75 [")  # every problem solved: no spread
+    # the hand-made runs' KL and seconds: eggroll 0.002, 0.0025 and four generations of 0.005 s and of 0.006 s
+    assert table.loc["es eggroll", "kl_mean"] == pytest.approx(0.00225)
+    assert table.loc["es eggroll", "kl_std"] == pytest.approx(0.0005 / math.sqrt(2))
+    assert table.loc["es eggroll", "seconds_per_step"] == pytest.approx(0.0055)
+    assert table.loc["es full", "kl_mean"] == pytest.approx(0.0045) and table.loc["es full", "seconds_per_step"] == pytest.approx(0.025)
+    # the trained runs' KL and seconds, from their metrics.jsonl
+    for method, names in (("es", ["es_seed0", "es_seed1"]), ("grpo", ["grpo_seed0", "grpo_seed1"])):
+        rows = [fixture_rows(name) for name in names]
+        assert table.loc[method, "kl_mean"] == pytest.approx(sum(r[-1]["policy/kl"] for r in rows) / 2)
+        seconds = sorted(row["time/generation_s"] for r in rows for row in r if "time/generation_s" in row)
+        assert len(seconds) == 8 and table.loc[method, "seconds_per_step"] == pytest.approx((seconds[3] + seconds[4]) / 2)
+    assert table["training_completions"].tolist() == [64, 64, 64, 64]
+
+
+def test_study_table_of_rewards_by_hand():
+    table = analysis.study_table(fixture_groups(), measure="reward")
+    assert table.attrs["key"] == "heldout/reward"
+    assert table["mean"].tolist() == pytest.approx([sum(v) / 2 for v in REWARD.values()])  # -0.1875, -0.5, -1.375, -3.3125
+    assert table["ci_low"].tolist() == pytest.approx([min(v) for v in REWARD.values()])
+    assert table["ci_high"].tolist() == pytest.approx([max(v) for v in REWARD.values()])
+    with pytest.raises(ValueError, match="measure: one of 'success', 'reward'"):
+        analysis.study_table(fixture_groups(), measure="accuracy")
+
+
+def test_heldout_table_gives_each_run_an_interval_over_problems():
+    from evolm_lib import stats
+
+    table = analysis.heldout_table(fixture_groups())
+    assert table["run"].tolist()[:2] == ["es_seed0", "es_seed1"] and len(table) == 8
+    assert table["value"].tolist() == [v for values in SUCCESS.values() for v in values]
+    assert table["problems"].tolist() == [8] * 8
+    first = table.iloc[0]
+    assert (first["value"], first["ci_low"], first["ci_high"]) == (1.0, 1.0, 1.0)  # 8 of 8: no spread
+    eggroll = table[table["run"] == "es_eggroll_seed0"].iloc[0]
+    assert (eggroll["value"], eggroll["ci_low"], eggroll["ci_high"]) == stats.bootstrap_interval([1, 0] * 4)
+    assert 0 < eggroll["ci_low"] < 0.5 < eggroll["ci_high"] < 1
+    assert table["kl"].tolist()[2:4] == [0.002, 0.0025]
+
+
+def test_method_comparisons_of_the_fixtures_by_hand():
+    table = analysis.method_comparisons(fixture_groups())
+    pairs = list(zip(table["method_a"], table["method_b"]))
+    assert pairs == [("es", "es eggroll"), ("es", "es full"), ("es", "grpo"), ("es eggroll", "es full"),
+                     ("es eggroll", "grpo"), ("es full", "grpo")]
+    # difference of means, and its bootstrap interval: the extreme resampled differences (each seed of
+    # a at its lowest or highest, b at the other end) come with chance 1/16 > 2.5 %, so they are the ends
+    assert table["difference"].tolist() == pytest.approx([0.375, 0.375, 0.6875, 0.0, 0.3125, 0.3125])
+    assert table["ci_low"].tolist() == pytest.approx([0.25, 0.125, 0.5, -0.125, 0.25, 0.125])
+    assert table["ci_high"].tolist() == pytest.approx([0.5, 0.625, 0.875, 0.125, 0.375, 0.5])
+    # 2 vs 2 seeds: 6 splits; the observed one and its mirror are the most extreme except for eggroll
+    # vs full, whose split {0.5, 0.5} | {0.375, 0.625} has difference 0 and every split |d| >= 0
+    assert table["permutation_p"].tolist() == pytest.approx([1 / 3, 1 / 3, 1 / 3, 1.0, 1 / 3, 1 / 3])
+    assert table["exact"].all() and table["smallest_p"].tolist() == pytest.approx([1 / 3] * 6)
+    assert table["larger_than_seed_noise"].tolist() == ["no"] * 6  # 2 seeds can never show it
+    # Welch: variances 1/32 (es, full), 0 (eggroll), 1/128 (grpo); t = difference / se, dof by Welch-Satterthwaite
+    assert table["welch_t"].tolist() == pytest.approx([3.0, 3 / math.sqrt(2), 11 / math.sqrt(5), 0.0, 5.0, math.sqrt(5)])
+    assert table["welch_dof"].tolist() == pytest.approx([1.0, 2.0, 25 / 17, 1.0, 1.0, 25 / 17])
+    cauchy = lambda t: 1 - 2 * math.atan(t) / math.pi  # noqa: E731 - dof 1
+    assert table.loc[[0, 3, 4], "welch_p"].tolist() == pytest.approx([cauchy(3), 1.0, cauchy(5)])
+    assert table.loc[1, "welch_p"] == pytest.approx(1 - (3 / math.sqrt(2)) / math.sqrt(2 + 4.5))  # dof 2
+
+
+def test_method_comparisons_decide_at_alpha_and_with_five_seeds(tmp_path):
+    assert analysis.method_comparisons(fixture_groups(), alpha=0.5)["larger_than_seed_noise"].tolist() == ["yes"] * 3 + ["no"] + ["yes"] * 2
+    groups = {"es": [], "grpo": []}
+    for seed in range(5):  # es solves 4 + (seed % 2) of 8 problems, grpo 1 + (seed % 2)
+        for method, solved in (("es", 4 + seed % 2), ("grpo", 1 + seed % 2)):
+            run = tmp_path / f"{method}_seed{seed}"
+            run.mkdir()
+            (run / "heldout.jsonl").write_text("".join(json.dumps({"index": i, "reward": float(i < solved),
+                                                                   "success": i < solved}) + "\n" for i in range(8)))
+            groups[method].append(RunRecord(run, method, seed, {"kind": method, "seed": seed}, [{"generation": 0}]))
+    [row] = analysis.method_comparisons(groups).to_dict("records")
+    # es 0.5, 0.625, 0.5, 0.625, 0.5 against grpo 0.125, 0.25, 0.125, 0.25, 0.125: every es seed above
+    # every grpo seed, so only the observed split and its mirror of C(10, 5) = 252 are that extreme
+    assert row["difference"] == pytest.approx(0.375) and row["permutation_p"] == pytest.approx(2 / 252)
+    assert row["larger_than_seed_noise"] == "yes" and row["seeds_a"] == row["seeds_b"] == 5
+    assert row["ci_low"] > 0 and row["welch_dof"] == pytest.approx(8.0)  # equal variances and sizes: n + m - 2
+
+
+def test_runs_without_heldout_are_left_out_and_named(tmp_path):
+    runs = copy_runs(tmp_path)
+    (runs / "es_seed1" / "heldout.jsonl").unlink()
+    for seed in (0, 1):
+        (runs / f"grpo_seed{seed}" / "heldout.jsonl").unlink()
+    groups = analysis.load_runs([str(runs / "es_*"), str(runs / "grpo_*")])
+    table = analysis.study_table(groups)
+    assert list(table.index) == ["es", "es eggroll", "es full"] and table.loc["es", "seeds"] == 1
+    assert table.loc["es", "mean"] == 1.0 and math.isnan(table.loc["es", "seed_std"])
+    assert table.attrs["note"].startswith("3 run(s) without held-out scores left out: es seed 1 (es_seed1), grpo seed 0")
+    comparisons = analysis.method_comparisons(groups)
+    assert len(comparisons) == 3 and "grpo" not in set(comparisons["method_b"])
+    assert math.isnan(comparisons.loc[0, "welch_p"])  # one es seed: no variance
+    runs_table = analysis.heldout_table(groups)
+    assert runs_table.loc[runs_table["run"] == "es_seed1", "problems"].item() == 0
+
+
+def test_checkpoint_points_cover_every_method():
+    points = analysis.checkpoint_points(fixture_groups())
+    assert len(points) == 16 and {p["method"] for p in points} == set(METHODS)
+    full = [(p["generation"], p["kl"], p["reward"]) for p in points if p["method"] == "es full" and p["seed"] == 1]
+    # hand-made: the gap starts at 93 and shrinks by 7 a generation; KL 0.75 x and 1 x the final 0.005
+    assert full == [(3, pytest.approx(0.00375), -72.0), (4, 0.005, -65.0)]
+    grpo = fixture_rows("grpo_seed0")
+    assert [(p["generation"], p["reward"]) for p in points if p["method"] == "grpo" and p["seed"] == 0] == \
+        [(3, grpo[3]["eval/reward"]), (4, grpo[4]["eval/reward"])]
 
 
 # ----------------------------------------------------------------------------- the sweep's plan
@@ -269,8 +448,8 @@ def test_notebook_04_draws_and_exports_every_figure(tmp_path):
     assert set(analysis.equal_budget_table(groups).index) == set(groups)
     assert list(analysis.seed_spread_table(groups).index) == list(groups)
     written = sorted(p.name for p in figures.iterdir())
-    stems = ["es_vs_grpo_reward_vs_kl", "es_vs_grpo_reward_vs_samples", "es_vs_grpo_reward_vs_time",
-             "es_vs_grpo_seed_spread"]
+    stems = ["es_vs_grpo_heldout", "es_vs_grpo_reward_vs_kl", "es_vs_grpo_reward_vs_kl_checkpoints",
+             "es_vs_grpo_reward_vs_samples", "es_vs_grpo_reward_vs_time", "es_vs_grpo_seed_spread"]
     assert written == sorted(f"{s}.{fmt}" for s in stems for fmt in MAGIC)
     for stem in stems:
         for fmt, magic in MAGIC.items():
@@ -286,4 +465,4 @@ def test_notebook_04_works_with_es_runs_only(tmp_path):
                                 {"es_runs": ES, "grpo_runs": "", "figures_dir": str(tmp_path / "figures")}, cwd=REPO)
     cells = json.loads(executed.read_text())["cells"]
     assert not [o for c in cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
-    assert len(list((tmp_path / "figures").glob("*.png"))) == 4
+    assert len(list((tmp_path / "figures").glob("*.png"))) == 6  # the four, the checkpoints' KL and held-out

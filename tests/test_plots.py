@@ -144,6 +144,8 @@ def _figures_of_every_plot_function():
         "plot_reward_vs_time": plots.plot_reward_vs_time(runs),
         "plot_reward_vs_kl": plots.plot_reward_vs_kl(points),
         "plot_seed_spread": plots.plot_seed_spread(runs),
+        "plot_heldout": plots.plot_heldout([{"method": "es", "seed": 0, "value": 0.5}],
+                                           [{"method": "es", "mean": 0.5, "ci_low": 0.4, "ci_high": 0.6}]),
     }
 
 
@@ -272,6 +274,33 @@ def test_seed_spread_draws_a_box_from_five_seeds():
     assert list(es.y) == [10.0, 11.0, 12.0, 13.0, 14.0]
     assert trace(fig, "grpo").type == "scatter" and "grpo mean" in [t.name for t in fig.data]
     assert fig.layout.yaxis.title.text.endswith("(-|length difference|, chars)")
+
+
+def test_heldout_draws_each_seed_with_its_interval_and_the_mean_with_its_own():
+    import pandas as pd
+
+    runs = [{"method": "es", "seed": 0, "value": 0.75, "ci_low": 0.5, "ci_high": 1.0},
+            {"method": "es", "seed": 1, "value": 0.5, "ci_low": 0.25, "ci_high": 0.625},
+            {"method": "es full", "seed": 0, "value": 0.25, "ci_low": 0.0, "ci_high": 0.5},
+            {"method": "grpo", "seed": 0, "value": float("nan")}]  # a run without held-out scores: no point
+    methods = pd.DataFrame([{"method": "es", "mean": 0.625, "ci_low": 0.5, "ci_high": 0.75},
+                            {"method": "es full", "mean": 0.25, "ci_low": 0.25, "ci_high": 0.25}]).set_index("method")
+    fig = plots.plot_heldout(runs, methods, y="heldout/accuracy")
+    assert [t.name for t in fig.data] == ["es seeds", "es", "es full seeds", "es full"]
+    seeds = trace(fig, "es seeds")
+    assert list(seeds.x) == pytest.approx([-0.3, -0.05]) and list(seeds.y) == [0.75, 0.5]
+    assert list(seeds.error_y.array) == [0.25, 0.125] and list(seeds.error_y.arrayminus) == [0.25, 0.25]
+    assert list(seeds.text) == ["es, seed 0", "es, seed 1"]
+    mean = trace(fig, "es")
+    assert list(mean.x) == [0.15] and list(mean.y) == [0.625]
+    assert list(mean.error_y.array) == [0.125] and list(mean.error_y.arrayminus) == [0.125]
+    assert list(trace(fig, "es full seeds").x) == [1 - 0.175]  # one seed: in the middle of its side
+    assert list(fig.layout.xaxis.ticktext) == ["es", "es full", "grpo"] and list(fig.layout.xaxis.tickvals) == [0, 1, 2]
+    assert fig.layout.yaxis.title.text == "held-out accuracy<br>(fraction solved)"
+    assert trace(fig, "es").marker.color != trace(fig, "es full").marker.color
+    fig = plots.plot_heldout(runs[:1], [], y="heldout/reward", reward_label="-|length difference|, chars")
+    assert fig.layout.yaxis.title.text.endswith("(-|length difference|, chars)")
+    assert plots.plot_heldout([runs[3]], []).data == ()  # nothing to draw: an empty figure, not an error
 
 
 def test_completions_table_shortens_long_text():

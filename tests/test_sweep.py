@@ -65,6 +65,8 @@ def test_checkpoint_points_pair_each_measured_kl_with_the_reward_of_its_generati
 
     out = tmp_path / "sweep"
     shutil.copytree(FIXTURES, out)
+    for made in out.glob("*/kl.jsonl"):  # the fixtures' own checkpoint KLs: tests/test_analysis.py reads them
+        made.unlink()
     run = out / "es_seed0"
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     (run / "kl.jsonl").write_text('{"generation": 0, "policy/kl": 0.0}\n{"generation": 2, "policy/kl": 0.5}\n')

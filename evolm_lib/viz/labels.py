@@ -25,6 +25,9 @@ KEY_LABELS: Mapping[str, str] = {
     "policy/train_reward": "mean-adapter reward on train prompts",
     "eval/reward": "mean-adapter reward on eval prompts",
     "eval/accuracy": "mean-adapter accuracy on eval prompts (fraction solved)",
+    # the final mean adapter or policy, greedy, on the held-out problems (heldout.jsonl)
+    "heldout/accuracy": "held-out accuracy (fraction solved)",
+    "heldout/reward": "held-out mean reward",
     "train/reward_mean": "population mean reward on train prompts",
     "train/reward_best": "best member's reward on train prompts",
     "train/reward_worst": "worst member's reward on train prompts",

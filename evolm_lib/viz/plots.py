@@ -24,7 +24,8 @@ TIME_KEYS = tuple(PHASE_NAMES)  # phases of a generation (ES) or step (GRPO), in
 BOX_FROM_SEEDS = 5  # fewer seeds per method: every point and the mean, not a box
 
 _PALETTE = qualitative.Plotly
-_METHOD_COLORS = {"es": _PALETTE[0], "grpo": _PALETTE[1]}
+_METHOD_COLORS = {"es": _PALETTE[0], "grpo": _PALETTE[1], "es eggroll": _PALETTE[2], "es full": _PALETTE[3]}
+_OTHER_COLORS = [c for c in _PALETTE if c not in _METHOD_COLORS.values()]  # labels of other names
 
 
 # --------------------------------------------------------------------------- helpers
@@ -36,7 +37,14 @@ def _rgba(hex_color: str, alpha: float) -> str:
 
 
 def _method_color(method: str, index: int) -> str:
-    return _METHOD_COLORS.get(str(method).lower(), _PALETTE[index % len(_PALETTE)])
+    return _METHOD_COLORS.get(str(method).lower(), _OTHER_COLORS[index % len(_OTHER_COLORS)])
+
+
+def _records(table: Any) -> list[Mapping[str, Any]]:
+    """Rows of a DataFrame (its index as a column) or a sequence of mappings, as a list of mappings."""
+    if hasattr(table, "reset_index"):
+        return table.reset_index().to_dict("records")
+    return list(table)
 
 
 def _axis(key: str, reward_label: str | None = None, values: Sequence[float] = ()) -> dict:
@@ -285,4 +293,47 @@ def plot_seed_spread(runs: Runs, y: str = "policy/train_reward", title: str | No
                             hovertemplate=f"mean of {len(finals)} seeds: %{{y:.4g}}<extra></extra>")
     fig.update_layout(title=title or f"Final {label(y)} per seed", xaxis_title="method",
                       yaxis=_axis(y, reward_label), template="plotly_white", showlegend=False)
+    return fig
+
+
+def plot_heldout(runs: Any, methods: Any, y: str = "heldout/accuracy", title: str | None = None,
+                 reward_label: str | None = None) -> go.Figure:
+    """Held-out score per method: each seed's score as a point with its interval over problems (thin
+    bars), and the method's mean across seeds with its interval across seeds (thick bars, beside the
+    points). ``runs``: rows with method, seed, value (ci_low, ci_high optional), e.g.
+    `analysis.heldout_table`; ``methods``: rows with method, mean, ci_low, ci_high, e.g.
+    `analysis.study_table` (DataFrames or sequences of mappings); ``y``: the key that labels the axis."""
+    runs, methods = _records(runs), _records(methods)
+    names = list(dict.fromkeys([str(m["method"]) for m in methods] + [str(r["method"]) for r in runs]))
+    fig = go.Figure()
+    for i, method in enumerate(names):
+        color = _method_color(method, i)
+        points = [r for r in runs if str(r["method"]) == method and finite(r.get("value"))]
+        if points:
+            # seeds spread over [i - 0.3, i - 0.05]; the mean sits at i + 0.15
+            offsets = [-0.3 + 0.25 * k / (len(points) - 1) if len(points) > 1 else -0.175 for k in range(len(points))]
+            values = [float(p["value"]) for p in points]
+            has_bars = all(finite(p.get("ci_low")) and finite(p.get("ci_high")) for p in points)
+            fig.add_scatter(
+                name=f"{method} seeds", legendgroup=method, showlegend=False, mode="markers",
+                x=[i + o for o in offsets], y=values, marker=dict(color=color, size=7, opacity=0.7),
+                error_y=dict(type="data", array=[float(p["ci_high"]) - v for p, v in zip(points, values)],
+                             arrayminus=[v - float(p["ci_low"]) for p, v in zip(points, values)],
+                             thickness=1, width=0, color=color) if has_bars else None,
+                text=[f"{method}, seed {p.get('seed')}" for p in points],
+                hovertemplate="%{text}: %{y:.4g}<extra></extra>")
+        summary = next((m for m in methods if str(m["method"]) == method and finite(m.get("mean"))), None)
+        if summary is not None:
+            mean = float(summary["mean"])
+            fig.add_scatter(
+                name=method, legendgroup=method, mode="markers", x=[i + 0.15], y=[mean],
+                marker=dict(color=color, size=12, symbol="diamond"),
+                error_y=dict(type="data", array=[float(summary["ci_high"]) - mean],
+                             arrayminus=[mean - float(summary["ci_low"])], thickness=2.5, width=8, color=color),
+                hovertemplate=(f"{method}: mean %{{y:.4g}} [{float(summary['ci_low']):.4g}, "
+                               f"{float(summary['ci_high']):.4g}]<extra></extra>"))
+    fig.update_layout(title=title or f"{label(y)} per method", template="plotly_white", showlegend=False,
+                      xaxis=dict(title_text="method", tickmode="array", tickvals=list(range(len(names))),
+                                 ticktext=names, range=[-0.6, len(names) - 0.4]),
+                      yaxis=_axis(y, reward_label))
     return fig

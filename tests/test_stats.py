@@ -1,0 +1,177 @@
+"""Tests for evolm_lib.stats on values computed by hand: bootstrap intervals, the permutation test over
+seed labels (exact and Monte Carlo), Student's t tail and Welch's t-test, and the seed comparison."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from evolm_lib import stats
+
+
+# ----------------------------------------------------------------------------- bootstrap
+
+
+def test_bootstrap_interval_of_constant_data_is_that_constant():
+    assert stats.bootstrap_interval([3.0] * 5) == (3.0, 3.0, 3.0)
+    assert stats.bootstrap_interval([0.1] * 7) == pytest.approx((0.1, 0.1, 0.1))
+    assert stats.bootstrap_interval([2.5]) == (2.5, 2.5, 2.5)  # one value: no spread to resample
+
+
+def test_bootstrap_interval_of_two_values_spans_them():
+    # a resampled mean of [0, 1] is 0, 0.5 or 1 with chances 1/4, 1/2, 1/4: the 2.5 and 97.5
+    # percentiles of 10,000 of them are 0 and 1 (each end holds about 25 % of the draws)
+    assert stats.bootstrap_interval([0.0, 1.0]) == (0.5, 0.0, 1.0)
+    # at level 0.4 the ends are the 30th and 70th percentiles: both 0.5 (it holds the middle 50 %)
+    assert stats.bootstrap_interval([0.0, 1.0], level=0.4) == (0.5, 0.5, 0.5)
+
+
+def test_bootstrap_interval_repeats_with_the_seed_and_moves_without_it():
+    values = [1, 0, 1, 1, 0, 1, 0, 1, 1, 1, 0, 0, 1]
+    first = stats.bootstrap_interval(values, seed=3)
+    assert stats.bootstrap_interval(values, seed=3) == first
+    assert stats.bootstrap_interval(values, seed=4) != first
+    estimate, low, high = first
+    assert estimate == pytest.approx(8 / 13) and 0 <= low < estimate < high <= 1
+    # every bootstrap mean of 13 zeros and ones is a multiple of 1/13; numpy's percentile may
+    # interpolate between two neighbours, so the ends lie on a grid of 1/26 at worst
+    assert (low * 26) == pytest.approx(round(low * 26)) and (high * 26) == pytest.approx(round(high * 26))
+
+
+def test_bootstrap_interval_with_another_statistic_and_its_errors():
+    # median of resamples of [1, 2, 100]: the median is 100 only when two of three draws are 100
+    # (7/27 of the time), so the 95 % interval reaches it; the estimate is the median, 2
+    estimate, low, high = stats.bootstrap_interval([1.0, 2.0, 100.0], statistic=np.median)
+    assert (estimate, low, high) == (2.0, 1.0, 100.0)
+    with pytest.raises(ValueError, match="level"):
+        stats.bootstrap_interval([1.0, 2.0], level=95)
+    with pytest.raises(ValueError, match="no values"):
+        stats.bootstrap_interval([])
+    with pytest.raises(ValueError, match="NaN"):
+        stats.bootstrap_interval([1.0, math.nan])
+    with pytest.raises(ValueError, match="num_resamples"):
+        stats.bootstrap_interval([1.0, 2.0], num_resamples=0)
+
+
+def test_bootstrap_difference_on_hand_computed_cases():
+    # b never varies; a's resampled mean is 0, 0.5 or 1 (as above)
+    assert stats.bootstrap_difference([0.0, 1.0], [0.0, 0.0]) == (0.5, 0.0, 1.0)
+    assert stats.bootstrap_difference([2.0, 2.0], [1.0, 1.0]) == (1.0, 1.0, 1.0)
+    # a* in {0.75, 0.875, 1}, b* in {0.125, 0.1875, 0.25}: the extreme differences 0.5 and 0.875
+    # each come with chance 1/16 = 6.25 % > 2.5 %, so they are the interval's ends
+    assert stats.bootstrap_difference([1.0, 0.75], [0.25, 0.125]) == (0.6875, 0.5, 0.875)
+    assert stats.bootstrap_difference([1, 2, 3], [4, 5, 6], seed=1) == stats.bootstrap_difference([1, 2, 3], [4, 5, 6], seed=1)
+
+
+# ----------------------------------------------------------------------------- permutation test
+
+
+def test_permutation_test_exact_on_tiny_samples():
+    # 20 splits of {1..6} into three and three: only {1,2,3} and {4,5,6} reach |difference| 3
+    result = stats.permutation_test([1, 2, 3], [4, 5, 6])
+    assert result == stats.PermutationTest(p=0.1, exact=True, splits=20, smallest_p=0.1)
+    # 5 vs 5 seeds fully apart: 2 of C(10, 5) = 252 splits
+    result = stats.permutation_test([1, 2, 3, 4, 5], [6, 7, 8, 9, 10])
+    assert result.p == pytest.approx(2 / 252) and result.splits == 252 and result.smallest_p == pytest.approx(2 / 252)
+
+
+def test_permutation_test_counts_splits_as_extreme_by_hand():
+    # {0, 3, 1, 5}, two and two: differences of the six splits are -1.5 (observed), -3.5, 0.5,
+    # -0.5, 3.5, 1.5: four have |difference| >= 1.5
+    assert stats.permutation_test([0, 3], [1, 5]).p == pytest.approx(4 / 6)
+    # equal means: every split is as extreme
+    assert stats.permutation_test([0, 3], [1, 2]).p == 1.0
+    assert stats.permutation_test([1, 1], [1, 1]).p == 1.0
+    # unequal sizes: 1 vs 3, C(4, 1) = 4 splits; only the observed one reaches |4 - 1| = 3
+    # (the differences are 3, -1, -1, -1 for a = 4, 1, 1, 1): p = 1/4, the smallest possible
+    result = stats.permutation_test([4], [1, 1, 1])
+    assert (result.p, result.smallest_p) == (0.25, 0.25)
+    # floating sums in another order still count as ties
+    assert stats.permutation_test([0.1, 0.2], [0.3, 0.4]).p == pytest.approx(2 / 6)
+
+
+def test_permutation_test_monte_carlo_when_splits_are_too_many():
+    result = stats.permutation_test([1, 2, 3], [4, 5, 6], max_exact=10, num_permutations=20_000, seed=5)
+    assert not result.exact and result.splits == 20_000
+    assert result.p == pytest.approx(0.1, abs=0.01)  # 2/20 exactly; the sample's error ~ 0.002
+    assert result.smallest_p == pytest.approx(1 / 20_001)
+    assert stats.permutation_test([1, 2, 3], [4, 5, 6], max_exact=10, num_permutations=20_000, seed=5) == result
+    # a sample that never reaches the observed split (2 in 184,756 do) still gives p > 0: (0 + 1) / (m + 1)
+    far = stats.permutation_test(list(range(10)), list(range(100, 110)), max_exact=0, num_permutations=999, seed=1)
+    assert far.p == pytest.approx(1 / 1000)
+
+
+# ----------------------------------------------------------------------------- Student's t and Welch
+
+
+@pytest.mark.parametrize("t, dof, expected", [
+    (1.0, 1, 0.5),  # Cauchy: 1 - 2 atan|t| / pi
+    (3.0, 1, 1 - 2 * math.atan(3.0) / math.pi),
+    (2.0, 2, 1 - 2 / math.sqrt(6)),  # dof 2: 1 - |t| / sqrt(2 + t^2)
+    (0.5, 2, 1 - 0.5 / math.sqrt(2.25)),
+    (1.5, 3, 1 - 2 / math.pi * (math.atan(1.5 / math.sqrt(3)) + (1.5 / math.sqrt(3)) / (1 + 1.5 ** 2 / 3))),
+    (-1.5, 3, 1 - 2 / math.pi * (math.atan(1.5 / math.sqrt(3)) + (1.5 / math.sqrt(3)) / (1 + 1.5 ** 2 / 3))),
+    (0.0, 7.5, 1.0),
+    (1.959963984540054, math.inf, 0.05),  # the normal's 97.5 % quantile
+    (math.inf, 4, 0.0),
+])
+def test_student_t_two_sided_p_matches_closed_forms(t, dof, expected):
+    assert stats.student_t_two_sided_p(t, dof) == pytest.approx(expected, rel=1e-12, abs=1e-15)
+
+
+def test_student_t_tail_falls_with_t_and_nears_the_normal_for_large_dof():
+    ps = [stats.student_t_two_sided_p(t, 4.4) for t in (0.5, 1.0, 2.0, 4.0, 8.0)]
+    assert all(x > y for x, y in zip(ps, ps[1:]))
+    assert stats.student_t_two_sided_p(2.0, 1e7) == pytest.approx(math.erfc(2 / math.sqrt(2)), rel=1e-6)
+    assert math.isnan(stats.student_t_two_sided_p(1.0, 0))
+
+
+def test_welch_t_test_by_hand():
+    # means 2 and 5, both variances 1: se = sqrt(2/3), t = -3 / se = -3.674, dof = (2/3)^2 / (2 (1/3)^2 / 2) = 4;
+    # dof 4: F(t) = 1/2 + 3/8 x/sqrt(1 + x^2/4) (1 - x^2 / (12 (1 + x^2/4))) gives p = 0.021312
+    result = stats.welch_t_test([1, 2, 3], [4, 5, 6])
+    x = 3 / math.sqrt(2 / 3)
+    cdf = 0.5 + 3 / 8 * x / math.sqrt(1 + x * x / 4) * (1 - x * x / (12 * (1 + x * x / 4)))
+    assert result.t == pytest.approx(-x) and result.dof == pytest.approx(4.0)
+    assert result.p == pytest.approx(2 * (1 - cdf)) and result.p == pytest.approx(0.021312, abs=1e-6)
+    # one group constant: se^2 = var(a) / 2 = 1/64, t = 0.375 / 0.125 = 3, dof = 1 (all from a)
+    result = stats.welch_t_test([1.0, 0.75], [0.5, 0.5])
+    assert (result.t, result.dof) == pytest.approx((3.0, 1.0))
+    assert result.p == pytest.approx(1 - 2 * math.atan(3) / math.pi)
+
+
+def test_welch_t_test_is_nan_where_undefined():
+    assert all(math.isnan(v) for v in stats.welch_t_test([1.0], [2.0, 3.0]))
+    assert all(math.isnan(v) for v in stats.welch_t_test([1.0, 1.0], [2.0, 2.0]))
+
+
+def test_regularized_incomplete_beta_by_hand():
+    assert stats.regularized_incomplete_beta(1, 1, 0.3) == pytest.approx(0.3)  # uniform
+    assert stats.regularized_incomplete_beta(2, 1, 0.3) == pytest.approx(0.09)  # x^2
+    assert stats.regularized_incomplete_beta(1, 2, 0.3) == pytest.approx(1 - 0.7 ** 2)
+    assert stats.regularized_incomplete_beta(2, 3, 0.0) == 0.0 and stats.regularized_incomplete_beta(2, 3, 1.0) == 1.0
+    with pytest.raises(ValueError, match="positive"):
+        stats.regularized_incomplete_beta(0, 1, 0.5)
+
+
+# ----------------------------------------------------------------------------- the decision
+
+
+def test_compare_seeds_decides_by_the_permutation_p():
+    apart = stats.compare_seeds([0.8, 0.82, 0.79, 0.81, 0.83], [0.6, 0.62, 0.61, 0.59, 0.63])
+    assert apart.difference == pytest.approx(0.2) and apart.permutation.p == pytest.approx(2 / 252)
+    assert apart.larger_than_seed_noise and apart.low < 0.2 < apart.high and apart.level == 0.95
+    assert apart.welch.p < 1e-6
+    mixed = stats.compare_seeds([0.8, 0.6, 0.7, 0.65, 0.75], [0.7, 0.62, 0.68, 0.74, 0.66])
+    assert not mixed.larger_than_seed_noise and mixed.permutation.p > 0.05 and mixed.low < 0 < mixed.high
+    # two seeds each can never show it: the smallest p is 2 / C(4, 2) = 1/3
+    few = stats.compare_seeds([1.0, 0.75], [0.25, 0.125])
+    assert few.permutation.p == pytest.approx(1 / 3) == few.permutation.smallest_p and not few.larger_than_seed_noise
+    assert (few.difference, few.low, few.high) == (0.6875, 0.5, 0.875)
+    # welch: se^2 = 0.03125/2 + 0.0078125/2 = 5/256, t = (11/16) / (sqrt(5)/16) = 11/sqrt(5), dof = 25/17
+    assert (few.welch.t, few.welch.dof) == pytest.approx((11 / math.sqrt(5), 25 / 17))
+    # a looser alpha changes the decision, not the p
+    assert stats.compare_seeds([1.0, 0.75], [0.25, 0.125], alpha=0.5).larger_than_seed_noise
+    with pytest.raises(ValueError, match="alpha"):
+        stats.compare_seeds([1.0], [2.0], alpha=5)
