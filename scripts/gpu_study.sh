@@ -6,7 +6,8 @@
 # LIMIT seconds (SIGTERM; runs resume from their checkpoints), so a second call on the warm
 # machine continues what the first did not finish. The run folders (no weights) come back in
 # $OUT/study.tgz, the processes' logs in $OUT/logs.tgz.
-#   bash scripts/gpu_study.sh 500
+#   bash scripts/gpu_study.sh 500        # every method
+#   bash scripts/gpu_study.sh 500 grpo   # GRPO alone, a process per seed
 set -u
 LIMIT=${1:-500}
 export PYTHONPATH=/root/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 EVOLM_CACHE_DIR=/root/cache
@@ -36,6 +37,20 @@ cg $C grpo 0,1,2,3,4
 cl $C es_lora 0,1,2,3,4
 ce $C es_eggroll 0,1,2,3,4
 "
+if [ "${2:-}" = grpo ]; then  # the GRPO runs alone, one process per seed (a later call: ES finished)
+JOBS="
+ag0 $A grpo 0
+ag1 $A grpo 1
+ag2 $A grpo 2
+ag3 $A grpo 3
+ag4 $A grpo 4
+cg0 $C grpo 0
+cg1 $C grpo 1
+cg2 $C grpo 2
+cg3 $C grpo 3
+cg4 $C grpo 4
+"
+fi
 mkdir -p /root/logs
 pids=""
 i=0
