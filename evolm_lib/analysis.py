@@ -370,20 +370,21 @@ def final_accuracy(record: RunRecord, split: str = "eval") -> float | None:
 # --------------------------------------------------------------------------- the fair comparison
 
 
+def _curve(record: RunRecord, budget_key: str, reward_key: str) -> tuple[list[float], list[float]]:
+    """(budgets, rewards) of a run's rows that have both, in budget order."""
+    pairs = sorted(zip(*series(record.rows, reward_key, x=budget_key)))
+    if not pairs:
+        raise ValueError(f"{record.path} has no row with both {budget_key!r} and {reward_key!r}")
+    return [p[0] for p in pairs], [p[1] for p in pairs]
+
+
 def equal_budget_table(groups: Groups, budget_key: str = "samples/completions", reward_key: str = "eval/reward"):
     """Reward of each method at the largest `budget_key` every run reached, interpolated linearly
     between the logged points of each run, then mean/std/min/max across seeds (a DataFrame; the
     common budget is also in `.attrs["budget"]`)."""
     import pandas as pd
 
-    curves: dict[str, list[tuple[list[float], list[float]]]] = {}
-    for label, runs in groups.items():
-        for r in runs:
-            xs, ys = series(r.rows, reward_key, x=budget_key)
-            pairs = sorted(zip(xs, ys))
-            if not pairs:
-                raise ValueError(f"{r.path} has no row with both {budget_key!r} and {reward_key!r}")
-            curves.setdefault(label, []).append(([p[0] for p in pairs], [p[1] for p in pairs]))
+    curves = {label: [_curve(r, budget_key, reward_key) for r in runs] for label, runs in groups.items()}
     if not curves:
         raise ValueError("no runs to compare")
     budget = min(xs[-1] for runs in curves.values() for xs, _ in runs)
@@ -397,6 +398,19 @@ def equal_budget_table(groups: Groups, budget_key: str = "samples/completions", 
                       "final_reward_mean": sum(ys[-1] for _, ys in runs) / len(runs)})
     table = pd.DataFrame(lines).set_index("method")
     table.attrs.update(budget=budget, budget_key=budget_key, reward_key=reward_key)
+    return table
+
+
+def equal_budget_comparisons(groups: Groups, budget_key: str = "samples/completions", reward_key: str = "eval/reward",
+                             alpha: float = 0.05, level: float = 0.95, num_resamples: int = 10_000, seed: int = 0):
+    """``method_comparisons`` at the common budget of ``equal_budget_table``: each run's `reward_key`
+    interpolated at the largest `budget_key` every run reached, compared pair by pair across seeds
+    (runs stopped before their budget included: the fair comparison when some did not finish).
+    ``.attrs["budget"]`` holds that budget."""
+    budget = equal_budget_table(groups, budget_key, reward_key).attrs["budget"]
+    per_seed = {label: [interp(budget, *_curve(r, budget_key, reward_key)) for r in runs] for label, runs in groups.items()}
+    table = _pairwise(per_seed, alpha=alpha, level=level, num_resamples=num_resamples, seed=seed)
+    table.attrs.update(budget=budget, budget_key=budget_key, reward_key=reward_key, alpha=alpha, level=level)
     return table
 
 
@@ -512,6 +526,25 @@ def study_table(groups: Groups, measure: str = "success", level: float = 0.95, n
     return table
 
 
+def _pairwise(per_seed: Mapping[str, Sequence[float]], **settings):
+    """The comparisons table of ``method_comparisons`` from {method: per-seed values}."""
+    import pandas as pd
+
+    lines = []
+    for first, second in itertools.combinations(per_seed, 2):
+        result = compare_seeds(per_seed[first], per_seed[second], **settings)
+        lines.append({
+            "method_a": first, "method_b": second, "seeds_a": len(per_seed[first]), "seeds_b": len(per_seed[second]),
+            "difference": result.difference, "ci_low": result.low, "ci_high": result.high,
+            "permutation_p": result.permutation.p, "exact": result.permutation.exact,
+            "smallest_p": result.permutation.smallest_p, "welch_t": result.welch.t, "welch_dof": result.welch.dof,
+            "welch_p": result.welch.p, "larger_than_seed_noise": "yes" if result.larger_than_seed_noise else "no",
+        })
+    columns = ["method_a", "method_b", "seeds_a", "seeds_b", "difference", "ci_low", "ci_high", "permutation_p",
+               "exact", "smallest_p", "welch_t", "welch_dof", "welch_p", "larger_than_seed_noise"]
+    return pd.DataFrame(lines, columns=columns)
+
+
 def method_comparisons(groups: Groups, measure: str = "success", alpha: float = 0.05, level: float = 0.95,
                        num_resamples: int = 10_000, seed: int = 0, max_exact: int = 100_000,
                        num_permutations: int = 100_000):
@@ -523,26 +556,11 @@ def method_comparisons(groups: Groups, measure: str = "success", alpha: float = 
     ``welch_t``, ``welch_dof``, ``welch_p`` (for reference), and ``larger_than_seed_noise``: "yes"
     when permutation_p < alpha, else "no" (`stats.compare_seeds`). Runs without heldout.jsonl are
     left out (``.attrs["note"]``)."""
-    import pandas as pd
-
     _measure(measure)
     kept, left_out = _runs_with_scores(groups, measure)
     per_seed = {label: [sum(scores) / len(scores) for _, scores in pairs] for label, pairs in kept.items()}
-    lines = []
-    for first, second in itertools.combinations(per_seed, 2):
-        result = compare_seeds(per_seed[first], per_seed[second], alpha=alpha, level=level,
-                               num_resamples=num_resamples, max_exact=max_exact,
-                               num_permutations=num_permutations, seed=seed)
-        lines.append({
-            "method_a": first, "method_b": second, "seeds_a": len(per_seed[first]), "seeds_b": len(per_seed[second]),
-            "difference": result.difference, "ci_low": result.low, "ci_high": result.high,
-            "permutation_p": result.permutation.p, "exact": result.permutation.exact,
-            "smallest_p": result.permutation.smallest_p, "welch_t": result.welch.t, "welch_dof": result.welch.dof,
-            "welch_p": result.welch.p, "larger_than_seed_noise": "yes" if result.larger_than_seed_noise else "no",
-        })
-    columns = ["method_a", "method_b", "seeds_a", "seeds_b", "difference", "ci_low", "ci_high", "permutation_p",
-               "exact", "smallest_p", "welch_t", "welch_dof", "welch_p", "larger_than_seed_noise"]
-    table = pd.DataFrame(lines, columns=columns)
+    table = _pairwise(per_seed, alpha=alpha, level=level, num_resamples=num_resamples, seed=seed,
+                      max_exact=max_exact, num_permutations=num_permutations)
     table.attrs.update(measure=measure, alpha=alpha, level=level, note=_left_out_note(left_out))
     return table
 

@@ -44,6 +44,7 @@ figures_dir: str = "../figures"  # where PNG/PDF/SVG figures go
 from evolm_lib.analysis import (
     checkpoint_points,
     describe_runs,
+    equal_budget_comparisons,
     equal_budget_table,
     final_points,
     heldout_table,
@@ -179,9 +180,19 @@ wrap_table(completions, max_width="32em")
 equal_budget = equal_budget_table(groups, budget_key=budget_key, reward_key=eval_key)
 equal_budget
 
+# %% [markdown]
+# At that budget, is a difference between methods larger than seed noise? The same test as above
+# (permutation over seed labels), on each run's interpolated reward: it covers runs that stopped
+# before their budget, which the held-out table leaves out.
+
+# %%
+equal_budget_tests = equal_budget_comparisons(groups, budget_key=budget_key, reward_key=eval_key)
+equal_budget_tests
+
 # %%
 assert len(figure_paths) == 3 * (4 + bool(path_points) + bool(len(study))) and all(path.stat().st_size > 0 for path in figure_paths)
 assert set(equal_budget.index) == set(groups) and equal_budget.attrs["budget"] > 0
+assert len(equal_budget_tests) == len(groups) * (len(groups) - 1) // 2
 assert list(spread.index) == list(groups)
 assert set(study.index) <= set(groups) and len(comparisons) == len(study) * (len(study) - 1) // 2
 assert ((study["ci_low"] <= study["mean"]) & (study["mean"] <= study["ci_high"])).all()

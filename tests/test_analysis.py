@@ -165,6 +165,22 @@ def test_equal_budget_table_interpolates_at_the_common_budget():
         analysis.equal_budget_table({"es": [record("es", 0, [0], [None])]})
 
 
+def test_equal_budget_comparisons_test_each_runs_value_at_the_common_budget_across_seeds():
+    # es runs reach 20 completions, grpo runs stop at 10: at 10, es seed s is 2 + s (half-way from
+    # 0 + s to 4 + s), grpo seed s is s / 10
+    es = [record("es", s, [0, 20], [s, 4 + s]) for s in range(3)]
+    grpo = [record("grpo", s, [0, 5, 10], [0, 9, s / 10]) for s in range(3)]
+    table = analysis.equal_budget_comparisons({"es": es, "grpo": grpo})
+    assert table.attrs["budget"] == 10
+    row = table.iloc[0]
+    assert (row["method_a"], row["method_b"], row["seeds_a"], row["seeds_b"]) == ("es", "grpo", 3, 3)
+    assert row["difference"] == pytest.approx(3.0 - 0.1)  # mean(2, 3, 4) - mean(0, 0.1, 0.2)
+    # every es value beats every grpo value: of the C(6, 3) = 20 splits only this one and its mirror
+    # are as extreme, so the exact two-sided p is 2 / 20
+    assert row["permutation_p"] == pytest.approx(0.1) and bool(row["exact"])
+    assert row["larger_than_seed_noise"] == "no"  # 3 seeds a side can never go below 0.1
+
+
 def test_equal_budget_table_on_the_fixtures():
     table = analysis.equal_budget_table(fixture_groups())
     assert list(table.index) == METHODS and table.attrs["budget"] == 64
