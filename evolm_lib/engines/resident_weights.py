@@ -255,7 +255,7 @@ def load_snapshot(resident: ResidentWeights, snapshot: Mapping[str, torch.Tensor
     resident.load_master(snapshot["master"])
     if "step" not in snapshot:
         resident.optimizer_state = None
-    if "step" in snapshot:
+    else:
         def flat(name):
             value = snapshot.get(name)
             return es.FlatParams(value.to(resident.device, torch.float32), resident.layout) if value is not None else {}
