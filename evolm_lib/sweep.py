@@ -421,8 +421,9 @@ def run_sweep(plan: list[PlannedRun], out: str | Path, evaluator=None, kl_evalua
 def run_notebook(batch_part: dict, out: Path, spec_path: Path) -> Path:
     """notebooks/04_es_vs_grpo.py on the sweep's folders; executed notebook and figures under OUT."""
     spec = spec_from_dict(batch_part, source=spec_path.resolve())
-    parameters = {**spec.parameters, "es_runs": str(out.resolve() / "es_*"),
-                  "grpo_runs": str(out.resolve() / "grpo_*"), "figures_dir": str(out.resolve() / "figures")}
+    runs = {key: str(out.resolve() / pattern) if any(p.is_dir() for p in out.glob(pattern)) else ""
+            for key, pattern in (("es_runs", "es_*"), ("grpo_runs", "grpo_*"))}  # "": none of this method
+    parameters = {**spec.parameters, **runs, "figures_dir": str(out.resolve() / "figures")}
     return execute_notebook(spec.notebook, out / "04_es_vs_grpo.ipynb", parameters, kernel_name=spec.kernel)
 
 

@@ -127,3 +127,20 @@ def test_spec_errors_name_the_section_the_setting_came_from(tmp_path, capsys):
     broken.write_text(text.replace("  es:  ", "  es: [  "))
     assert sweep_cli.main([str(broken), "--dry-run"]) == 2
     assert re.search(r"broken.yaml, line \d+, column \d+: not valid YAML", capsys.readouterr().err)
+
+
+def test_the_comparison_notebook_runs_on_a_sweep_of_es_methods_alone(tmp_path):
+    # `--methods es_lora,es_full` leaves no grpo_* folder: the notebook gets an empty GRPO glob
+    out = tmp_path / "sweep"
+    for run in ("es_seed0", "es_seed1", "es_full_seed0", "es_full_seed1"):
+        shutil.copytree(FIXTURES / run, out / run)
+    spec = REPO / "papermill_runs" / "modes_conciseness_smollm2_cpu.yaml"
+    batch, _ = sweep.load_sweep_spec(spec)
+    executed = sweep.run_notebook(batch, out, spec)
+    import nbformat
+
+    injected = next(c for c in nbformat.read(executed, as_version=4).cells if "injected-parameters" in c.metadata.get("tags", []))
+    assert 'grpo_runs = ""' in injected.source and "es_runs = " in injected.source
+    assert sorted(p.name for p in (out / "figures").glob("*.png")) == sorted(
+        f"es_vs_grpo_{name}.png" for name in ("heldout", "reward_vs_kl", "reward_vs_kl_checkpoints", "reward_vs_samples",
+                                              "reward_vs_time", "seed_spread"))
