@@ -414,8 +414,7 @@ def test_the_engine_asks_for_the_memory_the_settings_describe():
     assert on_gpu["enable_prefix_caching"] is False  # slot names are fixed: cached KV would go stale
     on_cpu = llm_arguments("m", sizing, on_gpu=False)
     assert CPU_KV_CACHE_GB == 1.0 and on_cpu["kv_cache_memory_bytes"] == 2**30 and on_cpu["enforce_eager"] is True
-    assert (on_cpu["enable_chunked_prefill"], on_cpu["max_num_batched_tokens"]) == (False, 4096)
-    assert "enable_chunked_prefill" not in on_gpu
+    assert on_cpu["max_num_batched_tokens"] == 4096 and "max_num_batched_tokens" not in on_gpu
     set_by_user = llm_arguments("m", sizing.replace(gpu_memory_utilization=0.3, kv_cache_gb=0.25, adapter_transfer="files"),
                                 on_gpu=True, engine_kwargs={"enable_prefix_caching": True})
     assert (set_by_user["gpu_memory_utilization"], set_by_user["kv_cache_memory_bytes"]) == (0.3, 2**28)

