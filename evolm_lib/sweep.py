@@ -54,7 +54,7 @@ from .engines import EngineSizing, make_evaluator
 from .train.es import ESRun
 from .evaluation import evaluate_adapter, mean_kl_to_base, success
 from .train.grpo import GRPORun
-from .runs import RunFolderBusy, list_checkpoints, load_checkpoint, read_checkpoint_kls, read_metrics
+from .runs import RunFolderBusy, list_checkpoints, load_checkpoint, read_checkpoint_kls, read_jsonl, read_metrics
 from .tasks import get_task
 
 DEFAULT_SPEC = "papermill_runs/es_vs_grpo_conciseness_cpu.yaml"  # relative to the project folder
@@ -346,15 +346,16 @@ def checkpoint_kls(evaluator, run, kl_settings: dict) -> list[dict]:
 
 def score_held_out(evaluator, run) -> Path:
     """The run's final adapter (or mean weights) scored greedily on every held-out problem, one JSON
-    line per problem in run_dir/heldout.jsonl (index, prompt, target, completion, reward, success);
-    written atomically, kept when it already exists."""
+    line per problem in run_dir/heldout.jsonl (index, prompt, target, completion, reward, success, and
+    the generation or step scored); written atomically, kept when it holds the run's current generation
+    (a run extended since is scored again)."""
     path = Path(run.run_dir) / HELDOUT
-    if path.exists():
+    if path.exists() and all(line.get("generation") == run.generation for line in read_jsonl(path)):
         return path
     result = evaluate_adapter(evaluator, run.task, run.adapter, run.eval_examples,
                               max_new_tokens=run.config.max_new_tokens)
     threshold = result["success_threshold"]
-    lines = [json.dumps({"index": i, "prompt": str(run.task.prompt(example)), "target": example.target,
+    lines = [json.dumps({"index": i, "prompt": example.prompt, "target": example.target, "generation": run.generation,
                          "completion": completion, "reward": reward, "success": success(reward, threshold)})
              for i, (example, completion, reward) in enumerate(zip(run.eval_examples, result["completions"],
                                                                    result["rewards"]))]

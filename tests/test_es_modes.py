@@ -246,6 +246,12 @@ def test_a_sweep_of_the_three_modes_scores_every_held_out_problem_and_replays_ea
         # the replayed last mean is the run's own: its KL is the one measured on the final mean
         assert kls[3] == pytest.approx(final_row["policy/kl"], rel=1e-6, abs=1e-9) and kls[3] > 1e-4
     assert engine.generate(["Hello"], [None], _greedy())[0][0].text == base_before  # the engine serves the base again
+    assert {line["generation"] for line in read_jsonl(tmp_path / "es_full_seed0" / sweep.HELDOUT)} == {3}
+    # a run extended by a generation is scored again; its KL file gains the new last generation
+    longer = sweep.select_methods(sweep.plan_sweep({**spec, "generations": 4}), ["es_full"])
+    sweep.run_sweep(longer, tmp_path, evaluator=engine, kl_settings={"num_samples": 2, "every_checkpoint": True})
+    assert {line["generation"] for line in read_jsonl(tmp_path / "es_full_seed0" / sweep.HELDOUT)} == {4}
+    assert [row["generation"] for row in read_jsonl(tmp_path / "es_full_seed0" / "kl.jsonl")] == [0, 2, 3, 4]
 
 
 def _greedy():
