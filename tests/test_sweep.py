@@ -92,6 +92,23 @@ def test_the_countdown_spec_that_replaced_the_gpu_script_keeps_its_budget_and_se
         assert run.config.task_options == {"num_train": 256, "num_eval": 200} and run.config.prompts_per_step == 8
 
 
+@pytest.mark.parametrize("task, generations, steps, budget", [("addition", 60, 225, 14_400), ("conciseness", 40, 150, 2_400)])
+def test_the_study_specs_plan_five_seeds_of_four_methods_at_one_budget(task, generations, steps, budget):
+    """papermill_runs/study_*_smollm2_gpu.yaml: the five-seed GPU study of docs/measurements.md."""
+    _, spec = sweep.load_sweep_spec(REPO / "papermill_runs" / f"study_{task}_smollm2_gpu.yaml")
+    plan = sweep.plan_sweep(spec)
+    assert len(plan) == 20 and {run.budget for run in plan} == {budget}
+    assert {run.method for run in plan} == {"es_lora", "es_eggroll", "es_full", "grpo"}
+    assert sorted({run.config.seed for run in plan}) == [0, 1, 2, 3, 4]
+    assert {run.length for run in plan if run.kind == "es"} == {generations}
+    assert {run.length for run in plan if run.kind == "grpo"} == {steps}
+    assert all(run.config.deterministic and run.config.lora_rank == 8 for run in plan)
+    full = next(run.config for run in plan if run.method == "es_full")
+    assert (full.es_weights, full.population_size, full.sigma, full.learning_rate, full.fitness_shaping) == \
+           ("all", 30, 0.001, 0.0005, "z_score")  # Qiu et al.'s settings
+    assert [run.name for run in sweep.select_methods(plan, ["es_full"]) if run.config.seed == 0] == ["es_full_seed0"]
+
+
 def test_dry_run_estimates_only_from_timings_that_fit_the_runs(capsys):
     """The spec's seconds_per_completion were measured with its own model and completion length: with
     --model or --max-new-tokens the dry run says it has no estimate instead of printing a wrong one."""
