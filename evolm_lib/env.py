@@ -24,6 +24,18 @@ ENGINE_DEFAULTS = {
 CPU_DEFAULTS = {"OMP_NUM_THREADS": "1"}
 
 
+PROCESS_INTERNAL = ("VLLM_DIST_IDENT",)
+"""Variables a vLLM engine sets in its own process for itself (the CPU worker's communicator id):
+meaningless to a child process, where vLLM warns about them as unknown."""
+
+
+def child_environment(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """This process's environment for a child it starts (a JupyterLab server and its kernels), with
+    ``extra`` and without the variables an engine of this process set for itself."""
+    env = {key: value for key, value in os.environ.items() if key not in PROCESS_INTERNAL}
+    return {**env, **(extra or {})}
+
+
 def apply_engine_defaults(cpu: bool | None = None) -> dict[str, str]:
     """Set the engine's environment defaults (and one torch thread on a CPU machine), and hide engine
     notices a user cannot act on (``evolm_lib.quiet``); returns the variables it set."""

@@ -45,7 +45,8 @@ ENGINE_NOISE: tuple[Pattern[str], ...] = tuple(re.compile(p) for p in (
 ))
 # Python warnings from engine internals (module regex, message regex, category).
 WARNING_NOISE = (
-    (r"vllm\.", r"`torch\.distributed\.reduce_op` is deprecated", FutureWarning),
+    # torch's deprecation of an attribute vLLM's imports touch; attributed to whichever module read it
+    (r"", r"`torch\.distributed\.reduce_op` is deprecated", FutureWarning),
 )
 # What an engine notice looks like in a notebook's or terminal's output: vLLM's log prefix, c10's
 # "[W...] Warning:", a Python warning's "file.py:N: SomethingWarning", or a known notice's words.

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from evolm_lib.env import child_environment
+
 REPO = Path(__file__).resolve().parents[1]
 STEPPER = REPO / "notebooks" / "03_es_stepper.ipynb"
 FIXTURE_RUNS = REPO / "tests" / "data" / "es_vs_grpo"
@@ -87,10 +89,10 @@ def _wait_for_server(url: str, process: subprocess.Popen, timeout: float = 60) -
 def _lab(tmp_path: Path, root: Path, notebook: Path):
     """A JupyterLab server on 127.0.0.1 serving ``root``; yields the URL that opens ``notebook``."""
     port, token = _free_port(), secrets.token_hex(16)
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING",
+    env = child_environment({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING",
            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),  # see tests/test_notebooks.py
            "JUPYTER_CONFIG_DIR": str(tmp_path / "config"), "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime"),
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))})
     log = open(tmp_path / "jupyterlab.log", "w")
     process = subprocess.Popen(
         [sys.executable, "-m", "jupyterlab", "--no-browser", "--allow-root", "--ServerApp.ip=127.0.0.1",

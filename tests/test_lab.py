@@ -19,7 +19,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from evolm_lib.cli.lab import clean_notebook_save, lab_command, strip_notebook
+from evolm_lib.cli.lab import clean_notebook_save, lab_command, lab_environment, strip_notebook
 
 REPO = Path(__file__).resolve().parents[1]
 JUPYTER = [sys.executable, "-m", "jupyter", "lab"]
@@ -238,3 +238,14 @@ def _wait_for(base: str, token: str, process: subprocess.Popen, log: Path, timeo
         except OSError:
             time.sleep(0.5)
     raise TimeoutError(f"evolm lab did not answer within {timeout} s:\n{log.read_text()[-3000:]}")
+
+
+def test_a_child_process_gets_this_process_environment_without_an_engines_own_variables(monkeypatch):
+    from evolm_lib.env import child_environment
+
+    monkeypatch.setenv("VLLM_DIST_IDENT", "ident-of-this-process-worker")  # what vLLM's CPU worker sets
+    monkeypatch.setenv("EVOLM_SOMETHING", "kept")
+    env = child_environment({"EXTRA": "1"})
+    assert "VLLM_DIST_IDENT" not in env and env["EVOLM_SOMETHING"] == "kept" and env["EXTRA"] == "1"
+    assert os.environ["VLLM_DIST_IDENT"] == "ident-of-this-process-worker"  # this process keeps it
+    assert "VLLM_DIST_IDENT" not in lab_environment(REPO)  # what `evolm lab` hands the server and its kernels

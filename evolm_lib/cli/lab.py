@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from ..env import apply_engine_defaults
+from ..env import apply_engine_defaults, child_environment
 from ..paths import project_root
 
 # jupyter-lab options that choose another folder to serve: with one of them, the lab's root and
@@ -69,7 +69,7 @@ def lab_environment(root: Path) -> dict[str, str]:
     """The server's environment: the engine defaults (kernels inherit them) and the project's jupyter
     config folder first on ``JUPYTER_CONFIG_PATH`` (the user's own config still applies after it)."""
     apply_engine_defaults()
-    env = os.environ.copy()
+    env = child_environment()
     config = root / CONFIG_FOLDER
     if config.is_dir():
         env["JUPYTER_CONFIG_PATH"] = os.pathsep.join(filter(None, [str(config), env.get("JUPYTER_CONFIG_PATH")]))
