@@ -76,6 +76,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import copy
 import csv
 import itertools
 import json
@@ -101,6 +102,8 @@ SPEC_KEYS = ("notebook", "parameters", "grid", "name", "kernel", "sweep")  # swe
 INJECTED = ("run_dir", "figures_dir")  # filled in by the runner, per run
 NOTEBOOK_FILE = "notebook.ipynb"
 STATUS_FILE = "status.json"
+KERNEL_START_ATTEMPTS = 2  # a notebook's kernel that dies before answering is started once more
+KERNEL_DIED_AT_START = "Kernel died before replying to kernel_info"  # jupyter_client's words for it
 RUNNING, OK, FAILED, PLANNED = "running", "ok", "failed", "planned"
 BUSY = "busy"  # another process holds the point or its run folder: nothing done, nothing written
 # what a batch does with a grid point, by the point's state (see the module's doc string)
@@ -375,15 +378,25 @@ def execute_notebook(notebook_path: str | Path, output_path: str | Path,
     nb = read_notebook(notebook_path, kernel_name)
     output_path = Path(output_path)
     output_path.parent.mkdir(parents=True, exist_ok=True)
-    papermill.execute_notebook(
-        nb, str(output_path), parameters=dict(parameters or {}), kernel_name=kernel_name,
-        progress_bar=False, log_output=log_output, cwd=str(cwd or project_root()),
-        execution_timeout=execution_timeout,
-        store_widget_state=False,  # a FigureWidget would otherwise add ~5 MB of plotly.js
-        # the kernel's own start-up notices (e.g. "running over TCP without encryption") go to the
-        # terminal of every batch point: errors only, unless EVOLM_VERBOSE
-        extra_arguments=[] if verbose() else ["--IPKernelApp.log_level=ERROR"],
-    )
+    for attempt in range(1, KERNEL_START_ATTEMPTS + 1):
+        try:
+            papermill.execute_notebook(
+                copy.deepcopy(nb), str(output_path), parameters=dict(parameters or {}), kernel_name=kernel_name,
+                progress_bar=False, log_output=log_output, cwd=str(cwd or project_root()),
+                execution_timeout=execution_timeout,
+                store_widget_state=False,  # a FigureWidget would otherwise add ~5 MB of plotly.js
+                # the kernel's own start-up notices (e.g. "running over TCP without encryption") go to the
+                # terminal of every batch point: errors only, unless EVOLM_VERBOSE
+                extra_arguments=[] if verbose() else ["--IPKernelApp.log_level=ERROR"],
+            )
+            return output_path
+        except RuntimeError as error:
+            # A kernel that died before it answered ran no cell (e.g. its port was taken by another
+            # process between jupyter_client choosing it and the kernel binding it): start another.
+            if KERNEL_DIED_AT_START not in str(error) or attempt == KERNEL_START_ATTEMPTS:
+                raise
+            warnings.warn(f"{notebook_path}: the kernel died before it answered ({error}); starting another",
+                          RuntimeWarning, stacklevel=2)
     return output_path
 
 

@@ -438,3 +438,37 @@ def test_summary_columns_are_labelled_settings_without_a_grid_and_one_wall_time(
     empty = batch.summary_rows([batch.RunResult("x", "ok", 1.26, "", tmp_path, tmp_path / "nb.ipynb", {},
                                                 results={"kind": "es", "kl_final": None})])
     assert empty == [{"run": "x", "status": "ok", "wall_s": 1.3, "error": "", "kind": "es", "notebook": str(tmp_path / "nb.ipynb")}]
+
+
+def _kernel_dying_first(tmp_path, name: str, deaths: int) -> Path:
+    """A kernelspec `name` under tmp_path/jupyter whose first `deaths` kernels exit before answering
+    (as one whose port another process took); later ones are the ordinary ipykernel."""
+    script = tmp_path / f"{name}.py"
+    script.write_text(
+        "import pathlib, runpy, sys\n"
+        f"count = pathlib.Path({str(tmp_path / (name + '.deaths'))!r})\n"
+        "died = int(count.read_text()) if count.exists() else 0\n"
+        f"if died < {deaths}:\n"
+        "    count.write_text(str(died + 1))\n"
+        "    sys.exit(1)\n"
+        "sys.argv = ['ipykernel_launcher', *sys.argv[1:]]\n"
+        "runpy.run_module('ipykernel_launcher', run_name='__main__')\n")
+    spec = tmp_path / "jupyter" / "kernels" / name
+    spec.mkdir(parents=True)
+    (spec / "kernel.json").write_text(json.dumps(
+        {"argv": [sys.executable, str(script), "-f", "{connection_file}"], "display_name": name, "language": "python"}))
+    return tmp_path / f"{name}.deaths"
+
+
+def test_a_kernel_that_dies_before_answering_is_started_once_more(tmp_path, monkeypatch):
+    monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
+    notebook = tmp_path / "n.py"
+    notebook.write_text("# %%\nprint('ran')\n")
+    deaths = _kernel_dying_first(tmp_path, "dies-once", deaths=1)
+    with pytest.warns(RuntimeWarning, match="the kernel died before it answered"):
+        out = batch.execute_notebook(notebook, tmp_path / "out.ipynb", kernel_name="dies-once", cwd=tmp_path)
+    assert deaths.read_text() == "1" and "ran" in out.read_text()
+    deaths = _kernel_dying_first(tmp_path, "always-dies", deaths=99)
+    with pytest.raises(RuntimeError, match=batch.KERNEL_DIED_AT_START), pytest.warns(RuntimeWarning):
+        batch.execute_notebook(notebook, tmp_path / "out2.ipynb", kernel_name="always-dies", cwd=tmp_path)
+    assert deaths.read_text() == str(batch.KERNEL_START_ATTEMPTS)
