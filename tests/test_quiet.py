@@ -114,8 +114,12 @@ def test_verbose_shows_everything(vllm_log, monkeypatch):
 
 
 def test_set_verbose_reaches_kernels_and_vllm(vllm_log, monkeypatch):
-    for name in ("VLLM_LOGGING_LEVEL", "TORCH_CPP_LOG_LEVEL"):
-        monkeypatch.delenv(name, raising=False)
+    # set, then delete: monkeypatch records the value before the test only through setenv (a delenv
+    # of an unset name records nothing, and set_verbose's values would outlive the test, reaching
+    # every kernel this worker starts later)
+    for name in (quiet.VERBOSE_ENV, "VLLM_LOGGING_LEVEL", "TORCH_CPP_LOG_LEVEL"):
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     quiet.set_verbose(False)  # the notebooks' default: quiet unless the environment says otherwise
     assert not quiet.verbose()
     quiet.set_verbose(True)
@@ -123,7 +127,6 @@ def test_set_verbose_reaches_kernels_and_vllm(vllm_log, monkeypatch):
     import os
 
     assert os.environ[quiet.VERBOSE_ENV] == "1" and os.environ["VLLM_LOGGING_LEVEL"] == "INFO"
-    monkeypatch.delenv(quiet.VERBOSE_ENV)
 
 
 def test_engine_future_warnings_are_filtered_but_others_show(vllm_log):
