@@ -22,7 +22,7 @@ from evolm_lib.engines.ray_engine import EngineLostError, RayEvaluator, plan_mem
 from evolm_lib.engines.sizing import EngineSizing
 from evolm_lib.runs import read_metrics
 from evolm_lib.train.es import ESRun
-from test_ray_engine import PROMPTS, start_local_ray, without_times
+from test_ray_engine import PROMPTS, ray_cluster, without_times  # noqa: F401 (ray_cluster: the fixture, one cluster per module)
 
 MODES = ("full", "eggroll")
 SETTINGS = dict(model="tiny-random", task="conciseness", population_size=4, sigma=0.1, learning_rate=0.05,
@@ -62,16 +62,6 @@ def test_members_go_in_contiguous_blocks_and_the_scoring_prompts_beside_them():
 
 
 # ----------------------------------------------------------------------------- engines
-
-
-@pytest.fixture(scope="module")
-def ray_cluster(tmp_path_factory):
-    ray = pytest.importorskip("ray")
-    if ray.is_initialized():
-        ray.shutdown()
-    start_local_ray(ray, tmp_path_factory.mktemp("ray_stub"))
-    yield ray
-    ray.shutdown()
 
 
 def run_both_modes(evaluator, engines: int | None, folder) -> dict:

@@ -205,18 +205,24 @@ def test_report_to_added_when_a_run_is_extended_gets_every_row(tmp_path):
     assert_tensorboard_matches_metrics(tmp_path / "run", 5)
 
 
-def test_a_resumed_writer_waits_until_its_event_file_sorts_after_the_earlier_ones(tmp_path):
-    # TensorBoard reads a folder's event files in name order, and a name starts with its second: an
-    # earlier file of another host named with this second (here the next one) must be read before the
-    # resumed run's, whose purge drops its points
+def _resumed_after_renaming_its_event_file(tmp_path, seconds_ahead: int, host: str) -> tuple[ESRun, int]:
+    """A 4-generation run stopped after 3 whose one event file is renamed as if opened ``seconds_ahead``
+    from now on ``host``, then resumed (not yet run); and that second."""
     config = ESConfig(**{**ES_SETTINGS, "num_generations": 4})
     run = ESRun.create(config, tmp_path / "run", evaluator=SyntheticEvaluator())
     run.run(3)
     run.close()
     (event_file,) = (tmp_path / "run" / TENSORBOARD_DIR).iterdir()
-    soon = int(time.time()) + 1
-    event_file.rename(event_file.with_name(f"events.out.tfevents.{soon}.zzzz.99999.9"))  # sorts last in its second
-    resumed = ESRun.resume(tmp_path / "run", evaluator=SyntheticEvaluator())
+    second = int(time.time()) + seconds_ahead
+    event_file.rename(event_file.with_name(f"events.out.tfevents.{second}.{host}"))
+    return ESRun.resume(tmp_path / "run", evaluator=SyntheticEvaluator()), second
+
+
+def test_a_resumed_writer_waits_until_its_event_file_sorts_after_the_earlier_ones(tmp_path):
+    # TensorBoard reads a folder's event files in name order, and a name starts with its second: an
+    # earlier file of another host named with this second (here the next one) must be read before the
+    # resumed run's, whose purge drops its points
+    resumed, soon = _resumed_after_renaming_its_event_file(tmp_path, 1, "zzzz.99999.9")  # sorts last in its second
     assert time.time() >= soon + 1
     resumed.run()
     resumed.close()
@@ -226,14 +232,7 @@ def test_a_resumed_writer_waits_until_its_event_file_sorts_after_the_earlier_one
 def test_event_files_named_by_a_clock_ahead_are_rebuilt_from_metrics(tmp_path):
     # a run folder copied from a machine whose clock is ahead: waiting for this clock to pass its event
     # file's name is not an option, so the folder is rebuilt from metrics.jsonl
-    config = ESConfig(**{**ES_SETTINGS, "num_generations": 4})
-    run = ESRun.create(config, tmp_path / "run", evaluator=SyntheticEvaluator())
-    run.run(3)
-    run.close()
-    (event_file,) = (tmp_path / "run" / TENSORBOARD_DIR).iterdir()
-    ahead = int(time.time()) + 3600
-    event_file.rename(event_file.with_name(f"events.out.tfevents.{ahead}.elsewhere.1.0"))
-    resumed = ESRun.resume(tmp_path / "run", evaluator=SyntheticEvaluator())
+    resumed, ahead = _resumed_after_renaming_its_event_file(tmp_path, 3600, "elsewhere.1.0")
     resumed.run()
     resumed.close()
     assert_tensorboard_matches_metrics(tmp_path / "run", 4)

@@ -137,9 +137,7 @@ class WeightsES:
         entries = self.read_log()
         for entry in entries:
             if start < entry["generation"] <= generation:
-                members = [es.Member(int(seed), int(sign)) for seed, sign in entry["members"]]
-                self.weights.step(self.optimizer, members, entry["weights"], float(entry["sigma"]),
-                                  self.config.gradient_form)
+                self._replay_update(entry)
         # later generations' lines go, and so does a line torn by a kill (the next append would join it)
         kept = "".join(json.dumps(e) + "\n" for e in entries if e["generation"] <= generation)
         path = self.run_dir / SEED_LOG
@@ -150,6 +148,11 @@ class WeightsES:
         for stale in (self.run_dir / SNAPSHOTS).glob("*.safetensors"):
             if int(stale.stem) > generation:
                 stale.unlink()  # from a generation whose checkpoint never landed
+
+    def _replay_update(self, entry: dict[str, Any]) -> None:
+        """A seed log line's update, applied again: the same members, fitness and step size."""
+        members = [es.Member(int(seed), int(sign)) for seed, sign in entry["members"]]
+        self.weights.step(self.optimizer, members, entry["weights"], float(entry["sigma"]), self.config.gradient_form)
 
     @contextmanager
     def serving_base(self) -> Iterator[None]:
@@ -176,9 +179,7 @@ class WeightsES:
             for generation in wanted:
                 for entry in entries:
                     if done < entry["generation"] <= generation:
-                        members = [es.Member(int(seed), int(sign)) for seed, sign in entry["members"]]
-                        self.weights.step(self.optimizer, members, entry["weights"], float(entry["sigma"]),
-                                          self.config.gradient_form)
+                        self._replay_update(entry)
                 done = generation
                 yield generation
         finally:
