@@ -30,8 +30,9 @@ from .stats import bootstrap_interval, compare_seeds
 # Settings that must agree across the compared runs, or the comparison is unfair.
 COMPARED_FIELDS = ("model", "task", "task_options", "target_modules", "lora_rank", "lora_alpha",
                    "layers_to_transform", "max_new_tokens", "prompts_per_step")
-# Per method, the setting that splits one kind into several labels when runs differ in it.
-SIZE_FIELDS = {"es": ("population_size", "N"), "grpo": ("group_size", "G")}
+# Per method, the settings that split one kind into several labels when runs differ in them
+# (a sweep's group sizes; its `grpo_modes` at several learning rates), each with its name in labels.
+SPLIT_FIELDS = {"es": (("population_size", "N"),), "grpo": (("group_size", "G"), ("learning_rate", "lr"))}
 # What a held-out score of a run is, per `measure`: the heldout.jsonl field averaged over problems,
 # and the key its axes and tables are labelled by (evolm_lib.viz.labels).
 HELDOUT_MEASURES = {"success": ("success", "heldout/accuracy"), "reward": ("reward", "heldout/reward")}
@@ -149,7 +150,8 @@ def load_runs(patterns: str | os.PathLike | Sequence[str | os.PathLike] | Mappin
     The label is the mapping's key when ``patterns`` is a mapping {label: glob(s)}, else the
     config.yaml's `label` key if it has one, else its `kind` ("es" or "grpo") and, for ES runs that
     moved the model's own weights, its `es_mode` ("es full", "es eggroll": `method_label`); a kind
-    whose runs differ in population or group size is split ("grpo G=8", "grpo G=30"). Without a
+    whose runs differ in population or group size, or (GRPO) in learning rate, is split ("grpo G=8",
+    "grpo G=30", "grpo lr=0.0005"). Without a
     mapping, ES labels are ordered lora, eggroll, full where ES first appears. Empty patterns are
     skipped (only ES runs: ``[es_glob, ""]``); every other pattern must match a folder, every
     folder must be a run folder, and the runs must share COMPARED_FIELDS unless ``allow_mixed``.
@@ -199,12 +201,15 @@ def _ordered_by_mode(groups: dict[str, list[RunRecord]]) -> dict[str, list[RunRe
 
 
 def _split_label(record: RunRecord, records: Sequence[RunRecord]) -> str:
-    """The record's label, with its size added when runs of the same label and kind differ in size."""
-    size_field, letter = SIZE_FIELDS.get(record.kind, (None, None))
-    if size_field is None:
-        return record.method
-    sizes = {r.config.get(size_field) for r in records if r.method == record.method and r.kind == record.kind}
-    return f"{record.method} {letter}={record.config.get(size_field)}" if len(sizes) > 1 else record.method
+    """The record's label, with each setting of SPLIT_FIELDS in which runs of the same label and kind
+    differ added ("grpo G=8", "grpo lr=0.0005")."""
+    label = record.method
+    for field, name in SPLIT_FIELDS.get(record.kind, ()):
+        values = {r.config.get(field) for r in records if r.method == record.method and r.kind == record.kind}
+        if len(values) > 1:
+            value = record.config.get(field)
+            label += f" {name}={value:g}" if isinstance(value, float) else f" {name}={value}"
+    return label
 
 
 def check_comparable(records: Sequence[RunRecord], fields: Sequence[str] = COMPARED_FIELDS) -> None:

@@ -20,6 +20,9 @@ The spec is a batch file for notebook 04 (`notebook`, `parameters`) plus a `swee
         lora: {}                                        # -> OUT/es_lora_seedN
         full: {es_mode: full, sigma: 0.001, learning_rate: 0.0005}   # -> OUT/es_full_seedN
       grpo: {group_size: [8, 16], learning_rate: ...}   # GRPO-only settings; group_size and learning_rate may be lists
+      grpo_modes:                                       # optional: several GRPO variants, each over `grpo`
+        lr2e3: {learning_rate: 0.002}                   # -> OUT/grpo_lr2e3_seedN
+        lr5e4: {learning_rate: 0.0005}                  # -> OUT/grpo_lr5e4_seedN
       generations: 12                                   # ES generations (sets the budget)
       seeds: [0, 1, 2]
       out: runs/es_vs_grpo
@@ -27,7 +30,8 @@ The spec is a batch file for notebook 04 (`notebook`, `parameters`) plus a `swee
       kl: {num_samples: 4, temperature: 1.0, every_checkpoint: true}
 
 Every ES variant of `es_modes` (all at the same budget: the same population x prompts) is one
-more method; `--methods es_full,grpo` runs only those methods' runs (several processes, each with its
+more method, and so is every GRPO variant of `grpo_modes` (each trains every seed: the study's
+tuning made visible, where a `grpo.learning_rate` list picks one rate on the first seed); `--methods es_full,grpo` runs only those methods' runs (several processes, each with its
 own engine, can share one OUT this way). After each run its final adapter (or, for `es_mode` full and
 eggroll, the engine's mean) is scored greedily on every held-out problem, one line per problem in
 OUT/<run>/heldout.jsonl: the input of the study's intervals (``evolm_lib.analysis``).
@@ -58,7 +62,7 @@ from .runs import RunFolderBusy, list_checkpoints, load_checkpoint, read_checkpo
 from .tasks import get_task
 
 DEFAULT_SPEC = "papermill_runs/es_vs_grpo_conciseness_cpu.yaml"  # relative to the project folder
-SWEEP_KEYS = ("common", "es", "es_modes", "grpo", "generations", "seeds", "out", "seconds_per_completion", "kl")
+SWEEP_KEYS = ("common", "es", "es_modes", "grpo", "grpo_modes", "generations", "seeds", "out", "seconds_per_completion", "kl")
 HELDOUT = "heldout.jsonl"  # a finished run's greedy score on every held-out problem, one line each
 
 
@@ -122,19 +126,28 @@ def check_sections(sweep: dict, source: str | Path = "the spec") -> None:
         fields = _section_fields(section)
         problems += [f"sweep.{section}.{key}: not one of the {what}{did_you_mean(key, fields)}"
                      for key in values if key not in fields]
-    variants = sweep.get("es_modes") or {}
-    if not isinstance(variants, dict):
-        problems.append(f"sweep.es_modes: expected a mapping of name -> ESConfig settings, got {variants!r}")
-        variants = {}
-    for name, values in variants.items():
-        if not str(name).replace("_", "").isalnum():
-            problems.append(f"sweep.es_modes.{name}: a name of letters, digits and _ (it names run folders)")
-        if not isinstance(values or {}, dict):
-            problems.append(f"sweep.es_modes.{name}: expected a mapping of ESConfig settings, got {values!r}")
+    for modes, section, what in (("es_modes", "es", "ESConfig"), ("grpo_modes", "grpo", "GRPOConfig")):
+        variants = sweep.get(modes) or {}
+        if not isinstance(variants, dict):
+            problems.append(f"sweep.{modes}: expected a mapping of name -> {what} settings, got {variants!r}")
             continue
-        fields = _section_fields("es")
-        problems += [f"sweep.es_modes.{name}.{key}: not one of the ESConfig settings{did_you_mean(key, fields)}"
-                     for key in (values or {}) if key not in fields]
+        for name, values in variants.items():
+            if not str(name).replace("_", "").isalnum():
+                problems.append(f"sweep.{modes}.{name}: a name of letters, digits and _ (it names run folders)")
+            if not isinstance(values or {}, dict):
+                problems.append(f"sweep.{modes}.{name}: expected a mapping of {what} settings, got {values!r}")
+                continue
+            fields = _section_fields(section)
+            problems += [f"sweep.{modes}.{name}.{key}: not one of the {what} settings{did_you_mean(key, fields)}"
+                         for key in (values or {}) if key not in fields]
+            if modes == "grpo_modes" and any(isinstance((values or {}).get(k), list) for k in ("group_size", "learning_rate")):
+                problems.append(f"sweep.grpo_modes.{name}: one group_size and one learning_rate per variant "
+                                "(a variant is one method)")
+    modes = sweep.get("grpo_modes")
+    rates = (sweep.get("grpo") or {}).get("learning_rate") if isinstance(sweep.get("grpo"), dict) else None
+    if isinstance(modes, dict) and modes and isinstance(rates, list) and all("learning_rate" in (v or {}) for v in modes.values()):
+        problems.append("sweep.grpo.learning_rate: a list sweeps learning rates on the first seed, but every variant "
+                        "of sweep.grpo_modes sets its own")
     if problems:
         raise ValueError(f"{source}: " + "; ".join(problems))
 
@@ -181,6 +194,7 @@ def plan_sweep(sweep: dict, generations: int | None = None, seeds: list[int] | N
     group_sizes = grpo.pop("group_size", 8)
     group_sizes = group_sizes if isinstance(group_sizes, list) else [group_sizes]
     variants = sweep.get("es_modes") or {None: {}}
+    grpo_variants = {name: dict(settings or {}) for name, settings in (sweep.get("grpo_modes") or {None: {}}).items()}
     plan = []
     for seed in seeds:
         for variant, settings in variants.items():
@@ -191,16 +205,21 @@ def plan_sweep(sweep: dict, generations: int | None = None, seeds: list[int] | N
             budget = generations * es.population_size * _prompts_per_step(es)
             name, label = (f"es_{variant}", f"es {variant}") if variant is not None else ("es", "es")
             plan.append(PlannedRun(f"{name}_seed{seed}", label, "es", es, budget))
-        for group_size in group_sizes:
-            steps, rest = divmod(generations * es.population_size, group_size)
-            if rest or steps < 1:
-                raise ValueError(f"unequal budgets: {generations} generations x population {es.population_size} "
-                                 f"is not a whole number of steps of group_size {group_size}; change --generations")
-            config = _config(GRPOConfig, [("sweep.common", common), ("sweep.grpo", grpo), *given],
-                             {"group_size": group_size, "seed": seed, "num_steps": steps})
-            name = f"grpo_G{group_size}_seed{seed}" if len(group_sizes) > 1 else f"grpo_seed{seed}"
-            label = f"grpo G={group_size}" if len(group_sizes) > 1 else "grpo"
-            plan.append(PlannedRun(name, label, "grpo", config, steps * group_size * _prompts_per_step(config)))
+        for variant, settings in grpo_variants.items():
+            sizes = [settings["group_size"]] if "group_size" in settings else group_sizes
+            for group_size in sizes:
+                steps, rest = divmod(generations * es.population_size, group_size)
+                if rest or steps < 1:
+                    raise ValueError(f"unequal budgets: {generations} generations x population {es.population_size} "
+                                     f"is not a whole number of steps of group_size {group_size}; change --generations")
+                sections = [("sweep.common", common), ("sweep.grpo", grpo)]
+                if variant is not None:
+                    sections.append((f"sweep.grpo_modes.{variant}", {k: v for k, v in settings.items() if k != "group_size"}))
+                config = _config(GRPOConfig, [*sections, *given], {"group_size": group_size, "seed": seed, "num_steps": steps})
+                name, label = (f"grpo_{variant}", f"grpo {variant}") if variant is not None else ("grpo", "grpo")
+                if len(sizes) > 1:
+                    name, label = f"{name}_G{group_size}", f"{label} G={group_size}"
+                plan.append(PlannedRun(f"{name}_seed{seed}", label, "grpo", config, steps * group_size * _prompts_per_step(config)))
     budgets = {run.budget for run in plan}
     if len(budgets) > 1:  # prompts_per_step differs between the methods' settings
         raise ValueError(f"unequal budgets across runs: {sorted(budgets)} training completions")
@@ -374,7 +393,8 @@ def run_one(planned: PlannedRun, out: Path, evaluator, kl_evaluator=None, kl_set
         f"greedy {row.get('policy/train_reward', float('nan')):9.3f}  samples {row['samples/completions']:>6}  "
         f"{row['time/generation_s']:6.1f} s", flush=True))
     run.save_final()
-    score_held_out(evaluator, run)
+    scores = [line["success"] for line in read_jsonl(score_held_out(evaluator, run))]
+    print(f"  {planned.name} held-out success {sum(scores) / len(scores):.3f} on {len(scores)} problems", flush=True)
     if kl_settings is not None and kl_settings.get("every_checkpoint"):
         for row in checkpoint_kls(kl_evaluator or evaluator, run, kl_settings):
             print(f"  {planned.name} checkpoint {row['generation']}: KL to base {row['policy/kl']:.4g}", flush=True)

@@ -108,6 +108,15 @@ def test_runs_of_one_kind_with_different_group_sizes_are_split(tmp_path):
     assert [r.method for r in groups["grpo G=4"]] == ["grpo G=4"]
 
 
+def test_grpo_runs_at_different_learning_rates_are_split(tmp_path):
+    runs = copy_runs(tmp_path)  # a sweep's grpo_modes at two learning rates, one seed each here
+    edit_config(runs / "grpo_seed1", learning_rate=0.0005)
+    groups = analysis.load_runs(str(runs / "*"))
+    rate = yaml.safe_load((runs / "grpo_seed0" / "config.yaml").read_text())["learning_rate"]
+    assert list(groups) == ["es", "es eggroll", "es full", f"grpo lr={rate:g}", "grpo lr=0.0005"]
+    assert [r.name for r in groups["grpo lr=0.0005"]] == ["grpo_seed1"]
+
+
 def test_empty_glob_fails_with_the_pattern(tmp_path):
     with pytest.raises(FileNotFoundError, match="no_such_runs.* matches no run folder"):
         analysis.load_runs([ES, str(tmp_path / "no_such_runs_*")])

@@ -78,6 +78,37 @@ def test_checkpoint_points_pair_each_measured_kl_with_the_reward_of_its_generati
     assert [list(trace.x) for trace in fig.data if trace.mode == "lines+markers"] == [[0.0, 0.5]]
 
 
+def test_grpo_modes_are_methods_of_their_own_with_every_seed():
+    _, spec = sweep.load_sweep_spec(SPEC)
+    spec["grpo"] = {**spec["grpo"], "learning_rate": 0.001, "group_size": 8}  # one rate: a list would sweep rates first
+    spec["grpo_modes"] = {"lr2e3": {"learning_rate": 0.002}, "small": {"learning_rate": 0.0005, "group_size": 4}}
+    plan = sweep.plan_sweep(spec, generations=2, seeds=[0, 1], overrides={"model": "tiny-random"})
+    grpo = [(r.name, r.label, r.config.learning_rate, r.config.group_size, r.length) for r in plan if r.kind == "grpo"]
+    steps = 2 * plan[0].config.population_size
+    assert grpo == [("grpo_lr2e3_seed0", "grpo lr2e3", 0.002, 8, steps // 8), ("grpo_small_seed0", "grpo small", 0.0005, 4, steps // 4),
+                    ("grpo_lr2e3_seed1", "grpo lr2e3", 0.002, 8, steps // 8), ("grpo_small_seed1", "grpo small", 0.0005, 4, steps // 4)]
+    assert len({r.budget for r in plan}) == 1  # a variant's own group size keeps the budget: more steps
+    # the other GRPO settings come from sweep.grpo, under the variant's own
+    assert {r.config.loss_type for r in plan if r.kind == "grpo"} == {spec["grpo"].get("loss_type", "grpo_clip")}
+    assert [r.name for r in sweep.select_methods(plan, ["grpo_small"])] == ["grpo_small_seed0", "grpo_small_seed1"]
+    with pytest.raises(ValueError, match=r"--methods: \['grpo'\] not in this sweep.*'grpo_lr2e3', 'grpo_small'"):
+        sweep.select_methods(plan, ["grpo"])
+
+
+@pytest.mark.parametrize("modes, message", [
+    ({"fast": {"learning_rte": 0.1}}, "sweep.grpo_modes.fast.learning_rte: not one of the GRPOConfig settings (did you mean learning_rate?)"),
+    ({"two": {"learning_rate": [0.1, 0.2]}}, "sweep.grpo_modes.two: one group_size and one learning_rate per variant"),
+    ({"a-b": {}}, "sweep.grpo_modes.a-b: a name of letters, digits and _"),
+    ([0.1], "sweep.grpo_modes: expected a mapping of name -> GRPOConfig settings"),
+    ({"a": {"learning_rate": 0.1}}, "sweep.grpo.learning_rate: a list sweeps learning rates on the first seed, but every "
+                                    "variant of sweep.grpo_modes sets its own"),
+])
+def test_bad_grpo_modes_fail_naming_the_variant(modes, message):
+    _, spec = sweep.load_sweep_spec(SPEC)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        sweep.check_sections({**spec, "grpo_modes": modes})
+
+
 def test_the_countdown_spec_that_replaced_the_gpu_script_keeps_its_budget_and_settings():
     """papermill_runs/es_vs_grpo_countdown_smollm2_gpu.yaml, once scripts/gpu_countdown.py --generations 12."""
     _, spec = sweep.load_sweep_spec(REPO / "papermill_runs" / "es_vs_grpo_countdown_smollm2_gpu.yaml")
@@ -93,12 +124,14 @@ def test_the_countdown_spec_that_replaced_the_gpu_script_keeps_its_budget_and_se
 
 
 @pytest.mark.parametrize("task, generations, steps, budget", [("addition", 60, 225, 14_400), ("conciseness", 40, 150, 2_400)])
-def test_the_study_specs_plan_five_seeds_of_four_methods_at_one_budget(task, generations, steps, budget):
+def test_the_study_specs_plan_five_seeds_of_five_methods_at_one_budget(task, generations, steps, budget):
     """papermill_runs/study_*_smollm2_gpu.yaml: the five-seed GPU study of docs/measurements.md."""
     _, spec = sweep.load_sweep_spec(REPO / "papermill_runs" / f"study_{task}_smollm2_gpu.yaml")
     plan = sweep.plan_sweep(spec)
-    assert len(plan) == 20 and {run.budget for run in plan} == {budget}
-    assert {run.method for run in plan} == {"es_lora", "es_eggroll", "es_full", "grpo"}
+    assert len(plan) == 25 and {run.budget for run in plan} == {budget}
+    assert {run.method for run in plan} == {"es_lora", "es_eggroll", "es_full", "grpo_lr2e3", "grpo_lr5e4"}
+    assert {run.method: run.config.learning_rate for run in plan if run.kind == "grpo"} == \
+           {"grpo_lr2e3": 0.002, "grpo_lr5e4": 0.0005}
     assert sorted({run.config.seed for run in plan}) == [0, 1, 2, 3, 4]
     assert {run.length for run in plan if run.kind == "es"} == {generations}
     assert {run.length for run in plan if run.kind == "grpo"} == {steps}
