@@ -4,6 +4,7 @@ seconds per generation), the pairwise tests against seed noise, and the equal-bu
 
     python scripts/study_tables.py runs/study_addition success figures/study/addition
     python scripts/study_tables.py runs/study_conciseness reward figures/study/conciseness
+    python scripts/study_tables.py runs/study_addition_long success figures/study/addition_long
 """
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from evolm_lib.analysis import (equal_budget_comparisons, equal_budget_table, lo
 
 def main(folder: str, measure: str, prefix: str) -> None:
     """Write PREFIX_study.csv, PREFIX_comparisons.csv, PREFIX_equal_budget.csv, PREFIX_equal_budget_tests.csv."""
-    groups = load_runs([f"{folder}/es_*", f"{folder}/grpo_*"])
+    patterns = [f"{folder}/{kind}_*" for kind in ("es", "grpo") if any(Path(folder).glob(f"{kind}_*"))]
+    groups = load_runs(patterns)  # a study of the ES forms alone (runs/study_addition_long) has no grpo_*
     Path(prefix).parent.mkdir(parents=True, exist_ok=True)
     tables = {"study": study_table(groups, measure=measure), "comparisons": method_comparisons(groups, measure=measure),
               "equal_budget": equal_budget_table(groups), "equal_budget_tests": equal_budget_comparisons(groups)}

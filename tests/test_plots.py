@@ -252,6 +252,21 @@ def test_reward_vs_kl_pareto():
     assert list(front.x) == [0.01, 0.5] and list(front.y) == [0.5, 0.7]
 
 
+def test_reward_vs_kl_goes_logarithmic_when_the_kls_span_decades():
+    near = [{"method": "es", "seed": 0, "kl": kl, "reward": r, "generation": g}
+            for g, kl, r in ((0, 0.0, 0.1), (10, 0.002, 0.2), (20, 0.005, 0.3))]
+    fig = plots.plot_reward_vs_kl(near)  # 0.002 to 0.005: one decade, linear, the base point kept
+    assert fig.layout.xaxis.type is None and list(trace(fig, "es").x) == [0.0, 0.002, 0.005]
+    far = near + [{"method": "grpo", "seed": 0, "kl": kl, "reward": r, "generation": g}
+                  for g, kl, r in ((0, 0.0, 0.1), (10, 0.8, 0.5), (20, 3.0, 0.0))]
+    fig = plots.plot_reward_vs_kl(far)  # 0.002 to 3: more than two decades
+    assert fig.layout.xaxis.type == "log" and fig.layout.xaxis.dtick == 1
+    assert list(trace(fig, "es").x) == [0.002, 0.005] and list(trace(fig, "grpo").x) == [0.8, 3.0]
+    assert fig.layout.xaxis.title.text.endswith("(nats per token; log scale, KL 0 (2) left out)")
+    assert plots.plot_reward_vs_kl(far, log_kl=False).layout.xaxis.type is None  # asked for: linear
+    assert plots.plot_reward_vs_kl(near, log_kl=True).layout.xaxis.type == "log"
+
+
 def test_seed_spread_uses_final_value_per_seed():
     runs = {"es": [seed_run(0, [0, 10], seed=3), seed_run(1, [0, 10], seed=4)],
             "grpo": [seed_run(0, [0, 5], method="grpo")]}
@@ -295,7 +310,7 @@ def test_heldout_draws_each_seed_with_its_interval_and_the_mean_with_its_own():
     assert list(mean.x) == [0.15] and list(mean.y) == [0.625]
     assert list(mean.error_y.array) == [0.125] and list(mean.error_y.arrayminus) == [0.125]
     assert list(trace(fig, "es full seeds").x) == [1 - 0.175]  # one seed: in the middle of its side
-    assert list(fig.layout.xaxis.ticktext) == ["es", "es full", "grpo"] and list(fig.layout.xaxis.tickvals) == [0, 1, 2]
+    assert list(fig.layout.xaxis.ticktext) == ["es", "es<br>full", "grpo"] and list(fig.layout.xaxis.tickvals) == [0, 1, 2]
     assert fig.layout.yaxis.title.text == "held-out accuracy<br>(fraction solved)"
     assert trace(fig, "es").marker.color != trace(fig, "es full").marker.color
     fig = plots.plot_heldout(runs[:1], [], y="heldout/reward", reward_label="-|length difference|, chars")

@@ -233,11 +233,25 @@ def pareto_front(points: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]
     return front
 
 
+LOG_KL_FROM_DECADES = 2
+"""The KL axis is logarithmic (``log_kl=None``) when the positive KLs span more than this many decades:
+ES moves a model 0.001-0.01 nats a token, a collapsed GRPO run 1-10, and on a linear axis every ES
+point sits on zero."""
+
+
 def plot_reward_vs_kl(points: Sequence[Mapping[str, Any]], title: str = "Reward vs KL to base",
-                      reward_key: str = "eval/reward", reward_label: str | None = None) -> go.Figure:
+                      reward_key: str = "eval/reward", reward_label: str | None = None,
+                      log_kl: bool | None = None) -> go.Figure:
     """Reward (``reward_key``, for the axis title) against KL to the base model: one marker per
     (method, seed) for final points, one path per (method, seed) for checkpoint points (with a
-    ``generation``: ``analysis.checkpoint_points``)."""
+    ``generation``: ``analysis.checkpoint_points``). ``log_kl``: a logarithmic KL axis; None picks it
+    when the positive KLs span more than LOG_KL_FROM_DECADES decades. A log axis leaves out points of
+    KL 0 (the base model itself, at generation 0) and says so in its title."""
+    positive = [float(p["kl"]) for p in points if p.get("kl") is not None and float(p["kl"]) > 0]
+    if log_kl is None:
+        log_kl = len(positive) > 1 and math.log10(max(positive) / min(positive)) > LOG_KL_FROM_DECADES
+    dropped = [p for p in points if log_kl and p.get("kl") is not None and float(p["kl"]) <= 0]
+    points = [p for p in points if p not in dropped]
     fig = go.Figure()
     methods = list(dict.fromkeys(str(p.get("method", "?")) for p in points))
     for i, method in enumerate(methods):
@@ -261,8 +275,13 @@ def plot_reward_vs_kl(points: Sequence[Mapping[str, Any]], title: str = "Reward 
         fig.add_scatter(name="Pareto front", x=[p["kl"] for p in front],
                         y=[p["reward"] for p in front], mode="lines",
                         line=dict(color="gray", dash="dash", shape="hv"), hoverinfo="skip")
-    fig.update_layout(title=title, xaxis=_axis("policy/kl"), yaxis=_axis(reward_key, reward_label),
-                      template="plotly_white")
+    xaxis = _axis("policy/kl")
+    if log_kl:
+        xaxis.update(type="log", dtick=1)  # a label a decade: 0.001, 0.01, ... (1-2-5 labels collide)
+        text = xaxis["title"]["text"]  # "... (nats per token)": the scale and what it leaves out inside the brackets
+        note = f"log scale, KL 0 ({len(dropped)}) left out" if dropped else "log scale"
+        xaxis["title"]["text"] = text[:-1] + f"; {note})" if text.endswith(")") else f"{text} ({note})"
+    fig.update_layout(title=title, xaxis=xaxis, yaxis=_axis(reward_key, reward_label), template="plotly_white")
     return fig
 
 
@@ -334,6 +353,7 @@ def plot_heldout(runs: Any, methods: Any, y: str = "heldout/accuracy", title: st
                                f"{float(summary['ci_high']):.4g}]<extra></extra>"))
     fig.update_layout(title=title or f"{label(y)} per method", template="plotly_white", showlegend=False,
                       xaxis=dict(title_text="method", tickmode="array", tickvals=list(range(len(names))),
-                                 ticktext=names, range=[-0.6, len(names) - 0.4]),
+                                 ticktext=[name.replace(" ", "<br>", 1) for name in names], tickangle=0,
+                                 range=[-0.6, len(names) - 0.4]),  # "grpo<br>lr=0.0005": upright, none dropped
                       yaxis=_axis(y, reward_label))
     return fig
