@@ -421,7 +421,8 @@ class GRPOConfig(CommonConfig):
     max_grad_norm: Optional[float] = Field(1.0, gt=0)
     "clip the LoRA gradient to this global norm (None: no clipping)"
     micro_batch_size: Optional[int] = Field(None, ge=1)
-    "rollouts per forward/backward pass, gradients accumulated over the batch (None: one group)"
+    ("rollouts per forward/backward pass, gradients accumulated over the batch (None: one group); on a GPU "
+     "larger is faster while memory lasts: SmolLM2 updated 64 short rollouts 6-8x faster in one pass than in 8")
     epochs_per_batch: int = Field(1, ge=1)
     "optimizer steps per rollout batch, each over all its rollouts (> 1 needs grpo_clip)"
     cliprange: float = Field(0.2, gt=0)

@@ -30,9 +30,9 @@ The spec is a batch file for notebook 04 (`notebook`, `parameters`) plus a `swee
       kl: {num_samples: 4, temperature: 1.0, every_checkpoint: true}
 
 Every ES variant of `es_modes` (all at the same budget: the same population x prompts) is one
-more method, and so is every GRPO variant of `grpo_modes` (each trains every seed: the study's
-tuning made visible, where a `grpo.learning_rate` list picks one rate on the first seed); `--methods es_full,grpo` runs only those methods' runs (several processes, each with its
-own engine, can share one OUT this way). After each run its final adapter (or, for `es_mode` full and
+more method, and so is every GRPO variant of `grpo_modes` (each trains every seed, where a
+`grpo.learning_rate` list picks one rate on the first seed). `--methods es_full,grpo` runs only those
+methods' runs (several processes, each with its own engine, can share one OUT this way). After each run its final adapter (or, for `es_mode` full and
 eggroll, the engine's mean) is scored greedily on every held-out problem, one line per problem in
 OUT/<run>/heldout.jsonl: the input of the study's intervals (``evolm_lib.analysis``).
 
@@ -394,7 +394,8 @@ def run_one(planned: PlannedRun, out: Path, evaluator, kl_evaluator=None, kl_set
         f"{row['time/generation_s']:6.1f} s", flush=True))
     run.save_final()
     scores = [line["success"] for line in read_jsonl(score_held_out(evaluator, run))]
-    print(f"  {planned.name} held-out success {sum(scores) / len(scores):.3f} on {len(scores)} problems", flush=True)
+    print(f"  {planned.name} held-out success {sum(scores) / max(len(scores), 1):.3f} on {len(scores)} problems",
+          flush=True)
     if kl_settings is not None and kl_settings.get("every_checkpoint"):
         for row in checkpoint_kls(kl_evaluator or evaluator, run, kl_settings):
             print(f"  {planned.name} checkpoint {row['generation']}: KL to base {row['policy/kl']:.4g}", flush=True)
