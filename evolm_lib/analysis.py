@@ -133,6 +133,14 @@ def _patterns(value: str | os.PathLike | Sequence[str | os.PathLike]) -> list[st
     return [os.fspath(v) for v in values if os.fspath(v).strip()]
 
 
+def method_globs(folder: str | os.PathLike) -> dict[str, str]:
+    """{"es": FOLDER/es_*, "grpo": FOLDER/grpo_*} for a sweep's folder, each "" when it matches no
+    folder (a sweep of one kind of method): what ``load_runs`` and notebook 04 take."""
+    folder = Path(folder)
+    return {kind: str(folder / f"{kind}_*") if any(p.is_dir() for p in folder.glob(f"{kind}_*")) else ""
+            for kind in ("es", "grpo")}
+
+
 def _expand(pattern: str) -> list[Path]:
     """Run folders a glob matches (files it matches are ignored); fails on a pattern that matches none."""
     matches = sorted(Path(p) for p in glob.glob(os.path.expanduser(pattern)))

@@ -51,7 +51,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from .analysis import record_final_metrics
+from .analysis import method_globs, record_final_metrics
 from .batch import execute_notebook, read_yaml_file, spec_from_dict
 from .config import ConfigError, ESConfig, GRPOConfig, did_you_mean
 from .engines import EngineSizing, make_evaluator
@@ -132,15 +132,16 @@ def check_sections(sweep: dict, source: str | Path = "the spec") -> None:
             problems.append(f"sweep.{modes}: expected a mapping of name -> {what} settings, got {variants!r}")
             continue
         for name, values in variants.items():
+            values = values or {}  # an empty variant: the section's settings as they are
             if not str(name).replace("_", "").isalnum():
                 problems.append(f"sweep.{modes}.{name}: a name of letters, digits and _ (it names run folders)")
-            if not isinstance(values or {}, dict):
+            if not isinstance(values, dict):
                 problems.append(f"sweep.{modes}.{name}: expected a mapping of {what} settings, got {values!r}")
                 continue
             fields = _section_fields(section)
             problems += [f"sweep.{modes}.{name}.{key}: not one of the {what} settings{did_you_mean(key, fields)}"
-                         for key in (values or {}) if key not in fields]
-            if modes == "grpo_modes" and any(isinstance((values or {}).get(k), list) for k in ("group_size", "learning_rate")):
+                         for key in values if key not in fields]
+            if modes == "grpo_modes" and any(isinstance(values.get(k), list) for k in ("group_size", "learning_rate")):
                 problems.append(f"sweep.grpo_modes.{name}: one group_size and one learning_rate per variant "
                                 "(a variant is one method)")
     modes = sweep.get("grpo_modes")
@@ -363,25 +364,27 @@ def checkpoint_kls(evaluator, run, kl_settings: dict) -> list[dict]:
     return rows
 
 
-def score_held_out(evaluator, run) -> Path:
+def score_held_out(evaluator, run) -> list[dict]:
     """The run's final adapter (or mean weights) scored greedily on every held-out problem, one JSON
     line per problem in run_dir/heldout.jsonl (index, prompt, target, completion, reward, success, and
     the generation or step scored); written atomically, kept when it holds the run's current generation
-    (a run extended since is scored again)."""
+    (a run extended since is scored again). Returns the lines."""
     path = Path(run.run_dir) / HELDOUT
-    if path.exists() and all(line.get("generation") == run.generation for line in read_jsonl(path)):
-        return path
+    if path.exists():
+        kept = read_jsonl(path)
+        if all(line.get("generation") == run.generation for line in kept):
+            return kept
     result = evaluate_adapter(evaluator, run.task, run.adapter, run.eval_examples,
                               max_new_tokens=run.config.max_new_tokens)
     threshold = result["success_threshold"]
-    lines = [json.dumps({"index": i, "prompt": example.prompt, "target": example.target, "generation": run.generation,
-                         "completion": completion, "reward": reward, "success": success(reward, threshold)})
+    lines = [{"index": i, "prompt": example.prompt, "target": example.target, "generation": run.generation,
+              "completion": completion, "reward": reward, "success": success(reward, threshold)}
              for i, (example, completion, reward) in enumerate(zip(run.eval_examples, result["completions"],
                                                                    result["rewards"]))]
     temporary = path.with_suffix(".jsonl.tmp")
-    temporary.write_text("".join(line + "\n" for line in lines))
+    temporary.write_text("".join(json.dumps(line) + "\n" for line in lines))
     os.replace(temporary, path)
-    return path
+    return lines
 
 
 def run_one(planned: PlannedRun, out: Path, evaluator, kl_evaluator=None, kl_settings: dict | None = None):
@@ -393,7 +396,7 @@ def run_one(planned: PlannedRun, out: Path, evaluator, kl_evaluator=None, kl_set
         f"greedy {row.get('policy/train_reward', float('nan')):9.3f}  samples {row['samples/completions']:>6}  "
         f"{row['time/generation_s']:6.1f} s", flush=True))
     run.save_final()
-    scores = [line["success"] for line in read_jsonl(score_held_out(evaluator, run))]
+    scores = [line["success"] for line in score_held_out(evaluator, run)]
     print(f"  {planned.name} held-out success {sum(scores) / max(len(scores), 1):.3f} on {len(scores)} problems",
           flush=True)
     if kl_settings is not None and kl_settings.get("every_checkpoint"):
@@ -443,8 +446,7 @@ def run_sweep(plan: list[PlannedRun], out: str | Path, evaluator=None, kl_evalua
 def run_notebook(batch_part: dict, out: Path, spec_path: Path) -> Path:
     """notebooks/04_es_vs_grpo.py on the sweep's folders; executed notebook and figures under OUT."""
     spec = spec_from_dict(batch_part, source=spec_path.resolve())
-    runs = {key: str(out.resolve() / pattern) if any(p.is_dir() for p in out.glob(pattern)) else ""
-            for key, pattern in (("es_runs", "es_*"), ("grpo_runs", "grpo_*"))}  # "": none of this method
+    runs = {f"{kind}_runs": pattern for kind, pattern in method_globs(out.resolve()).items()}  # "": none of this method
     parameters = {**spec.parameters, **runs, "figures_dir": str(out.resolve() / "figures")}
     return execute_notebook(spec.notebook, out / "04_es_vs_grpo.ipynb", parameters, kernel_name=spec.kernel)
 

@@ -12,13 +12,12 @@ import sys
 from pathlib import Path
 
 from evolm_lib.analysis import (equal_budget_comparisons, equal_budget_table, load_runs, method_comparisons,
-                                study_table)
+                                method_globs, study_table)
 
 
 def main(folder: str, measure: str, prefix: str) -> None:
     """Write PREFIX_study.csv, PREFIX_comparisons.csv, PREFIX_equal_budget.csv, PREFIX_equal_budget_tests.csv."""
-    patterns = [f"{folder}/{kind}_*" for kind in ("es", "grpo") if any(Path(folder).glob(f"{kind}_*"))]
-    groups = load_runs(patterns)  # a study of the ES forms alone (runs/study_addition_long) has no grpo_*
+    groups = load_runs(list(method_globs(folder).values()))  # the ES forms alone (runs/study_addition_long): no grpo_*
     Path(prefix).parent.mkdir(parents=True, exist_ok=True)
     tables = {"study": study_table(groups, measure=measure), "comparisons": method_comparisons(groups, measure=measure),
               "equal_budget": equal_budget_table(groups), "equal_budget_tests": equal_budget_comparisons(groups)}
