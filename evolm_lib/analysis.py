@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .metrics import RESULT_COLUMNS, completions_table, final_value, finite, interp, run_summary, series
+from .metrics import RESULT_COLUMNS, by_mean, completions_table, final_value, finite, interp, run_summary, series
 from .stats import bootstrap_interval, compare_seeds
 
 # Settings that must agree across the compared runs, or the comparison is unfair.
@@ -277,7 +277,7 @@ def checkpoint_points(groups: Groups, reward_key: str = "eval/reward") -> list[d
     points = []
     for label, runs in groups.items():
         for record in runs:
-            by_generation = {row.get("generation", row.get("step")): row.get(reward_key) for row in record.rows}
+            by_generation = {row.get("generation", row.get("step")): row.get(reward_key) for row in by_mean(record.rows)}
             for entry in read_checkpoint_kls(record.path):
                 reward = by_generation.get(entry["generation"])
                 if reward is not None:

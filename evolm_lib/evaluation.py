@@ -181,7 +181,7 @@ def mean_kl_to_base(
     (``evaluator.prompt_logprobs``). The engine reports untempered log-probs, so the estimate is
     unbiased at temperature 1 only. When the policy is the engine's own weights (``adapter`` None,
     ES modes full and eggroll), ``serving_base`` is a context in which the engine serves the base
-    model's weights (``WeightsES.serving_base``); the base's scoring runs inside it.
+    model's weights (``ModelWeights.serving_base``); the base's scoring runs inside it.
     """
     if num_samples < 1:
         raise ValueError(f"num_samples must be >= 1, got {num_samples}")

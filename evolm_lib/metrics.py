@@ -34,8 +34,31 @@ def x_values(rows: Sequence[Row]) -> list[Any]:
     return [row.get(key, i) for i, row in enumerate(rows)]
 
 
+def scored_here(key: str) -> bool:
+    """Whether ``key`` is one of the greedy scores of a mean (train and held-out prompts)."""
+    return key.startswith("eval/") or key in ("policy/train_reward", "policy/train_completions",
+                                               "policy/eval_completions", "policy/train_tokens")
+
+
+def by_mean(rows: Sequence[Row]) -> list[Row]:
+    """The rows with every mean's scores moved to that mean's own row. An ES row whose scores rode
+    in its generation's engine call holds the scores of the mean that produced the generation
+    (``policy/generation``, one earlier); plotted against samples, they belong to that mean's row."""
+    if not any("policy/generation" in row for row in rows):
+        return list(rows)
+    out = [{k: v for k, v in row.items() if "policy/generation" not in row or not scored_here(k)} for row in rows]
+    position = {row.get("generation"): i for i, row in enumerate(rows)}
+    for row in rows:
+        if "policy/generation" in row and row["policy/generation"] in position:
+            out[position[row["policy/generation"]]].update({k: v for k, v in row.items() if scored_here(k)})
+    return out
+
+
 def series(rows: Sequence[Row], key: str, x: str | None = None) -> tuple[list[float], list[float]]:
-    """(xs, ys) over the rows where both the x key and `key` hold finite numbers."""
+    """(xs, ys) over the rows where both the x key and `key` hold finite numbers (a mean's scores at
+    that mean's own row: ``by_mean``)."""
+    if scored_here(key):
+        rows = by_mean(rows)
     xs_all = x_values(rows) if x is None else [row.get(x) for row in rows]
     xs, ys = [], []
     for xv, row in zip(xs_all, rows):

@@ -380,7 +380,7 @@ def _write_manifest(folder: Path) -> None:
 def write_checkpoint(
     run_dir: Path,
     step: int,
-    adapter: AdapterWeights,
+    adapter: AdapterWeights | None,
     optimizer_tensors: dict[str, torch.Tensor],
     state: dict,
     base_model: str,
@@ -392,7 +392,8 @@ def write_checkpoint(
     final = root / f"{step:06d}"
     _remove_leftovers(run_dir)  # of a killed writer (one writer per run: nobody else writes them)
     tmp = Path(tempfile.mkdtemp(prefix=f".{step:06d}-", dir=root))
-    save_adapter(adapter, tmp / "adapter", base_model=base_model)
+    if adapter is not None:  # None: the run moves the model's own weights (its snapshots hold them)
+        save_adapter(adapter, tmp / "adapter", base_model=base_model)
     if optimizer_tensors:
         save_file({k: v.contiguous() for k, v in optimizer_tensors.items()}, str(tmp / "optimizer.safetensors"))
     (tmp / "state.json").write_text(json.dumps(_clean({**state, "checkpoint_format": CHECKPOINT_FORMAT})))
@@ -435,11 +436,12 @@ def list_checkpoints(run_dir: str | Path) -> list[Path]:
     return [found[step] for step in sorted(found)]
 
 
-def load_checkpoint(path: Path) -> tuple[AdapterWeights, dict[str, torch.Tensor], dict]:
-    """(adapter, optimizer tensors, state) of one checkpoint folder."""
+def load_checkpoint(path: Path) -> tuple[AdapterWeights | None, dict[str, torch.Tensor], dict]:
+    """(adapter or None where the run moves no adapter, optimizer tensors, state) of one checkpoint folder."""
     optimizer_path = path / "optimizer.safetensors"
     optimizer = load_file(str(optimizer_path)) if optimizer_path.exists() else {}
-    return load_adapter(path / "adapter"), optimizer, json.loads((path / "state.json").read_text())
+    adapter = load_adapter(path / "adapter") if (path / "adapter").exists() else None
+    return adapter, optimizer, json.loads((path / "state.json").read_text())
 
 
 def verify_checkpoint(path: Path) -> str | None:
@@ -589,8 +591,8 @@ class RunState:
 
     config: Any
     """The run's settings (ESConfig or GRPOConfig)."""
-    adapter: AdapterWeights
-    """The adapter the run moves (the ES mean, the GRPO policy)."""
+    adapter: AdapterWeights | None
+    """The adapter the run moves (the ES mean, the GRPO policy); None when it moves the model's own weights."""
     optimizer_tensors: dict[str, torch.Tensor] | None = None
     """The optimizer's state as named tensors; None: a fresh optimizer."""
     generation: int = 0
@@ -603,8 +605,8 @@ class RunState:
     """The checkpoint's state.json ({} for a new run): what the run kinds keep beyond the loop's."""
 
     def pending_row(self) -> dict | None:
-        """The checkpoint's row when its scoring was riding in the next engine call and it never
-        reached metrics.jsonl: it is scored again (see ``RunLoop.run``); else None."""
+        """A checkpoint of the earlier layout whose row waited for its scores (they rode in the next
+        engine call) and never reached metrics.jsonl: the row, to be scored again on resume; else None."""
         logged = bool(self.rows) and self.rows[-1].get("generation") == self.generation
         return dict(self.saved["row"]) if self.saved.get("scores_pending") and not logged else None
 
@@ -615,15 +617,15 @@ def load_latest(run_dir: str | Path, kind: str, cls) -> RunState:
 
     metrics.jsonl is made to match it: rows past the checkpoint come from a generation whose
     checkpoint never landed and are dropped (that generation reruns); a row lost between
-    checkpoint and log comes back from state.json (or, when its scoring was riding in the next
-    call, is scored again: ``RunState.pending_row``)."""
+    checkpoint and log comes back from state.json (or, in a folder of the earlier layout whose row
+    waited for its scores, is scored again: ``RunState.pending_row``)."""
     run_dir = Path(run_dir)
     found = read_config_kind(run_dir)
     if found != kind:
         raise ConfigError(f"{run_dir} holds a {found!r} run, not a {kind.upper()} run")
     config = load_run_config(run_dir, cls)
     adapter, optimizer_tensors, state = load_checkpoint(latest_intact_checkpoint(run_dir))
-    if adapter.spec != config.lora_spec():
+    if adapter is not None and adapter.spec != config.lora_spec():
         raise ConfigError(f"checkpoint adapter {adapter.spec} does not match config {config.lora_spec()}")
     generation = int(state["generation"])
     rows = [r for r in read_metrics(run_dir) if r.get("generation", -1) <= generation]

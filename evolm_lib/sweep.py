@@ -58,6 +58,7 @@ from .engines import EngineSizing, make_evaluator
 from .train.es import ESRun
 from .evaluation import evaluate_adapter, mean_kl_to_base, success
 from .train.grpo import GRPORun
+from .train.model_weights import ModelWeights
 from .runs import RunFolderBusy, list_checkpoints, load_checkpoint, read_checkpoint_kls, read_jsonl, read_metrics
 from .tasks import get_task
 
@@ -313,10 +314,16 @@ def make_shared_evaluator(plan: list[PlannedRun]):
     return make_evaluator(first, sizing=EngineSizing.from_config(first).covering(run.config for run in plan))
 
 
+def model_weights_of(run) -> ModelWeights | None:
+    """What an ES run moves when it is the model's own weights (es_mode full/eggroll), else None."""
+    parameters = getattr(run, "parameters", None)  # GRPO runs move an adapter and have none
+    return parameters if isinstance(parameters, ModelWeights) else None
+
+
 def _kl_of(evaluator, run, adapter, kl_settings: dict) -> float:
     """KL(policy || base) on the run's eval prompts: ``adapter``, or with None the engine's own weights
     (es_mode full/eggroll), the base then served from the model folder's weights while it scores."""
-    weights = getattr(run, "weights_es", None)
+    weights = model_weights_of(run)
     return mean_kl_to_base(evaluator, run.task, adapter, run.eval_examples,
                            num_samples=int(kl_settings.get("num_samples", 4)),
                            temperature=float(kl_settings.get("temperature", 1.0)),
@@ -350,7 +357,7 @@ def checkpoint_kls(evaluator, run, kl_settings: dict) -> list[dict]:
             handle.write(json.dumps(row) + "\n")
         rows.append(row)
 
-    weights = getattr(run, "weights_es", None)
+    weights = model_weights_of(run)
     if weights is not None:
         every, last = run.config.checkpoint_every, run.generation
         wanted = [g for g in range(0, last + 1) if (g % every == 0 or g == last) and g not in done]

@@ -491,3 +491,19 @@ def test_notebook_04_works_with_es_runs_only(tmp_path):
     cells = json.loads(executed.read_text())["cells"]
     assert not [o for c in cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
     assert len(list((tmp_path / "figures").glob("*.png"))) == 6  # the four, the checkpoints' KL and held-out
+
+
+def test_scores_that_rode_along_are_placed_at_the_mean_they_scored():
+    from evolm_lib.metrics import by_mean, series
+
+    rows = [
+        {"generation": 0, "samples/completions": 0, "eval/reward": 0.1},
+        {"generation": 1, "samples/completions": 8},
+        {"generation": 2, "samples/completions": 16, "eval/reward": 0.3, "policy/generation": 1},
+        {"generation": 3, "samples/completions": 24, "eval/reward": 0.5},
+    ]
+    assert series(rows, "eval/reward", x="samples/completions") == ([0.0, 8.0, 24.0], [0.1, 0.3, 0.5])
+    moved = by_mean(rows)
+    assert moved[1]["eval/reward"] == 0.3 and "eval/reward" not in moved[2]
+    assert moved[2]["samples/completions"] == 16  # what the row trained stays where it was
+    assert series(rows, "samples/completions") == ([0.0, 1.0, 2.0, 3.0], [0.0, 8.0, 16.0, 24.0])

@@ -460,7 +460,7 @@ def test_an_es_generation_asked_for_cuda_noise_on_a_cpu_machine_warns_and_finish
                       sigma=0.05, learning_rate=0.4, noise_device="cuda")
     with pytest.warns(UserWarning, match="noise_device is 'cuda' but this machine has no GPU"):
         run = ESRun.create(config, tmp_path / "cuda", evaluator=tiny_vllm)
-    assert run.noise_device == "cpu" and run.population(run.ask()).noise_device == "cpu"  # what the engine draws with
+    assert run.noise_device == "cpu" and run.parameters.population(run.ask()).noise_device == "cpu"  # what the engine draws with
     run.run()
     assert [row["generation"] for row in read_metrics(run.run_dir)] == [0, 1]
     # the same members and update as a run asked for CPU noise

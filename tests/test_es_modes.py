@@ -51,8 +51,8 @@ def _host_reference(model_dir, config: ESConfig, log: list[dict]) -> dict[str, t
 
 
 def _engine_mean(run: ESRun) -> dict[str, torch.Tensor]:
-    master = run.weights_es.weights.read()["master"]
-    return es.Layout.of(run.weights_es.weights.shapes).split(master)
+    master = run.parameters.weights.read()["master"]
+    return es.Layout.of(run.parameters.weights.shapes).split(master)
 
 
 def _rows(run_dir) -> list[dict]:
@@ -67,7 +67,7 @@ def test_the_engines_weights_follow_the_host_reference_and_a_resume_gives_the_sa
     config = _config(es_mode=mode, noise_rank=2, num_generations=3, checkpoint_every=2)
     run = ESRun.open(config, tmp_path / "a", evaluator=engine)
     run.run()
-    log = run.weights_es.read_log()
+    log = run.parameters.read_log()
     assert [entry["generation"] for entry in log] == [1, 2, 3]
     reference = _host_reference(tiny_model_dir, config, log)
     for name, tensor in _engine_mean(run).items():
@@ -93,11 +93,11 @@ def test_a_mean_restored_from_a_snapshot_and_the_log_equals_the_uninterrupted_me
     run = ESRun.open(config, tmp_path / "r", evaluator=engine)
     run.run(3)  # snapshot at 2, generation 3 in the seed log only
     mean_at_3 = {k: v.clone() for k, v in _engine_mean(run).items()}
-    checksum = run.weights_es.weights.checksum()
+    checksum = run.parameters.weights.checksum()
     run.close()
     resumed = ESRun.open(config, tmp_path / "r", evaluator=engine)
     assert resumed.generation == 3
-    assert resumed.weights_es.weights.checksum() == checksum  # the same bits, served exactly
+    assert resumed.parameters.weights.checksum() == checksum  # the same bits, served exactly
     for name, tensor in _engine_mean(resumed).items():
         assert torch.equal(tensor, mean_at_3[name])
     resumed.close()
@@ -118,10 +118,10 @@ def test_a_kill_mid_generation_resumes_to_the_rows_of_an_uninterrupted_run(tiny_
         from evolm_lib.train.es import ESRun
         run = ESRun.open(ESConfig(**{config.to_dict()!r}), {str(tmp_path / 'k')!r})
         run.run(1)
-        original = run.weights_es.evaluate
+        original = run.parameters.evaluate
         def dying(*args, **kwargs):
             os.kill(os.getpid(), signal.SIGKILL)
-        run.weights_es.evaluate = dying
+        run.parameters.evaluate = dying
         run.run()
     """)
     process = subprocess.run([sys.executable, "-c", script], env=dict(os.environ), capture_output=True, text=True)
@@ -142,7 +142,7 @@ def test_the_hf_engine_runs_both_modes(mode, tiny_model_dir, tmp_path):
     config = _config(es_mode=mode, noise_rank=1, num_generations=2, engine="hf")
     run = ESRun.open(config, tmp_path / mode)
     run.run()
-    reference = _host_reference(tiny_model_dir, config, run.weights_es.read_log())
+    reference = _host_reference(tiny_model_dir, config, run.parameters.read_log())
     for name, tensor in _engine_mean(run).items():
         assert torch.allclose(tensor, reference[name], atol=1e-6, rtol=0), name
     # the model folder save_final writes loads in transformers with the mean's weights

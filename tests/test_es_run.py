@@ -118,7 +118,7 @@ def test_metrics_rows_follow_the_synthetic_formula(tmp_path):
         members = run.ask()
         assert [m.sign for m in members] == [1, -1, 1, -1]  # antithetic pairs share a seed
         assert members[0].seed == members[1].seed and members[2].seed == members[3].seed
-        lengths = [synthetic_length(evaluator, a, config.max_new_tokens) for a in run.member_adapters(members)]
+        lengths = [synthetic_length(evaluator, a, config.max_new_tokens) for a in run.parameters.member_adapters(members)]
         before = {k: v.clone() for k, v in run.mean.tensors.items()}
         result = run.evaluate(members)
         assert tuple(result.rewards.shape) == (population, prompts)
@@ -146,7 +146,7 @@ def test_metrics_rows_follow_the_synthetic_formula(tmp_path):
         assert row["prompts"] == [prompt for prompt, _ in TRAIN_PAIRS]
 
         # the update is plain SGD on the qiu gradient: mean += lr / N * sum w_i sign_i eps_i
-        gradient = es.es_gradient(members, torch.tensor(row["es/weights"]), run.shapes, config.sigma)
+        gradient = es.es_gradient(members, torch.tensor(row["es/weights"]), run.parameters.shapes, config.sigma)
         for name, tensor in run.mean.tensors.items():
             torch.testing.assert_close(tensor, before[name] + config.learning_rate * gradient[name], rtol=0, atol=1e-7)
         step = math.sqrt(sum(float(((run.mean.tensors[k] - before[k]).double() ** 2).sum()) for k in before))
@@ -193,8 +193,8 @@ def test_resume_ends_bit_for_bit_like_an_uninterrupted_run(tmp_path, checkpoint_
 
     assert resumed.generation == reference.generation == 6
     assert_same_adapter(resumed.mean, reference.mean)
-    expected_state = es.optimizer_state_to_tensors(reference.optimizer_state)
-    actual_state = es.optimizer_state_to_tensors(resumed.optimizer_state)
+    expected_state = es.optimizer_state_to_tensors(reference.parameters.optimizer_state)
+    actual_state = es.optimizer_state_to_tensors(resumed.parameters.optimizer_state)
     assert set(expected_state) == set(actual_state)
     assert all(torch.equal(expected_state[k], actual_state[k]) for k in expected_state)
     rows, expected = read_metrics(tmp_path / "run"), read_metrics(tmp_path / "reference")
@@ -295,48 +295,75 @@ class RoundTrips(SyntheticEvaluator):
             self._inside = False
 
 
-def test_scoring_rides_in_the_next_population_call_with_the_same_rows(tmp_path):
+SCORE_KEYS = ("policy/train_reward", "eval/reward", "policy/train_completions", "policy/eval_completions",
+              "policy/train_tokens")
+
+
+def scores_by_mean(rows: list[dict]) -> dict[int, tuple]:
+    """Each scored mean's generation -> its scores, wherever the row that holds them sits."""
+    return {row.get("policy/generation", row["generation"]): tuple(row[k] for k in SCORE_KEYS)
+            for row in rows if "eval/reward" in row}
+
+
+def test_scoring_rides_in_the_population_call_of_the_generation_it_produced(tmp_path):
     config = small_config(num_generations=4, eval_every=1)
     reference = run_to_end(config.replace(score_in_population=False), tmp_path / "reference")
     engine = RoundTrips()
     seen = []
     run = ESRun.create(config, tmp_path / "run", evaluator=engine)
-    run.run(callback=lambda row: seen.append(row["generation"]))
-    # generation 0's scoring, 4 population calls (generations 2-4 carry the previous mean's
-    # scoring), and the last generation's scoring: 6 round trips, against 1 + 2 x 4 without riding
+    run.run(callback=lambda row: seen.append((row["generation"], row.get("policy/generation"))))
+    # generation 0's scoring, 4 population calls (generations 2-3 carry the mean that produced
+    # them), and the last mean's scoring: 6 round trips, against 1 + 2 x 4 without riding
     assert engine.round_trips == 6
-    assert seen == [1, 2, 3, 4]  # every row handed over once it is complete, in order
-    rows = read_metrics(tmp_path / "run")
-    assert all("eval/reward" in row for row in rows)
-    assert without_times(rows) == without_times(read_metrics(tmp_path / "reference"))
+    assert seen == [(1, None), (2, 1), (3, 2), (4, None)]  # each row final when handed over, in order
+    rows, expected = read_metrics(tmp_path / "run"), read_metrics(tmp_path / "reference")
+    assert rows == [r for r in read_metrics(tmp_path / "run")]  # nothing rewritten later
+    trained = [{k: v for k, v in r.items() if k not in SCORE_KEYS + ("policy/generation", "samples/eval_completions")}
+               for r in rows]
+    assert without_times(trained) == without_times(
+        [{k: v for k, v in r.items() if k not in SCORE_KEYS + ("samples/eval_completions",)} for r in expected])
+    riding, own = scores_by_mean(rows), scores_by_mean(expected)
+    assert sorted(riding) == [0, 1, 2, 4]  # the mean of the budget's second-to-last generation is not scored
+    assert all(riding[mean] == own[mean] for mean in riding)  # the same mean scores the same
     assert_same_adapter(run.mean, reference.mean)
 
 
-def test_a_row_whose_scoring_was_riding_is_scored_again_on_resume(tmp_path):
+def test_every_committed_row_is_final(tmp_path):
+    config = small_config(num_generations=3, eval_every=1, checkpoint_every=1)
+    run = ESRun.create(config, tmp_path / "run", evaluator=RoundTrips())
+    for generation in (1, 2):
+        row = run.step()
+        assert row["generation"] == generation
+        assert read_metrics(tmp_path / "run")[-1] == json.loads(json.dumps(row))  # logged as returned
+        state = json.loads((list_checkpoints(tmp_path / "run")[-1] / "state.json").read_text())
+        assert state["row"] == read_metrics(tmp_path / "run")[-1] and "scores_pending" not in state
+
+
+def test_a_folder_whose_row_waited_for_its_scores_is_scored_on_resume(tmp_path):
+    """Folders of the earlier layout checkpointed a row whose scores rode in the next call: on
+    resume the row is scored in a call of its own and logged, then the run goes on."""
     config = small_config(num_generations=4, eval_every=1, checkpoint_every=1)
-    reference = run_to_end(config, tmp_path / "reference")
-    run = ESRun.create(config, tmp_path / "run", evaluator=RoundTrips())
-    run._advance(4)  # generation 1, checkpointed; its scoring waits for generation 2's call
-    run._advance(4)  # generation 2's call scores generation 1's mean; generation 2 waits in turn
-    assert [r["generation"] for r in read_metrics(tmp_path / "run")] == [0, 1]
-    del run  # killed here: generation 2 is checkpointed, its metrics line not written
+    reference = run_to_end(config.replace(score_in_population=False), tmp_path / "reference")
+    run = ESRun.create(config.replace(score_in_population=False), tmp_path / "run", evaluator=SyntheticEvaluator())
+    run.run(2)
+    run.close()
+    checkpoint = list_checkpoints(tmp_path / "run")[-1]
+    state = json.loads((checkpoint / "state.json").read_text())
+    state["row"] = {k: v for k, v in state["row"].items() if k not in SCORE_KEYS + ("time/eval_s",)}
+    state["scores_pending"] = True
+    state.pop("checkpoint_format", None)
+    (checkpoint / "state.json").write_text(json.dumps(state))
+    (checkpoint / "manifest.json").unlink()  # the earlier layout's checkpoints had no manifest either
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    metrics.write_text("".join(metrics.read_text().splitlines(keepends=True)[:-1]))  # killed before its line
 
-    resumed = ESRun.resume(tmp_path / "run", evaluator=RoundTrips())
-    assert resumed.generation == 2 and resumed._pending["generation"] == 2
-    assert [r["generation"] for r in read_metrics(tmp_path / "run")] == [0, 1]
+    resumed = ESRun.resume(tmp_path / "run", evaluator=SyntheticEvaluator())
+    assert resumed.generation == 2
+    rows = read_metrics(tmp_path / "run")
+    assert [r["generation"] for r in rows] == [0, 1, 2]
+    assert scores_by_mean(rows)[2] == scores_by_mean(read_metrics(tmp_path / "reference"))[2]
     resumed.run()
-    assert without_times(read_metrics(tmp_path / "run")) == without_times(read_metrics(tmp_path / "reference"))
     assert_same_adapter(resumed.mean, reference.mean)
-
-
-def test_step_after_a_pending_row_logs_it_first(tmp_path):
-    config = small_config(num_generations=3, eval_every=1)
-    run = ESRun.create(config, tmp_path / "run", evaluator=RoundTrips())
-    run._advance(3)
-    row = run.step()  # scores the pending generation 1 in a call of its own, then generation 2
-    assert row["generation"] == 2
-    assert [r["generation"] for r in read_metrics(tmp_path / "run")] == [0, 1, 2]
-    assert "eval/reward" in read_metrics(tmp_path / "run")[1]
 
 
 def test_torn_last_metrics_line_is_dropped_on_resume(tmp_path):
@@ -482,8 +509,8 @@ def test_save_final_loads_in_evolm_and_peft(tmp_path, tiny_model_dir):
 def test_two_generations_on_vllm_tiny_random(tmp_path):
     from evolm_lib.engines.vllm_engine import VLLMEvaluator
 
-    config = ESConfig(model="tiny-random", population_size=4, num_generations=2, max_new_tokens=8, sigma=0.05,
-                      learning_rate=0.05, temperature=0.7, seed=1)
+    config = ESConfig(model="tiny-random", population_size=4, num_generations=3, max_new_tokens=8, sigma=0.05,
+                      learning_rate=0.05, temperature=0.7, seed=1, eval_every=1)
     # On CPU vLLM sizes the KV cache as utilization x node RAM minus this process's RSS, which alone
     # is ~1 GiB in a test process: 0.04 goes negative. An explicit 64 MiB KV cache skips that sum.
     evaluator = VLLMEvaluator("tiny-random", max_lora_rank=1, max_loras=5, max_model_len=256, kv_cache_gb=0.0625)
@@ -492,18 +519,23 @@ def test_two_generations_on_vllm_tiny_random(tmp_path):
         rows = run.run()
     finally:
         evaluator.close()
-    assert [r["generation"] for r in read_metrics(tmp_path / "run")] == [0, 1, 2]
+    assert [r["generation"] for r in read_metrics(tmp_path / "run")] == [0, 1, 2, 3]
+    # the mean of generation 0 was scored at creation; generation 2's call scores the mean that made
+    # it (generation 1's); the last mean is scored in a call of its own
+    assert "eval/reward" not in rows[0] and rows[1]["policy/generation"] == 1 and "policy/generation" not in rows[2]
     for row in rows:
         assert len(row["es/rewards"]) == 4 and all(math.isfinite(r) for r in row["es/rewards"])
         assert all(-4 * 8 * 10 < r <= 0 for r in row["es/rewards"])  # at most 8 tokens: a bounded length gap
-        assert math.isfinite(row["policy/train_reward"]) and math.isfinite(row["eval/reward"])
-        for key in ("best_completions", "worst_completions", "policy/train_completions"):
+        for key in ("best_completions", "worst_completions"):
             assert all(isinstance(text, str) for text in row[key]), key
         assert len(row["best_completions"]) == 2
         assert row["time/generate_s"] > 0
         assert 0 < row["samples/tokens"] <= 4 * 2 * 8 * row["generation"]
-    assert rows[-1]["samples/completions"] == 4 * 2 * 2
-    assert [p.name for p in list_checkpoints(tmp_path / "run")][-1] == "000002"
+    for row in rows[1:]:
+        assert math.isfinite(row["policy/train_reward"]) and math.isfinite(row["eval/reward"])
+        assert all(isinstance(text, str) for text in row["policy/train_completions"])
+    assert rows[-1]["samples/completions"] == 4 * 2 * 3
+    assert [p.name for p in list_checkpoints(tmp_path / "run")][-1] == "000003"
 
 
 def test_sigma_below_the_engine_dtype_resolution_warns(tmp_path):
@@ -546,9 +578,9 @@ def test_in_place_slots_and_files_give_the_same_run_and_resume_bit_exact(tmp_pat
     finally:
         slots.close()
     run.close()  # the folder is free for the resume below (the engine was the test's: closed above)
-    # generation 0's scoring and generation 2's (the last of the call) go as files; generation 1's
-    # rode in generation 2's population call, served from the slot after the members'
-    assert [len(adapters) for adapters in as_files] == [1, 0, 0, 1]
+    # generation 0's scoring goes as a file; generation 1's mean rides in generation 2's population
+    # call, served from the slot after the members'; every row is complete when the call returns
+    assert [len(adapters) for adapters in as_files] == [1, 0, 0]
     fresh = engine("in_place")
     try:
         resumed = ESRun.resume(tmp_path / "slots", evaluator=fresh)
@@ -580,7 +612,7 @@ def test_estimator_run_resumes_bit_for_bit(tmp_path, estimator):
     first.close()
     resumed = ESRun.resume(tmp_path / "run", evaluator=SyntheticEvaluator())
     if estimator == "zoar":  # the buffer came back from the checkpoint, not empty
-        assert len(resumed.estimator_state.generations) == 2
+        assert len(resumed.parameters.estimator_state.generations) == 2
     resumed.run()
     assert_same_adapter(resumed.mean, reference.mean)
     assert without_times(read_metrics(tmp_path / "run")) == without_times(rows)
@@ -590,7 +622,7 @@ def test_zoar_reuses_past_generations_and_differs_from_its_baseline_only_variant
     settings = dict(optimizer="adam", learning_rate=0.005, population_size=16)
     with_reuse = run_to_end(small_config(estimator="zoar", estimator_histories=2, **settings), tmp_path / "zoar")
     without = run_to_end(small_config(estimator="zoar_0", **settings), tmp_path / "zoar_0")
-    assert len(with_reuse.estimator_state.generations) == 2 and without.estimator_state.generations == ()
+    assert len(with_reuse.parameters.estimator_state.generations) == 2 and without.parameters.estimator_state.generations == ()
     assert not torch.equal(next(iter(with_reuse.mean.tensors.values())), next(iter(without.mean.tensors.values())))
 
 

@@ -70,7 +70,7 @@ def run_both_modes(evaluator, engines: int | None, folder) -> dict:
     for mode in MODES:
         run = ESRun.create(config_for(mode, engines), folder / mode, evaluator=evaluator)
         run.run()
-        weights = run.weights_es.weights
+        weights = run.parameters.weights
         out[mode] = {"rows": read_metrics(run.run_dir),
                      "checksums": weights.checksums() if engines else [weights.checksum()],
                      "master": weights.read()["master"]}
@@ -193,12 +193,12 @@ def test_an_engine_lost_with_the_mean_stops_the_run_and_it_resumes_to_the_same_r
     assert two_engines.engine_info[1]["pid"] != pid_before  # a new process, with a fresh engine
     assert [r["generation"] for r in read_metrics(run.run_dir)] == [0, 1]
     with pytest.raises(EngineLostError, match="engine 1 of 2 restarted since it took this run's mean"):
-        run.weights_es.weights.checksums()
+        run.parameters.weights.checksums()
     run.close()  # hands the engines back serving the model folder's weights: engine 1 set up again for that
     resumed = ESRun.open(config, tmp_path / "run", evaluator=two_engines)
     assert resumed.generation == 1
     resumed.run()
     assert without_times(read_metrics(run.run_dir)) == without_times(two_engine_runs["full"]["rows"])
-    first, second = resumed.weights_es.weights.checksums()
+    first, second = resumed.parameters.weights.checksums()
     assert first == second == two_engine_runs["full"]["checksums"][0]
     resumed.close()

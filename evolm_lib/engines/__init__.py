@@ -4,11 +4,12 @@ transformers + peft, and a synthetic engine for tests. Every vLLM engine of a ru
 ``workarounds``, each with its version."""
 from __future__ import annotations
 
-from .base import CompletionTable, Evaluator, Population, PromptEncoder, SamplingSettings, TokenScorer
+from .base import (CompletionTable, Evaluator, Population, PromptEncoder, SamplingSettings, TokenScorer,
+                   WeightsEngine)
 from .sizing import EngineSizing, resolve_noise_device
 
 __all__ = ["CompletionTable", "EngineSizing", "Evaluator", "Population", "PromptEncoder", "SamplingSettings",
-           "TokenScorer", "make_evaluator", "resolve_noise_device"]
+           "TokenScorer", "WeightsEngine", "make_evaluator", "resolve_noise_device"]
 
 
 def make_evaluator(config, max_loras: int | None = None, sizing: EngineSizing | None = None) -> Evaluator:

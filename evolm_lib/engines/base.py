@@ -151,6 +151,26 @@ class TokenScorer(Protocol):
         ...
 
 
+@runtime_checkable
+class WeightsEngine(Protocol):
+    """An engine that serves ES members written into the model's own weights (full-parameter ES, EGGROLL)."""
+
+    def resident_weights(self, target_modules, *, noise: str = "full", noise_rank: int = 1,
+                         noise_scheme: str = "flat", layers_to_transform=None) -> Any:
+        """A handle on the targeted weights with a float32 master of the mean beside them."""
+        ...
+
+    def lowrank_slots(self, spec: Any, num_slots: int) -> Any:
+        """LoRA slots that serve EGGROLL's low-rank members in one call, or None where members go one at a time."""
+        ...
+
+    def run_members(self, weights: Any, members: Sequence[Member], sigma: float, prompts: Sequence[PromptLike],
+                    sampling: SamplingSettings, score: tuple | None = None, slots: Any = None,
+                    ) -> tuple[CompletionTable, CompletionTable | None, dict[str, float]]:
+        """(members' completions, the mean's scoring completions or None, timing) for members of ``weights``."""
+        ...
+
+
 class GridsOneByOne:
     """``generate_grids`` for engines without a cross-grid batch: one ``generate`` per grid."""
 

@@ -118,6 +118,10 @@ class HFEvaluator(GridsOneByOne):
         return HostWeights(self.model, self.model_dir, target_modules, noise=noise, noise_rank=noise_rank,
                            noise_scheme=noise_scheme, layers_to_transform=layers_to_transform)
 
+    def lowrank_slots(self, spec, num_slots: int) -> None:
+        """None: this engine has no LoRA slots, so EGGROLL's members are served one at a time as dense deltas."""
+        return None
+
     def run_members(self, weights, members, sigma: float, prompts: Sequence[PromptLike], sampling: SamplingSettings,
                     score=None, slots=None) -> tuple[CompletionTable, CompletionTable | None, dict[str, float]]:
         """ES members of ``weights`` (from ``resident_weights``) one after another, EGGROLL's as dense

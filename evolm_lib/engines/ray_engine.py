@@ -551,7 +551,7 @@ def _kill(actors: list) -> None:
 
 class RayWeights:
     """The targeted weights of every engine (each an ``EngineWeights`` in its actor) as one client,
-    with the interface ``WeightsES`` uses: each engine keeps its own float32 master of the same mean.
+    with the interface ``ModelWeights`` uses: each engine keeps its own float32 master of the same mean.
     ``step`` sends the seeds and shaped fitness to every engine (each computes the same update),
     ``load`` sends a snapshot to every engine (once through the object store), ``read`` and
     ``checksum`` come from engine 0 (``checksums``: every engine's)."""

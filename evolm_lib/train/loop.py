@@ -1,9 +1,9 @@
-"""What ES and GRPO runs share: the loop driver, greedy scoring of the current adapter, sample
-counters, wall clock, and checkpoint-then-log commits. One generation (ES) or step (GRPO) is
+"""What ES and GRPO runs share: the loop, greedy scoring of the current adapter, sample counters,
+wall clock, and checkpoint-then-log commits. One generation (ES) or step (GRPO) is
 
     row = run.train_step()     # ES: ask -> evaluate -> tell; GRPO: rollouts -> rewards -> update
     row.update(run.score())    # greedy reward of the moved adapter on train and eval prompts, when due
-    run.commit(row)            # checkpoint first, then the metrics line
+    run.commit(row)            # checkpoint first, then the metrics line; the row is final
 """
 from __future__ import annotations
 
@@ -48,7 +48,6 @@ class RunLoop:
 
     kind = "run"
     config_class: type = None  # set by subclasses
-    _pending: dict | None = None  # a committed row whose scoring rides in the next engine call
 
     # --- construction ----------------------------------------------------------------------------
     def __init__(self, state: RunState, *, run_dir: Path, evaluator: Evaluator, task: Task, model_dir: Path):
@@ -64,7 +63,6 @@ class RunLoop:
         self.eval_examples = task.eval_examples()
         self._started = time.perf_counter()
         self._wall_at_start = self.counters.get("wall_s", 0.0)
-        self._pending = state.pending_row()  # its scoring was riding in the next call: done again now
         self._writer: WriterLock | None = None  # the folder's writer lock, set by create/resume/open
         self._owns_evaluator = False  # whether close() closes the engine: only one the run started
         self._reporters = Reporters()  # report_to's, set by create/resume/open
@@ -82,7 +80,8 @@ class RunLoop:
         The run holds the folder's writer lock until ``close()``; ``RunFolderBusy`` if another has it."""
         task = get_task(config.task, **config.task_options)
         model_dir = resolve_model(config.model)
-        adapter = cls._first_adapter(config, model_dir, task, initial_adapter)
+        check_engine_settings(config, model_dir, task)  # context, KV cache and memory, before the folder
+        adapter = cls._first_adapter(config, model_dir, initial_adapter) if cls._moves_adapter(config) else None
         check_backends(config.report_to)  # a missing package fails here, before the folder and the engine
         lock = WriterLock.acquire(run_dir)  # before the folder is touched and before any engine
         with lock.released_on_error():
@@ -113,6 +112,10 @@ class RunLoop:
         run._writer, run._owns_evaluator = lock, evaluator is None
         # the generations past the checkpoint are redone: their points go, metrics.jsonl's rows from it on come back
         run._reporters = open_reporters(config.report_to, run_dir, state.rows, first_step=state.generation)
+        pending = state.pending_row()
+        if pending is not None:  # a folder of the earlier layout: a checkpointed row still waiting for its scores
+            scores, eval_s = run._score_call()
+            run._log({**pending, **run._score_keys(scores, eval_s)})
         return run
 
     @classmethod
@@ -134,12 +137,16 @@ class RunLoop:
         return cls.create(config, run_dir, evaluator=evaluator, overwrite=overwrite, initial_adapter=initial_adapter)
 
     @staticmethod
-    def _first_adapter(config, model_dir: Path, task: Task, initial_adapter: AdapterWeights | None) -> AdapterWeights:
+    def _moves_adapter(config) -> bool:
+        """Whether a run of these settings moves an adapter (else the engine's own weights)."""
+        return True
+
+    @staticmethod
+    def _first_adapter(config, model_dir: Path, initial_adapter: AdapterWeights | None) -> AdapterWeights:
         """A new run's first adapter, after every check that can fail before the folder and the engine:
-        LoRA targets, the engine's context, KV cache and memory, the given adapter's spec."""
+        LoRA targets and the given adapter's spec."""
         spec = config.lora_spec()
         shapes = adapter_shapes(model_dir, spec)  # bad targets / layers fail here, before any engine
-        check_engine_settings(config, model_dir, task)  # context, KV cache and memory, before the folder
         if initial_adapter is not None:
             if initial_adapter.spec != spec:
                 raise ConfigError(f"initial adapter spec {initial_adapter.spec} differs from the config's {spec}")
@@ -149,91 +156,23 @@ class RunLoop:
 
     # --- the loop ------------------------------------------------------------------------------
     def step(self) -> dict:
-        """One generation (ES) or step (GRPO): update, score when due, commit; returns the metrics row."""
+        """One generation (ES) or step (GRPO): update, score when due, commit; returns the final metrics row."""
         self._check_writer()
-        self._flush()
         row = self.train_step()
         row.update(self.score())
         return self.commit(row)
 
     def run(self, num_generations: int | None = None, callback: Callable[[dict], None] | None = None,
             should_stop: Callable[[], bool] | None = None) -> list[dict]:
-        """Run generations (ES) or steps (GRPO) up to this total (default: the config's); returns the new rows.
-
-        Where the run can (``_rides()``: ES on an engine that batches grids), a generation's greedy
-        scoring of the moved adapter rides in the NEXT generation's engine call instead of a call
-        of its own: its row is checkpointed at once and logged (and handed to ``callback``) when the
-        scores arrive; the last generation of the call is scored on its own, so ``run`` returns
-        with every row logged."""
+        """``step()`` up to this many generations or steps in all (default: the config's); returns the
+        new rows, each handed to ``callback`` once committed. ``should_stop()`` is asked before each."""
         target = num_generations if num_generations is not None else self._budget()
         rows: list[dict] = []
-
-        def done(row: dict) -> None:
-            rows.append(row)
+        while self.generation < target and not (should_stop is not None and should_stop()):
+            rows.append(self.step())
             if callback is not None:
-                callback(row)
-
-        while self.generation < target:
-            if should_stop is not None and should_stop():
-                break
-            for row in self._advance(target):
-                done(row)
-        for row in self._flush():
-            done(row)
+                callback(rows[-1])
         return rows
-
-    def _advance(self, target: int) -> list[dict]:
-        """One generation or step inside ``run``; the rows it finished (a pending one first)."""
-        if not self._rides():
-            finished = self._flush()
-            return finished + [self.step()]
-        finished: list[dict] = []
-        if self._pending is not None:
-            row, scores = self.train_step_scoring()  # the pending row's adapter scored in this call
-            finished.append(self._log(self._complete(self._pending, scores)))
-            self._pending = None
-        else:
-            row = self.train_step()
-        if self._defers(target):
-            self._defer(row)
-        else:
-            row.update(self.score())
-            finished.append(self.commit(row))
-        return finished
-
-    def train_step_scoring(self) -> tuple[dict, list]:
-        """``train_step`` whose engine call also scores the current adapter (``_score_sets``);
-        returns (the update's row, the scores). Only runs whose ``_rides()`` is true need it."""
-        raise NotImplementedError(f"{type(self).__name__} does not score in its training call")
-
-    def _rides(self) -> bool:
-        """Whether scoring can ride in the next generation's engine call (subclasses say)."""
-        return False
-
-    def _defers(self, target: int) -> bool:
-        """Whether the row just trained has its scoring due and a next generation in this call to carry it."""
-        return self._rides() and self._scoring_due() and self.generation < target
-
-    def _defer(self, row: dict) -> None:
-        """Checkpoint the row now, with its scoring's completions counted; log it once scored."""
-        self.counters["eval_completions"] = self.counters.get("eval_completions", 0) + self._scoring_size()
-        self._pending = row
-        self.commit(row, log=False)
-
-    def _flush(self) -> list[dict]:
-        """Score a pending row in a call of its own and log it (when no next generation carries it)."""
-        if self._pending is None:
-            return []
-        row = self._log(self._complete(self._pending, *self._score_call()))
-        self._pending = None
-        return [row]
-
-    def _complete(self, row: dict, scores, eval_s: float | None = None) -> dict:
-        """A pending row with its scores (its completions were counted when it was deferred)."""
-        row.update(self._score_keys(scores, eval_s))
-        if eval_s is not None and "time/generation_s" in row:
-            row["time/generation_s"] += eval_s  # a scoring call of its own counts, as in ``commit``
-        return row
 
     def row_header(self) -> dict:
         """The keys that open every metrics row of this run."""
@@ -249,8 +188,8 @@ class RunLoop:
 
     def score(self, force: bool = False) -> dict:
         """Greedy reward of the current adapter on the train and eval prompts, in one engine call,
-        when due (every ``eval_every`` and at the end of the budget) or forced; else ``{}``."""
-        if not (force or self._scoring_due()):
+        when due (``_scores_now``) or forced; else ``{}``."""
+        if not (force or self._scores_now()):
             return {}
         scores, eval_s = self._score_call()
         self.counters["eval_completions"] = self.counters.get("eval_completions", 0) + self._scoring_size()
@@ -285,10 +224,11 @@ class RunLoop:
             keys["time/eval_s"] = eval_s
         return keys
 
-    def commit(self, row: dict, log: bool = True) -> dict:
+    def commit(self, row: dict) -> dict:
         """Add counters and timings to a row, then checkpoint (when due) and append the metrics line.
 
-        Checkpoint first, then the metrics line: a kill in between reruns nothing finished."""
+        Checkpoint first, then the metrics line: a kill in between reruns nothing finished (the
+        checkpoint holds the row, and a resume writes it back)."""
         row.update(self._sample_counters())
         # phases are "time/<phase>"; "time/<phase>/<part>" splits a phase further and is not added again
         phases = [v for k, v in row.items() if k.startswith("time/") and k.count("/") == 1
@@ -298,7 +238,7 @@ class RunLoop:
         row["time/wall_s"] = self._wall()
         if self._checkpoint_due():
             self.save_checkpoint(row)
-        return self._log(row) if log else row
+        return self._log(row)
 
     def _checkpoint_due(self) -> bool:
         """Whether ``commit`` checkpoints this generation: every ``checkpoint_every``, and at the end."""
@@ -317,27 +257,28 @@ class RunLoop:
             raise RuntimeError(f"{self.run_dir}: this run was closed and no longer writes its folder; "
                                f"open it again ({type(self).__name__}.open) to continue it")
 
-    def _write_checkpoint(self, adapter: AdapterWeights, optimizer_tensors: dict[str, torch.Tensor],
+    def _write_checkpoint(self, adapter: AdapterWeights | None, optimizer_tensors: dict[str, torch.Tensor],
                           state: dict) -> Path:
-        """Checkpoint the current generation (or step): adapter, optimizer tensors, state.json."""
+        """Checkpoint the current generation (or step): adapter (None: none moves), optimizer tensors, state.json."""
         self._check_writer()
         return write_checkpoint(self.run_dir, self.generation, adapter, optimizer_tensors, state,
                                 str(self.model_dir), keep=self.config.keep_checkpoints)
 
     def _checkpoint_state(self, row: dict | None) -> dict:
-        """What a checkpoint's state.json holds for the loop: generation, counters, the row (the
-        pending one, if any: its scores come in the next call or again on resume)."""
+        """What a checkpoint's state.json holds for the loop: generation, counters, the row."""
         if row is None:
-            row = self._pending if self._pending is not None else (self.history[-1] if self.history else {})
-        state = {"generation": self.generation, "counters": self.counters, "row": row}
-        if row is self._pending and row is not None:
-            state["scores_pending"] = True
-        return state
+            row = self.history[-1] if self.history else {}
+        return {"generation": self.generation, "counters": self.counters, "row": row}
 
-    def _scoring_due(self) -> bool:
-        last = max(self._budget(), self.generation)
+    def _scores_now(self) -> bool:
+        """Whether ``score`` scores the current adapter after this update (runs that score it in
+        their training call say otherwise)."""
+        return self._scoring_due(self.generation)
+
+    def _scoring_due(self, generation: int) -> bool:
+        """Whether the adapter of ``generation`` is scored: every ``eval_every``, and the budget's last."""
         every = self.config.eval_every
-        return bool(every and self.generation % every == 0) or self.generation == last
+        return bool(every and generation % every == 0) or generation == max(self._budget(), self.generation)
 
     def _sample_counters(self) -> dict:
         return {

@@ -1,4 +1,4 @@
-"""ES on the model's own weights: full-parameter ES and EGGROLL inside an ``ESRun`` (issue 19).
+"""ES on the model's own weights (``ModelWeights``, one kind of ``ESParameters``): full-parameter ES and EGGROLL.
 
 ``es_mode: full`` (Qiu et al. 2025, https://arxiv.org/abs/2509.24372): member i is
 theta + sign_i * sigma * eps_i over the targeted weights, written into the engine's weights from its
@@ -34,10 +34,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..config import ConfigError, ESConfig
-from ..engines import CompletionTable, SamplingSettings
+from ..engines import Evaluator, SamplingSettings, WeightsEngine
 from ..es import core as es
 from ..lora import LoraSpec, read_base_weights
 from ..runs import read_jsonl
+from .es_parameters import Checkpointed, ScoringRequest, Served, Update
 
 
 SEED_LOG = "seed_log.jsonl"
@@ -45,20 +46,22 @@ SNAPSHOTS = "snapshots"
 KEEP_SNAPSHOTS = 2
 
 
-class WeightsES:
-    """The engine side of an ES run whose mean is the model's own weights (``es_mode`` full or eggroll)."""
+class ModelWeights:
+    """The ES mean as the model's own weights, held where the engine keeps them (``es_mode`` full or eggroll)."""
 
-    def __init__(self, config: ESConfig, evaluator, run_dir: Path, model_dir: Path):
-        if not hasattr(evaluator, "resident_weights"):
+    adapter = None  # the engine's own weights serve the mean: scoring asks for the base model
+
+    def __init__(self, config: ESConfig, evaluator: Evaluator, run_dir: Path, model_dir: Path, generation: int):
+        if not isinstance(evaluator, WeightsEngine):
             raise ConfigError(f"es_mode: {config.es_mode} needs an engine that writes its weights in place "
-                              f"(vLLM or HF), not {type(evaluator).__name__}")
+                              f"(vLLM, HF or Ray), not {type(evaluator).__name__}")
         self.config, self.evaluator, self.run_dir, self.model_dir = config, evaluator, Path(run_dir), Path(model_dir)
         targets, layers = config.weight_targets()
-        self.noise = "full" if config.es_mode == "full" else "lowrank"
-        self.weights = evaluator.resident_weights(targets, noise=self.noise, noise_rank=config.noise_rank,
+        noise = "full" if config.es_mode == "full" else "lowrank"
+        self.weights = evaluator.resident_weights(targets, noise=noise, noise_rank=config.noise_rank,
                                                   noise_scheme=config.noise_scheme, layers_to_transform=layers)
-        self.slots = None
-        if config.es_mode == "eggroll" and hasattr(evaluator, "lowrank_slots"):
+        self.slots = None  # EGGROLL's members in LoRA slots, where the engine has them (else one at a time)
+        if config.es_mode == "eggroll":
             spec = LoraSpec(target_modules=tuple(targets), rank=config.noise_rank, alpha=float(config.noise_rank),
                             layers_to_transform=layers)
             try:
@@ -66,24 +69,35 @@ class WeightsES:
             except ValueError as error:
                 raise ConfigError(f"noise_rank: {error}") from None
         self.optimizer = config.optimizer_config()
+        self.restore_to(generation)
 
     # --- a generation ---------------------------------------------------------------------------
-    def evaluate(self, members: Sequence[es.Member], prompts: list, sampling: SamplingSettings,
-                 score_grid: tuple | None = None) -> tuple[CompletionTable, CompletionTable | None, dict[str, float]]:
-        """(members' completions, the mean's scoring completions or None, timing): the evaluator's
-        ``run_members`` serves them, one member after another or from EGGROLL's slots in one call,
-        on its one engine or spread over its Ray engines."""
-        score = None if score_grid is None else (score_grid[0], score_grid[2])
-        return self.evaluator.run_members(self.weights, members, self.config.sigma, prompts, sampling, score,
-                                          slots=self.slots)
+    def evaluate(self, members: Sequence[es.Member], prompts, sampling: SamplingSettings,
+                 scoring: ScoringRequest | None = None) -> Served:
+        """The members written in place one after another, or served from EGGROLL's slots in one
+        call, on one engine or spread over Ray engines; the mean's scoring is a base-model request."""
+        return Served(*self.evaluator.run_members(self.weights, members, self.config.sigma, prompts, sampling,
+                                                  scoring, slots=self.slots))
 
-    def tell(self, generation: int, members: Sequence[es.Member], weights: torch.Tensor) -> dict[str, float]:
-        """The update where the weights live; its seed-log line is on disk before this returns."""
-        info = self.weights.step(self.optimizer, members, weights.tolist(), self.config.sigma, self.config.gradient_form)
+    def update(self, generation: int, members: Sequence[es.Member], rewards: torch.Tensor) -> Update:
+        """The update where the weights live, from seeds and shaped fitness; its seed-log line is on
+        disk before this returns."""
+        fitness = es.shape_fitness(self.config.fitness_shaping, rewards)
+        info = self.weights.step(self.optimizer, members, fitness.tolist(), self.config.sigma, self.config.gradient_form)
         self._append_log({"generation": generation, "members": [[m.seed, m.sign] for m in members],
-                          "weights": [float(w) for w in weights.tolist()], "sigma": self.config.sigma,
+                          "weights": [float(w) for w in fitness.tolist()], "sigma": self.config.sigma,
                           "learning_rate": self.config.learning_rate})
-        return info
+        return Update(fitness, info["update_norm"])
+
+    def checkpoint(self, generation: int, snapshot_due: bool) -> Checkpointed:
+        """A small checkpoint every generation (the seed log holds the update); a snapshot of the
+        float32 mean when due."""
+        state = {"snapshot": self.snapshot(generation).name} if snapshot_due and generation > 0 else {}
+        return Checkpointed(None, {}, state)
+
+    def save(self, run_dir: Path) -> Path:
+        """The model with the mean's weights under run_dir/final_model (safetensors, config, tokenizer)."""
+        return self.save_model(Path(run_dir) / "final_model", self.config.dtype)
 
     # --- the folder: seed log and snapshots -----------------------------------------------------
     def _append_log(self, entry: dict[str, Any]) -> None:
