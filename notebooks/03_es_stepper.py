@@ -77,7 +77,7 @@ print(config.to_yaml())
 # %%
 run = ESRun.open(config, run_dir or notebook_run_dir("03_es_stepper"), resume=resume, overwrite=overwrite,
                  initial_adapter=load_adapter(init_adapter_dir) if init_adapter_dir else None)
-print(f"{run.run_dir}: generation {run.generation}, {run.mean.num_parameters():,} LoRA parameters")
+print(f"{run.run_dir}: generation {run.generation}")
 
 # %% [markdown]
 # The controls: **Step** runs one generation, **Run N** runs N more in the background (**Pause**
@@ -90,15 +90,21 @@ stepper = ESStepper(run, figures_dir=figures_dir)
 stepper
 
 # %% [markdown]
-# Headless (papermill), this runs `config.num_generations`. One generation is: ask for members
-# (seeds), evaluate them in one engine call (`run.evaluate(members)`), tell the update
-# (`run.tell(members, result)`), score the new mean adapter when due (`run.score()`), commit
-# (checkpoint, then the metrics line: `run.commit(row)`). `run.run` (which `stepper.run_here` calls,
-# redrawing the plot) does exactly that, except that on vLLM and Ray the mean's scoring rides in the
-# next generation's engine call (`score_in_population`), so each row is printed once its scores are in.
+# The loop: one generation is ask for members (seeds), evaluate them in one engine call (where the
+# engine batches, the same call scores the mean that produced the generation when due), tell the
+# update (the generation's metrics row), score the new mean when it needs a call of its own (the
+# last generation, or engines that serve one grid per call), and commit (checkpoint, then the
+# metrics line). A committed row is final. `run.step()` and `run.run()` do exactly this; headless
+# (papermill) this cell runs up to `config.num_generations` (nothing when the run is already there).
 
 # %%
-new_rows = stepper.run_here(config.num_generations)
+for generation in range(run.generation, config.num_generations):
+    members = run.ask()  # integer seeds and signs
+    result = run.evaluate(members)  # ONE engine call: the members written from their seeds
+    row = run.tell(members, result)  # the update; the generation's metrics row
+    row.update(run.score())  # the new mean's scores, when due in a call of its own
+    run.commit(row)  # checkpoint, then the metrics line
+    stepper.show(row)  # redraw the plot and the table, print one line
 
 # %%
 final_adapter = run.save_final()

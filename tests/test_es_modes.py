@@ -11,7 +11,7 @@ from evolm_lib.config import ConfigError, ESConfig
 from evolm_lib.engines.resident_weights import targeted_weight_shapes
 from evolm_lib.es import lowrank
 from evolm_lib.train.es import ESRun
-from evolm_lib.train.modes import SEED_LOG, SNAPSHOTS
+from evolm_lib.train.model_weights import SEED_LOG, SNAPSHOTS
 
 TARGETS = ["q_proj", "v_proj", "down_proj"]
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

@@ -100,23 +100,14 @@ class ESStepper:
         if self._thread is not None:
             self._thread.join(timeout)
 
-    def run_here(self, target: int, echo: bool = True) -> list[dict]:
-        """Run up to generation ``target`` in this thread (headless, papermill): the plot follows,
-        and with ``echo`` one line per finished generation is printed."""
-        def finished(row: dict) -> None:
-            self.refresh()
-            if echo:
-                print(f"generation {row['generation']:3d}  reward mean {row['train/reward_mean']:8.3f}  "
-                      f"best {row['train/reward_best']:8.3f}  update norm {row['es/update_norm']:.4f}  "
-                      f"{row.get('time/generation_s', 0.0):.1f} s", flush=True)
-
-        if not self._busy.acquire(blocking=False):
-            raise RuntimeError("the stepper is running generations in the background: pause it first")
-        try:
-            return self.run.run(target, callback=finished)
-        finally:
-            self._busy.release()
-            self.refresh()
+    def show(self, row: dict, echo: bool = True) -> None:
+        """Redraw the plot and table after a generation committed outside the buttons (the notebook's
+        loop); with ``echo`` one line for it is printed."""
+        self.refresh()
+        if echo:
+            print(f"generation {row['generation']:3d}  reward mean {row['train/reward_mean']:8.3f}  "
+                  f"best {row['train/reward_best']:8.3f}  update norm {row['es/update_norm']:.4f}  "
+                  f"{row.get('time/generation_s', 0.0):.1f} s", flush=True)
 
     def export_figure(self) -> list[Path]:
         """The fitness figure of the run so far as PNG, PDF and SVG in ``figures_dir`` (the paths)."""
