@@ -50,7 +50,7 @@ class RunResult:
     action: str = ""
     """What this batch did: run, resume, retry, rerun, overwrite, skip, conflict; or "invalid" (failed its checks)."""
     reason: str = ""
-    """Why, in words (e.g. "finished 2026-11-26 10:41", "settings changed: sigma 0.05 -> 0.1; ...")."""
+    """Why, in words (e.g. "finished <time>", "settings changed: sigma 0.05 -> 0.1; ...")."""
     results: dict[str, Any] = field(default_factory=dict)
     """The run folder's results (`evolm_lib.analysis.run_results`), where the notebook made one."""
     attempt_error: str = ""
