@@ -8,9 +8,10 @@ and `es_mode` for ES runs: lora, full or eggroll; older folders have none: lora)
 Rows of both methods share the keys used here: `generation`/`step`, `seed`, `policy/train_reward`,
 `eval/reward`, `samples/completions`, `samples/tokens`, `time/wall_s`, `time/generation_s`,
 `policy/train_completions`, `policy/eval_completions`; `policy/kl` where a script recorded it
-(`record_final_metrics`). `evolm sweep` adds kl.jsonl (the KL of each checkpoint) and heldout.jsonl
-(the final mean adapter or policy scored greedily on the held-out problems, one line per problem:
-`index`, `prompt`, `target`, `completion`, `reward`, `success`).
+(`evolm_lib.runs.record_final_metrics`). `evolm sweep` adds kl.jsonl (the KL of each checkpoint) and
+heldout.jsonl (the final mean adapter or policy scored greedily on the held-out problems, one line
+per problem: `index`, `prompt`, `target`, `completion`, `reward`, `success`). This module only reads:
+it writes no file; the summaries that hold its results are written by `evolm_lib.batch.summary`.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from typing import Any
 
 from .metrics import RESULT_COLUMNS, by_mean, completions_table, final_value, finite, interp, run_summary, series
 from .stats import bootstrap_interval, compare_seeds
+from .types import NotARunFolder
 
 # Settings that must agree across the compared runs, or the comparison is unfair.
 COMPARED_FIELDS = ("model", "task", "task_options", "target_modules", "lora_rank", "lora_alpha",
@@ -38,10 +40,6 @@ SPLIT_FIELDS = {"es": (("population_size", "N"),), "grpo": (("group_size", "G"),
 HELDOUT_MEASURES = {"success": ("success", "heldout/accuracy"), "reward": ("reward", "heldout/reward")}
 HELDOUT_FIELDS = ("index", "reward", "success")
 """The fields every line of heldout.jsonl must hold (``prompt``, ``target``, ``completion`` are shown, not scored)."""
-
-
-class NotARunFolder(ValueError):
-    """A path matched by a pattern is not a run folder (no config.yaml or metrics.jsonl)."""
 
 
 class MixedRuns(ValueError):
@@ -616,20 +614,3 @@ def side_by_side_completions(groups: Groups, example_index: int | Sequence[int] 
          for i in indices),
         max_chars=max_chars,
     )
-
-
-# --------------------------------------------------------------------------- writing
-
-
-def record_final_metrics(run_dir: str | os.PathLike, values: Mapping[str, Any]) -> dict:
-    """Add `values` (e.g. {"policy/kl": 0.02}) to the last row of a run's metrics.jsonl, atomically;
-    returns that row. For numbers measured after a run ends (KL to the base model)."""
-    from .runs import read_metrics, rewrite_metrics
-
-    run_dir = Path(run_dir)
-    rows = read_metrics(run_dir)
-    if not rows:
-        raise NotARunFolder(f"{run_dir}/metrics.jsonl holds no rows")
-    rows[-1] = {**rows[-1], **values}
-    rewrite_metrics(run_dir, rows)
-    return rows[-1]

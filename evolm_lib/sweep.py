@@ -51,15 +51,16 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from .analysis import method_globs, record_final_metrics
-from .batch import execute_notebook, read_yaml_file, spec_from_dict
+from .analysis import method_globs
+from .batch import execute_notebook, read_yaml_file, spec_from_dict, write_summary_files
 from .config import ConfigError, ESConfig, GRPOConfig, did_you_mean
 from .engines import EngineSizing, make_evaluator
 from .train.es import ESRun
 from .evaluation import evaluate_adapter, mean_kl_to_base, success
 from .train.grpo import GRPORun
 from .train.model_weights import ModelWeights
-from .runs import RunFolderBusy, list_checkpoints, load_checkpoint, read_checkpoint_kls, read_jsonl, read_metrics
+from .runs import (RunFolderBusy, list_checkpoints, load_checkpoint, read_checkpoint_kls, read_jsonl, read_metrics,
+                   record_final_metrics)
 from .tasks import get_task
 
 DEFAULT_SPEC = "papermill_runs/es_vs_grpo_conciseness_cpu.yaml"  # relative to the project folder
@@ -461,9 +462,7 @@ def run_notebook(batch_part: dict, out: Path, spec_path: Path) -> Path:
 def summarize(out: str | Path) -> list[dict]:
     """One row per run folder of a sweep (learning-rate sweep included): method, seed, learning rate,
     the run's results (``analysis.run_results``), the KL of every measured checkpoint, and its wall time.
-    Written to OUT/summary.csv and OUT/summary.json."""
-    import csv
-
+    Written to OUT/summary.csv and OUT/summary.json by the batch's writer (``write_summary_files``)."""
     from .analysis import RUN_RESULT_COLUMNS, run_results
     from .runs import load_run_config, read_config_kind
 
@@ -490,10 +489,5 @@ def summarize(out: str | Path) -> list[dict]:
         })
     columns = ["run", "status", "method", "seed", "learning_rate", "lr_sweep", *RUN_RESULT_COLUMNS, "kl_by_checkpoint",
                "seconds"]
-    with open(out / "summary.csv", "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=columns, extrasaction="ignore")
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({**row, "kl_by_checkpoint": json.dumps(row["kl_by_checkpoint"])})
-    (out / "summary.json").write_text(json.dumps(rows, indent=1, default=str) + "\n")
+    write_summary_files(out, rows, rows, columns=columns)
     return rows

@@ -42,3 +42,7 @@ class Completion:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+
+class NotARunFolder(ValueError):
+    """A path is not a run folder: no config.yaml or metrics.jsonl, or no rows in it."""

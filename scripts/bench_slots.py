@@ -1,4 +1,4 @@
-"""Micro-benchmark: a resident LoRA population written in place vs adapter files (issue 9).
+"""Micro-benchmark: a resident LoRA population written in place vs adapter files.
 
 On one vLLM engine with resident slots, for a population of N rank-r members on every projection
 and M prompts (EOS ignored, so every call makes N x M x T tokens):

@@ -1,12 +1,15 @@
-"""`deterministic` on the GPU (issue 20), one measurement per process (vLLM reads batch invariance
-once per process):
+"""`deterministic` on a GPU, one measurement per process (vLLM reads batch invariance once per process):
 
     python scripts/gpu_deterministic.py throughput --rank 1 --deterministic 1 --json out.json
-        the in-place population against the base model on Qwen2.5-1.5B's shapes (32 x 8 x 128), and
-        how often greedy completions repeat: the same call twice, and 16 members inside a 32-member call
+        `evolm_lib.throughput.measure_throughput`: the in-place population against the base model on
+        Qwen2.5-1.5B's shapes (32 x 8 x 128), and how often greedy completions repeat: the same call
+        twice, and 16 members inside a 32-member call
     python scripts/gpu_deterministic.py es --json out.json
-        SmolLM2, conciseness, deterministic: two ES runs with the same settings, and a run killed
-        (SIGKILL) in its second generation then resumed, against an uninterrupted one: identical rows?
+        `evolm_lib.train.es.ESRun` on SmolLM2, conciseness, deterministic: two ES runs with the same
+        settings, and a run killed (SIGKILL) in its second generation then resumed, against an
+        uninterrupted one: identical rows?
+
+Add ``--model tiny-random`` to check the script on a CPU.
 """
 from __future__ import annotations
 

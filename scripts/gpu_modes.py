@@ -1,12 +1,11 @@
-"""es_mode eggroll and full on the GPU (issue 19), one engine, one process:
+"""es_mode eggroll and full on a GPU, one engine, one process: runs `evolm_lib.throughput`'s
+`measure_throughput` (base model against an EGGROLL population: rank-``--rank`` noise on every weight
+of the 7 projections, each member in a resident LoRA slot, written from its seed inside the timed
+call) and `measure_weight_modes` (EGGROLL's update at that population, and full mode's write of one
+member and its restore from the float32 master, as the worker times them), on Qwen2.5-1.5B's shapes
+(`scripts/qwen_shape.py`) by default. Prints the tables and writes them to --json.
 
-- population throughput of EGGROLL (rank-``--rank`` noise on every weight of the 7 projections, each
-  member in a resident LoRA slot, written from its seed inside the timed call) against the base
-  model on the same engine, 32 members x 8 prompts x 128 tokens on Qwen2.5-1.5B's shapes;
-- EGGROLL's update at that population, and full mode's write of one member and its restore from
-  the float32 master, as the worker times them (``throughput.measure_weight_modes``).
-
-    python scripts/gpu_modes.py --tiles auto --json out.json   # the LoRA kernel tiles shipped for the H100
+    python scripts/gpu_modes.py --tiles auto --json out.json   # the LoRA kernel tiles shipped in evolm_lib
     python scripts/gpu_modes.py --tiles none --json out.json   # vLLM's default tiles
 """
 from __future__ import annotations

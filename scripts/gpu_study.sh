@@ -1,25 +1,29 @@
 #!/usr/bin/env bash
-# The five-seed study (issue 20) on one lent machine of several GPUs, vLLM staged (../shared/GPU.md):
-# papermill_runs/study_{addition,conciseness}_smollm2_gpu.yaml, one `evolm sweep --methods M --seeds S`
-# process per job line below, spread round-robin over the cards (SmolLM2 leaves a card mostly idle,
-# so several engines share one: gpu_memory_utilization 0.12 in the specs). Each process stops after
-# LIMIT seconds (SIGTERM; runs resume from their checkpoints), so a later call on the warm machine
-# continues what this one did not finish. The logs go to /root/logs; `scripts/gpu_collect.sh` packs
-# the run folders (no weights) and the logs into $OUT. /root/study.done marks the end.
-#   bash scripts/gpu_study.sh 500 all       # every run of both specs
-#   bash scripts/gpu_study.sh 500 grpo      # the GRPO variants alone, a process per seed
-#   bash scripts/gpu_study.sh 1200 finish   # what the first GPU session left: GRPO on addition at both
-#                                           # rates, GRPO at 5e-4 on conciseness, EGGROLL seeds 2-4,
-#                                           # and the ES forms on addition at twice the budget
-# Long enough for several calls: `setsid nohup bash scripts/gpu_study.sh 1200 finish > /root/driver.log 2>&1 &`
-# then `bash scripts/gpu_collect.sh 570` in each call (waits for the end or 570 s, then packs).
+# Runs the five-seed study (papermill_runs/study_{addition,conciseness}_smollm2_gpu.yaml) on one machine
+# of several GPUs: one `evolm sweep SPEC --methods M --seeds S --no-notebook` process (evolm_lib.sweep)
+# per job line below, spread round-robin over the cards (SmolLM2 leaves a card mostly idle, so several
+# engines share one: the specs set gpu_memory_utilization for that). Each process stops after LIMIT
+# seconds (SIGTERM; its runs resume from their checkpoints), so running the script again continues
+# what a call did not finish. Run from the repository root; the run folders go where the specs say
+# (runs/study_*), each process's log to LOGS/<job>.log, and LOGS/study.done marks the end.
+#
+#   bash scripts/gpu_study.sh LIMIT JOBSET [LOGS]
+#     LIMIT   seconds each process may run (default 500)
+#     JOBSET  all: every run of both specs; grpo: the GRPO variants alone, a process per seed;
+#             finish: GRPO on addition at both rates, GRPO at 5e-4 on conciseness, EGGROLL seeds 2-4,
+#             and the ES forms on addition at twice the budget (runs/study_addition_long)
+#     LOGS    folder of the logs (default runs/study_logs)
+#
+# In the background: `setsid nohup bash scripts/gpu_study.sh 1200 finish > runs/study_driver.log 2>&1 &`,
+# then `bash scripts/gpu_collect.sh 570 OUT` packs what is done so far.
 set -u
 LIMIT=${1:-500}
 JOBSET=${2:-all}
-export PYTHONPATH=/root/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 EVOLM_CACHE_DIR=/root/cache
+LOGS=${3:-runs/study_logs}
 export VLLM_LOGGING_LEVEL=WARNING TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
-export OMP_NUM_THREADS=2  # 20-odd processes share the machine's cores: torch's default (all of them each) oversubscribes
-rm -f /root/study.done
+export OMP_NUM_THREADS=2  # many processes share the machine's cores: torch's default (all of them each) oversubscribes
+mkdir -p "$LOGS"
+rm -f "$LOGS/study.done"
 nvidia-smi -L
 GPUS=$(nvidia-smi -L | wc -l)
 python -c "from evolm_lib.models import resolve_model; resolve_model('smollm2-135m-instruct')" >/dev/null 2>&1
@@ -81,18 +85,17 @@ lg $A es_eggroll 3,4 $LONG
 " ;;
 *) echo "unknown job set $JOBSET: all, grpo or finish" >&2; exit 2 ;;
 esac
-mkdir -p /root/logs
 pids=""
 i=0
 while read -r name spec methods seeds more; do
   [ -z "$name" ] && continue
   gpu=$((i % GPUS)); i=$((i + 1))
   # shellcheck disable=SC2086  # $more holds several options
-  CUDA_VISIBLE_DEVICES=$gpu VLLM_CACHE_ROOT=/root/vcache/$name timeout --signal=TERM --kill-after=20 "$LIMIT" \
+  CUDA_VISIBLE_DEVICES=$gpu timeout --signal=TERM --kill-after=20 "$LIMIT" \
     python -m evolm_lib.cli sweep "$spec" --methods "$methods" --seeds "$seeds" --no-notebook $more \
-    >> /root/logs/$name.log 2>&1 &
+    >> "$LOGS/$name.log" 2>&1 &
   pids="$pids $!"
 done <<< "$JOBS"
 echo "$i processes on $GPUS GPUs, at most $LIMIT s each"
 for pid in $pids; do wait "$pid"; done
-touch /root/study.done
+touch "$LOGS/study.done"

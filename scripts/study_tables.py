@@ -1,4 +1,4 @@
-"""The five-seed study's tables from its run folders (issue 20), for the repository's figures/study/:
+"""The five-seed study's tables from its run folders, for the repository's figures/study/:
 per task the study table (held-out score per method with 95 % bootstrap intervals, seed spread, KL,
 seconds per generation), the pairwise tests against seed noise, and the equal-budget table and tests.
 

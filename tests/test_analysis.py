@@ -280,9 +280,11 @@ def test_side_by_side_completions_share_the_prompts():
 
 
 def test_record_final_metrics_adds_to_the_last_row(tmp_path):
+    from evolm_lib.runs import record_final_metrics  # analysis reads; the run folder's module writes
+
     run = copy_runs(tmp_path) / "es_seed0"
     before = analysis.read_run(run).rows
-    row = analysis.record_final_metrics(run, {"policy/kl": 0.5})
+    row = record_final_metrics(run, {"policy/kl": 0.5})
     after = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert after[:-1] == before[:-1] and after[-1] == row == {**before[-1], "policy/kl": 0.5}
 

@@ -11,7 +11,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "evolm_lib"
 # bottom to top, by top-level module or folder; a module may import from its own layer or below
 LAYERS = [
     # pure pieces: maths, data, rewards; nothing here touches an engine, a run folder or a model
-    {"seeds", "types", "divergence", "es", "zo", "tasks", "grpo", "metrics", "stats"},
+    {"seeds", "types", "divergence", "es", "zo", "tasks", "grpo", "metrics", "stats", "clock"},
     # settings, adapters, model folders, run folders (and report_to's copies of their rows), process environment
     {"config", "parameters", "lora", "models", "runs", "reporting", "env", "paths", "quiet"},
     # engines behind one protocol, and what is measured through them

@@ -305,16 +305,17 @@ def z_score(rewards: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     return centred / (centred.pow(2).mean().sqrt() + eps)
 
 
-def centered_ranks(rewards: torch.Tensor) -> torch.Tensor:
-    """Ranks scaled to [-0.5, 0.5] (Salimans et al. 2017); ties share their average rank."""
-    r = torch.as_tensor(rewards).to(torch.float32)  # (population,)
+def centered_ranks(rewards: torch.Tensor | Sequence[float], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Ranks scaled to [-0.5, 0.5] (Salimans et al. 2017); ties share their average rank. ``dtype``:
+    the precision the values are compared in (float64 keeps close values of a large f apart)."""
+    r = torch.as_tensor(rewards, dtype=dtype)  # (population,)
     n = r.numel()
     if n < 2:
         return torch.zeros_like(r)  # one member carries no ordering information
     ordered = torch.sort(r).values
     below = torch.searchsorted(ordered, r, right=False)  # members strictly worse
     at_or_below = torch.searchsorted(ordered, r, right=True)
-    rank = (below + at_or_below - 1).to(torch.float32) / 2  # average 0-based rank over the tie
+    rank = (below + at_or_below - 1).to(dtype) / 2  # average 0-based rank over the tie
     return rank / (n - 1) - 0.5
 
 

@@ -17,7 +17,8 @@ from ..config import ESConfig
 from ..engines import CompletionTable, Evaluator, SamplingSettings, make_evaluator, resolve_noise_device
 from ..evaluation import scoring_grid, scores_of
 from ..lora import AdapterWeights
-from ..runs import RunState, timed
+from ..clock import timed
+from ..runs import RunState
 from ..seeds import derive_seed
 from ..tasks import Example, Task
 from ..es import core as es

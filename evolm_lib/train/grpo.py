@@ -18,7 +18,8 @@ from typing import Sequence
 from ..config import GRPOConfig
 from ..engines import Evaluator, SamplingSettings, TokenScorer, make_evaluator
 from ..lora import AdapterWeights
-from ..runs import RunState, timed
+from ..clock import timed
+from ..runs import RunState
 from ..seeds import derive_seed
 from ..tasks import Example, Task
 from ..types import Completion

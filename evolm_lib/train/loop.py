@@ -14,6 +14,7 @@ from typing import Callable
 
 import torch
 
+from ..clock import timed
 from ..config import ConfigError
 from ..engines import Evaluator
 from ..evaluation import score_adapters
@@ -29,7 +30,6 @@ from ..runs import (
     list_checkpoints,
     load_latest,
     prepare_run_dir,
-    timed,
     write_checkpoint,
     write_run_config,
 )

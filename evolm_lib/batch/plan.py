@@ -1,0 +1,100 @@
+"""A batch's plan: every grid point with its full parameters, folder, state and the action the batch
+takes; and the folders a changed grid left behind."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Collection
+
+from ..config import did_you_mean
+from .checks import check_point
+from .notebooks import NotebookInfo, check_parameters, notebook_info, read_notebook
+from .spec import INJECTED, BatchSpec, RunSpec, expand_runs, folder_slug
+from .state import ACTIONS, STATUS_FILE, PointPlan, conflict_fix, point_state
+
+
+def _json_text_for_str_parameters(parameters: dict[str, Any], declared: dict[str, Any]) -> dict[str, Any]:
+    """A mapping or list given for a parameter the notebook declares as `str` becomes JSON text
+    (papermill parameters are simple types; `task_options: {num_train: 8}` reads well in YAML)."""
+    converted = dict(parameters)
+    for name, value in parameters.items():
+        if isinstance(value, (dict, list)) and declared.get(name, {}).get("inferred_type_name") == "str":
+            converted[name] = json.dumps(value)
+    return converted
+
+
+def plan_batch(spec: BatchSpec, out_dir: str | Path,
+               info: NotebookInfo | None = None) -> list[tuple[RunSpec, dict[str, Any], Path]]:
+    """Runs with their full parameters (paths injected where declared) and folders; checks names."""
+    info = info or notebook_info(read_notebook(spec.notebook, spec.kernel))
+    declared = info.declared
+    set_by_runner = [k for k in INJECTED if k in spec.parameters or k in spec.grid]
+    if set_by_runner:
+        raise ValueError(f"{set_by_runner} are set per run by the batch runner; "
+                         "remove them from the batch file")
+    check_parameters({**spec.parameters, **spec.grid}, declared, spec.notebook, info.kind)
+    out_dir = Path(out_dir).resolve()
+    plan = []
+    for run in expand_runs(spec):
+        folder = out_dir / run.name
+        params = _json_text_for_str_parameters(run.parameters, declared)
+        if "run_dir" in declared:
+            params["run_dir"] = str(folder / "run")
+        if "figures_dir" in declared:
+            params["figures_dir"] = str(folder / "figures")
+        plan.append((run, params, folder))
+    return plan
+
+
+def _overwritten(overwrite: bool | Collection[str], names: list[str]) -> set[str]:
+    """The points to overwrite: all (True), none (False), or those named (each must be a point)."""
+    if isinstance(overwrite, bool):
+        return set(names) if overwrite else set()
+    unknown = [n for n in overwrite if n not in names]
+    if unknown:
+        hints = "".join(did_you_mean(n, names) for n in unknown)
+        raise ValueError(f"--overwrite names no point of this batch: {unknown}{hints}; points: {', '.join(names)}")
+    return set(overwrite)
+
+
+def plan_points(spec: BatchSpec, out_dir: str | Path, retry_failed: bool = False,
+                overwrite: bool | Collection[str] = False, validate: bool = True) -> list[PointPlan]:
+    """Every grid point with its state and the action a batch takes (checked without a kernel
+    when ``validate``: a point that fails its checks gets the action "invalid"). ``overwrite``:
+    True for every point, or the names of the points to replace."""
+    info = notebook_info(read_notebook(spec.notebook, spec.kernel))
+    planned = plan_batch(spec, out_dir, info)
+    replace = _overwritten(overwrite, [run.name for run, _, _ in planned])
+    points = []
+    for run, params, folder in planned:
+        config, error, notes = check_point(info, params) if validate else (None, "", [])
+        state, reason, status = point_state(folder, params, config, info.defaults)
+        action = ACTIONS[state]
+        if run.name in replace and state not in ("new", "running"):
+            action, reason = "overwrite", f"was {state}" + (f": {reason}" if state == "changed" else "")
+        elif state == "failed" and retry_failed:
+            action = "retry"
+        elif state == "failed":
+            reason += " (--retry-failed runs it again)"
+        elif state == "changed":
+            reason += f"; {conflict_fix(run.name)}"
+        if error and action == "skip":  # a finished run stays as it is; say what the check says now
+            notes = [f"its settings fail the checks now: {error}"]
+        elif error:
+            action = "invalid"
+        points.append(PointPlan(run, params, folder, state, action, "; ".join(filter(None, [reason, *notes])),
+                                error if action == "invalid" else "", status, config))
+    return points
+
+
+def stale_folders(spec: BatchSpec, out_dir: str | Path) -> list[Path]:
+    """Point folders in OUT that the batch's grid no longer has (e.g. a grid value since corrected);
+    failed attempts kept beside a point (<point>.failed-<time>) are not counted."""
+    out_dir = Path(out_dir)
+    current = {run.name for run in expand_runs(spec)}
+    prefix = folder_slug(spec.name)
+    if not out_dir.is_dir():
+        return []
+    return sorted(p for p in out_dir.iterdir() if p.is_dir() and (p / STATUS_FILE).exists()
+                  and p.name not in current and ".failed-" not in p.name
+                  and (p.name == prefix or p.name.startswith(prefix + "__")))

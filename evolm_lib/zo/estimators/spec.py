@@ -1,0 +1,52 @@
+"""The registry of estimators: what each entry says of an estimator, and the lookup by name (the
+entries themselves are in `catalog`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+if TYPE_CHECKING:
+    from .coefficients import Weights
+    from .config import EstimatorConfig, Generation
+
+
+@dataclass(frozen=True)
+class EstimatorSpec:
+    """A registry entry: how the estimator queries, what it estimates, how it runs."""
+
+    name: str
+    summary: str
+    """One line."""
+    bias: str
+    """What E[g] is (tested in tests/test_zo_estimators.py)."""
+    seed_population: bool
+    """True: coefficients over seeded directions (`coefficients`), pluggable into the LLM runner."""
+    searcher: Callable[[EstimatorConfig, int], Any]
+    """(config, seed) -> a searcher with init/step for an explicit x."""
+    weights: Callable[[EstimatorConfig, Generation, Sequence[Generation]], Weights] | None = None
+    """The coefficient rule (seed-population estimators)."""
+    center: str = "never"
+    """Queries f(x): "always", "never", or "baseline" (when baseline == "single")."""
+    antithetic: bool = False
+    """Queries come in +/- pairs."""
+    uses_history: bool = False
+    """Keeps the last num_histories generations."""
+    unbiased: bool = False
+    """E[g] = grad f_mu (the smoothed gradient; the true one on the quadratic) at any point."""
+    min_queries: int = 1
+    """Smallest num_queries that makes sense."""
+
+
+ESTIMATORS: dict[str, EstimatorSpec] = {}
+
+
+def register(spec: EstimatorSpec) -> None:
+    """Add an entry to `ESTIMATORS`."""
+    ESTIMATORS[spec.name] = spec
+
+
+def get_estimator(name: str) -> EstimatorSpec:
+    """The registry entry `name`; ValueError listing the known ones otherwise."""
+    if name not in ESTIMATORS:
+        raise ValueError(f"estimator {name!r} is unknown; choose from {list(ESTIMATORS)}")
+    return ESTIMATORS[name]
