@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -98,7 +99,30 @@ def main(argv: list[str] | None = None) -> int:
     env = lab_environment(root)
     command = lab_command(argv, root)
     print(" ".join(command), flush=True)
-    return subprocess.call(command, cwd=root, env=env)
+    return run_forwarding_signals(command, cwd=root, env=env)
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # stopping `evolm lab` stops its server
+
+
+def run_forwarding_signals(command: Sequence[str], **popen: Any) -> int:
+    """Run ``command`` and wait for it; SIGTERM, SIGINT or SIGHUP sent to this process reaches it as
+    SIGTERM, on which jupyter-lab shuts its kernels down and exits at once. So `kill <pid of evolm lab>`
+    or a closed terminal stops the server instead of leaving it serving, and Ctrl-C in the terminal
+    (whose SIGINT the server gets too, and would otherwise answer with a yes/no question) stops it
+    without asking. Returns the command's exit code."""
+    process = subprocess.Popen(list(command), **popen)
+
+    def stop(_signum: int, _frame: Any) -> None:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+
+    previous = {signum: signal.signal(signum, stop) for signum in STOP_SIGNALS}
+    try:
+        return process.wait()
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 # --------------------------------------------------------------------------- clean notebook saves
