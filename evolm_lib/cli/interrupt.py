@@ -26,22 +26,21 @@ def child_processes(pid: int | None = None) -> list[int]:
 
 
 def stop_children(timeout: float = 10.0) -> None:
-    """SIGTERM to this process's children (a notebook's kernel runs in a session of its own, so the
-    terminal's Ctrl-C never reached it), SIGKILL to any still there after ``timeout`` seconds. A kernel
-    that kept running would hold its run folder, and the next command would find it busy."""
+    """End this process's children (a notebook's kernel runs in a session of its own, so the terminal's
+    Ctrl-C never reached it) and wait up to ``timeout`` seconds for them. A kernel that kept running
+    would hold its run folder, and the next command would find it busy. SIGKILL, not SIGTERM: the
+    kernel is inside a cell whose client is gone, and on SIGTERM it prints tracebacks of its closed
+    sockets into this command's output; a run resumes from its last checkpoint either way."""
     children = child_processes()
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in children:
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + timeout
-        while children and time.monotonic() < deadline:
-            children = [pid for pid in children if not _reaped(pid)]
-            time.sleep(0.1)
-        if not children:
-            return
+    for pid in children:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + timeout
+    while children and time.monotonic() < deadline:
+        children = [pid for pid in children if not _reaped(pid)]
+        time.sleep(0.1)
 
 
 def _reaped(pid: int) -> bool:
