@@ -104,3 +104,153 @@ def test_evolm_version_prints_the_package_version(capsys):
     assert capsys.readouterr().out == f"evolm {expected}\n"
     result = subprocess.run([sys.executable, "-m", "evolm_lib.cli", "-V"], capture_output=True, text=True, cwd=REPO)
     assert (result.returncode, result.stdout) == (0, f"evolm {expected}\n")
+
+
+# --------------------------------------------------------------------------- help that shows how to run
+
+import ast
+import re
+import shlex
+import signal
+import time
+
+HELPED = ["batch", "sweep", "bench", "lab", "demo"]
+DRY_RUN = ["batch", "sweep", "bench"]  # the commands whose examples run here, in --dry-run form
+
+
+def _help(command: str | None, capsys) -> str:
+    if command is None:
+        assert main(["--help"]) == 0
+    else:
+        with pytest.raises(SystemExit) as exit_info:
+            main([command, "--help"])
+        assert exit_info.value.code == 0
+    return capsys.readouterr().out
+
+
+def _examples(text: str) -> list[str]:
+    """The example command lines of a help text: indented lines starting with `evolm`, the command up
+    to the two spaces before its explanation."""
+    return [re.split(r"\s{2,}", line.strip())[0] for line in text.splitlines() if re.match(r"^\s{2,}evolm \S", line)]
+
+
+def _library_names() -> set[str]:
+    """Names of the functions and classes the library defines (their names are no help for a user)."""
+    names = set()
+    for path in (REPO / "evolm_lib").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and (
+                    "_" in node.name.strip("_") or isinstance(node, ast.ClassDef)) and node.name not in ("main",):
+                names.add(node.name)
+    return names
+
+
+@pytest.mark.parametrize("command", [None, *HELPED])
+def test_help_opens_with_commands_to_run_and_names_no_library_function(command, capsys):
+    text = _help(command, capsys)
+    lines = text.splitlines()
+    examples = _examples(text)
+    assert len(examples) >= 2, text
+    after_usage = lines.index("")  # the usage line(s) end at the first blank line
+    first = next(i for i, line in enumerate(lines) if re.match(r"^\s{2,}evolm \S", line))
+    assert first - after_usage <= 6, f"the examples should open the help:\n{text}"
+    assert "evolm_lib" not in text and "summarize" not in text
+    named = sorted(name for name in _library_names() if re.search(rf"\b{re.escape(name)}\b", text))
+    assert not named, named
+    for path in re.findall(r"\b(?:papermill_runs|notebooks)/[\w./*-]+\.(?:yaml|py)\b", text):
+        assert list(REPO.glob(path)), f"{path} named in the help is not in the repository"
+
+
+@pytest.mark.parametrize("command", HELPED)
+def test_help_states_every_default(command, capsys):
+    from importlib import import_module
+
+    module = import_module(f"evolm_lib.cli.{command}")
+    parser = module.build_parser() if hasattr(module, "build_parser") else module._parser()
+    text = _help(command, capsys)
+    options = text[text.index("\noptions:"):]
+    for action in parser._actions:
+        if action.default is None or action.default is False or action.default == "==SUPPRESS==":
+            continue
+        name = action.option_strings[0] if action.option_strings else action.dest
+        block = re.search(rf"\n  {re.escape(name)}\b.*?(?=\n  \S|\Z)", text[text.index("\npositional") if not
+                          action.option_strings and "\npositional" in text else text.index("\noptions:"):], re.S)
+        assert block and "default" in block.group(0), (name, options)
+
+
+@pytest.mark.parametrize("command", DRY_RUN)
+def test_the_examples_of_the_help_run_in_dry_run_form(command, capsys):
+    examples = _examples(_help(command, capsys))
+    assert len(examples) >= 2
+    for example in examples:
+        argv = shlex.split(example)[1:]
+        if "--dry-run" not in argv:
+            argv.append("--dry-run")
+        assert main(argv) == 0, example
+        assert capsys.readouterr().out.strip(), example
+
+
+def test_bench_dry_run_lists_what_it_would_measure_and_refuses_bad_settings(capsys):
+    from evolm_lib.cli import bench
+
+    result = bench.main(["--model", "tiny-random", "--population", "4", "--prompts", "2", "--no-hf-batched-base",
+                         "--dry-run"])
+    printed = capsys.readouterr().out
+    assert result["dry_run"] and "4 (rank 1) x 2 prompts" in printed and "8 requests" in printed
+    assert "HF + peft, one adapter at a time" in printed and "HF base model" not in printed
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--model", "./no/such/folder", "--dry-run"])
+    assert exit_info.value.code == 2 and "--model" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- Ctrl-C in a batch
+
+
+def _status(folder: Path) -> str:
+    try:
+        return json.loads((folder / "status.json").read_text()).get("status", "")
+    except (OSError, ValueError):
+        return ""
+
+
+@pytest.mark.slow
+def test_ctrl_c_in_a_batch_prints_one_line_and_the_same_command_continues(tmp_path):
+    """SIGINT while the second of two GRPO points runs: exit 130, one line saying what was kept and
+    how to continue, no traceback, no kernel left holding the point; a dry run of the same command then
+    skips the finished point and resumes the interrupted one."""
+    from evolm_lib import batch
+    from evolm_lib.cli.interrupt import child_processes
+
+    spec, out = REPO / "papermill_runs" / "grpo_tiny.yaml", tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    stdout, stderr = open(tmp_path / "stdout", "w+"), open(tmp_path / "stderr", "w+")
+    process = subprocess.Popen([sys.executable, "-m", "evolm_lib.cli", "batch", str(spec), "--out", str(out)],
+                               cwd=REPO, env=env, stdout=stdout, stderr=stderr)
+    first, second = out / "grpo_tiny__seed-0", out / "grpo_tiny__seed-1"
+    try:
+        deadline = time.monotonic() + 400
+        while not (_status(first) == "ok" and _status(second) == "running" and child_processes(process.pid)):
+            assert process.poll() is None, (tmp_path / "stderr").read_text()[-3000:]
+            assert time.monotonic() < deadline, "the batch did not reach its second point"
+            time.sleep(0.5)
+        time.sleep(3)  # into the second point's notebook
+        kernels = child_processes(process.pid)
+        before = len((tmp_path / "stderr").read_text())
+        process.send_signal(signal.SIGINT)
+        assert process.wait(120) == 130
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(10)
+    stderr.seek(0)
+    after = stderr.read()[before:]
+    printed = after.replace("\r", "\n")
+    lines = [line for line in printed.splitlines() if line.strip()]
+    assert "Traceback" not in printed and "KeyboardInterrupt" not in printed, printed
+    assert lines[-1] == (f"interrupted: 1 of 2 point(s) finished and kept in {out.resolve()}; "
+                         "run the same command again to continue"), printed
+    assert len([line for line in lines if not line.startswith("batch:")]) == 1, printed  # tqdm's bar aside
+    assert not [pid for pid in kernels if Path(f"/proc/{pid}").exists()
+                and "\nState:\tZ" not in Path(f"/proc/{pid}/status").read_text()], "a kernel outlived the batch"
+    points = batch.plan_points(batch.load_batch_spec(spec), out)
+    assert [(p.run.name, p.action) for p in points] == [("grpo_tiny__seed-0", "skip"), ("grpo_tiny__seed-1", "resume")]

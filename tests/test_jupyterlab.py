@@ -247,3 +247,127 @@ def test_notebook_runs_in_the_browser_without_error_output(tmp_path, stem):
             raise
         finally:
             browser.close()
+
+
+# --------------------------------------------------------------------------- `evolm lab`'s own settings
+
+AUTOSAVE_SECONDS = 2  # the test's autosave interval (the user's setting); the lab's default is minutes
+
+
+def _project_copy(tmp_path: Path) -> Path:
+    """What `evolm lab` serves of the project (notebooks, batch files, its jupyter settings), in a git
+    repository of its own with everything committed."""
+    import shutil
+
+    project = tmp_path / "project"
+    for folder in ("notebooks", "papermill_runs", ".jupyter"):
+        shutil.copytree(REPO / folder, project / folder)
+    for name in ("jupytext.toml", ".gitignore"):
+        shutil.copy(REPO / name, project / name)
+    git = ["git", "-c", "user.name=test", "-c", "user.email=test@example.com"]
+    for command in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "tracked"]):
+        subprocess.run(git + command, cwd=project, check=True, capture_output=True)
+    return project
+
+
+def _notebook_files(project: Path) -> dict[Path, bytes]:
+    return {path: path.read_bytes() for path in sorted((project / "notebooks").iterdir())
+            if path.suffix in (".py", ".ipynb")}
+
+
+def _git_status(project: Path) -> str:
+    return subprocess.run(["git", "status", "--porcelain", "notebooks/"], cwd=project, check=True,
+                          capture_output=True, text=True).stdout
+
+
+@contextlib.contextmanager
+def _evolm_lab(tmp_path: Path, project: Path):
+    """`evolm lab --no-browser` on ``project``, with a user setting of a short autosave interval; yields
+    the lab's base URL and token."""
+    port, token = _free_port(), secrets.token_hex(16)
+    settings = tmp_path / "settings" / "@jupyterlab" / "docmanager-extension"
+    settings.mkdir(parents=True)
+    (settings / "plugin.jupyterlab-settings").write_text(json.dumps({"autosaveInterval": AUTOSAVE_SECONDS}))
+    env = child_environment({"JUPYTER_CONFIG_DIR": str(tmp_path / "config"), "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime"),
+                             "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))})
+    log = open(tmp_path / "evolm-lab.log", "w")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "evolm_lib.cli", "lab", "--no-browser", "--ip", "127.0.0.1", "--port", str(port),
+         "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}",
+         f"--LabApp.user_settings_dir={tmp_path / 'settings'}", f"--LabApp.workspaces_dir={tmp_path / 'workspaces'}",
+         "--LabApp.news_url=", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"],
+        cwd=project, env=env, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        _wait_for_server(f"{base}/api/status?token={token}", process)
+        yield base, token
+    finally:
+        process.terminate()  # `evolm lab` stops the server and its kernels
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(10)
+        log.close()
+
+
+def test_the_lab_opens_a_py_notebook_as_a_notebook_and_writes_it_only_when_saved(tmp_path):
+    """In `evolm lab`: a double click on notebooks/03_es_stepper.py opens it as a notebook; an edit of its
+    parameters cell stays in the browser through several autosave intervals (the tracked .py and .ipynb
+    keep every byte, git sees nothing); Ctrl-S then writes the edit to the .py and the paired .ipynb."""
+    from playwright.sync_api import sync_playwright
+
+    project = _project_copy(tmp_path)
+    source, paired = project / "notebooks" / "03_es_stepper.py", project / "notebooks" / "03_es_stepper.ipynb"
+    tracked = _notebook_files(project)
+    with _evolm_lab(tmp_path, project) as (base, token), sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        try:
+            page.goto(f"{base}/lab/tree/notebooks?token={token}")  # where the lab opens
+            item = page.locator(".jp-DirListing-item", has_text="03_es_stepper.py")
+            item.wait_for(timeout=60_000)
+            item.dblclick()
+            panel = page.locator(".jp-NotebookPanel", has=page.locator(".jp-Cell"))
+            panel.first.wait_for(timeout=60_000)
+            assert page.locator(".jp-FileEditor").count() == 0  # not the text editor
+            tab = page.locator(".lm-TabBar-tab.lm-mod-current", has_text="03_es_stepper.py")
+            assert tab.count() >= 1
+            accept = page.locator(".jp-Dialog button.jp-mod-accept")
+            if accept.count():  # a kernel chooser, where the lab asks
+                accept.first.click()
+
+            parameters = panel.first.locator(".jp-CodeCell", has_text="population_size: int = 4").first
+            parameters.locator(".cm-content").click()
+            page.keyboard.press("Control+End")
+            page.keyboard.type("\nnum_generations = 5  # edited in the lab")
+            page.locator(".lm-TabBar-tab.jp-mod-dirty", has_text="03_es_stepper.py").wait_for(timeout=10_000)
+
+            time.sleep(4 * AUTOSAVE_SECONDS + 2)  # several autosave intervals
+            assert _notebook_files(project) == tracked
+            assert _git_status(project) == ""
+            assert page.locator(".lm-TabBar-tab.jp-mod-dirty", has_text="03_es_stepper.py").count() == 1
+
+            page.keyboard.press("Control+s")  # a save on purpose writes both files of the pair
+            deadline = time.monotonic() + 30
+            while b"# edited in the lab" not in source.read_bytes() or paired.read_bytes() == tracked[paired]:
+                assert time.monotonic() < deadline, "Ctrl-S did not write the notebook"
+                time.sleep(0.5)
+            assert "# edited in the lab" in "".join(json.loads(paired.read_text())["cells"][1]["source"])
+            assert sorted(_git_status(project).split()) == ["M", "M", "notebooks/03_es_stepper.ipynb",
+                                                            "notebooks/03_es_stepper.py"]
+        except Exception:
+            page.screenshot(path=str(tmp_path / "failure.png"))
+            raise
+        finally:
+            browser.close()
+
+
+def test_the_shipped_lab_settings_turn_autosave_off_and_open_py_as_notebooks():
+    """The settings `evolm lab` gives JupyterLab (.jupyter/lab/settings/overrides.json), which its
+    server config points the lab at."""
+    overrides = json.loads((REPO / ".jupyter" / "lab" / "settings" / "overrides.json").read_text())
+    documents = overrides["@jupyterlab/docmanager-extension:plugin"]
+    assert documents["autosave"] is False and documents["defaultViewers"] == {"python": "Jupytext Notebook"}
+    config = (REPO / ".jupyter" / "jupyter_server_config.py").read_text()
+    assert 'c.LabApp.app_settings_dir = str(Path(__file__).resolve().parent / "lab" / "settings")' in config

@@ -249,3 +249,68 @@ def test_a_child_process_gets_this_process_environment_without_an_engines_own_va
     assert "VLLM_DIST_IDENT" not in env and env["EVOLM_SOMETHING"] == "kept" and env["EXTRA"] == "1"
     assert os.environ["VLLM_DIST_IDENT"] == "ident-of-this-process-worker"  # this process keeps it
     assert "VLLM_DIST_IDENT" not in lab_environment(REPO)  # what `evolm lab` hands the server and its kernels
+
+
+# --------------------------------------------------------------------------- stopping `evolm lab`
+
+def _children(pid: int) -> list[int]:
+    """The process ids whose parent is ``pid`` (Linux /proc)."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        found += [int(child) for child in (task / "children").read_text().split()]
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    return "\nState:\tZ" not in status  # a zombie has exited
+
+
+def _port_answers(port: int) -> bool:
+    with socket.socket() as sock:
+        sock.settimeout(1)
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", ["SIGTERM", "SIGINT"])
+def test_a_signal_to_evolm_lab_stops_its_server(tmp_path, signum):
+    """`kill <pid of evolm lab>` (or SIGINT, as Ctrl-C sends) reaches jupyter-lab: the port closes, no
+    jupyter-lab process is left behind, and `evolm lab` exits."""
+    import signal as signals
+
+    project = _project_copy(tmp_path)
+    port = _free_port()
+    env = {**os.environ, "JUPYTER_CONFIG_DIR": str(tmp_path / "config"), "JUPYTER_DATA_DIR": str(tmp_path / "data"),
+           "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime"),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    log = open(tmp_path / "lab.log", "w")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "evolm_lib.cli", "lab", "--no-browser", "--port", str(port), "--ip", "127.0.0.1",
+         "--ServerApp.port_retries=0", f"--LabApp.user_settings_dir={tmp_path / 'settings'}",
+         f"--LabApp.workspaces_dir={tmp_path / 'workspaces'}", "--LabApp.news_url=",
+         "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"],
+        cwd=project, env=env, stdout=log, stderr=subprocess.STDOUT)
+    servers: list[int] = []
+    try:
+        deadline = time.monotonic() + 90
+        while not _port_answers(port):
+            assert process.poll() is None, (tmp_path / "lab.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "evolm lab did not open its port"
+            time.sleep(0.5)
+        servers = _children(process.pid)
+        assert len(servers) == 1 and "jupyter" in Path(f"/proc/{servers[0]}/cmdline").read_text()
+
+        process.send_signal(getattr(signals, signum))
+        assert process.wait(60) == 0, (tmp_path / "lab.log").read_text()[-3000:]
+        assert not _port_answers(port)
+        assert not [pid for pid in servers if _alive(pid)], "jupyter-lab outlived evolm lab"
+    finally:
+        for pid in [process.pid, *servers]:
+            if _alive(pid):
+                os.kill(pid, 9)
+        process.wait(10)
+        log.close()

@@ -33,7 +33,7 @@ MAGIC = {"png": b"\x89PNG\r\n\x1a\n", "pdf": b"%PDF-"}
 
 def test_notebooks_exist():
     assert [p.stem for p in SOURCES] == ["01_task_inspection", "02_lora_initialization", "03_es_stepper", "04_es_vs_grpo",
-                                        "05_zo_synthetic"]
+                                        "05_zo_synthetic", "06_grpo_stepper"]
 
 
 # --------------------------------------------------------------------------- static checks
@@ -77,9 +77,11 @@ def test_notebook_shape(source):
     build = cells[tagged[0] + 1].source
     assert any(call in build for call in ("config = ESConfig.from_dict(", "groups = load_runs(",
                                           "config = ComparisonConfig.from_dict(",
-                                          "config = notebook_config(ESConfig, globals())")), build
+                                          "config = notebook_config(ESConfig, globals())",
+                                          "config = notebook_config(GRPOConfig, globals())")), build
     if SETTINGS in declared:  # every setting reachable: the parameters by name and the rest through `settings`
-        assert "settings:es" in cells[tagged[0]].metadata["tags"] and "notebook_config(ESConfig" in build
+        kind = batch.notebook_info(source).kind
+        assert kind in ("es", "grpo") and f"notebook_config({kind.upper()}Config" in build
     for cell in cells:
         if cell.cell_type == "code":
             nodes = list(ast.walk(ast.parse(cell.source)))
@@ -185,6 +187,47 @@ def test_batch_cli_gives_the_same_run(stepper_run, tmp_path):
     theirs = load_file(str(batch_run / "final_adapter" / "adapter_model.safetensors"))
     assert ours.keys() == theirs.keys() and all(ours[k].equal(theirs[k]) for k in ours)
     assert sorted(p.suffix for p in (results[0].folder / "figures").iterdir()) == [".pdf", ".png", ".svg"]
+
+
+GRPO_STEPPER = NOTEBOOKS / "06_grpo_stepper.py"
+GRPO_SPEC = REPO / "papermill_runs" / "grpo_tiny.yaml"
+GRPO_PARAMETERS = batch.load_batch_spec(GRPO_SPEC).parameters  # tiny-random, group 4 x 2 prompts, 2 steps
+
+
+@pytest.mark.slow
+def test_grpo_stepper_papermill_run(tmp_path):
+    """Notebook 06 through papermill, as `evolm batch` runs it: every step logged, the reward figure
+    in three formats, the final adapter, the loop's own lines in the output and no engine notices."""
+    from evolm_lib.quiet import notice_lines
+
+    parameters = {**GRPO_PARAMETERS, "run_dir": str(tmp_path / "run"), "figures_dir": str(tmp_path / "figures")}
+    executed = _execute(GRPO_STEPPER, tmp_path / "notebook.ipynb", parameters)
+    assert not _errors(executed)
+    assert executed.stat().st_size < 1_000_000, "widget state or large outputs leaked into the notebook"
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(GRPO_PARAMETERS["num_steps"] + 1))
+    assert all(len(r["grpo/rewards"]) == GRPO_PARAMETERS["group_size"] * GRPO_PARAMETERS["prompts_per_step"]
+               for r in rows[1:])
+    assert (tmp_path / "run" / "final_adapter" / "adapter_model.safetensors").exists()
+    figures = {p.suffix[1:]: p for p in (tmp_path / "figures").iterdir()}
+    assert sorted(figures) == ["pdf", "png", "svg"] and figures["png"].stem == "grpo_stepper_reward"
+    for fmt, magic in MAGIC.items():
+        assert figures[fmt].read_bytes().startswith(magic), fmt
+    text = _stream_text(executed)
+    assert "step   2/2" in text and not notice_lines(text), notice_lines(text)
+
+
+def test_a_batch_checks_grpo_points_as_their_kernel_builds_them(tmp_path):
+    """`evolm batch --dry-run` on notebook 06: the points' settings go through GRPOConfig (a bad one is
+    named before any kernel starts), exactly as for the ES stepper."""
+    info = batch.notebook_info(GRPO_STEPPER)
+    assert info.kind == "grpo"
+    assert [p.action for p in batch.plan_points(batch.load_batch_spec(GRPO_SPEC), tmp_path / "out")] == ["run", "run"]
+    spec = batch.spec_from_dict({"notebook": str(GRPO_STEPPER), "parameters": GRPO_PARAMETERS,
+                                 "grid": {"loss_type": ["grpo_clip", "no_baseline"], "micro_batch_size": [3]}})
+    points = batch.plan_points(spec, tmp_path / "bad")
+    assert [p.action for p in points] == ["invalid", "invalid"]
+    assert all("micro_batch_size" in p.error and "does not divide" in p.error for p in points), points[0].error
 
 
 # --------------------------------------------------------------------------- bad parameters

@@ -25,11 +25,20 @@ COMMANDS = {
 }
 
 
+EXAMPLES = (
+    ("evolm demo", "ES on conciseness with SmolLM2, the fitness plot in figures/"),
+    ("evolm batch papermill_runs/ci_tiny.yaml --dry-run", "check a batch file's grid, run nothing"),
+    ("evolm lab --port 8890 --no-browser", "JupyterLab on the project, for an SSH tunnel"),
+)
+
+
 def usage() -> str:
-    """The top-level help text."""
+    """The top-level help text: commands to run first, then the list of commands."""
     width = max(map(len, COMMANDS))
-    lines = ["usage: evolm COMMAND [ARGS...]   (evolm COMMAND --help for a command's options; evolm --version)",
-             "", "commands:"]
+    example_width = max(len(command) for command, _ in EXAMPLES)
+    lines = ["usage: evolm COMMAND [ARGS...]   (evolm COMMAND --help for a command's options; evolm --version)", ""]
+    lines += [f"    {command:<{example_width}}   {about}" for command, about in EXAMPLES]
+    lines += ["", "commands:"]
     lines += [f"  {name:<{width}}  {about}" for name, (_, about) in COMMANDS.items()]
     return "\n".join(lines)
 

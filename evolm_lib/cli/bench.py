@@ -1,36 +1,5 @@
-"""Throughput of a LoRA population on one machine: vLLM multi-LoRA vs the base model vs HF + peft.
-
-Measures, in one process and one run, with ``evolm_lib.throughput`` (the library's one throughput
-measurement), tokens per second of
-
-(a) vLLM population in place: N members x M prompts in ONE engine call (fixed output length, EOS
-    ignored), the members written into resident LoRA slots from their seeds, as ES does;
-(b) vLLM population as files: the same members made on the host and loaded as adapter files;
-(c) vLLM base model: the same N*M requests without adapters, on the same engine;
-(d) HF batched base model: the N*M requests in one batch (optional);
-(e) HF + peft member by member: one adapter at a time, its M prompts batched (the paper's reference
-    code does this; optional).
-
-Each path is warmed up once (a short call with the same requests) before it is timed; engine start
-and model load are reported separately. Members are rank-``--rank`` LoRAs on all 7 projections
-around a PEFT-default mean (B = 0), each timed call a new generation's seeds. Prefix caching is
-off, so repeated base prompts do not get a prefill discount the population lacks.
-
-``--es-overhead`` instead measures, for one ES generation at population 30: noise generation +
-perturbation, writing every adapter (``save_adapter`` to /dev/shm), and an ES update
-(``es.es_gradient`` + ``es.apply_update``), against the generation time of one population call.
-
-Examples::
-
-    evolm bench                         # SmolLM2, 8 members x 4 prompts x 32 tokens
-    evolm bench --model tiny-random --population 4 --prompts 2 --new-tokens 8 --no-hf
-    evolm bench --es-overhead           # population 30 on SmolLM2
-    evolm bench --repeats 3 --json results/throughput.json
-
-On a busy machine OpenMP threads that spin while waiting slow HF generation down many times over,
-so the command makes them sleep (``OMP_WAIT_POLICY=PASSIVE``, ``evolm_lib.env``) unless the environment
-says otherwise.
-"""
+"""`evolm bench`: tokens per second of a LoRA population on one machine, vLLM multi-LoRA against the
+base model and HF + peft; or what ES bookkeeping adds to one generation."""
 from __future__ import annotations
 
 import argparse
@@ -40,9 +9,78 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..env import apply_engine_defaults
+from .help import HelpFormatter
 from ..throughput import (
     ThroughputSpec, format_throughput, load_average, measure_es_overhead, measure_throughput, ratios, throughput_report,
 )
+
+
+HELP = """Tokens per second of a LoRA population on this machine, in one process: vLLM generating for N
+members x M prompts in one call (members written into resident LoRA slots, and members loaded as
+adapter files), the same requests on the base model, and HF transformers (base model batched, and
+adapters one at a time, as the paper's reference code does).
+
+    evolm bench --dry-run                      check the settings and list what would be measured; start nothing
+    evolm bench --model tiny-random --population 4 --prompts 2 --new-tokens 8 --no-hf
+                                               a quick measurement on the tiny test model
+    evolm bench --repeats 3 --json runs/throughput.json
+                                               SmolLM2, the median of three timed calls, also written as JSON
+
+Every output has a fixed length (EOS ignored) and every path is warmed up once before it is timed;
+engine start and model load are reported apart. Prefix caching is off, so repeated base prompts get
+no discount the population lacks. --es-overhead instead times one ES generation's bookkeeping
+(noise and perturbation, writing every adapter, the update) against its population call, at
+population 30 unless --population says otherwise."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of `evolm bench`."""
+    parser = argparse.ArgumentParser(prog="evolm bench", description=HELP, formatter_class=HelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m-instruct", help="known name, model folder or hub name")
+    parser.add_argument("--population", type=int, default=None,
+                        help="adapters per call (default: 8; 30 with --es-overhead)")
+    parser.add_argument("--prompts", type=int, default=4, help="prompts per adapter")
+    parser.add_argument("--new-tokens", type=int, default=32, help="tokens generated per request (EOS ignored)")
+    parser.add_argument("--rank", type=int, default=1, help="LoRA rank of every adapter")
+    parser.add_argument("--repeats", type=int, default=1, help="timed calls per path (the median is reported)")
+    parser.add_argument("--max-model-len", type=int, default=512, help="vLLM context length")
+    parser.add_argument("--hf-member-by-member", action=argparse.BooleanOptionalAction, default=True,
+                        help="time HF + peft one adapter at a time")
+    parser.add_argument("--hf-batched-base", action=argparse.BooleanOptionalAction, default=True,
+                        help="time HF on the base model with all requests in one batch")
+    parser.add_argument("--no-hf", dest="hf", action="store_false", help="skip every HF path (default: time them)")
+    parser.add_argument("--es-overhead", action="store_true", help="measure ES bookkeeping vs one generation instead")
+    parser.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="check the settings and print what would be measured; start no engine")
+    return parser
+
+
+def planned_paths(args: argparse.Namespace) -> list[str]:
+    """What a run with these options measures, in words, in the order it measures them."""
+    if args.es_overhead:
+        return ["ES bookkeeping of one generation: noise + perturbation, writing every adapter, the update",
+                "vLLM population as adapter files: one generation's engine call"]
+    paths = ["vLLM population in place (members written into resident LoRA slots)",
+             "vLLM population as adapter files", "vLLM base model (no adapters)"]
+    if args.hf and args.hf_batched_base:
+        paths.append("HF base model, every request in one batch")
+    if args.hf and args.hf_member_by_member:
+        paths.append("HF + peft, one adapter at a time")
+    return paths
+
+
+def format_plan(args: argparse.Namespace) -> str:
+    """The dry run's report: the model, the requests of one timed call and the paths."""
+    requests = args.population * args.prompts
+    lines = [f"model {args.model}: population {args.population} (rank {args.rank}) x {args.prompts} prompts x "
+             f"{args.new_tokens} new tokens = {requests} requests, {requests * args.new_tokens} tokens per timed call, "
+             f"{args.repeats} timed call(s) per path after a warm-up; max_model_len {args.max_model_len}",
+             "would measure:"]
+    lines += [f"  {path}" for path in planned_paths(args)]
+    if args.json:
+        lines.append(f"results would also go to {args.json}")
+    return "\n".join(lines)
 
 
 def spec_of(args: argparse.Namespace) -> ThroughputSpec:
@@ -108,34 +146,31 @@ def format_es_overhead(result: dict[str, Any]) -> str:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """Command-line options (see the module docstring)."""
-    parser = argparse.ArgumentParser(prog="evolm bench", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="smollm2-135m-instruct", help="known name, model folder or hub name")
-    parser.add_argument("--population", type=int, default=None, help="adapters per call (default 8; 30 with --es-overhead)")
-    parser.add_argument("--prompts", type=int, default=4, help="prompts per adapter")
-    parser.add_argument("--new-tokens", type=int, default=32, help="tokens generated per request (EOS ignored)")
-    parser.add_argument("--rank", type=int, default=1, help="LoRA rank of every adapter")
-    parser.add_argument("--repeats", type=int, default=1, help="timed calls per path (the median is reported)")
-    parser.add_argument("--max-model-len", type=int, default=512, help="vLLM context length")
-    parser.add_argument("--hf-member-by-member", action=argparse.BooleanOptionalAction, default=True,
-                        help="time HF + peft one adapter at a time")
-    parser.add_argument("--hf-batched-base", action=argparse.BooleanOptionalAction, default=True,
-                        help="time HF on the base model with all requests in one batch")
-    parser.add_argument("--no-hf", dest="hf", action="store_false", help="skip every HF path")
-    parser.add_argument("--es-overhead", action="store_true", help="measure ES bookkeeping vs one generation instead")
-    parser.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")
+    """Command-line options (see ``HELP``); a bad value or an unknown model name ends with exit status 2."""
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.population is None:
         args.population = 30 if args.es_overhead else 8
     for name in ("population", "prompts", "new_tokens", "rank", "repeats"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.max_model_len < args.new_tokens:
+        parser.error(f"--max-model-len {args.max_model_len} leaves no room for --new-tokens {args.new_tokens}")
+    from ..models import check_model_name
+
+    try:
+        check_model_name(args.model)
+    except ValueError as error:
+        parser.error(f"--model: {error}")
     return args
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Run the benchmark, print the table, optionally write JSON; returns the result dict."""
     args = parse_args(argv)
+    if args.dry_run:
+        print(format_plan(args))
+        return {"dry_run": True, "paths": planned_paths(args)}
     apply_engine_defaults()
     if args.es_overhead:
         result = run_es_overhead(args)

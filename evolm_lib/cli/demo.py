@@ -1,9 +1,15 @@
-"""The demo (`make demo`): ES on the conciseness task with SmolLM2-135M-Instruct, vLLM on the CPU.
+"""`evolm demo` (what `make demo` runs): ES on the conciseness task with SmolLM2-135M-Instruct through the
+stepper notebook, vLLM on this machine's CPU (or GPU).
 
-Runs notebooks/03_es_stepper.py through papermill with the seed-0 settings of
-papermill_runs/conciseness_smollm2_cpu.yaml (the one place those settings live), into
-runs/demo/<timestamp>/ (notebook.ipynb, run/, figures/), and copies the fitness plot to
-figures/demo_fitness.png for the README.
+    evolm demo                                  the demo: seed 0 of papermill_runs/conciseness_smollm2_cpu.yaml
+    evolm demo --seed 1 --no-copy-figure        another seed of that grid, leaving the README figure as it is
+    evolm demo --spec papermill_runs/arithmetic_smollm2_cpu.yaml --out runs/demo_arithmetic
+                                                the same for another batch file's settings
+
+Runs notebooks/03_es_stepper.py through papermill with the settings of one grid point of the batch file
+(the one place those settings live), into OUT/<timestamp>/ (notebook.ipynb, run/, figures/), prints
+each generation's rewards as it lands, and copies the fitness plot to figures/demo_fitness.png for the
+README.
 """
 from __future__ import annotations
 
@@ -19,6 +25,7 @@ from ..batch import NOTEBOOK_FILE, execute_notebook, expand_runs, load_batch_spe
 from ..env import apply_engine_defaults
 from ..paths import project_root, resolve_in_project
 from ..runs import read_metrics
+from .help import HelpFormatter
 
 DEFAULT_SPEC = "papermill_runs/conciseness_smollm2_cpu.yaml"  # relative to the project folder
 FITNESS_FIGURE = "es_stepper_fitness"  # the stem 03_es_stepper exports its fitness plot under
@@ -117,14 +124,19 @@ def run_demo(spec_path: str | Path = DEFAULT_SPEC, seed: int = 0, out_root: str 
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Command line: run the demo and print where everything is."""
-    parser = argparse.ArgumentParser(prog="evolm demo", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of `evolm demo`."""
+    parser = argparse.ArgumentParser(prog="evolm demo", description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--spec", default=DEFAULT_SPEC, help="batch YAML holding the demo settings")
     parser.add_argument("--seed", type=int, default=0, help="which seed of the YAML's grid to run")
     parser.add_argument("--out", default="runs/demo", help="parent folder of the timestamped output")
     parser.add_argument("--no-copy-figure", action="store_true", help=f"do not update {README_FIGURE}")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command line: run the demo and print where everything is."""
+    parser = build_parser()
     args = parser.parse_args(argv)
     try:
         result = run_demo(args.spec, args.seed, args.out, copy_figure=not args.no_copy_figure)

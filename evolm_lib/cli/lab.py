@@ -1,6 +1,6 @@
 """`evolm lab`: JupyterLab on the project folder (notebooks/, runs/ and figures/ all browsable), opened
-at notebooks/, with the engine's environment defaults (one OpenMP thread on a CPU machine: a
-generation took 47 s instead of 6 s without it) and notebook saves that keep git diffs clean.
+at notebooks/, with the engine's environment defaults (one OpenMP thread on a CPU machine, quiet engine
+logs) and notebook saves that keep git diffs clean.
 
     evolm lab                                   on this machine, a browser opens
     evolm lab --port 8890 --no-browser          on a remote GPU machine; from your own machine:
@@ -9,15 +9,24 @@ generation took 47 s instead of 6 s without it) and notebook saves that keep git
     evolm lab --ip 0.0.0.0 --port 8890          every interface (a trusted network only)
     evolm lab --port 8890 --ServerApp.token=T   any other jupyter-lab option passes through
 
-Run as root (the usual container), `--allow-root` is added. The server reads the project's
-`.jupyter/jupyter_server_config.py` (through ``JUPYTER_CONFIG_PATH``), whose save hook
-(`clean_notebook_save`) keeps outputs and kernel details out of the tracked notebooks/*.ipynb.
+In this lab a notebook is written to disk only when you save it (Ctrl-S, File > Save): autosave is
+off, so trying other parameters in notebooks/03_es_stepper leaves the tracked notebooks as they are
+until you decide to keep the change; closing a tab with unsaved changes asks first. A notebook's
+percent-format .py (notebooks/*.py) opens as a notebook on a double click. A save of
+notebooks/*.ipynb drops outputs, execution counts and the lab's own metadata, so its diff is the
+change you made. Notebooks elsewhere (runs/, your own) keep their outputs.
+
+Run as root (the usual container), `--allow-root` is added. Ctrl-C, or `kill` of the evolm process,
+stops the server and its kernels. The settings live in the project's `.jupyter/` folder
+(`jupyter_server_config.py`, `lab/settings/overrides.json`), which the server reads first; with
+plain jupyter: `JUPYTER_CONFIG_PATH=.jupyter jupyter lab`.
 """
 from __future__ import annotations
 
 import argparse
 import copy
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +34,7 @@ from typing import Any, Sequence
 
 from ..env import apply_engine_defaults, child_environment
 from ..paths import project_root
+from .help import HelpFormatter
 
 # jupyter-lab options that choose another folder to serve: with one of them, the lab's root and
 # start page are the user's, not ours.
@@ -79,7 +89,7 @@ def lab_environment(root: Path) -> dict[str, str]:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="evolm lab", usage="evolm lab [--port N] [--no-browser] [--ip ADDR] [jupyter-lab options...]",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=__doc__, formatter_class=HelpFormatter,
         allow_abbrev=False,  # an abbreviation of a jupyter-lab option must reach jupyter-lab, not match ours
         epilog="Every other option goes to jupyter-lab (see `jupyter lab --help-all`).",
     )
@@ -98,7 +108,30 @@ def main(argv: list[str] | None = None) -> int:
     env = lab_environment(root)
     command = lab_command(argv, root)
     print(" ".join(command), flush=True)
-    return subprocess.call(command, cwd=root, env=env)
+    return run_forwarding_signals(command, cwd=root, env=env)
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # stopping `evolm lab` stops its server
+
+
+def run_forwarding_signals(command: Sequence[str], **popen: Any) -> int:
+    """Run ``command`` and wait for it; SIGTERM, SIGINT or SIGHUP sent to this process reaches it as
+    SIGTERM, on which jupyter-lab shuts its kernels down and exits at once. So `kill <pid of evolm lab>`
+    or a closed terminal stops the server instead of leaving it serving, and Ctrl-C in the terminal
+    (whose SIGINT the server gets too, and would otherwise answer with a yes/no question) stops it
+    without asking. Returns the command's exit code."""
+    process = subprocess.Popen(list(command), **popen)
+
+    def stop(_signum: int, _frame: Any) -> None:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+
+    previous = {signum: signal.signal(signum, stop) for signum in STOP_SIGNALS}
+    try:
+        return process.wait()
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 # --------------------------------------------------------------------------- clean notebook saves

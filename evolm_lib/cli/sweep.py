@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
 from pathlib import Path
@@ -9,24 +10,54 @@ from pathlib import Path
 from .. import sweep
 from ..env import apply_engine_defaults
 from ..paths import resolve_in_project
+from .help import HelpFormatter
+from .interrupt import report_interrupt, stop_children
+
+HELP = f"""ES against GRPO at equal sample budgets: one ES and one GRPO run per seed with the same model,
+task, LoRA layout and prompts, then notebook 04 draws the comparison from the run folders.
+
+    evolm sweep --dry-run                      the plan and wall-time estimate of the default spec; run nothing
+    evolm sweep --model tiny-random --generations 1 --seeds 0 --max-new-tokens 8 --no-kl --out runs/sweep_check
+                                               a quick check of the whole pipeline on the tiny test model
+    evolm sweep {sweep.DEFAULT_SPEC}
+                                               the study on SmolLM2 on this machine's CPU
+
+The budget is counted in training completions: an ES generation costs population_size x prompts, a
+GRPO step group_size x prompts, so GRPO runs generations x population_size / group_size steps. Runs
+go to OUT/es_seedN and OUT/grpo_seedN (more names where the spec lists several variants) and resume
+when they already hold the same settings. After each run the KL of its final adapter to the base
+model is measured and its held-out problems scored; several GRPO learning rates in the spec make a
+learning-rate sweep on the first seed, whose best rate then trains every seed. OUT/summary.csv holds
+one row per run. Ctrl-C stops the sweep; finished runs are kept and the same command continues.
+
+The spec is a batch file for notebook 04 plus a `sweep` section (common, es, grpo settings;
+generations, seeds, out, kl): see the shipped specs in papermill_runs/es_vs_grpo_*.yaml and
+docs/batch-runs.md.
+
+exit status: 0 done, 2 a bad spec or option, 130 interrupted."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of `evolm sweep`."""
+    parser = argparse.ArgumentParser(prog="evolm sweep", description=HELP, formatter_class=HelpFormatter)
+    parser.add_argument("spec", nargs="?", default=sweep.DEFAULT_SPEC, help="sweep spec (YAML)")
+    parser.add_argument("--generations", type=int, help="ES generations; GRPO steps follow from the equal budget "
+                                                         "(default: the spec's)")
+    parser.add_argument("--seeds", help="comma-separated seeds, e.g. 0,1,2 (default: the spec's)")
+    parser.add_argument("--methods", help="comma-separated methods to run, e.g. es_full,grpo (default: all of the spec's)")
+    parser.add_argument("--out", help="folder for the run folders (default: the spec's sweep.out)")
+    parser.add_argument("--model", help="override the model, e.g. tiny-random for a quick check (default: the spec's)")
+    parser.add_argument("--max-new-tokens", type=int, help="override max_new_tokens (default: the spec's)")
+    parser.add_argument("--no-kl", action="store_true", help="skip the KL-to-base measurement")
+    parser.add_argument("--no-notebook", action="store_true", help="do not run notebook 04 at the end")
+    parser.add_argument("--dry-run", action="store_true", help="print the plan and the estimate only")
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Command line: plan, estimate, run, measure; then draw the comparison with notebook 04 (exit 2 on a
-    bad spec or option)."""
-    parser = argparse.ArgumentParser(prog="evolm sweep", description=sweep.__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("spec", nargs="?", default=sweep.DEFAULT_SPEC, help="sweep spec (YAML)")
-    parser.add_argument("--generations", type=int, help="ES generations (GRPO steps follow from the equal budget)")
-    parser.add_argument("--seeds", help="comma-separated seeds, e.g. 0,1,2")
-    parser.add_argument("--methods", help="comma-separated methods to run, e.g. es_full,grpo (default: all of the spec's)")
-    parser.add_argument("--out", help="folder for the run folders (default: the spec's sweep.out)")
-    parser.add_argument("--model", help="override the model (e.g. tiny-random for a quick check)")
-    parser.add_argument("--max-new-tokens", type=int, help="override max_new_tokens")
-    parser.add_argument("--no-kl", action="store_true", help="skip the KL-to-base measurement")
-    parser.add_argument("--no-notebook", action="store_true", help="do not run notebook 04 at the end")
-    parser.add_argument("--dry-run", action="store_true", help="print the plan and the estimate only")
-    args = parser.parse_args(argv)
+    bad spec or option, 130 on Ctrl-C)."""
+    args = build_parser().parse_args(argv)
 
     apply_engine_defaults()
     overrides = {k: v for k, v in {"model": args.model, "max_new_tokens": args.max_new_tokens}.items() if v is not None}
@@ -56,6 +87,30 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {run.name}: {run.kind} {run.length} {'generations' if run.kind == 'es' else 'steps'}")
     if args.dry_run:
         return 0
+    try:
+        return _run(args, spec, spec_path, batch_part, seeds, methods, overrides, rates, lr_runs, plan, out,
+                    kl_settings, estimate)
+    except KeyboardInterrupt:
+        return _interrupted(lr_runs + plan, out)
+
+
+def _interrupted(runs: list, out: Path) -> int:
+    """After Ctrl-C: stop any notebook kernel, then one line saying which runs are kept and how to go on."""
+    from ..analysis import run_results
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the cleanup short
+    stop_children()
+    finished = 0
+    for run in runs:
+        results = run_results(out / run.name)
+        finished += bool(results) and results.get("generation", -1) >= (results.get("budget") or 0)
+    return report_interrupt(f"interrupted: {finished} of {len(runs)} run(s) finished and kept in {out.resolve()}; "
+                            "run the same command again to continue")
+
+
+def _run(args, spec, spec_path, batch_part, seeds, methods, overrides, rates, lr_runs, plan, out,
+         kl_settings, estimate) -> int:
+    """Train the planned runs, summarise them and run notebook 04 on them."""
     started = time.perf_counter()
     evaluator = sweep.make_shared_evaluator(lr_runs + plan)
     try:
