@@ -158,7 +158,7 @@ def targeted_weight_shapes(model_dir: str | Path, target_modules: Sequence[str] 
 
 class HostWeights:
     """``ResidentWeights`` over a model in this process (the HF engine's), behind the interface of
-    ``vllm_weights.EngineWeights``: members are served one at a time (EGGROLL's too, as dense deltas)."""
+    ``vllm.weights.EngineWeights``: members are served one at a time (EGGROLL's too, as dense deltas)."""
 
     def __init__(self, model, model_dir: str | Path, target_modules: Sequence[str] | str, *, noise: NoiseForm = "full",
                  noise_rank: int = 1, noise_scheme: es.NoiseScheme = "flat",
