@@ -1,4 +1,4 @@
-"""A model's own weights as the ES mean, written in place where they live (issue 19).
+"""A model's own weights as the ES mean, written in place where they live.
 
 Full-parameter ES (Qiu et al. 2025, https://arxiv.org/abs/2509.24372) and EGGROLL (Sarkar et al.
 2025, https://arxiv.org/abs/2511.16652) both move the model's weights, not an adapter. This class

@@ -269,9 +269,9 @@ class ResidentPopulation:
 
 
 class PopulationSlots:
-    """The resident LoRA slots (``ResidentPopulation``) populations are written into, set
-    up on the first population and again when the adapter layout changes. Where the engine cannot
-    host them, ``for_population`` says so once (a warning) and answers None from then on: files."""
+    """The resident LoRA slots (``ResidentPopulation``) populations are written into, set up on the
+    first population and again when the adapter layout changes. Where the engine cannot host them,
+    ``for_population`` says so once (a warning) and answers None from then on: files."""
 
     def __init__(self, llm, model_dir: Path, dtype: str, num_slots: int, workdir: Path, enabled: bool):
         self.llm, self.model_dir, self.dtype, self.num_slots, self.workdir = llm, model_dir, dtype, num_slots, workdir
