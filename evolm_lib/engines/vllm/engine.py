@@ -57,9 +57,9 @@ class VLLMEvaluator(GridsInOneCall):
         ``adapter_transfer`` "in_place" writes a population's members into resident LoRA slots inside
         the engine (files, with a warning, where the engine cannot host them); "files" writes every
         member to an adapter file with a new LoRA id each call. ``enforce_eager``, ``max_num_seqs``,
-        ``engine_kwargs``: see ``startup.llm_arguments``. ``lora_kernel_configs``: tuned tiles for vLLM's
-        LoRA kernels on a GPU (see ``startup.lora_kernel_folder``; "auto" uses those shipped for the H100
-        in population engines)."""
+        ``engine_kwargs``: see ``startup.llm_arguments``. ``lora_kernel_configs``: tuned tiles for
+        vLLM's LoRA kernels on a GPU (see ``startup.lora_kernel_folder``; "auto" uses those shipped
+        for the H100 in population engines)."""
         from ...models import resolve_model
 
         self.sizing = (sizing or EngineSizing()).replace(**sizes)
