@@ -152,11 +152,11 @@ def start_engine(spec: ThroughputSpec, engine: str = "local", *, num_engines: in
     common = dict(max_lora_rank=spec.rank, max_loras=spec.population, max_model_len=max_model_len, dtype=dtype,
                   kv_cache_gb=kv_cache_gb, adapter_transfer=adapter_transfer)
     if engine == "ray":
-        from .engines.ray_engine import RayEvaluator
+        from .engines.ray.evaluator import RayEvaluator
 
         return RayEvaluator(spec.model, num_engines=num_engines, ray_address=ray_address, vllm_options=vllm_options,
                             **common)
-    from .engines.vllm_engine import VLLMEvaluator
+    from .engines.vllm.engine import VLLMEvaluator
 
     return VLLMEvaluator(spec.model, **common, **vllm_options)
 

@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from ray.cluster_utils import Cluster
 
-    from evolm_lib.engines.ray_engine import RayEvaluator
+    from evolm_lib.engines.ray.evaluator import RayEvaluator
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
     try:

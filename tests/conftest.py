@@ -40,7 +40,7 @@ def smollm2_dir():
 @pytest.fixture(scope="session")
 def tiny_vllm(tiny_model_dir):
     """One vLLM engine on tiny-random with LoRA (max_loras=8, max_lora_rank=8), shared by the session."""
-    from evolm_lib.engines.vllm_engine import VLLMEvaluator
+    from evolm_lib.engines.vllm.engine import VLLMEvaluator
 
     evaluator = VLLMEvaluator(
         str(tiny_model_dir), max_loras=TINY_MAX_LORAS, max_lora_rank=TINY_MAX_LORA_RANK, max_model_len=512, kv_cache_gb=0.125

@@ -19,7 +19,7 @@ from evolm_lib.config import ESConfig
 from evolm_lib.engines import SamplingSettings
 from evolm_lib.train.es import ESRun
 from evolm_lib.engines.synthetic import SyntheticEvaluator
-from evolm_lib.engines.vllm_engine import VLLMEvaluator
+from evolm_lib.engines.vllm.engine import VLLMEvaluator
 
 
 def kill_config() -> ESConfig:

@@ -16,7 +16,7 @@ import torch
 from evolm_lib import es
 from evolm_lib.engines import SamplingSettings
 from evolm_lib.engines.hf_engine import HFEvaluator
-from evolm_lib.engines.vllm_engine import VLLMEvaluator
+from evolm_lib.engines.vllm.engine import VLLMEvaluator
 from evolm_lib.lora import AdapterWeights, LoraSpec, adapter_shapes, init_adapter
 from evolm_lib.types import Completion, Prompt
 
@@ -336,7 +336,7 @@ def test_hf_ignores_the_models_own_generation_config(tmp_path, tiny_model_dir, t
 
 
 def test_tuned_lora_kernel_configs_are_picked_per_gpu_for_population_engines(tmp_path, monkeypatch):
-    from evolm_lib.engines.vllm_engine import LORA_KERNEL_CONFIGS, lora_kernel_folder
+    from evolm_lib.engines.vllm.startup import LORA_KERNEL_CONFIGS, lora_kernel_folder
 
     h100 = "NVIDIA H100 80GB HBM3"
     monkeypatch.delenv("VLLM_TUNED_CONFIG_FOLDER", raising=False)
@@ -360,7 +360,7 @@ def test_tuned_lora_kernel_configs_are_picked_per_gpu_for_population_engines(tmp
 def test_shipped_lora_kernel_configs_are_laid_out_as_vllm_reads_them():
     import json
 
-    from evolm_lib.engines.vllm_engine import LORA_KERNEL_CONFIGS
+    from evolm_lib.engines.vllm.startup import LORA_KERNEL_CONFIGS
 
     keys = {"block_m", "block_n", "block_k", "num_warps", "num_stages"}
     for path in LORA_KERNEL_CONFIGS.glob("*.json"):
@@ -403,14 +403,14 @@ def test_a_runs_engine_is_sized_from_its_settings_once():
 def test_the_engine_asks_for_the_memory_the_settings_describe():
     from evolm_lib.config import CPU_KV_CACHE_GB, GPU_MEMORY_SHARE, ESConfig
     from evolm_lib.engines import EngineSizing
-    from evolm_lib.engines.vllm_engine import llm_arguments
+    from evolm_lib.engines.vllm.startup import llm_arguments
 
     sizing = EngineSizing.from_config(ESConfig(model="tiny-random", population_size=4))
     on_gpu = llm_arguments("m", sizing, on_gpu=True)
     # unset: 0.6 of the card (room for a GRPO policy beside the engine), vLLM sizes the KV cache from it
     assert GPU_MEMORY_SHARE == 0.6 and on_gpu["gpu_memory_utilization"] == 0.6 and "kv_cache_memory_bytes" not in on_gpu
     assert (on_gpu["enforce_eager"], on_gpu["max_num_seqs"], on_gpu["max_loras"], on_gpu["max_lora_rank"]) == (False, 1024, 12, 1)
-    assert on_gpu["worker_extension_cls"] == "evolm_lib.engines.vllm_weights.WorkerExtension"
+    assert on_gpu["worker_extension_cls"] == "evolm_lib.engines.vllm.worker.WorkerExtension"
     assert on_gpu["enable_prefix_caching"] is False  # slot names are fixed: cached KV would go stale
     on_cpu = llm_arguments("m", sizing, on_gpu=False)
     assert CPU_KV_CACHE_GB == 1.0 and on_cpu["kv_cache_memory_bytes"] == 2**30 and on_cpu["enforce_eager"] is True
@@ -474,21 +474,21 @@ def test_an_es_generation_asked_for_cuda_noise_on_a_cpu_machine_warns_and_finish
 def test_batch_invariance_is_set_once_per_process_and_refused_the_other_way(monkeypatch):
     """deterministic: CPU engines repeat on their own; on a GPU the first engine's mode holds for the process."""
     from evolm_lib.config import ConfigError
-    from evolm_lib.engines import vllm_engine
+    from evolm_lib.engines.vllm import startup
 
     # recorded by monkeypatch either way, so the variable this test sets is gone after it (a kernel or
     # engine started later in this process would otherwise run vLLM's GPU-only batch-invariant kernels)
-    monkeypatch.setenv(vllm_engine.BATCH_INVARIANT_ENV, "0")
-    monkeypatch.delenv(vllm_engine.BATCH_INVARIANT_ENV)
-    monkeypatch.setitem(vllm_engine._batch_invariant, "process", None)
-    monkeypatch.setitem(vllm_engine._batch_invariant, "by_user", False)
-    assert vllm_engine.batch_invariance(False, on_gpu=False) is True
-    assert vllm_engine._batch_invariant["process"] is None  # a CPU engine decides nothing for the GPU
-    assert vllm_engine.batch_invariance(True, on_gpu=True) is True
-    assert os.environ[vllm_engine.BATCH_INVARIANT_ENV] == "1"
-    assert vllm_engine.batch_invariance(True, on_gpu=True) is True
+    monkeypatch.setenv(startup.BATCH_INVARIANT_ENV, "0")
+    monkeypatch.delenv(startup.BATCH_INVARIANT_ENV)
+    monkeypatch.setitem(startup._batch_invariant, "process", None)
+    monkeypatch.setitem(startup._batch_invariant, "by_user", False)
+    assert startup.batch_invariance(False, on_gpu=False) is True
+    assert startup._batch_invariant["process"] is None  # a CPU engine decides nothing for the GPU
+    assert startup.batch_invariance(True, on_gpu=True) is True
+    assert os.environ[startup.BATCH_INVARIANT_ENV] == "1"
+    assert startup.batch_invariance(True, on_gpu=True) is True
     with pytest.raises(ConfigError, match="deterministic: this process already started a GPU engine with deterministic=True"):
-        vllm_engine.batch_invariance(False, on_gpu=True)
+        startup.batch_invariance(False, on_gpu=True)
 
 
 def test_a_deterministic_run_is_not_resumed_without_it(tmp_path):

@@ -22,7 +22,7 @@ BASE = dict(model="tiny-random", task="conciseness", population_size=4, sigma=0.
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
     """An engine of these tests' own (its targeted layers get their weights back, and runs move them)."""
-    from evolm_lib.engines.vllm_engine import VLLMEvaluator
+    from evolm_lib.engines.vllm.engine import VLLMEvaluator
 
     evaluator = VLLMEvaluator(str(tiny_model_dir), max_loras=8, max_lora_rank=8, max_model_len=256, kv_cache_gb=0.0625)
     yield evaluator

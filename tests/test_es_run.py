@@ -507,7 +507,7 @@ def test_save_final_loads_in_evolm_and_peft(tmp_path, tiny_model_dir):
 
 
 def test_two_generations_on_vllm_tiny_random(tmp_path):
-    from evolm_lib.engines.vllm_engine import VLLMEvaluator
+    from evolm_lib.engines.vllm.engine import VLLMEvaluator
 
     config = ESConfig(model="tiny-random", population_size=4, num_generations=3, max_new_tokens=8, sigma=0.05,
                       learning_rate=0.05, temperature=0.7, seed=1, eval_every=1)
@@ -550,7 +550,7 @@ def test_sigma_below_the_engine_dtype_resolution_warns(tmp_path):
 def test_in_place_slots_and_files_give_the_same_run_and_resume_bit_exact(tmp_path):
     """Resident slots written from seeds and adapter files serve the same members: same metrics rows;
     a run stopped after its checkpoint and resumed on a fresh engine ends as the uninterrupted one."""
-    from evolm_lib.engines.vllm_engine import VLLMEvaluator
+    from evolm_lib.engines.vllm.engine import VLLMEvaluator
 
     config = ESConfig(model="tiny-random", population_size=4, num_generations=3, max_new_tokens=8, sigma=0.5,
                       learning_rate=0.5, temperature=0.0, seed=3, lora_rank=1)

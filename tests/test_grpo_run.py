@@ -238,7 +238,7 @@ def test_trainer_log_probs_match_the_cs336_primitive(tiny_model_dir):
 
 SMOLLM2_GRPO = """
 import json, sys
-from evolm_lib.engines.vllm_engine import VLLMEvaluator
+from evolm_lib.engines.vllm.engine import VLLMEvaluator
 from evolm_lib.config import GRPOConfig
 from evolm_lib.train.grpo import GRPORun
 

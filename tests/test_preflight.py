@@ -129,7 +129,7 @@ def test_on_a_gpu_the_check_tests_the_share_the_engine_asks_for(tiny_model_dir, 
     """gpu_memory_utilization unset: the engine asks for 0.6 of the card (llm_arguments), and the
     check tests 0.6 too: 6 of 10 GiB fit in 7 free GiB (0.85 would not), not in 5."""
     from evolm_lib.engines import EngineSizing
-    from evolm_lib.engines.vllm_engine import llm_arguments
+    from evolm_lib.engines.vllm.startup import llm_arguments
 
     config = ESConfig(**{**TINY, "kv_cache_gb": None})
     asked = llm_arguments(tiny_model_dir, EngineSizing.from_config(config), on_gpu=True)["gpu_memory_utilization"]

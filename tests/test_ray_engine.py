@@ -22,18 +22,10 @@ from evolm_lib import es
 from evolm_lib.config import ConfigError, ESConfig, GRPOConfig
 from evolm_lib.engines import Population, SamplingSettings, make_evaluator
 from evolm_lib.engines.base import balanced_blocks
-from evolm_lib.engines.ray_engine import (
-    EngineLostError,
-    EnginePool,
-    FaultPolicy,
-    RayEvaluator,
-    RayUnavailableError,
-    ShardPlan,
-    ShardSampling,
-    check_cluster_resources,
-    plan_grid,
-    shard_sampling,
-)
+from evolm_lib.engines.ray.cluster import RayUnavailableError, check_cluster_resources
+from evolm_lib.engines.ray.evaluator import RayEvaluator
+from evolm_lib.engines.ray.pool import EngineLostError, EnginePool, FaultPolicy
+from evolm_lib.engines.ray.sharding import ShardPlan, ShardSampling, plan_grid, shard_sampling
 from evolm_lib.train.es import ESRun
 from evolm_lib.lora import AdapterWeights, LoraSpec, adapter_shapes, init_adapter
 from evolm_lib.runs import list_checkpoints, read_metrics

@@ -18,7 +18,9 @@ import torch
 from evolm_lib import es
 from evolm_lib.config import ConfigError, ESConfig
 from evolm_lib.engines import SamplingSettings
-from evolm_lib.engines.ray_engine import EngineLostError, RayEvaluator, plan_members
+from evolm_lib.engines.ray.evaluator import RayEvaluator
+from evolm_lib.engines.ray.pool import EngineLostError
+from evolm_lib.engines.ray.sharding import plan_members
 from evolm_lib.engines.sizing import EngineSizing
 from evolm_lib.runs import read_metrics
 from evolm_lib.train.es import ESRun
@@ -88,7 +90,7 @@ def one_engine_runs(ray_cluster, tmp_path_factory):
 @pytest.fixture(scope="module")
 def local_runs(one_engine_runs, tmp_path_factory):
     """Both modes on an engine in this process (its own: the modes change the layers they move)."""
-    from evolm_lib.engines.vllm_engine import VLLMEvaluator
+    from evolm_lib.engines.vllm.engine import VLLMEvaluator
 
     with VLLMEvaluator("tiny-random", SIZING) as evaluator:
         return run_both_modes(evaluator, None, tmp_path_factory.mktemp("local"))

@@ -1,5 +1,5 @@
-"""Resident LoRA slots written in place (``evolm_lib.engines.vllm_slots``, the client, and
-``vllm_worker``, the extension inside the engine) on a real vLLM engine:
+"""Resident LoRA slots written in place (``evolm_lib.engines.vllm.slots``, the client, and
+``vllm.worker_slots``, the extension inside the engine) on a real vLLM engine:
 the same completions as the file path, the trainer's exact member tensors in the slots, rewrites
 that take effect (prefix cache included), pinned slots that survive file-path calls, and errors.
 
@@ -13,10 +13,11 @@ import torch
 
 from evolm_lib import es
 from evolm_lib.engines import SamplingSettings
-from evolm_lib.engines import vllm_worker
-from evolm_lib.engines.vllm_engine import RequestGrid, VLLMEvaluator, run_requests
-from evolm_lib.engines.vllm_slots import EXTENSION, ResidentPopulation, SlotsUnsupported, describe, supported
-from evolm_lib.engines.vllm_worker import stored_form
+from evolm_lib.engines.vllm import worker_slots
+from evolm_lib.engines.vllm.engine import VLLMEvaluator
+from evolm_lib.engines.vllm.requests import RequestGrid, run_requests
+from evolm_lib.engines.vllm.rpc import stored_form
+from evolm_lib.engines.vllm.slots import EXTENSION, ResidentPopulation, SlotsUnsupported, describe, supported
 from evolm_lib.lora import AdapterWeights, LoraSpec, adapter_shapes, init_adapter
 from evolm_lib.types import Prompt
 
@@ -224,7 +225,7 @@ def test_a_loader_mismatch_is_refused_and_the_slots_released(engine, monkeypatch
     def unscaled(tensor, is_a, file_dtype, slot_dtype, scaling):
         return tensor.to(file_dtype).to(slot_dtype)
 
-    monkeypatch.setattr(vllm_worker, "stored_form", unscaled)
+    monkeypatch.setattr(worker_slots, "stored_form", unscaled)
     with pytest.raises(SlotsUnsupported, match="differently from the in-place write"):
         ResidentPopulation(engine.llm, SPEC, POPULATION, engine.model_dir, engine.dtype)
     monkeypatch.undo()

@@ -18,7 +18,7 @@ GREEDY = SamplingSettings(max_new_tokens=12, temperature=0.0, ignore_eos=True)
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
     """An engine of its own: its targeted layers get their weights back (F.linear on the CPU)."""
-    from evolm_lib.engines.vllm_engine import VLLMEvaluator
+    from evolm_lib.engines.vllm.engine import VLLMEvaluator
 
     evaluator = VLLMEvaluator(str(tiny_model_dir), max_loras=4, max_lora_rank=2, max_model_len=256, kv_cache_gb=0.0625)
     yield evaluator
@@ -56,7 +56,7 @@ def _engine_greedy(engine, adapters=(None,)) -> list[list[tuple[int, ...]]]:
 
 
 def test_full_members_are_the_host_perturbed_model_and_the_mean_comes_back(engine, hf, tiny_model_dir):
-    from evolm_lib.engines.vllm_weights import EngineWeights
+    from evolm_lib.engines.vllm.weights import EngineWeights
 
     weights = EngineWeights(engine.llm, tiny_model_dir, TARGETS, noise="full")
     try:
@@ -100,8 +100,8 @@ def test_full_members_are_the_host_perturbed_model_and_the_mean_comes_back(engin
 
 
 def test_eggroll_slots_serve_the_low_rank_members_over_the_mean(engine, hf, tiny_model_dir):
-    from evolm_lib.engines.vllm_slots import ResidentPopulation
-    from evolm_lib.engines.vllm_weights import EngineWeights
+    from evolm_lib.engines.vllm.slots import ResidentPopulation
+    from evolm_lib.engines.vllm.weights import EngineWeights
 
     rank = 2
     weights = EngineWeights(engine.llm, tiny_model_dir, TARGETS, noise="lowrank", noise_rank=rank)

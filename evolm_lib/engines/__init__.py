@@ -1,7 +1,8 @@
 """Engines behind one protocol (``base``): vLLM (multi-LoRA, one call per population), HF
 transformers + peft, and a synthetic engine for tests. Every vLLM engine of a run is sized by one
-``EngineSizing`` derived from its settings (``sizing``). Engine bugs are worked around in
-``workarounds``, each with its version."""
+``EngineSizing`` derived from its settings (``sizing``). The vLLM engine is the package ``vllm``
+(its bugs worked around in ``vllm.workarounds``, each with its version); engines in Ray actors are
+the package ``ray``."""
 from __future__ import annotations
 
 from .base import (CompletionTable, Evaluator, Population, PromptEncoder, SamplingSettings, TokenScorer,
@@ -23,9 +24,9 @@ def make_evaluator(config, max_loras: int | None = None, sizing: EngineSizing | 
         return HFEvaluator(config.model, dtype=config.dtype)
     sizing = sizing or EngineSizing.from_config(config, max_loras)
     if config.evaluator == "ray":
-        from .ray_engine import RayEvaluator  # imports Ray only when asked for
+        from .ray.evaluator import RayEvaluator  # imports Ray only when asked for
 
         return RayEvaluator(config.model, sizing, num_engines=config.num_engines, ray_address=config.ray_address)
-    from .vllm_engine import VLLMEvaluator
+    from .vllm.engine import VLLMEvaluator
 
     return VLLMEvaluator(config.model, sizing)

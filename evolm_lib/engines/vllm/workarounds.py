@@ -1,11 +1,16 @@
-"""Workarounds for engine bugs, each with the engine version it was found on. Remove one when the
-pinned engine no longer needs it (its regression test in tests/test_evaluators.py says so)."""
+"""Workarounds for vLLM bugs, each with the engine version it was found on. Remove one when the
+pinned engine no longer needs it; its regression test says so: ``base_as_zero_adapter`` in
+tests/test_engines.py (test_base_requests_batched_with_adapters), ``vllm_cpu_prompt_logprobs_fix``
+in tests/test_evaluation.py (test_mean_kl_to_base_is_zero_for_a_zero_adapter_and_positive_otherwise),
+``fresh_cuda_graph_pool`` on a GPU only (a second engine started in a process after the first
+closed), which no CPU test can show."""
 from __future__ import annotations
 
 import contextlib
 from typing import Iterator
 
-from ..lora import AdapterWeights
+from ...lora import AdapterWeights
+
 
 @contextlib.contextmanager
 def vllm_cpu_prompt_logprobs_fix() -> Iterator[None]:

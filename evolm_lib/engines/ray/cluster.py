@@ -1,0 +1,53 @@
+"""Joining a Ray cluster: Ray imported only when asked for (an optional dependency), the address
+checked before Ray waits on it, and what one engine's actor needs from the cluster's resources."""
+from __future__ import annotations
+
+import socket
+
+INSTALL_HINT = "pip install -e '.[ray]'  (or: pip install ray==2.60.0)"
+
+
+class RayUnavailableError(ImportError):
+    """``evaluator: ray`` was asked for where Ray is not installed."""
+
+
+def import_ray():
+    """The ``ray`` module, or RayUnavailableError saying how to install it."""
+    try:
+        import ray
+    except ImportError as error:
+        raise RayUnavailableError(f"evaluator: 'ray' needs Ray, which is not installed here: {INSTALL_HINT}") from error
+    return ray
+
+
+def check_cluster_resources(num_engines: int, resources: dict[str, float], cpus_per_engine: float = 1.0) -> dict[str, float]:
+    """The resources one engine's actor asks for (one GPU where the cluster has GPUs, else a CPU
+    slice); raises ValueError when the cluster cannot hold ``num_engines`` of them."""
+    gpus = float(resources.get("GPU", 0))
+    if gpus > 0:
+        if num_engines > gpus:
+            raise ValueError(f"num_engines: {num_engines} engines need {num_engines} GPUs (one engine per GPU) but the "
+                             f"Ray cluster has {gpus:g}; use num_engines <= {int(gpus)} or add machines (ray start --address=...)")
+        return {"num_gpus": 1}
+    cpus = float(resources.get("CPU", 0))
+    if num_engines * cpus_per_engine > cpus:
+        raise ValueError(f"num_engines: {num_engines} CPU engines need {num_engines * cpus_per_engine:g} CPUs "
+                         f"({cpus_per_engine:g} each) but the Ray cluster has {cpus:g} and no GPU")
+    return {"num_cpus": cpus_per_engine}
+
+
+def check_ray_address(address: str, timeout_s: float = 5.0) -> None:
+    """Fail fast, before Ray tries for a minute, when nothing listens at ``host:port``."""
+    if address == "auto":
+        return
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"ray_address: expected host:port, ray://host:port or auto, got {address!r}")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            pass
+    except OSError as error:
+        raise ConnectionError(
+            f"ray_address: no Ray cluster answers at {address} ({error.strerror or error}); start one with "
+            "`ray start --head` on that machine (it prints the address), or leave ray_address empty for a local cluster"
+        ) from None

@@ -1,0 +1,18 @@
+"""vLLM as the engine: a whole population (N adapters x M prompts) in ONE batched call, its members
+as adapter files or written in place into resident LoRA slots, and the model's own weights written
+in place as the ES mean.
+
+The modules, each with one job, dependencies pointing one way (down this list):
+
+- ``rpc``: what crosses between the host and vLLM's worker (the call, errors, tensors and settings
+  as plain data, the slots' stored form, fingerprint and digests);
+- ``worker_slots``, ``worker_weights``: the worker side of resident LoRA slots and of the model's
+  own weights; ``worker``: the one ``WorkerExtension`` vLLM loads by its dotted name (``EXTENSION``);
+- ``requests``: the request loop, every grid of a call in one ``LLM.generate``;
+- ``adapters``: adapters handed over as files; ``slots``: populations in resident LoRA slots, the
+  host side; ``weights``: the model's own weights, the host side;
+- ``startup``: the engine's arguments and start; ``workarounds``: vLLM bugs, each with its version;
+- ``engine``: ``VLLMEvaluator``, behind the ``Evaluator`` protocol.
+
+Nothing is imported here: vLLM's worker imports ``worker`` by name, and needs none of the host side.
+"""

@@ -1,0 +1,73 @@
+"""The host side of the model's own weights written in place inside a vLLM engine (es_mode full and
+eggroll): ``EngineWeights`` names the targeted weights (HF names, shapes read from the model folder)
+and calls the worker's ``evolm_weights_`` methods (``worker_weights.WeightsExtension``)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from ... import es
+from ...es import lowrank
+from ..resident_weights import NoiseForm, targeted_weight_shapes
+from .rpc import call_worker, optimizer_spec
+
+
+class EngineWeights:
+    """Client of a vLLM engine's resident weights (``WeightsExtension``): one member at a time
+    (``full``), or the mean under a population of low-rank LoRA slots (``lowrank``)."""
+
+    _keys = iter(range(1, 1 << 30))
+
+    def __init__(self, llm, model_dir: str | Path, target_modules: Sequence[str] | str, *, noise: NoiseForm = "full",
+                 noise_rank: int = 1, noise_scheme: es.NoiseScheme = "flat",
+                 layers_to_transform: Sequence[int] | None = None):
+        self.llm, self.noise, self.noise_rank = llm, noise, noise_rank
+        self.shapes = targeted_weight_shapes(model_dir, target_modules, layers_to_transform)
+        if noise == "lowrank":
+            lowrank.check_rank(noise_rank, self.shapes)
+        self.key = next(self._keys)
+        self.info = call_worker(llm, "evolm_weights_setup", self.key, {n: list(s) for n, s in self.shapes.items()},
+                                noise, noise_rank, noise_scheme)
+
+    def write_member(self, member: es.Member, sigma: float) -> float:
+        """Serve one member; returns the write's seconds."""
+        return call_worker(self.llm, "evolm_weights_write", self.key, member.seed, member.sign, float(sigma))["write_s"]
+
+    def restore(self) -> float:
+        """Serve the mean again; returns the restore's seconds."""
+        return call_worker(self.llm, "evolm_weights_restore", self.key)["restore_s"]
+
+    def step(self, optimizer: es.OptimizerConfig, members: Sequence[es.Member], weights: Sequence[float],
+             sigma: float, form: es.GradientForm = "qiu") -> dict:
+        """The update where the weights live: {"update_s", "update_norm"}."""
+        return call_worker(self.llm, "evolm_weights_step", self.key, optimizer_spec(optimizer),
+                           [(m.seed, m.sign) for m in members], [float(w) for w in weights], float(sigma), form)
+
+    def write_slots(self, population, members: Sequence[es.Member], sigma: float) -> float:
+        """EGGROLL: the members' low-rank noise into the resident LoRA slots of ``population`` (a
+        ``slots.ResidentPopulation`` of rank ``noise_rank`` with alpha = rank over the same
+        modules), which then serves them; returns the write's seconds."""
+        if population.spec.rank != self.noise_rank or population.spec.alpha != population.spec.rank:
+            raise ValueError(f"EGGROLL slots need rank {self.noise_rank} and alpha = rank, got {population.spec}")
+        seconds = call_worker(self.llm, "evolm_weights_write_slots", self.key, population.key,
+                              [(m.seed, m.sign) for m in members], float(sigma))["write_s"]
+        population.mark_written(len(members))
+        return seconds
+
+    def checksum(self) -> dict:
+        """{"master": SHA-256 of the float32 master, "restored": the engine serves it exactly, "step"}."""
+        return call_worker(self.llm, "evolm_weights_checksum", self.key)
+
+    def read(self) -> dict:
+        """The master and optimizer buffers on the host (a full-size snapshot)."""
+        return call_worker(self.llm, "evolm_weights_read", self.key)
+
+    def load(self, snapshot: Mapping[str, Any]) -> None:
+        """Serve the mean of a snapshot made by ``read``."""
+        call_worker(self.llm, "evolm_weights_load", self.key, dict(snapshot))
+
+    def close(self) -> None:
+        """Serve the mean and release the worker's master."""
+        if self.llm is not None:
+            call_worker(self.llm, "evolm_weights_release", self.key)
+            self.llm = None
