@@ -70,7 +70,7 @@ class CommonConfig(BaseModel):
     kv_cache_gb: Optional[float] = Field(None, gt=0)
     "vLLM KV cache size in GiB; None: from gpu_memory_utilization on a GPU, CPU_KV_CACHE_GB on a CPU"
     deterministic: bool = False
-    "GPU engines: vLLM's batch-invariant kernels (VLLM_BATCH_INVARIANT=1), so a request's completion does not depend on what else is in the batch and a run repeats and resumes to the same rows; off by default: it cost 43 % of the population's tokens/s at rank 1 on Qwen2.5-1.5B shapes on an H100 (docs: Measurements). CPU engines repeat without it"
+    "GPU engines: vLLM's batch-invariant kernels (VLLM_BATCH_INVARIANT=1), so a request's completion does not depend on what else is in the batch and a run repeats and resumes to the same rows; off by default: the batch-invariant kernels are slower (docs: Measurements). CPU engines repeat without it"
     evaluator: Literal["local", "ray"] = "local"
     "where engines run: one engine in this process, or num_engines Ray actors sharing each call (pip install -e '.[ray]')"
     num_engines: int = Field(1, ge=1)

@@ -9,9 +9,10 @@ from typing import Any, Sequence
 from ..env import apply_engine_defaults
 from ..lora import AdapterWeights
 from ..types import Completion, PromptLike
+from .resident_weights import MembersInPlace
 from .base import CompletionTable, GridsOneByOne, PromptEncoder, SamplingSettings, check_adapters, materialize
 
-class HFEvaluator(GridsOneByOne):
+class HFEvaluator(GridsOneByOne, MembersInPlace):
     """transformers + peft, batched over prompts, one adapter after another (the paper's reference style)."""
 
     def __init__(self, model: str | Path, *, dtype: str = "float32", batch_size: int = 16, device: str | None = None):
@@ -126,12 +127,10 @@ class HFEvaluator(GridsOneByOne):
                     score=None, slots=None) -> tuple[CompletionTable, CompletionTable | None, dict[str, float]]:
         """ES members of ``weights`` (from ``resident_weights``) one after another, EGGROLL's as dense
         deltas (no LoRA slots here), then ``score``'s prompts under the mean: see
-        ``resident_weights.run_members_one_by_one``."""
-        from .resident_weights import run_members_one_by_one
-
+        ``resident_weights.MembersInPlace``."""
         if slots is not None:
             raise ValueError("the HF engine has no low-rank slots: its members are served one at a time")
-        return run_members_one_by_one(self, weights, members, sigma, prompts, sampling, score)
+        return self.run_members_one_by_one(weights, members, sigma, prompts, sampling, score)
 
     def close(self) -> None:
         """Drop the model."""

@@ -138,7 +138,7 @@ def resolve_noise_device(requested: str, cuda: bool | None = None) -> str:
         return "cpu"
     if requested == "cpu" and cuda:
         warnings.warn("noise_device is 'cpu' on a machine with a GPU: every generation draws the population's "
-                      "noise on the host (2-3 s for 64 rank-8 members of a 1.5B model on an H100 host); "
+                      "noise on the host, seconds a generation for large models (docs: Measurements); "
                       "noise_device: cuda is much faster (same bits on every GPU, not across CPU and GPU)",
                       stacklevel=3)
     return requested

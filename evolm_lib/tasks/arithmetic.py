@@ -1,8 +1,7 @@
 """Arithmetic: "What is 47 + 38? Answer with only the number.", problems generated from a seed.
 
-A verifiable task a small model can start on (measured on SmolLM2-135M-Instruct, greedy, 64
-problems each: 41 % of one-digit additions right, 14 % of two-digit additions, 23 % of one-digit
-multiplications, 2 % of two-digit subtractions), so accuracy has room to move. Reward 1 when the completion's answer is the result, else 0.
+A verifiable task a small model can start on and still has room to move on (its base accuracy per
+kind of problem is in docs/tasks.md). Reward 1 when the completion's answer is the result, else 0.
 
 Problems: each operand has exactly `digits` digits (one digit: 0 to 9; two digits: 10 to 99; a
 pair gives each operand its own), the operation is drawn from `operations` (+ - *), and a

@@ -82,7 +82,7 @@ class PolicyTrainer:
 
         self.config = config
         self.spec = adapter.spec
-        # The update belongs on the GPU when there is one: on an H100 a CPU update took 1.6-2.2 s a step.
+        # The update belongs on the GPU when there is one: on the host it dominates a GPU run's step.
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         pad = self.tokenizer.pad_token_id

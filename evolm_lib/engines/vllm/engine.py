@@ -18,6 +18,7 @@ from ...lora import AdapterWeights
 from ...types import PromptLike
 from ..base import (AdapterList, CompletionTable, GridsInOneCall, Population, PromptEncoder, SamplingSettings,
                    check_adapters, materialize)
+from ..resident_weights import MembersInPlace
 from ..sizing import ADAPTER_TRANSFERS, EngineSizing
 from .adapters import AdapterFiles
 from .requests import RequestGrid, run_requests
@@ -40,7 +41,7 @@ class _PlannedGrid:
 # ----------------------------------------------------------------------------- the evaluator
 
 
-class VLLMEvaluator(GridsInOneCall):
+class VLLMEvaluator(GridsInOneCall, MembersInPlace):
     """One vLLM engine with LoRA enabled; every (adapter x prompt) request of a call goes into ONE generate."""
 
     # vLLM keeps process-wide state (parallel groups) that shutting one engine down tears down for
@@ -203,13 +204,11 @@ class VLLMEvaluator(GridsInOneCall):
                     ) -> tuple[CompletionTable, CompletionTable | None, dict[str, float]]:
         """ES members of ``weights`` (from ``resident_weights``) on ``prompts``, and ``score``'s
         prompts under the mean: one member after another (``full``; see
-        ``resident_weights.run_members_one_by_one``), or, given EGGROLL's ``slots``, every member
+        ``resident_weights.MembersInPlace``), or, given EGGROLL's ``slots``, every member
         written into its slot and served with the mean's base requests in ONE engine call. Returns
         (``[member][prompt]`` table, the mean's table or None, timing in seconds)."""
-        from ..resident_weights import run_members_one_by_one
-
         if slots is None:
-            return run_members_one_by_one(self, weights, members, sigma, prompts, sampling, score)
+            return self.run_members_one_by_one(weights, members, sigma, prompts, sampling, score)
         members = list(members)
         write_s = weights.write_slots(slots, members, sigma) if members else 0.0
         grids = [(prompts, "members", sampling)] if members else []
