@@ -122,3 +122,55 @@ def test_a_run_folder_written_before_the_runs_moved_resumes_like_an_uninterrupte
     assert [r["generation"] for r in rows] == [r["generation"] for r in expected] == generations
     # rows written by the old code carry the keys they had then; each equals today's value
     assert [{k: e[k] for k in r} for r, e in zip(_science(rows), _science(expected))] == _science(rows)
+
+
+def _pre_protocol():
+    """The settings tests/data/make_pre_protocol_runs.py wrote the folders with (one source)."""
+    source = Path(__file__).with_name("data") / "make_pre_protocol_runs.py"
+    spec = importlib.util.spec_from_file_location("make_pre_protocol_runs", source)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class _Batching(SyntheticEvaluator):
+    batches_grids = True  # the mean's scoring rides in the population's call
+
+
+TRAINED = ("generation", "es/rewards", "es/weights", "es/update_norm", "train/reward_mean", "best_completions",
+           "samples/completions", "samples/tokens")
+
+
+@pytest.mark.parametrize("name", ["full", "eggroll", "riding"])
+def test_a_run_folder_of_the_earlier_step_resumes_like_an_uninterrupted_run(tmp_path, name):
+    """tests/data/pre_protocol: folders written before a generation became one explicit step and
+    what ES moves one protocol (commit ed0985a), stopped part-way: full and EGGROLL folders whose
+    checkpoints hold an unused LoRA mean, and a riding LoRA folder whose last row waited for its
+    scores. Today's code opens them and ends where an uninterrupted run of today ends."""
+    from evolm_lib.metrics import by_mean
+
+    old = _pre_protocol()
+    config = ESConfig.from_dict(old.SETTINGS[name])
+    engine = _Batching if name == "riding" else (lambda: None)
+    run_dir = tmp_path / "old"
+    shutil.copytree(Path(__file__).with_name("data") / "pre_protocol" / name, run_dir)
+    resumed = ESRun.open(config, run_dir, evaluator=engine())
+    assert resumed.generation == old.STOP
+    if name == "riding":  # the row that waited for its scores is scored on opening
+        assert [r["generation"] for r in read_metrics(run_dir)] == [0, 1, 2, 3]
+        assert "eval/reward" in read_metrics(run_dir)[3]
+    resumed.run()
+    reference = ESRun.create(config, tmp_path / "reference", evaluator=engine())
+    reference.run()
+    rows, expected = read_metrics(run_dir), read_metrics(tmp_path / "reference")
+    assert [{k: r.get(k) for k in TRAINED} for r in rows] == [{k: r.get(k) for k in TRAINED} for r in expected]
+    scored = [{r["generation"]: r["eval/reward"] for r in by_mean(found) if "eval/reward" in r} for found in (rows, expected)]
+    assert scored[1] and all(scored[0][g] == value for g, value in scored[1].items())  # every mean today scores
+    if name == "riding":
+        for got, want in zip(resumed.adapter.tensors.values(), reference.adapter.tensors.values()):
+            assert torch.equal(got, want)
+    else:
+        assert resumed.parameters.weights.checksum() == reference.parameters.weights.checksum()
+        assert not (run_dir / "checkpoints" / f"{reference.generation:06d}" / "adapter").exists()  # none moves
+    resumed.close()
+    reference.close()
