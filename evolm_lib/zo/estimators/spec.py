@@ -3,12 +3,11 @@ entries themselves are in `catalog`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable
 
-if TYPE_CHECKING:
-    from .config import EstimatorConfig, Generation
-
-Weights = list[tuple["Generation", list[float]]]  # (generation, one weight per member) pairs
+# (generation, one weight per member) pairs; a generation is ``config.Generation``, which this
+# leaf of the package does not import (``config`` looks estimators up here)
+Weights = list[tuple[Any, list[float]]]
 
 
 @dataclass(frozen=True)
@@ -22,10 +21,11 @@ class EstimatorSpec:
     """What E[g] is (tested in tests/test_zo_estimators.py)."""
     seed_population: bool
     """True: coefficients over seeded directions (`coefficients`), pluggable into the LLM runner."""
-    searcher: Callable[[EstimatorConfig, int], Any]
-    """(config, seed) -> a searcher with init/step for an explicit x."""
-    weights: Callable[[EstimatorConfig, Generation, Sequence[Generation]], Weights] | None = None
-    """The coefficient rule (seed-population estimators)."""
+    searcher: Callable[..., Any]
+    """(EstimatorConfig, seed) -> a searcher with init/step for an explicit x."""
+    weights: Callable[..., Weights] | None = None
+    """The coefficient rule (seed-population estimators): (EstimatorConfig, current Generation,
+    earlier Generations) -> Weights."""
     center: str = "never"
     """Queries f(x): "always", "never", or "baseline" (when baseline == "single")."""
     antithetic: bool = False
