@@ -79,6 +79,8 @@ from .metrics_file import (
     NotARunFolder,
     append_metrics,
     checkpoint_rows,
+    keep_damaged_lines,
+    place_damaged,
     read_checkpoint_kls,
     read_jsonl,
     read_metrics,
@@ -94,7 +96,7 @@ __all__ = [
     "DAMAGED_CONFIG", "EXTENDABLE", "RunFolderDamaged", "RunState", "extended_settings", "load_latest",
     "load_run_config", "read_config_file", "read_config_kind", "restore_run_config", "write_run_config", "NOTEBOOK_RUNS_ENV", "NotARunFolder", "RunFolderExists", "notebook_run_dir",
     "prepare_run_dir", "LOCK_FILE", "RunFolderBusy", "WriterLock", "describe_holder", "lock_holder",
-    "DAMAGED_METRICS", "MISSING", "DamagedLines", "checkpoint_rows", "row_generation", "scan_jsonl",
+    "DAMAGED_METRICS", "MISSING", "DamagedLines", "checkpoint_rows", "keep_damaged_lines", "place_damaged", "row_generation", "scan_jsonl",
     "append_metrics", "read_checkpoint_kls", "read_jsonl", "read_metrics", "record_final_metrics",
     "rewrite_metrics", "timed",
 ]

@@ -55,9 +55,14 @@ def read_config_file(run_dir: str | Path) -> dict:
     try:
         data = yaml.safe_load(path.read_bytes().decode("utf-8"))
     except (yaml.YAMLError, UnicodeDecodeError) as error:
-        mark = getattr(error, "problem_mark", None)
+        # the construct that did not close (context) is where the damage is; the parser stops after it
+        start, stop = getattr(error, "context_mark", None), getattr(error, "problem_mark", None)
+        mark = start or stop
         where = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+        problem = " ".join(str(part) for part in (getattr(error, "context", None), getattr(error, "problem", None)) if part)
+        problem = problem or str(error).splitlines()[0]
+        if start is not None and stop is not None:
+            problem += f"; the parser stopped at line {stop.line + 1}, column {stop.column + 1}"
         raise RunFolderDamaged(f"{path}{where}: the run folder's settings do not parse ({problem}); "
                                f"{_what_to_do(run_dir)}") from None
     if not isinstance(data, dict):

@@ -119,7 +119,7 @@ def mend_metrics(run_dir: str | Path) -> tuple[list[dict], list[DamagedLine], se
     scanned = scan_jsonl(run_dir / METRICS, is_metrics_row)
     if not scanned.damaged:
         return [row for _, row in scanned.rows], [], set()
-    damaged = _place(scanned)
+    damaged = place_damaged(scanned)
     kept = checkpoint_rows(run_dir)
     at_line = {number: row for number, row in scanned.rows}
     at_line.update({d.line: kept.get(d.generation) or _missing(d) for d in damaged})
@@ -131,7 +131,7 @@ def _missing(line: DamagedLine) -> dict:
     return {"generation": line.generation, MISSING: True, "damaged_line": line.line}
 
 
-def _place(scanned: JsonLines) -> list[DamagedLine]:
+def place_damaged(scanned: JsonLines) -> list[DamagedLine]:
     """The damaged lines with the generation each held: the one its bytes still name, where that fits
     between its neighbours, else the one left between its neighbours (generations count up by one)."""
     placed = []
