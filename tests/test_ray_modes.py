@@ -100,8 +100,9 @@ def local_runs(one_engine_runs, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def two_engines(ray_cluster, one_engine_runs):
-    """Two Ray engines, started once the one-engine runs have given their CPU back."""
-    with RayEvaluator("tiny-random", SIZING, num_engines=2) as evaluator:
+    """Two Ray engines, started once the one-engine runs have given their CPU back; Ray may restart
+    each often enough for every kill of this module."""
+    with RayEvaluator("tiny-random", SIZING, num_engines=2, policy=FaultPolicy(max_restarts=10)) as evaluator:
         yield evaluator
 
 
