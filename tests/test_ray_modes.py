@@ -218,7 +218,8 @@ def test_an_engine_lost_with_the_mean_is_given_it_back_and_the_run_ends_as_unint
     for engine in killed:
         assert two_engines.engine_info[engine]["pid"] != pids_before[engine]  # a new process, with a fresh engine
     assert {f["engine"] for f in two_engines.faults[faults_before:]} == set(killed)
-    assert [r["source"] for r in weights.rebuilds] == [source] * len(weights.rebuilds) and weights.rebuilds
+    # every killed engine given the mean back; the first from ``source`` (a later one may copy an engine rebuilt before it)
+    assert {r["engine"] for r in weights.rebuilds} == set(killed) and weights.rebuilds[0]["source"] == source
     # the rows of the run never interrupted, and bit-exact means on every engine
     assert without_times(read_metrics(run.run_dir)) == without_times(two_engine_runs[mode]["rows"])
     first, second = weights.checksums()

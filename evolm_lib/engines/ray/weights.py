@@ -80,7 +80,10 @@ class RayWeights:
         engine's checksum must agree. ``Recovered`` where the state given back is that after the step
         in flight (the lost call is done), None where the lost call must be resubmitted."""
         pool = self.evaluator.pool
-        live = [e for e in range(self.evaluator.num_engines) if e != engine and e not in self.lost_engines()]
+        others = [e for e in range(self.evaluator.num_engines) if e != engine and e not in self.lost_engines()]
+        # an engine lost at the same moment may have restarted before the pool saw its call fail: ask
+        held = pool.run([(e, "weights_held", (self.key,)) for e in others]) if others else []
+        live = [e for e, holds in zip(others, held) if holds]
         pool.run([(engine, "weights_open", (self.key, self.target_modules, self.options))])
         if live:
             source = f"engine {live[0]}"
@@ -97,7 +100,11 @@ class RayWeights:
         else:
             raise RuntimeError("no other engine holds the mean and the run folder gave no snapshot and seed log")
         self.restarts[engine] = self.evaluator.restarts[engine]
-        checks = pool.run([(e, "weights_checksum", (self.key,)) for e in [engine, *live]])
+        # the master and step must agree ("restored" says what an engine serves at that instant: a
+        # member, mid-call); a load in flight sets every engine again, so only the rebuilt one is checked
+        compared = [engine] if self._in_flight == "load" else [engine, *live]
+        checks = [{k: c[k] for k in ("master", "step")}
+                  for c in pool.run([(e, "weights_checksum", (self.key,)) for e in compared])]
         if any(check != checks[0] for check in checks) or checks[0]["step"] != steps:
             raise RuntimeError(f"engine {engine} rebuilt from {source} holds {checks[0]}, the others {checks[1:]}")
         # the state read is that before the call in flight, or after it where it was this mean's step
