@@ -1,8 +1,10 @@
 """es_mode full and eggroll with evaluator: ray (issue 19): every engine keeps its own float32 master
 of the mean and serves a block of the members. On a local 2-CPU Ray cluster with tiny-random: a run
 on two engines gives the metrics rows of the same run on one engine and on the engine in this
-process, every engine ends with the same master, and an engine lost with the mean stops the run,
-which then resumes to the same rows.
+process, every engine ends with the same master, and an engine lost with the mean is given it back
+(from the other engine, or from the run folder's snapshot and seed log where no engine keeps it) and
+the run ends with the rows and means of a run never interrupted; an engine lost past its attempts
+stops the run, which then resumes to the same rows.
 
 The engines are started in turn (the cluster has one CPU per engine): one Ray engine, then the
 engine in this process, then two Ray engines. Starting them takes minutes on this shared 2-core
@@ -19,7 +21,7 @@ from evolm_lib import es
 from evolm_lib.config import ConfigError, ESConfig
 from evolm_lib.engines import SamplingSettings
 from evolm_lib.engines.ray.evaluator import RayEvaluator
-from evolm_lib.engines.ray.pool import EngineLostError
+from evolm_lib.engines.ray.pool import EngineLostError, FaultPolicy
 from evolm_lib.engines.ray.sharding import plan_members
 from evolm_lib.engines.sizing import EngineSizing
 from evolm_lib.runs import read_metrics
@@ -98,8 +100,9 @@ def local_runs(one_engine_runs, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def two_engines(ray_cluster, one_engine_runs):
-    """Two Ray engines, started once the one-engine runs have given their CPU back."""
-    with RayEvaluator("tiny-random", SIZING, num_engines=2) as evaluator:
+    """Two Ray engines, started once the one-engine runs have given their CPU back; Ray may restart
+    each often enough for every kill of this module."""
+    with RayEvaluator("tiny-random", SIZING, num_engines=2, policy=FaultPolicy(max_restarts=10)) as evaluator:
         yield evaluator
 
 
@@ -173,29 +176,73 @@ def test_each_engine_serves_its_block_of_members_in_one_concurrent_call(mode, tw
     assert [c.token_ids for c in scores[0]] == [c.token_ids for c in mean[:1]]
 
 
-def kill_at_next_call(engine: int):
-    """A hook that kills ``engine``'s actor (Ray restarts it) right after the next call is submitted."""
-    def hook(pool, engines: list[int]) -> None:
-        pool.on_submitted = None
-        sys.modules["ray"].kill(pool.actors[engine], no_restart=False)
+def kill_at_call(*engines: int, call: int = 1):
+    """A hook that kills ``engines``' actors (Ray restarts them) right after the ``call``-th submission from now."""
+    state = {"calls": 0}
+
+    def hook(pool, submitted: list[int]) -> None:
+        state["calls"] += 1
+        if state["calls"] == call:
+            pool.on_submitted = None
+            for engine in engines:
+                sys.modules["ray"].kill(pool.actors[engine], no_restart=False)
 
     return hook
 
 
+# (mode, engines killed, which call of generation 2: 1 its members and scoring, 2 its update, source of the mean)
+REBUILDS = [
+    ("full", (1,), 1, "engine 0"),
+    ("eggroll", (1,), 1, "engine 0"),
+    ("full", (1,), 2, "engine 0"),  # the update in flight: engine 0 has taken it, engine 1 gets the mean after it
+    ("eggroll", (0, 1), 1, "the newest snapshot and the seed log"),  # no engine keeps the mean: the run folder has it
+]
+
+
 @pytest.mark.slow
-def test_an_engine_lost_with_the_mean_stops_the_run_and_it_resumes_to_the_same_rows(two_engines, two_engine_runs,
-                                                                                      tmp_path):
-    config = config_for("full", 2)
-    pid_before = two_engines.engine_info[1]["pid"]
+@pytest.mark.parametrize("mode, killed, call, source", REBUILDS, ids=["full-members", "eggroll-members", "full-update",
+                                                                       "eggroll-both-engines"])
+def test_an_engine_lost_with_the_mean_is_given_it_back_and_the_run_ends_as_uninterrupted(
+        mode, killed, call, source, two_engines, two_engine_runs, tmp_path):
+    config = config_for(mode, 2)
+    pids_before = [info["pid"] for info in two_engines.engine_info]
+    faults_before = len(two_engines.faults)
     run = ESRun.create(config, tmp_path / "run", evaluator=two_engines)
     run.step()
-    two_engines.pool.on_submitted = kill_at_next_call(engine=1)  # generation 2's members
-    with pytest.raises(EngineLostError, match="engine 1 of 2 .* is lost: it came back without the run's mean"):
-        run.step()
-    assert two_engines.engine_info[1]["pid"] != pid_before  # a new process, with a fresh engine
+    two_engines.pool.on_submitted = kill_at_call(*killed, call=call)  # in generation 2
+    try:
+        run.run()
+    finally:
+        two_engines.pool.on_submitted = None
+    weights = run.parameters.weights
+    for engine in killed:
+        assert two_engines.engine_info[engine]["pid"] != pids_before[engine]  # a new process, with a fresh engine
+    assert {f["engine"] for f in two_engines.faults[faults_before:]} == set(killed)
+    # every killed engine given the mean back; the first from ``source`` (a later one may copy an engine rebuilt before it)
+    assert {r["engine"] for r in weights.rebuilds} == set(killed) and weights.rebuilds[0]["source"] == source
+    # the rows of the run never interrupted, and bit-exact means on every engine
+    assert without_times(read_metrics(run.run_dir)) == without_times(two_engine_runs[mode]["rows"])
+    first, second = weights.checksums()
+    assert first == second == two_engine_runs[mode]["checksums"][0]
+    run.close()
+
+
+@pytest.mark.slow
+def test_an_engine_that_stays_lost_past_its_attempts_ends_the_run_and_it_resumes_to_the_same_rows(
+        two_engines, two_engine_runs, tmp_path):
+    config = config_for("full", 2)
+    run = ESRun.create(config, tmp_path / "run", evaluator=two_engines)
+    run.step()
+    policy = two_engines.pool.policy
+    two_engines.pool.policy = FaultPolicy(max_attempts=1)  # one loss is too many: the run must stop cleanly
+    two_engines.pool.on_submitted = kill_at_call(1)
+    try:
+        with pytest.raises(EngineLostError, match="engine 1 of 2 .* is lost: its run_members call was lost 1 times"):
+            run.step()
+    finally:
+        two_engines.pool.on_submitted = None
+        two_engines.pool.policy = policy
     assert [r["generation"] for r in read_metrics(run.run_dir)] == [0, 1]
-    with pytest.raises(EngineLostError, match="engine 1 of 2 restarted since it took this run's mean"):
-        run.parameters.weights.checksums()
     run.close()  # hands the engines back serving the model folder's weights: engine 1 set up again for that
     resumed = ESRun.open(config, tmp_path / "run", evaluator=two_engines)
     assert resumed.generation == 1

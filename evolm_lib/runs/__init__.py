@@ -32,6 +32,13 @@ machines or a failing disk leaves) is renamed aside to checkpoints/NNNNNN.damage
 the run falls back to the newest intact checkpoint with a warning that says what was wrong, and the
 metrics rows past it move to metrics.after-NNNNNN.jsonl. Leftover temporary folders of an
 interrupted write are removed on that resume.
+
+Damaged input is kept and named, never rewritten away: a metrics line that does not parse (not the
+torn last one) is kept byte for byte in metrics.damaged.jsonl, its row comes back from the
+checkpoints (each keeps its row, the rows since the checkpoint before it, and a copy of config.yaml)
+or is marked missing; a config.yaml that does not parse or validate fails with ``RunFolderDamaged``
+naming the file and the line, before any engine starts (``restore_run_config`` puts back a
+checkpoint's copy). docs/reliability.md lists every fault and what the user sees.
 """
 from __future__ import annotations
 
@@ -39,6 +46,7 @@ from ..clock import timed
 from .checkpoints import (
     CHECKPOINT_FORMAT,
     CHECKPOINTS,
+    CONFIG_COPY,
     DAMAGED,
     MANIFEST,
     CheckpointDamaged,
@@ -50,32 +58,45 @@ from .checkpoints import (
     write_checkpoint,
 )
 from .config_io import (
+    DAMAGED_CONFIG,
     EXTENDABLE,
+    RunFolderDamaged,
     RunState,
     extended_settings,
     load_latest,
     load_run_config,
+    read_config_file,
     read_config_kind,
+    restore_run_config,
     write_run_config,
 )
 from .folder import NOTEBOOK_RUNS_ENV, RunFolderExists, notebook_run_dir, prepare_run_dir
 from .lock import LOCK_FILE, RunFolderBusy, WriterLock, describe_holder, lock_holder
 from .metrics_file import (
+    DAMAGED_METRICS,
+    MISSING,
+    DamagedLines,
     NotARunFolder,
     append_metrics,
+    checkpoint_rows,
+    keep_damaged_lines,
+    place_damaged,
     read_checkpoint_kls,
     read_jsonl,
     read_metrics,
     record_final_metrics,
     rewrite_metrics,
+    row_generation,
+    scan_jsonl,
 )
 
 __all__ = [
-    "CHECKPOINT_FORMAT", "CHECKPOINTS", "DAMAGED", "MANIFEST", "CheckpointDamaged", "CheckpointFallback",
+    "CHECKPOINT_FORMAT", "CHECKPOINTS", "CONFIG_COPY", "DAMAGED", "MANIFEST", "CheckpointDamaged", "CheckpointFallback",
     "latest_intact_checkpoint", "list_checkpoints", "load_checkpoint", "verify_checkpoint", "write_checkpoint",
-    "EXTENDABLE", "RunState", "extended_settings", "load_latest", "load_run_config", "read_config_kind",
-    "write_run_config", "NOTEBOOK_RUNS_ENV", "NotARunFolder", "RunFolderExists", "notebook_run_dir",
+    "DAMAGED_CONFIG", "EXTENDABLE", "RunFolderDamaged", "RunState", "extended_settings", "load_latest",
+    "load_run_config", "read_config_file", "read_config_kind", "restore_run_config", "write_run_config", "NOTEBOOK_RUNS_ENV", "NotARunFolder", "RunFolderExists", "notebook_run_dir",
     "prepare_run_dir", "LOCK_FILE", "RunFolderBusy", "WriterLock", "describe_holder", "lock_holder",
+    "DAMAGED_METRICS", "MISSING", "DamagedLines", "checkpoint_rows", "keep_damaged_lines", "place_damaged", "row_generation", "scan_jsonl",
     "append_metrics", "read_checkpoint_kls", "read_jsonl", "read_metrics", "record_final_metrics",
     "rewrite_metrics", "timed",
 ]

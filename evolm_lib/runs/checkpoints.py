@@ -16,11 +16,13 @@ from safetensors.torch import load_file, save_file
 
 from ..lora import AdapterWeights, load_adapter, save_adapter
 from .durable import fsync_dir, fsync_tree, json_safe
-from .metrics_file import read_metrics, rewrite_metrics
+from .metrics_file import read_metrics, rewrite_metrics, row_generation, rows_since
 
 CHECKPOINTS = "checkpoints"
 MANIFEST = "manifest.json"  # in a checkpoint: {"files": {relative path: {"bytes": n, "sha256": hex}}}
 CHECKPOINT_FORMAT = 2  # state.json's "checkpoint_format": 2 = written with a manifest (none: written before)
+CONFIG_COPY = "config_yaml"  # in state.json: the text of the run folder's config.yaml when the checkpoint was written
+ROWS = "rows"  # in state.json: the metrics rows since the checkpoint before it (its own row is "row")
 DAMAGED = ".damaged"  # suffix of a checkpoint folder that failed its check, renamed aside
 
 
@@ -59,7 +61,10 @@ def write_checkpoint(
     base_model: str,
     keep: int = 2,
 ) -> Path:
-    """Write checkpoint ``step`` atomically and durably, its manifest last, and prune older ones beyond ``keep``."""
+    """Write checkpoint ``step`` atomically and durably, its manifest last, and prune older ones beyond ``keep``.
+
+    Beside ``state`` its state.json keeps a copy of config.yaml and the metrics rows since the
+    checkpoint before it, so a damaged config.yaml or metrics line can be restored from it."""
     root = Path(run_dir) / CHECKPOINTS
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{step:06d}"
@@ -69,7 +74,13 @@ def write_checkpoint(
         save_adapter(adapter, tmp / "adapter", base_model=base_model)
     if optimizer_tensors:
         save_file({k: v.contiguous() for k, v in optimizer_tensors.items()}, str(tmp / "optimizer.safetensors"))
-    (tmp / "state.json").write_text(json.dumps(json_safe({**state, "checkpoint_format": CHECKPOINT_FORMAT})))
+    earlier = [int(p.name.removesuffix(_ASIDE)) for p in list_checkpoints(run_dir)]
+    previous = max([g for g in earlier if g < step], default=-1)
+    kept = {ROWS: [r for r in rows_since(run_dir, previous) if r["generation"] < step]}
+    config = Path(run_dir) / "config.yaml"
+    if config.is_file():
+        kept[CONFIG_COPY] = config.read_text(errors="replace")
+    (tmp / "state.json").write_text(json.dumps(json_safe({**state, **kept, "checkpoint_format": CHECKPOINT_FORMAT})))
     _write_manifest(tmp)
     fsync_tree(tmp)
     aside = root / f"{step:06d}{_ASIDE}"
@@ -151,7 +162,7 @@ def verify_checkpoint(path: Path) -> str | None:
     return None
 
 
-def _free_name(folder: Path, stem: str, suffix: str = "") -> Path:
+def free_name(folder: Path, stem: str, suffix: str = "") -> Path:
     """folder/stem+suffix, or stem-2+suffix, stem-3+suffix, ... when that name is taken (nothing is overwritten)."""
     candidate, number = folder / f"{stem}{suffix}", 1
     while candidate.exists():
@@ -186,19 +197,19 @@ def latest_intact_checkpoint(run_dir: str | Path) -> Path:
         generation = int(json.loads((path / "state.json").read_text())["generation"])
         moved = []
         for bad, _ in damaged:
-            target = _free_name(bad.parent, bad.name + DAMAGED)
+            target = free_name(bad.parent, bad.name + DAMAGED)
             os.rename(bad, target)
             moved.append(target.name)
         rows = read_metrics(run_dir)
-        beyond = [r for r in rows if r.get("generation", -1) > generation]
+        beyond = [r for r in rows if row_generation(r) > generation]
         kept = ""
         if beyond:
-            side = _free_name(run_dir, f"metrics.after-{generation:06d}", ".jsonl")
+            side = free_name(run_dir, f"metrics.after-{generation:06d}", ".jsonl")
             with open(side, "w") as handle:  # on disk before the rows leave metrics.jsonl
                 handle.write("".join(json.dumps(json_safe(r)) + "\n" for r in beyond))
                 handle.flush()
                 os.fsync(handle.fileno())
-            rewrite_metrics(run_dir, [r for r in rows if r.get("generation", -1) <= generation])
+            rewrite_metrics(run_dir, [r for r in rows if row_generation(r) <= generation])
             kept = f"; the metrics rows past generation {generation} are kept in {side.name}"
         what = "; ".join(f"{bad.name}: {problem}" for bad, problem in damaged)
         warnings.warn(f"{run_dir}: damaged checkpoint ({what}) renamed aside to {CHECKPOINTS}/{', '.join(moved)}; "

@@ -2,6 +2,8 @@
 state a run resumes from (its latest intact checkpoint, with metrics.jsonl made to match it)."""
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -11,8 +13,16 @@ import yaml
 
 from ..config import ConfigError, config_class
 from ..lora import AdapterWeights
-from .checkpoints import latest_intact_checkpoint, load_checkpoint
-from .metrics_file import read_metrics, rewrite_metrics
+from .checkpoints import CONFIG_COPY, free_name, latest_intact_checkpoint, list_checkpoints, load_checkpoint, verify_checkpoint
+from .durable import fsync_dir
+from .metrics_file import read_metrics, rewrite_metrics, row_generation
+
+CONFIG = "config.yaml"
+DAMAGED_CONFIG = "config.damaged.yaml"  # a damaged config.yaml, set aside by restore_run_config
+
+
+class RunFolderDamaged(ConfigError):
+    """A file of a run folder does not parse or validate; the message names it, the line, and what to do."""
 
 
 # Settings that do not change the science: a finished run may be extended with other values.
@@ -28,20 +38,82 @@ def write_run_config(run_dir: str | Path, config, kind: str) -> None:
     (Path(run_dir) / "config.yaml").write_text(yaml.safe_dump({"kind": kind, **config.to_dict()}, sort_keys=False))
 
 
+def _what_to_do(run_dir: Path) -> str:
+    """The ways out of a damaged config.yaml: the copy the newest intact checkpoint keeps, or a new run."""
+    copies = [p for p in reversed(list_checkpoints(run_dir)) if verify_checkpoint(p) is None
+              and CONFIG_COPY in json.loads((p / "state.json").read_text())]
+    restore = (f"restore it from checkpoint {copies[0].name}'s copy with evolm_lib.runs.restore_run_config({str(run_dir)!r}) "
+               f"(the damaged file is kept as {DAMAGED_CONFIG}), or " if copies else "restore it from a copy, or ")
+    return restore + "start the run again in this folder with overwrite=True (evolm batch --overwrite POINT)"
+
+
+def read_config_file(run_dir: str | Path) -> dict:
+    """config.yaml of a run folder as a mapping; ``RunFolderDamaged`` naming the file, the line and
+    what the user can do where it does not parse or holds no mapping of settings."""
+    run_dir = Path(run_dir)
+    path = run_dir / CONFIG
+    try:
+        data = yaml.safe_load(path.read_bytes().decode("utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError) as error:
+        # the construct that did not close (context) is where the damage is; the parser stops after it
+        start, stop = getattr(error, "context_mark", None), getattr(error, "problem_mark", None)
+        mark = start or stop
+        where = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = " ".join(str(part) for part in (getattr(error, "context", None), getattr(error, "problem", None)) if part)
+        problem = problem or str(error).splitlines()[0]
+        if start is not None and stop is not None:
+            problem += f"; the parser stopped at line {stop.line + 1}, column {stop.column + 1}"
+        raise RunFolderDamaged(f"{path}{where}: the run folder's settings do not parse ({problem}); "
+                               f"{_what_to_do(run_dir)}") from None
+    if not isinstance(data, dict):
+        raise RunFolderDamaged(f"{path}, line 1: the run folder's settings are not a mapping of settings "
+                               f"(found {type(data).__name__}); {_what_to_do(run_dir)}")
+    return data
+
+
 def read_config_kind(run_dir: str | Path) -> str:
     """'es' or 'grpo', from a run folder's config.yaml."""
-    data = yaml.safe_load((Path(run_dir) / "config.yaml").read_text())
-    return data.get("kind", "es")
+    return read_config_file(run_dir).get("kind", "es")
 
 
 def load_run_config(run_dir: str | Path, cls=None):
-    """The settings a run folder was created with (``cls``: the config class; default from its kind)."""
-    data = yaml.safe_load((Path(run_dir) / "config.yaml").read_text())
+    """The settings a run folder was created with (``cls``: the config class; default from its kind);
+    ``RunFolderDamaged`` where config.yaml does not parse or its settings do not validate."""
+    data = read_config_file(run_dir)
     kind = data.pop("kind", "es")
     data.pop("label", None)  # a display label for analysis, not a setting
     if kind == "es" and "noise_scheme" not in data:
         data["noise_scheme"] = "per_tensor"  # runs recorded before the setting existed drew noise tensor by tensor
-    return (cls or config_class(kind)).from_dict(data)
+    try:
+        return (cls or config_class(kind)).from_dict(data)
+    except ConfigError as error:
+        lines = (Path(run_dir) / CONFIG).read_text().splitlines()
+        fields = [name.split(".")[0] for name, _ in (error.errors or [])]
+        line = next((n for n, text in enumerate(lines, start=1) for f in fields if text.startswith(f"{f}:")), None)
+        where = f", line {line}" if line else ""
+        raise RunFolderDamaged(f"{Path(run_dir) / CONFIG}{where}: the run folder's settings do not validate ({error}); "
+                               f"{_what_to_do(Path(run_dir))}", error.errors) from None
+
+
+def restore_run_config(run_dir: str | Path) -> Path:
+    """Put back config.yaml from the copy the newest intact checkpoint keeps; a config.yaml there is
+    first renamed to config.damaged.yaml (never deleted). Returns the checkpoint used."""
+    run_dir = Path(run_dir)
+    for checkpoint in reversed(list_checkpoints(run_dir)):
+        if verify_checkpoint(checkpoint) is not None:
+            continue
+        text = json.loads((checkpoint / "state.json").read_text()).get(CONFIG_COPY)
+        if text is None:
+            continue
+        if (run_dir / CONFIG).exists():
+            os.replace(run_dir / CONFIG, free_name(run_dir, DAMAGED_CONFIG))
+        temporary = run_dir / ".config.yaml.tmp"
+        temporary.write_text(text)
+        os.replace(temporary, run_dir / CONFIG)
+        fsync_dir(run_dir)
+        return checkpoint
+    raise FileNotFoundError(f"{run_dir} holds no intact checkpoint with a copy of {CONFIG}: restore it from a copy, "
+                            "or start the run again with overwrite=True")
 
 
 def extended_settings(run_dir: str | Path, config) -> list[str]:
@@ -96,7 +168,9 @@ def load_latest(run_dir: str | Path, kind: str, cls) -> RunState:
     metrics.jsonl is made to match it: rows past the checkpoint come from a generation whose
     checkpoint never landed and are dropped (that generation reruns); a row lost between
     checkpoint and log comes back from state.json (or, in a folder of the earlier layout whose row
-    waited for its scores, is scored again: ``RunState.pending_row``)."""
+    waited for its scores, is scored again: ``RunState.pending_row``). A damaged line's row comes back
+    from the checkpoints or stays marked missing, and its bytes are kept in metrics.damaged.jsonl
+    (``read_metrics``, ``rewrite_metrics``)."""
     run_dir = Path(run_dir)
     found = read_config_kind(run_dir)
     if found != kind:
@@ -106,7 +180,7 @@ def load_latest(run_dir: str | Path, kind: str, cls) -> RunState:
     if adapter is not None and adapter.spec != config.lora_spec():
         raise ConfigError(f"checkpoint adapter {adapter.spec} does not match config {config.lora_spec()}")
     generation = int(state["generation"])
-    rows = [r for r in read_metrics(run_dir) if r.get("generation", -1) <= generation]
+    rows = [r for r in read_metrics(run_dir) if row_generation(r) <= generation]
     if (not rows or rows[-1].get("generation") != generation) and not state.get("scores_pending"):
         rows.append(state["row"])
     rewrite_metrics(run_dir, rows)

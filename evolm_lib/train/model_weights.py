@@ -37,11 +37,12 @@ from ..config import ConfigError, ESConfig
 from ..engines import Evaluator, SamplingSettings, WeightsEngine
 from ..es import core as es
 from ..lora import LoraSpec, read_base_weights
-from ..runs import read_jsonl
+from ..runs import RunFolderDamaged, keep_damaged_lines, place_damaged, read_jsonl, scan_jsonl
 from .es_parameters import Checkpointed, ScoringRequest, Served, Update
 
 
 SEED_LOG = "seed_log.jsonl"
+DAMAGED_SEED_LOG = "seed_log.damaged.jsonl"  # the seed log's lines that do not parse, kept byte for byte
 SNAPSHOTS = "snapshots"
 KEEP_SNAPSHOTS = 2
 
@@ -69,6 +70,8 @@ class ModelWeights:
             except ValueError as error:
                 raise ConfigError(f"noise_rank: {error}") from None
         self.optimizer = config.optimizer_config()
+        if hasattr(self.weights, "replay_source"):  # Ray engines: a lost engine gets the mean back from the folder
+            self.weights.replay_source = self._replay_source
         self.restore_to(generation)
 
     # --- a generation ---------------------------------------------------------------------------
@@ -135,27 +138,57 @@ class ModelWeights:
         found = read_base_weights(self.model_dir, layout.names)
         return torch.cat([found[name].to(torch.float32).reshape(-1) for name in layout.names])
 
+    def _snapshot_at(self, generation: int) -> tuple[int, dict]:
+        """(its generation, the snapshot) of the newest snapshot at or before ``generation``, else
+        (0, the model folder's weights)."""
+        snapshots = [p for p in sorted((self.run_dir / SNAPSHOTS).glob("*.safetensors")) if int(p.stem) <= generation]
+        if not snapshots:
+            return 0, {"master": self.model_weights()}
+        tensors = load_file(str(snapshots[-1]))
+        snapshot = {k: v for k, v in tensors.items() if k != "step"}
+        snapshot["step"] = int(tensors["step"][0])
+        return int(snapshots[-1].stem), snapshot
+
+    def _checked_log(self, start: int, generation: int) -> list[dict[str, Any]]:
+        """The seed log's entries; its damaged lines (not a torn last one) are kept byte for byte in
+        seed_log.damaged.jsonl, and one the mean of ``generation`` needs (after the snapshot at
+        ``start``) raises ``RunFolderDamaged``, naming the file and the line."""
+        path = self.run_dir / SEED_LOG
+        scanned = scan_jsonl(path, lambda entry: isinstance(entry.get("generation"), int))
+        if scanned.damaged:
+            damaged = place_damaged(scanned)
+            keep_damaged_lines(path, damaged, self.run_dir / DAMAGED_SEED_LOG)
+            needed = [d for d in damaged if d.generation is None or start < d.generation <= generation]
+            if needed:
+                raise RunFolderDamaged(
+                    f"{path}, line {needed[0].line}: the seed log's update of generation "
+                    f"{'?' if needed[0].generation is None else needed[0].generation} does not parse, and the mean of "
+                    f"generation {generation} is rebuilt from it (kept in {DAMAGED_SEED_LOG}); restore the file "
+                    "from a copy, or start the run again in this folder with overwrite=True")
+        return [entry for _, entry in scanned.rows]
+
+    def _replay_source(self) -> tuple[dict, list[tuple]]:
+        """The mean now as the run folder has it, for an engine that lost it with no other engine to
+        copy from: the newest snapshot, and the seed log's updates after it as ``step`` arguments."""
+        entries = self.read_log()
+        now = max((e["generation"] for e in entries), default=0)
+        start, snapshot = self._snapshot_at(now)
+        return snapshot, [self._update_args(e) for e in self._checked_log(start, now) if e["generation"] > start]
+
     def restore_to(self, generation: int) -> None:
         """Make the engine's mean that of ``generation``: the newest snapshot at or before it (else
-        the model folder's weights), then the seed log's updates after it; later log lines go."""
-        snapshots = [p for p in sorted((self.run_dir / SNAPSHOTS).glob("*.safetensors")) if int(p.stem) <= generation]
-        start = 0
-        if not snapshots:
-            self.weights.load({"master": self.model_weights()})
-        else:
-            tensors = load_file(str(snapshots[-1]))
-            snapshot = {k: v for k, v in tensors.items() if k != "step"}
-            snapshot["step"] = int(tensors["step"][0])
-            self.weights.load(snapshot)
-            start = int(snapshots[-1].stem)
-        entries = self.read_log()
+        the model folder's weights), then the seed log's updates after it; later log lines go (a
+        damaged line is kept aside first: ``_checked_log``)."""
+        start, snapshot = self._snapshot_at(generation)
+        entries = self._checked_log(start, generation)
+        self.weights.load(snapshot)
         for entry in entries:
             if start < entry["generation"] <= generation:
                 self._replay_update(entry)
         # later generations' lines go, and so does a line torn by a kill (the next append would join it)
         kept = "".join(json.dumps(e) + "\n" for e in entries if e["generation"] <= generation)
         path = self.run_dir / SEED_LOG
-        if path.exists() and path.read_text() != kept:
+        if path.exists() and path.read_text(errors="replace") != kept:
             temporary = path.with_suffix(".jsonl.tmp")
             temporary.write_text(kept)
             os.replace(temporary, path)
@@ -163,10 +196,14 @@ class ModelWeights:
             if int(stale.stem) > generation:
                 stale.unlink()  # from a generation whose checkpoint never landed
 
-    def _replay_update(self, entry: dict[str, Any]) -> None:
-        """A seed log line's update, applied again: the same members, fitness and step size."""
+    def _update_args(self, entry: dict[str, Any]) -> tuple:
+        """A seed log line as ``weights.step``'s arguments: the same members, fitness and step size."""
         members = [es.Member(int(seed), int(sign)) for seed, sign in entry["members"]]
-        self.weights.step(self.optimizer, members, entry["weights"], float(entry["sigma"]), self.config.gradient_form)
+        return self.optimizer, members, entry["weights"], float(entry["sigma"]), self.config.gradient_form
+
+    def _replay_update(self, entry: dict[str, Any]) -> None:
+        """A seed log line's update, applied again."""
+        self.weights.step(*self._update_args(entry))
 
     @contextmanager
     def serving_base(self) -> Iterator[None]:

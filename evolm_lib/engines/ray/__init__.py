@@ -24,8 +24,10 @@ Faults: an engine's actor that dies (killed, out of memory, node lost) is restar
 ``max_attempts`` times, or an engine that stays dead, raises :class:`EngineLostError`; nothing of that
 call reaches the runner, so a run keeps its last finished generation (checkpointed by
 ``RunLoop.commit``) and resumes from it when started again. An engine that held a run's mean (es_mode
-full or eggroll) comes back without it: that also raises :class:`EngineLostError` at once, and the
-resumed run rebuilds the mean on every engine from its snapshot and seed log.
+full or eggroll) comes back without it and is given it back before its call is resubmitted
+(``RayWeights.rebuild``: from an engine that holds it, else from the run folder's newest snapshot and
+seed log, checked by checksum against the other engines); only where that fails does the call end
+with :class:`EngineLostError`.
 
 Ray is optional (``pip install -e '.[ray]'``) and imported only when this evaluator is built.
 Qiu et al. 2025 (arXiv 2509.24372) run one vLLM engine per GPU under Ray; EGGROLL's vLLM port

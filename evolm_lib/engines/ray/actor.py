@@ -98,6 +98,10 @@ class EngineActor:
                                "were set up, or they were released")
         return self.resident[key]
 
+    def weights_held(self, key: int) -> bool:
+        """Whether this engine holds the resident weights ``key`` (a restarted actor holds none)."""
+        return key in self.resident
+
     def weights_open(self, key: int, target_modules, options: dict) -> dict:
         """Set up the targeted weights with their float32 master (``VLLMEvaluator.resident_weights``)."""
         weights = self.engine.resident_weights(target_modules, **options)

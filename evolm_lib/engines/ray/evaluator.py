@@ -13,7 +13,7 @@ from ...types import PromptLike
 from ..base import AdapterList, CompletionTable, GridsInOneCall, SamplingSettings, balanced_blocks
 from ..sizing import EngineSizing
 from .cluster import check_cluster_resources, check_ray_address, import_ray
-from .pool import EnginePool, FaultPolicy
+from .pool import EngineLostError, EnginePool, FaultPolicy, Recovered
 from .sharding import ShardPlan, plan_members, shard_sampling
 from .weights import RaySlots, RayWeights
 
@@ -56,8 +56,9 @@ class RayEvaluator(GridsInOneCall):
             self._shutdown_ray()
             raise
         self.start_seconds = time.perf_counter() - started
-        # es_mode full / eggroll: keys of the means the engines keep between calls, and each engine's restarts
-        self.means: set[int] = set()
+        # es_mode full / eggroll: what the engines keep between calls (means, EGGROLL's slots) by key,
+        # each able to give a restarted engine its part back; and each engine's restarts
+        self.held: dict[int, RayWeights | RaySlots] = {}
         self.restarts = [0] * num_engines
         self.pool.on_restarted = self._restarted
 
@@ -156,13 +157,19 @@ class RayEvaluator(GridsInOneCall):
         timing["generate_s"] = max(elapsed - timing["adapters_s"], 0.0)
         return table, scores, timing
 
-    def _restarted(self, engine: int) -> str | None:
-        """The pool's question when a lost engine answers again: counted, and refused while the
-        engines hold a run's mean (the restarted engine came back without it)."""
+    def _restarted(self, engine: int) -> str | Recovered | None:
+        """The pool's question when a lost engine answers again: counted, and given back what it held
+        (a run's mean, EGGROLL's slots: ``RayWeights.rebuild``) before its call is resubmitted; the
+        reason where that fails."""
         self.restarts[engine] += 1
-        if self.means:
-            return "it came back without the run's mean it held (es_mode full / eggroll keep it inside the engines)"
-        return None
+        recovered = None
+        for key in sorted(self.held):  # a mean before the slots opened after it
+            try:
+                answer = self.held[key].rebuild(engine)
+            except (RuntimeError, EngineLostError) as error:
+                return f"it came back without the run's mean it held, and it could not be given back ({error})"
+            recovered = recovered or answer
+        return recovered
 
     def close(self) -> None:
         """Shut every engine down, end the actors, and leave a cluster this evaluator started."""

@@ -1,6 +1,7 @@
 """The engines' actors called together, and brought back when one is lost: ``EnginePool`` runs calls
-on the actors at once; a call whose actor died is resubmitted once Ray has restarted it, within the
-limits of a ``FaultPolicy``, past which ``EngineLostError`` ends the call with nothing returned."""
+on the actors at once; a call whose actor died is resubmitted once Ray has restarted it (and its
+owner has given it back the state it held: ``on_restarted``), within the limits of a ``FaultPolicy``,
+past which ``EngineLostError`` ends the call with nothing returned."""
 from __future__ import annotations
 
 import logging
@@ -21,11 +22,21 @@ class EngineLostError(RuntimeError):
     Nothing of the call was returned, so a run's last finished generation stands; start the run
     again to resume from its checkpoint."""
 
+
     def __init__(self, message: str, engine: int, attempts: int, actor_id: str | None = None):
         super().__init__(message)
         self.engine = engine
         self.attempts = attempts
         self.actor_id = actor_id
+
+
+@dataclass(frozen=True)
+class Recovered:
+    """``on_restarted``'s answer where rebuilding a lost engine also redid its lost call (the state it
+    was given back is the state after the call, as on the engines that finished it): the call is not
+    resubmitted and ``result`` stands for its result."""
+
+    result: Any = None
 
 
 @dataclass(frozen=True)
@@ -56,9 +67,10 @@ class EnginePool:
         self.actors, self.engine_info, self.policy = list(actors), list(engine_info), policy
         self.faults: list[dict] = []  # one record per call lost to a dead engine
         self.on_submitted: Callable[["EnginePool", list[int]], None] | None = None  # test seam: runs after calls are submitted
-        # Asked when a lost engine answers again, before its call is resubmitted: a reason returned
-        # (state the engine held and lost, such as a run's mean) ends the call with EngineLostError.
-        self.on_restarted: Callable[[int], str | None] | None = None
+        # Asked when a lost engine answers again, before its call is resubmitted; it may give the
+        # engine back the state it held (a run's mean). None: resubmit the call; Recovered: the call's
+        # effect is restored, take its result; a reason (the state could not be rebuilt): EngineLostError.
+        self.on_restarted: Callable[[int], str | Recovered | None] | None = None
 
     @classmethod
     def start(cls, model: str, sizing: EngineSizing, options: dict, num_engines: int, placement: dict[str, float],
@@ -124,6 +136,9 @@ class EnginePool:
                     raise self._lost(engine, losses[position], f"its {method} call was lost {losses[position]} times", error)
                 self._await_engine(engine, losses[position])
                 why = self.on_restarted(engine) if self.on_restarted is not None else None
+                if isinstance(why, Recovered):
+                    results[position] = why.result
+                    continue
                 if why:
                     raise self._lost(engine, losses[position], why, error)
                 submit(position)

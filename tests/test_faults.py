@@ -1,0 +1,243 @@
+"""Fault injection on run folders, as one table (issue 33): each fault is injected into a real run
+(the synthetic engine, or two Ray engines on the CPU) and what the user then sees is checked: nothing
+finished is lost, damaged input is kept and named, and the run ends with the rows of a run never
+interrupted where that can be had. A new fault is one more row of ``FAULTS`` and one more line of
+docs/reliability.md (a test checks the page lists every row).
+
+The Ray faults need two engines (minutes to start): they run in tests/test_ray_modes.py beside the
+engines' other tests, and the table names them there.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+import evolm_lib.runs.checkpoints as checkpoints_module
+from evolm_lib import analysis
+from evolm_lib.config import ESConfig
+from evolm_lib.engines.synthetic import SyntheticEvaluator
+from evolm_lib.metrics import series
+from evolm_lib.runs import (
+    DAMAGED_CONFIG,
+    DAMAGED_METRICS,
+    MISSING,
+    CheckpointFallback,
+    DamagedLines,
+    RunFolderBusy,
+    RunFolderDamaged,
+    list_checkpoints,
+    read_metrics,
+    restore_run_config,
+)
+from evolm_lib.train.es import ESRun
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "reliability.md"
+
+
+def config(**changes) -> ESConfig:
+    """A synthetic ES run with momentum (optimizer state to restore), a checkpoint per generation."""
+    return ESConfig(**{**dict(model="tiny-random", target_modules=("q_proj", "v_proj"), sigma=0.02,
+                              learning_rate=0.05, optimizer="sgd", momentum=0.5, population_size=4,
+                              num_generations=3, seed=5), **changes})
+
+
+def without_times(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in row.items() if not k.startswith("time/")} for row in rows]
+
+
+def run_to(run_dir: Path, generations: int, **changes) -> None:
+    run = ESRun.open(config(**changes), run_dir, evaluator=SyntheticEvaluator())
+    run.run(generations)
+    run.close()
+
+
+def uninterrupted(tmp_path: Path, **changes) -> list[dict]:
+    run_to(tmp_path / "reference", 3, **changes)
+    return without_times(read_metrics(tmp_path / "reference"))
+
+
+def overwrite_line(path: Path, line: int, offset: int, length: int) -> bytes:
+    """Overwrite ``length`` bytes of a line (from 1) with 'X' from ``offset`` on; returns the line as it then is."""
+    lines = path.read_bytes().split(b"\n")
+    lines[line - 1] = lines[line - 1][:offset] + b"X" * length + lines[line - 1][offset + length:]
+    path.write_bytes(b"\n".join(lines))
+    return lines[line - 1]
+
+
+# ----------------------------------------------------------------------------- the faults
+
+
+def torn_last_metrics_line(tmp_path: Path) -> None:
+    run_to(tmp_path / "run", 2)
+    with open(tmp_path / "run" / "metrics.jsonl", "a") as handle:
+        handle.write('{"generation": 3, "train/rew')  # a kill in the middle of a write
+    assert [r["generation"] for r in read_metrics(tmp_path / "run")] == [0, 1, 2]  # skipped without a warning
+    run_to(tmp_path / "run", 3)
+    assert without_times(read_metrics(tmp_path / "run")) == uninterrupted(tmp_path)
+    assert not (tmp_path / "run" / DAMAGED_METRICS).exists()  # a torn write is no damage
+
+
+def damaged_middle_metrics_line(tmp_path: Path) -> None:
+    """The issue's probe: 2 generations, 40 bytes of generation 1's line overwritten, continued to 3."""
+    run_dir = tmp_path / "run"
+    run_to(run_dir, 2)
+    damaged = overwrite_line(run_dir / "metrics.jsonl", 2, 10, 40)
+    with pytest.warns(DamagedLines, match=r"metrics.jsonl: line 2 does not parse \(generation 1\); restored from "
+                                          r"the checkpoints: generation 1"):
+        assert [r["generation"] for r in read_metrics(run_dir)] == [0, 1, 2]  # a reader: nothing is written
+    assert not (run_dir / DAMAGED_METRICS).exists()
+    with pytest.warns(DamagedLines, match="generation 1"):
+        run_to(run_dir, 3)
+    assert without_times(read_metrics(run_dir)) == uninterrupted(tmp_path)  # generation 1's row is back
+    (kept,) = [json.loads(line) for line in (run_dir / DAMAGED_METRICS).read_text().splitlines()]
+    assert kept["line"] == 2 and kept["generation"] == 1 and kept["raw"].encode("latin-1") == damaged
+
+
+def damaged_metrics_line_no_checkpoint_keeps(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    run_to(run_dir, 2, keep_checkpoints=1)  # checkpoint 2 keeps rows 2 only: generation 1's row is nowhere else
+    damaged = overwrite_line(run_dir / "metrics.jsonl", 2, 0, 30)
+    with pytest.warns(DamagedLines, match=r"no checkpoint keeps generation 1: marked missing"):
+        run_to(run_dir, 3, keep_checkpoints=1)
+    rows = read_metrics(run_dir)
+    assert [r["generation"] for r in rows] == [0, 1, 2, 3]
+    assert rows[1] == {"generation": 1, MISSING: True, "damaged_line": 2}  # the gap, visible
+    reference = uninterrupted(tmp_path, keep_checkpoints=1)
+    assert without_times([rows[0], *rows[2:]]) == [reference[0], *reference[2:]]
+    kept = json.loads((run_dir / DAMAGED_METRICS).read_text())
+    assert kept["raw"].encode("latin-1") == damaged
+    # tables and plots skip its values and still know the generation is missing
+    xs, _ = series(rows, "train/reward_mean")
+    assert xs == [2.0, 3.0]  # generation 0 has no population; generation 1's values are gone
+    record = analysis.read_run(run_dir)
+    assert [r.get(MISSING, False) for r in record.rows] == [False, True, False, False]
+
+
+def unparsable_config_yaml(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    run_to(run_dir, 2)
+    text = (run_dir / "config.yaml").read_text().splitlines()
+    line = next(n for n, t in enumerate(text) if t.startswith("target_modules"))
+    text[line + 1] = "- [q_proj"  # an unclosed flow sequence, as the issue's probe left
+    (run_dir / "config.yaml").write_text("\n".join(text) + "\n")
+    damaged = (run_dir / "config.yaml").read_bytes()
+    with pytest.raises(RunFolderDamaged, match=rf"{re.escape(str(run_dir / 'config.yaml'))}, line {line + 2}, column 3: "
+                                               r"the run folder's settings do not parse .*restore_run_config.*"
+                                               r"overwrite=True"):
+        ESRun.open(config(), run_dir)  # no evaluator: an engine started before the check would show here
+    assert (run_dir / "config.yaml").read_bytes() == damaged  # refused: nothing written
+    assert restore_run_config(run_dir).name == "000002"
+    assert (run_dir / DAMAGED_CONFIG).read_bytes() == damaged  # kept, never deleted
+    run_to(run_dir, 3)
+    assert without_times(read_metrics(run_dir)) == uninterrupted(tmp_path)
+
+
+def invalid_config_yaml(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    run_to(run_dir, 1)
+    text = (run_dir / "config.yaml").read_text()
+    (run_dir / "config.yaml").write_text(text.replace("population_size: 4", "population_size: -4"))
+    line = next(n for n, t in enumerate(text.splitlines(), start=1) if t.startswith("population_size:"))
+    with pytest.raises(RunFolderDamaged, match=rf"config.yaml, line {line}: the run folder's settings do not validate "
+                                               r"\(.*population_size"):
+        ESRun.resume(run_dir)
+
+
+def disk_full_mid_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    run_dir = tmp_path / "run"
+    run = ESRun.create(config(), run_dir, evaluator=SyntheticEvaluator())
+    run.step()
+    real = checkpoints_module.fsync_tree
+
+    def full(path):  # the checkpoint's files are written; making them durable runs out of space
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(checkpoints_module, "fsync_tree", full)
+    with pytest.raises(OSError, match="No space left on device"):
+        run.step()
+    monkeypatch.setattr(checkpoints_module, "fsync_tree", real)
+    run.close()
+    assert [r["generation"] for r in read_metrics(run_dir)] == [0, 1]  # generation 2 never counted
+    assert list_checkpoints(run_dir)[-1].name == "000001"
+    run_to(run_dir, 3)  # the half-written checkpoint is cleared on open, generation 2 reruns
+    assert without_times(read_metrics(run_dir)) == uninterrupted(tmp_path)
+    assert not list((run_dir / "checkpoints").glob(".*"))
+
+
+def truncated_checkpoint(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    run_to(run_dir, 2)
+    adapter = run_dir / "checkpoints" / "000002" / "adapter" / "adapter_model.safetensors"
+    adapter.write_bytes(adapter.read_bytes()[:100])
+    with pytest.warns(CheckpointFallback, match="000002: adapter/adapter_model.safetensors has 100 bytes"):
+        run_to(run_dir, 3)
+    assert (run_dir / "checkpoints" / "000002.damaged").is_dir()
+    assert without_times(read_metrics(run_dir)) == uninterrupted(tmp_path)
+
+
+def two_writers(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    first = ESRun.create(config(), run_dir, evaluator=SyntheticEvaluator())
+    first.step()
+    with pytest.raises(RunFolderBusy, match=f"{re.escape(str(run_dir))}.*process"):
+        ESRun.open(config(), run_dir, evaluator=SyntheticEvaluator())
+    first.run()
+    first.close()
+    assert without_times(read_metrics(run_dir)) == uninterrupted(tmp_path)
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One injected fault: its name (as docs/reliability.md lists it) and the check of what the user sees."""
+
+    name: str
+    check: Callable[..., None] | str
+    "a function of (tmp_path[, monkeypatch]), or the node id of the test elsewhere that injects it"
+
+
+FAULTS = [
+    Fault("torn last line of metrics.jsonl", torn_last_metrics_line),
+    Fault("damaged line in the middle of metrics.jsonl", damaged_middle_metrics_line),
+    Fault("damaged metrics line no checkpoint keeps", damaged_metrics_line_no_checkpoint_keeps),
+    Fault("config.yaml that does not parse", unparsable_config_yaml),
+    Fault("config.yaml that does not validate", invalid_config_yaml),
+    Fault("disk full mid-checkpoint", disk_full_mid_checkpoint),
+    Fault("truncated checkpoint file", truncated_checkpoint),
+    Fault("two writers", two_writers),
+    Fault("SIGKILL mid-generation", "tests/test_es_run.py::test_kill_mid_generation_then_resume"),
+    Fault("killed between the steps of a checkpoint rewrite",
+          "tests/test_runs.py::test_kill_during_checkpoint_rewrite_leaves_a_loadable_checkpoint"),
+    Fault("Ray engine lost in LoRA mode",
+          "tests/test_ray_engine.py::test_an_engine_killed_mid_generation_loses_nothing"),
+    Fault("Ray engine lost with the mean (full, eggroll)",
+          "tests/test_ray_modes.py::test_an_engine_lost_with_the_mean_is_given_it_back_and_the_run_ends_as_uninterrupted"),
+    Fault("Ray engine lost past its attempts",
+          "tests/test_ray_modes.py::test_an_engine_that_stays_lost_past_its_attempts_ends_the_run_and_it_resumes_to_the_same_rows"),
+]
+HERE = [fault for fault in FAULTS if callable(fault.check)]
+
+
+@pytest.mark.parametrize("fault", HERE, ids=[fault.name for fault in HERE])
+def test_fault(fault, tmp_path, monkeypatch):
+    if "monkeypatch" in fault.check.__code__.co_varnames[:fault.check.__code__.co_argcount]:
+        fault.check(tmp_path, monkeypatch)
+    else:
+        fault.check(tmp_path)
+
+
+@pytest.mark.parametrize("fault", [f for f in FAULTS if not callable(f.check)], ids=lambda f: f.name)
+def test_a_fault_injected_elsewhere_names_a_test_that_exists(fault):
+    path, name = fault.check.split("::")
+    assert re.search(rf"^def {name}\(", (Path(__file__).parents[1] / path).read_text(), re.M), fault.check
+
+
+def test_the_reliability_page_lists_every_fault():
+    page = DOCS.read_text()
+    missing = [fault.name for fault in FAULTS if f"| {fault.name} |" not in page]
+    assert not missing, f"docs/reliability.md lists no row for {missing}"
