@@ -239,7 +239,29 @@ def check_engine_settings(config, model_dir: str | Path, task=None, *, cuda: boo
                     f"(and the optimizer's buffers) need {_gib(needed)} of {device} beside the engine, which leaves "
                     f"{_gib(max(left, 0))} of the {_gib(free)} free now: lower gpu_memory_utilization or kv_cache_gb, "
                     "or move fewer weights (es_weights, target_modules)")
+        if getattr(config, "policy_weights", "lora") == "full":
+            engine = kv_bytes + (weights or 0) if kv_bytes is not None else memory_asked.gpu_memory_utilization * total
+            needed, left = policy_weights_bytes(config, model_dir), free - engine
+            if needed > left:
+                raise ConfigError(
+                    f"policy_weights=full: the float32 policy model, the gradients and AdamW's two moments of the "
+                    f"trained weights and the engine's float32 copy of them{' and the KL reference model' if config.beta > 0 else ''} "
+                    f"need {_gib(needed)} of {device} beside the engine, which leaves {_gib(max(left, 0))} of the "
+                    f"{_gib(free)} free now: lower gpu_memory_utilization or kv_cache_gb, or train fewer weights "
+                    "(grpo_weights, target_modules, layers_to_transform)")
     return budget
+
+
+def policy_weights_bytes(config, model_dir: str | Path) -> int:
+    """Bytes GRPO with policy_weights full keeps beside the engine: the float32 policy model, and for
+    each trained weight its gradient, AdamW's two moments and the engine's float32 copy (its master);
+    with beta > 0 a float32 reference model too."""
+    from .engines.resident_weights import targeted_weight_shapes
+
+    model = sum(math.prod(shape) for shape in targeted_weight_shapes(model_dir, "all").values())
+    targets, layers = config.weight_targets()
+    trained = sum(math.prod(shape) for shape in targeted_weight_shapes(model_dir, targets, layers).values())
+    return 4 * (model * (2 if config.beta > 0 else 1) + 4 * trained)
 
 
 def weights_mode_bytes(config, model_dir: str | Path) -> int:
