@@ -20,8 +20,9 @@ References:
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Sequence
+from typing import Iterable, Iterator, Sequence
 
 import torch
 
@@ -29,7 +30,7 @@ from ..config import ConfigError, GRPOConfig
 from ..engines import Evaluator, SamplingSettings, TokenScorer, WeightsEngine, make_evaluator
 from ..lora import AdapterWeights
 from ..clock import timed
-from ..runs import RunState
+from ..runs import RunState, list_checkpoints, load_checkpoint
 from ..seeds import derive_seed
 from ..tasks import Example, Task
 from ..types import Completion
@@ -191,6 +192,29 @@ class GRPORun(RunLoop):
         if self.trainer.full:
             tensors.update({WEIGHTS_PREFIX + name: value.cpu() for name, value in self.trainer.weights().items()})
         return self._write_checkpoint(self.policy, tensors, state)
+
+    @contextmanager
+    def serving_base(self) -> Iterator[None]:
+        """policy_weights full: inside the block the engine serves the model folder's weights (the base
+        model), after it the policy again (for KL to the base model, as ``ModelWeights.serving_base``)."""
+        self.engine_weights.load({"master": base_weights(self.model_dir, self.engine_weights.shapes)})
+        try:
+            yield
+        finally:
+            self.sync_engine()
+
+    def replay(self, generations: Iterable[int]) -> Iterator[int]:
+        """policy_weights full: serve the trained weights of each kept checkpoint among ``generations``
+        (ascending), yielding its step while the engine serves it; afterwards the current policy again."""
+        kept = {int(path.name): path for path in list_checkpoints(self.run_dir)}
+        try:
+            for generation in sorted(set(int(g) for g in generations) & set(kept)):
+                tensors = load_checkpoint(kept[generation])[1]
+                weights = {k.removeprefix(WEIGHTS_PREFIX): v for k, v in tensors.items() if k.startswith(WEIGHTS_PREFIX)}
+                self.engine_weights.load({"master": torch.cat([weights[n].float().reshape(-1) for n in sorted(weights)])})
+                yield generation
+        finally:
+            self.sync_engine()
 
     def save_final(self) -> Path:
         """The policy as a PEFT adapter under run_dir/final_adapter, or, with policy_weights full, the
