@@ -85,7 +85,12 @@ class GRPORun(RunLoop):
         """policy_weights full: write the trainer's weights into the engine (cast to its dtype, in place);
         returns the seconds it took."""
         started = time.perf_counter()
-        self.engine_weights.load({"master": self.trainer.flat_weights()})
+        flat = self.trainer.flat_weights()
+        # an engine in this process takes the vector where it is (one device-to-device copy); Ray
+        # engines get it through the object store, from the host
+        self.engine_weights.load({"master": flat.cpu() if self.config.evaluator == "ray" else flat})
+        if flat.is_cuda:
+            torch.cuda.synchronize()
         return time.perf_counter() - started
 
     def row_header(self) -> dict:

@@ -142,9 +142,9 @@ class PolicyTrainer:
         return {name: param.detach() for name, param in self.trained.items()}
 
     def flat_weights(self) -> torch.Tensor:
-        """policy_weights full: the trained weights as one float32 vector on the host, in sorted-name
-        order (the layout of the engine's resident weights, ``es.Layout``)."""
-        return torch.cat([param.detach().reshape(-1) for param in self.trained.values()]).to("cpu", torch.float32)
+        """policy_weights full: the trained weights as one float32 vector on the trainer's device, in
+        sorted-name order (the layout of the engine's resident weights, ``es.Layout``)."""
+        return torch.cat([param.detach().reshape(-1) for param in self.trained.values()])
 
     @torch.no_grad()
     def set_weights(self, tensors: dict[str, torch.Tensor]) -> None:
