@@ -230,25 +230,22 @@ def check_engine_settings(config, model_dir: str | Path, task=None, *, cuda: boo
                 raise ConfigError(
                     f"gpu_memory_utilization={utilization:g} gives the engine {_gib(utilization * total)}, less "
                     f"than the model's weights ({_gib(weights)}): raise gpu_memory_utilization")
+        engine = kv_bytes + (weights or 0) if kv_bytes is not None else memory_asked.gpu_memory_utilization * total
+        beside = None  # (what the run keeps beside the engine, its bytes, the settings that make it smaller)
         if getattr(config, "es_mode", "lora") != "lora":
-            engine = kv_bytes + (weights or 0) if kv_bytes is not None else memory_asked.gpu_memory_utilization * total
-            needed, left = weights_mode_bytes(config, model_dir), free - engine
-            if needed > left:
-                raise ConfigError(
-                    f"es_mode={config.es_mode}: the float32 master of the moved weights and one member's noise "
-                    f"(and the optimizer's buffers) need {_gib(needed)} of {device} beside the engine, which leaves "
-                    f"{_gib(max(left, 0))} of the {_gib(free)} free now: lower gpu_memory_utilization or kv_cache_gb, "
-                    "or move fewer weights (es_weights, target_modules)")
-        if getattr(config, "policy_weights", "lora") == "full":
-            engine = kv_bytes + (weights or 0) if kv_bytes is not None else memory_asked.gpu_memory_utilization * total
-            needed, left = policy_weights_bytes(config, model_dir), free - engine
-            if needed > left:
-                raise ConfigError(
-                    f"policy_weights=full: the float32 policy model, the gradients and AdamW's two moments of the "
-                    f"trained weights and the engine's float32 copy of them{' and the KL reference model' if config.beta > 0 else ''} "
-                    f"need {_gib(needed)} of {device} beside the engine, which leaves {_gib(max(left, 0))} of the "
-                    f"{_gib(free)} free now: lower gpu_memory_utilization or kv_cache_gb, or train fewer weights "
-                    "(grpo_weights, target_modules, layers_to_transform)")
+            beside = (f"es_mode={config.es_mode}: the float32 master of the moved weights and one member's noise "
+                      "(and the optimizer's buffers)", weights_mode_bytes(config, model_dir),
+                      "move fewer weights (es_weights, target_modules)")
+        elif getattr(config, "policy_weights", "lora") == "full":
+            beside = ("policy_weights=full: the float32 policy model, the gradients and AdamW's two moments of the "
+                      "trained weights and the engine's float32 copy of them"
+                      + (" and the KL reference model" if config.beta > 0 else ""), policy_weights_bytes(config, model_dir),
+                      "train fewer weights (grpo_weights, target_modules, layers_to_transform)")
+        if beside is not None and beside[1] > free - engine:
+            what, needed, fewer = beside
+            raise ConfigError(
+                f"{what} need {_gib(needed)} of {device} beside the engine, which leaves {_gib(max(free - engine, 0))} "
+                f"of the {_gib(free)} free now: lower gpu_memory_utilization or kv_cache_gb, or {fewer}")
     return budget
 
 
