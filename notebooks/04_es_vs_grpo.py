@@ -41,8 +41,8 @@ num_examples: int = 4  # held-out prompts shown side by side
 measure: str = "success"  # held-out score of a run: success (share of problems solved) or reward (mean task reward)
 allow_mixed: bool = False  # compare runs with different models, tasks or LoRA layouts anyway
 figures_dir: str = "../figures"  # where PNG/PDF/SVG figures go
-geometry_runs: str = ""  # two run folders, "A,B" (e.g. es full and grpo full on one model), whose solutions are compared (empty: no geometry section)
-geometry_points: int = 5  # points of the straight path from A (t = 0) to B (t = 1), ends included
+geometry_runs: str = ""  # two run folders, A then B, comma-separated (e.g. es full and grpo full of one model) whose solutions are compared (empty: no geometry section)
+geometry_points: int = 5  # points of the straight path from A to B, both ends included
 kl_samples: int = 1  # samples per held-out prompt for KL to the base model along the path (0: no KL)
 off_task: str = "conciseness"  # another task's name, or a JSONL file of prompts, for the drift off the task
 geometry_dtype: str = "bfloat16"  # dtype in which "changed at all" is counted (the engine's on a GPU)
@@ -206,7 +206,7 @@ assert ((study["ci_low"] <= study["mean"]) & (study["mean"] <= study["ci_high"])
 
 # %% [markdown]
 # ## The geometry of two solutions
-# What two runs changed in the model (`geometry_runs`: A, B), after Hoy, Wang & Pan 2026: each update as a
+# What two runs changed in the model (`geometry_runs`: A then B), after Hoy, Wang & Pan 2026: each update as a
 # full weight difference from the base model (a LoRA's merged `B A * scaling`, or the moved weights), its
 # Frobenius norm per layer and the share of weights that changed at all in `geometry_dtype`; the cosine
 # between the two updates; the held-out reward and KL to the base model along the straight path
