@@ -100,11 +100,11 @@ def read_run(path: str | os.PathLike, label: str | None = None) -> RunRecord:
 
 
 def method_label(config: Mapping[str, Any]) -> str:
-    """A run's default label from its settings: its kind ("es", "grpo"), and for ES runs that moved
-    the model's own weights the mode too ("es full", "es eggroll"; LoRA ES stays "es")."""
+    """A run's default label from its settings: its kind ("es", "grpo"), and for runs that moved the
+    model's own weights the mode too ("es full", "es eggroll", "grpo full"; LoRA runs stay "es", "grpo")."""
     kind = str(config.get("kind", "es"))
-    mode = str(config.get("es_mode") or "lora")
-    return f"{kind} {mode}" if kind == "es" and mode != "lora" else kind
+    mode = str(config.get("es_mode" if kind == "es" else "policy_weights") or "lora")
+    return f"{kind} {mode}" if mode != "lora" else kind
 
 
 def read_heldout(run_dir: str | os.PathLike) -> list[dict] | None:

@@ -264,6 +264,19 @@ def did_you_mean(name: str, valid: list[str] | tuple[str, ...]) -> str:
     return f" (did you mean {close[0]}?)" if close else ""
 
 
+def model_weight_targets(selection: str | None, spec: LoraSpec) -> tuple:
+    """(target modules, or "all", and the layers) of the model weights a run moves: ``all`` for every
+    parameter, None for those of the LoRA target_modules in layers_to_transform."""
+    if selection == "all":
+        return "all", None
+    return spec.target_modules, spec.layers_to_transform
+
+
+def _check_weight_selection(field: str, selection: str | None) -> None:
+    if selection not in (None, "all"):
+        raise ValueError(f"{field}: None (the LoRA target_modules) or 'all', got {selection!r}")
+
+
 class ESConfig(CommonConfig):
     """An ES run: population of LoRA adapters = mean + sigma * seeded noise (Qiu et al. 2025)."""
 
@@ -348,10 +361,7 @@ class ESConfig(CommonConfig):
 
     def weight_targets(self) -> tuple:
         """(target modules, or "all", and the layers) of the weights es_mode full / eggroll moves."""
-        if self.es_weights == "all":
-            return "all", None
-        spec = self.lora_spec()
-        return spec.target_modules, spec.layers_to_transform
+        return model_weight_targets(self.es_weights, self.lora_spec())
 
     def estimator_config(self):
         """The evolm_lib.zo settings of ``estimator`` (num_queries = population_size, mu = sigma)."""
@@ -368,8 +378,7 @@ class ESConfig(CommonConfig):
         if self.es_mode == "lora":
             return self
         mode = self.es_mode
-        if self.es_weights not in (None, "all"):
-            raise ValueError(f"es_weights: None (the LoRA target_modules) or 'all', got {self.es_weights!r}")
+        _check_weight_selection("es_weights", self.es_weights)
         if self.es_weights == "all" and mode == "eggroll":
             raise ValueError("es_weights: eggroll perturbs weight matrices through LoRA slots; 'all' is for es_mode full")
         if self.adapter_transfer == "files":
@@ -400,7 +409,13 @@ class ESConfig(CommonConfig):
 
 
 class GRPOConfig(CommonConfig):
-    """A GRPO run: G samples per prompt, group-relative advantages, AdamW on the LoRA tensors."""
+    """A GRPO run: G samples per prompt, group-relative advantages, AdamW on the LoRA tensors or on the
+    model weights (``policy_weights``)."""
+
+    policy_weights: Literal["lora", "full"] = "lora"
+    "what GRPO trains: lora (AdamW on the LoRA tensors) or full (AdamW on the model weights in grpo_weights, float32 master in the trainer; after each step the engine's weights are written in place, no reload)"
+    grpo_weights: Optional[str] = None
+    "policy_weights full: the model weights GRPO trains; None: those of the LoRA target_modules (in layers_to_transform); all: every parameter"
 
     temperature: float = Field(1.0, gt=0)
     "sampling temperature of the rollouts (> 0: a greedy group has no spread); log-probs use logits / temperature"
@@ -435,6 +450,18 @@ class GRPOConfig(CommonConfig):
     "weight of the k3 KL penalty to the base model (0: none, and no reference pass)"
     num_steps: int = Field(10, ge=1)
     "steps run() does by default"
+
+    @model_validator(mode="after")
+    def _weights_fit(self):
+        _check_weight_selection("grpo_weights", self.grpo_weights)
+        if self.grpo_weights is not None and self.policy_weights == "lora":
+            raise ValueError(f"grpo_weights: {self.grpo_weights!r} selects model weights, which only "
+                             "policy_weights 'full' trains (policy_weights is 'lora')")
+        return self
+
+    def weight_targets(self) -> tuple:
+        """(target modules, or "all", and the layers) of the model weights policy_weights full trains."""
+        return model_weight_targets(self.grpo_weights, self.lora_spec())
 
     @field_validator("group_size")
     @classmethod

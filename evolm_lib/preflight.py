@@ -230,16 +230,35 @@ def check_engine_settings(config, model_dir: str | Path, task=None, *, cuda: boo
                 raise ConfigError(
                     f"gpu_memory_utilization={utilization:g} gives the engine {_gib(utilization * total)}, less "
                     f"than the model's weights ({_gib(weights)}): raise gpu_memory_utilization")
+        engine = kv_bytes + (weights or 0) if kv_bytes is not None else memory_asked.gpu_memory_utilization * total
+        beside = None  # (what the run keeps beside the engine, its bytes, the settings that make it smaller)
         if getattr(config, "es_mode", "lora") != "lora":
-            engine = kv_bytes + (weights or 0) if kv_bytes is not None else memory_asked.gpu_memory_utilization * total
-            needed, left = weights_mode_bytes(config, model_dir), free - engine
-            if needed > left:
-                raise ConfigError(
-                    f"es_mode={config.es_mode}: the float32 master of the moved weights and one member's noise "
-                    f"(and the optimizer's buffers) need {_gib(needed)} of {device} beside the engine, which leaves "
-                    f"{_gib(max(left, 0))} of the {_gib(free)} free now: lower gpu_memory_utilization or kv_cache_gb, "
-                    "or move fewer weights (es_weights, target_modules)")
+            beside = (f"es_mode={config.es_mode}: the float32 master of the moved weights and one member's noise "
+                      "(and the optimizer's buffers)", weights_mode_bytes(config, model_dir),
+                      "move fewer weights (es_weights, target_modules)")
+        elif getattr(config, "policy_weights", "lora") == "full":
+            beside = ("policy_weights=full: the float32 policy model, the gradients and AdamW's two moments of the "
+                      "trained weights and the engine's float32 copy of them"
+                      + (" and the KL reference model" if config.beta > 0 else ""), policy_weights_bytes(config, model_dir),
+                      "train fewer weights (grpo_weights, target_modules, layers_to_transform)")
+        if beside is not None and beside[1] > free - engine:
+            what, needed, fewer = beside
+            raise ConfigError(
+                f"{what} need {_gib(needed)} of {device} beside the engine, which leaves {_gib(max(free - engine, 0))} "
+                f"of the {_gib(free)} free now: lower gpu_memory_utilization or kv_cache_gb, or {fewer}")
     return budget
+
+
+def policy_weights_bytes(config, model_dir: str | Path) -> int:
+    """Bytes GRPO with policy_weights full keeps beside the engine: the float32 policy model, and for
+    each trained weight its gradient, AdamW's two moments and the engine's float32 copy (its master);
+    with beta > 0 a float32 reference model too."""
+    from .engines.resident_weights import targeted_weight_shapes
+
+    model = sum(math.prod(shape) for shape in targeted_weight_shapes(model_dir, "all").values())
+    targets, layers = config.weight_targets()
+    trained = sum(math.prod(shape) for shape in targeted_weight_shapes(model_dir, targets, layers).values())
+    return 4 * (model * (2 if config.beta > 0 else 1) + 4 * trained)
 
 
 def weights_mode_bytes(config, model_dir: str | Path) -> int:

@@ -23,6 +23,7 @@ The spec is a batch file for notebook 04 (`notebook`, `parameters`) plus a `swee
       grpo_modes:                                       # optional: several GRPO variants, each over `grpo`
         lr2e3: {learning_rate: 0.002}                   # -> OUT/grpo_lr2e3_seedN
         lr5e4: {learning_rate: 0.0005}                  # -> OUT/grpo_lr5e4_seedN
+        full: {policy_weights: full, learning_rate: 1e-5}   # -> OUT/grpo_full_seedN: GRPO on the model weights
       generations: 12                                   # ES generations (sets the budget)
       seeds: [0, 1, 2]
       out: runs/es_vs_grpo
@@ -312,12 +313,18 @@ def make_shared_evaluator(plan: list[PlannedRun]):
     """One engine for every run: sized for the largest population and LoRA rank (a plan of GRPO runs
     alone, ``--methods grpo``, included)."""
     first = next((run.config for run in plan if run.kind == "es"), plan[0].config)
-    return make_evaluator(first, sizing=EngineSizing.from_config(first).covering(run.config for run in plan))
+    sizing = EngineSizing.from_config(first).covering(run.config for run in plan)
+    if any(getattr(run.config, "policy_weights", "lora") == "full" for run in plan):
+        sizing = sizing.replace(adapter_transfer="in_place")  # GRPO on the model weights writes them in place
+    return make_evaluator(first, sizing=sizing)
 
 
-def model_weights_of(run) -> ModelWeights | None:
-    """What an ES run moves when it is the model's own weights (es_mode full/eggroll), else None."""
-    parameters = getattr(run, "parameters", None)  # GRPO runs move an adapter and have none
+def model_weights_of(run) -> ModelWeights | GRPORun | None:
+    """What a run moves when it is the model's own weights, with ``serving_base`` and ``replay``: an ES
+    run's ``ModelWeights`` (es_mode full/eggroll), a GRPO run itself (policy_weights full); else None."""
+    if isinstance(run, GRPORun):
+        return run if run.engine_weights is not None else None
+    parameters = getattr(run, "parameters", None)
     return parameters if isinstance(parameters, ModelWeights) else None
 
 

@@ -25,7 +25,9 @@
 # The defaults show the tiny fixture runs in `tests/data/es_vs_grpo/` (tiny-random with a synthetic
 # engine, and hand-made held-out scores: their numbers mean nothing); point `es_runs` and `grpo_runs`
 # at your own, e.g. the folders `evolm sweep` writes to `runs/es_vs_grpo/`. Either may be empty: the
-# notebook then shows the other method alone.
+# notebook then shows the other method alone. The last section compares two runs' solutions: how far
+# each moved the weights, in which direction, the straight path between them and the drift off the task
+# (`geometry_runs`).
 
 # %% tags=["parameters"]
 es_runs: str = "../tests/data/es_vs_grpo/es_*"  # glob of ES run folders, relative to the kernel's working directory (empty: none)
@@ -39,6 +41,11 @@ num_examples: int = 4  # held-out prompts shown side by side
 measure: str = "success"  # held-out score of a run: success (share of problems solved) or reward (mean task reward)
 allow_mixed: bool = False  # compare runs with different models, tasks or LoRA layouts anyway
 figures_dir: str = "../figures"  # where PNG/PDF/SVG figures go
+geometry_runs: str = ""  # two run folders, A then B, comma-separated (e.g. es full and grpo full of one model) whose solutions are compared (empty: no geometry section)
+geometry_points: int = 5  # points of the straight path from A to B, both ends included
+kl_samples: int = 1  # samples per held-out prompt for KL to the base model along the path (0: no KL)
+off_task: str = "conciseness"  # another task's name, or a JSONL file of prompts, for the drift off the task
+geometry_dtype: str = "bfloat16"  # dtype in which "changed at all" is counted (the engine's on a GPU)
 
 # %%
 from evolm_lib.analysis import (
@@ -196,3 +203,76 @@ assert len(equal_budget_tests) == len(groups) * (len(groups) - 1) // 2
 assert list(spread.index) == list(groups)
 assert set(study.index) <= set(groups) and len(comparisons) == len(study) * (len(study) - 1) // 2
 assert ((study["ci_low"] <= study["mean"]) & (study["mean"] <= study["ci_high"])).all()
+
+# %% [markdown]
+# ## The geometry of two solutions
+# What two runs changed in the model (`geometry_runs`: A then B), after Hoy, Wang & Pan 2026: each update as a
+# full weight difference from the base model (a LoRA's merged `B A * scaling`, or the moved weights), its
+# Frobenius norm per layer and the share of weights that changed at all in `geometry_dtype`; the cosine
+# between the two updates; the held-out reward and KL to the base model along the straight path
+# `(1 - t) theta_A + t theta_B`, served by one engine with the weights written in place, and its barrier
+# (the largest drop below the line between the ends); and the drift: KL to the base model on another
+# task's prompts (`off_task`), per checkpoint.
+
+# %%
+geometry_figures = []
+if geometry_runs:
+    import pandas as pd
+
+    from evolm_lib.engines import EngineSizing, make_evaluator
+    from evolm_lib.geometry import (interpolation_path, load_solution, off_task_drift, off_task_source, path_barrier,
+                                    summarize, update_cosine, update_table)
+    from evolm_lib.runs import load_run_config
+    from evolm_lib.tasks import get_task
+    from evolm_lib.viz.geometry import plot_drift, plot_path, plot_update_norms
+
+    folders = [folder.strip() for folder in geometry_runs.split(",")]
+    assert len(folders) == 2, f"geometry_runs: two run folders, A,B; got {folders}"
+    drift_task = off_task_source(off_task)  # a missing file fails here, before any engine starts
+    solutions = [load_solution(folder) for folder in folders]
+    tables = {s.label: update_table(s.weights, s.base, geometry_dtype) for s in solutions}
+    update_summary = pd.DataFrame([{"run": label, **summarize(rows)} for label, rows in tables.items()]).set_index("run")
+    display(update_summary)
+
+# %%
+if geometry_runs:
+    norms = plot_update_norms({label: summarize(rows, by="layer") for label, rows in tables.items()})
+    geometry_figures += export_figure(norms, "geometry_update_norms", figures_dir)
+    by_module = pd.concat({label: pd.DataFrame(summarize(rows, by="module")).set_index("module")
+                           for label, rows in tables.items()}, names=["run"])
+    display(norms, by_module)
+
+# %%
+if geometry_runs:
+    cosine = update_cosine(solutions[0].delta, solutions[1].delta)
+    cosines = pd.Series({"overall": cosine["overall"], **{f"layer {k}": v for k, v in cosine["per_layer"].items()}},
+                        name=f"cosine({solutions[0].label}, {solutions[1].label})")
+    display(cosines.to_frame().T)  # NaN: an update of no length (e.g. ES whose members all scored alike) has no direction
+
+# %%
+if geometry_runs:
+    config_a = load_run_config(folders[0])
+    # the weights are written in place: an engine with the worker extension (in_place), whatever A's method
+    engine = make_evaluator(config_a, sizing=EngineSizing.from_config(config_a).replace(adapter_transfer="in_place"))
+    path_rows = interpolation_path(engine, solutions[0], solutions[1], get_task(config_a.task, **config_a.task_options),
+                              geometry_points, max_new_tokens=config_a.max_new_tokens, kl_samples=kl_samples)
+    barrier = path_barrier([r["t"] for r in path_rows], [r["eval/reward"] for r in path_rows])
+    path_figure = plot_path(path_rows, (solutions[0].label, solutions[1].label), barrier)
+    geometry_figures += export_figure(path_figure, "geometry_path", figures_dir)
+    display(path_figure, pd.DataFrame(path_rows).set_index("t"))
+
+# %%
+if geometry_runs:
+    drift = {s.label: off_task_drift(engine, folder, drift_task, num_samples=max(kl_samples, 1))
+             for s, folder in zip(solutions, folders)}
+    engine.close()
+    drift_figure = plot_drift(drift, drift_task.name)
+    geometry_figures += export_figure(drift_figure, "geometry_drift", figures_dir)
+    display(drift_figure)
+
+# %%
+if geometry_runs:
+    assert all(figure.stat().st_size > 0 for figure in geometry_figures) and len(geometry_figures) == 3 * 3
+    assert path_rows[0]["t"] == 0 and path_rows[-1]["t"] == 1 and barrier >= 0
+    assert not -1 - 1e-9 > cosine["overall"] and not cosine["overall"] > 1 + 1e-9  # within [-1, 1], or NaN
+    assert all(len(rows) for rows in drift.values())

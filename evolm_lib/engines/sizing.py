@@ -41,6 +41,13 @@ class EngineMemory:
         return None if self.kv_cache_gb is None else int(self.kv_cache_gb * 2**30)
 
 
+def _grpo_transfer(config: CommonConfig) -> str:
+    """A GRPO engine: one adapter a call travels as a file; a policy of the model's own weights
+    (``policy_weights: full``) needs the worker extension that writes them in place, and an engine
+    whose prefix cache is off (in_place turns it off), or base requests would reuse stale KV blocks."""
+    return "in_place" if getattr(config, "policy_weights", "lora") == "full" else "files"
+
+
 @dataclass(frozen=True)
 class EngineSizing:
     """The sizes a vLLM engine is started with. ``from_config`` derives them from a run's settings."""
@@ -84,7 +91,7 @@ class EngineSizing:
         return cls(max_loras=max_loras, max_lora_rank=rank, max_model_len=config.max_model_len,
                    dtype=config.dtype, gpu_memory_utilization=config.gpu_memory_utilization,
                    kv_cache_gb=config.kv_cache_gb, seed=config.seed, deterministic=config.deterministic,
-                   adapter_transfer=getattr(config, "adapter_transfer", "files"))  # GRPO serves one adapter: files
+                   adapter_transfer=getattr(config, "adapter_transfer", _grpo_transfer(config)))
 
     def covering(self, configs: Iterable[CommonConfig]) -> "EngineSizing":
         """This sizing grown to serve each of these runs too (one engine shared by a sweep): the

@@ -1,7 +1,10 @@
-"""The GRPO policy as transformers + peft: log-probs, gradients and AdamW on the LoRA tensors only.
+"""The GRPO policy as transformers (+ peft): log-probs, gradients and AdamW on the LoRA tensors, or
+on the model weights themselves (``policy_weights: full``).
 
 Works on token ids (not text), so it trains on exactly the tokens the engine sampled. The policy
-sits on the GPU when one is present (``device``), in float32.
+sits on the GPU when one is present (``device``), in float32: with ``policy_weights: full`` the
+trained weights are themselves the float32 master that AdamW moves, and the engine is handed them
+cast to its dtype after each step (``flat_weights``).
 """
 from __future__ import annotations
 
@@ -74,14 +77,18 @@ def optimizer_state_from_tensors(optimizer: torch.optim.Optimizer, names: dict[t
 
 
 class PolicyTrainer:
-    """The policy as transformers + peft (float32): log-probs, gradients and AdamW on the LoRA tensors only."""
+    """The policy as transformers (float32): log-probs, gradients and AdamW on the LoRA tensors (peft),
+    or, with ``policy_weights: full`` (``adapter`` None), on the model weights in ``grpo_weights``."""
 
-    def __init__(self, model_dir: Path, adapter: AdapterWeights, config: GRPOConfig, device: str | None = None):
-        from peft import LoraConfig, get_peft_model
+    def __init__(self, model_dir: Path, adapter: AdapterWeights | None, config: GRPOConfig, device: str | None = None):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.config = config
-        self.spec = adapter.spec
+        self.full = config.policy_weights == "full"
+        if self.full != (adapter is None):
+            raise ValueError(f"policy_weights {config.policy_weights!r} "
+                             f"{'trains the model weights: no adapter' if self.full else 'needs an adapter'}")
+        self.spec = None if adapter is None else adapter.spec
         # The update belongs on the GPU when there is one: on the host it dominates a GPU run's step.
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -89,22 +96,81 @@ class PolicyTrainer:
         self.pad_token_id = pad if pad is not None else self.tokenizer.eos_token_id
         base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         self.vocab_size = base.get_output_embeddings().weight.shape[0]
-        lora = LoraConfig(
-            r=adapter.spec.rank,
-            lora_alpha=adapter.spec.alpha,
-            target_modules=list(adapter.spec.target_modules),
-            layers_to_transform=list(adapter.spec.layers_to_transform) if adapter.spec.layers_to_transform is not None else None,
-            lora_dropout=0.0,
-        )
-        self.model = get_peft_model(base, lora).to(self.device)
+        self.reference = None  # full: the base model the KL penalty compares with (LoRA: the adapter disabled)
+        if self.full:
+            self.model = base.to(self.device)
+            self.trained = self._select_trained(model_dir)
+            if config.beta > 0:
+                self.reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(self.device)
+                self.reference.eval().requires_grad_(False)
+        else:
+            from peft import LoraConfig, get_peft_model
+
+            lora = LoraConfig(
+                r=adapter.spec.rank,
+                lora_alpha=adapter.spec.alpha,
+                target_modules=list(adapter.spec.target_modules),
+                layers_to_transform=list(adapter.spec.layers_to_transform) if adapter.spec.layers_to_transform is not None else None,
+                lora_dropout=0.0,
+            )
+            self.model = get_peft_model(base, lora).to(self.device)
+            self.set_adapter(adapter)
         self.model.eval()  # no dropout anywhere: gradients still flow, and results are deterministic
-        self.set_adapter(adapter)
         self.parameters = [p for p in self.model.parameters() if p.requires_grad]
         self.names = {p: n for n, p in self.model.named_parameters() if p.requires_grad}
         self.optimizer = torch.optim.AdamW(
             self.parameters, lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2),
             weight_decay=config.weight_decay,
         )
+
+    def _select_trained(self, model_dir: Path) -> dict[str, torch.nn.Parameter]:
+        """Only the weights of ``grpo_weights`` require gradients (HF names, as the engine's weights are named)."""
+        from ..engines.resident_weights import targeted_weight_shapes
+
+        targets, layers = self.config.weight_targets()
+        shapes = targeted_weight_shapes(model_dir, targets, layers)
+        params = dict(self.model.named_parameters())  # a tied LM head appears once, as the embedding
+        missing = sorted(set(shapes) - set(params))
+        if missing:
+            raise ValueError(f"the policy model has no parameter {missing[:3]} (it has e.g. {sorted(params)[:3]})")
+        for name, param in params.items():
+            param.requires_grad_(name in shapes)
+        return {name: params[name] for name in sorted(shapes)}
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """policy_weights full: the trained weights (float32, on the trainer's device; live, not copies)."""
+        return {name: param.detach() for name, param in self.trained.items()}
+
+    def flat_weights(self) -> torch.Tensor:
+        """policy_weights full: the trained weights as one float32 vector on the trainer's device, in
+        sorted-name order (the layout of the engine's resident weights, ``es.Layout``)."""
+        return torch.cat([param.detach().reshape(-1) for param in self.trained.values()])
+
+    @torch.no_grad()
+    def set_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+        """policy_weights full: set the trained weights (a checkpoint's)."""
+        if set(tensors) != set(self.trained):
+            raise ValueError(f"weights do not fit the policy: unexpected {sorted(set(tensors) - set(self.trained))[:3]}, "
+                             f"missing {sorted(set(self.trained) - set(tensors))[:3]}")
+        for name, param in self.trained.items():
+            param.copy_(tensors[name].to(param.device, param.dtype))
+
+    def save_model(self, out: Path, dtype: str) -> Path:
+        """policy_weights full: the policy as a model folder transformers and vLLM load (safetensors in
+        ``dtype``, config, tokenizer), written to a staging folder and renamed into place."""
+        import os
+        import shutil
+        import tempfile
+
+        out = Path(out)
+        staging = Path(tempfile.mkdtemp(prefix=".final-", dir=out.parent))
+        state = {name: tensor.detach().to("cpu", getattr(torch, dtype)) for name, tensor in self.model.state_dict().items()}
+        self.model.save_pretrained(staging, state_dict=state)
+        self.tokenizer.save_pretrained(staging)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(staging, out)
+        return out
 
     def set_adapter(self, adapter: AdapterWeights) -> None:
         """Copy an adapter's tensors into the peft model."""
@@ -139,8 +205,10 @@ class PolicyTrainer:
             raise ValueError("a micro-batch has no response tokens")
         first, width = int(columns[0]), int(columns[-1]) + 1
         input_ids, labels, mask = batch["input_ids"][rows, :width], batch["labels"][rows, first:width], mask[:, first:width]
-        with torch.set_grad_enabled(grad), (self.model.disable_adapter() if base else contextlib.nullcontext()):
-            logits = self.model(input_ids=input_ids, logits_to_keep=width - first).logits  # (micro, kept, vocab)
+        model = self.reference if base and self.full else self.model
+        adapter_off = self.model.disable_adapter() if base and not self.full else contextlib.nullcontext()
+        with torch.set_grad_enabled(grad), adapter_off:
+            logits = model(input_ids=input_ids, logits_to_keep=width - first).logits  # (micro, kept, vocab)
             if self.config.temperature != 1.0:
                 logits = logits / self.config.temperature
             label_logits = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1)  # (micro, kept)
