@@ -270,8 +270,8 @@ class ArithmeticTask(Task):
         No problem is in both splits, nor twice in one ("3 + 5" and "5 + 3" are the same problem).
         """
         if num_train < 0 or num_eval < 0 or num_validation < 0:
-            raise ValueError(f"num_train, num_eval and num_validation must be >= 0, got {num_train}, {num_eval}, "
-                             f"{num_validation}")
+            raise ValueError(f"num_train and num_eval must be >= 0, and num_validation too, got {num_train}, "
+                             f"{num_eval}, {num_validation}")
         self.digits = check_digits(digits)
         self.operations = check_operations(operations)
         problems = generate_arithmetic_problems(num_eval + num_train + num_validation, seed, digits, operations)

@@ -73,12 +73,12 @@ class ConcisenessTask(Task):
     success_threshold = 0.0  # minus the length gap: only an exact length reaches 0
     reward_label = "-|length difference|, chars"
 
-    def __init__(self, num_eval: int = len(EVAL_PAIRS), num_validation: int = 0, seed: int = 0):
+    def __init__(self, num_eval: int = len(EVAL_PAIRS), num_validation: int = 0, shuffle_seed: int = 0):
         """`num_eval` held-out questions: the eight of EVAL_PAIRS, then generated ones (`generated_pairs`,
-        shuffled by `seed`; 108 gives a held-out score that rests on more than eight answers);
+        shuffled by `shuffle_seed`; 108 gives a held-out score that rests on more than eight answers);
         `num_validation` generated questions after those are the validation set (the paper's training
         pool has two prompts, too few to carve from)."""
-        generated = generated_pairs(seed)
+        generated = generated_pairs(shuffle_seed)
         extra = max(num_eval - len(EVAL_PAIRS), 0)
         if num_eval < 0 or num_validation < 0 or extra + num_validation > len(generated):
             raise ValueError(f"num_eval and num_validation: at least 0, and at most {len(EVAL_PAIRS) + len(generated)} "

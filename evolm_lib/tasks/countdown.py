@@ -408,8 +408,8 @@ class CountdownTask(Task):
         1 to `max_target` (e.g. 2 numbers up to 9 and targets up to 20 for a small model).
         """
         if num_train < 0 or num_eval < 0 or num_validation < 0:
-            raise ValueError(f"num_train, num_eval and num_validation must be >= 0, got {num_train}, {num_eval}, "
-                             f"{num_validation}")
+            raise ValueError(f"num_train and num_eval must be >= 0, and num_validation too, got {num_train}, "
+                             f"{num_eval}, {num_validation}")
         wanted = num_train + num_eval + num_validation
         self.answer_format = check_answer_format(answer_format)
         difficulty = {"num_numbers": num_numbers, "max_number": max_number, "max_target": max_target}
