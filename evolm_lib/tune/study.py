@@ -8,15 +8,18 @@ worker counts the study's trials and asks for a new one under an exclusive lock 
 so each method gets exactly ``trials`` trials, and Optuna's storage gives a trial to one worker only.
 A running trial writes a heartbeat every ``heartbeat_s``; a trial silent for three of them (its
 worker was killed) is marked failed by the next worker and retried with the same setting, resuming
-its run folders from their checkpoints (``RetryFailedTrialCallback``). Running again continues.
+its run folders from their checkpoints (``RetryHeartbeatStaleTrialCallback``). Running again continues.
 """
 from __future__ import annotations
 
 import contextlib
 import fcntl
 import math
+import os
+import socket
 import threading
 import time
+import warnings
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -39,15 +42,29 @@ def storage_url(out: str | Path) -> str:
 
 
 def open_storage(spec: TuneSpec):
-    """The studies' storage in the tuning folder, with heartbeats and retries of failed trials."""
+    """The studies' storage in the tuning folder, with heartbeats and retries of stale trials; opened
+    under the folder's lock (two processes creating the database's tables at once collide)."""
     import optuna
 
     spec.out.mkdir(parents=True, exist_ok=True)
     beat = max(1, math.ceil(spec.settings.heartbeat_s))
-    return optuna.storages.RDBStorage(
-        storage_url(spec.out), engine_kwargs={"connect_args": {"timeout": 120}},
-        heartbeat_interval=beat, grace_period=3 * beat,
-        failed_trial_callback=optuna.storages.RetryFailedTrialCallback(max_retry=spec.settings.max_retries))
+    with _study_lock(spec.out), _quiet_optuna():
+        retry = optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=spec.settings.max_retries)
+        return optuna.storages.RDBStorage(storage_url(spec.out), engine_kwargs={"connect_args": {"timeout": 120}},
+                                          heartbeat_interval=beat, grace_period=3 * beat,
+                                          heartbeat_stale_trial_callback=retry)
+
+
+@contextlib.contextmanager
+def _quiet_optuna() -> Iterator[None]:
+    """Optuna's heartbeat API is marked experimental, and it warns that heartbeats belong to
+    Study.optimize: this worker asks for trials itself and beats their heartbeats (see ``heartbeat``)."""
+    import optuna
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used with Study.optimize")
+        yield
 
 
 def load_study(spec: TuneSpec, method: str, storage=None):
@@ -113,7 +130,7 @@ def _next_trial(spec: TuneSpec, method: str, storage):
     stale trials (a killed worker's) are failed first, which queues their retries."""
     import optuna
 
-    with _study_lock(spec.out):
+    with _study_lock(spec.out), _quiet_optuna():
         study = load_study(spec, method, storage)
         optuna.storages.fail_stale_trials(study)
         if trials_left(study, spec.settings.trials) == 0:
@@ -145,7 +162,8 @@ def trial_folder(spec: TuneSpec, method: str, study, trial) -> Path:
     import optuna
 
     frozen = next(t for t in study.get_trials(deepcopy=False) if t.number == trial.number)
-    first = optuna.storages.RetryFailedTrialCallback.retried_trial_number(frozen)
+    with _quiet_optuna():
+        first = optuna.storages.RetryHeartbeatStaleTrialCallback.retried_trial_number(frozen)
     return spec.out / "trials" / method / f"trial_{trial.number if first is None else first:04d}"
 
 
@@ -201,6 +219,8 @@ def tune_method(spec: TuneSpec, method: str, evaluator, log: Callable[[str], Non
             return ran
         folder = trial_folder(spec, method, study, trial)
         started = time.perf_counter()
+        trial.set_user_attr("worker", f"{socket.gethostname()}:{os.getpid()}")
+        # Optuna's heartbeat API takes the storage's trial id (its optimize loop passes the same)
         with heartbeat(storage, trial._trial_id, spec.settings.heartbeat_s):
             try:
                 value = _run_trial(spec, method, trial, folder, evaluator, log)
@@ -251,11 +271,15 @@ def study_trials(spec: TuneSpec, method: str) -> list[dict[str, Any]]:
 
     study = load_study(spec, method)
     rows = []
+    retried = optuna.storages.RetryHeartbeatStaleTrialCallback.retried_trial_number
     for t in study.get_trials(deepcopy=False):
+        with _quiet_optuna():
+            retry_of = retried(t)
         rows.append({"method": method, "number": t.number, "state": t.state.name.lower(), "value": t.value,
                      "params": dict(t.params), "config": t.user_attrs.get("config"),
                      "seconds": t.user_attrs.get("seconds"), "error": t.user_attrs.get("error"),
-                     "retries": optuna.storages.RetryFailedTrialCallback.retried_trial_number(t)})
+                     "worker": t.user_attrs.get("worker"), "run_dir": t.user_attrs.get("run_dir"),
+                     "retries": retry_of})
     return rows
 
 
