@@ -31,7 +31,7 @@
 spec_path: str = "../papermill_runs/tune_tiny.yaml"  # sweep spec with a tune: section, relative to the kernel's working directory
 out: str = "../runs/tune_notebook"  # folder of the studies (optuna.db), trials and reruns
 trials: int = 2  # trials per method (0: the spec's tune.trials)
-figures_dir: str = "../figures/tuning"  # where PNG/SVG figures go
+figures_dir: str = "../runs/tune_notebook/figures"  # where PNG/SVG figures go
 
 # %%
 import optuna

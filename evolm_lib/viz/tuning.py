@@ -11,7 +11,7 @@ import plotly.graph_objects as go
 
 from plotly.colors import qualitative
 
-from .labels import label
+from .labels import axis_title, integer_ticks
 
 
 def best_so_far(trials: Sequence[Mapping[str, Any]]) -> tuple[list[int], list[float]]:
@@ -40,7 +40,9 @@ def plot_best_so_far(trials_by_method: Mapping[str, Sequence[Mapping[str, Any]]]
         done = [t for t in trials if t["state"] == "complete" and t["value"] is not None]
         fig.add_trace(go.Scatter(x=[t["number"] for t in done], y=[t["value"] for t in done], mode="markers",
                                  name=f"{method}, each trial", marker={"color": color, "size": 7, "opacity": 0.5}))
-    fig.update_layout(title=title, xaxis_title="trial number", yaxis_title=label(select), template="plotly_white")
+    last = max((t["number"] for trials in trials_by_method.values() for t in trials), default=1)
+    fig.update_layout(title=title, xaxis_title="trial number", yaxis_title=axis_title(select), template="plotly_white")
+    fig.update_xaxes(**integer_ticks(last))
     return fig
 
 
