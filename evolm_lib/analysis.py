@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from .metrics import RESULT_COLUMNS, by_mean, completions_table, final_value, finite, interp, run_summary, series
-from .stats import bootstrap_interval, compare_seeds
+from .stats import bootstrap_interval, compare_seeds, holm, interquartile_mean, t_interval
 from .types import NotARunFolder
 
 # Settings that must agree across the compared runs, or the comparison is unfair.
@@ -499,8 +499,9 @@ def study_table(groups: Groups, measure: str = "success", level: float = 0.95, n
     Columns: ``seeds`` (runs with held-out scores), ``problems`` (the fewest any of them scored);
     ``mean``, ``ci_low``, ``ci_high``: the mean across seeds of each run's held-out score (share of
     problems solved for ``measure="success"``, mean task reward for ``"reward"``, e.g. minus the
-    length gap for conciseness) with a percentile bootstrap interval across seeds at ``level``
-    (`stats.bootstrap_interval`: with few seeds it is narrow and says little; 2 seeds give [min, max]);
+    length gap for conciseness) with a BCa bootstrap interval across seeds at ``level``
+    (`stats.bootstrap_interval`; NaN where BCa is undefined); ``t_low``, ``t_high``: Student's t
+    interval across seeds (`stats.t_interval`); ``iqm``: the interquartile mean across seeds;
     ``seed_std`` (n - 1), ``min``, ``max``; ``per_seed``: each seed's score and its bootstrap interval
     over problems, as text; ``kl_mean``, ``kl_std``: final KL to the base model across seeds;
     ``seconds_per_step``: median `time/generation_s` over every generation or step of every seed;
@@ -519,58 +520,78 @@ def study_table(groups: Groups, measure: str = "success", level: float = 0.95, n
             values.append(value)
             texts.append(f"{record.seed}: {value:.3g} [{low:.3g}, {high:.3g}]")
         mean, low, high = bootstrap_interval(values, level=level, num_resamples=num_resamples, seed=seed)
+        _, t_low, t_high = t_interval(values, level=level)
         kls = [kl for kl in (final_value(record.rows, "policy/kl") for record, _ in pairs) if kl is not None]
         seconds = [s for record, _ in pairs for s in _seconds_per_step(record.rows)]
         completions = [c for c in (final_value(record.rows, "samples/completions") for record, _ in pairs) if c is not None]
         lines.append({
             "method": label, "seeds": len(values), "problems": min(len(scores) for _, scores in pairs),
-            "mean": mean, "ci_low": low, "ci_high": high, "seed_std": _std(values),
+            "mean": mean, "ci_low": low, "ci_high": high, "t_low": t_low, "t_high": t_high,
+            "iqm": interquartile_mean(values), "seed_std": _std(values),
             "min": min(values), "max": max(values), "per_seed": "; ".join(texts),
             "kl_mean": sum(kls) / len(kls) if kls else math.nan, "kl_std": _std(kls),
             "seconds_per_step": statistics.median(seconds) if seconds else math.nan,
             "training_completions": sum(completions) / len(completions) if completions else math.nan,
         })
-    columns = ["method", "seeds", "problems", "mean", "ci_low", "ci_high", "seed_std", "min", "max", "per_seed",
+    columns = ["method", "seeds", "problems", "mean", "ci_low", "ci_high", "t_low", "t_high", "iqm", "seed_std",
+               "min", "max", "per_seed",
                "kl_mean", "kl_std", "seconds_per_step", "training_completions"]
     table = pd.DataFrame(lines, columns=columns).set_index("method")
     table.attrs.update(measure=measure, key=HELDOUT_MEASURES[measure][1], level=level, note=_left_out_note(left_out))
     return table
 
 
-def _pairwise(per_seed: Mapping[str, Sequence[float]], **settings):
-    """The comparisons table of ``method_comparisons`` from {method: per-seed values}."""
+def _pairwise(per_seed: Mapping[str, Sequence[float]], primary: Sequence[tuple[str, str]] = (), **settings):
+    """The comparisons table of ``method_comparisons`` from {method: per-seed values}: the pairs named
+    in ``primary`` form the family Holm's correction covers, every other pair is exploratory."""
     import pandas as pd
 
+    declared = {frozenset(pair) for pair in primary}
+    unknown = [pair for pair in primary if not set(pair) <= set(per_seed)]
+    if unknown:
+        raise ValueError(f"primary: {unknown} name methods without held-out scores; methods: {list(per_seed)}")
     lines = []
     for first, second in itertools.combinations(per_seed, 2):
         result = compare_seeds(per_seed[first], per_seed[second], **settings)
-        lines.append({
+        family = "primary" if frozenset((first, second)) in declared else "exploratory"
+        lines.append({"family": family, 
             "method_a": first, "method_b": second, "seeds_a": len(per_seed[first]), "seeds_b": len(per_seed[second]),
             "difference": result.difference, "ci_low": result.low, "ci_high": result.high,
             "permutation_p": result.permutation.p, "exact": result.permutation.exact,
             "smallest_p": result.permutation.smallest_p, "welch_t": result.welch.t, "welch_dof": result.welch.dof,
             "welch_p": result.welch.p, "larger_than_seed_noise": "yes" if result.larger_than_seed_noise else "no",
         })
-    columns = ["method_a", "method_b", "seeds_a", "seeds_b", "difference", "ci_low", "ci_high", "permutation_p",
-               "exact", "smallest_p", "welch_t", "welch_dof", "welch_p", "larger_than_seed_noise"]
+    family = [i for i, line in enumerate(lines) if line["family"] == "primary"]
+    alpha = settings.get("alpha", 0.05)
+    _, adjusted = holm([lines[i]["permutation_p"] for i in family], alpha=alpha)
+    for line in lines:
+        line["holm_p"] = math.nan
+    for i, p in zip(family, adjusted):
+        lines[i]["holm_p"] = p
+        lines[i]["larger_than_seed_noise"] = "yes" if p < alpha else "no"
+    columns = ["family", "method_a", "method_b", "seeds_a", "seeds_b", "difference", "ci_low", "ci_high",
+               "permutation_p", "holm_p", "exact", "smallest_p", "welch_t", "welch_dof", "welch_p",
+               "larger_than_seed_noise"]
     return pd.DataFrame(lines, columns=columns)
 
 
 def method_comparisons(groups: Groups, measure: str = "success", alpha: float = 0.05, level: float = 0.95,
                        num_resamples: int = 10_000, seed: int = 0, max_exact: int = 100_000,
-                       num_permutations: int = 100_000):
+                       num_permutations: int = 100_000, primary: Sequence[tuple[str, str]] = ()):
     """Every pair of methods (in label order): is their difference in held-out score larger than seed
     noise? One row per pair (a DataFrame): ``method_a``, ``method_b``, ``seeds_a``, ``seeds_b``,
     ``difference`` (mean of a's per-seed scores minus b's), ``ci_low``, ``ci_high`` (its bootstrap
     interval at ``level``), ``permutation_p`` (two-sided, over seed labels; ``exact``: every split
     enumerated), ``smallest_p`` (the least p the seed counts allow: 1/3 for 2 vs 2, 2/252 for 5 vs 5),
     ``welch_t``, ``welch_dof``, ``welch_p`` (for reference), and ``larger_than_seed_noise``: "yes"
-    when permutation_p < alpha, else "no" (`stats.compare_seeds`). Runs without heldout.jsonl are
-    left out (``.attrs["note"]``)."""
+    when permutation_p < alpha, else "no" (`stats.compare_seeds`). ``primary``: the pairs of method
+    labels declared before the study; they form the family (``family`` "primary") whose p-values
+    Holm's correction adjusts (``holm_p``, which then decides ``larger_than_seed_noise``); every
+    other pair is "exploratory", uncorrected. Runs without heldout.jsonl are left out (``.attrs["note"]``)."""
     _measure(measure)
     kept, left_out = _runs_with_scores(groups, measure)
     per_seed = {label: [sum(scores) / len(scores) for _, scores in pairs] for label, pairs in kept.items()}
-    table = _pairwise(per_seed, alpha=alpha, level=level, num_resamples=num_resamples, seed=seed,
+    table = _pairwise(per_seed, primary, alpha=alpha, level=level, num_resamples=num_resamples, seed=seed,
                       max_exact=max_exact, num_permutations=num_permutations)
     table.attrs.update(measure=measure, alpha=alpha, level=level, note=_left_out_note(left_out))
     return table

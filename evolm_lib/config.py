@@ -310,6 +310,8 @@ class ESConfig(CommonConfig):
     "zoo and reinforce: 'average' (mean of the generation's rewards); 'single' needs f at the mean and is refused here"
     fitness_shaping: Literal["centered_ranks", "z_score", "per_prompt", "raw"] = "centered_ranks"
     "reward shaping before the update"
+    fitness_control: Literal["none", "shuffled"] = "none"
+    "shuffled: a control run, the members' rewards permuted (seeded, per generation) before the update, so drift that is not learning shows"
     gradient_form: Literal["qiu", "textbook"] = "qiu"
     "qiu: theta += lr/N sum w_i eps_i (sigma folded into lr); textbook: divides by sigma"
     optimizer: Literal["sgd", "adam"] = "sgd"

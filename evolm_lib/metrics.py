@@ -35,8 +35,8 @@ def x_values(rows: Sequence[Row]) -> list[Any]:
 
 
 def scored_here(key: str) -> bool:
-    """Whether ``key`` is one of the greedy scores of a mean (train and held-out prompts)."""
-    return key.startswith("eval/") or key in ("policy/train_reward", "policy/train_completions",
+    """Whether ``key`` is one of the greedy scores of a mean (train, held-out and validation prompts)."""
+    return key.startswith(("eval/", "validation/")) or key in ("policy/train_reward", "policy/train_completions",
                                                "policy/eval_completions", "policy/train_tokens")
 
 

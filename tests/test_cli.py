@@ -114,8 +114,8 @@ import shlex
 import signal
 import time
 
-HELPED = ["batch", "sweep", "bench", "lab", "demo"]
-DRY_RUN = ["batch", "sweep", "bench"]  # the commands whose examples run here, in --dry-run form
+HELPED = ["batch", "sweep", "tune", "bench", "lab", "demo"]
+DRY_RUN = ["batch", "sweep", "tune", "bench"]  # the commands whose examples run here, in --dry-run form
 
 
 def _help(command: str | None, capsys) -> str:

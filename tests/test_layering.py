@@ -18,7 +18,7 @@ LAYERS = [
     # engines behind one protocol, and what is measured through them
     {"engines", "preflight", "evaluation", "throughput"},
     # runs (ES, GRPO, the loop they share) and what drives or reads many runs
-    {"train", "analysis", "batch", "sweep", "benchmark", "geometry"},
+    {"train", "analysis", "batch", "sweep", "tune", "benchmark", "geometry"},
     # on top: widgets and figures, the evolm command
     {"viz", "cli"},
 ]

@@ -33,7 +33,7 @@ MAGIC = {"png": b"\x89PNG\r\n\x1a\n", "pdf": b"%PDF-"}
 
 def test_notebooks_exist():
     assert [p.stem for p in SOURCES] == ["01_task_inspection", "02_lora_initialization", "03_es_stepper", "04_es_vs_grpo",
-                                        "05_zo_synthetic", "06_grpo_stepper"]
+                                        "05_zo_synthetic", "06_grpo_stepper", "07_tuning"]
 
 
 # --------------------------------------------------------------------------- static checks
@@ -78,7 +78,8 @@ def test_notebook_shape(source):
     assert any(call in build for call in ("config = ESConfig.from_dict(", "groups = load_runs(",
                                           "config = ComparisonConfig.from_dict(",
                                           "config = notebook_config(ESConfig, globals())",
-                                          "config = notebook_config(GRPOConfig, globals())")), build
+                                          "config = notebook_config(GRPOConfig, globals())",
+                                          "spec = tune.load_tune_spec(")), build
     if SETTINGS in declared:  # every setting reachable: the parameters by name and the rest through `settings`
         kind = batch.notebook_info(source).kind
         assert kind in ("es", "grpo") and f"notebook_config({kind.upper()}Config" in build

@@ -1,5 +1,6 @@
-"""Tests for evolm_lib.stats on values computed by hand: bootstrap intervals, the permutation test over
-seed labels (exact and Monte Carlo), Student's t tail and Welch's t-test, and the seed comparison."""
+"""Tests for evolm_lib.stats on values computed by hand: t and bootstrap (BCa, percentile) intervals,
+the interquartile mean, the permutation test over seed labels (exact and Monte Carlo), Welch's t-test,
+Holm's correction and the seed comparison."""
 from __future__ import annotations
 
 import math
@@ -83,10 +84,12 @@ def test_permutation_test_counts_splits_as_extreme_by_hand():
     # equal means: every split is as extreme
     assert stats.permutation_test([0, 3], [1, 2]).p == 1.0
     assert stats.permutation_test([1, 1], [1, 1]).p == 1.0
-    # unequal sizes: 1 vs 3, C(4, 1) = 4 splits; only the observed one reaches |4 - 1| = 3
-    # (the differences are 3, -1, -1, -1 for a = 4, 1, 1, 1): p = 1/4, the smallest possible
-    result = stats.permutation_test([4], [1, 1, 1])
-    assert (result.p, result.smallest_p) == (0.25, 0.25)
+    # unequal sizes: 2 vs 3, C(5, 2) = 10 splits; a = {4, 5} of {4, 5, 1, 1, 1} has the largest
+    # difference 4.5 - 1 = 3.5, reached by that split alone: two-sided p = 2 x min(1/10, 1) = 1/5
+    result = stats.permutation_test([4, 5], [1, 1, 1])
+    assert (result.p, result.smallest_p) == (pytest.approx(0.2), pytest.approx(0.2))
+    # a group of one value: scipy gives no test, and neither does this
+    assert math.isnan(stats.permutation_test([4], [1, 1, 1]).p)
     # floating sums in another order still count as ties
     assert stats.permutation_test([0.1, 0.2], [0.3, 0.4]).p == pytest.approx(2 / 6)
 
@@ -95,36 +98,81 @@ def test_permutation_test_monte_carlo_when_splits_are_too_many():
     result = stats.permutation_test([1, 2, 3], [4, 5, 6], max_exact=10, num_permutations=20_000, seed=5)
     assert not result.exact and result.splits == 20_000
     assert result.p == pytest.approx(0.1, abs=0.01)  # 2/20 exactly; the sample's error ~ 0.002
-    assert result.smallest_p == pytest.approx(1 / 20_001)
+    assert result.smallest_p == pytest.approx(2 / 20_001)
     assert stats.permutation_test([1, 2, 3], [4, 5, 6], max_exact=10, num_permutations=20_000, seed=5) == result
-    # a sample that never reaches the observed split (2 in 184,756 do) still gives p > 0: (0 + 1) / (m + 1)
+    # a sample that never reaches the observed split (1 in 184,756 does) still gives p > 0: each
+    # one-sided share is (b + 1) / (m + 1), the two-sided p twice the smaller: 2 x 1 / 1000
     far = stats.permutation_test(list(range(10)), list(range(100, 110)), max_exact=0, num_permutations=999, seed=1)
-    assert far.p == pytest.approx(1 / 1000)
+    assert far.p == pytest.approx(2 / 1000)
 
 
 # ----------------------------------------------------------------------------- Student's t and Welch
 
 
-@pytest.mark.parametrize("t, dof, expected", [
-    (1.0, 1, 0.5),  # Cauchy: 1 - 2 atan|t| / pi
-    (3.0, 1, 1 - 2 * math.atan(3.0) / math.pi),
-    (2.0, 2, 1 - 2 / math.sqrt(6)),  # dof 2: 1 - |t| / sqrt(2 + t^2)
-    (0.5, 2, 1 - 0.5 / math.sqrt(2.25)),
-    (1.5, 3, 1 - 2 / math.pi * (math.atan(1.5 / math.sqrt(3)) + (1.5 / math.sqrt(3)) / (1 + 1.5 ** 2 / 3))),
-    (-1.5, 3, 1 - 2 / math.pi * (math.atan(1.5 / math.sqrt(3)) + (1.5 / math.sqrt(3)) / (1 + 1.5 ** 2 / 3))),
-    (0.0, 7.5, 1.0),
-    (1.959963984540054, math.inf, 0.05),  # the normal's 97.5 % quantile
-    (math.inf, 4, 0.0),
+@pytest.mark.parametrize("values, level, half_width", [
+    # dof 1 (Cauchy): the quantile is tan(pi (q - 1/2)); [1, 3]: s = sqrt(2), se = 1
+    ([1.0, 3.0], 0.95, math.tan(math.pi * 0.475)),
+    ([1.0, 3.0], 0.5, math.tan(math.pi * 0.25)),  # = 1
+    # dof 2: the quantile is (2q - 1) / sqrt(2 q (1 - q)); [1, 2, 3]: s = 1, se = 1 / sqrt(3)
+    ([1.0, 2.0, 3.0], 0.95, 0.95 / math.sqrt(2 * 0.975 * 0.025) / math.sqrt(3)),
+    ([1.0, 2.0, 3.0], 0.8, 0.8 / math.sqrt(2 * 0.9 * 0.1) / math.sqrt(3)),
 ])
-def test_student_t_two_sided_p_matches_closed_forms(t, dof, expected):
-    assert stats.student_t_two_sided_p(t, dof) == pytest.approx(expected, rel=1e-12, abs=1e-15)
+def test_t_interval_matches_closed_form_quantiles(values, level, half_width):
+    mean = sum(values) / len(values)
+    assert stats.t_interval(values, level) == pytest.approx((mean, mean - half_width, mean + half_width), rel=1e-12)
 
 
-def test_student_t_tail_falls_with_t_and_nears_the_normal_for_large_dof():
-    ps = [stats.student_t_two_sided_p(t, 4.4) for t in (0.5, 1.0, 2.0, 4.0, 8.0)]
-    assert all(x > y for x, y in zip(ps, ps[1:]))
-    assert stats.student_t_two_sided_p(2.0, 1e7) == pytest.approx(math.erfc(2 / math.sqrt(2)), rel=1e-6)
-    assert math.isnan(stats.student_t_two_sided_p(1.0, 0))
+def test_t_interval_of_constant_or_single_values_is_the_value():
+    assert stats.t_interval([0.25] * 4) == (0.25, 0.25, 0.25)
+    assert stats.t_interval([7.0]) == (7.0, 7.0, 7.0)
+    with pytest.raises(ValueError, match="level"):
+        stats.t_interval([1.0, 2.0], level=1.5)
+
+
+def test_bca_interval_matches_the_exact_bootstrap_computed_by_hand():
+    # n = 4: all 4^4 = 256 resamples are equally likely, so the BCa interval (Efron & Tibshirani,
+    # ch. 14) can be computed here from the exact bootstrap distribution, independently of scipy:
+    # bias z0 from the share of resampled means below the mean, acceleration from the jackknife
+    import itertools
+    from statistics import NormalDist
+
+    values = [0.0, 1.0, 2.0, 7.0]
+    mean = sum(values) / 4
+    means = sorted(sum(sample) / 4 for sample in itertools.product(values, repeat=4))
+    normal = NormalDist()
+    z0 = normal.inv_cdf(sum(m < mean for m in means) / len(means))
+    jackknife = [(sum(values) - v) / 3 for v in values]
+    centre = sum(jackknife) / 4
+    acceleration = sum((centre - j) ** 3 for j in jackknife) / (6 * sum((centre - j) ** 2 for j in jackknife) ** 1.5)
+    ends = []
+    for z in (normal.inv_cdf(0.05), normal.inv_cdf(0.95)):  # a 90 % interval
+        share = normal.cdf(z0 + (z0 + z) / (1 - acceleration * (z0 + z)))
+        ends.append(float(np.quantile(means, share, method="inverted_cdf")))  # the distribution's own quantile
+    estimate, low, high = stats.bootstrap_interval(values, level=0.9, num_resamples=200_000, seed=1)
+    assert estimate == mean
+    # 200,000 draws against the exact distribution: the ends agree to the distribution's grid (1/4)
+    assert (low, high) == pytest.approx(ends, abs=0.25)
+    percentile = stats.bootstrap_interval(values, level=0.9, num_resamples=200_000, seed=1, method="percentile")
+    assert percentile[1:] == pytest.approx(np.quantile(means, [0.05, 0.95], method="inverted_cdf"), abs=0.25)
+    with pytest.raises(ValueError, match="method"):
+        stats.bootstrap_interval(values, method="bca")
+
+
+def test_interquartile_mean_is_the_mean_of_the_middle_half():
+    # 8 values: the lowest two (-50, 1) and highest two (6, 100) are trimmed, mean of 2, 3, 4, 5 = 3.5
+    assert stats.interquartile_mean([100, 1, 2, 3, 4, 5, 6, -50]) == 3.5
+    assert stats.interquartile_mean([1.0, 2.0, 3.0, 4.0]) == 2.5
+
+
+def test_holm_adjusts_a_family_by_hand():
+    # sorted p 0.01, 0.03, 0.04 times 3, 2, 1: 0.03, 0.06, 0.04 -> non-decreasing 0.03, 0.06, 0.06
+    rejected, adjusted = stats.holm([0.01, 0.04, 0.03], alpha=0.05)
+    assert adjusted == pytest.approx([0.03, 0.06, 0.06]) and rejected == [True, False, False]
+    # capped at 1; an empty family is empty
+    assert stats.holm([0.6, 0.7])[1] == pytest.approx([1.0, 1.0])
+    assert stats.holm([]) == ([], [])
+    with pytest.raises(ValueError, match="alpha"):
+        stats.holm([0.1], alpha=2)
 
 
 def test_welch_t_test_by_hand():
@@ -144,15 +192,6 @@ def test_welch_t_test_by_hand():
 def test_welch_t_test_is_nan_where_undefined():
     assert all(math.isnan(v) for v in stats.welch_t_test([1.0], [2.0, 3.0]))
     assert all(math.isnan(v) for v in stats.welch_t_test([1.0, 1.0], [2.0, 2.0]))
-
-
-def test_regularized_incomplete_beta_by_hand():
-    assert stats.regularized_incomplete_beta(1, 1, 0.3) == pytest.approx(0.3)  # uniform
-    assert stats.regularized_incomplete_beta(2, 1, 0.3) == pytest.approx(0.09)  # x^2
-    assert stats.regularized_incomplete_beta(1, 2, 0.3) == pytest.approx(1 - 0.7 ** 2)
-    assert stats.regularized_incomplete_beta(2, 3, 0.0) == 0.0 and stats.regularized_incomplete_beta(2, 3, 1.0) == 1.0
-    with pytest.raises(ValueError, match="positive"):
-        stats.regularized_incomplete_beta(0, 1, 0.5)
 
 
 # ----------------------------------------------------------------------------- the decision

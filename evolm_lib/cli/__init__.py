@@ -4,6 +4,7 @@
     evolm bench    engine throughput and ES overhead
     evolm batch    a notebook once per grid point of a batch file (papermill)
     evolm sweep    ES vs GRPO at equal sample budgets, then the comparison notebook
+    evolm tune     an equal number of Optuna trials per method, the winners rerun on fresh seeds
     evolm lab      JupyterLab on the project (notebooks/, runs/, figures/), with the engine's environment defaults
 
 `evolm` alone prints this list and exits with 2 (a command is missing); `evolm --version` prints the version.
@@ -21,6 +22,7 @@ COMMANDS = {
     "bench": ("evolm_lib.cli.bench", "engine throughput and ES overhead"),
     "batch": ("evolm_lib.cli.batch", "run a notebook once per grid point of a batch file"),
     "sweep": ("evolm_lib.cli.sweep", "ES vs GRPO at equal sample budgets, then notebook 04"),
+    "tune": ("evolm_lib.cli.tune", "equal Optuna trials per method on a validation split, winners rerun on fresh seeds"),
     "lab": ("evolm_lib.cli.lab", "JupyterLab on the project, opened at notebooks/ (--port, --no-browser, --ip)"),
 }
 

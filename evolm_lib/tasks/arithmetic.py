@@ -258,21 +258,26 @@ class ArithmeticTask(Task):
         seed: int = 0,
         digits: int | Sequence[int] = 2,
         operations: str | Sequence[str] = "+",
+        num_validation: int = 0,
     ):
-        """Problems from `seed`: the first `num_eval` are held out, the next `num_train` train.
+        """Problems from `seed`: the first `num_eval` are held out, the next `num_train` train, the
+        next `num_validation` are the validation problems (for tuning; the training ones stay the same
+        whatever `num_validation` is).
 
         `digits`: digits of each operand (2: 10 to 99), or a pair [first, second] (e.g. [2, 1]).
         `operations`: the operations drawn from, any of + - * ("+-*" or ["+", "-", "*"]).
         No problem is in both splits, nor twice in one ("3 + 5" and "5 + 3" are the same problem).
         """
-        if num_train < 0 or num_eval < 0:
-            raise ValueError(f"num_train and num_eval must be >= 0, got {num_train}, {num_eval}")
+        if num_train < 0 or num_eval < 0 or num_validation < 0:
+            raise ValueError(f"num_train and num_eval must be >= 0, and num_validation too, got {num_train}, "
+                             f"{num_eval}, {num_validation}")
         self.digits = check_digits(digits)
         self.operations = check_operations(operations)
-        problems = generate_arithmetic_problems(num_eval + num_train, seed, digits, operations)
+        problems = generate_arithmetic_problems(num_eval + num_train + num_validation, seed, digits, operations)
         # held-out first: the evaluation problems stay the same whatever num_train is
         self._eval = problems[:num_eval]
-        self._train = problems[num_eval:]
+        self._train = problems[num_eval:num_eval + num_train]
+        self._validation = problems[num_eval + num_train:]
 
     def train_examples(self) -> list[Example]:
         """The training problems."""
@@ -281,6 +286,10 @@ class ArithmeticTask(Task):
     def eval_examples(self) -> list[Example]:
         """The held-out problems (none of them is a training problem)."""
         return list(self._eval)
+
+    def validation_examples(self) -> list[Example]:
+        """The validation problems (neither training nor held-out ones)."""
+        return list(self._validation)
 
     def reward(self, completion: str, example: Example) -> RewardResult:
         """1 when the completion's last number is the example's result, else 0."""

@@ -58,6 +58,11 @@ class Task:
         """Held-out examples for evaluation."""
         raise NotImplementedError
 
+    def validation_examples(self) -> list[Example]:
+        """Examples for selecting settings (tuning), disjoint from the held-out ones; none unless the
+        task's ``num_validation`` option carves some from its training pool."""
+        return []
+
     def prompt(self, example: Example) -> Prompt:
         """Chat messages for one example."""
         return Prompt.user(example.prompt, system=self.system_prompt, assistant_prefix=self.assistant_prefix)

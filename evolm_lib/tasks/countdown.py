@@ -393,8 +393,10 @@ class CountdownTask(Task):
         num_numbers: int | Sequence[int] = GENERATED_DIFFICULTY["num_numbers"],
         max_number: int = GENERATED_DIFFICULTY["max_number"],
         max_target: int = GENERATED_DIFFICULTY["max_target"],
+        num_validation: int = 0,
     ):
-        """Train on the first `num_train` puzzles, evaluate on the next `num_eval` (from `path` when given, in file order).
+        """Train on the first `num_train` puzzles, evaluate on the next `num_eval` (from `path` when given, in file order);
+        the `num_validation` puzzles after those are the validation puzzles (for tuning).
 
         `path`: a countdown.json in the paper's format (e.g. the paper's own, PAPER_DATA_FILE);
         without it, puzzles are generated from `seed`. `skip_malformed`: leave malformed entries
@@ -405,24 +407,27 @@ class CountdownTask(Task):
         (a count, or a list of counts drawn from), each from 1 to `max_number`, and targets from
         1 to `max_target` (e.g. 2 numbers up to 9 and targets up to 20 for a small model).
         """
-        if num_train < 0 or num_eval < 0:
-            raise ValueError(f"num_train and num_eval must be >= 0, got {num_train}, {num_eval}")
+        if num_train < 0 or num_eval < 0 or num_validation < 0:
+            raise ValueError(f"num_train and num_eval must be >= 0, and num_validation too, got {num_train}, "
+                             f"{num_eval}, {num_validation}")
+        wanted = num_train + num_eval + num_validation
         self.answer_format = check_answer_format(answer_format)
         difficulty = {"num_numbers": num_numbers, "max_number": max_number, "max_target": max_target}
         if path is None:
-            puzzles = generate_countdown_puzzles(num_train + num_eval, seed, **difficulty)
+            puzzles = generate_countdown_puzzles(wanted, seed, **difficulty)
         else:
             changed = [name for name, value in difficulty.items() if _as_list(value) != _as_list(GENERATED_DIFFICULTY[name])]
             if changed:
                 # a file's puzzles are used as they are: a silently ignored setting would mislead
                 raise ValueError(f"{', '.join(changed)} only apply to generated puzzles; leave them out with `path`")
             puzzles = load_countdown_json(path, skip_malformed=skip_malformed)
-            if len(puzzles) < num_train + num_eval:
+            if len(puzzles) < wanted:
                 raise ValueError(
-                    f"{path} has {len(puzzles)} puzzles, fewer than num_train + num_eval = {num_train + num_eval}"
+                    f"{path} has {len(puzzles)} puzzles, fewer than num_train + num_eval + num_validation = {wanted}"
                 )
         self._train = puzzles[:num_train]
         self._eval = puzzles[num_train : num_train + num_eval]
+        self._validation = puzzles[num_train + num_eval : wanted]
 
     def train_examples(self) -> list[Example]:
         """The training puzzles."""
@@ -431,6 +436,10 @@ class CountdownTask(Task):
     def eval_examples(self) -> list[Example]:
         """The held-out puzzles (disjoint from the training ones when generated)."""
         return list(self._eval)
+
+    def validation_examples(self) -> list[Example]:
+        """The validation puzzles (after the training and held-out ones; disjoint from both when generated)."""
+        return list(self._validation)
 
     def reward(self, completion: str, example: Example) -> RewardResult:
         """0.1 * format + answer for one completion."""

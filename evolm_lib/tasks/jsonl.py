@@ -6,13 +6,15 @@ One JSON object per line::
 
 - ``prompt`` (string, required): the user turn the model answers;
 - ``target`` (required): the reference answer (numbers become text);
-- ``split`` (optional): "train" (the default: what the optimiser sees) or "eval" (held out);
+- ``split`` (optional): "train" (the default: what the optimiser sees), "eval" (held out) or
+  "validation" (for selecting settings, e.g. by `evolm tune`);
 - any other key is kept in ``Example.data`` for rewards that need it.
 Blank lines are skipped. Options (``task_options``): ``path`` (the file; relative paths are read from
 the working directory: the project folder for `evolm batch`, notebooks/ in JupyterLab), ``reward``
 ("exact_match" 0/1 after stripping, "length" minus the character-length gap as in conciseness,
 "regex" 0/1 when the stripped completion fully matches ``pattern``), ``system`` (a system message),
-``case_sensitive`` (exact_match only).
+``case_sensitive`` (exact_match only), ``num_validation`` (the last this many "train" lines become
+validation lines as well, carved from the training pool).
 
 A missing file or a bad line is a JsonlTaskError (a ValueError, so a run's settings report it as a
 configuration error before any engine starts) naming the file and the line.
@@ -29,7 +31,7 @@ from evolm_lib.tasks.conciseness import length_reward
 
 REWARDS = ("exact_match", "length", "regex")
 """Names of the rewards a JSONL task can use."""
-SPLITS = ("train", "eval")
+SPLITS = ("train", "eval", "validation")
 REWARD_LABELS = {
     "exact_match": "exact match, 0 or 1",
     "length": "-|length difference|, chars",
@@ -116,8 +118,10 @@ class JsonlTask(Task):
         pattern: str | None = None,
         system: str | None = None,
         case_sensitive: bool = True,
+        num_validation: int = 0,
     ):
-        """Read `path`; `pattern` is required for the regex reward, `system` is an optional system message."""
+        """Read `path`; `pattern` is required for the regex reward, `system` is an optional system message;
+        the last `num_validation` training lines become validation lines (beside the file's own)."""
         if reward not in REWARDS:
             raise ValueError(f"unknown reward {reward!r}; choose one of {', '.join(REWARDS)}")
         if reward == "regex":
@@ -136,6 +140,13 @@ class JsonlTask(Task):
         self.case_sensitive = case_sensitive
         self.system_prompt = system
         self._examples = load_jsonl_examples(self.path)
+        train = self._examples["train"]
+        if num_validation < 0 or (num_validation and num_validation >= len(train)):  # training keeps one line
+            raise ValueError(f"num_validation: between 0 and the {len(train)} training lines less one, "
+                             f"got {num_validation}")
+        if num_validation:
+            self._examples["train"], carved = train[:-num_validation], train[-num_validation:]
+            self._examples["validation"] = self._examples["validation"] + carved
 
     def train_examples(self) -> list[Example]:
         """Lines with split "train" (or no split)."""
@@ -144,6 +155,10 @@ class JsonlTask(Task):
     def eval_examples(self) -> list[Example]:
         """Lines with split "eval"."""
         return list(self._examples["eval"])
+
+    def validation_examples(self) -> list[Example]:
+        """Lines with split "validation", then the training lines carved off by `num_validation`."""
+        return list(self._examples["validation"])
 
     def reward(self, completion: str, example: Example) -> RewardResult:
         """The chosen reward of one completion."""

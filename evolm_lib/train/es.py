@@ -107,7 +107,8 @@ class ESRun(RunLoop):
         when they rode along (``policy/generation`` names that mean)."""
         timing = dict(result.timing)
         with timed(timing, "update_s"):
-            update = self.parameters.update(self.generation + 1, members, result.rewards)
+            rewards = controlled_rewards(self.config, self.generation + 1, result.rewards)
+            update = self.parameters.update(self.generation + 1, members, rewards)
         row = generation_row(self.generation + 1, self.row_header(), members, result, update, timing)
         if result.mean_scores is not None:
             row.update(self._score_keys(result.mean_scores, None), **{"policy/generation": self.generation})
@@ -191,6 +192,16 @@ class ESRun(RunLoop):
             self.parameters.close(reset=not self._owns_evaluator)
             self._closed = True
         super().close()
+
+
+def controlled_rewards(config: ESConfig, generation: int, rewards: torch.Tensor) -> torch.Tensor:
+    """The rewards the update sees: as measured, or with ``fitness_control: shuffled`` the members'
+    rows of ``rewards`` (population, prompts) permuted by a seeded permutation of the generation, so
+    every member is credited with another member's rewards (a control: what it still learns is drift)."""
+    if config.fitness_control == "none":
+        return rewards
+    generator = torch.Generator().manual_seed(derive_seed(config.seed, "fitness_control", generation))
+    return rewards[torch.randperm(rewards.shape[0], generator=generator)]
 
 
 def generation_row(generation: int, header: dict, members: Sequence[es.Member], result: GenerationResult,

@@ -61,6 +61,7 @@ class RunLoop:
         self.model_dir = model_dir
         self.train_examples = task.train_examples()
         self.eval_examples = task.eval_examples()
+        self.validation_examples = task.validation_examples()
         self._started = time.perf_counter()
         self._wall_at_start = self.counters.get("wall_s", 0.0)
         self._writer: WriterLock | None = None  # the folder's writer lock, set by create/resume/open
@@ -203,16 +204,18 @@ class RunLoop:
         return scores, timing["eval_s"]
 
     def _score_sets(self) -> list[list[Example]]:
-        """What scoring covers: the train prompts, then the held-out prompts."""
-        return [self.train_examples, self.eval_examples]
+        """What scoring covers: the train prompts, the held-out prompts, then the validation prompts
+        where the task has some."""
+        return [self.train_examples, self.eval_examples, *([self.validation_examples] if self.validation_examples else [])]
 
     def _scoring_size(self) -> int:
         return sum(len(examples) for examples in self._score_sets())
 
     @staticmethod
     def _score_keys(scores, eval_s: float | None) -> dict:
-        """A row's scoring keys from (train, held-out) scores; ``eval_s`` when scoring had a call of its own."""
-        train, held_out = scores
+        """A row's scoring keys from (train, held-out[, validation]) scores; ``eval_s`` when scoring had
+        a call of its own."""
+        train, held_out, *validation = scores
         keys = {
             "policy/train_reward": train.mean,
             "eval/reward": held_out.mean,
@@ -220,6 +223,8 @@ class RunLoop:
             "policy/eval_completions": [c.text for c in held_out.completions],
             "policy/train_tokens": train.num_tokens,
         }
+        if validation:
+            keys["validation/reward"] = validation[0].mean
         if eval_s is not None:
             keys["time/eval_s"] = eval_s
         return keys

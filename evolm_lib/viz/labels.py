@@ -25,6 +25,7 @@ KEY_LABELS: Mapping[str, str] = {
     "policy/train_reward": "mean-adapter reward on train prompts",
     "eval/reward": "mean-adapter reward on eval prompts",
     "eval/accuracy": "mean-adapter accuracy on eval prompts (fraction solved)",
+    "validation/reward": "mean-adapter reward on validation prompts",
     # the final mean adapter or policy, greedy, on the held-out problems (heldout.jsonl)
     "heldout/accuracy": "held-out accuracy (fraction solved)",
     "heldout/reward": "held-out mean reward",

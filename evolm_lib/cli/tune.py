@@ -1,0 +1,107 @@
+"""`evolm tune SPEC`: an equal number of Optuna trials per method, selected on a validation split, then
+each method's best setting rerun on fresh seeds and compared on the held-out problems."""
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+
+from .. import tune
+from ..env import apply_engine_defaults
+from ..paths import resolve_in_project
+from .help import HelpFormatter
+from .interrupt import report_interrupt
+
+HELP = """Fair comparisons by search: every method of a sweep spec gets the same number of trials over its
+own search space at the same completion budget, each scored on the task's validation questions;
+each method's best setting is then rerun on fresh seeds and scored on the held-out problems.
+
+    evolm tune papermill_runs/tune_tiny.yaml --dry-run        check every space against the settings; run nothing
+    evolm tune papermill_runs/tune_tiny.yaml                  4 trials each of ES and GRPO on the tiny model, then the reruns
+    evolm tune papermill_runs/tune_tiny.yaml --methods grpo   one worker per method: several processes share the study
+
+The spec is a sweep spec (see evolm sweep --help) with a `tune:` section (trials, seeds, select, space,
+and optionally sampler_seed, startup_trials, prune, heartbeat_s, max_retries, primary, measure,
+out) and a
+`final_seeds:` list disjoint from tune.seeds; docs/tuning.md describes each key. The studies live in
+OUT/optuna.db (SQLite; `optuna-dashboard sqlite:///OUT/optuna.db` shows them live), the trials' runs
+in OUT/trials/, the reruns in OUT/final/, the result in OUT/tune_summary.json and the figures in
+OUT/figures/. A killed worker's trial is retried by the next worker, with the same setting; running
+the same command again continues the study. Ctrl-C stops; nothing finished is lost.
+
+exit status: 0 done, 2 a bad spec or option, 130 interrupted."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of `evolm tune`."""
+    parser = argparse.ArgumentParser(prog="evolm tune", description=HELP, formatter_class=HelpFormatter)
+    parser.add_argument("spec", help="sweep spec with a tune: section (YAML)")
+    parser.add_argument("--methods", help="comma-separated methods this worker tunes and reruns, e.g. es_lora,grpo "
+                                          "(default: all of the spec's)")
+    parser.add_argument("--trials", type=int, help="trials per method (default: the spec's tune.trials)")
+    parser.add_argument("--out", help="folder of the studies, trials and reruns (default: the spec's tune.out, "
+                                      "else sweep.out)")
+    parser.add_argument("--generations", type=int, help="ES generations; GRPO steps follow from the equal budget "
+                                                         "(default: the spec's)")
+    parser.add_argument("--model", help="override the model, e.g. tiny-random for a quick check (default: the spec's)")
+    parser.add_argument("--no-finals", action="store_true", help="tune only; rerun no winner")
+    parser.add_argument("--no-figures", action="store_true", help="write no figures")
+    parser.add_argument("--dry-run", action="store_true", help="check the spec and print the plan only")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command line: check, tune, rerun the winners, summarise (exit 2 on a bad spec, 130 on Ctrl-C)."""
+    args = build_parser().parse_args(argv)
+    apply_engine_defaults()
+    overrides = {"model": args.model} if args.model else None
+    try:
+        methods = [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods else None
+        spec = tune.load_tune_spec(resolve_in_project(args.spec), generations=args.generations, overrides=overrides,
+                                   methods=methods, out=args.out)
+        if args.trials is not None:
+            spec = tune.with_trials(spec, args.trials)
+    except (ValueError, FileNotFoundError) as error:  # a bad spec or option: one line naming it
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print("\n".join(tune.describe(spec)), flush=True)
+    if args.dry_run:
+        return 0
+    try:
+        return _run(spec, args)
+    except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        return report_interrupt(f"interrupted: finished trials and reruns are kept in {spec.out.resolve()}; "
+                                "run the same command again to continue (a trial cut short is retried)")
+
+
+def _run(spec, args) -> int:
+    """Tune, rerun the winners whose studies are finished, summarise, draw."""
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)  # a line per study opened says nothing here
+    started = time.perf_counter()
+    evaluator = tune.make_tuning_evaluator(spec)
+    try:
+        ran = tune.tune(spec, evaluator)
+        print(f"trials run by this worker: {ran} ({(time.perf_counter() - started) / 60:.1f} min)", flush=True)
+        if not args.no_finals:
+            tune.run_finals(spec, evaluator)
+    finally:
+        evaluator.close()
+    summary = tune.summarize(spec)
+    print("\n".join(tune.summary_lines(summary)))
+    print(f"summary: {spec.out / tune.SUMMARY} ({(time.perf_counter() - started) / 60:.1f} min in all)")
+    if not args.no_figures:
+        from ..viz.figures import chromium_available
+        from ..viz.tuning import export_tuning_figures
+
+        if chromium_available():
+            trials = {m: entry["trial_list"] for m, entry in summary["methods"].items()}
+            studies = {m: tune.load_study(spec, m) for m in spec.methods}
+            paths = export_tuning_figures(trials, studies, spec.out / "figures", spec.settings.select)
+            print(f"figures: {len(paths)} files in {spec.out / 'figures'}")
+        else:
+            print("no figures: chromium is missing (apt-get install -y chromium)")
+    return 0

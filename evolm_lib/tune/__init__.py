@@ -1,0 +1,21 @@
+"""Fair comparisons by search: every method of a sweep spec gets the same number of Optuna trials over
+a declared space, at the same completion budget, selected on a validation split; each method's best
+setting is then rerun on fresh seeds and scored on the held-out problems (`evolm tune`).
+
+spec.py: the `tune:` section, checked before any engine starts, and each trial's config;
+space.py: a searched setting (log, uniform or int range, or a choice); study.py: the studies in
+OUT/optuna.db and the worker that runs trials on one engine (heartbeats, retries of killed trials);
+final.py: the winners' reruns on `final_seeds` and the summary with its statistics.
+"""
+from .final import SUMMARY, final_groups, final_plan, run_finals, summarize, summary_lines
+from .space import Parameter, parse_parameter, parse_space
+from .spec import TuneSettings, TuneSpec, check_space, describe, load_tune_spec, trial_config, with_trials
+from .study import (STORAGE, best_trial, finished, load_study, make_tuning_evaluator, open_storage, storage_url,
+                    study_trials, tune, tune_method, with_methods)
+
+__all__ = [
+    "Parameter", "STORAGE", "SUMMARY", "TuneSettings", "TuneSpec", "best_trial", "check_space", "describe",
+    "final_groups", "final_plan", "finished", "load_study", "load_tune_spec", "make_tuning_evaluator", "open_storage",
+    "parse_parameter", "parse_space", "run_finals", "storage_url", "study_trials", "summarize", "summary_lines",
+    "trial_config", "tune", "tune_method", "with_methods", "with_trials",
+]

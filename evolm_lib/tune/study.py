@@ -1,0 +1,298 @@
+"""The search: one Optuna study per method in OUT/optuna.db (SQLite), shared by every worker process.
+
+A worker keeps one engine for all its trials (a trial resets what it moves: a new run starts from the
+spec's initial adapter, or ``ESRun.close`` gives a shared engine the model folder's weights back).
+A trial runs its method once per tuning seed into OUT/trials/<method>/trial_NNNN/seedS and is scored
+by the mean of the final ``select`` values. Trials follow each other without gaps or overshoot: a
+worker counts the study's trials and asks for a new one under an exclusive lock on OUT/study.lock,
+so each method gets exactly ``trials`` trials, and Optuna's storage gives a trial to one worker only.
+A running trial writes a heartbeat every ``heartbeat_s``; a trial silent for three of them (its
+worker was killed) is marked failed by the next worker and retried with the same setting, resuming
+its run folders from their checkpoints (``RetryHeartbeatStaleTrialCallback``). Running again continues.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import math
+import os
+import socket
+import threading
+import time
+import warnings
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from ..metrics import final_value
+from ..runs import RunFolderBusy
+from ..seeds import derive_seed
+from ..sweep import PlannedRun, make_shared_evaluator
+from ..train.es import ESRun
+from ..train.grpo import GRPORun
+from .spec import TuneSpec, check_space, trial_config
+
+STORAGE = "optuna.db"
+LOCK = "study.lock"
+
+
+def storage_url(out: str | Path) -> str:
+    """The SQLite URL of a tuning folder's studies (what ``optuna-dashboard`` opens)."""
+    return f"sqlite:///{Path(out).resolve() / STORAGE}"
+
+
+def open_storage(spec: TuneSpec):
+    """The studies' storage in the tuning folder, with heartbeats and retries of stale trials; opened
+    under the folder's lock (two processes creating the database's tables at once collide)."""
+    import optuna
+
+    spec.out.mkdir(parents=True, exist_ok=True)
+    beat = max(1, math.ceil(spec.settings.heartbeat_s))
+    with _study_lock(spec.out), _quiet_optuna():
+        retry = optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=spec.settings.max_retries)
+        return optuna.storages.RDBStorage(storage_url(spec.out), engine_kwargs={"connect_args": {"timeout": 120}},
+                                          heartbeat_interval=beat, grace_period=3 * beat,
+                                          heartbeat_stale_trial_callback=retry)
+
+
+@contextlib.contextmanager
+def _quiet_optuna() -> Iterator[None]:
+    """Optuna's heartbeat API is marked experimental, and it warns that heartbeats belong to
+    Study.optimize: this worker asks for trials itself and beats their heartbeats (see ``heartbeat``)."""
+    import optuna
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used with Study.optimize")
+        yield
+
+
+def load_study(spec: TuneSpec, method: str, storage=None):
+    """The method's study (created on first use); its TPE sampler seeded from ``sampler_seed``, the
+    method and the number of trials the study holds, so a worker that stops and starts again draws
+    the settings an uninterrupted one would."""
+    import optuna
+
+    settings = spec.settings
+    pruner = (optuna.pruners.MedianPruner(n_startup_trials=1) if settings.prune == "median"
+              else optuna.pruners.NopPruner())
+    study = optuna.create_study(storage=storage or open_storage(spec), study_name=method, direction="maximize",
+                                pruner=pruner, load_if_exists=True)
+    number = len(study.get_trials(deepcopy=False))
+    study.sampler = optuna.samplers.TPESampler(seed=derive_seed(settings.sampler_seed, method, number),
+                                               n_startup_trials=settings.startup_trials)
+    return study
+
+
+@contextlib.contextmanager
+def _study_lock(out: Path) -> Iterator[None]:
+    with open(out / LOCK, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def counted(trial) -> bool:
+    """Whether a trial is one of the method's ``trials``: finished, running, waiting, or failed for a
+    reason of its own (a setting the config refuses); a trial failed because its worker died is not
+    (its retry is)."""
+    from optuna.trial import TrialState
+
+    if trial.state == TrialState.FAIL:
+        return "error" in trial.user_attrs
+    return True
+
+
+def trials_left(study, trials: int) -> int:
+    """Trials the method still needs started (retries waiting included)."""
+    from optuna.trial import TrialState
+
+    all_trials = study.get_trials(deepcopy=False)
+    waiting = sum(t.state == TrialState.WAITING for t in all_trials)
+    return max(trials - sum(counted(t) for t in all_trials), 0) + waiting
+
+
+def finished(spec: TuneSpec, method: str, storage=None) -> bool:
+    """Whether a method's study holds all its trials, none running or waiting."""
+    from optuna.trial import TrialState
+
+    study = load_study(spec, method, storage)
+    all_trials = study.get_trials(deepcopy=False)
+    done = sum(counted(t) and t.state not in (TrialState.RUNNING, TrialState.WAITING) for t in all_trials)
+    return done >= spec.settings.trials and not any(t.state in (TrialState.RUNNING, TrialState.WAITING)
+                                                    for t in all_trials)
+
+
+def _next_trial(spec: TuneSpec, method: str, storage):
+    """(study, trial) for this worker's next trial of ``method``, or (study, None) when none is left;
+    stale trials (a killed worker's) are failed first, which queues their retries."""
+    import optuna
+
+    with _study_lock(spec.out), _quiet_optuna():
+        study = load_study(spec, method, storage)
+        optuna.storages.fail_stale_trials(study)
+        if trials_left(study, spec.settings.trials) == 0:
+            return study, None
+        return study, study.ask()
+
+
+@contextlib.contextmanager
+def heartbeat(storage, trial_id: int, seconds: float) -> Iterator[None]:
+    """A thread that records the trial's heartbeat every ``seconds`` while the block runs."""
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.is_set():
+            storage.record_heartbeat(trial_id)
+            stop.wait(seconds)
+
+    thread = threading.Thread(target=beat, name=f"heartbeat-{trial_id}", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+def trial_folder(spec: TuneSpec, method: str, study, trial) -> Path:
+    """OUT/trials/<method>/trial_NNNN, numbered by the first attempt of the trial (a retry resumes it)."""
+    import optuna
+
+    frozen = next(t for t in study.get_trials(deepcopy=False) if t.number == trial.number)
+    with _quiet_optuna():
+        first = optuna.storages.RetryHeartbeatStaleTrialCallback.retried_trial_number(frozen)
+    return spec.out / "trials" / method / f"trial_{trial.number if first is None else first:04d}"
+
+
+class _Pruned(Exception):
+    """The pruner stopped the trial at a scoring row."""
+
+
+def _run_trial(spec: TuneSpec, method: str, trial, folder: Path, evaluator, log: Callable[[str], None]) -> float:
+    """The trial's runs, one per tuning seed; returns the mean of their final ``select`` values.
+    Raises _Pruned when the pruner stops it (its runs closed, their folders kept)."""
+    params = {parameter.name: parameter.suggest(trial) for parameter in spec.settings.space[method]}
+    key, values, step = spec.settings.select, [], 0
+    for planned in spec.tuning_runs[method]:
+        config = trial_config(spec, planned, params)
+        if planned is spec.tuning_runs[method][0]:
+            trial.set_user_attr("config", {**params, "num_generations" if planned.kind == "es" else "num_steps":
+                                           config.num_generations if planned.kind == "es" else config.num_steps})
+        cls = ESRun if planned.kind == "es" else GRPORun
+        run = cls.open(config, folder / f"seed{config.seed}", evaluator=evaluator)
+        stop = False
+
+        def report(row: dict) -> None:
+            nonlocal step, stop
+            value = row.get(key)
+            if value is not None and math.isfinite(value):
+                step += 1
+                trial.report(float(value), step)
+                stop = stop or (spec.settings.prune != "none" and trial.should_prune())
+
+        try:
+            run.run(callback=report, should_stop=lambda: stop)
+            if stop:
+                raise _Pruned()
+            value = final_value(run.history, key)
+        finally:
+            run.close()  # frees the folder; a shared engine gets the model folder's weights back
+        if value is None:
+            raise ValueError(f"{folder}: the run wrote no {key!r} (tune.select)")
+        values.append(value)
+        log(f"  {method} trial {trial.number} seed {config.seed}: {key} {value:.4g}")
+    return sum(values) / len(values)
+
+
+def tune_method(spec: TuneSpec, method: str, evaluator, log: Callable[[str], None] = print, storage=None) -> int:
+    """Run trials of ``method`` until its study holds ``trials`` of them; returns how many this worker ran."""
+    from optuna.trial import TrialState
+
+    storage = storage or open_storage(spec)
+    ran = 0
+    while True:
+        study, trial = _next_trial(spec, method, storage)
+        if trial is None:
+            return ran
+        folder = trial_folder(spec, method, study, trial)
+        started = time.perf_counter()
+        trial.set_user_attr("worker", f"{socket.gethostname()}:{os.getpid()}")
+        # Optuna's heartbeat API takes the storage's trial id (its optimize loop passes the same)
+        with heartbeat(storage, trial._trial_id, spec.settings.heartbeat_s):
+            try:
+                value = _run_trial(spec, method, trial, folder, evaluator, log)
+            except _Pruned:
+                trial.set_user_attr("seconds", time.perf_counter() - started)
+                study.tell(trial, state=TrialState.PRUNED)
+                log(f"{method} trial {trial.number}: pruned")
+                ran += 1
+                continue
+            except (ValueError, RunFolderBusy) as error:  # a setting the config refuses: a trial of its own
+                trial.set_user_attr("error", str(error))
+                study.tell(trial, state=TrialState.FAIL)
+                log(f"{method} trial {trial.number}: failed: {error}")
+                ran += 1
+                continue
+        trial.set_user_attr("seconds", time.perf_counter() - started)
+        trial.set_user_attr("run_dir", str(folder))
+        study.tell(trial, value)
+        ran += 1
+        log(f"{method} trial {trial.number}: {spec.settings.select} {value:.4g} {trial.params}")
+
+
+def make_tuning_evaluator(spec: TuneSpec):
+    """One engine for every trial and rerun of the spec: sized for the largest population and LoRA
+    rank any searched setting asks for."""
+    runs = [run for runs in spec.tuning_runs.values() for run in runs]
+    probes = [PlannedRun("probe", "probe", "es" if hasattr(config, "population_size") else "grpo", config, runs[0].budget)
+              for config in check_space(spec)]
+    return make_shared_evaluator(runs + probes)
+
+
+def tune(spec: TuneSpec, evaluator=None, log: Callable[[str], None] = print) -> dict[str, int]:
+    """Every method's trials (this worker's share of them), on one engine; returns {method: trials run here}."""
+    own = evaluator is None
+    evaluator = evaluator or make_tuning_evaluator(spec)
+    try:
+        storage = open_storage(spec)
+        return {method: tune_method(spec, method, evaluator, log, storage) for method in spec.methods}
+    finally:
+        if own:
+            evaluator.close()
+
+
+def study_trials(spec: TuneSpec, method: str) -> list[dict[str, Any]]:
+    """Every trial of a method's study as plain data: number, state, value, params, config, seconds,
+    error, and the trial it retries."""
+    import optuna
+
+    study = load_study(spec, method)
+    rows = []
+    retried = optuna.storages.RetryHeartbeatStaleTrialCallback.retried_trial_number
+    for t in study.get_trials(deepcopy=False):
+        with _quiet_optuna():
+            retry_of = retried(t)
+        rows.append({"method": method, "number": t.number, "state": t.state.name.lower(), "value": t.value,
+                     "params": dict(t.params), "config": t.user_attrs.get("config"),
+                     "seconds": t.user_attrs.get("seconds"), "error": t.user_attrs.get("error"),
+                     "worker": t.user_attrs.get("worker"), "run_dir": t.user_attrs.get("run_dir"),
+                     "retries": retry_of})
+    return rows
+
+
+def best_trial(spec: TuneSpec, method: str):
+    """The method's best complete trial (FrozenTrial); ValueError when it has none."""
+    study = load_study(spec, method)
+    try:
+        return study.best_trial
+    except ValueError:
+        raise ValueError(f"{method}: no complete trial in {spec.out / STORAGE} yet (run `evolm tune` first)") from None
+
+
+def with_methods(spec: TuneSpec, methods: list[str]) -> TuneSpec:
+    """The spec narrowed to some of its methods."""
+    return replace(spec, tuning_runs={m: spec.tuning_runs[m] for m in methods},
+                   final_runs={m: spec.final_runs[m] for m in methods})

@@ -1,0 +1,81 @@
+"""Figures of a tuning study (`evolm tune`): the best validation score so far against the trial number,
+one line per method, and each searched setting's effect, Optuna's own slice and importance plots
+(``optuna.visualization``, plotly figures like the others, exported by ``figures.export_figure``)."""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import plotly.graph_objects as go
+
+from plotly.colors import qualitative
+
+from .labels import axis_title, integer_ticks
+
+
+def best_so_far(trials: Sequence[Mapping[str, Any]]) -> tuple[list[int], list[float]]:
+    """(trial numbers, best value up to each) over a method's complete trials, in trial order
+    (pruned and failed trials have no final score and are left out)."""
+    numbers, best, top = [], [], None
+    for trial in sorted(trials, key=lambda t: t["number"]):
+        if trial["state"] != "complete" or trial["value"] is None:
+            continue
+        top = trial["value"] if top is None else max(top, trial["value"])
+        numbers.append(int(trial["number"]))
+        best.append(float(top))
+    return numbers, best
+
+
+def plot_best_so_far(trials_by_method: Mapping[str, Sequence[Mapping[str, Any]]], select: str = "validation/reward",
+                     title: str = "Best score so far, per method") -> go.Figure:
+    """One line per method: the best selection score among its trials up to each trial number, with
+    every complete trial's own score as a marker."""
+    fig = go.Figure()
+    for index, (method, trials) in enumerate(trials_by_method.items()):
+        color = qualitative.Plotly[index % len(qualitative.Plotly)]
+        numbers, best = best_so_far(trials)
+        fig.add_trace(go.Scatter(x=numbers, y=best, mode="lines", name=f"{method}, best so far", line={"color": color,
+                                 "shape": "hv"}))
+        done = [t for t in trials if t["state"] == "complete" and t["value"] is not None]
+        fig.add_trace(go.Scatter(x=[t["number"] for t in done], y=[t["value"] for t in done], mode="markers",
+                                 name=f"{method}, each trial", marker={"color": color, "size": 7, "opacity": 0.5}))
+    last = max((t["number"] for trials in trials_by_method.values() for t in trials), default=1)
+    fig.update_layout(title=title, xaxis_title="trial number", yaxis_title=axis_title(select), template="plotly_white")
+    fig.update_xaxes(**integer_ticks(last))
+    return fig
+
+
+def plot_parameter_slices(study) -> go.Figure:
+    """Each searched setting's value against the trial's score (Optuna's slice plot)."""
+    import optuna
+
+    return optuna.visualization.plot_slice(study)
+
+
+def plot_parameter_importances(study) -> go.Figure:
+    """How much of the score's variation each searched setting explains (Optuna's fANOVA importances;
+    it needs two or more complete trials)."""
+    import optuna
+
+    return optuna.visualization.plot_param_importances(study)
+
+
+def export_tuning_figures(trials_by_method: Mapping[str, Sequence[Mapping[str, Any]]], studies: Mapping[str, Any],
+                          out_dir: str | Path, select: str = "validation/reward",
+                          formats: Sequence[str] = ("png", "svg")) -> list[Path]:
+    """The best-so-far figure and every method's slice and importance plots as out_dir/tune_*.{png,svg};
+    returns the paths (a method with fewer than two complete trials has no importance plot)."""
+    from .figures import export_figure
+
+    paths = export_figure(plot_best_so_far(trials_by_method, select), "tune_best_so_far", out_dir, formats=formats)
+    for method, study in studies.items():
+        complete = [t for t in trials_by_method.get(method, ()) if t["state"] == "complete"]
+        if not complete:
+            continue
+        paths += export_figure(plot_parameter_slices(study), f"tune_{method}_slices", out_dir, formats=formats,
+                               style=None, width=300 * max(1, len(complete[0]["params"])), height=400)
+        if len(complete) >= 2:
+            paths += export_figure(plot_parameter_importances(study), f"tune_{method}_importances", out_dir,
+                                   formats=formats, style=None)
+    return paths

@@ -1,0 +1,218 @@
+"""`evolm tune` on tiny-random: equal trials per method to a finished study, a SIGKILLed worker's trial
+retried and resumed, two workers sharing one study, the winners rerun on final seeds only, and every
+bad spec refused before an engine starts."""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from evolm_lib import tune
+from evolm_lib.cli import main
+from evolm_lib.runs import read_metrics
+
+REPO = Path(__file__).resolve().parents[1]
+
+SPEC = {
+    "notebook": "notebooks/07_tuning.py",
+    "parameters": {},
+    "sweep": {
+        "common": {"model": "tiny-random", "task": "conciseness", "task_options": {"num_validation": 4},
+                   "target_modules": ["q_proj", "v_proj"], "lora_rank": 1, "max_new_tokens": 8,
+                   "max_model_len": 256, "kv_cache_gb": 0.1, "eval_every": 1},
+        "es": {"population_size": 4, "temperature": 0.0},
+        "grpo": {"group_size": 4, "temperature": 1.0},
+        "generations": 2,
+        "seeds": [0],
+    },
+    "tune": {
+        "trials": 4, "seeds": [100], "select": "validation/reward", "startup_trials": 2, "heartbeat_s": 1,
+        "space": {"es": {"sigma": {"log": [0.005, 0.2]}, "optimizer": ["sgd", "adam"]},
+                  "grpo": {"learning_rate": {"log": [1.0e-5, 3.0e-3]}, "beta": [0.0, 0.1]}},
+        "primary": [["es", "grpo"]],
+    },
+    "final_seeds": [0, 1],
+}
+
+
+def write_spec(tmp_path: Path, changes=None, **sweep_changes) -> Path:
+    spec = copy.deepcopy(SPEC)
+    spec["sweep"]["out"] = str(tmp_path / "out")
+    spec["sweep"].update(sweep_changes)
+    if changes:
+        changes(spec)
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def test_two_methods_four_trials_each_then_the_winners_on_final_seeds_only(tmp_path, tiny_vllm):
+    spec = tune.load_tune_spec(write_spec(tmp_path))
+    assert tune.tune(spec, tiny_vllm, log=lambda line: None) == {"es": 4, "grpo": 4}
+    for method, names in (("es", {"sigma", "optimizer"}), ("grpo", {"learning_rate", "beta"})):
+        trials = tune.study_trials(spec, method)
+        assert [t["number"] for t in trials] == [0, 1, 2, 3] and {t["state"] for t in trials} == {"complete"}
+        for t in trials:  # every trial's setting, config and score recorded
+            assert set(t["params"]) == names and t["value"] is not None
+            assert {k: t["config"][k] for k in names} == t["params"]
+            run_dir = Path(t["run_dir"]) / "seed100"
+            rows = read_metrics(run_dir)
+            assert t["value"] == rows[-1]["validation/reward"]  # the final mean's validation score
+            config = yaml.safe_load((run_dir / "config.yaml").read_text())
+            assert config["seed"] == 100 and all(config[k] == v for k, v in t["params"].items())
+    # running again continues the finished study: no new trial
+    assert tune.tune(spec, tiny_vllm, log=lambda line: None) == {"es": 0, "grpo": 0}
+    done = tune.run_finals(spec, tiny_vllm, log=lambda line: None)
+    assert {m: [Path(f).name for f in folders] for m, folders in done.items()} == {"es": ["seed0", "seed1"],
+                                                                                   "grpo": ["seed0", "seed1"]}
+    for method in ("es", "grpo"):
+        best = tune.best_trial(spec, method)
+        for folder in (spec.out / "final" / method).iterdir():
+            config = yaml.safe_load((folder / "config.yaml").read_text())
+            assert config["seed"] in (0, 1) and all(config[k] == v for k, v in best.params.items())
+            assert (folder / "heldout.jsonl").exists()
+    seeds = {yaml.safe_load(p.read_text())["seed"] for p in (spec.out / "trials").rglob("config.yaml")}
+    assert seeds == {100}  # tuning touched no final seed
+    summary = tune.summarize(spec)
+    assert json.loads((spec.out / tune.SUMMARY).read_text())["methods"]["es"]["trials"] == 4
+    assert {m: summary["methods"][m]["complete"] for m in ("es", "grpo")} == {"es": 4, "grpo": 4}
+    assert [row["seeds"] for row in summary["final"]] == [2, 2]
+    (comparison,) = summary["comparisons"]  # one primary pair: Holm leaves a family of one as it is
+    assert comparison["family"] == "primary" and comparison["holm_p"] == comparison["permutation_p"]
+
+
+def _worker(spec: Path, *extra: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    return subprocess.Popen([sys.executable, "-m", "evolm_lib.cli", "tune", str(spec), "--methods", "es", "--no-finals",
+                             "--no-figures", *extra], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def _hf_spec(tmp_path: Path, trials: int, generations: int) -> Path:
+    def change(spec):
+        spec["sweep"]["common"]["engine"] = "hf"  # starts in seconds: these tests start several workers
+        spec["tune"]["trials"] = trials
+    return write_spec(tmp_path, change, generations=generations)
+
+
+def test_a_worker_killed_mid_trial_leaves_a_study_the_next_run_continues(tmp_path):
+    path = _hf_spec(tmp_path, trials=3, generations=12)
+    spec = tune.load_tune_spec(path, methods=["es"])
+    worker = _worker(path)
+    deadline, killed_folder = time.time() + 600, None
+    while time.time() < deadline and worker.poll() is None:
+        if (spec.out / "optuna.db").exists():
+            running = [t for t in tune.study_trials(spec, "es") if t["state"] == "running" and t["number"] == 1]
+            folder = spec.out / "trials" / "es" / "trial_0001" / "seed100"
+            if running and (folder / "metrics.jsonl").exists() and len(read_metrics(folder)) >= 3:
+                os.kill(worker.pid, signal.SIGKILL)
+                worker.wait()
+                killed_folder = folder
+                break
+        time.sleep(0.2)
+    assert killed_folder is not None, "the worker ended before its second trial was half done"
+    done_before = len(read_metrics(killed_folder))
+    assert done_before < 13
+    time.sleep(3 * spec.settings.heartbeat_s + 1)  # the killed trial's heartbeat goes stale
+    rerun = _worker(path)
+    output, _ = rerun.communicate(timeout=600)
+    assert rerun.returncode == 0, output
+    trials = {t["number"]: t for t in tune.study_trials(spec, "es")}
+    killed = trials[1]
+    assert killed["state"] == "fail" and killed["error"] is None  # failed by the next worker, not by its setting
+    retry = next(t for t in trials.values() if t["retries"] == 1)
+    assert retry["state"] == "complete" and retry["params"] == killed["params"]
+    assert Path(retry["run_dir"]) == killed_folder.parent  # the same folder, resumed from its checkpoint
+    generations = [row["generation"] for row in read_metrics(killed_folder)]
+    assert generations == list(range(13))  # nothing counted twice
+    complete = [t for t in trials.values() if t["state"] == "complete"]
+    assert len(complete) == 3 and len(trials) == 4  # 3 trials: two first attempts and one retry
+
+
+def test_two_workers_share_one_study_and_never_run_the_same_trial(tmp_path):
+    path = _hf_spec(tmp_path, trials=4, generations=3)
+    spec = tune.load_tune_spec(path, methods=["es"])
+    tune.load_study(spec, "es")  # created once, before both workers open it
+    workers = [_worker(path) for _ in range(2)]
+    outputs = [w.communicate(timeout=600)[0] for w in workers]
+    assert [w.returncode for w in workers] == [0, 0], outputs
+    ran = [eval(line.split(": ", 1)[1].split(" (")[0])["es"] for out in outputs for line in out.splitlines()
+           if line.startswith("trials run by this worker")]
+    trials = tune.study_trials(spec, "es")
+    assert sum(ran) == 4 and len(trials) == 4 and {t["state"] for t in trials} == {"complete"}
+    assert sorted(Path(t["run_dir"]).name for t in trials) == [f"trial_{n:04d}" for n in range(4)]
+    assert len({t["worker"] for t in trials}) <= 2
+    for t in trials:  # each trial's run written once, by one worker
+        assert [row["generation"] for row in read_metrics(Path(t["run_dir"]) / "seed100")] == [0, 1, 2, 3]
+
+
+def _set(path: list, value):
+    def change(spec):
+        node = spec
+        for key in path[:-1]:
+            node = node[key]
+        if value is _DELETE:
+            del node[path[-1]]
+        else:
+            node[path[-1]] = value
+    return change
+
+
+_DELETE = object()
+
+
+@pytest.mark.parametrize("change, message", [
+    (_set(["tune", "space", "gpro"], {"beta": [0.1]}), r"tune.space.gpro: not a method of this sweep \(did you mean grpo\?\)"),
+    (_set(["tune", "space", "es", "sigmaa"], {"log": [0.1, 0.2]}), r"tune.space.es.sigmaa: not one of the ESConfig settings \(did you mean sigma\?\)"),
+    (_set(["tune", "space", "es", "sigma"], {"log": [0.2, 0.2]}), r"tune.space.es.sigma: an empty range \[0.2, 0.2\]"),
+    (_set(["tune", "space", "es", "sigma"], {"log": [0.0, 0.2]}), r"tune.space.es.sigma: a log range must lie above 0"),
+    (_set(["tune", "space", "es", "sigma"], {"lgo": [0.1, 0.2]}), r"tune.space.es.sigma: unknown range 'lgo' \(did you mean log\?\)"),
+    (_set(["tune", "space", "es", "sigma"], []), r"tune.space.es.sigma: an empty list of choices"),
+    (_set(["tune", "space", "es", "sigma"], {"uniform": [-1.0, 0.2]}), r"tune.space.es.sigma: .*greater than 0"),
+    (_set(["tune", "space", "es", "seed"], [1, 2]), r"tune.space.es.seed: not searched"),
+    (_set(["final_seeds"], [0, 100]), r"final_seeds: \[100\] also tuning seeds"),
+    (_set(["tune", "select"], "validation/rewrd"), r"tune.select: no run writes 'validation/rewrd' \(did you mean validation/reward\?\)"),
+    (_set(["tune", "select"], "eval/reward"), r"tune.select: eval/reward is the held-out score"),
+    (_set(["sweep", "common", "task_options"], {}), r"tune.select: validation/reward, but es's task 'conciseness' has no validation"),
+    (_set(["tune", "space", "grpo"], _DELETE), r"tune.space: no space for \['grpo'\]"),
+    (_set(["tune", "trials"], 0), r"tune.trials: a whole number >= 1"),
+    (_set(["tune", "primary"], [["es", "grpoo"]]), r"tune.primary: \['grpoo'\] not a method of this sweep"),
+])
+def test_bad_specs_fail_naming_the_setting_before_any_engine(tmp_path, change, message, capsys):
+    path = write_spec(tmp_path, change)
+    with pytest.raises(ValueError, match=message):
+        tune.load_tune_spec(path)
+    assert main(["tune", str(path)]) == 2  # the command stops before an engine, with the same line
+    assert "error: " in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_searched_population_size_keeps_the_budget(tmp_path):
+    path = write_spec(tmp_path, _set(["tune", "space", "es", "population_size"], [2, 8]))
+    spec = tune.load_tune_spec(path)
+    planned = spec.tuning_runs["es"][0]
+    assert tune.trial_config(spec, planned, {"population_size": 8}).num_generations == 1  # 16 completions: 1 x 8 x 2
+    assert tune.trial_config(spec, planned, {"population_size": 2}).num_generations == 4
+    with pytest.raises(ValueError, match="tune.space.es.population_size: 6 makes 12 completions"):
+        tune.trial_config(spec, planned, {"population_size": 6})
+
+
+def test_the_tuning_notebook_runs_on_the_tiny_spec(tmp_path):
+    from evolm_lib import batch
+
+    out = tmp_path / "tune"
+    executed = batch.execute_notebook(REPO / "notebooks" / "07_tuning.py", tmp_path / "07.ipynb",
+                                      {"spec_path": str(REPO / "papermill_runs" / "tune_tiny.yaml"), "out": str(out),
+                                       "trials": 2, "figures_dir": str(tmp_path / "figures")}, cwd=REPO)
+    assert executed.exists()
+    summary = json.loads((out / tune.SUMMARY).read_text())
+    assert {m: e["trials"] for m, e in summary["methods"].items()} == {"es": 2, "grpo": 2}
+    assert sorted(p.name for p in (out / "final" / "es").iterdir()) == ["seed0", "seed1", "seed2"]
