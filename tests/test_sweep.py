@@ -1,4 +1,4 @@
-"""The sweep's library pieces: learning-rate sweep planning and selection, checkpoint KLs, the summary."""
+"""The sweep's library pieces: planning (no learning rate picked on one seed), checkpoint KLs, the summary."""
 from __future__ import annotations
 
 import json
@@ -15,34 +15,20 @@ FIXTURES = REPO / "tests" / "data" / "es_vs_grpo"
 SPEC = REPO / "papermill_runs" / "es_vs_grpo_conciseness_cpu.yaml"
 
 
-def test_learning_rate_sweep_plans_one_grpo_run_per_rate_on_the_first_seed():
-    _, spec = sweep.load_sweep_spec(SPEC)
-    spec["grpo"] = {**spec["grpo"], "learning_rate": [1e-3, 3e-3]}
-    assert sweep.grpo_learning_rates(spec) == [1e-3, 3e-3]
-    runs = sweep.plan_learning_rate_sweep(spec, generations=2, seeds=[4, 5], overrides={"model": "tiny-random"})
-    assert [r.name for r in runs] == ["lrsweep_grpo_lr0.001_seed4", "lrsweep_grpo_lr0.003_seed4"]
-    assert [r.config.learning_rate for r in runs] == [1e-3, 3e-3] and {r.config.seed for r in runs} == {4}
-    with pytest.raises(ValueError, match="pick one"):
-        sweep.plan_sweep(spec, generations=2, seeds=[4], overrides={"model": "tiny-random"})
-    plan = sweep.plan_sweep(spec, 2, [4], {"model": "tiny-random"}, grpo_learning_rate=3e-3)
-    assert [(r.name, r.config.learning_rate) for r in plan if r.kind == "grpo"] == [("grpo_seed4", 3e-3)]
+def test_a_grpo_learning_rate_list_is_refused_naming_the_setting_and_what_to_use():
+    """A list once picked one rate on seed 0 and reported that run as seed 0: refused, pointing at
+    grpo_modes (every seed each) and `evolm tune`; nothing is planned from it."""
+    from evolm_lib.config import ConfigError
 
-
-def test_best_rate_is_picked_by_the_last_greedy_rewards_and_its_run_adopted(tmp_path):
     _, spec = sweep.load_sweep_spec(SPEC)
-    spec["grpo"] = {**spec["grpo"], "learning_rate": [1e-3, 3e-3]}
-    overrides = {"model": "tiny-random"}
-    lr_runs = sweep.plan_learning_rate_sweep(spec, 2, [0], overrides)
-    for run, rewards in zip(lr_runs, ([-9.0, -8.0, -7.0, -6.0], [-9.0, -5.0, -4.0, -3.0])):
-        (tmp_path / run.name).mkdir()
-        (tmp_path / run.name / "metrics.jsonl").write_text(
-            "".join(json.dumps({"generation": g, "policy/train_reward": r}) + "\n" for g, r in enumerate(rewards)))
-    best, scores = sweep.best_learning_rate(tmp_path, lr_runs)
-    assert best == 3e-3 and scores == {1e-3: -7.0, 3e-3: -4.0}  # means of the last three rows
-    assert json.loads((tmp_path / "grpo_lr_sweep.json").read_text())["best"] == 3e-3
-    plan = sweep.plan_sweep(spec, 2, [0], overrides, grpo_learning_rate=best)
-    sweep.adopt_learning_rate_run(tmp_path, lr_runs, plan, best)
-    assert (tmp_path / "grpo_seed0" / "metrics.jsonl").read_text() == (tmp_path / lr_runs[1].name / "metrics.jsonl").read_text()
+    listed = {**spec, "grpo": {**spec["grpo"], "learning_rate": [1e-3, 3e-3]}}
+    for call in (lambda: sweep.check_sections(listed), lambda: sweep.plan_sweep(listed, 2, [0], {"model": "tiny-random"})):
+        with pytest.raises(ConfigError, match=r"sweep.grpo.learning_rate: one rate, not a list") as caught:
+            call()
+        assert "sweep.grpo_modes" in str(caught.value) and "evolm tune" in str(caught.value)
+    plan = sweep.plan_sweep(spec, 2, [4, 5], {"model": "tiny-random"})
+    assert [(r.name, r.config.learning_rate) for r in plan if r.kind == "grpo"] == [("grpo_seed4", 3e-3), ("grpo_seed5", 3e-3)]
+    assert not any(r.name.startswith("lrsweep") for r in plan)
 
 
 def test_summary_has_a_row_per_run_with_results_and_checkpoint_kls(tmp_path):
@@ -54,7 +40,7 @@ def test_summary_has_a_row_per_run_with_results_and_checkpoint_kls(tmp_path):
     assert {r["run"] for r in rows} == {p.name for p in out.iterdir() if (p / "config.yaml").exists()}
     row = next(r for r in rows if r["run"] == first.name)
     assert row["kl_by_checkpoint"] == {0: 0.0, 2: 0.25}
-    assert row["method"] in ("es", "grpo") and row["train_reward_final"] is not None
+    assert row["method"] == "es eggroll" and row["train_reward_final"] is not None  # the analysis's label
     header = (out / "summary.csv").read_text().splitlines()[0].split(",")
     assert {"run", "method", "seed", "learning_rate", "eval_reward_final", "kl_final", "kl_by_checkpoint"} <= set(header)
 
@@ -80,7 +66,7 @@ def test_checkpoint_points_pair_each_measured_kl_with_the_reward_of_its_generati
 
 def test_grpo_modes_are_methods_of_their_own_with_every_seed():
     _, spec = sweep.load_sweep_spec(SPEC)
-    spec["grpo"] = {**spec["grpo"], "learning_rate": 0.001, "group_size": 8}  # one rate: a list would sweep rates first
+    spec["grpo"] = {**spec["grpo"], "learning_rate": 0.001, "group_size": 8}
     spec["grpo_modes"] = {"lr2e3": {"learning_rate": 0.002}, "small": {"learning_rate": 0.0005, "group_size": 4}}
     plan = sweep.plan_sweep(spec, generations=2, seeds=[0, 1], overrides={"model": "tiny-random"})
     grpo = [(r.name, r.label, r.config.learning_rate, r.config.group_size, r.length) for r in plan if r.kind == "grpo"]
@@ -100,8 +86,6 @@ def test_grpo_modes_are_methods_of_their_own_with_every_seed():
     ({"two": {"learning_rate": [0.1, 0.2]}}, "sweep.grpo_modes.two: one group_size and one learning_rate per variant"),
     ({"a-b": {}}, "sweep.grpo_modes.a-b: a name of letters, digits and _"),
     ([0.1], "sweep.grpo_modes: expected a mapping of name -> GRPOConfig settings"),
-    ({"a": {"learning_rate": 0.1}}, "sweep.grpo.learning_rate: a list sweeps learning rates on the first seed, but every "
-                                    "variant of sweep.grpo_modes sets its own"),
 ])
 def test_bad_grpo_modes_fail_naming_the_variant(modes, message):
     _, spec = sweep.load_sweep_spec(SPEC)
@@ -149,7 +133,7 @@ def test_dry_run_estimates_only_from_timings_that_fit_the_runs(capsys):
 
     assert sweep_cli.main([str(SPEC), "--dry-run"]) == 0
     printed = capsys.readouterr().out
-    assert "estimated wall time 164.3 min (seconds_per_completion {'es': 2.0, 'grpo': 4.5}" in printed
+    assert "estimated wall time 112.5 min (seconds_per_completion {'es': 2.0, 'grpo': 4.5}" in printed
     assert sweep_cli.main([str(SPEC), "--dry-run", "--model", "tiny-random", "--generations", "1", "--seeds", "0"]) == 0
     printed = capsys.readouterr().out
     assert "estimated wall time" not in printed
