@@ -581,5 +581,4 @@ def summarize(out: str | Path) -> list[dict]:
             "seconds": seconds.get(folder.name),
         })
     columns = ["run", "status", "method", "seed"]
-    write_summary_files(out, rows, rows, columns=columns, settings=[folder_settings(folder) for folder in folders])
-    return rows
+    return write_summary_files(out, rows, rows, columns=columns, settings=[folder_settings(folder) for folder in folders])

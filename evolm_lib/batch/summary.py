@@ -69,7 +69,7 @@ def varying_setting_columns(settings: Sequence[Mapping[str, Any]], present: Sequ
 
 def write_summary_files(out_dir: str | Path, rows: Sequence[Mapping[str, Any]], runs: Sequence[Mapping[str, Any]],
                         columns: Sequence[str] = (), notebook: str | Path | None = None,
-                        settings: Sequence[Mapping[str, Any]] | None = None) -> None:
+                        settings: Sequence[Mapping[str, Any]] | None = None) -> list[Mapping[str, Any]]:
     """Write OUT/summary.csv and OUT/summary.json, each atomically (a kill leaves the old file or the new one).
 
     summary.csv: one line per row; its columns are ``columns``, then one per setting that varies across
@@ -78,7 +78,7 @@ def write_summary_files(out_dir: str | Path, rows: Sequence[Mapping[str, Any]], 
     mapping or list is written as JSON text, None as an empty cell. summary.json: ``{"notebook": the
     notebook the runs came from (or null), "written": when, "runs": runs}``, ``runs`` holding every
     detail of each run (parameters, results, what was done, and under ``settings`` its value of every
-    setting that varies)."""
+    setting that varies). Returns the rows as summary.csv holds them, setting columns included."""
     out_dir = Path(out_dir)
     if settings is not None:
         present = [*columns, *(key for row in rows for key in row)]
@@ -100,6 +100,7 @@ def write_summary_files(out_dir: str | Path, rows: Sequence[Mapping[str, Any]], 
     details = out_dir / ".summary.json.tmp"
     details.write_text(json.dumps(payload, indent=2, default=str) + "\n", encoding="utf-8")
     os.replace(details, out_dir / "summary.json")
+    return list(rows)
 
 
 def _cell(value: Any) -> Any:
