@@ -508,6 +508,21 @@ def _measure(measure: str) -> tuple[str, str]:
     return HELDOUT_MEASURES[measure]
 
 
+def default_measure(groups: Groups) -> str:
+    """The held-out measure of the compared runs' task (its ``heldout_measure``: "reward" for
+    conciseness, "success" for arithmetic and countdown); "success" when the task no longer loads."""
+    from .tasks import get_task
+
+    first = next((r for runs in groups.values() for r in runs), None)
+    if first is None:
+        return "success"
+    try:
+        task = get_task(first.config.get("task", "conciseness"), **(first.config.get("task_options") or {}))
+    except Exception:  # noqa: BLE001 - a task file moved since: the share of problems solved
+        return "success"
+    return task.heldout_measure
+
+
 def heldout_scores(record: RunRecord, measure: str = "success") -> list[float] | None:
     """One number per held-out problem of a run: 1.0 or 0.0 for ``measure="success"``, the task's
     reward for ``"reward"``; None when the run has no heldout.jsonl."""

@@ -458,8 +458,10 @@ def run_one(planned: PlannedRun, out: Path, evaluator, kl_evaluator=None, kl_set
             f"greedy {row.get('policy/train_reward', float('nan')):9.3f}  samples {row['samples/completions']:>6}  "
             f"{row['time/generation_s']:6.1f} s", flush=True))
         run.save_final()
-        scores = [line["success"] for line in score_held_out(evaluator, run)]
-        print(f"  {planned.name} held-out success {sum(scores) / max(len(scores), 1):.3f} on {len(scores)} problems",
+        lines = score_held_out(evaluator, run)
+        share = sum(line["success"] for line in lines) / max(len(lines), 1)
+        reward = sum(line["reward"] for line in lines) / max(len(lines), 1)
+        print(f"  {planned.name} held-out on {len(lines)} problems: success {share:.3f}, mean reward {reward:.4g}",
               flush=True)
         if kl_settings is not None and kl_settings.get("every_checkpoint"):
             for row in checkpoint_kls(kl_evaluator or evaluator, run, kl_settings):

@@ -42,6 +42,7 @@ class ConcisenessTask(Task):
     name = "conciseness"
     success_threshold = 0.0  # minus the length gap: only an exact length reaches 0
     reward_label = "-|length difference|, chars"
+    heldout_measure = "reward"  # an exact length is rare: the share of successes stays near 0
 
     def train_examples(self) -> list[Example]:
         """The paper's two training examples."""
