@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import glob
 import itertools
+import json
 import math
 import os
 import statistics
@@ -32,9 +33,13 @@ from .types import NotARunFolder
 # Settings that must agree across the compared runs, or the comparison is unfair.
 COMPARED_FIELDS = ("model", "task", "task_options", "target_modules", "lora_rank", "lora_alpha",
                    "layers_to_transform", "max_new_tokens", "prompts_per_step")
-# Per method, the settings that split one kind into several labels when runs differ in them
-# (a sweep's group sizes; its `grpo_modes` at several learning rates), each with its name in labels.
-SPLIT_FIELDS = {"es": (("population_size", "N"),), "grpo": (("group_size", "G"), ("learning_rate", "lr"))}
+# A method is its full set of settings: runs of one label that differ in any setting but these are
+# split into methods of their own, each named by the settings it differs in. The seed is what varies
+# within a method; `label` and `kind` name it already; budget, cadence and where the engines run do
+# not change the science (`evolm_lib.runs.EXTENDABLE`: a run extended to more generations is the same method).
+NOT_METHOD_SETTINGS = frozenset({"seed", "kind", "label"})
+# Short names of settings in labels ("grpo G=8", "es N=16 lr=0.2"); every other setting by its own name.
+SETTING_NAMES = {"population_size": "N", "group_size": "G", "learning_rate": "lr"}
 # What a held-out score of a run is, per `measure`: the heldout.jsonl field averaged over problems,
 # and the key its axes and tables are labelled by (evolm_lib.viz.labels).
 HELDOUT_MEASURES = {"success": ("success", "heldout/accuracy"), "reward": ("reward", "heldout/reward")}
@@ -44,6 +49,10 @@ HELDOUT_FIELDS = ("index", "reward", "success")
 
 class MixedRuns(ValueError):
     """The runs differ in settings that make the comparison unfair (model, task, LoRA layout, ...)."""
+
+
+class RepeatedSeeds(ValueError):
+    """Two runs of one method share a seed: pooled, they would pass for two seeds of one method."""
 
 
 @dataclass(frozen=True)
@@ -155,12 +164,14 @@ def load_runs(patterns: str | os.PathLike | Sequence[str | os.PathLike] | Mappin
 
     The label is the mapping's key when ``patterns`` is a mapping {label: glob(s)}, else the
     config.yaml's `label` key if it has one, else its `kind` ("es" or "grpo") and, for ES runs that
-    moved the model's own weights, its `es_mode` ("es full", "es eggroll": `method_label`); a kind
-    whose runs differ in population or group size, or (GRPO) in learning rate, is split ("grpo G=8",
-    "grpo G=30", "grpo lr=0.0005"). Without a
-    mapping, ES labels are ordered lora, eggroll, full where ES first appears. Empty patterns are
-    skipped (only ES runs: ``[es_glob, ""]``); every other pattern must match a folder, every
-    folder must be a run folder, and the runs must share COMPARED_FIELDS unless ``allow_mixed``.
+    moved the model's own weights, its `es_mode` ("es full", "es eggroll": `method_label`). A method is
+    its full set of settings: runs of one label that differ in any setting but the seed (and budget,
+    cadence and engine placement: `NOT_METHOD_SETTINGS`, `evolm_lib.runs.EXTENDABLE`) are split, each
+    label naming every setting in which they differ ("grpo G=8", "es sigma=0.1 lr=0.4": `method_labels`).
+    A method with two runs of one seed fails with RepeatedSeeds: they are never pooled as seeds.
+    Without a mapping, ES labels are ordered lora, eggroll, full where ES first appears. Empty
+    patterns are skipped (only ES runs: ``[es_glob, ""]``); every other pattern must match a folder,
+    every folder must be a run folder, and the runs must share COMPARED_FIELDS unless ``allow_mixed``.
     """
     if isinstance(patterns, Mapping):
         sources = [(str(label), p) for label, value in patterns.items() for p in _patterns(value)]
@@ -173,18 +184,91 @@ def load_runs(patterns: str | os.PathLike | Sequence[str | os.PathLike] | Mappin
         for folder in _expand(pattern):
             if folder.resolve() not in seen:
                 seen.add(folder.resolve())
-                records.append((label, read_run(folder, label)))
+                records.append(read_run(folder, label))
     if not allow_mixed:
-        check_comparable([r for _, r in records])
+        check_comparable(records)
     groups: dict[str, list[RunRecord]] = {}
-    for explicit, record in records:
-        groups.setdefault(record.method if explicit else _split_label(record, [r for _, r in records]), []).append(record)
-    for label, runs in groups.items():
+    for record, label in zip(records, method_labels([r.config for r in records], [r.method for r in records])):
+        groups.setdefault(label, []).append(record if record.method == label else
+                                            RunRecord(record.path, label, record.seed, record.config, record.rows))
+    for runs in groups.values():
         runs.sort(key=lambda r: (r.seed is None, r.seed if r.seed is not None else 0, str(r.path)))
-        groups[label] = [r if r.method == label else RunRecord(r.path, label, r.seed, r.config, r.rows) for r in runs]
+    check_distinct_seeds(groups)
     if not isinstance(patterns, Mapping):
         groups = _ordered_by_mode(groups)
     return groups
+
+
+def method_settings(config: Mapping[str, Any]) -> dict[str, Any]:
+    """A run's settings that make it the method it is: its config.yaml resolved through its config
+    class (settings added since filled with their defaults; the raw file where it no longer loads),
+    without the seed, its names and the settings that do not change the science (`NOT_METHOD_SETTINGS`,
+    `evolm_lib.runs.EXTENDABLE`)."""
+    from .config import config_class
+    from .runs import EXTENDABLE
+
+    data = {k: v for k, v in config.items() if k not in ("kind", "label")}
+    if config.get("kind", "es") == "es" and "noise_scheme" not in data:
+        data["noise_scheme"] = "per_tensor"  # as `runs.load_run_config` reads a folder older than the setting
+    try:
+        resolved = config_class(str(config.get("kind", "es"))).from_dict(data).to_dict()
+    except Exception:  # noqa: BLE001 - settings this version no longer has: compare the file as written
+        resolved = data
+    return {k: v for k, v in resolved.items() if k not in NOT_METHOD_SETTINGS and k not in EXTENDABLE}
+
+
+def folder_settings(run_dir: str | os.PathLike | None) -> dict[str, Any]:
+    """`method_settings` of the run in ``run_dir`` from its config.yaml ({} when it has none)."""
+    import yaml
+
+    path = Path(run_dir) / "config.yaml" if run_dir else None
+    if path is None or not path.is_file():
+        return {}
+    config = yaml.safe_load(path.read_text()) or {}
+    return method_settings(config) if isinstance(config, dict) else {}
+
+
+def varying_settings(settings: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The names of the settings whose values differ across ``settings`` (a setting one of them lacks
+    differs), in the order they first appear."""
+    names = list(dict.fromkeys(name for values in settings for name in values))
+    return [name for name in names if len({_text(values.get(name)) for values in settings}) > 1]
+
+
+def _text(value: Any) -> str:
+    """A setting's value as label text: floats in %g, mappings and lists as compact JSON."""
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, (dict, list, tuple)):
+        return json.dumps(value, separators=(",", ":"), sort_keys=True, default=str)
+    return str(value)
+
+
+def method_labels(configs: Sequence[Mapping[str, Any]], labels: Sequence[str | None] | None = None) -> list[str]:
+    """Each run's method label: its given label (else `method_label` of its config), followed by every
+    setting in which it differs from runs of the same label (`method_settings`), e.g. four ES variants
+    that differ in sigma and learning rate: "es sigma=0.1 lr=0.4", ...; runs of one label and the same
+    settings share it."""
+    bases = [label or str(config.get("label") or method_label(config))
+             for config, label in zip(configs, labels or [None] * len(configs))]
+    settings = [method_settings(config) for config in configs]
+    varying = {base: varying_settings([s for b, s in zip(bases, settings) if b == base]) for base in set(bases)}
+    return [" ".join([base, *(f"{SETTING_NAMES.get(name, name)}={_text(values.get(name))}" for name in varying[base])])
+            for base, values in zip(bases, settings)]
+
+
+def check_distinct_seeds(groups: Groups) -> None:
+    """Raise RepeatedSeeds naming every method that holds two runs of one seed, and their folders."""
+    repeated = []
+    for label, runs in groups.items():
+        by_seed: dict[Any, list[str]] = {}
+        for record in runs:
+            by_seed.setdefault(record.seed, []).append(str(record.path))
+        repeated += [f"{label!r} seed {seed}: {', '.join(paths)}" for seed, paths in by_seed.items() if len(paths) > 1]
+    if repeated:
+        raise RepeatedSeeds("runs of one method share a seed, and pooling them would count one seed twice — "
+                            + " | ".join(repeated) + " (a run made twice with the same settings: remove one of them "
+                            "or give each its own label, {label: glob})")
 
 
 ES_MODE_ORDER = ("lora", "eggroll", "full")
@@ -204,18 +288,6 @@ def _ordered_by_mode(groups: dict[str, list[RunRecord]]) -> dict[str, list[RunRe
         return first_of_kind[record.kind], mode, labels.index(label)
 
     return {label: groups[label] for label in sorted(labels, key=position)}
-
-
-def _split_label(record: RunRecord, records: Sequence[RunRecord]) -> str:
-    """The record's label, with each setting of SPLIT_FIELDS in which runs of the same label and kind
-    differ added ("grpo G=8", "grpo lr=0.0005")."""
-    label = record.method
-    for field, name in SPLIT_FIELDS.get(record.kind, ()):
-        values = {r.config.get(field) for r in records if r.method == record.method and r.kind == record.kind}
-        if len(values) > 1:
-            value = record.config.get(field)
-            label += f" {name}={value:g}" if isinstance(value, float) else f" {name}={value}"
-    return label
 
 
 def check_comparable(records: Sequence[RunRecord], fields: Sequence[str] = COMPARED_FIELDS) -> None:
@@ -434,6 +506,21 @@ def _measure(measure: str) -> tuple[str, str]:
         raise ValueError(f"measure: one of {', '.join(map(repr, HELDOUT_MEASURES))} (share of problems solved, "
                          f"or the task's mean reward where accuracy does not apply), got {measure!r}")
     return HELDOUT_MEASURES[measure]
+
+
+def default_measure(groups: Groups) -> str:
+    """The held-out measure of the compared runs' task (its ``heldout_measure``: "reward" for
+    conciseness, "success" for arithmetic and countdown); "success" when the task no longer loads."""
+    from .tasks import get_task
+
+    first = next((r for runs in groups.values() for r in runs), None)
+    if first is None:
+        return "success"
+    try:
+        task = get_task(first.config.get("task", "conciseness"), **(first.config.get("task_options") or {}))
+    except Exception:  # noqa: BLE001 - a task file moved since: the share of problems solved
+        return "success"
+    return task.heldout_measure
 
 
 def heldout_scores(record: RunRecord, measure: str = "success") -> list[float] | None:

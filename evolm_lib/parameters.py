@@ -24,6 +24,10 @@ the kinds of `evolm_lib.config.config_class`):
   (``estimator: ""``, ``prompts_per_step: 0``): a papermill parameter has one type, and None is not one;
 - ``settings`` goes over all of that, key by key, as written; an error in it is named by its path
   (``settings.optimizr: unknown setting (did you mean optimizer?)``).
+
+:func:`open_notebook_run` opens the notebook's run so that it can be iterated on: Run All again in one
+kernel closes the run the kernel opened before (letting go of its folder and engine) and resumes it,
+and the default folder carries a hash of the settings (`evolm_lib.runs.notebook_run_dir`).
 """
 from __future__ import annotations
 
@@ -116,3 +120,23 @@ def notebook_config(config_cls: type, namespace: Mapping[str, Any]):
     if errors:
         raise ConfigError.from_errors(config_cls.__name__, errors).located(located) from None
     return config
+
+
+_OPEN_RUNS: dict[str, Any] = {}
+"""The run each notebook opened in this kernel, by notebook name (closed when it opens another)."""
+
+
+def open_notebook_run(run_class: type, config, name: str, run_dir: str = "", **options):
+    """A notebook's run, opened with ``run_class.open`` (ESRun, GRPORun) in ``run_dir`` or, when empty,
+    the folder of these settings (`evolm_lib.runs.notebook_run_dir(name, config)`: changed settings start
+    a new run, the same settings resume it). The run this kernel opened before for ``name`` is closed
+    first, so Run All twice in one kernel resumes instead of finding the folder busy; a run that
+    another process holds is still refused (RunFolderBusy)."""
+    from .runs import notebook_run_dir
+
+    previous = _OPEN_RUNS.pop(name, None)
+    if previous is not None:
+        previous.close()
+    run = run_class.open(config, run_dir or notebook_run_dir(name, config), **options)
+    _OPEN_RUNS[name] = run
+    return run

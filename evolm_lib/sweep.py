@@ -7,9 +7,7 @@ Runs are normal run folders (resumed when they already hold the same settings):
 OUT/es_seedN and OUT/grpo_seedN (OUT/grpo_G8_seedN, ... when the spec lists several group sizes).
 After each run the KL of its final adapter to the base model is measured (vLLM engines only) and
 stored as `policy/kl` in its last metrics row, for the reward-vs-KL figure; with `kl.every_checkpoint`
-every kept checkpoint's KL goes to OUT/<run>/kl.jsonl. Several GRPO learning rates in the spec make
-a learning-rate sweep on the first seed; the best rate then trains every seed. `summarize` writes
-OUT/summary.csv/json.
+every kept checkpoint's KL goes to OUT/<run>/kl.jsonl. `summarize` writes OUT/summary.csv/json.
 
 The spec is a batch file for notebook 04 (`notebook`, `parameters`) plus a `sweep` section:
 
@@ -19,7 +17,7 @@ The spec is a batch file for notebook 04 (`notebook`, `parameters`) plus a `swee
       es_modes:                                         # optional: several ES variants, each over `es`
         lora: {}                                        # -> OUT/es_lora_seedN
         full: {es_mode: full, sigma: 0.001, learning_rate: 0.0005}   # -> OUT/es_full_seedN
-      grpo: {group_size: [8, 16], learning_rate: ...}   # GRPO-only settings; group_size and learning_rate may be lists
+      grpo: {group_size: [8, 16], learning_rate: ...}   # GRPO-only settings; group_size may be a list
       grpo_modes:                                       # optional: several GRPO variants, each over `grpo`
         lr2e3: {learning_rate: 0.002}                   # -> OUT/grpo_lr2e3_seedN
         lr5e4: {learning_rate: 0.0005}                  # -> OUT/grpo_lr5e4_seedN
@@ -31,16 +29,24 @@ The spec is a batch file for notebook 04 (`notebook`, `parameters`) plus a `swee
       kl: {num_samples: 4, temperature: 1.0, every_checkpoint: true}
 
 Every ES variant of `es_modes` (all at the same budget: the same population x prompts) is one
-more method, and so is every GRPO variant of `grpo_modes` (each trains every seed, where a
-`grpo.learning_rate` list picks one rate on the first seed). `--methods es_full,grpo` runs only those
+more method, and so is every GRPO variant of `grpo_modes` (each trains every seed: several learning
+rates are several variants; tuning a method fairly is `evolm tune`'s work, never a rate picked on one
+seed whose run is then reported as that seed). `--methods es_full,grpo` runs only those
 methods' runs (several processes, each with its own engine, can share one OUT this way). After each run its final adapter (or, for `es_mode` full and
 eggroll, the engine's mean) is scored greedily on every held-out problem, one line per problem in
 OUT/<run>/heldout.jsonl: the input of the study's intervals (``evolm_lib.analysis``).
 
+Before any engine starts, every run's folder is compared with its planned settings (the batch's one
+comparison, ``evolm_lib.batch.settings_changes``): a folder holding a run made with other settings is
+a conflict, listed old -> new, and the sweep refuses to start until ``--out`` names another folder or
+``--overwrite METHOD[/SEED]`` replaces those runs. A replaced run waits beside its folder
+(OUT/.<run>.kept-<time>) until its new attempt finishes; an attempt that fails is moved to
+OUT/<run>.failed-<time> and the finished run put back.
+
 Usage::
 
     evolm sweep [SPEC] [--generations G] [--seeds 0,1,2] [--methods es_lora,grpo] [--out DIR]
-                [--model NAME] [--max-new-tokens N] [--no-kl] [--no-notebook] [--dry-run]
+                [--model NAME] [--max-new-tokens N] [--overwrite METHOD[/SEED]] [--no-kl] [--no-notebook] [--dry-run]
 """
 from __future__ import annotations
 
@@ -48,20 +54,21 @@ import json
 import os
 import shutil
 import time
-from dataclasses import dataclass, replace
+from collections.abc import Collection
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .analysis import method_globs
-from .batch import execute_notebook, read_yaml_file, spec_from_dict, write_summary_files
+from .batch import execute_notebook, read_yaml_file, settings_changes, spec_from_dict, write_summary_files
 from .config import ConfigError, ESConfig, GRPOConfig, did_you_mean
 from .engines import EngineSizing, make_evaluator
 from .train.es import ESRun
 from .evaluation import evaluate_adapter, mean_kl_to_base, success
 from .train.grpo import GRPORun
 from .train.model_weights import ModelWeights
-from .runs import (RunFolderBusy, list_checkpoints, load_checkpoint, read_checkpoint_kls, read_jsonl, read_metrics,
-                   record_final_metrics)
+from .runs import (RunFolderBusy, describe_holder, list_checkpoints, load_checkpoint, lock_holder, read_checkpoint_kls,
+                   read_jsonl, read_metrics, record_final_metrics)
 from .tasks import get_task
 
 DEFAULT_SPEC = "papermill_runs/es_vs_grpo_conciseness_cpu.yaml"  # relative to the project folder
@@ -108,6 +115,13 @@ def load_sweep_spec(path: str | Path) -> tuple[dict, dict]:
     return data, sweep
 
 
+LEARNING_RATE_LIST = (
+    "sweep.grpo.learning_rate: one rate, not a list (a list picked one rate on the first seed and reported "
+    "that run as the seed, which favours GRPO); to compare several rates, give each a variant under "
+    "sweep.grpo_modes, e.g. grpo_modes: {lr1e3: {learning_rate: 0.001}, lr3e3: {learning_rate: 0.003}} (each "
+    "trains every seed); to tune GRPO and ES with equal effort, use `evolm tune`")
+"""A GRPO learning-rate list in a spec: what it did, and what to use instead."""
+
 SECTIONS = {"common": "settings of both ESConfig and GRPOConfig", "es": "ESConfig settings", "grpo": "GRPOConfig settings"}
 
 
@@ -147,13 +161,11 @@ def check_sections(sweep: dict, source: str | Path = "the spec") -> None:
             if modes == "grpo_modes" and any(isinstance(values.get(k), list) for k in ("group_size", "learning_rate")):
                 problems.append(f"sweep.grpo_modes.{name}: one group_size and one learning_rate per variant "
                                 "(a variant is one method)")
-    modes = sweep.get("grpo_modes")
-    rates = (sweep.get("grpo") or {}).get("learning_rate") if isinstance(sweep.get("grpo"), dict) else None
-    if isinstance(modes, dict) and modes and isinstance(rates, list) and all("learning_rate" in (v or {}) for v in modes.values()):
-        problems.append("sweep.grpo.learning_rate: a list sweeps learning rates on the first seed, but every variant "
-                        "of sweep.grpo_modes sets its own")
+    grpo = sweep.get("grpo") if isinstance(sweep.get("grpo"), dict) else {}
+    if isinstance(grpo.get("learning_rate"), list):
+        problems.append(LEARNING_RATE_LIST)
     if problems:
-        raise ValueError(f"{source}: " + "; ".join(problems))
+        raise ConfigError(f"{source}: " + "; ".join(problems))
 
 
 def _config(cls, sections: list[tuple[str, dict]], fixed: dict):
@@ -174,27 +186,17 @@ def _prompts_per_step(config) -> int:
     return min(config.prompts_per_step or num_train, num_train)
 
 
-def grpo_learning_rates(sweep: dict) -> list[float]:
-    """The GRPO learning rates the spec names (several: a learning-rate sweep on the first seed)."""
-    value = (sweep.get("grpo") or {}).get("learning_rate", GRPOConfig.model_fields["learning_rate"].default)
-    return [float(v) for v in value] if isinstance(value, list) else [float(value)]
-
-
 def plan_sweep(sweep: dict, generations: int | None = None, seeds: list[int] | None = None,
-               overrides: dict | None = None, grpo_learning_rate: float | None = None) -> list[PlannedRun]:
-    """Every run of the sweep, with GRPO's steps set for the same training completions as ES.
-
-    With several GRPO learning rates in the spec, ``grpo_learning_rate`` says which one the
-    per-seed GRPO runs use (see :func:`plan_learning_rate_sweep` and :func:`best_learning_rate`)."""
+               overrides: dict | None = None) -> list[PlannedRun]:
+    """Every run of the sweep, with GRPO's steps set for the same training completions as ES; every
+    method (ES variant, GRPO variant, group size) trains every seed."""
     common = sweep.get("common") or {}
     given = [(f"--{key.replace('_', '-')}", {key: value}) for key, value in (overrides or {}).items()]
     generations = int(generations if generations is not None else sweep.get("generations", 10))
     seeds = list(seeds if seeds is not None else sweep.get("seeds", [0]))
     grpo = dict(sweep.get("grpo") or {})
-    rates = grpo_learning_rates(sweep)
-    if grpo_learning_rate is None and len(rates) > 1:
-        raise ValueError(f"the spec sweeps GRPO learning rates {rates}: pick one (grpo_learning_rate=...)")
-    grpo["learning_rate"] = grpo_learning_rate if grpo_learning_rate is not None else rates[0]
+    if isinstance(grpo.get("learning_rate"), list):
+        raise ConfigError(LEARNING_RATE_LIST)
     group_sizes = grpo.pop("group_size", 8)
     group_sizes = group_sizes if isinstance(group_sizes, list) else [group_sizes]
     variants = sweep.get("es_modes") or {None: {}}
@@ -224,10 +226,22 @@ def plan_sweep(sweep: dict, generations: int | None = None, seeds: list[int] | N
                 if len(sizes) > 1:
                     name, label = f"{name}_G{group_size}", f"{label} G={group_size}"
                 plan.append(PlannedRun(f"{name}_seed{seed}", label, "grpo", config, steps * group_size * _prompts_per_step(config)))
-    budgets = {run.budget for run in plan}
-    if len(budgets) > 1:  # prompts_per_step differs between the methods' settings
-        raise ValueError(f"unequal budgets across runs: {sorted(budgets)} training completions")
+    check_equal_budgets(plan)
     return plan
+
+
+def check_equal_budgets(plan: list[PlannedRun]) -> None:
+    """Every run at one budget of training completions; else a ValueError naming the methods at each
+    budget and how each budget is made (steps x population or group size x prompts per step)."""
+    budgets: dict[int, dict[str, str]] = {}
+    for run in plan:
+        size = run.config.population_size if run.kind == "es" else run.config.group_size
+        budgets.setdefault(run.budget, {})[run.method] = (
+            f"{run.method} ({run.length} x {size} x {run.budget // (run.length * size)} prompts)")
+    if len(budgets) > 1:  # prompts_per_step differs between the methods' settings
+        listing = "; ".join(f"{budget}: {', '.join(methods.values())}" for budget, methods in sorted(budgets.items()))
+        raise ValueError(f"unequal budgets across runs, in training completions — {listing}; give every method "
+                         "the same prompts_per_step (sweep.common) so that they train on equal budgets")
 
 
 def select_methods(plan: list[PlannedRun], methods: list[str] | None) -> list[PlannedRun]:
@@ -243,41 +257,80 @@ def select_methods(plan: list[PlannedRun], methods: list[str] | None) -> list[Pl
     return [run for run in plan if run.method in methods]
 
 
-def plan_learning_rate_sweep(sweep: dict, generations: int | None = None, seeds: list[int] | None = None,
-                             overrides: dict | None = None) -> list[PlannedRun]:
-    """One GRPO run per learning rate of the spec, on the first seed, at the sweep's budget."""
-    first_seed = list(seeds if seeds is not None else sweep.get("seeds", [0]))[:1]
-    runs = []
-    for rate in grpo_learning_rates(sweep):
-        grpo = next(r for r in plan_sweep(sweep, generations, first_seed, overrides, rate) if r.kind == "grpo")
-        runs.append(replace(grpo, name=f"lrsweep_{grpo.name.replace('_seed', f'_lr{rate:g}_seed')}"))
-    return runs
+@dataclass(frozen=True)
+class RunAction:
+    """What a sweep does with one planned run's folder, decided before any engine starts."""
+
+    run: PlannedRun
+    state: str
+    """new, finished, unfinished (resumed), changed (its folder holds a run with other settings) or busy."""
+    action: str
+    """run, finish (a finished run: its held-out scores and KL completed where missing), resume, overwrite,
+    conflict (left as it is, and the sweep refuses to start) or skip (busy)."""
+    reason: str = ""
+    error: str = ""
+
+    @property
+    def name(self) -> str:
+        """The run's folder name under OUT."""
+        return self.run.name
 
 
-def selection_score(run_dir: str | Path, key: str = "policy/train_reward", last: int = 3) -> float:
-    """A finished run's score for picking a learning rate: the mean of its last ``last`` greedy train rewards."""
-    values = [r[key] for r in read_metrics(run_dir) if r.get(key) is not None][-last:]
-    if not values:
-        raise ValueError(f"{run_dir} has no {key!r} to select by")
-    return sum(values) / len(values)
+def overwritten_runs(plan: list[PlannedRun], names: Collection[str]) -> set[str]:
+    """The folder names of the runs that ``--overwrite METHOD[/SEED]`` names (METHOD: every seed of it);
+    a method or seed the plan lacks fails, listing what it has."""
+    methods = list(dict.fromkeys(run.method for run in plan))
+    chosen, problems = set(), []
+    for name in names:
+        method, _, seed = str(name).partition("/")
+        runs = [run for run in plan if run.method == method and (not seed or str(run.config.seed) == seed.strip())]
+        if method not in methods:
+            problems.append(f"{name!r}: no method {method!r} in this sweep{did_you_mean(method, methods)}")
+        elif not runs:
+            seeds = sorted({run.config.seed for run in plan if run.method == method})
+            problems.append(f"{name!r}: {method} has no seed {seed!r} here (seeds: {seeds})")
+        chosen.update(run.name for run in runs)
+    if problems:
+        raise ValueError(f"--overwrite: {'; '.join(problems)}; METHOD or METHOD/SEED, methods: {', '.join(methods)}")
+    return chosen
 
 
-def best_learning_rate(out: str | Path, lr_runs: list[PlannedRun]) -> tuple[float, dict[float, float]]:
-    """(best rate, {rate: score}) of a finished learning-rate sweep; also written to OUT/grpo_lr_sweep.json."""
-    scores = {run.config.learning_rate: selection_score(Path(out) / run.name) for run in lr_runs}
-    best = max(scores, key=scores.get)
-    Path(out, "grpo_lr_sweep.json").write_text(json.dumps(
-        {"scores": {f"{k:g}": v for k, v in scores.items()}, "best": best, "runs": [r.name for r in lr_runs],
-         "selected_by": "mean greedy train reward of the last three rows"}, indent=1) + "\n")
-    return best, scores
-
-
-def adopt_learning_rate_run(out: str | Path, lr_runs: list[PlannedRun], plan: list[PlannedRun], best: float) -> None:
-    """The sweep's run at the best rate IS the first seed's GRPO run (same settings): copied, not retrained."""
-    source = next(r for r in lr_runs if r.config.learning_rate == best)
+def plan_actions(plan: list[PlannedRun], out: str | Path, overwrite: Collection[str] = ()) -> list[RunAction]:
+    """Each planned run with its folder's state and what the sweep does with it, by the batch's own
+    comparison of a run folder with new settings (``batch.settings_changes``: a change of budget or
+    cadence extends a run, any other change is a conflict). ``overwrite``: METHOD or METHOD/SEED names
+    of the runs to replace (`overwritten_runs`)."""
+    replace = overwritten_runs(plan, overwrite)
+    actions = []
     for run in plan:
-        if run.kind == "grpo" and run.config == source.config and not (Path(out) / run.name).exists():
-            shutil.copytree(Path(out) / source.name, Path(out) / run.name)
+        folder = Path(out) / run.name
+        what = f"{run.kind}, {run.length} {'generations' if run.kind == 'es' else 'steps'}"
+        holder = lock_holder(folder) if folder.is_dir() else None
+        if holder is not None:
+            actions.append(RunAction(run, "busy", "skip", f"{what}; held by {describe_holder(holder)}"))
+            continue
+        rows = read_metrics(folder) if (folder / "config.yaml").is_file() else []
+        if not rows and not list_checkpoints(folder):
+            actions.append(RunAction(run, "new", "run", what))
+            continue
+        changes, blocking, _ = settings_changes(folder, {"run_dir": folder}, run.config)
+        listed = ", ".join(map(str, changes))
+        done = rows[-1].get("generation", -1) if rows else -1
+        if blocking:
+            state, action = "changed", "conflict"
+            reason = (f"{what}; its folder holds a run with other settings: {listed}; kept as it is: "
+                      f"`--overwrite {run.method}/{run.config.seed}` replaces this run alone, or `--out` another "
+                      "folder runs the new settings there")
+        elif changes:
+            state, action, reason = "unfinished", "resume", f"{what}; settings changed that its run can follow: {listed}"
+        elif done >= run.length:
+            state, action, reason = "finished", "finish", f"{what}; finished (held-out scores and KL completed if missing)"
+        else:
+            state, action, reason = "unfinished", "resume", f"{what}; resumes at generation {done} of {run.length}"
+        if run.name in replace:
+            action, reason = "overwrite", f"{what}; replaces the run there (was {state}{': ' + listed if changes else ''})"
+        actions.append(RunAction(run, state, action, reason))
+    return actions
 
 
 def timing_estimate(plan: list[PlannedRun], sweep: dict, overrides: dict | None = None) -> tuple[float | None, str]:
@@ -406,30 +459,41 @@ def run_one(planned: PlannedRun, out: Path, evaluator, kl_evaluator=None, kl_set
     """Run (or resume) one planned run to its end, save its final adapter, record its KL, release its folder."""
     cls = ESRun if planned.kind == "es" else GRPORun
     run = cls.open(planned.config, out / planned.name, evaluator=evaluator)
-    run.run(callback=lambda row: print(
-        f"  {planned.name} {row['generation']:>4}/{planned.length}  train {row['train/reward_mean']:9.3f}  "
-        f"greedy {row.get('policy/train_reward', float('nan')):9.3f}  samples {row['samples/completions']:>6}  "
-        f"{row['time/generation_s']:6.1f} s", flush=True))
-    run.save_final()
-    scores = [line["success"] for line in score_held_out(evaluator, run)]
-    print(f"  {planned.name} held-out success {sum(scores) / max(len(scores), 1):.3f} on {len(scores)} problems",
-          flush=True)
-    if kl_settings is not None and kl_settings.get("every_checkpoint"):
-        for row in checkpoint_kls(kl_evaluator or evaluator, run, kl_settings):
-            print(f"  {planned.name} checkpoint {row['generation']}: KL to base {row['policy/kl']:.4g}", flush=True)
-    if kl_settings is not None and run.history[-1].get("policy/kl") is None:
-        kl = measure_kl(kl_evaluator or evaluator, run, kl_settings)
-        if kl is not None:
-            run.history[-1] = record_final_metrics(run.run_dir, {"policy/kl": kl})
-            print(f"  {planned.name} KL to base {kl:.4g}", flush=True)
-    run.close()  # frees the run folder; the shared engine was passed in and stays open
+    try:
+        run.run(callback=lambda row: print(
+            f"  {planned.name} {row['generation']:>4}/{planned.length}  train {row['train/reward_mean']:9.3f}  "
+            f"greedy {row.get('policy/train_reward', float('nan')):9.3f}  samples {row['samples/completions']:>6}  "
+            f"{row['time/generation_s']:6.1f} s", flush=True))
+        run.save_final()
+        lines = score_held_out(evaluator, run)
+        share = sum(line["success"] for line in lines) / max(len(lines), 1)
+        reward = sum(line["reward"] for line in lines) / max(len(lines), 1)
+        print(f"  {planned.name} held-out on {len(lines)} problems: success {share:.3f}, mean reward {reward:.4g}",
+              flush=True)
+        if kl_settings is not None and kl_settings.get("every_checkpoint"):
+            for row in checkpoint_kls(kl_evaluator or evaluator, run, kl_settings):
+                print(f"  {planned.name} checkpoint {row['generation']}: KL to base {row['policy/kl']:.4g}", flush=True)
+        if kl_settings is not None and run.history[-1].get("policy/kl") is None:
+            kl = measure_kl(kl_evaluator or evaluator, run, kl_settings)
+            if kl is not None:
+                run.history[-1] = record_final_metrics(run.run_dir, {"policy/kl": kl})
+                print(f"  {planned.name} KL to base {kl:.4g}", flush=True)
+    finally:
+        run.close()  # frees the run folder (a failed run too); the shared engine was passed in and stays open
     return run
 
 
+class SweepRunFailed(RuntimeError):
+    """A run of the sweep raised: one message naming the run, what went wrong and what was kept."""
+
+
 def run_sweep(plan: list[PlannedRun], out: str | Path, evaluator=None, kl_evaluator=None,
-              kl_settings: dict | None = None) -> dict[str, float]:
+              kl_settings: dict | None = None, overwrite: Collection[str] = ()) -> dict[str, float]:
     """Run every planned run into OUT/<name>; returns {name: wall seconds}. One engine shared by all.
-    A run whose folder another process writes is left as it is and recorded busy (no seconds)."""
+    A run whose folder another process writes is left as it is and recorded busy (no seconds).
+    ``overwrite``: folder names of runs to replace; each waits in OUT/.<name>.kept-<time> until its new
+    attempt finishes, and comes back if the attempt fails. A run that raises stops the sweep with
+    SweepRunFailed (the runs before it kept)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     own = evaluator is None
@@ -441,7 +505,7 @@ def run_sweep(plan: list[PlannedRun], out: str | Path, evaluator=None, kl_evalua
             print(f"{planned.name}: {planned.kind}, {planned.length} {'generations' if planned.kind == 'es' else 'steps'}, "
                   f"{planned.budget} training completions", flush=True)
             try:
-                run_one(planned, out, evaluator, kl_evaluator, kl_settings)
+                _attempt(planned, out, planned.name in overwrite, evaluator, kl_evaluator, kl_settings)
             except RunFolderBusy as busy:
                 print(f"  {planned.name}: busy, left as it is ({busy})", flush=True)
                 with open(out / "sweep_summary.jsonl", "a") as handle:
@@ -458,6 +522,34 @@ def run_sweep(plan: list[PlannedRun], out: str | Path, evaluator=None, kl_evalua
     return seconds
 
 
+def _attempt(planned: PlannedRun, out: Path, replacing: bool, evaluator, kl_evaluator, kl_settings) -> None:
+    """One run of the sweep (``replacing``: its folder's run is moved aside first, and back on failure);
+    an exception other than RunFolderBusy becomes SweepRunFailed, naming what was kept."""
+    from .batch.state import stamp
+
+    folder = out / planned.name
+    aside = folder.with_name(f".{folder.name}.kept-{stamp()}") if replacing and folder.exists() else None
+    if aside is not None:
+        folder.rename(aside)
+    try:
+        run_one(planned, out, evaluator, kl_evaluator, kl_settings)
+    except RunFolderBusy:
+        if aside is not None:
+            aside.rename(folder)
+        raise
+    except Exception as error:  # noqa: BLE001 - reported as one message; the run folders say the rest
+        kept = ""
+        if aside is not None:
+            failed = folder.with_name(f"{folder.name}.failed-{stamp()}")
+            if folder.exists():
+                folder.rename(failed)
+            aside.rename(folder)
+            kept = f"; the run it was to replace is kept in {folder}, this attempt moved to {failed.name}"
+        raise SweepRunFailed(f"{planned.name}: {type(error).__name__}: {error}{kept}") from error
+    if aside is not None:
+        shutil.rmtree(aside)
+
+
 def run_notebook(batch_part: dict, out: Path, spec_path: Path) -> Path:
     """notebooks/04_es_vs_grpo.py on the sweep's folders; executed notebook and figures under OUT."""
     spec = spec_from_dict(batch_part, source=spec_path.resolve())
@@ -467,11 +559,12 @@ def run_notebook(batch_part: dict, out: Path, spec_path: Path) -> Path:
 
 
 def summarize(out: str | Path) -> list[dict]:
-    """One row per run folder of a sweep (learning-rate sweep included): method, seed, learning rate,
-    the run's results (``analysis.run_results``), the KL of every measured checkpoint, and its wall time.
+    """One row per run folder of a sweep: its method (the analysis's label: kind, ES mode and every
+    setting in which runs of one label differ, `analysis.method_labels`), seed, a column per setting
+    that varies across the runs, the run's results (``analysis.run_results``), the KL of every measured checkpoint, and its wall time.
     Written to OUT/summary.csv and OUT/summary.json by the batch's writer (``write_summary_files``)."""
-    from .analysis import RUN_RESULT_COLUMNS, run_results
-    from .runs import load_run_config, read_config_kind
+    from .analysis import folder_settings, method_labels, run_results
+    from .runs import load_run_config
 
     out = Path(out)
     seconds, status = {}, {}
@@ -482,19 +575,19 @@ def summarize(out: str | Path) -> list[dict]:
             status[entry["run"]] = entry.get("status", "ok")
             if "seconds" in entry:
                 seconds[entry["run"]] = entry["seconds"]
+    # the runs, not a replaced run waiting aside (.<run>.kept-<time>) or a failed attempt (<run>.failed-<time>)
+    folders = sorted(p for p in out.iterdir() if (p / "config.yaml").exists()
+                     and not p.name.startswith(".") and ".failed-" not in p.name)
+    configs = [read_yaml_file(folder / "config.yaml") or {} for folder in folders]
     rows = []
-    for folder in sorted(p for p in out.iterdir() if (p / "config.yaml").exists()):
-        config = load_run_config(folder)
+    for folder, method in zip(folders, method_labels(configs)):
         kls = read_checkpoint_kls(folder)
         rows.append({
-            "run": folder.name, "status": status.get(folder.name, "ok"), "method": read_config_kind(folder),
-            "seed": config.seed,
-            "learning_rate": config.learning_rate, "lr_sweep": folder.name.startswith("lrsweep_"),
+            "run": folder.name, "status": status.get(folder.name, "ok"), "method": method,
+            "seed": load_run_config(folder).seed,
             **run_results(folder),
             "kl_by_checkpoint": {row["generation"]: row["policy/kl"] for row in kls},
             "seconds": seconds.get(folder.name),
         })
-    columns = ["run", "status", "method", "seed", "learning_rate", "lr_sweep", *RUN_RESULT_COLUMNS, "kl_by_checkpoint",
-               "seconds"]
-    write_summary_files(out, rows, rows, columns=columns)
-    return rows
+    columns = ["run", "status", "method", "seed"]
+    return write_summary_files(out, rows, rows, columns=columns, settings=[folder_settings(folder) for folder in folders])

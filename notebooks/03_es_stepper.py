@@ -23,8 +23,8 @@
 
 # %% tags=["parameters", "settings:es"]
 model: str = "smollm2-135m-instruct"  # model name (smollm2-135m-instruct, tiny-random) or a local folder
-task: str = "conciseness"  # task from the registry (conciseness, countdown, jsonl)
-task_options: str = "{}"  # task options as YAML or JSON, e.g. {num_train: 8} for countdown, {path: my_task.jsonl} for jsonl
+task: str = "conciseness"  # task from the registry (conciseness, arithmetic, countdown, jsonl)
+task_options: str = "{}"  # task options as YAML or JSON, e.g. {operations: "+", digits: 2} for arithmetic, {num_train: 8} for countdown, {path: my_task.jsonl} for jsonl
 population_size: int = 4  # members per generation (even: antithetic pairs)
 num_generations: int = 2  # generations to run in total
 sigma: float = 0.05  # noise std on LoRA weights
@@ -48,7 +48,7 @@ evaluator: str = "local"  # local (one engine in this kernel) or ray (num_engine
 num_engines: int = 1  # evaluator ray: engines the population is sharded over (one GPU each)
 ray_address: str = ""  # evaluator ray: the address `ray start --head` printed (empty: a local cluster)
 init_adapter_dir: str = ""  # start from this saved adapter from 02_lora_initialization (empty: fresh init)
-run_dir: str = ""  # run folder (empty: runs/notebooks/03_es_stepper in the project; the tests use their own)
+run_dir: str = ""  # run folder (empty: runs/notebooks/03_es_stepper-<hash of the settings>: changed settings start a new run, the same ones resume)
 resume: bool = True  # continue the run in run_dir if it has the same settings
 overwrite: bool = False  # replace a run in run_dir instead of refusing
 figures_dir: str = "../figures"  # where PNG/PDF/SVG figures go
@@ -59,9 +59,8 @@ settings: dict = {}  # any ESConfig setting by name, over the parameters above, 
 from evolm_lib.config import ESConfig
 from evolm_lib.lora import load_adapter
 from evolm_lib.metrics import completions_table
-from evolm_lib.parameters import notebook_config
+from evolm_lib.parameters import notebook_config, open_notebook_run
 from evolm_lib.quiet import set_verbose
-from evolm_lib.runs import notebook_run_dir
 from evolm_lib.train.es import ESRun
 from evolm_lib.viz.plots import plot_fitness, plot_time_breakdown
 from evolm_lib.viz.stepper import ESStepper
@@ -72,11 +71,13 @@ print(config.to_yaml())
 
 # %% [markdown]
 # Open the run: resume it when `run_dir` holds one with the same settings, else create it (this
-# starts the engine and scores the initial adapter as generation 0).
+# starts the engine and scores the initial adapter as generation 0). Run All again in this kernel
+# closes the run opened before and resumes it; the default folder is named by the settings, so
+# changed settings start a new run beside it.
 
 # %%
-run = ESRun.open(config, run_dir or notebook_run_dir("03_es_stepper"), resume=resume, overwrite=overwrite,
-                 initial_adapter=load_adapter(init_adapter_dir) if init_adapter_dir else None)
+run = open_notebook_run(ESRun, config, "03_es_stepper", run_dir, resume=resume, overwrite=overwrite,
+                        initial_adapter=load_adapter(init_adapter_dir) if init_adapter_dir else None)
 print(f"{run.run_dir}: generation {run.generation}")
 
 # %% [markdown]
@@ -95,7 +96,8 @@ stepper
 # update (the generation's metrics row), score the new mean when it needs a call of its own (the
 # last generation, or engines that serve one grid per call), and commit (checkpoint, then the
 # metrics line). A committed row is final. `run.step()` and `run.run()` do exactly this; headless
-# (papermill) this cell runs up to `config.num_generations` (nothing when the run is already there).
+# (papermill) this cell runs up to `config.num_generations` (nothing when the run is already there,
+# or past it after more Steps).
 
 # %%
 for generation in range(run.generation, config.num_generations):
@@ -128,8 +130,10 @@ completions_table(
 )
 
 # %%
-assert len(run.history) == config.num_generations + 1, len(run.history)
-assert [r["generation"] for r in run.history] == list(range(config.num_generations + 1))
-assert all(path.stat().st_size > 0 for path in figure_paths) and len(figure_paths) == 3
-assert (final_adapter / "adapter_model.safetensors").exists()
-assert "eval/reward" in run.history[-1]
+# The checks: one row per generation from 0 to where the run is (num_generations, or more after extra Steps).
+generations = [r["generation"] for r in run.history]
+assert run.generation >= config.num_generations, f"the run stopped at generation {run.generation} of {config.num_generations}"
+assert generations == list(range(run.generation + 1)), f"rows for generations {generations}, not 0 to {run.generation}"
+assert len(figure_paths) == 3 and all(p.stat().st_size > 0 for p in figure_paths), f"figures missing or empty: {figure_paths}"
+assert (final_adapter / "adapter_model.safetensors").exists(), f"no adapter_model.safetensors in {final_adapter}"
+assert "eval/reward" in run.history[-1], f"the last row was not scored on the eval prompts: {sorted(run.history[-1])}"

@@ -38,7 +38,7 @@ budget_key: str = "samples/completions"  # sample count: samples/completions or 
 kl_key: str = "policy/kl"  # KL of the final adapter to the base model, as recorded by the sweep script
 band: str = "minmax"  # band across seeds: minmax or std
 num_examples: int = 4  # held-out prompts shown side by side
-measure: str = "success"  # held-out score of a run: success (share of problems solved) or reward (mean task reward)
+measure: str = ""  # held-out score of a run: success (share of problems solved) or reward (mean task reward); empty: the task's own (reward for conciseness, success for arithmetic and countdown)
 allow_mixed: bool = False  # compare runs with different models, tasks or LoRA layouts anyway
 figures_dir: str = "../figures"  # where PNG/PDF/SVG figures go
 geometry_runs: str = ""  # two run folders, A then B, comma-separated (e.g. es full and grpo full of one model) whose solutions are compared (empty: no geometry section)
@@ -50,6 +50,7 @@ geometry_dtype: str = "bfloat16"  # dtype in which "changed at all" is counted (
 # %%
 from evolm_lib.analysis import (
     checkpoint_points,
+    default_measure,
     describe_runs,
     equal_budget_comparisons,
     equal_budget_table,
@@ -89,6 +90,7 @@ describe_runs(groups)
 # training completions (equal budgets). Runs without held-out scores are left out, and named.
 
 # %%
+measure = measure or default_measure(groups)
 study = study_table(groups, measure=measure)
 runs_heldout = heldout_table(groups, measure=measure)
 print(study.attrs["note"] or f"{len(study)} methods with held-out scores ({measure})")
@@ -145,11 +147,12 @@ reward_vs_kl
 
 # %% [markdown]
 # The same, checkpoint by checkpoint, where `evolm sweep` measured every checkpoint's KL
-# (`kl.jsonl`): each run's path through reward and drift, to compare the methods at equal reward.
+# (`kl.jsonl`, written only when the sweep's spec sets `kl: {every_checkpoint: true}`): each run's
+# path through reward and drift, to compare the methods at equal reward.
 
 # %%
 path_points = checkpoint_points(groups, reward_key=eval_key)
-print(f"{len(path_points)} checkpoints with a KL" if path_points else "no checkpoint KLs in these runs (evolm sweep measures them)")
+print(f"{len(path_points)} checkpoints with a KL" if path_points else "no checkpoint KLs in these runs (evolm sweep measures them with kl: {every_checkpoint: true} in its spec)")
 if path_points:
     reward_vs_kl_paths = plot_reward_vs_kl(path_points, reward_key=eval_key, reward_label=reward_definition)
     figure_paths += export_figure(reward_vs_kl_paths, "es_vs_grpo_reward_vs_kl_checkpoints", figures_dir)

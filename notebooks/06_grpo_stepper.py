@@ -24,8 +24,8 @@
 
 # %% tags=["parameters", "settings:grpo"]
 model: str = "smollm2-135m-instruct"  # model name (smollm2-135m-instruct, tiny-random) or a local folder
-task: str = "conciseness"  # task from the registry (conciseness, countdown, jsonl)
-task_options: str = "{}"  # task options as YAML or JSON, e.g. {num_train: 8} for countdown, {path: my_task.jsonl} for jsonl
+task: str = "conciseness"  # task from the registry (conciseness, arithmetic, countdown, jsonl)
+task_options: str = "{}"  # task options as YAML or JSON, e.g. {operations: "+", digits: 2} for arithmetic, {num_train: 8} for countdown, {path: my_task.jsonl} for jsonl
 group_size: int = 4  # sampled completions per prompt (G); advantages compare a completion with its group
 num_steps: int = 2  # steps to run in total
 learning_rate: float = 0.001  # AdamW step size on the LoRA tensors
@@ -45,7 +45,7 @@ kv_cache_gb: float = 0.5  # vLLM KV cache size in GiB (None: from gpu_memory_uti
 gpu_memory_utilization: float = None  # vLLM share of GPU memory when kv_cache_gb is None (None: room for the policy beside the engine)
 engine: str = "vllm"  # rollout engine: vllm or hf (transformers + peft)
 init_adapter_dir: str = ""  # start from this saved adapter from 02_lora_initialization (empty: fresh init)
-run_dir: str = ""  # run folder (empty: runs/notebooks/06_grpo_stepper in the project; the tests use their own)
+run_dir: str = ""  # run folder (empty: runs/notebooks/06_grpo_stepper-<hash of the settings>: changed settings start a new run, the same ones resume)
 resume: bool = True  # continue the run in run_dir if it has the same settings
 overwrite: bool = False  # replace a run in run_dir instead of refusing
 figures_dir: str = "../figures"  # where PNG/PDF/SVG figures go
@@ -56,9 +56,8 @@ settings: dict = {}  # any GRPOConfig setting by name, over the parameters above
 from evolm_lib.config import GRPOConfig
 from evolm_lib.lora import load_adapter
 from evolm_lib.metrics import completions_table
-from evolm_lib.parameters import notebook_config
+from evolm_lib.parameters import notebook_config, open_notebook_run
 from evolm_lib.quiet import set_verbose
-from evolm_lib.runs import notebook_run_dir
 from evolm_lib.train.grpo import GRPORun
 from evolm_lib.viz.figures import export_figure
 from evolm_lib.viz.plots import fitness_figure_widget, plot_fitness, plot_time_breakdown, update_fitness
@@ -70,10 +69,12 @@ print(config.to_yaml())
 # %% [markdown]
 # Open the run: resume it when `run_dir` holds one with the same settings, else create it (this
 # starts the engine, loads the policy model for the updates and scores the initial adapter as step 0).
+# Run All again in this kernel closes the run opened before and resumes it; the default folder is
+# named by the settings, so changed settings start a new run beside it.
 
 # %%
-run = GRPORun.open(config, run_dir or notebook_run_dir("06_grpo_stepper"), resume=resume, overwrite=overwrite,
-                   initial_adapter=load_adapter(init_adapter_dir) if init_adapter_dir else None)
+run = open_notebook_run(GRPORun, config, "06_grpo_stepper", run_dir, resume=resume, overwrite=overwrite,
+                        initial_adapter=load_adapter(init_adapter_dir) if init_adapter_dir else None)
 print(f"{run.run_dir}: step {run.generation}, {run.adapter.num_parameters():,} LoRA parameters")
 
 # %% [markdown]
@@ -117,9 +118,12 @@ completions_table(
 )
 
 # %%
-assert len(run.history) == config.num_steps + 1, len(run.history)
-assert [r["step"] for r in run.history] == list(range(config.num_steps + 1))
-assert all(len(r["grpo/rewards"]) == config.group_size * len(r["prompts"]) for r in run.history[1:])
-assert all(path.stat().st_size > 0 for path in figure_paths) and len(figure_paths) == 3
-assert (final_adapter / "adapter_model.safetensors").exists()
-assert "eval/reward" in run.history[-1]
+# The checks: one row per step from 0 to where the run is (num_steps, or more after extra steps).
+steps = [r["step"] for r in run.history]
+assert run.generation >= config.num_steps, f"the run stopped at step {run.generation} of {config.num_steps}"
+assert steps == list(range(run.generation + 1)), f"rows for steps {steps}, not 0 to {run.generation}"
+short = [r["step"] for r in run.history[1:] if len(r["grpo/rewards"]) != config.group_size * len(r["prompts"])]
+assert not short, f"steps without group_size x prompts rewards: {short}"
+assert len(figure_paths) == 3 and all(p.stat().st_size > 0 for p in figure_paths), f"figures missing or empty: {figure_paths}"
+assert (final_adapter / "adapter_model.safetensors").exists(), f"no adapter_model.safetensors in {final_adapter}"
+assert "eval/reward" in run.history[-1], f"the last row was not scored on the eval prompts: {sorted(run.history[-1])}"

@@ -89,15 +89,18 @@ def test_method_labels_per_es_mode_unless_a_label_is_given(tmp_path):
 
 
 def test_load_runs_labels_from_a_mapping_and_from_config(tmp_path):
-    groups = analysis.load_runs({"ES (fixture)": ES, "GRPO (fixture)": [GRPO]})
-    assert list(groups) == ["ES (fixture)", "GRPO (fixture)"]
+    groups = analysis.load_runs({"ES (fixture)": str(FIXTURES / "es_seed*"), "GRPO (fixture)": [GRPO]})
+    assert list(groups) == ["ES (fixture)", "GRPO (fixture)"] and len(groups["ES (fixture)"]) == 2
     assert all(r.method == "ES (fixture)" for r in groups["ES (fixture)"])
     runs = copy_runs(tmp_path)
     edit_config(runs / "grpo_seed1", label="grpo-lr")
     assert list(analysis.load_runs(str(runs / "*"))) == [*METHODS, "grpo-lr"]
-    # a mapping keeps its own order, and its label covers every ES mode its glob matches
+    # a mapping keeps its own order; its label is split by the settings its runs differ in (the ES modes
+    # and their noise schemes here), never pooling three seed-0 runs as seeds of one method
     groups = analysis.load_runs({"GRPO": GRPO, "ES": ES})
-    assert list(groups) == ["GRPO", "ES"] and [r.name for r in groups["ES"]][:2] == ["es_eggroll_seed0", "es_full_seed0"]
+    assert list(groups) == ["GRPO", "ES es_mode=eggroll noise_scheme=flat", "ES es_mode=full noise_scheme=flat",
+                            "ES es_mode=lora noise_scheme=per_tensor"]
+    assert [r.name for r in groups["ES es_mode=full noise_scheme=flat"]] == ["es_full_seed0", "es_full_seed1"]
 
 
 def test_runs_of_one_kind_with_different_group_sizes_are_split(tmp_path):
@@ -115,6 +118,33 @@ def test_grpo_runs_at_different_learning_rates_are_split(tmp_path):
     rate = yaml.safe_load((runs / "grpo_seed0" / "config.yaml").read_text())["learning_rate"]
     assert list(groups) == ["es", "es eggroll", "es full", f"grpo lr={rate:g}", "grpo lr=0.0005"]
     assert [r.name for r in groups["grpo lr=0.0005"]] == ["grpo_seed1"]
+
+
+def test_a_method_is_its_full_set_of_settings_and_repeated_seeds_are_refused(tmp_path):
+    runs = copy_runs(tmp_path)
+    edit_config(runs / "es_seed1", sigma=0.1, learning_rate=0.4)  # another setting, not another seed
+    groups = analysis.load_runs(str(runs / "es_*"))
+    assert list(groups) == ["es sigma=0.02 lr=0.05", "es sigma=0.1 lr=0.4", "es eggroll", "es full"]
+    assert [r.name for r in groups["es sigma=0.1 lr=0.4"]] == ["es_seed1"]
+    assert list(analysis.seed_spread_table(groups)["seeds"]) == [1, 1, 2, 2]
+    # settings that do not change the science (budget, cadence, engine placement) do not split a method
+    edit_config(runs / "es_full_seed1", num_generations=40, eval_every=3, evaluator="ray")
+    assert [r.name for r in analysis.load_runs(str(runs / "es_full_*"))["es full"]] == ["es_full_seed0", "es_full_seed1"]
+    # the same settings and seed twice: refused, naming the method, the seed and both folders
+    shutil.copytree(runs / "es_full_seed0", runs / "es_full_again_seed0")
+    with pytest.raises(analysis.RepeatedSeeds, match=r"'es full' seed 0: .*es_full_again_seed0, .*es_full_seed0 "):
+        analysis.load_runs(str(runs / "es_full_*"))
+    with pytest.raises(analysis.RepeatedSeeds, match=r"'ES' seed 0"):  # an explicit label pools nothing either
+        analysis.load_runs({"ES": [str(runs / "es_full_seed0"), str(runs / "es_full_again_seed0")]})
+
+
+def test_method_labels_name_every_setting_that_differs_within_a_label():
+    configs = [{"kind": "es", "sigma": s, "learning_rate": lr, "seed": seed}
+               for s, lr in ((0.1, 0.4), (0.05, 0.2)) for seed in (0, 1)]
+    configs.append({"kind": "grpo", "group_size": 8, "seed": 0})
+    assert analysis.method_labels(configs) == ["es sigma=0.1 lr=0.4", "es sigma=0.1 lr=0.4", "es sigma=0.05 lr=0.2",
+                                               "es sigma=0.05 lr=0.2", "grpo"]
+    assert analysis.varying_settings([{"a": 1, "b": [1]}, {"a": 1, "b": [2]}, {"a": 1}]) == ["b"]
 
 
 def test_empty_glob_fails_with_the_pattern(tmp_path):
@@ -147,7 +177,10 @@ def test_mixed_tasks_and_models_fail_listing_the_fields(tmp_path):
     assert "task: 'conciseness'" in message and "'countdown' (grpo_seed0)" in message
     assert "lora_rank" not in message and "allow_mixed=True" in message
     groups = analysis.load_runs([str(runs / "es_*"), str(runs / "grpo_*")], allow_mixed=True)
-    assert len(groups["grpo"]) == 2
+    # compared anyway, but as two methods: runs on another model and task are never seeds of one method
+    assert [(label, [r.name for r in groups[label]]) for label in groups if label.startswith("grpo")] == [
+        ("grpo model=smollm2-135m-instruct task=countdown", ["grpo_seed0"]),
+        ("grpo model=tiny-random task=conciseness", ["grpo_seed1"])]
 
 
 # ----------------------------------------------------------------------------- tables and points
@@ -444,8 +477,7 @@ def test_sweep_plans_equal_budgets():
 
     batch_part, spec = sweep.load_sweep_spec(REPO / "papermill_runs" / "es_vs_grpo_conciseness_cpu.yaml")
     assert batch_part["notebook"] == "notebooks/04_es_vs_grpo.py"
-    plan = sweep.plan_sweep(spec, generations=3, seeds=[0, 1], overrides={"model": "tiny-random"},
-                            grpo_learning_rate=sweep.grpo_learning_rates(spec)[-1])
+    plan = sweep.plan_sweep(spec, generations=3, seeds=[0, 1], overrides={"model": "tiny-random"})
     assert [p.name for p in plan] == ["es_seed0", "grpo_seed0", "es_seed1", "grpo_seed1"]
     assert {p.budget for p in plan} == {16 * 2 * 3}
     assert [p.length for p in plan[:2]] == [3, 3]

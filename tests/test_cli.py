@@ -213,6 +213,26 @@ def _status(folder: Path) -> str:
         return ""
 
 
+def _interrupt_when(process: subprocess.Popen, tmp_path: Path, ready, waiting_for: str, timeout: float) -> int:
+    """Ctrl-C as a terminal sends it: SIGINT once ``ready()`` (the command still running), then exit 130
+    within two minutes; returns the length of tmp_path/stderr before the signal (the process is
+    killed if it outlives the test)."""
+    try:
+        deadline = time.monotonic() + timeout
+        while not ready():
+            assert process.poll() is None, (tmp_path / "stderr").read_text()[-3000:]
+            assert time.monotonic() < deadline, waiting_for
+            time.sleep(0.5)
+        before = len((tmp_path / "stderr").read_text())
+        process.send_signal(signal.SIGINT)
+        assert process.wait(120) == 130
+        return before
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(10)
+
+
 @pytest.mark.slow
 def test_ctrl_c_in_a_batch_prints_one_line_and_the_same_command_continues(tmp_path):
     """SIGINT while the second of two GRPO points runs: exit 130, one line saying what was kept and
@@ -227,21 +247,16 @@ def test_ctrl_c_in_a_batch_prints_one_line_and_the_same_command_continues(tmp_pa
     process = subprocess.Popen([sys.executable, "-m", "evolm_lib.cli", "batch", str(spec), "--out", str(out)],
                                cwd=REPO, env=env, stdout=stdout, stderr=stderr)
     first, second = out / "grpo_tiny__seed-0", out / "grpo_tiny__seed-1"
-    try:
-        deadline = time.monotonic() + 400
-        while not (_status(first) == "ok" and _status(second) == "running" and child_processes(process.pid)):
-            assert process.poll() is None, (tmp_path / "stderr").read_text()[-3000:]
-            assert time.monotonic() < deadline, "the batch did not reach its second point"
-            time.sleep(0.5)
+    kernels = []
+
+    def ready() -> bool:
+        if not (_status(first) == "ok" and _status(second) == "running" and child_processes(process.pid)):
+            return False
         time.sleep(3)  # into the second point's notebook
-        kernels = child_processes(process.pid)
-        before = len((tmp_path / "stderr").read_text())
-        process.send_signal(signal.SIGINT)
-        assert process.wait(120) == 130
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait(10)
+        kernels.extend(child_processes(process.pid))
+        return True
+
+    before = _interrupt_when(process, tmp_path, ready, "the batch did not reach its second point", timeout=400)
     stderr.seek(0)
     after = stderr.read()[before:]
     printed = after.replace("\r", "\n")
@@ -254,3 +269,28 @@ def test_ctrl_c_in_a_batch_prints_one_line_and_the_same_command_continues(tmp_pa
                 and "\nState:\tZ" not in Path(f"/proc/{pid}/status").read_text()], "a kernel outlived the batch"
     points = batch.plan_points(batch.load_batch_spec(spec), out)
     assert [(p.run.name, p.action) for p in points] == [("grpo_tiny__seed-0", "skip"), ("grpo_tiny__seed-1", "resume")]
+
+
+# --------------------------------------------------------------------------- Ctrl-C in a sweep
+
+
+@pytest.mark.slow
+def test_ctrl_c_in_a_sweep_prints_one_line_and_exits_130(tmp_path):
+    """SIGINT while the first run of a tiny sweep trains: exit 130 and one line saying what was kept and
+    how to continue, no traceback."""
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    stdout, stderr = open(tmp_path / "stdout", "w+"), open(tmp_path / "stderr", "w+")
+    process = subprocess.Popen([sys.executable, "-m", "evolm_lib.cli", "sweep", "--model", "tiny-random",
+                                "--generations", "4", "--seeds", "0,1", "--max-new-tokens", "8", "--methods", "es",
+                                "--no-kl", "--no-notebook", "--out", str(out)],
+                               cwd=REPO, env=env, stdout=stdout, stderr=stderr)
+    before = _interrupt_when(process, tmp_path, lambda: "es_seed0    1/4" in (tmp_path / "stdout").read_text(),
+                             "the sweep did not reach its first generation", timeout=300)
+    stderr.seek(0)
+    printed = stderr.read()[before:]
+    lines = [line for line in printed.splitlines() if line.strip()]
+    assert "Traceback" not in printed and "KeyboardInterrupt" not in printed, printed
+    assert lines == [f"interrupted: 0 of 2 run(s) finished and kept in {out.resolve()}; "
+                     "run the same command again to continue"], printed
+    assert (out / "es_seed0" / "metrics.jsonl").read_text().strip()  # the generations it finished are kept

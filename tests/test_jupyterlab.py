@@ -132,8 +132,9 @@ def jupyterlab(tmp_path):
         yield url
 
 
-def _run_all_cells(page, timeout_ms: int = 150_000) -> None:
-    """Open the notebook's kernel, Run All, and wait until every code cell ran or one failed."""
+def _run_all_cells(page, timeout_ms: int = 150_000, after: int = 0) -> None:
+    """Open the notebook's kernel, Run All, and wait until every code cell ran (its execution count
+    above ``after``: a second Run All in the same kernel) or one failed."""
     from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
     page.wait_for_selector(".jp-NotebookPanel .jp-Notebook .jp-Cell", timeout=60_000)
@@ -150,13 +151,14 @@ def _run_all_cells(page, timeout_ms: int = 150_000) -> None:
     page.get_by_role("menuitem", name="Run All Cells", exact=True).click()
     # every code cell done (its prompt shows an execution count, not [*] or blank), or one failed
     page.wait_for_function(
-        """() => {
+        """after => {
             const prompts = [...document.querySelectorAll('.jp-CodeCell .jp-InputArea-prompt')];
             const failed = [...document.querySelectorAll('.jp-OutputArea-output')]
                 .some(o => o.textContent.includes('Traceback (most recent call last)'));
-            return failed || (prompts.length > 0 && prompts.every(p => /\\[\\d+\\]/.test(p.textContent)));
+            const ran = p => { const m = /\\[(\\d+)\\]/.exec(p.textContent); return m && Number(m[1]) > after; };
+            return failed || (prompts.length > 0 && prompts.every(ran));
         }""",
-        timeout=timeout_ms, polling=1000,
+        arg=after, timeout=timeout_ms, polling=1000,
     )
 
 
@@ -208,6 +210,67 @@ def test_step_button_adds_a_point_to_the_live_plot(jupyterlab, tmp_path):
             assert cell.evaluate(MEAN_POINTS_JS) == before + 1
             assert "generation 2" in cell.inner_text()
             cell.screenshot(path=str(tmp_path / "stepper.png"))  # for a look when debugging
+        except Exception:
+            page.screenshot(path=str(tmp_path / "failure.png"))
+            raise
+        finally:
+            browser.close()
+
+
+def _execution_count(page) -> int:
+    """The largest execution count among the notebook's code cells (0 before any ran)."""
+    return page.evaluate("""() => Math.max(0, ...[...document.querySelectorAll('.jp-CodeCell .jp-InputArea-prompt')]
+        .map(p => Number((/\\[(\\d+)\\]/.exec(p.textContent) || [0, 0])[1])))""")
+
+
+def _opened_runs(page) -> list[tuple[str, int]]:
+    """(run folder, generation) as the stepper's open cell printed them, in the notebook's outputs."""
+    import re
+
+    outputs = page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stdout']")
+    text = "\n".join(outputs.nth(i).text_content() for i in range(outputs.count()))
+    return [(folder, int(generation)) for folder, generation in re.findall(r"(\S*03_es_stepper-[0-9a-f]{8}): generation (\d+)", text)]
+
+
+def test_the_stepper_runs_all_twice_in_one_kernel_and_again_with_a_changed_setting(tmp_path, monkeypatch):
+    """Run All, Run All again in the same kernel (the run opened before is closed and resumed), then a
+    changed sigma typed into the parameters and Run All once more (a new run in a folder of its own):
+    no traceback at any point."""
+    from playwright.sync_api import sync_playwright
+
+    runs = tmp_path / "runs"
+    monkeypatch.setenv("EVOLM_NOTEBOOK_RUNS", str(runs))  # the notebook's default run folders go here
+    root = tmp_path / "lab"
+    root.mkdir()
+    parameters = {**_ci_parameters(), "num_generations": 1, "run_dir": "", "figures_dir": str(tmp_path / "figures")}
+    parameters["sigma"] = 0.05  # last: the line the test retypes
+    notebook = _parameterized_copy(STEPPER, root, parameters)
+    with _lab(tmp_path, root, notebook) as url, sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        failed = page.locator(".jp-OutputArea-output", has_text="Traceback (most recent call last)")
+        try:
+            page.goto(url)
+            _run_all_cells(page, timeout_ms=240_000)
+            assert failed.count() == 0, failed.first.inner_text()
+            [(first, generation)] = _opened_runs(page)
+            assert generation == 0 and sorted(p.name for p in runs.iterdir()) == [Path(first).name]
+
+            _run_all_cells(page, timeout_ms=240_000, after=_execution_count(page))
+            assert failed.count() == 0, failed.first.inner_text()
+            assert _opened_runs(page) == [(first, 1)]  # the same run, resumed where the first Run All left it
+
+            injected = page.locator(".jp-CodeCell", has=page.locator(".cm-content", has_text="sigma = 0.05")).first
+            injected.locator(".cm-content").click()
+            page.keyboard.press("Control+End")
+            page.keyboard.press("Shift+Home")
+            page.keyboard.type("sigma = 0.1")
+            page.keyboard.press("Escape")
+            _run_all_cells(page, timeout_ms=240_000, after=_execution_count(page))
+            assert failed.count() == 0, failed.first.inner_text()
+            [(second, generation)] = _opened_runs(page)
+            assert second != first and generation == 0  # changed settings: a new run beside the first
+            assert sorted(p.name for p in runs.iterdir()) == sorted([Path(first).name, Path(second).name])
         except Exception:
             page.screenshot(path=str(tmp_path / "failure.png"))
             raise

@@ -140,6 +140,11 @@ def test_es_stepper_papermill_run(stepper_run):
     run_dir = out / "run"
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["generation"] for r in rows] == list(range(CI_PARAMETERS["num_generations"] + 1))
+    # a smoke test that can show a bug: in every generation the members' completions differ (their noise
+    # reached the engine), so do their rewards on this task, and the update moved the mean
+    for row in rows[1:]:
+        assert row["best_completions"] != row["worst_completions"], row["generation"]
+        assert row["train/reward_best"] > row["train/reward_worst"] and row["es/update_norm"] > 0, row
     assert (run_dir / "config.yaml").exists() and (run_dir / "final_adapter" / "adapter_model.safetensors").exists()
     figures = {p.suffix[1:]: p for p in (out / "figures").iterdir()}
     assert sorted(figures) == ["pdf", "png", "svg"]
@@ -278,7 +283,12 @@ class FakeRun(RunLoop):
     """Just enough of ESRun for the stepper (RunLoop's real run()): generations that take a little time."""
 
     def __init__(self, seconds: float = 0.0):
+        from evolm_lib.tasks import get_task
+        from evolm_lib.tasks.base import Example
+
         self.seconds = seconds
+        self.task = get_task("arithmetic")
+        self.train_examples = [Example("Solve: 3 + 5 =", "8")]
         self.generation = 0
         self.history = [{"generation": 0, "policy/train_reward": -10.0, "eval/reward": -12.0}]
         self.checkpoints = []
@@ -316,6 +326,10 @@ def test_stepper_step_run_pause_and_save():
     assert run.generation == 1 and _mean_points(stepper) == 1
     assert "generation 1" in stepper.status.value and not stepper.step_button.disabled
     assert "&lt;b&gt;eight&lt;/b&gt;" in stepper.table.value  # completions are escaped
+    rows = stepper._completion_rows(run.history[-1])  # the table's lines: target, and each member's reward
+    assert rows == [{"prompt": "Solve: 3 + 5 =", "target": "8", "best member": "8", "best reward": 1.0,
+                     "worst member": "<b>eight</b>", "worst reward": 0.0}]
+    assert all(f"<th>{name}</th>" in stepper.table.value for name in ("target", "best reward", "worst reward"))
 
     stepper.count.value = 1000
     stepper.run_button.click()

@@ -65,3 +65,30 @@ def test_kind_tags():
     assert kind_of_tags(["parameters"]) is None
     with pytest.raises(ConfigError, match="unknown run kind 'ez'"):
         kind_of_tags(["parameters", "settings:ez"])
+
+
+def test_a_notebook_run_opened_again_in_one_kernel_resumes_and_other_settings_get_their_own_folder(tmp_path, monkeypatch):
+    """What Run All twice does in one kernel: the run opened before is closed, the same settings resume
+    in the same folder; a raised budget extends that run; changed settings open a folder of their own."""
+    from evolm_lib.config import ESConfig
+    from evolm_lib.engines.synthetic import SyntheticEvaluator
+    from evolm_lib.parameters import open_notebook_run
+    from evolm_lib.runs import NOTEBOOK_RUNS_ENV, RunFolderBusy, WriterLock, notebook_run_dir
+    from evolm_lib.train.es import ESRun
+
+    monkeypatch.setenv(NOTEBOOK_RUNS_ENV, str(tmp_path))
+    config = ESConfig(model="tiny-random", target_modules=("q_proj", "v_proj"), sigma=0.02, learning_rate=0.05,
+                      population_size=4, num_generations=1, seed=5)
+    first = open_notebook_run(ESRun, config, "stepper", evaluator=SyntheticEvaluator())
+    first.run()
+    assert first.run_dir == notebook_run_dir("stepper", config) and first.run_dir.name.startswith("stepper-")
+    again = open_notebook_run(ESRun, config, "stepper", evaluator=SyntheticEvaluator())  # the first is closed
+    assert (again.run_dir, again.generation) == (first.run_dir, 1)
+    longer = open_notebook_run(ESRun, config.replace(num_generations=3, eval_every=2), "stepper", evaluator=SyntheticEvaluator())
+    assert (longer.run_dir, longer.generation) == (first.run_dir, 1)  # budget and cadence: the same run, extended
+    other = open_notebook_run(ESRun, config.replace(sigma=0.05), "stepper", evaluator=SyntheticEvaluator())
+    assert other.run_dir != first.run_dir and other.generation == 0
+    other.close()
+    with WriterLock.acquire(first.run_dir):  # a writer other than this notebook's run is still refused
+        with pytest.raises(RunFolderBusy):
+            open_notebook_run(ESRun, config, "stepper", evaluator=SyntheticEvaluator())

@@ -290,7 +290,7 @@ def test_two_concurrent_batches_run_a_point_once(tmp_path):
 
 def test_a_sweep_reports_a_run_held_elsewhere_busy_and_runs_the_others(tmp_path):
     _, spec = sweep.load_sweep_spec(REPO / "papermill_runs" / "es_vs_grpo_conciseness_cpu.yaml")
-    plan = [r for r in sweep.plan_sweep(spec, 1, [0, 1], {"model": "tiny-random"}, grpo_learning_rate=1e-3)
+    plan = [r for r in sweep.plan_sweep(spec, 1, [0, 1], {"model": "tiny-random"})
             if r.kind == "es"]
     out = tmp_path / "sweep"
     held = ESRun.create(plan[0].config, out / plan[0].name, evaluator=SyntheticEvaluator())

@@ -1,4 +1,4 @@
-"""The sweep's library pieces: learning-rate sweep planning and selection, checkpoint KLs, the summary."""
+"""The sweep's library pieces: planning (no learning rate picked on one seed), checkpoint KLs, the summary."""
 from __future__ import annotations
 
 import json
@@ -15,34 +15,20 @@ FIXTURES = REPO / "tests" / "data" / "es_vs_grpo"
 SPEC = REPO / "papermill_runs" / "es_vs_grpo_conciseness_cpu.yaml"
 
 
-def test_learning_rate_sweep_plans_one_grpo_run_per_rate_on_the_first_seed():
-    _, spec = sweep.load_sweep_spec(SPEC)
-    spec["grpo"] = {**spec["grpo"], "learning_rate": [1e-3, 3e-3]}
-    assert sweep.grpo_learning_rates(spec) == [1e-3, 3e-3]
-    runs = sweep.plan_learning_rate_sweep(spec, generations=2, seeds=[4, 5], overrides={"model": "tiny-random"})
-    assert [r.name for r in runs] == ["lrsweep_grpo_lr0.001_seed4", "lrsweep_grpo_lr0.003_seed4"]
-    assert [r.config.learning_rate for r in runs] == [1e-3, 3e-3] and {r.config.seed for r in runs} == {4}
-    with pytest.raises(ValueError, match="pick one"):
-        sweep.plan_sweep(spec, generations=2, seeds=[4], overrides={"model": "tiny-random"})
-    plan = sweep.plan_sweep(spec, 2, [4], {"model": "tiny-random"}, grpo_learning_rate=3e-3)
-    assert [(r.name, r.config.learning_rate) for r in plan if r.kind == "grpo"] == [("grpo_seed4", 3e-3)]
+def test_a_grpo_learning_rate_list_is_refused_naming_the_setting_and_what_to_use():
+    """A list once picked one rate on seed 0 and reported that run as seed 0: refused, pointing at
+    grpo_modes (every seed each) and `evolm tune`; nothing is planned from it."""
+    from evolm_lib.config import ConfigError
 
-
-def test_best_rate_is_picked_by_the_last_greedy_rewards_and_its_run_adopted(tmp_path):
     _, spec = sweep.load_sweep_spec(SPEC)
-    spec["grpo"] = {**spec["grpo"], "learning_rate": [1e-3, 3e-3]}
-    overrides = {"model": "tiny-random"}
-    lr_runs = sweep.plan_learning_rate_sweep(spec, 2, [0], overrides)
-    for run, rewards in zip(lr_runs, ([-9.0, -8.0, -7.0, -6.0], [-9.0, -5.0, -4.0, -3.0])):
-        (tmp_path / run.name).mkdir()
-        (tmp_path / run.name / "metrics.jsonl").write_text(
-            "".join(json.dumps({"generation": g, "policy/train_reward": r}) + "\n" for g, r in enumerate(rewards)))
-    best, scores = sweep.best_learning_rate(tmp_path, lr_runs)
-    assert best == 3e-3 and scores == {1e-3: -7.0, 3e-3: -4.0}  # means of the last three rows
-    assert json.loads((tmp_path / "grpo_lr_sweep.json").read_text())["best"] == 3e-3
-    plan = sweep.plan_sweep(spec, 2, [0], overrides, grpo_learning_rate=best)
-    sweep.adopt_learning_rate_run(tmp_path, lr_runs, plan, best)
-    assert (tmp_path / "grpo_seed0" / "metrics.jsonl").read_text() == (tmp_path / lr_runs[1].name / "metrics.jsonl").read_text()
+    listed = {**spec, "grpo": {**spec["grpo"], "learning_rate": [1e-3, 3e-3]}}
+    for call in (lambda: sweep.check_sections(listed), lambda: sweep.plan_sweep(listed, 2, [0], {"model": "tiny-random"})):
+        with pytest.raises(ConfigError, match=r"sweep.grpo.learning_rate: one rate, not a list") as caught:
+            call()
+        assert "sweep.grpo_modes" in str(caught.value) and "evolm tune" in str(caught.value)
+    plan = sweep.plan_sweep(spec, 2, [4, 5], {"model": "tiny-random"})
+    assert [(r.name, r.config.learning_rate) for r in plan if r.kind == "grpo"] == [("grpo_seed4", 3e-3), ("grpo_seed5", 3e-3)]
+    assert not any(r.name.startswith("lrsweep") for r in plan)
 
 
 def test_summary_has_a_row_per_run_with_results_and_checkpoint_kls(tmp_path):
@@ -54,7 +40,7 @@ def test_summary_has_a_row_per_run_with_results_and_checkpoint_kls(tmp_path):
     assert {r["run"] for r in rows} == {p.name for p in out.iterdir() if (p / "config.yaml").exists()}
     row = next(r for r in rows if r["run"] == first.name)
     assert row["kl_by_checkpoint"] == {0: 0.0, 2: 0.25}
-    assert row["method"] in ("es", "grpo") and row["train_reward_final"] is not None
+    assert row["method"] == "es eggroll" and row["train_reward_final"] is not None  # the analysis's label
     header = (out / "summary.csv").read_text().splitlines()[0].split(",")
     assert {"run", "method", "seed", "learning_rate", "eval_reward_final", "kl_final", "kl_by_checkpoint"} <= set(header)
 
@@ -80,7 +66,7 @@ def test_checkpoint_points_pair_each_measured_kl_with_the_reward_of_its_generati
 
 def test_grpo_modes_are_methods_of_their_own_with_every_seed():
     _, spec = sweep.load_sweep_spec(SPEC)
-    spec["grpo"] = {**spec["grpo"], "learning_rate": 0.001, "group_size": 8}  # one rate: a list would sweep rates first
+    spec["grpo"] = {**spec["grpo"], "learning_rate": 0.001, "group_size": 8}
     spec["grpo_modes"] = {"lr2e3": {"learning_rate": 0.002}, "small": {"learning_rate": 0.0005, "group_size": 4}}
     plan = sweep.plan_sweep(spec, generations=2, seeds=[0, 1], overrides={"model": "tiny-random"})
     grpo = [(r.name, r.label, r.config.learning_rate, r.config.group_size, r.length) for r in plan if r.kind == "grpo"]
@@ -100,8 +86,6 @@ def test_grpo_modes_are_methods_of_their_own_with_every_seed():
     ({"two": {"learning_rate": [0.1, 0.2]}}, "sweep.grpo_modes.two: one group_size and one learning_rate per variant"),
     ({"a-b": {}}, "sweep.grpo_modes.a-b: a name of letters, digits and _"),
     ([0.1], "sweep.grpo_modes: expected a mapping of name -> GRPOConfig settings"),
-    ({"a": {"learning_rate": 0.1}}, "sweep.grpo.learning_rate: a list sweeps learning rates on the first seed, but every "
-                                    "variant of sweep.grpo_modes sets its own"),
 ])
 def test_bad_grpo_modes_fail_naming_the_variant(modes, message):
     _, spec = sweep.load_sweep_spec(SPEC)
@@ -149,7 +133,7 @@ def test_dry_run_estimates_only_from_timings_that_fit_the_runs(capsys):
 
     assert sweep_cli.main([str(SPEC), "--dry-run"]) == 0
     printed = capsys.readouterr().out
-    assert "estimated wall time 164.3 min (seconds_per_completion {'es': 2.0, 'grpo': 4.5}" in printed
+    assert "estimated wall time 112.5 min (seconds_per_completion {'es': 2.0, 'grpo': 4.5}" in printed
     assert sweep_cli.main([str(SPEC), "--dry-run", "--model", "tiny-random", "--generations", "1", "--seeds", "0"]) == 0
     printed = capsys.readouterr().out
     assert "estimated wall time" not in printed
@@ -194,3 +178,137 @@ def test_the_comparison_notebook_runs_on_a_sweep_of_es_methods_alone(tmp_path):
     assert sorted(p.name for p in (out / "figures").glob("*.png")) == sorted(
         f"es_vs_grpo_{name}.png" for name in ("heldout", "reward_vs_kl", "reward_vs_kl_checkpoints", "reward_vs_samples",
                                               "reward_vs_time", "seed_spread"))
+
+
+# ----------------------------------------------------------------------------- variants and run folders
+
+VARIANTS = {  # four ES variants that differ in sigma alone
+    "common": {"model": "tiny-random", "task": "conciseness", "target_modules": ["q_proj", "v_proj"], "lora_rank": 1,
+               "max_new_tokens": 64, "max_model_len": 256, "kv_cache_gb": 0.25, "eval_every": 1},
+    "es": {"population_size": 4, "learning_rate": 0.05},
+    "es_modes": {"s01": {"sigma": 0.01}, "s02": {"sigma": 0.02}, "s04": {"sigma": 0.04}, "s08": {"sigma": 0.08}},
+    "grpo": {"group_size": 4},
+    "generations": 2,
+    "seeds": [0, 1],
+}
+
+
+def es_plan(sweep_section: dict) -> list:
+    plan = sweep.plan_sweep(sweep_section)
+    return sweep.select_methods(plan, [m for m in dict.fromkeys(r.method for r in plan) if m.startswith("es")])
+
+
+def test_four_es_variants_that_differ_in_sigma_are_four_methods_in_every_table_and_the_summary(tmp_path):
+    """Real ES runs on the synthetic engine: the tables hold four methods of two seeds each, never one
+    method of eight runs, and summary.csv has sigma as a column."""
+    import csv
+
+    from evolm_lib import analysis
+    from evolm_lib.engines.synthetic import SyntheticEvaluator
+
+    out = tmp_path / "sweep"
+    plan = es_plan(VARIANTS)
+    assert len(plan) == 8
+    sweep.run_sweep(plan, out, evaluator=SyntheticEvaluator())
+    groups = analysis.load_runs(analysis.method_globs(out)["es"])
+    labels = ["es sigma=0.01", "es sigma=0.02", "es sigma=0.04", "es sigma=0.08"]
+    assert list(groups) == labels
+    assert all([r.seed for r in runs] == [0, 1] for runs in groups.values())
+    assert list(analysis.seed_spread_table(groups)["seeds"]) == [2, 2, 2, 2]
+    assert list(analysis.study_table(groups, measure="reward").index) == labels
+    assert len(analysis.method_comparisons(groups, measure="reward")) == 6  # C(4, 2) pairs of methods
+    rows = sweep.summarize(out)
+    with open(out / "summary.csv") as handle:
+        table = list(csv.DictReader(handle))
+    assert list(table[0])[:5] == ["run", "status", "method", "seed", "sigma"]
+    assert [(row["run"], row["method"], row["seed"], row["sigma"]) for row in table] == [
+        (f"es_{name}_seed{seed}", f"es sigma={sigma:g}", str(seed), str(sigma))
+        for name, sigma in (("s01", 0.01), ("s02", 0.02), ("s04", 0.04), ("s08", 0.08)) for seed in (0, 1)]
+    details = json.loads((out / "summary.json").read_text())["runs"]
+    assert [run["settings"] for run in details] == [{"sigma": row["sigma"]} for row in rows]
+
+
+def _cli_sweep(spec: Path, out: Path, *options: str) -> int:
+    from evolm_lib.cli import sweep as sweep_cli
+
+    return sweep_cli.main([str(spec), "--methods", "es", "--out", str(out), "--no-kl", "--no-notebook", *options])
+
+
+def test_a_rerun_with_a_changed_setting_is_refused_before_an_engine_starts_and_overwrite_replaces_that_run(
+        tmp_path, monkeypatch, capsys):
+    """The sweep's engine is the synthetic one here; the refusal must come before any engine is made."""
+    import yaml
+
+    from evolm_lib.engines.synthetic import SyntheticEvaluator
+    from evolm_lib.runs import read_metrics
+
+    engines = []
+    monkeypatch.setattr(sweep, "make_shared_evaluator", lambda plan: engines.append(SyntheticEvaluator()) or engines[-1])
+    section = {**VARIANTS, "es": {**VARIANTS["es"], "sigma": 0.02}}
+    section.pop("es_modes")
+    spec, out = tmp_path / "spec.yaml", tmp_path / "sweep"
+    spec.write_text(yaml.safe_dump({"notebook": str(REPO / "notebooks" / "04_es_vs_grpo.py"), "sweep": section}))
+    assert _cli_sweep(spec, out) == 0 and len(engines) == 1
+    before = {name: (out / name / "metrics.jsonl").read_text() for name in ("es_seed0", "es_seed1")}
+    capsys.readouterr()
+
+    section["es"]["sigma"] = 0.05
+    spec.write_text(yaml.safe_dump({"notebook": str(REPO / "notebooks" / "04_es_vs_grpo.py"), "sweep": section}))
+    for options in ((), ("--dry-run",)):
+        assert _cli_sweep(spec, out, *options) == 1
+        printed = capsys.readouterr()
+        for name in ("es_seed0", "es_seed1"):
+            assert re.search(rf"conflict\s+{name}\s+es, 2 generations; its folder holds a run with other settings: "
+                             rf"sigma 0.02 -> 0.05; kept as it is: `--overwrite es/{name[-1]}` replaces", printed.out)
+        assert "hold runs made with other settings" in printed.err and "Traceback" not in printed.err
+    assert len(engines) == 1  # refused before any engine started
+    assert {name: (out / name / "metrics.jsonl").read_text() for name in before} == before
+
+    assert _cli_sweep(spec, out, "--overwrite", "es/1", "--dry-run") == 1  # es/0 still conflicts
+    assert re.search(r"overwrite\s+es_seed1\s+es, 2 generations; replaces the run there \(was changed: sigma 0.02 -> 0.05\)",
+                     capsys.readouterr().out)
+    assert _cli_sweep(spec, out, "--overwrite", "es/7") == 2
+    assert "--overwrite: 'es/7': es has no seed '7' here (seeds: [0, 1])" in capsys.readouterr().err
+    assert _cli_sweep(spec, out, "--overwrite", "es/1", "--methods", "es", "--seeds", "1") == 0
+    assert yaml.safe_load((out / "es_seed1" / "config.yaml").read_text())["sigma"] == 0.05
+    assert [r["generation"] for r in read_metrics(out / "es_seed1")] == [0, 1, 2]
+    assert (out / "es_seed0" / "metrics.jsonl").read_text() == before["es_seed0"]  # just that run replaced
+    assert not list(out.glob(".es_seed1.kept-*")) and not list(out.glob("*.failed-*"))
+
+
+class FailingEngine:
+    """An engine whose every call fails, as a crashed one does (the synthetic engine, then an error)."""
+
+    def __init__(self):
+        from evolm_lib.engines.synthetic import SyntheticEvaluator
+
+        self.inner = SyntheticEvaluator()
+
+    def __getattr__(self, name):
+        if name in ("generate", "generate_population", "score"):
+            raise RuntimeError("the engine died")
+        return getattr(self.inner, name)
+
+
+def test_a_failed_overwrite_keeps_the_finished_run_and_reports_one_message(tmp_path):
+    from evolm_lib.engines.synthetic import SyntheticEvaluator
+
+    section = {**VARIANTS, "seeds": [0]}
+    section.pop("es_modes")
+    plan = es_plan(section)
+    out = tmp_path / "sweep"
+    sweep.run_sweep(plan, out, evaluator=SyntheticEvaluator())
+    finished = (out / "es_seed0" / "metrics.jsonl").read_text()
+    with pytest.raises(sweep.SweepRunFailed, match=r"^es_seed0: RuntimeError: the engine died; the run it was to "
+                                                   r"replace is kept in .*es_seed0, this attempt moved to es_seed0.failed-"):
+        sweep.run_sweep(plan, out, evaluator=FailingEngine(), overwrite={"es_seed0"})
+    assert (out / "es_seed0" / "metrics.jsonl").read_text() == finished
+    assert len(list(out.glob("es_seed0.failed-*"))) == 1 and not list(out.glob(".es_seed0.kept-*"))
+    assert [row["run"] for row in sweep.summarize(out)] == ["es_seed0"]  # the failed attempt is no run of the sweep
+
+
+def test_unequal_budgets_name_the_methods_at_each_budget():
+    section = {**VARIANTS, "es_modes": {"two": {}, "one": {"prompts_per_step": 1}}}
+    with pytest.raises(ValueError, match=r"unequal budgets across runs, in training completions — 8: es_one \(2 x 4 x 1 "
+                                         r"prompts\); 16: es_two \(2 x 4 x 2 prompts\), grpo \(2 x 4 x 2 prompts\)"):
+        sweep.plan_sweep(section)

@@ -59,15 +59,35 @@ def _result_columns() -> tuple[str, ...]:
     return tuple(c for c in RUN_RESULT_COLUMNS if c != "wall_s")
 
 
+def varying_setting_columns(settings: Sequence[Mapping[str, Any]], present: Sequence[str] = ()) -> list[str]:
+    """The settings that vary across the runs (`analysis.varying_settings` of each run's
+    `analysis.method_settings`), less those a column already holds by name or as ``settings.<name>``."""
+    from ..analysis import varying_settings
+
+    return [name for name in varying_settings(settings) if name not in present and f"settings.{name}" not in present]
+
+
 def write_summary_files(out_dir: str | Path, rows: Sequence[Mapping[str, Any]], runs: Sequence[Mapping[str, Any]],
-                        columns: Sequence[str] = (), notebook: str | Path | None = None) -> None:
+                        columns: Sequence[str] = (), notebook: str | Path | None = None,
+                        settings: Sequence[Mapping[str, Any]] | None = None) -> list[Mapping[str, Any]]:
     """Write OUT/summary.csv and OUT/summary.json, each atomically (a kill leaves the old file or the new one).
 
-    summary.csv: one line per row; its columns are ``columns`` then every other key of the rows in the
-    order they first appear; a mapping or list is written as JSON text, None as an empty cell.
-    summary.json: ``{"notebook": the notebook the runs came from (or null), "written": when, "runs":
-    runs}``, ``runs`` holding every detail of each run (parameters, results, what was done)."""
+    summary.csv: one line per row; its columns are ``columns``, then one per setting that varies across
+    the runs (``settings``: each row's run settings, `analysis.method_settings`; a setting a column
+    already holds is not repeated), then every other key of the rows in the order they first appear; a
+    mapping or list is written as JSON text, None as an empty cell. summary.json: ``{"notebook": the
+    notebook the runs came from (or null), "written": when, "runs": runs}``, ``runs`` holding every
+    detail of each run (parameters, results, what was done, and under ``settings`` its value of every
+    setting that varies). Returns the rows as summary.csv holds them, setting columns included."""
     out_dir = Path(out_dir)
+    if settings is not None:
+        present = [*columns, *(key for row in rows for key in row)]
+        varying = varying_setting_columns(settings, present)
+        rows = [{**{k: v for k, v in row.items() if k in columns},
+                 **{name: values.get(name) for name in varying},
+                 **{k: v for k, v in row.items() if k not in columns}} for row, values in zip(rows, settings)]
+        runs = [{**run, "settings": {name: values.get(name) for name in varying}} for run, values in zip(runs, settings)]
+        columns = [*columns, *varying]
     header = list(dict.fromkeys([*columns, *(key for row in rows for key in row)]))
     cells = [{key: _cell(row.get(key)) for key in header} for row in rows]
     table = out_dir / ".summary.csv.tmp"
@@ -80,6 +100,7 @@ def write_summary_files(out_dir: str | Path, rows: Sequence[Mapping[str, Any]], 
     details = out_dir / ".summary.json.tmp"
     details.write_text(json.dumps(payload, indent=2, default=str) + "\n", encoding="utf-8")
     os.replace(details, out_dir / "summary.json")
+    return list(rows)
 
 
 def _cell(value: Any) -> Any:
@@ -93,12 +114,23 @@ def write_summary(results: list[RunResult], out_dir: Path, spec: BatchSpec | Non
                   defaults: dict[str, Any] | None = None) -> None:
     """A batch's OUT/summary.csv (one row per grid point: status, wall time, settings, results; see the
     package's doc string) and OUT/summary.json (every parameter and result, and what this batch did)."""
+    from ..analysis import folder_settings
+
     rows = summary_rows(results, spec, defaults)
     runs = [{"name": r.name, "status": r.status, "action": r.action, "reason": r.reason, "wall_s": r.seconds,
              "error": r.error, "attempt_error": r.attempt_error, "folder": str(r.folder), "notebook": str(r.notebook),
              "parameters": r.parameters, "results": r.results} for r in results]
-    write_summary_files(out_dir, rows, runs, columns=() if rows else ("run", "status", "wall_s", "error", "notebook"),
-                        notebook=spec.notebook if spec else None)
+    settings = [folder_settings(r.parameters.get("run_dir")) for r in results]
+    write_summary_files(out_dir, rows, runs, columns=("run", "status", "wall_s", "error", *_parameter_columns(rows)) if rows else
+                        ("run", "status", "wall_s", "error", "notebook"),
+                        notebook=spec.notebook if spec else None, settings=settings)
+
+
+def _parameter_columns(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The columns of a batch's rows up to its results: run, status, wall_s, error, then the parameters."""
+    results = {*_result_columns(), "notebook"}
+    return list(dict.fromkeys(key for row in rows for key in row if key not in results
+                              and key not in ("run", "status", "wall_s", "error")))
 
 
 def _number(value: Any, digits: int = 4) -> str:

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 from .. import sweep
+from ..batch import format_plan
 from ..env import apply_engine_defaults
 from ..paths import resolve_in_project
 from .help import HelpFormatter
@@ -25,16 +26,23 @@ task, LoRA layout and prompts, then notebook 04 draws the comparison from the ru
 The budget is counted in training completions: an ES generation costs population_size x prompts, a
 GRPO step group_size x prompts, so GRPO runs generations x population_size / group_size steps. Runs
 go to OUT/es_seedN and OUT/grpo_seedN (more names where the spec lists several variants) and resume
-when they already hold the same settings. After each run the KL of its final adapter to the base
-model is measured and its held-out problems scored; several GRPO learning rates in the spec make a
-learning-rate sweep on the first seed, whose best rate then trains every seed. OUT/summary.csv holds
-one row per run. Ctrl-C stops the sweep; finished runs are kept and the same command continues.
+when they already hold the same settings. Every method trains every seed: several GRPO learning
+rates are several variants under sweep.grpo_modes (tuning each method with equal effort is `evolm
+tune`). After each run the KL of its final adapter to the base model is measured and its held-out
+problems scored. OUT/summary.csv holds one row per run, with a column for every setting that varies.
+
+Before any engine starts, each run folder already in OUT is compared with its planned settings: one
+that holds a run made with other settings is listed (old -> new) and the sweep refuses to start;
+--overwrite METHOD[/SEED] replaces those runs (the old run is kept until the new one finishes), or
+--out runs the new settings in another folder. --dry-run lists the same. Ctrl-C stops the sweep;
+finished runs are kept and the same command continues.
 
 The spec is a batch file for notebook 04 plus a `sweep` section (common, es, grpo settings;
 generations, seeds, out, kl): see the shipped specs in papermill_runs/es_vs_grpo_*.yaml and
 docs/batch-runs.md.
 
-exit status: 0 done, 2 a bad spec or option, 130 interrupted."""
+exit status: 0 done, 1 a run failed or a run folder holds other settings, 2 a bad spec or option,
+130 interrupted."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", help="folder for the run folders (default: the spec's sweep.out)")
     parser.add_argument("--model", help="override the model, e.g. tiny-random for a quick check (default: the spec's)")
     parser.add_argument("--max-new-tokens", type=int, help="override max_new_tokens (default: the spec's)")
+    parser.add_argument("--overwrite", action="append", metavar="METHOD[/SEED]",
+                        help="replace the runs of METHOD (every seed, or SEED alone) whose folders hold other "
+                             "settings, e.g. es_lora/1; repeat for several (default: replace none)")
     parser.add_argument("--no-kl", action="store_true", help="skip the KL-to-base measurement")
     parser.add_argument("--no-notebook", action="store_true", help="do not run notebook 04 at the end")
     parser.add_argument("--dry-run", action="store_true", help="print the plan and the estimate only")
@@ -65,33 +76,36 @@ def main(argv: list[str] | None = None) -> int:
         spec_path = resolve_in_project(args.spec)
         batch_part, spec = sweep.load_sweep_spec(spec_path)
         seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else None
-        rates = sweep.grpo_learning_rates(spec)
-        lr_runs = sweep.plan_learning_rate_sweep(spec, args.generations, seeds, overrides) if len(rates) > 1 else []
         methods = [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods else None
-        plan = sweep.select_methods(sweep.plan_sweep(spec, args.generations, seeds, overrides,
-                                                     grpo_learning_rate=rates[0]), methods)
-        if methods and not any(run.kind == "grpo" for run in plan):
-            lr_runs = []  # no GRPO run asked for: no learning-rate sweep either
+        plan = sweep.select_methods(sweep.plan_sweep(spec, args.generations, seeds, overrides), methods)
+        out = Path(args.out or spec.get("out", "runs/es_vs_grpo"))
+        actions = sweep.plan_actions(plan, out, args.overwrite or ())
     except (ValueError, FileNotFoundError) as err:  # a bad spec or option: one line naming it
         print(f"error: {err}", file=sys.stderr)
         return 2
-    out = Path(args.out or spec.get("out", "runs/es_vs_grpo"))
     kl_settings = None if args.no_kl else dict(spec.get("kl") or {})
-    estimate, how = sweep.timing_estimate(lr_runs + plan, spec, overrides)
-    if lr_runs:
-        print(f"GRPO learning-rate sweep first ({', '.join(f'{r:g}' for r in rates)}, seed {lr_runs[0].config.seed}); "
-              "the best rate then trains every seed")
+    estimate, how = sweep.timing_estimate(plan, spec, overrides)
     estimated = f"estimated wall time {estimate / 60:.1f} min ({how})" if estimate is not None else how
-    print(f"{len(lr_runs) + len(plan)} runs into {out}, {plan[0].budget} training completions each; {estimated}")
-    for run in lr_runs + plan:
-        print(f"  {run.name}: {run.kind} {run.length} {'generations' if run.kind == 'es' else 'steps'}")
+    print(f"{len(plan)} runs into {out}, {plan[0].budget} training completions each; {estimated}")
+    print(format_plan(actions))
+    conflicts = [action for action in actions if action.action == "conflict"]
+    if conflicts:
+        print(f"{'error: ' if not args.dry_run else ''}{len(conflicts)} run folder(s) in {out.resolve()} hold runs "
+              "made with other settings (listed above): --overwrite METHOD/SEED replaces them, --out runs the new "
+              "settings in another folder", file=sys.stderr)
+        return 1
     if args.dry_run:
         return 0
+    replaced = {action.name for action in actions if action.action == "overwrite"}
     try:
-        return _run(args, spec, spec_path, batch_part, seeds, methods, overrides, rates, lr_runs, plan, out,
+        return _run(args, spec_path, batch_part, [a.run for a in actions if a.action != "skip"], replaced, out,
                     kl_settings, estimate)
     except KeyboardInterrupt:
-        return _interrupted(lr_runs + plan, out)
+        return _interrupted(plan, out)
+    except sweep.SweepRunFailed as failed:
+        print(f"error: {failed}; finished runs are kept in {out.resolve()}, and the same command continues",
+              file=sys.stderr)
+        return 1
 
 
 def _interrupted(runs: list, out: Path) -> int:
@@ -108,22 +122,10 @@ def _interrupted(runs: list, out: Path) -> int:
                             "run the same command again to continue")
 
 
-def _run(args, spec, spec_path, batch_part, seeds, methods, overrides, rates, lr_runs, plan, out,
-         kl_settings, estimate) -> int:
+def _run(args, spec_path, batch_part, plan, replaced, out, kl_settings, estimate) -> int:
     """Train the planned runs, summarise them and run notebook 04 on them."""
     started = time.perf_counter()
-    evaluator = sweep.make_shared_evaluator(lr_runs + plan)
-    try:
-        seconds = sweep.run_sweep(lr_runs, out, evaluator, kl_settings=kl_settings) if lr_runs else {}
-        if lr_runs:
-            best, scores = sweep.best_learning_rate(out, lr_runs)
-            print(f"GRPO learning rates by score: {scores}; best {best:g}", flush=True)
-            plan = sweep.select_methods(sweep.plan_sweep(spec, args.generations, seeds, overrides,
-                                                         grpo_learning_rate=best), methods)
-            sweep.adopt_learning_rate_run(out, lr_runs, plan, best)
-        seconds.update(sweep.run_sweep(plan, out, evaluator, kl_settings=kl_settings))
-    finally:
-        evaluator.close()
+    seconds = sweep.run_sweep(plan, out, kl_settings=kl_settings, overwrite=replaced) if plan else {}
     measured = time.perf_counter() - started
     per_run = ", ".join(f"{name} {s:.0f} s" for name, s in seconds.items())
     versus = f" (estimated {estimate / 60:.1f} min)" if estimate is not None else ""

@@ -49,6 +49,10 @@ class Task:
     """Reward at or above which a completion counts as solved (None: the task has no such notion)."""
     reward_label: str = "task reward"
     """The reward in words with its unit, for axis labels, e.g. "-|length difference|, chars"."""
+    heldout_measure: str = "success"
+    """What a held-out score of this task is by default: "success" (share of problems solved) for
+    right-or-wrong answers, "reward" (mean reward) where almost nothing reaches the threshold and the
+    reward's size is the result (conciseness: an exact length is rare, a shorter gap is progress)."""
 
     def train_examples(self) -> list[Example]:
         """Examples the optimiser sees."""

@@ -72,6 +72,7 @@ class ConcisenessTask(Task):
     name = "conciseness"
     success_threshold = 0.0  # minus the length gap: only an exact length reaches 0
     reward_label = "-|length difference|, chars"
+    heldout_measure = "reward"  # an exact length is rare: the share of successes stays near 0
 
     def __init__(self, num_eval: int = len(EVAL_PAIRS), num_validation: int = 0, shuffle_seed: int = 0):
         """`num_eval` held-out questions: the eight of EVAL_PAIRS, then generated ones (`generated_pairs`,

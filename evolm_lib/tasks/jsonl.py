@@ -137,6 +137,7 @@ class JsonlTask(Task):
         self.reward_name = reward
         self.reward_label = REWARD_LABELS[reward]
         self.success_threshold = 0.0 if reward == "length" else 1.0  # exact length, or a match
+        self.heldout_measure = "reward" if reward == "length" else "success"  # as conciseness, or a match
         self.case_sensitive = case_sensitive
         self.system_prompt = system
         self._examples = load_jsonl_examples(self.path)

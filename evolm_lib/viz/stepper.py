@@ -157,14 +157,29 @@ class ESStepper:
         last = next((r for r in reversed(history) if r.get("best_completions")), None)
         if last is None:
             return "<i>no generation yet: best and worst completions appear here</i>"
-        rows = [
-            {"prompt": p, "best member": b, "worst member": w}
-            for p, b, w in zip(last.get("prompts", []), last["best_completions"], last.get("worst_completions", []))
-        ]
+        rows = self._completion_rows(last)
         table = completions_table(rows, max_chars=self.max_chars).to_html(index=False, escape=True)
         title = (f"generation {last['generation']}: best member {last['train/reward_best']:.3f}, "
                  f"worst {last['train/reward_worst']:.3f}")
         return f"<b>{html.escape(title)}</b>{table}"
+
+    def _completion_rows(self, row: dict) -> list[dict]:
+        """One line per prompt of a generation: the prompt, its target, and the best and worst member's
+        completion each with its reward (the task's reward of that completion for that prompt)."""
+        examples = {example.prompt: example for example in getattr(self.run, "train_examples", ())}
+        found = [(prompt, best, worst, examples.get(prompt)) for prompt, best, worst in
+                 zip(row.get("prompts", []), row["best_completions"], row.get("worst_completions", []))]
+        known = [example for *_, example in found if example is not None]
+        reward = self.run.task.reward_fn if known else None
+        best_rewards = iter(reward([b for _, b, _, e in found if e is not None], known) if known else [])
+        worst_rewards = iter(reward([w for _, _, w, e in found if e is not None], known) if known else [])
+        lines = []
+        for prompt, best, worst, example in found:
+            scored = example is not None
+            lines.append({"prompt": prompt, "target": example.target if scored else "",
+                          "best member": best, "best reward": next(best_rewards) if scored else None,
+                          "worst member": worst, "worst reward": next(worst_rewards) if scored else None})
+        return lines
 
     def _set_buttons(self, running: bool) -> None:
         for button in (self.step_button, self.run_button, self.save_button):
