@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 from typing import Iterable, Protocol
 
+from .metrics import scored_here
+
 TENSORBOARD_DIR = "tensorboard"
 """The folder of a run's TensorBoard event files, inside the run folder."""
 TENSORBOARD_INSTALL = "pip install tensorboard==2.21.0"
@@ -115,8 +117,10 @@ class TensorBoardReporter:
 
     def _write(self, row: dict) -> None:
         step = int(row["generation"])
+        # scores that rode in a generation's call belong to the mean they scored (``policy/generation``)
+        scored = int(row.get("policy/generation", step))
         for key, value in scalars(row).items():
-            self._writer.add_scalar(key, value, step)
+            self._writer.add_scalar(key, value, scored if scored_here(key) else step)
 
     def report(self, row: dict) -> None:
         """Write the row's numbers at step = its generation, and flush them to the event file."""

@@ -20,9 +20,10 @@ Every random draw takes a seed, so a table computed twice gives the same numbers
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -56,6 +57,16 @@ def _check_method(method: str) -> None:
         raise ValueError(f"method: one of {', '.join(INTERVAL_METHODS)}, got {method!r}")
 
 
+@contextlib.contextmanager
+def _nearly_constant_values_pass() -> Iterator[None]:
+    """Values that differ only in their last bits (equal scores summed in another order) make scipy
+    warn of precision loss in its moments; the interval or test it then gives is as narrow as the
+    values, which is what they say, so the warning (printed into notebooks) is not passed on."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Precision loss occurred in moment calculation", category=RuntimeWarning)
+        yield
+
+
 def t_interval(values: Sequence[float] | np.ndarray, level: float = 0.95) -> tuple[float, float, float]:
     """(mean, low, high): the mean and its Student's t interval, mean -/+ t_(n-1) s / sqrt(n)
     (``scipy.stats.t.interval``). Constant values and one value give the value three times."""
@@ -66,7 +77,8 @@ def t_interval(values: Sequence[float] | np.ndarray, level: float = 0.95) -> tup
     mean = float(array.mean())
     if array.size < 2 or np.all(array == array[0]):
         return mean, mean, mean
-    low, high = scipy.stats.t.interval(level, df=array.size - 1, loc=mean, scale=scipy.stats.sem(array))
+    with _nearly_constant_values_pass():
+        low, high = scipy.stats.t.interval(level, df=array.size - 1, loc=mean, scale=scipy.stats.sem(array))
     return mean, float(low), float(high)
 
 
@@ -192,7 +204,8 @@ def welch_t_test(a: Sequence[float], b: Sequence[float]) -> WelchTest:
     a, b = _values(a, "a"), _values(b, "b")
     if a.size < 2 or b.size < 2 or (a.var() == 0 and b.var() == 0):
         return WelchTest(math.nan, math.nan, math.nan)
-    result = scipy.stats.ttest_ind(a, b, equal_var=False)
+    with _nearly_constant_values_pass():
+        result = scipy.stats.ttest_ind(a, b, equal_var=False)
     return WelchTest(float(result.statistic), float(result.df), float(result.pvalue))
 
 

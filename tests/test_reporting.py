@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from evolm_lib.metrics import by_mean
 from evolm_lib.config import ConfigError, ESConfig, GRPOConfig, ReportTo
 from evolm_lib.engines.synthetic import SyntheticEvaluator
 from evolm_lib.parameters import notebook_config
@@ -52,9 +53,10 @@ def tensorboard_points(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
 
 def jsonl_points(rows: list[dict]) -> dict[str, list[tuple[int, float]]]:
     """The points metrics.jsonl's rows should give: every number of a row (not a flag, text, list or
-    null) at step = its generation, as the float32 TensorBoard stores."""
+    null) at step = its generation, a mean's scores at that mean's generation (``by_mean``), as the
+    float32 TensorBoard stores."""
     points: dict[str, list[tuple[int, float]]] = {}
-    for row in rows:
+    for row in by_mean(rows):
         for key, value in row.items():
             if key in STEP_KEYS or isinstance(value, bool) or not isinstance(value, (int, float)):
                 continue
@@ -106,16 +108,17 @@ def test_scalars_of_a_row_are_its_finite_numbers_without_the_step():
 
 
 def test_es_run_on_vllm_streams_each_row_to_tensorboard(tmp_path, tiny_vllm):
-    # a real engine batches grids: the mean's scoring rides in the next population call, so rows are
-    # logged a generation late; their points still land at their own generation
+    # a real engine batches grids: the scoring of the mean of generation 2 rides in generation 3's
+    # population call and is in generation 3's row; its points land at the mean's generation, 2
     config = ESConfig(**{**ES_SETTINGS, "target_modules": ("q_proj", "v_proj", "o_proj"), "max_new_tokens": 6,
-                         "sigma": 0.5, "learning_rate": 0.5, "eval_every": 2})
+                         "sigma": 0.5, "learning_rate": 0.5, "eval_every": 2, "num_generations": 4})
     run = ESRun.create(config, tmp_path / "run", evaluator=tiny_vllm)
     run.run()
     run.close()
-    assert_tensorboard_matches_metrics(tmp_path / "run", 3)
+    assert_tensorboard_matches_metrics(tmp_path / "run", 4)
     rows = read_metrics(tmp_path / "run")
-    assert "eval/reward" not in rows[1] and [s for s, _ in tensorboard_points(tmp_path / "run")["eval/reward"]] == [0, 2, 3]
+    assert rows[3]["policy/generation"] == 2 and "eval/reward" not in rows[2]
+    assert [s for s, _ in tensorboard_points(tmp_path / "run")["eval/reward"]] == [0, 2, 4]
 
 
 def test_grpo_run_streams_each_row_to_tensorboard(tmp_path):

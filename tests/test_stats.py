@@ -214,3 +214,14 @@ def test_compare_seeds_decides_by_the_permutation_p():
     assert stats.compare_seeds([1.0, 0.75], [0.25, 0.125], alpha=0.5).larger_than_seed_noise
     with pytest.raises(ValueError, match="alpha"):
         stats.compare_seeds([1.0], [2.0], alpha=5)
+
+
+def test_values_equal_but_for_their_last_bits_give_a_narrow_interval_and_no_warning():
+    import warnings as _warnings
+
+    values = [0.1 + 0.2, 0.3, 0.3, 0.1 + 0.2]  # 0.30000000000000004 and 0.3: one score summed two ways
+    with _warnings.catch_warnings():
+        _warnings.simplefilter("error")
+        mean, low, high = stats.t_interval(values)
+        stats.welch_t_test(values, [0.3, 0.3 + 1e-17, 0.1 + 0.2])
+    assert low <= mean <= high and high - low < 1e-15

@@ -12,7 +12,7 @@ import yaml
 from .. import batch
 from ..env import apply_engine_defaults
 from .help import HelpFormatter
-from .interrupt import report_interrupt, stop_children
+from .interrupt import kernels_stopped_first, report_interrupt, stop_children
 
 ALL = "\0all"  # --overwrite without a point name
 
@@ -76,8 +76,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.notebook:
             spec = replace(spec, notebook=batch.resolve_notebook(args.notebook, None))
         overwrite = True if ALL in (args.overwrite or []) else list(args.overwrite or [])
-        results = batch.run_batch(spec, out_dir, overwrite=overwrite, dry_run=args.dry_run,
-                                  log_output=args.log_output, retry_failed=args.retry_failed)
+        with kernels_stopped_first():
+            results = batch.run_batch(spec, out_dir, overwrite=overwrite, dry_run=args.dry_run,
+                                      log_output=args.log_output, retry_failed=args.retry_failed)
     except (ValueError, FileNotFoundError, FileExistsError, yaml.YAMLError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -2,11 +2,13 @@
 kept and how to continue, instead of a traceback from wherever the interrupt landed."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
 import time
 from pathlib import Path
+from typing import Iterator
 
 EXIT_INTERRUPTED = 128 + signal.SIGINT  # what a shell reports for a command that Ctrl-C ended
 
@@ -48,6 +50,25 @@ def _reaped(pid: int) -> bool:
         return os.waitpid(pid, os.WNOHANG)[0] == pid
     except ChildProcessError:  # reaped elsewhere (the kernel manager's own wait)
         return True
+
+
+@contextlib.contextmanager
+def kernels_stopped_first() -> Iterator[None]:
+    """Inside the block, Ctrl-C ends this process's children (the notebook kernels) before anything
+    else runs, then raises KeyboardInterrupt here: otherwise the notebook client closes its sockets
+    while unwinding, and a kernel still inside a cell prints their errors into this command's output
+    before the cleanup reaches it. Further Ctrl-Cs are ignored until the block's caller is done."""
+    def interrupted(signum, frame):
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the cleanup short
+        stop_children()
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, interrupted)
+    try:
+        yield
+    finally:
+        if signal.getsignal(signal.SIGINT) is interrupted:
+            signal.signal(signal.SIGINT, previous)
 
 
 def report_interrupt(line: str) -> int:

@@ -12,7 +12,7 @@ from ..batch import format_plan
 from ..env import apply_engine_defaults
 from ..paths import resolve_in_project
 from .help import HelpFormatter
-from .interrupt import report_interrupt, stop_children
+from .interrupt import kernels_stopped_first, report_interrupt, stop_children
 
 HELP = f"""ES against GRPO at equal sample budgets: one ES and one GRPO run per seed with the same model,
 task, LoRA layout and prompts, then notebook 04 draws the comparison from the run folders.
@@ -98,8 +98,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     replaced = {action.name for action in actions if action.action == "overwrite"}
     try:
-        return _run(args, spec_path, batch_part, [a.run for a in actions if a.action != "skip"], replaced, out,
-                    kl_settings, estimate)
+        with kernels_stopped_first():
+            return _run(args, spec_path, batch_part, [a.run for a in actions if a.action != "skip"], replaced, out,
+                        kl_settings, estimate)
     except KeyboardInterrupt:
         return _interrupted(plan, out)
     except sweep.SweepRunFailed as failed:

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import ConfigError, ESConfig, GRPOConfig, did_you_mean
-from ..sweep import PlannedRun, grpo_learning_rates, load_sweep_spec, plan_sweep, select_methods
+from ..sweep import PlannedRun, load_sweep_spec, plan_sweep, select_methods
 from ..tasks import get_task
 from .space import Parameter, parse_space
 
@@ -168,8 +168,7 @@ class TuneSpec:
 
 
 def _plan(sweep: dict, generations, seeds, overrides, methods) -> dict[str, list[PlannedRun]]:
-    rates = grpo_learning_rates(sweep)  # a list in the spec is a sweep's search; tuning searches its own space
-    plan = select_methods(plan_sweep(sweep, generations, list(seeds), overrides, grpo_learning_rate=rates[0]), methods)
+    plan = select_methods(plan_sweep(sweep, generations, list(seeds), overrides), methods)
     grouped: dict[str, list[PlannedRun]] = {}
     for run in plan:
         grouped.setdefault(run.method, []).append(run)
