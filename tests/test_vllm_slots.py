@@ -17,7 +17,7 @@ from evolm_lib.engines.vllm import worker_slots
 from evolm_lib.engines.vllm.engine import VLLMEvaluator
 from evolm_lib.engines.vllm.requests import RequestGrid, run_requests
 from evolm_lib.engines.vllm.rpc import stored_form
-from evolm_lib.engines.vllm.slots import EXTENSION, ResidentPopulation, SlotsUnsupported, describe, supported
+from evolm_lib.engines.vllm.slots import EXTENSION, ResidentSlots, SlotsUnsupported, describe, supported
 from evolm_lib.lora import AdapterWeights, LoraSpec, adapter_shapes, init_adapter
 from evolm_lib.types import Prompt
 
@@ -50,7 +50,7 @@ def engine(tiny_model_dir):
 
 @pytest.fixture
 def resident(engine):
-    population = ResidentPopulation(engine.llm, SPEC, POPULATION, engine.model_dir, engine.dtype)
+    population = ResidentSlots(engine.llm, SPEC, POPULATION, engine.model_dir, engine.dtype)
     yield population
     population.close()
 
@@ -106,7 +106,7 @@ def test_not_supported_without_extension_or_lora():
     ok, reason = supported(NoLora())
     assert not ok and "enable_lora" in reason
     with pytest.raises(SlotsUnsupported, match="worker_extension_cls"):
-        ResidentPopulation(NoExtension(), SPEC, 2, ".", "float32")
+        ResidentSlots(NoExtension(), SPEC, 2, ".", "float32")
 
 
 def test_slots_give_the_file_paths_greedy_completions(engine, resident):
@@ -135,7 +135,7 @@ def test_slot_checksums_equal_the_trainers_member_tensors(engine, spec, scheme):
     # The second spec leaves k_proj (a slice of the packed qkv_proj), gate/up/o and layer 0 out: zero there.
     mean = make_mean(engine.model_dir, spec)
     members = es.population(base_seed=3, generation=5, population_size=POPULATION)
-    with ResidentPopulation(engine.llm, spec, POPULATION, engine.model_dir, engine.dtype) as population:
+    with ResidentSlots(engine.llm, spec, POPULATION, engine.model_dir, engine.dtype) as population:
         population.write(mean, members, SIGMA, noise_scheme=scheme)
         host = member_adapters(mean, members, scheme=scheme)  # es.perturb on the host, as the trainer does
         assert population.checksums() == [population.expected_checksum(a.tensors) for a in host]
@@ -217,7 +217,7 @@ def test_slots_stay_resident_through_file_path_calls(engine, resident):
     resident.write(mean, members, SIGMA)  # the slot layout check passes
     # the pinned slots are not offered to a second population
     with pytest.raises(ValueError, match="free LoRA slots"):
-        ResidentPopulation(engine.llm, SPEC, free, engine.model_dir, engine.dtype, first_id=2_000_000_000)
+        ResidentSlots(engine.llm, SPEC, free, engine.model_dir, engine.dtype, first_id=2_000_000_000)
 
 
 def test_a_loader_mismatch_is_refused_and_the_slots_released(engine, monkeypatch):
@@ -227,10 +227,10 @@ def test_a_loader_mismatch_is_refused_and_the_slots_released(engine, monkeypatch
 
     monkeypatch.setattr(worker_slots, "stored_form", unscaled)
     with pytest.raises(SlotsUnsupported, match="differently from the in-place write"):
-        ResidentPopulation(engine.llm, SPEC, POPULATION, engine.model_dir, engine.dtype)
+        ResidentSlots(engine.llm, SPEC, POPULATION, engine.model_dir, engine.dtype)
     monkeypatch.undo()
     # nothing stayed pinned: a population of the same size fits again
-    with ResidentPopulation(engine.llm, SPEC, POPULATION, engine.model_dir, engine.dtype) as population:
+    with ResidentSlots(engine.llm, SPEC, POPULATION, engine.model_dir, engine.dtype) as population:
         population.write(make_mean(engine.model_dir), es.population(1, 1, 2), SIGMA)
         assert len(population.lora_requests()) == 2
 
@@ -255,9 +255,9 @@ def test_bad_input_is_refused(engine, resident):
     with pytest.raises(TypeError, match="es.Member"):
         resident.write(mean, [(1, 1)], SIGMA)
     with pytest.raises(ValueError, match="max_lora_rank 8"):
-        ResidentPopulation(engine.llm, LoraSpec(rank=16), 2, engine.model_dir, engine.dtype, first_id=2_000_000_000)
+        ResidentSlots(engine.llm, LoraSpec(rank=16), 2, engine.model_dir, engine.dtype, first_id=2_000_000_000)
     with pytest.raises(ValueError, match="free LoRA slots"):
-        ResidentPopulation(engine.llm, SPEC, describe(engine.llm)["max_loras"], engine.model_dir, engine.dtype,
+        ResidentSlots(engine.llm, SPEC, describe(engine.llm)["max_loras"], engine.model_dir, engine.dtype,
                            first_id=2_000_000_000)
 
 
@@ -270,7 +270,7 @@ def test_slots_match_the_file_path_on_smollm2(smollm2_dir):
                        dtype=DTYPE, engine_kwargs={"worker_extension_cls": EXTENSION}) as evaluator:
         mean = make_mean(smollm2_dir, spec)
         members = es.population(base_seed=1, generation=1, population_size=POPULATION)
-        with ResidentPopulation(evaluator.llm, spec, POPULATION, smollm2_dir, evaluator.dtype) as population:
+        with ResidentSlots(evaluator.llm, spec, POPULATION, smollm2_dir, evaluator.dtype) as population:
             population.write(mean, members, 0.02)
             from_slots = population.generate(prompts, sampling)
             adapters = member_adapters(mean, members, 0.02)

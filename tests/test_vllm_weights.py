@@ -100,12 +100,12 @@ def test_full_members_are_the_host_perturbed_model_and_the_mean_comes_back(engin
 
 
 def test_eggroll_slots_serve_the_low_rank_members_over_the_mean(engine, hf, tiny_model_dir):
-    from evolm_lib.engines.vllm.slots import ResidentPopulation
+    from evolm_lib.engines.vllm.slots import ResidentSlots
     from evolm_lib.engines.vllm.weights import EngineWeights
 
     rank = 2
     weights = EngineWeights(engine.llm, tiny_model_dir, TARGETS, noise="lowrank", noise_rank=rank)
-    population = ResidentPopulation(engine.llm, LoraSpec(target_modules=TARGETS, rank=rank, alpha=float(rank)), 2,
+    population = ResidentSlots(engine.llm, LoraSpec(target_modules=TARGETS, rank=rank, alpha=float(rank)), 2,
                                     tiny_model_dir, first_id=9000)
     try:
         host = {name: p.detach().clone() for name, p in hf.model.named_parameters() if name in weights.shapes}

@@ -22,7 +22,7 @@ from ..resident_weights import MembersInPlace
 from ..sizing import ADAPTER_TRANSFERS, EngineSizing
 from .adapters import AdapterFiles
 from .requests import RequestGrid, run_requests
-from .slots import LOWRANK_SLOT_ID, PopulationSlots, ResidentPopulation
+from .slots import LOWRANK_SLOT_ID, PopulationSlots, ResidentSlots
 from .startup import start_llm
 from .weights import EngineWeights
 from .workarounds import base_as_zero_adapter, fresh_cuda_graph_pool, vllm_cpu_prompt_logprobs_fix
@@ -189,7 +189,7 @@ class VLLMEvaluator(GridsInOneCall, MembersInPlace):
         if spec.rank > self.max_lora_rank:
             raise ValueError(f"noise_rank {spec.rank} exceeds the engine's max_lora_rank {self.max_lora_rank}: "
                              "start the engine with a larger max_lora_rank")
-        return ResidentPopulation(self.llm, spec, num_slots, self.model_dir, self.dtype, first_id=LOWRANK_SLOT_ID)
+        return ResidentSlots(self.llm, spec, num_slots, self.model_dir, self.dtype, first_id=LOWRANK_SLOT_ID)
 
     def run_lowrank(self, slots, grids: Sequence[tuple[Sequence[PromptLike], str, SamplingSettings]]) -> list[CompletionTable]:
         """Grids served from EGGROLL's slots in ONE engine call: ``"members"`` (every written slot) or

@@ -1,6 +1,6 @@
 """What crosses between the host and vLLM's worker, for resident LoRA slots and resident weights.
 
-The host-side clients (``slots.ResidentPopulation``, ``weights.EngineWeights``) call the worker
+The host-side clients (``slots.ResidentSlots``, ``weights.EngineWeights``) call the worker
 extension's methods (``worker.WorkerExtension``) through ``LLM.collective_rpc``, with the engine in
 this process or in one of its own alike; ``call_worker`` is that call. Both sides need the pieces
 here: the errors a worker raises when it cannot host what was asked; tensors as plain data for an

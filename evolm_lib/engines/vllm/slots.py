@@ -7,7 +7,7 @@ weights in place from the members' seeds (``worker_slots.LoRASlotsExtension``, w
 the engine). Only the mean adapter's tensors and the members' (seed, sign) pairs cross the process
 boundary.
 
-``ResidentPopulation`` loads the slots, has the worker write them every generation and hands out
+``ResidentSlots`` loads the slots, has the worker write them every generation and hands out
 one ``LoRARequest`` per member. ``supported(llm)`` says whether an engine can host it, so a caller
 can fall back to files with a logged warning; ``PopulationSlots`` is that fallback for an evaluator.
 What the slots must match, and the vLLM versions read, are in ``worker_slots``.
@@ -36,7 +36,7 @@ from .rpc import (FINGERPRINT_SEED, SlotsUnsupported, WorkerUnsupported, call_wo
                   pack_tensor, stored_form, torch_dtype, unpack_tensor)
 from .worker import EXTENSION
 
-__all__ = ["EXTENSION", "PopulationSlots", "ResidentPopulation", "SlotsUnsupported", "describe", "supported"]
+__all__ = ["EXTENSION", "PopulationSlots", "ResidentSlots", "SlotsUnsupported", "describe", "supported"]
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ def supported(llm) -> tuple[bool, str]:
                   f"max_lora_rank {info['max_lora_rank']}, {len(info['modules'])} LoRA linear modules")
 
 
-class ResidentPopulation:
+class ResidentSlots:
     """N LoRA slots resident in a vLLM engine, rewritten in place every generation.
 
     ``llm`` must have been started with ``worker_extension_cls=EXTENSION``, ``enable_lora=True``
@@ -269,7 +269,7 @@ class ResidentPopulation:
 
 
 class PopulationSlots:
-    """The resident LoRA slots (``ResidentPopulation``) populations are written into, set up on the
+    """The resident LoRA slots (``ResidentSlots``) populations are written into, set up on the
     first population and again when the adapter layout changes. Where the engine cannot host them,
     ``for_population`` says so once (a warning) and answers None from then on: files."""
 
@@ -286,7 +286,7 @@ class PopulationSlots:
             self.close()
         if self._resident is None:
             try:
-                self._resident = ResidentPopulation(self.llm, population.mean.spec, self.num_slots, self.model_dir,
+                self._resident = ResidentSlots(self.llm, population.mean.spec, self.num_slots, self.model_dir,
                                                     self.dtype, workdir=self.workdir)
             except SlotsUnsupported as error:
                 logger.warning("resident LoRA slots unavailable (%s): writing adapter files instead", error)
@@ -299,7 +299,7 @@ class PopulationSlots:
 
     @property
     def resident(self):
-        """The slots set up so far (a ``ResidentPopulation``), or None."""
+        """The slots set up so far (a ``ResidentSlots``), or None."""
         return self._resident
 
     def close(self) -> None:

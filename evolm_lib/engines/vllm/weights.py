@@ -45,7 +45,7 @@ class EngineWeights:
 
     def write_slots(self, population, members: Sequence[es.Member], sigma: float) -> float:
         """EGGROLL: the members' low-rank noise into the resident LoRA slots of ``population`` (a
-        ``slots.ResidentPopulation`` of rank ``noise_rank`` with alpha = rank over the same
+        ``slots.ResidentSlots`` of rank ``noise_rank`` with alpha = rank over the same
         modules), which then serves them; returns the write's seconds."""
         if population.spec.rank != self.noise_rank or population.spec.alpha != population.spec.rank:
             raise ValueError(f"EGGROLL slots need rank {self.noise_rank} and alpha = rank, got {population.spec}")

@@ -1,6 +1,6 @@
 """The worker side of resident LoRA slots: ``LoRASlotsExtension`` runs inside the vLLM worker. vLLM
 mixes it into its worker class (``worker.WorkerExtension``) when the engine is started with
-``worker_extension_cls=worker.EXTENSION``; the host-side client (``slots.ResidentPopulation``) calls
+``worker_extension_cls=worker.EXTENSION``; the host-side client (``slots.ResidentSlots``) calls
 its methods through ``LLM.collective_rpc``, in-process and with the engine in its own process alike.
 
 Every generation the worker rewrites the slots' weights in place, ``mean + sign * sigma *
