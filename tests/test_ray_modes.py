@@ -251,3 +251,25 @@ def test_an_engine_that_stays_lost_past_its_attempts_ends_the_run_and_it_resumes
     first, second = resumed.parameters.weights.checksums()
     assert first == second == two_engine_runs["full"]["checksums"][0]
     resumed.close()
+
+
+@pytest.mark.slow
+def test_grpo_on_the_model_weights_writes_every_ray_engine(two_engines, tmp_path):
+    """GRPO with policy_weights: full on two Ray engines: after each step the trained weights reach
+    both engines (their masters agree, bit for bit, with the trainer's weights), so the rollouts of
+    step 2, shared out over both engines, are scored alike by the engines and the trainer."""
+    from evolm_lib.config import GRPOConfig
+    from evolm_lib.train.grpo import GRPORun
+
+    config = GRPOConfig(model="tiny-random", task="conciseness", policy_weights="full",
+                        target_modules=["q_proj", "v_proj"], group_size=2, max_new_tokens=6, max_model_len=256,
+                        kv_cache_gb=0.0625, num_steps=2, temperature=1.0, learning_rate=1e-3, seed=0,
+                        evaluator="ray", num_engines=2)
+    run = GRPORun.create(config, tmp_path / "run", evaluator=two_engines)
+    rows = run.run()
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["grpo/engine_logprob_gap"] < 1e-4 for r in rows), [r["grpo/engine_logprob_gap"] for r in rows]
+    first, second = run.engine_weights.checksums()
+    assert first["master"] == second["master"]
+    assert torch.equal(run.engine_weights.read()["master"], run.trainer.flat_weights().float().cpu())
+    run.close()  # the engines serve the model folder's weights again

@@ -46,6 +46,6 @@ def plot_drift(drift: Mapping[str, Sequence[dict]], task_name: str) -> go.Figure
     fig = go.Figure()
     for label, rows in drift.items():
         fig.add_scatter(x=[r["generation"] for r in rows], y=[r["off_task/kl"] for r in rows], mode="lines+markers", name=label)
-    fig.update_layout(xaxis_title="generation / step", yaxis_title=f"KL to the base model on {task_name} prompts",
+    fig.update_layout(xaxis_title="generation / step", yaxis_title=f"KL to base, {task_name} prompts",
                       title="Drift off the task")
     return fig
