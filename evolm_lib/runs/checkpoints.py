@@ -10,13 +10,14 @@ import shutil
 import tempfile
 import warnings
 from pathlib import Path
+from typing import Sequence
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from ..lora import AdapterWeights, load_adapter, save_adapter
 from .durable import fsync_dir, fsync_tree, json_safe
-from .metrics_file import read_metrics, rewrite_metrics, row_generation, rows_since
+from .metrics_file import MISSING, read_metrics, rewrite_metrics, row_generation, rows_since
 
 CHECKPOINTS = "checkpoints"
 MANIFEST = "manifest.json"  # in a checkpoint: {"files": {relative path: {"bytes": n, "sha256": hex}}}
@@ -60,11 +61,13 @@ def write_checkpoint(
     state: dict,
     base_model: str,
     keep: int = 2,
+    rows: Sequence[dict] | None = None,
 ) -> Path:
     """Write checkpoint ``step`` atomically and durably, its manifest last, and prune older ones beyond ``keep``.
 
     Beside ``state`` its state.json keeps a copy of config.yaml and the metrics rows since the
-    checkpoint before it, so a damaged config.yaml or metrics line can be restored from it."""
+    checkpoint before it, so a damaged config.yaml or metrics line can be restored from it:
+    ``rows``, the run's rows so far as the run holds them (None: read back from metrics.jsonl)."""
     root = Path(run_dir) / CHECKPOINTS
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{step:06d}"
@@ -76,7 +79,9 @@ def write_checkpoint(
         save_file({k: v.contiguous() for k, v in optimizer_tensors.items()}, str(tmp / "optimizer.safetensors"))
     earlier = [int(p.name.removesuffix(_ASIDE)) for p in list_checkpoints(run_dir)]
     previous = max([g for g in earlier if g < step], default=-1)
-    kept = {ROWS: [r for r in rows_since(run_dir, previous) if r["generation"] < step]}
+    since = rows_since(run_dir, previous) if rows is None else [
+        r for r in rows if row_generation(r) > previous and not r.get(MISSING)]
+    kept = {ROWS: [r for r in since if r["generation"] < step]}
     config = Path(run_dir) / "config.yaml"
     if config.is_file():
         kept[CONFIG_COPY] = config.read_text(errors="replace")

@@ -144,18 +144,18 @@ class LoraMean:
         """The population in one engine call (the engine makes each member from its seed); the
         mean's greedy scoring, when asked, is a second grid of the same call."""
         started = time.perf_counter()
-        grids = [(prompts, self.population(members), sampling)]
-        if scoring is not None:
-            grids.append((scoring[0], [self.mean], scoring[1]))
-        tables = self.evaluator.generate_grids(grids) if scoring is not None else [
-            self.evaluator.generate(prompts, self.population(members), sampling)]
+        population = self.population(members)
+        if scoring is None:
+            tables = [self.evaluator.generate(prompts, population, sampling)]
+        else:
+            tables = self.evaluator.generate_grids([(prompts, population, sampling), (scoring[0], [self.mean], scoring[1])])
         completions, call = tables[0], time.perf_counter() - started
         timing = {"adapters_s": completions.timing.get("adapters_s", 0.0)}
         timing["generate_s"] = completions.timing.get("generate_s", call - timing["adapters_s"])
         for key in ("slots_write_s", "slots_call_s"):  # resident slots: the worker's write, and the whole call
             if key in completions.timing:
                 timing[f"adapters/{key}"] = completions.timing[key]  # parts of adapters_s
-        return Served(completions, tables[1] if scoring is not None else None, timing)
+        return Served(completions, tables[1] if len(tables) > 1 else None, timing)
 
     def update(self, generation: int, members: Sequence[es.Member], rewards: torch.Tensor) -> Update:
         """The ES (or zeroth-order) step on the float32 master of the mean adapter."""

@@ -267,7 +267,7 @@ class RunLoop:
         """Checkpoint the current generation (or step): adapter (None: none moves), optimizer tensors, state.json."""
         self._check_writer()
         return write_checkpoint(self.run_dir, self.generation, adapter, optimizer_tensors, state,
-                                str(self.model_dir), keep=self.config.keep_checkpoints)
+                                str(self.model_dir), keep=self.config.keep_checkpoints, rows=self.history)
 
     def _checkpoint_state(self, row: dict | None) -> dict:
         """What a checkpoint's state.json holds for the loop: generation, counters, the row."""
