@@ -1,4 +1,4 @@
-"""The engine and ES benchmark in one run: ``python -m evolm_lib.benchmark``.
+"""The engine and ES benchmark in one run: ``python -m evolm_lib.benchmark engine`` (the default).
 
 1. Throughput on one vLLM engine (``evolm_lib.throughput``, the measurement ``evolm bench`` makes,
    HF paths left out): the base model, a population of N rank-r members written in place into
@@ -27,8 +27,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 
-from .env import apply_engine_defaults
-from .throughput import KNOWN_PATHS, ThroughputSpec, format_throughput, throughput_report
+from ..env import apply_engine_defaults
+from ..throughput import KNOWN_PATHS, ThroughputSpec, format_throughput, throughput_report
 
 VARIANTS = {  # label -> ESConfig changes
     "in_place": {"adapter_transfer": "in_place"},
@@ -43,9 +43,9 @@ def es_generations(model: str, population: int, generations: int, variants: Sequ
     """Median phase times of ES generations per variant, on one shared engine (see the module docstring)."""
     import torch
 
-    from .config import ESConfig
-    from .engines import make_evaluator
-    from .train.es import ESRun
+    from ..config import ESConfig
+    from ..engines import make_evaluator
+    from ..train.es import ESRun
 
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
@@ -97,7 +97,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     import torch
 
     gpu = torch.cuda.is_available()
-    parser = argparse.ArgumentParser(prog="python -m evolm_lib.benchmark", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m evolm_lib.benchmark engine", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m-instruct", help="known name or model folder")
     parser.add_argument("--population", type=int, default=32 if gpu else 8, help="members (32 on a GPU, 8 on a CPU)")
     parser.add_argument("--generations", type=int, default=10 if gpu else 4, help="ES generations per variant")
@@ -135,6 +135,3 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         args.json.write_text(json.dumps(result, indent=1))
     return result
 
-
-if __name__ == "__main__":
-    main()
