@@ -1,5 +1,5 @@
 """Tokens per second of a LoRA population on an engine: the one measurement behind `evolm bench`,
-`python -m evolm_lib.benchmark` and the GPU scripts (`scripts/bench_ray.py`, `scripts/bench_slots.py`,
+`python -m evolm_lib.benchmark` (its subcommands) and the GPU scripts (`scripts/bench_slots.py`,
 `scripts/gpu_modes.py`, `scripts/gpu_deterministic.py`).
 
 A measurement times whole engine calls of N members x M prompts x T new tokens, EOS ignored (so

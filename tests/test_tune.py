@@ -216,3 +216,47 @@ def test_the_tuning_notebook_runs_on_the_tiny_spec(tmp_path):
     summary = json.loads((out / tune.SUMMARY).read_text())
     assert {m: e["trials"] for m, e in summary["methods"].items()} == {"es": 2, "grpo": 2}
     assert sorted(p.name for p in (out / "final" / "es").iterdir()) == ["seed0", "seed1", "seed2"]
+
+
+def test_a_study_packed_mid_run_keeps_finished_trials_rows_and_leaves_weights_and_running_trials_out(tmp_path):
+    """python -m evolm_lib.tune.pack: a consistent copy of the storage, the finished trial's text
+    files without its weights, nothing of the trial still running (its retry starts afresh)."""
+    import subprocess
+    import tarfile
+
+    import optuna
+
+    out = tmp_path / "study"
+    out.mkdir()
+    study = optuna.create_study(storage=f"sqlite:///{out / 'optuna.db'}", study_name="es_full", direction="maximize")
+    done = study.ask()
+    done.set_user_attr("run_dir", str(out / "trials" / "es_full" / "trial_0000"))
+    study.tell(done, 0.5)
+    study.ask()  # trial 1: still running
+    finished = out / "trials" / "es_full" / "trial_0000" / "seed100"
+    running = out / "trials" / "es_full" / "trial_0001" / "seed100"
+    for folder in (finished, running, out / "final" / "es_full" / "seed0"):
+        (folder / "checkpoints" / "000010").mkdir(parents=True)
+        (folder / "checkpoints" / "000010" / "state.json").write_text("{}")
+        (folder / "snapshots").mkdir()
+        (folder / "snapshots" / "000010.safetensors").write_bytes(b"\0" * 64)
+        (folder / "metrics.jsonl").write_text('{"generation": 1}\n')
+        (folder / "config.yaml").write_text("seed: 100\n")
+    (out / "tune_summary.json").write_text("{}")
+    archive = tmp_path / "pack" / "study.tar.gz"
+    result = subprocess.run([sys.executable, "-m", "evolm_lib.tune.pack", str(out), str(archive)],
+                            capture_output=True, text=True, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    assert "left out 1 running: trials/es_full/trial_0001" in result.stdout
+    with tarfile.open(archive) as tar:
+        names = sorted(tar.getnames())
+        tar.extractall(tmp_path / "unpacked", filter="data")
+    assert names == ["study/final/es_full/seed0/config.yaml", "study/final/es_full/seed0/metrics.jsonl",
+                     "study/optuna.db", "study/trials/es_full/trial_0000/seed100/config.yaml",
+                     "study/trials/es_full/trial_0000/seed100/metrics.jsonl", "study/tune_summary.json"]
+    copy = optuna.load_study(study_name="es_full", storage=f"sqlite:///{tmp_path / 'unpacked' / 'study' / 'optuna.db'}")
+    assert [t.state.name for t in copy.trials] == ["COMPLETE", "RUNNING"] and copy.best_value == 0.5
+
+    missing = subprocess.run([sys.executable, "-m", "evolm_lib.tune.pack", str(tmp_path), str(archive)],
+                             capture_output=True, text=True, cwd=REPO)
+    assert missing.returncode == 1 and "no optuna.db here" in missing.stderr

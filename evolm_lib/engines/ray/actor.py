@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from typing import Any
 
 from ...lora import AdapterWeights
@@ -80,8 +81,14 @@ class EngineActor:
 
     def generate_grids(self, grids: list, *shared: AdapterWeights) -> list[CompletionTable]:
         """This engine's share of a call, in one engine call; ``shared`` are the call's adapters
-        (Ray resolves them from the object store)."""
-        return self.engine.generate_grids([(prompts, unwire(adapters, shared), sampling) for prompts, adapters, sampling in grids])
+        (Ray resolves them from the object store). The first table's timing gains ``engine_call_s``,
+        this method's own time in the actor, from which the driver tells the engines' work from the
+        call's transport and waiting (``RayEvaluator.last_call``)."""
+        started = time.perf_counter()
+        tables = self.engine.generate_grids([(prompts, unwire(adapters, shared), sampling) for prompts, adapters, sampling in grids])
+        if tables:
+            tables[0].timing["engine_call_s"] = time.perf_counter() - started
+        return tables
 
     def encode(self, prompt: PromptLike) -> list[int]:
         """Token ids of a rendered prompt."""

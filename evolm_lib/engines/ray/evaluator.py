@@ -59,6 +59,10 @@ class RayEvaluator(GridsInOneCall):
         # es_mode full / eggroll: what the engines keep between calls (means, EGGROLL's slots) by key,
         # each able to give a restarted engine its part back; and each engine's restarts
         self.held: dict[int, RayWeights | RaySlots] = {}
+        # the last generate call's profile: its wall time in this process, the time to put its shared
+        # adapters into the object store, and each engine's own timing (``engine_call_s``: its time in
+        # the actor; ``adapters_s``, ``generate_s``: its engine's split)
+        self.last_call: dict[str, Any] = {}
         self.restarts = [0] * num_engines
         self.pool.on_restarted = self._restarted
 
@@ -80,10 +84,13 @@ class RayEvaluator(GridsInOneCall):
         started = time.perf_counter()
         plan = ShardPlan.of(grids, self.num_engines, self.engine_sizing.max_loras)
         refs = [ray.put(adapter.to("cpu")) for adapter in plan.shared]  # each adapter (a population's mean) travels once
+        put_s = time.perf_counter() - started
         calls = [(engine, "generate_grids", (work, *refs)) for engine, work in enumerate(plan.work) if work]
         results = dict(zip([engine for engine, _, _ in calls], self.pool.run(calls)))
         adapters_s = max((tables[0].timing.get("adapters_s", 0.0) for tables in results.values()), default=0.0)
         elapsed = time.perf_counter() - started
+        self.last_call = {"wall_s": elapsed, "put_s": put_s,
+                          "engines": {engine: dict(tables[0].timing) for engine, tables in results.items() if tables}}
         return plan.assemble(results, {"adapters_s": adapters_s, "generate_s": max(elapsed - adapters_s, 0.0)})
 
     def encode(self, prompt: PromptLike) -> list[int]:

@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# The tuned study (papermill_runs/tune_study_addition_gpu.yaml) on a machine of several GPUs, in
+# stages that survive a machine taken back: each call packs what is finished.
+#
+#   bash scripts/gpu_tune_study.sh start [ARCHIVE]   # unpack an earlier pack (if given), start the workers, detached
+#   bash scripts/gpu_tune_study.sh pack DIR          # pack the study into DIR/tune_study.tar.gz, with the workers' log tails
+#   bash scripts/gpu_tune_study.sh stage SECONDS DIR [ARCHIVE]   # start (unless running), wait, pack: one device call
+#
+# Workers: WORKERS_PER_METHOD (default: the number of cards) `evolm tune SPEC --methods M` processes per
+# method, spread round-robin over the cards (SmolLM2 leaves a card mostly idle, so five engines share
+# one: the spec's gpu_memory_utilization and kv_cache_gb are set for that), started with setsid so
+# they outlive the call that started them and run on while the machine is held. Workers of one
+# method share its Optuna study (SQLite in the study folder); a worker that dies leaves a trial whose
+# heartbeat goes stale, and Optuna retries it with the same setting. When a method has its trials,
+# its workers rerun the winner on the final seeds. Packs hold finished trials only
+# (python -m evolm_lib.tune.pack): a new machine unpacks the last one and runs `start` again.
+set -u
+SPEC=${SPEC:-papermill_runs/tune_study_addition_gpu.yaml}
+STUDY=${STUDY:-runs/tune_study_addition}
+LOGS=${LOGS:-runs/tune_study_logs}
+METHODS=${METHODS:-es_full grpo_full grpo_lora es_lora es_eggroll}  # the slow ones first
+export VLLM_LOGGING_LEVEL=WARNING TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+export OMP_NUM_THREADS=2  # many processes share the machine's cores
+
+alive() {  # workers of the last start still running
+  local n=0 pid
+  for pid in $(cat "$LOGS/workers.pids" 2>/dev/null); do kill -0 "$pid" 2>/dev/null && n=$((n + 1)); done
+  echo $n
+}
+
+start() {
+  local archive=${1:-}
+  if [ "$(alive)" -gt 0 ]; then
+    echo "workers already running: $(alive)"; return 0
+  fi
+  if [ -n "$archive" ] && [ -f "$archive" ]; then
+    mkdir -p "$(dirname "$STUDY")" && tar -xzf "$archive" -C "$(dirname "$STUDY")" || { echo "cannot unpack $archive" >&2; exit 1; }
+    echo "unpacked $archive"
+  fi
+  mkdir -p "$LOGS"
+  : > "$LOGS/workers.pids"
+  python -c "from evolm_lib.models import resolve_model; resolve_model('smollm2-135m-instruct')" >/dev/null 2>&1
+  python -m evolm_lib.cli tune "$SPEC" --dry-run > "$LOGS/dry_run.txt" 2>&1 || { cat "$LOGS/dry_run.txt" >&2; exit 1; }
+  local gpus per i=0 method w
+  gpus=$(nvidia-smi -L 2>/dev/null | wc -l); [ "$gpus" -ge 1 ] || gpus=1  # a CPU machine: one "card"
+  per=${WORKERS_PER_METHOD:-$gpus}
+  for method in $METHODS; do
+    for w in $(seq 1 "$per"); do
+      # engines sharing a card start a few seconds apart: vLLM's start-up memory profile of one
+      # must not see another's allocations arrive
+      CUDA_VISIBLE_DEVICES=$((i % gpus)) setsid python -m evolm_lib.cli tune "$SPEC" --methods "$method" \
+        >> "$LOGS/$method.$w.log" 2>&1 < /dev/null &
+      echo $! >> "$LOGS/workers.pids"
+      i=$((i + 1))
+      [ $((i % gpus)) -eq 0 ] && sleep 8
+    done
+  done
+  echo "$i workers on $gpus GPUs: $METHODS"
+}
+
+pack() {
+  local dir=$1
+  mkdir -p "$dir"
+  python -m evolm_lib.tune.pack "$STUDY" "$dir/tune_study.tar.gz"
+  { nvidia-smi 2>/dev/null --query-gpu=index,name,memory.used,utilization.gpu --format=csv
+    for f in "$LOGS"/*.log; do echo "== $f"; tail -n 5 "$f"; done; } > "$dir/tune_study_status.txt" 2>&1
+  echo "$(alive) workers alive" | tee -a "$dir/tune_study_status.txt"
+}
+
+case "${1:-}" in
+start) start "${2:-}" ;;
+pack) pack "${2:?pack DIR}" ;;
+stage)
+  seconds=${2:?stage SECONDS DIR [ARCHIVE]}; dir=${3:?stage SECONDS DIR [ARCHIVE]}
+  start "${4:-}"
+  end=$((SECONDS + seconds))
+  while [ $SECONDS -lt $end ]; do sleep 10; done
+  pack "$dir" ;;
+*) sed -n 2,16p "$0"; exit 2 ;;
+esac
