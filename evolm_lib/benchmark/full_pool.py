@@ -31,7 +31,7 @@ import shutil
 import statistics
 import tempfile
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 QIU_CONCISENESS = dict(task="conciseness", es_mode="full", es_weights="all", sigma=1e-3, learning_rate=5e-4,
                        fitness_shaping="z_score", temperature=0.0)
@@ -40,14 +40,15 @@ es_modes.full); the task's 2 training prompts are every member's (prompts_per_st
 
 
 def pool_config(model: str, engines: int, population: int, generations: int, new_tokens: int, gpu: bool,
-                kv_cache_gb: float | None, max_model_len: int = 512, eval_every: int = 0):
+                kv_cache_gb: float | None, max_model_len: int = 512, eval_every: int = 0,
+                gpu_memory_utilization: float | None = None):
     """The run's settings on ``engines`` Ray engines sharing one card (a CPU slice each on a CPU)."""
     from ..config import ESConfig
 
     return ESConfig(model=model, **QIU_CONCISENESS, population_size=population, max_new_tokens=new_tokens,
                     max_model_len=max_model_len, num_generations=generations, eval_every=eval_every,
                     dtype="bfloat16" if gpu else "float32", deterministic=gpu, noise_device="cuda" if gpu else "cpu",
-                    kv_cache_gb=kv_cache_gb, evaluator="ray", num_engines=engines, engines_per_gpu=engines)
+                    kv_cache_gb=kv_cache_gb, gpu_memory_utilization=gpu_memory_utilization, evaluator="ray", num_engines=engines, engines_per_gpu=engines)
 
 
 def without_times(rows: list[dict]) -> list[dict]:
@@ -102,8 +103,11 @@ def measure_count(config, folder: Path) -> dict[str, Any]:
 
 
 def full_pool(model: str, engine_counts: Sequence[int], population: int, generations: int, new_tokens: int,
-              gpu: bool, kv_cache_gb: float | None, workdir: str | Path | None = None) -> list[dict[str, Any]]:
-    """Every count's measurements in turn, the first count (1) the reference (see the module docstring)."""
+              gpu: bool, kv_cache_gb: float | None, gpu_memory_utilization: float | None = None,
+              workdir: str | Path | None = None,
+              on_count: Callable[[list[dict[str, Any]]], None] | None = None) -> list[dict[str, Any]]:
+    """Every count's measurements in turn, the first count (1) the reference (see the module docstring);
+    ``on_count`` is given the results so far after each count (a run cut short keeps them)."""
     from ..engines.ray.cluster import import_ray
 
     ray = import_ray()
@@ -114,11 +118,14 @@ def full_pool(model: str, engine_counts: Sequence[int], population: int, generat
     results = []
     try:
         for engines in engine_counts:
-            config = pool_config(model, engines, population, generations, new_tokens, gpu, kv_cache_gb)
+            config = pool_config(model, engines, population, generations, new_tokens, gpu, kv_cache_gb,
+                                 gpu_memory_utilization=gpu_memory_utilization)
             results.append(measure_count(config, folder / f"engines_{engines}"))
             if "skipped" in results[0]:
                 raise SystemExit(f"full-pool: one engine does not fit, nothing to compare with: {results[0]['skipped']}")
             print(format_row(results[-1], results[0]), flush=True)
+            if on_count is not None:
+                on_count(speedups(results))
     finally:
         shutil.rmtree(folder, ignore_errors=True)
         if owns_ray:
@@ -155,6 +162,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--new-tokens", type=int, default=100 if gpu else 8, help="tokens per completion (Qiu et al.: 100)")
     parser.add_argument("--kv-cache-gb", type=float, default=None if gpu else 0.0625,
                         help="fixed KV cache per engine (default: from each engine's memory share on a GPU)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=None,
+                        help="each engine's share of the card (default: 0.6 / engines on the card)")
     parser.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")
     args = parser.parse_args(argv)
     try:
@@ -170,14 +179,19 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     from ..env import apply_engine_defaults
 
     apply_engine_defaults()
+    settings = {"model": args.model, "population": args.population, "generations": args.generations,
+                "new_tokens": args.new_tokens, "gpu": gpu, "device": torch.cuda.get_device_name() if gpu else "cpu"}
+
+    def report(results: list[dict[str, Any]]) -> dict[str, Any]:
+        result = {"settings": settings, "counts": [{k: v for k, v in r.items() if k != "rows"} for r in results]}
+        if args.json:  # written after every count, so a run cut short keeps what it measured
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(result, indent=1))
+        return result
+
     print(HEADER, flush=True)
-    results = full_pool(args.model, counts, args.population, args.generations, args.new_tokens, gpu, args.kv_cache_gb)
+    results = full_pool(args.model, counts, args.population, args.generations, args.new_tokens, gpu, args.kv_cache_gb,
+                        args.gpu_memory_utilization, on_count=report)
     measured = [r for r in results if "skipped" not in r]
     print("speed-ups over 1 engine: " + ", ".join(f"{r['engines']}: {r['speedup']:.2f}x" for r in measured))
-    result = {"settings": {"model": args.model, "population": args.population, "generations": args.generations,
-                           "new_tokens": args.new_tokens, "gpu": gpu, "device": torch.cuda.get_device_name() if gpu else "cpu"},
-              "counts": [{k: v for k, v in r.items() if k != "rows"} for r in results]}
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1))
-    return result
+    return report(results)
