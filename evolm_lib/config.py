@@ -74,7 +74,9 @@ class CommonConfig(BaseModel):
     evaluator: Literal["local", "ray"] = "local"
     "where engines run: one engine in this process, or num_engines Ray actors sharing each call (pip install -e '.[ray]')"
     num_engines: int = Field(1, ge=1)
-    "evaluator ray: engines (Ray actors, one GPU or one CPU each) a population is sharded over"
+    "evaluator ray: engines (Ray actors, one CPU or a share of a GPU each) a population is sharded over, all of them counted"
+    engines_per_gpu: int = Field(1, ge=1)
+    "evaluator ray: engines that share one GPU, each with its own copy of the weights, taking 1/engines_per_gpu of the card (num_engines <= GPUs x engines_per_gpu) and, unless gpu_memory_utilization is set, GPU_MEMORY_SHARE / engines_per_gpu of its memory; on a CPU cluster it is recorded and places nothing (each engine takes its CPU)"
     ray_address: Optional[str] = None
     "evaluator ray: a running cluster's address (host:port of `ray start --head`, ray://host:port, or auto); None: as ray.init(), the cluster `ray start` left on this machine, else a new local one"
 
@@ -170,6 +172,8 @@ class CommonConfig(BaseModel):
         # Reachability and the cluster's GPUs are checked when the evaluator starts, before any engine.
         if self.evaluator == "local" and self.num_engines > 1:
             raise ValueError(f"num_engines: {self.num_engines} engines need evaluator: ray (evaluator is 'local': one engine in this process)")
+        if self.evaluator == "local" and self.engines_per_gpu > 1:
+            raise ValueError(f"engines_per_gpu: {self.engines_per_gpu} engines on one GPU need evaluator: ray (evaluator is 'local': one engine in this process)")
         if self.evaluator == "local" and self.ray_address is not None:
             raise ValueError("ray_address: set, but evaluator is 'local'; use evaluator: ray to run engines on a Ray cluster")
         if self.evaluator == "ray" and self.engine != "vllm":

@@ -1,8 +1,10 @@
 """Engine settings checked before any work: the context length against the model's, the KV cache
-against what one sequence and one population need, and memory against what the machine has free.
+against what one sequence and one population need, and memory against what the machine has free
+(on a GPU shared by ``engines_per_gpu`` engines: for all of them, and how many of them fit,
+``engines_that_fit``).
 
 Each failure is a ConfigError that names the project's own settings (``max_model_len``,
-``kv_cache_gb``, ``gpu_memory_utilization``, ``max_new_tokens``), raised before a run folder exists
+``kv_cache_gb``, ``gpu_memory_utilization``, ``max_new_tokens``, ``engines_per_gpu``), raised before a run folder exists
 and before an engine starts: vLLM would otherwise fail later with its own names ("Try increasing
 gpu_memory_utilization" for a KV cache that is too small). A need that only slows a run down (a
 population that does not fit the KV cache at once) is a warning.
@@ -26,6 +28,49 @@ BLOCK_TOKENS = 16  # vLLM allocates the KV cache in blocks of tokens
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int8": 1}
 # rope scalings that extend the context beyond max_position_embeddings (as vLLM derives it)
 _EXTENDING_ROPE = {"linear", "dynamic", "yarn", "ntk", "dynamic_ntk"}
+
+
+ENGINE_ALLOWANCE_BYTES = 2 * GIB
+"""What one GPU engine takes beside its weights and KV cache, allowed for rather than measured: the
+CUDA context, CUDA graphs, activations and vLLM's buffers."""
+
+
+@dataclass(frozen=True)
+class EngineFootprint:
+    """One engine's memory on a card, whatever share of it vLLM is given: what counts how many
+    engines one card holds (``engines_that_fit``)."""
+
+    weights: int
+    """The model's weights in the engine's dtype."""
+    master: int
+    """es_mode full / eggroll: the float32 master, one member's noise and the optimizer's buffers (else 0)."""
+    kv_cache: int
+    """KV cache for the engine's share of a call's sequences, each max_model_len tokens long."""
+    allowance: int = ENGINE_ALLOWANCE_BYTES
+    """CUDA context, CUDA graphs, activations (ENGINE_ALLOWANCE_BYTES)."""
+
+    @property
+    def total(self) -> int:
+        """Bytes the engine takes on its card."""
+        return self.weights + self.master + self.kv_cache + self.allowance
+
+    def describe(self) -> str:
+        """"5.5 GiB (weights 1 GiB, ...)" for messages."""
+        return (f"{_gib(self.total)} (weights {_gib(self.weights)}, float32 master and buffers {_gib(self.master)}, "
+                f"KV cache {_gib(self.kv_cache)}, CUDA graphs and activations {_gib(self.allowance)})")
+
+
+def engine_footprint(weights: int, master: int, kv_bytes_per_token: int, sequences: int, max_model_len: int,
+                     allowance: int = ENGINE_ALLOWANCE_BYTES) -> EngineFootprint:
+    """One engine's memory: its weights, its master (es_mode full / eggroll), the KV cache of
+    ``sequences`` sequences of ``max_model_len`` tokens (whole KV blocks) and the allowance."""
+    kv_cache = sequences * math.ceil(max_model_len / BLOCK_TOKENS) * BLOCK_TOKENS * kv_bytes_per_token
+    return EngineFootprint(weights, master, kv_cache, allowance)
+
+
+def engines_that_fit(card_bytes: int, footprint: EngineFootprint) -> int:
+    """The largest engines_per_gpu whose engines all fit in ``card_bytes`` (0: not even one)."""
+    return max(card_bytes // footprint.total, 0)
 
 
 class EngineWarning(UserWarning):
@@ -211,21 +256,26 @@ def check_engine_settings(config, model_dir: str | Path, task=None, *, cuda: boo
                 EngineWarning, stacklevel=2)
 
     memory = None if _engine_live() else _free_memory(cuda)
+    # engines that share one card (evaluator ray on a GPU): every check below is for all of them
+    per_card = config.engines_per_gpu if cuda and config.evaluator == "ray" else 1
+    engines = "" if per_card == 1 else f" for each of engines_per_gpu={per_card} engines on the card"
     if memory is not None:
         free, total = memory
         device = "GPU memory" if cuda else "RAM"
-        if kv_bytes is not None and kv_bytes + (weights or 0) > free:
+        if per_card > 1 and per_token:
+            check_engines_per_gpu(config, model_dir, free, weights or 0, per_token, requests)
+        if kv_bytes is not None and per_card * (kv_bytes + (weights or 0)) > free:
             raise ConfigError(
-                f"kv_cache_gb={kv_gb:g} plus the model's weights ({_gib(weights or 0)}) need more than the "
-                f"{_gib(free)} of {device} free now: lower kv_cache_gb")
+                f"kv_cache_gb={kv_gb:g} plus the model's weights ({_gib(weights or 0)}){engines} need more than the "
+                f"{_gib(free)} of {device} free now: lower kv_cache_gb" + (" or engines_per_gpu" if engines else ""))
         if kv_bytes is None:
             utilization = memory_asked.gpu_memory_utilization
             share = "share of GPU memory" if cuda else "share of RAM (on a CPU)"
-            if utilization * total > free:
+            if per_card * utilization * total > free:
                 raise ConfigError(
                     f"gpu_memory_utilization={utilization:g} asks for {_gib(utilization * total)}, the engine's "
-                    f"{share}, but {_gib(free)} are free now: lower gpu_memory_utilization"
-                    + ("" if cuda else " or set kv_cache_gb"))
+                    f"{share}{engines}, but {_gib(free)} are free now: lower gpu_memory_utilization"
+                    + ("" if cuda else " or set kv_cache_gb") + (" or engines_per_gpu" if engines else ""))
             if weights is not None and utilization * total < weights:
                 raise ConfigError(
                     f"gpu_memory_utilization={utilization:g} gives the engine {_gib(utilization * total)}, less "
@@ -241,12 +291,31 @@ def check_engine_settings(config, model_dir: str | Path, task=None, *, cuda: boo
                       "trained weights and the engine's float32 copy of them"
                       + (" and the KL reference model" if config.beta > 0 else ""), policy_weights_bytes(config, model_dir),
                       "train fewer weights (grpo_weights, target_modules, layers_to_transform)")
-        if beside is not None and beside[1] > free - engine:
+        if beside is not None and per_card * beside[1] > free - per_card * engine:
             what, needed, fewer = beside
             raise ConfigError(
-                f"{what} need {_gib(needed)} of {device} beside the engine, which leaves {_gib(max(free - engine, 0))} "
-                f"of the {_gib(free)} free now: lower gpu_memory_utilization or kv_cache_gb, or {fewer}")
+                f"{what} need {_gib(needed)} of {device} beside the engine{engines}, which leaves "
+                f"{_gib(max(free - per_card * engine, 0))} of the {_gib(free)} free now: lower gpu_memory_utilization "
+                f"or kv_cache_gb, or {fewer}" + (", or lower engines_per_gpu" if engines else ""))
     return budget
+
+
+def check_engines_per_gpu(config, model_dir: str | Path, free: int, weights: int, kv_bytes_per_token: int,
+                          requests: int) -> EngineFootprint:
+    """Refuse an engines_per_gpu whose engines do not fit the card's free memory (``engines_that_fit``
+    of one engine's footprint: its share of a call's sequences, each max_model_len long, an upper
+    bound in es_mode full, where an engine serves one member at a time); returns the footprint."""
+    master = weights_mode_bytes(config, model_dir) if getattr(config, "es_mode", "lora") != "lora" else 0
+    sequences = math.ceil(requests / config.num_engines)
+    footprint = engine_footprint(weights, master, kv_bytes_per_token, sequences, config.max_model_len)
+    fit = engines_that_fit(free, footprint)
+    if config.engines_per_gpu > fit:
+        raise ConfigError(
+            f"engines_per_gpu={config.engines_per_gpu} engines need {_gib(config.engines_per_gpu * footprint.total)} of "
+            f"GPU memory, {footprint.describe()} each for {sequences} sequences of max_model_len="
+            f"{config.max_model_len}, but the card has {_gib(free)} free now, which hold {fit}: set engines_per_gpu <= "
+            f"{fit}" + ("" if fit else ", or move fewer weights, or lower max_model_len"))
+    return footprint
 
 
 def policy_weights_bytes(config, model_dir: str | Path) -> int:

@@ -140,3 +140,53 @@ def test_on_a_gpu_the_check_tests_the_share_the_engine_asks_for(tiny_model_dir, 
     with pytest.raises(ConfigError, match=r"gpu_memory_utilization=0.6 asks for 6 GiB, the engine's share of GPU "
                                           r"memory, but 5 GiB are free now"):
         check_engine_settings(config, tiny_model_dir, cuda=True)
+
+
+GIB = 2**30
+
+
+def test_the_engines_one_card_holds_are_counted_from_one_engines_footprint():
+    # weights 1 GiB, master 2 GiB, 4 sequences of 256 tokens at 512 bytes a token (0.5 MiB), allowance 2 GiB
+    footprint = preflight.engine_footprint(GIB, 2 * GIB, 512, 4, 256)
+    assert footprint.kv_cache == 4 * 256 * 512 and footprint.allowance == preflight.ENGINE_ALLOWANCE_BYTES == 2 * GIB
+    assert footprint.total == 5 * GIB + 4 * 256 * 512
+    assert preflight.engines_that_fit(80 * GIB, footprint) == 15  # 15 x 5.0005 = 75.0 GiB; 16 would need 80.008
+    assert preflight.engines_that_fit(15 * footprint.total, footprint) == 15
+    assert preflight.engines_that_fit(15 * footprint.total - 1, footprint) == 14
+    assert preflight.engines_that_fit(4 * GIB, footprint) == 0
+    # a max_model_len between KV blocks takes the whole last block: 250 tokens -> 16 blocks of 16
+    assert preflight.engine_footprint(0, 0, 512, 1, 250, allowance=0).total == 256 * 512
+    for card in (7 * GIB, 10 * GIB, 80 * GIB, 141 * GIB):  # the count never exceeds what the card holds
+        fit = preflight.engines_that_fit(card, footprint)
+        assert fit * footprint.total <= card < (fit + 1) * footprint.total
+
+
+def test_engines_per_gpu_beyond_what_the_card_holds_is_refused_naming_it(tiny_model_dir, monkeypatch):
+    """Each engine: 1 GiB of weights, no master (es_mode lora), 8 requests over 4 engines = 2 sequences of
+    256 tokens at 512 bytes (256 KiB), 2 GiB allowance: 3 GiB + 256 KiB, so 10 free GiB hold 3 engines."""
+    monkeypatch.setattr(preflight, "_free_memory", lambda cuda: (10 * GIB, 10 * GIB))
+    monkeypatch.setattr(preflight, "weights_bytes", lambda *a: GIB)
+    settings = {**TINY, "kv_cache_gb": None, "evaluator": "ray", "num_engines": 4}
+    with pytest.raises(ConfigError, match=r"engines_per_gpu=4 engines need 12 GiB of GPU memory, 3 GiB \(weights 1 GiB, "
+                                          r"float32 master and buffers 0 GiB, KV cache 0.000244 GiB, .*\) each for 2 "
+                                          r"sequences of max_model_len=256, but the card has 10 GiB free now, which hold 3: "
+                                          r"set engines_per_gpu <= 3"):
+        check_engine_settings(ESConfig(**settings, engines_per_gpu=4), tiny_model_dir, cuda=True)
+    check_engine_settings(ESConfig(**settings, engines_per_gpu=3), tiny_model_dir, cuda=True)  # 3 fit
+    # on a CPU the engines take CPU slices: engines_per_gpu is not a card's count
+    check_engine_settings(ESConfig(**{**settings, "kv_cache_gb": 0.1}, engines_per_gpu=4), tiny_model_dir, cuda=False)
+
+
+def test_es_mode_full_counts_every_engines_master_and_the_shares_of_all_engines(tiny_model_dir, monkeypatch):
+    monkeypatch.setattr(preflight, "weights_bytes", lambda *a: GIB)
+    config = ESConfig(**{**TINY, "kv_cache_gb": None}, es_mode="full", evaluator="ray", num_engines=2, engines_per_gpu=2)
+    master = preflight.weights_mode_bytes(config, tiny_model_dir)  # float32 master and one member's noise
+    monkeypatch.setattr(preflight, "_free_memory", lambda cuda: (10 * GIB, 10 * GIB))
+    footprint = preflight.check_engines_per_gpu(config, tiny_model_dir, 10 * GIB, GIB, 512, 8)
+    assert footprint.master == master > 0 and footprint.total == GIB + master + 4 * 256 * 512 + 2 * GIB
+    check_engine_settings(config, tiny_model_dir, cuda=True)  # 2 x 0.3 of the card for the engines, masters beside
+    # a share set by hand is each engine's: 2 x 0.6 of the card is more than the card
+    with pytest.raises(ConfigError, match=r"gpu_memory_utilization=0.6 asks for 6 GiB, the engine's share of GPU memory "
+                                          r"for each of engines_per_gpu=2 engines on the card, but 10 GiB are free now: "
+                                          r"lower gpu_memory_utilization or engines_per_gpu"):
+        check_engine_settings(config.replace(gpu_memory_utilization=0.6), tiny_model_dir, cuda=True)

@@ -22,9 +22,10 @@ from evolm_lib import es
 from evolm_lib.config import ConfigError, ESConfig, GRPOConfig
 from evolm_lib.engines import Population, SamplingSettings, make_evaluator
 from evolm_lib.engines.base import balanced_blocks
+from evolm_lib.engines.sizing import EngineSizing
 from evolm_lib.engines.ray.cluster import RayUnavailableError, check_cluster_resources
 from evolm_lib.engines.ray.evaluator import RayEvaluator
-from evolm_lib.engines.ray.pool import EngineLostError, EnginePool, FaultPolicy
+from evolm_lib.engines.ray.pool import EngineLostError, EnginePool, FaultPolicy, start_waves
 from evolm_lib.engines.ray.sharding import ShardPlan, ShardSampling, plan_grid, shard_sampling
 from evolm_lib.train.es import ESRun
 from evolm_lib.lora import AdapterWeights, LoraSpec, adapter_shapes, init_adapter
@@ -79,6 +80,23 @@ def test_settings_default_to_one_local_engine_and_accept_ray():
 def test_bad_ray_settings_name_the_field(changes, message):
     with pytest.raises(ConfigError, match=message):
         ESConfig(model="tiny-random", **changes)
+
+
+def test_engines_per_gpu_is_a_ray_setting_and_splits_the_default_share_of_the_card():
+    config = ESConfig(model="tiny-random", evaluator="ray", num_engines=4, engines_per_gpu=4)
+    assert ESConfig.from_dict(config.to_dict()) == config and ESConfig(model="tiny-random").engines_per_gpu == 1
+    for changes, message in (({"engines_per_gpu": 2}, "engines_per_gpu: 2 engines on one GPU need evaluator: ray"),
+                             ({"evaluator": "ray", "engines_per_gpu": 0}, "engines_per_gpu"),
+                             ({"evaluator": "ray", "engines_per_gpu": 1.5}, "engines_per_gpu")):
+        with pytest.raises(ConfigError, match=message):
+            ESConfig(model="tiny-random", **changes)
+    sizing = EngineSizing.from_config(config)
+    assert sizing.engines_per_gpu == 4
+    assert sizing.memory(on_gpu=True).gpu_memory_utilization == pytest.approx(0.6 / 4)  # GPU_MEMORY_SHARE split
+    assert sizing.memory(on_gpu=False) == EngineSizing().memory(on_gpu=False)  # a CPU engine: as one alone
+    assert EngineSizing.from_config(config.replace(gpu_memory_utilization=0.3)).memory(True).gpu_memory_utilization == 0.3
+    with pytest.raises(ValueError, match="engines_per_gpu must be an integer >= 1"):
+        EngineSizing(engines_per_gpu=0)
 
 
 def test_grpo_has_no_population_to_check():
@@ -155,6 +173,26 @@ def test_cluster_resources_one_gpu_per_engine_else_a_cpu_slice():
         check_cluster_resources(8, {"CPU": 64.0, "GPU": 4.0})
     with pytest.raises(ValueError, match="num_engines: 3 CPU engines need 3 CPUs .* has 2"):
         check_cluster_resources(3, {"CPU": 2.0})
+
+
+def test_engines_sharing_a_gpu_ask_for_their_part_of_it():
+    assert check_cluster_resources(4, {"CPU": 16.0, "GPU": 1.0}, engines_per_gpu=4) == {"num_gpus": 0.25}
+    assert check_cluster_resources(8, {"CPU": 64.0, "GPU": 4.0}, engines_per_gpu=2) == {"num_gpus": 0.5}
+    assert check_cluster_resources(3, {"CPU": 64.0, "GPU": 4.0}, engines_per_gpu=2) == {"num_gpus": 0.5}
+    with pytest.raises(ValueError, match=r"num_engines: 9 engines need 5 GPUs \(engines_per_gpu=2\) but the Ray cluster "
+                                         r"has 4; use num_engines <= 8, a larger engines_per_gpu"):
+        check_cluster_resources(9, {"CPU": 64.0, "GPU": 4.0}, engines_per_gpu=2)
+    # a CPU cluster: each engine takes its CPU slice, engines_per_gpu places nothing
+    assert check_cluster_resources(2, {"CPU": 2.0}, engines_per_gpu=4) == {"num_cpus": 1.0}
+
+
+def test_engines_of_one_card_start_one_after_another_and_cards_side_by_side():
+    assert start_waves(["a", "a", "b", None, "b"]) == [[0, 2, 3], [1, 4]]
+    assert start_waves(["gpu0"] * 4) == [[0], [1], [2], [3]]  # four engines on one card: one at a time
+    assert start_waves(["gpu0", "gpu1", "gpu2", "gpu3"]) == [[0, 1, 2, 3]]  # one per card: all together
+    assert start_waves([None, None]) == [[0, 1]]  # CPU slices share nothing
+    assert start_waves(["n1/gpu0", "n2/gpu0", "n1/gpu0", "n2/gpu0", "n1/gpu0"]) == [[0, 1], [2, 3], [4]]
+    assert start_waves([]) == []
 
 
 # ----------------------------------------------------------------------------- bad input before any engine

@@ -6,6 +6,11 @@ process, every engine ends with the same master, and an engine lost with the mea
 the run ends with the rows and means of a run never interrupted; an engine lost past its attempts
 stops the run, which then resumes to the same rows.
 
+es_mode lora on two Ray engines (members split by blocks, each engine writing its members into its
+slots) giving the rows of the engine in this process is ``test_es_run_on_two_engines_equals_one_engine``
+in tests/test_ray_engine.py; several engines sharing one GPU (``engines_per_gpu``) change nothing of a
+call, so the same tests stand for them (on the CPU each engine takes its own CPU slice).
+
 The engines are started in turn (the cluster has one CPU per engine): one Ray engine, then the
 engine in this process, then two Ray engines. Starting them takes minutes on this shared 2-core
 machine: every test that needs engines is ``slow``.

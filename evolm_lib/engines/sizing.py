@@ -70,12 +70,16 @@ class EngineSizing:
     "in_place: populations written into resident LoRA slots; files: an adapter file per member"
     deterministic: bool = _setting("deterministic")
     "GPU engines: vLLM's batch-invariant kernels (VLLM_BATCH_INVARIANT=1), started before vLLM loads them"
+    engines_per_gpu: int = _setting("engines_per_gpu")
+    "engines sharing one GPU: each takes GPU_MEMORY_SHARE / engines_per_gpu when gpu_memory_utilization is unset"
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_lora_rank <= VLLM_LORA_RANKS[-1]:
             raise ValueError(f"max_lora_rank must be in 1..{VLLM_LORA_RANKS[-1]}, got {self.max_lora_rank}")
         if self.max_loras < 1:
             raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
+        if not isinstance(self.engines_per_gpu, int) or self.engines_per_gpu < 1:
+            raise ValueError(f"engines_per_gpu must be an integer >= 1, got {self.engines_per_gpu!r}")
         if self.adapter_transfer not in ADAPTER_TRANSFERS:
             raise ValueError(f"adapter_transfer must be one of {', '.join(ADAPTER_TRANSFERS)}, got {self.adapter_transfer!r}")
 
@@ -91,6 +95,7 @@ class EngineSizing:
         return cls(max_loras=max_loras, max_lora_rank=rank, max_model_len=config.max_model_len,
                    dtype=config.dtype, gpu_memory_utilization=config.gpu_memory_utilization,
                    kv_cache_gb=config.kv_cache_gb, seed=config.seed, deterministic=config.deterministic,
+                   engines_per_gpu=config.engines_per_gpu,
                    adapter_transfer=getattr(config, "adapter_transfer", _grpo_transfer(config)))
 
     def covering(self, configs: Iterable[CommonConfig]) -> "EngineSizing":
@@ -108,13 +113,14 @@ class EngineSizing:
         return self.replace(max_loras=math.ceil(self.max_loras / num_engines))
 
     def memory(self, on_gpu: bool) -> EngineMemory:
-        """The memory share and KV cache this engine asks for on a GPU or a CPU."""
+        """The memory share and KV cache this engine asks for on a GPU (where engines_per_gpu engines
+        split the default share of the card) or a CPU."""
         kv_cache_gb = self.kv_cache_gb
         if kv_cache_gb is None and self.gpu_memory_utilization is None and not on_gpu:
             kv_cache_gb = CPU_KV_CACHE_GB
         share = self.gpu_memory_utilization
         if share is None:
-            share = GPU_MEMORY_SHARE if on_gpu else CPU_MEMORY_SHARE
+            share = GPU_MEMORY_SHARE / self.engines_per_gpu if on_gpu else CPU_MEMORY_SHARE
         return EngineMemory(share, kv_cache_gb)
 
     @property

@@ -49,9 +49,39 @@ def _node_id() -> str | None:
 
 
 class EngineActor:
-    """One engine in its own process (a Ray actor): a ``VLLMEvaluator`` on the actor's GPU or CPU slice."""
+    """One engine in its own process (a Ray actor): a ``VLLMEvaluator`` on the actor's GPU (or its
+    share of one) or CPU slice.
+
+    Made in two steps, so that engines sharing a card start one after another (``EnginePool.start``):
+    the actor first says which card it was given (``card``), and its engine starts at its first
+    ``ready``. Ray restarts a lost actor through this constructor, so a restarted actor starts its
+    engine when the pool asks whether it is back (``ready``), alone on its card."""
 
     def __init__(self, index: int, model: str, sizing: EngineSizing, options: dict):
+        self.index = index
+        self._arguments = (model, sizing, options)
+        self.engine = None  # the VLLMEvaluator, from the first ``ready`` on
+        self.info: dict = {}
+        self.resident: dict[int, Any] = {}  # es_mode full / eggroll: key -> this engine's EngineWeights
+        self.lowrank: dict[int, Any] = {}  # eggroll: key -> this engine's slots for its block of members
+
+    def card(self) -> str | None:
+        """The GPU this actor was given, as node and GPU ids (engines with the same one share the
+        card), or None on a CPU slice; the engine need not have started."""
+        import ray
+
+        gpus = ray.get_gpu_ids()
+        return f"{_node_id()}/gpu{','.join(str(g) for g in gpus)}" if gpus else None
+
+    def ready(self) -> dict:
+        """Start the engine (the first time) and say where it runs (host, pid, device)."""
+        self._started()
+        return self.info
+
+    def _started(self):
+        """The engine, started now where it has not been."""
+        if self.engine is not None:
+            return self.engine
         from ...env import apply_engine_defaults
 
         apply_engine_defaults()
@@ -59,25 +89,21 @@ class EngineActor:
 
         import torch
 
-        self.index = index
+        model, sizing, options = self._arguments
         self.engine = VLLMEvaluator(model, sizing, **options)
-        self.resident: dict[int, Any] = {}  # es_mode full / eggroll: key -> this engine's EngineWeights
-        self.lowrank: dict[int, Any] = {}  # eggroll: key -> this engine's slots for its block of members
         on_gpu = torch.cuda.is_available()
         self.info = {
-            "engine": index,
+            "engine": self.index,
             "host": socket.gethostname(),
             "node": _node_id(),
             "pid": os.getpid(),
             "device": torch.cuda.get_device_name() if on_gpu else "cpu",
+            "card": self.card(),
             "cpu_affinity": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
             "torch_threads": torch.get_num_threads(),
             "start_s": self.engine.start_seconds,
         }
-
-    def ready(self) -> dict:
-        """Where this engine runs (host, pid, device) once it has started."""
-        return self.info
+        return self.engine
 
     def generate_grids(self, grids: list, *shared: AdapterWeights) -> list[CompletionTable]:
         """This engine's share of a call, in one engine call; ``shared`` are the call's adapters
@@ -85,18 +111,18 @@ class EngineActor:
         this method's own time in the actor, from which the driver tells the engines' work from the
         call's transport and waiting (``RayEvaluator.last_call``)."""
         started = time.perf_counter()
-        tables = self.engine.generate_grids([(prompts, unwire(adapters, shared), sampling) for prompts, adapters, sampling in grids])
+        tables = self._started().generate_grids([(prompts, unwire(adapters, shared), sampling) for prompts, adapters, sampling in grids])
         if tables:
             tables[0].timing["engine_call_s"] = time.perf_counter() - started
         return tables
 
     def encode(self, prompt: PromptLike) -> list[int]:
         """Token ids of a rendered prompt."""
-        return self.engine.encode(prompt)
+        return self._started().encode(prompt)
 
     def prompt_logprobs(self, prompt_token_ids, completion_token_ids, adapter=None) -> list[list[float]]:
         """Log-prob of each completion token given its prompt."""
-        return self.engine.prompt_logprobs(prompt_token_ids, completion_token_ids, adapter=adapter)
+        return self._started().prompt_logprobs(prompt_token_ids, completion_token_ids, adapter=adapter)
 
     # --- the model's own weights as the ES mean (es_mode full / eggroll), kept here between calls ---
     def _resident(self, key: int):
@@ -111,7 +137,7 @@ class EngineActor:
 
     def weights_open(self, key: int, target_modules, options: dict) -> dict:
         """Set up the targeted weights with their float32 master (``VLLMEvaluator.resident_weights``)."""
-        weights = self.engine.resident_weights(target_modules, **options)
+        weights = self._started().resident_weights(target_modules, **options)
         self.resident[key] = weights
         return {"shapes": weights.shapes, "info": weights.info}
 
@@ -139,7 +165,7 @@ class EngineActor:
 
     def lowrank_open(self, key: int, spec, num_slots: int) -> None:
         """EGGROLL's resident LoRA slots for this engine's block of members."""
-        self.lowrank[key] = self.engine.lowrank_slots(spec, num_slots)
+        self.lowrank[key] = self._started().lowrank_slots(spec, num_slots)
 
     def lowrank_close(self, key: int) -> None:
         """Release EGGROLL's slots."""
@@ -156,8 +182,9 @@ class EngineActor:
             slots = self.lowrank.get(slots_key)
             if slots is None:
                 raise RuntimeError(f"engine {self.index} holds no low-rank slots {slots_key}: its actor restarted")
-        return self.engine.run_members(self._resident(weights_key), members, sigma, prompts, sampling, score, slots=slots)
+        return self._started().run_members(self._resident(weights_key), members, sigma, prompts, sampling, score, slots=slots)
 
     def close(self) -> None:
-        """Shut the engine down."""
-        self.engine.close()
+        """Shut the engine down (if it started)."""
+        if self.engine is not None:
+            self.engine.close()

@@ -2,6 +2,7 @@
 checked before Ray waits on it, and what one engine's actor needs from the cluster's resources."""
 from __future__ import annotations
 
+import math
 import socket
 
 INSTALL_HINT = "pip install -e '.[ray]'  (or: pip install ray==2.60.0)"
@@ -20,15 +21,20 @@ def import_ray():
     return ray
 
 
-def check_cluster_resources(num_engines: int, resources: dict[str, float], cpus_per_engine: float = 1.0) -> dict[str, float]:
-    """The resources one engine's actor asks for (one GPU where the cluster has GPUs, else a CPU
-    slice); raises ValueError when the cluster cannot hold ``num_engines`` of them."""
+def check_cluster_resources(num_engines: int, resources: dict[str, float], cpus_per_engine: float = 1.0,
+                            engines_per_gpu: int = 1) -> dict[str, float]:
+    """The resources one engine's actor asks for (1/engines_per_gpu of a GPU where the cluster has
+    GPUs, else a CPU slice: engines_per_gpu places nothing on a CPU cluster); raises ValueError
+    when the cluster cannot hold ``num_engines`` of them."""
     gpus = float(resources.get("GPU", 0))
     if gpus > 0:
-        if num_engines > gpus:
-            raise ValueError(f"num_engines: {num_engines} engines need {num_engines} GPUs (one engine per GPU) but the "
-                             f"Ray cluster has {gpus:g}; use num_engines <= {int(gpus)} or add machines (ray start --address=...)")
-        return {"num_gpus": 1}
+        cards = math.ceil(num_engines / engines_per_gpu)
+        if cards > gpus:
+            per_card = "one engine per GPU" if engines_per_gpu == 1 else f"engines_per_gpu={engines_per_gpu}"
+            raise ValueError(f"num_engines: {num_engines} engines need {cards} GPUs ({per_card}) but the Ray cluster "
+                             f"has {gpus:g}; use num_engines <= {int(gpus) * engines_per_gpu}, a larger engines_per_gpu "
+                             "or more machines (ray start --address=...)")
+        return {"num_gpus": 1 / engines_per_gpu}
     cpus = float(resources.get("CPU", 0))
     if num_engines * cpus_per_engine > cpus:
         raise ValueError(f"num_engines: {num_engines} CPU engines need {num_engines * cpus_per_engine:g} CPUs "

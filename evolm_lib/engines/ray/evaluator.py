@@ -26,16 +26,20 @@ class RayEvaluator(GridsInOneCall):
     reruns their shards."""
 
     def __init__(self, model: str, sizing: EngineSizing | None = None, *, num_engines: int = 2,
-                 ray_address: str | None = None, cpus_per_engine: float = 1.0, policy: FaultPolicy = FaultPolicy(),
-                 vllm_options: dict | None = None, **sizes: Any):
+                 engines_per_gpu: int | None = None, ray_address: str | None = None, cpus_per_engine: float = 1.0,
+                 policy: FaultPolicy = FaultPolicy(), vllm_options: dict | None = None, **sizes: Any):
         """Engine sizes are ``VLLMEvaluator``'s (``sizing``, or keyword ``sizes``), ``max_loras`` for
-        the whole call: each engine holds its share; ``vllm_options``: ``VLLMEvaluator``'s other
-        keyword arguments. Every engine resolves ``model`` by itself, so a model name or a folder
-        present on every machine."""
+        the whole call: each engine holds its share; ``engines_per_gpu`` (None: the sizing's) engines
+        share each GPU, each with its own copy of the weights (on a CPU cluster each engine takes a
+        CPU slice whatever it says); ``vllm_options``: ``VLLMEvaluator``'s other keyword arguments.
+        Every engine resolves ``model`` by itself, so a model name or a folder present on every machine."""
         # Everything that can be refused is refused before a cluster is joined or an actor created.
         if not isinstance(num_engines, int) or num_engines < 1:
             raise ValueError(f"num_engines must be an integer >= 1, got {num_engines!r}")
+        if engines_per_gpu is not None:
+            sizes["engines_per_gpu"] = engines_per_gpu
         self.sizing = (sizing or EngineSizing()).replace(**sizes)
+        self.engines_per_gpu = self.sizing.engines_per_gpu
         self.engine_sizing = self.sizing.shard(num_engines)
         self.num_engines = num_engines
         ray = import_ray()
@@ -49,7 +53,8 @@ class RayEvaluator(GridsInOneCall):
             logger.warning("Ray is already initialised in this process: ray_address %s is not used", ray_address)
         started = time.perf_counter()
         try:
-            placement = check_cluster_resources(num_engines, ray.cluster_resources(), cpus_per_engine)
+            placement = check_cluster_resources(num_engines, ray.cluster_resources(), cpus_per_engine,
+                                                self.engines_per_gpu)
             self.pool = EnginePool.start(str(model), self.engine_sizing, dict(vllm_options or {}), num_engines, placement,
                                          policy)
         except BaseException:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Hashable, Sequence
 
 from ..sizing import EngineSizing
 from .actor import EngineActor, actor_env
@@ -76,21 +76,30 @@ class EnginePool:
     def start(cls, model: str, sizing: EngineSizing, options: dict, num_engines: int, placement: dict[str, float],
               policy: FaultPolicy = FaultPolicy()) -> "EnginePool":
         """``num_engines`` actors, each a ``VLLMEvaluator(model, sizing, **options)`` on ``placement``
-        (one GPU or a CPU slice), started together."""
+        (a GPU, a share of one, or a CPU slice). Engines that share a card start one after another
+        (vLLM's memory profiling at start would count a neighbour's allocations as its own); engines
+        on different cards or CPU slices start together (``start_waves``)."""
         ray = import_ray()
-        from ray.exceptions import GetTimeoutError, RayActorError
+        from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
         start_timeout_s = policy.start_timeout_s
+        deadline = time.monotonic() + start_timeout_s
         remote = ray.remote(EngineActor).options(max_restarts=policy.max_restarts, max_task_retries=0,
                                                  runtime_env={"env_vars": actor_env(placement)}, **placement)
         actors = [remote.remote(index, model, sizing, options) for index in range(num_engines)]
+        info: list[dict] = [{} for _ in actors]
         try:
-            info = ray.get([actor.ready.remote() for actor in actors], timeout=start_timeout_s)
+            cards = ray.get([actor.card.remote() for actor in actors], timeout=start_timeout_s)
+            for wave in start_waves(cards):
+                answers = ray.get([actors[index].ready.remote() for index in wave],
+                                  timeout=max(deadline - time.monotonic(), 1.0))
+                for index, answer in zip(wave, answers):
+                    info[index] = answer
         except GetTimeoutError:
             _kill(actors)
             raise TimeoutError(f"{num_engines} engines did not start within {start_timeout_s:g} s; the cluster has "
                                f"{ray.available_resources()} free of {ray.cluster_resources()}") from None
-        except RayActorError as error:
+        except (RayActorError, RayTaskError) as error:
             _kill(actors)
             raise RuntimeError(f"an engine failed to start: {error}") from None
         except BaseException:
@@ -147,7 +156,7 @@ class EnginePool:
     def _await_engine(self, engine: int, attempts: int) -> None:
         """Block until a restarted engine answers (its vLLM engine started again)."""
         ray = import_ray()
-        from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
+        from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError, RayTaskError
 
         timeout_s = self.policy.restart_timeout_s
         deadline = time.monotonic() + timeout_s
@@ -164,6 +173,8 @@ class EnginePool:
                 raise self._lost(engine, attempts, f"it did not come back within {timeout_s:g} s", error)
             except RayActorError as error:  # dead for good: restarts used up, or its engine failed to start again
                 raise self._lost(engine, attempts, "it is dead and Ray will not restart it (max_restarts used up)", error)
+            except RayTaskError as error:  # back, but its engine failed to start again
+                raise self._lost(engine, attempts, "its engine failed to start again", error)
 
     def _lost(self, engine: int, attempts: int, why: str, error: BaseException) -> EngineLostError:
         actor_id = self.actors[engine]._actor_id.hex()
@@ -186,6 +197,23 @@ class EnginePool:
                 pass
             _kill(self.actors)
         self.actors = []
+
+
+def start_waves(cards: Sequence[Hashable | None]) -> list[list[int]]:
+    """Engine indices grouped into the waves they start in, from the card each engine was given
+    (None: a CPU slice, shared with no one): wave k holds the k-th engine of every card, so no two
+    engines of one card start at once, and the engines of different cards (all CPU slices) start
+    together. ``[a, a, b, None, b]`` -> ``[[0, 2, 3], [1, 4]]``."""
+    waves: list[list[int]] = []
+    seen: dict[Hashable, int] = {}  # card -> engines of it placed so far
+    for index, card in enumerate(cards):
+        wave = 0 if card is None else seen.get(card, 0)
+        if card is not None:
+            seen[card] = wave + 1
+        if wave == len(waves):
+            waves.append([])
+        waves[wave].append(index)
+    return waves
 
 
 def _kill(actors: list) -> None:

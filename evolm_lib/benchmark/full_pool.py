@@ -1,0 +1,197 @@
+"""Full-parameter ES with several engines on one card: ``python -m evolm_lib.benchmark full-pool``.
+
+ES in ``es_mode: full`` at Qiu et al.'s conciseness settings (arXiv 2509.24372: every weight moved,
+population 30, sigma 1e-3, learning rate 5e-4, z-score fitness, the task's 2 training prompts per
+member, 100 new tokens, greedy; ``deterministic`` on a GPU), run for G generations on one engine
+and then on N engines that share one card (``evaluator: ray``, ``num_engines: N``,
+``engines_per_gpu: N``), one count after another in this process. Each engine keeps its own copy of
+the weights and float32 master and serves a contiguous block of the members; the update reaches
+every engine as seeds and shaped fitness.
+
+Per count it prints the median generation time (after the first), the engine's share of it (member
+writes and decoding), the speed-up over one engine, and whether the metrics rows (every key but the
+``time/`` ones) are those of the one-engine run. A count whose engines do not fit the card is
+skipped with the pre-run check's reason.
+
+Examples::
+
+    python -m evolm_lib.benchmark full-pool                          # SmolLM2, --engines 1,2,4,8 on a GPU
+    python -m evolm_lib.benchmark full-pool --model tiny-random --engines 1,2 --generations 2 --population 4
+
+On a CPU the engines are Ray CPU slices (one core each) and ``engines_per_gpu`` places nothing.
+Speed targets are read from these ratios on a named machine (``docs/measurements.md``), never
+asserted by tests.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shutil
+import statistics
+import tempfile
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+QIU_CONCISENESS = dict(task="conciseness", es_mode="full", es_weights="all", sigma=1e-3, learning_rate=5e-4,
+                       fitness_shaping="z_score", temperature=0.0)
+"""Qiu et al.'s conciseness settings for full-parameter ES (papermill_runs/study_conciseness_smollm2_gpu.yaml's
+es_modes.full); the task's 2 training prompts are every member's (prompts_per_step None)."""
+
+
+def pool_config(model: str, engines: int, population: int, generations: int, new_tokens: int, gpu: bool,
+                kv_cache_gb: float | None, max_model_len: int = 512, eval_every: int = 0,
+                gpu_memory_utilization: float | None = None):
+    """The run's settings on ``engines`` Ray engines sharing one card (a CPU slice each on a CPU)."""
+    from ..config import ESConfig
+
+    return ESConfig(model=model, **QIU_CONCISENESS, population_size=population, max_new_tokens=new_tokens,
+                    max_model_len=max_model_len, num_generations=generations, eval_every=eval_every,
+                    dtype="bfloat16" if gpu else "float32", deterministic=gpu, noise_device="cuda" if gpu else "cpu",
+                    kv_cache_gb=kv_cache_gb, gpu_memory_utilization=gpu_memory_utilization, evaluator="ray", num_engines=engines, engines_per_gpu=engines)
+
+
+def without_times(rows: list[dict]) -> list[dict]:
+    """Rows without their ``time/`` keys, which differ from run to run."""
+    return [{key: value for key, value in row.items() if not key.startswith("time/")} for row in rows]
+
+
+def summarize(rows: list[dict]) -> dict[str, Any]:
+    """Median generation time after the first generation, and the engine's share of it (member
+    writes and decoding), from a run's metrics rows (row 0 is the first scoring, row 1 warms up)."""
+    timed = rows[2:] or rows[1:]
+    generation_s = [row["time/generation_s"] for row in timed]
+    engine_s = [row.get("time/adapters_s", 0.0) + row.get("time/generate_s", 0.0) for row in timed]
+    median = statistics.median(generation_s)
+    return {"generation_s": median, "generation_s_each": generation_s,
+            "engine_share": statistics.median(engine_s) / median if median > 0 else None,
+            "update_s": statistics.median(row.get("time/update_s", 0.0) for row in timed)}
+
+
+def speedups(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each measured count with its speed-up over the first (one engine) and whether its rows are the first's."""
+    reference = results[0]
+    for result in results:
+        if "skipped" in result:
+            continue
+        result["speedup"] = reference["generation_s"] / result["generation_s"]
+        result["rows_identical"] = result["rows"] == reference["rows"]
+    return results
+
+
+def measure_count(config, folder: Path) -> dict[str, Any]:
+    """One run of ``config`` (it starts and closes its own engines): what it measured, or why it was skipped."""
+    from ..config import ConfigError
+    from ..runs import read_metrics
+    from ..train.es import ESRun
+
+    try:
+        run = ESRun.create(config, folder)  # the pre-run check refuses engines that do not fit the card
+    except ConfigError as error:
+        return {"engines": config.num_engines, "skipped": str(error)}
+    try:
+        evaluator = run.evaluator
+        run.run()
+        rows = read_metrics(run.run_dir)
+        info = list(evaluator.engine_info)
+        start_s = evaluator.start_seconds
+    finally:
+        run.close()
+    return {"engines": config.num_engines, "engines_per_gpu": config.engines_per_gpu,
+            "cards": len({i.get("card") for i in info if i.get("card") is not None}), "start_s": start_s,
+            "engine_start_s": [i.get("start_s") for i in info], **summarize(rows), "rows": without_times(rows)}
+
+
+def full_pool(model: str, engine_counts: Sequence[int], population: int, generations: int, new_tokens: int,
+              gpu: bool, kv_cache_gb: float | None, gpu_memory_utilization: float | None = None,
+              workdir: str | Path | None = None,
+              on_count: Callable[[list[dict[str, Any]]], None] | None = None) -> list[dict[str, Any]]:
+    """Every count's measurements in turn, the first count (1) the reference (see the module docstring);
+    ``on_count`` is given the results so far after each count (a run cut short keeps them)."""
+    from ..engines.ray.cluster import import_ray
+
+    ray = import_ray()
+    owns_ray = not ray.is_initialized()
+    if owns_ray:  # one card: the engines of every count share it
+        ray.init(num_gpus=1 if gpu else 0, include_dashboard=False, logging_level=logging.WARNING)
+    folder = Path(tempfile.mkdtemp(prefix="evolm-full-pool-", dir=workdir))
+    results = []
+    try:
+        for engines in engine_counts:
+            config = pool_config(model, engines, population, generations, new_tokens, gpu, kv_cache_gb,
+                                 gpu_memory_utilization=gpu_memory_utilization)
+            results.append(measure_count(config, folder / f"engines_{engines}"))
+            if "skipped" in results[0]:
+                raise SystemExit(f"full-pool: one engine does not fit, nothing to compare with: {results[0]['skipped']}")
+            print(format_row(results[-1], results[0]), flush=True)
+            if on_count is not None:
+                on_count(speedups(results))
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+        if owns_ray:
+            ray.shutdown()
+    return speedups(results)
+
+
+def format_row(result: dict[str, Any], reference: dict[str, Any]) -> str:
+    """One count as a line of the table (its speed-up and rows against ``reference``)."""
+    if "skipped" in result:
+        return f"{result['engines']:>7}  skipped: {result['skipped']}"
+    speedup = reference["generation_s"] / result["generation_s"]
+    same = "(reference)" if result is reference else ("yes" if result["rows"] == reference["rows"] else "NO")
+    return (f"{result['engines']:>7}{result['cards']:>6}{result['start_s']:>9.1f}{result['generation_s']:>13.3f}"
+            f"{100 * (result['engine_share'] or 0):>12.1f}%{speedup:>9.2f}x  {same}")
+
+
+HEADER = (f"{'engines':>7}{'cards':>6}{'start s':>9}{'generation s':>13}{'engine share':>13}{'speed-up':>9}  same rows\n"
+          "(generation s: median after the first; engine share: member writes and decoding; same rows: every "
+          "metrics key but time/ equal to 1 engine's)")
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Measure, print the table, optionally write JSON; returns the results."""
+    import torch
+
+    gpu = torch.cuda.is_available()
+    parser = argparse.ArgumentParser(prog="python -m evolm_lib.benchmark full-pool", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct", help="known name or model folder")
+    parser.add_argument("--engines", default="1,2,4,8" if gpu else "1,2",
+                        help="engine counts on the one card, starting with 1 (the reference)")
+    parser.add_argument("--generations", type=int, default=10 if gpu else 3, help="ES generations per count (>= 2)")
+    parser.add_argument("--population", type=int, default=30 if gpu else 4, help="members (Qiu et al.: 30)")
+    parser.add_argument("--new-tokens", type=int, default=100 if gpu else 8, help="tokens per completion (Qiu et al.: 100)")
+    parser.add_argument("--kv-cache-gb", type=float, default=None if gpu else 0.0625,
+                        help="fixed KV cache per engine (default: from each engine's memory share on a GPU)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=None,
+                        help="each engine's share of the card (default: 0.6 / engines on the card)")
+    parser.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")
+    args = parser.parse_args(argv)
+    try:
+        counts = [int(c) for c in args.engines.split(",") if c]
+    except ValueError:
+        parser.error(f"--engines must be comma-separated integers, got {args.engines!r}")
+    if not counts or counts[0] != 1 or any(c < 1 for c in counts):
+        parser.error(f"--engines must start with 1 (the reference) and name counts >= 1, got {args.engines!r}")
+    if args.generations < 2:
+        parser.error("--generations must be >= 2 (the first warms the engines up)")
+    if args.population < max(counts) or args.population % 2:
+        parser.error(f"--population must be even and at least the largest engine count ({max(counts)})")
+    from ..env import apply_engine_defaults
+
+    apply_engine_defaults()
+    settings = {"model": args.model, "population": args.population, "generations": args.generations,
+                "new_tokens": args.new_tokens, "gpu": gpu, "device": torch.cuda.get_device_name() if gpu else "cpu"}
+
+    def report(results: list[dict[str, Any]]) -> dict[str, Any]:
+        result = {"settings": settings, "counts": [{k: v for k, v in r.items() if k != "rows"} for r in results]}
+        if args.json:  # written after every count, so a run cut short keeps what it measured
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(result, indent=1))
+        return result
+
+    print(HEADER, flush=True)
+    results = full_pool(args.model, counts, args.population, args.generations, args.new_tokens, gpu, args.kv_cache_gb,
+                        args.gpu_memory_utilization, on_count=report)
+    measured = [r for r in results if "skipped" not in r]
+    print("speed-ups over 1 engine: " + ", ".join(f"{r['engines']}: {r['speedup']:.2f}x" for r in measured))
+    return report(results)
