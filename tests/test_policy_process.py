@@ -156,3 +156,59 @@ def test_the_child_dying_is_a_clear_error_not_a_hang(tmp_path):
         run.trainer.adapter()
     run.close()
     assert [r["step"] for r in read_metrics(tmp_path / "run")] == [0, 1]
+
+
+# ----------------------------------------------------------------------------- the benchmark
+
+
+def test_the_update_ratios_and_row_comparisons_by_hand():
+    from evolm_lib.benchmark.grpo_update import ratios
+
+    def run(update_s, rows):
+        return {"runs": {"lora/64": {"update_s": update_s, "rows": rows}}}
+
+    summary = ratios({"not_deterministic": run(0.4, [{"a": 0}]), "deterministic_same": run(1.0, [{"a": 2}]),
+                      "deterministic_own": run(0.44, [{"a": 1}]), "deterministic_own_rerun": run(0.5, [{"a": 1}])})
+    assert summary["update_over_baseline"]["lora/64"] == pytest.approx(
+        {"deterministic_same": 2.5, "deterministic_own": 1.1, "deterministic_own_rerun": 1.25})
+    assert summary["rows_identical"]["lora/64"] == {"deterministic_own_rerun": True, "deterministic_same": False}
+    assert summary["goal_met"]["lora/64"] is True  # 1.1 <= 1.15
+    assert ratios({"deterministic_own": run(0.5, [])})["goal_met"]["lora/64"] is None  # no baseline measured
+
+
+def test_the_grpo_update_benchmark_runs_each_configuration_in_a_process_of_its_own(tmp_path, capsys):
+    import json
+    import statistics
+
+    from evolm_lib.benchmark import main as benchmark
+
+    out = tmp_path / "grpo_update.json"
+    result = benchmark(["grpo-update", "--model", "tiny-random", "--steps", "2", "--prompts", "2", "--group-size", "4",
+                        "--micro-batch-sizes", "8", "--examples", "8", "--new-tokens", "4",
+                        "--configurations", "not_deterministic,deterministic_own", "--json", str(out)])
+    printed = capsys.readouterr().out
+    assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+    configurations = result["configurations"]
+    assert list(configurations) == ["not_deterministic", "deterministic_own"]
+    free, own = (configurations[label]["runs"]["lora/8"] for label in configurations)
+    for measured in (free, own):
+        assert len(measured["update_s_steps"]) == 1  # 2 steps, the first not timed
+        assert measured["update_s"] == statistics.median(measured["update_s_steps"]) > 0
+        assert measured["sync_s"] is None and "rows" not in measured  # LoRA: nothing written into the engine
+    ratio = own["update_s"] / free["update_s"]
+    assert result["update_over_baseline"]["lora/8"] == {"deterministic_own": pytest.approx(ratio)}
+    assert result["goal_met"]["lora/8"] == (ratio <= 1.15)
+    assert configurations["not_deterministic"]["policy_settings"] is None  # the policy in the engine's process
+    assert configurations["deterministic_own"]["policy_settings"]["deterministic_algorithms"] is True
+    assert f"({ratio:.2f}x)" in printed and "lora/8" in printed
+
+
+@pytest.mark.parametrize("argv, message", [(["--steps", "1"], "--steps"), (["--micro-batch-sizes", "3"], "divide"),
+                                           (["--configurations", "fast"], "--configurations"),
+                                           (["--policy-weights", "half"], "--policy-weights")])
+def test_the_grpo_update_benchmark_refuses_bad_options(argv, message, capsys):
+    from evolm_lib.benchmark import main as benchmark
+
+    with pytest.raises(SystemExit):
+        benchmark(["grpo-update", *argv])
+    assert message in capsys.readouterr().err
