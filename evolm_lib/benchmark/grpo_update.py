@@ -152,9 +152,11 @@ def _worker_command(label: str, out: Path, argv: Sequence[str]) -> list[str]:
 
 def run_configurations(labels: Sequence[str], argv: Sequence[str], devices: Sequence[str]) -> dict[str, dict[str, Any]]:
     """Each configuration in a process of its own: one after the other, or side by side, one card each."""
+    from ..env import child_environment
+
     folder = Path(tempfile.mkdtemp(prefix="evolm-grpo-update-"))
     # a configuration's own settings decide batch invariance: none inherited from this shell
-    environment = {k: v for k, v in os.environ.items() if k != "VLLM_BATCH_INVARIANT"}
+    environment = {k: v for k, v in child_environment().items() if k != "VLLM_BATCH_INVARIANT"}
     root = str(Path(__file__).resolve().parents[2])  # this evolm_lib, whatever the caller's sys.path
     environment["PYTHONPATH"] = os.pathsep.join(p for p in (root, environment.get("PYTHONPATH")) if p)
     pending, running, results = list(labels), {}, {}

@@ -32,6 +32,7 @@ import torch
 
 from ..config import GRPOConfig
 from ..engines.base import PromptEncoder
+from ..env import child_environment
 from ..lora import AdapterWeights
 
 BATCH_INVARIANT_SETTINGS = (
@@ -202,7 +203,7 @@ class PolicyProcess:
         ours, theirs = socket.socketpair()
         code = (f"import sys; sys.path[:0] = {sys.path!r}; "
                 f"from evolm_lib.train.policy_process import serve; serve({theirs.fileno()})")
-        environment = {k: v for k, v in os.environ.items() if k not in BATCH_INVARIANT_SETTINGS}
+        environment = {k: v for k, v in child_environment().items() if k not in BATCH_INVARIANT_SETTINGS}
         self._process = subprocess.Popen([sys.executable, "-c", code], env=environment, pass_fds=(theirs.fileno(),))
         theirs.close()  # the child's end lives in the child only: its death closes the socket
         self._connection = Connection(ours.detach())
