@@ -61,6 +61,20 @@ def test_settings_are_checked_and_auto_keeps_cpu_runs_in_one_process():
     assert not policy_in_own_process(GRPOConfig.from_dict({**TINY, "deterministic": False}))
 
 
+def test_a_run_continues_with_its_policy_in_another_process(tmp_path):
+    """policy_process is extendable: a run made with the policy here continues with it in its own
+    process (a GPU run from before the setting existed goes on with ``same``)."""
+    config = GRPOConfig.from_dict({**TINY, "policy_process": "same", "num_steps": 1, "loss_type": "no_baseline",
+                                   "normalize_by_std": False})
+    GRPORun.create(config, tmp_path / "run", evaluator=SyntheticEvaluator()).close()
+    run = GRPORun.open(config.replace(policy_process="own", num_steps=2), tmp_path / "run", evaluator=SyntheticEvaluator())
+    try:
+        assert isinstance(run.trainer, PolicyProcess)
+        assert run.run()[-1]["step"] == 2
+    finally:
+        run.close()
+
+
 # ----------------------------------------------------------------------------- the proxy on its own
 
 

@@ -91,6 +91,9 @@ def _training_settings(deterministic_update: bool, threads: int) -> dict[str, An
         os.environ["CUBLAS_WORKSPACE_CONFIG"] = DETERMINISTIC_CUBLAS_WORKSPACE  # read when cuBLAS starts
         # strict, not warn_only: attention's backward then takes its deterministic path instead of warning
         torch.use_deterministic_algorithms(True)
+        # the mode would also fill every new tensor with NaN (a kernel per allocation, in an update bound
+        # by launches); the policy's ops write before they read, so that fill changes no result
+        torch.utils.deterministic.fill_uninitialized_memory = False
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
     return {"deterministic_algorithms": torch.are_deterministic_algorithms_enabled(), "threads": torch.get_num_threads(),
             "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
