@@ -157,15 +157,15 @@ def _serve(connection, model_dir: str, adapter: bytes, config: dict, device: str
                 for tensor in shared.values():
                     tensor.share_memory_()
     except BaseException as error:
-        _send(connection, _error_message(error))
+        _send(connection, (0, *_error_message(error)))
         return
-    _send(connection, ("ok", {"full": trainer.full, "spec": trainer.spec, "vocab_size": trainer.vocab_size,
+    _send(connection, (0, "ok", {"full": trainer.full, "spec": trainer.spec, "vocab_size": trainer.vocab_size,
                               "pad_token_id": trainer.pad_token_id, "device": str(trainer.device), "settings": settings}))
     if shared is not None:  # torch's reductions: CUDA IPC handles or shared-memory file descriptors, once
         connection.send_bytes(bytes(ForkingPickler.dumps(shared)))
     while True:
         try:
-            name, args = pickle.loads(connection.recv_bytes())
+            number, name, args = pickle.loads(connection.recv_bytes())
         except (EOFError, OSError):
             break
         if name == "close":
@@ -180,7 +180,7 @@ def _serve(connection, model_dir: str, adapter: bytes, config: dict, device: str
         except BaseException as error:
             reply = _error_message(error)
         try:
-            _send(connection, reply)
+            _send(connection, (number, *reply))
         except (BrokenPipeError, OSError):
             break
     shared = None
@@ -213,6 +213,7 @@ class PolicyProcess:
         self._finalizer = weakref.finalize(self, _stop, self._process, self._connection)
         self.pid = self._process.pid
         self._shared: dict[str, torch.Tensor] | None = None
+        self._calls = 0  # each call's number: a reply to an interrupted call is skipped, never taken for the next's
         try:
             # the adapter as bytes: torch's reductions would move its tensors into shared memory
             _send(self._connection, (str(model_dir), pickle.dumps(adapter), config.to_dict(), device,
@@ -242,7 +243,10 @@ class PolicyProcess:
         raise self._died(what)
 
     def _reply(self, what: str) -> Any:
-        status, *payload = pickle.loads(self._receive(what))
+        while True:
+            number, status, *payload = pickle.loads(self._receive(what))
+            if number == self._calls:
+                break
         if status == "error":
             error, text = payload
             error.add_note(f"(raised in the policy process, pid {self.pid}:)\n{text}")
@@ -253,7 +257,8 @@ class PolicyProcess:
         if self._process.poll() is not None:
             raise self._died(name)
         try:
-            _send(self._connection, (name, args))
+            self._calls += 1
+            _send(self._connection, (self._calls, name, args))
         except (BrokenPipeError, OSError):
             raise self._died(name) from None
         return self._reply(name)
@@ -314,7 +319,7 @@ def _stop(process: subprocess.Popen, connection) -> None:
     """End the policy's process: ask, wait, then terminate and kill."""
     if process.poll() is None:
         try:
-            _send(connection, ("close", ()))
+            _send(connection, (-1, "close", ()))
         except (BrokenPipeError, OSError):
             pass
     connection.close()  # a child still reading gets EOF and ends as well
