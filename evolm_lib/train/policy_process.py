@@ -281,7 +281,8 @@ class PolicyProcess:
         return self._call("adapter")
 
     def weights(self) -> dict[str, torch.Tensor]:
-        """policy_weights full: the child's trained weights, shared (live, not copies; read between calls)."""
+        """policy_weights full: the child's trained weights, shared (live, not copies; read them between
+        calls, and not after ``close``: on a GPU they are the child's memory)."""
         return dict(self._shared)
 
     def flat_weights(self) -> torch.Tensor:
