@@ -422,6 +422,13 @@ class GRPOConfig(CommonConfig):
     "what GRPO trains: lora (AdamW on the LoRA tensors) or full (AdamW on the model weights in grpo_weights, float32 master in the trainer; after each step the engine's weights are written in place, no reload)"
     grpo_weights: Optional[str] = None
     "policy_weights full: the model weights GRPO trains; None: those of the LoRA target_modules (in layers_to_transform); all: every parameter"
+    policy_process: Literal["auto", "same", "own"] = "auto"
+    ("where the policy's update runs: same (this process, beside the engine) or own (a child process, the "
+     "trained weights shared with it, not copied); auto: own when deterministic puts a local GPU vLLM engine "
+     "in batch-invariant mode, which slows every update in its process, else same")
+    deterministic_update: Optional[bool] = None
+    ("the policy in its own process: torch.use_deterministic_algorithms there, so an update repeats on "
+     "the GPU; None: as deterministic")
 
     temperature: float = Field(1.0, gt=0)
     "sampling temperature of the rollouts (> 0: a greedy group has no spread); log-probs use logits / temperature"
@@ -456,6 +463,14 @@ class GRPOConfig(CommonConfig):
     "weight of the k3 KL penalty to the base model (0: none, and no reference pass)"
     num_steps: int = Field(10, ge=1)
     "steps run() does by default"
+
+    @model_validator(mode="after")
+    def _update_setting_has_a_process(self):
+        if self.deterministic_update is not None and self.policy_process == "same":
+            raise ValueError(f"deterministic_update: {self.deterministic_update} sets torch in the policy's own "
+                             "process, and policy_process is 'same' (torch's setting there would change the "
+                             "engine's process too); use policy_process 'own' or 'auto', or leave it None")
+        return self
 
     @model_validator(mode="after")
     def _weights_fit(self):

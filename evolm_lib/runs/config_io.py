@@ -28,9 +28,11 @@ class RunFolderDamaged(ConfigError):
 # Settings that do not change the science: a finished run may be extended with other values.
 # Where the engines run and how adapters reach them do not change the rows either (tested equal),
 # nor where else the rows are streamed (report_to: a run gains TensorBoard with all its rows so far).
+# Where GRPO's policy updates is the same maths (equal rows on a CPU); on a GPU it picks other kernels,
+# and a run made before the setting existed continues as it ran with policy_process: same.
 EXTENDABLE = frozenset({"num_generations", "num_steps", "eval_every", "checkpoint_every", "keep_checkpoints",
                         "evaluator", "num_engines", "ray_address", "adapter_transfer", "score_in_population",
-                        "report_to"})
+                        "report_to", "policy_process"})
 
 
 def write_run_config(run_dir: str | Path, config, kind: str) -> None:

@@ -37,6 +37,7 @@ from ..types import Completion
 from ..grpo.primitives import compute_group_normalized_rewards
 from .loop import RunLoop, percentile
 from .policy import PolicyTrainer, engine_logprob_gap, rollout_batch
+from .policy_process import PolicyProcess, make_policy
 
 
 # ---------------------------------------------------------------------------- the run
@@ -48,7 +49,7 @@ class GRPORun(RunLoop):
     kind = "grpo"
     config_class = GRPOConfig
 
-    def __init__(self, state: RunState, *, trainer: PolicyTrainer, run_dir: Path, evaluator: Evaluator, task: Task,
+    def __init__(self, state: RunState, *, trainer: PolicyTrainer | PolicyProcess, run_dir: Path, evaluator: Evaluator, task: Task,
                  model_dir: Path):
         super().__init__(state, run_dir=run_dir, evaluator=evaluator, task=task, model_dir=model_dir)
         self.trainer = trainer
@@ -67,15 +68,19 @@ class GRPORun(RunLoop):
         if full and evaluator is not None and not isinstance(evaluator, WeightsEngine):
             raise ConfigError(f"policy_weights: full writes the trained weights into the engine in place, which "
                               f"{type(evaluator).__name__} cannot (use vLLM, HF or Ray engines)")
-        trainer = PolicyTrainer(model_dir, state.adapter, config)
-        tensors = dict(state.optimizer_tensors or {})
-        weights = {k.removeprefix(WEIGHTS_PREFIX): tensors.pop(k) for k in list(tensors) if k.startswith(WEIGHTS_PREFIX)}
-        if weights:
-            trainer.set_weights(weights)
-        if tensors:
-            trainer.load_optimizer_tensors(tensors)
-        evaluator = evaluator or make_evaluator(config)  # sized for one policy adapter per call
-        return cls(state, trainer=trainer, run_dir=run_dir, evaluator=evaluator, task=task, model_dir=model_dir)
+        trainer = make_policy(model_dir, state.adapter, config)  # here, or in a process of its own
+        try:
+            tensors = dict(state.optimizer_tensors or {})
+            weights = {k.removeprefix(WEIGHTS_PREFIX): tensors.pop(k) for k in list(tensors) if k.startswith(WEIGHTS_PREFIX)}
+            if weights:
+                trainer.set_weights(weights)
+            if tensors:
+                trainer.load_optimizer_tensors(tensors)
+            evaluator = evaluator or make_evaluator(config)  # sized for one policy adapter per call
+            return cls(state, trainer=trainer, run_dir=run_dir, evaluator=evaluator, task=task, model_dir=model_dir)
+        except BaseException:
+            trainer.close()  # a policy process ends with the failed start
+            raise
 
     @staticmethod
     def _moves_adapter(config: GRPOConfig) -> bool:
@@ -231,14 +236,18 @@ class GRPORun(RunLoop):
 
     def close(self) -> None:
         """Release the run folder, the engine (if the run started it; a shared one serves the model
-        folder's weights again) and the trainer's model."""
-        if self.engine_weights is not None:
-            if not self._owns_evaluator:
-                self.engine_weights.load({"master": base_weights(self.model_dir, self.engine_weights.shapes)})
-            self.engine_weights.close()
-            self.engine_weights = None
-        super().close()
-        self.trainer = None
+        folder's weights again) and the trainer's model (a policy process ends)."""
+        try:
+            if self.engine_weights is not None:
+                if not self._owns_evaluator:
+                    self.engine_weights.load({"master": base_weights(self.model_dir, self.engine_weights.shapes)})
+                self.engine_weights.close()
+                self.engine_weights = None
+            super().close()
+        finally:
+            if self.trainer is not None:
+                self.trainer.close()
+            self.trainer = None
 
 
 WEIGHTS_PREFIX = "policy_weights/"

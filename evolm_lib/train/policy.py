@@ -269,6 +269,9 @@ class PolicyTrainer:
         stats["_first_pass"] = first_pass
         return stats
 
+    def close(self) -> None:
+        """Nothing to end: the model goes with this object (a ``PolicyProcess`` ends its process here)."""
+
     def optimizer_tensors(self) -> dict[str, torch.Tensor]:
         """AdamW state as named tensors."""
         return optimizer_state_to_tensors(self.optimizer, self.names)
