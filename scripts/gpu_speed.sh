@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# The speed figures of docs/measurements.md on a lent machine of 4 GPUs (vLLM and Ray staged, see
+# ../shared/GPU.md): one device call per part, each under the 10-minute limit, results packed into
+# OUT/speed_PART.tar.gz even when a measurement fails or runs out of time.
+#
+#   bash scripts/gpu_speed.sh cards OUT   # one measurement per card, side by side:
+#       card 0: full-pool, 1 engine against 4 on the card (SmolLM2, Qiu et al.'s conciseness settings)
+#       card 1: modes with the tiles each mode picks, and EGGROLL's update (Qwen2.5-1.5B shapes)
+#       card 2: engine-start (Qwen2.5-1.5B shapes), then EGGROLL with the shipped tiles (the earlier choice)
+#       card 3: grpo-update: deterministic in the same process and in its own against not deterministic
+#   bash scripts/gpu_speed.sh ray OUT     # Ray: K=1 against K=4 engines, populations 64 and 128 (Qwen shapes)
+#   bash scripts/gpu_speed.sh pool8 OUT   # full-pool at 8 engines a card against 1 (card 0)
+#
+# Run from the repository root with PYTHONPATH=/root/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0
+# EVOLM_CACHE_DIR=/root/cache set. LIMIT (default 560) is the whole part's deadline in seconds: each
+# measurement is stopped when it is reached, and its JSON keeps what it had written.
+set -u
+PART=${1:?cards or ray}
+OUT=${2:?OUT folder}
+LIMIT=${LIMIT:-560}
+RES=runs/speed_$PART
+mkdir -p "$RES" "$OUT"
+export PYTHONUNBUFFERED=1 VLLM_LOGGING_LEVEL=WARNING TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=4
+nvidia-smi -L | tee "$RES/cards.txt"
+git log -1 --format=%H > "$RES/commit.txt" 2>/dev/null || true
+python -c "from evolm_lib.models import resolve_model; resolve_model('smollm2-135m-instruct')" > /dev/null
+QWEN=$(python scripts/qwen_shape.py | tail -n 1)  # before any engine: every part but pool8 measures on it
+bench() {  # bench NAME CARDS ARGS...: one benchmark on some cards, stopped at the part's deadline
+  local name=$1 cards=$2 left
+  shift 2
+  left=$((LIMIT - SECONDS))
+  if [ "$left" -lt 30 ]; then echo "$name: not started, $left s left" >> "$RES/exits.txt"; return; fi
+  CUDA_VISIBLE_DEVICES=$cards timeout --signal=TERM --kill-after=10 "$left" \
+    python -m evolm_lib.benchmark "$@" --json "$RES/$name.json" > "$RES/$name.log" 2>&1
+  echo "$name: exit $? after $SECONDS s" >> "$RES/exits.txt"
+}
+pids=""
+case "$PART" in
+cards)
+  bench full_pool_1_4 0 full-pool --engines 1,4 --generations 6 & pids="$pids $!"
+  bench modes_auto 1 modes --model "$QWEN" --tiles auto --repeats 2 & pids="$pids $!"
+  { bench engine_start 2 engine-start --model "$QWEN"
+    bench modes_shipped 2 modes --model "$QWEN" --tiles shipped --modes eggroll --repeats 2 --no-update; } & pids="$pids $!"
+  bench grpo_update 3 grpo-update --micro-batch-sizes 64 --steps 6 \
+    --configurations not_deterministic,deterministic_same,deterministic_own,deterministic_own_rerun & pids="$pids $!"
+  ;;
+ray)
+  bench ray 0,1,2,3 ray --model "$QWEN" --engines 1,4 --population 64,128 --repeats 2 & pids="$pids $!"
+  ;;
+pool8)
+  bench full_pool_1_8 0 full-pool --engines 1,8 --generations 6 & pids="$pids $!"
+  ;;
+*) echo "unknown part $PART: cards or ray" >&2; exit 2 ;;
+esac
+for pid in $pids; do wait "$pid"; done
+tar -czf "$OUT/speed_$PART.tar.gz" "$RES"
+cat "$RES/exits.txt"
+for f in "$RES"/*.log; do echo "== $f"; tail -n 25 "$f"; done
