@@ -11,8 +11,10 @@ from evolm_lib.es.lowrank import (
     combine_factors,
     factor_layout,
     lowrank_gradient,
+    lowrank_gradient_per_matrix,
     member_delta,
     member_factors,
+    shape_groups,
     slot_factors,
 )
 
@@ -106,3 +108,70 @@ def test_bad_rank_and_shapes_are_named():
     with pytest.raises(ValueError, match="2-D weights; norm has shape"):
         factor_layout({"norm": (8,)}, 1)
     assert math.isclose(factor_layout(SHAPES, 2).total, 2 * (6 + 4 + 3 + 5))
+
+
+def test_combine_factors_batches_same_shaped_weights_by_hand():
+    # weight 0: the members of test_combine_factors_by_hand; weight 1: a = [[1],[1]] and [[0],[1]], b = ones
+    a = torch.tensor([[[[1.0], [2.0]], [[1.0], [0.0]]], [[[1.0], [1.0]], [[0.0], [1.0]]]])  # (2 weights, 2 members, 2, 1)
+    b = torch.tensor([[[[3.0], [4.0], [5.0]], [[1.0], [1.0], [1.0]]], [[[1.0], [1.0], [1.0]], [[1.0], [1.0], [1.0]]]])
+    got = combine_factors(a, b, torch.tensor([2.0, -1.0]))
+    # weight 1: 2 * [[1,1,1],[1,1,1]] - [[0,0,0],[1,1,1]]
+    assert torch.equal(got, torch.tensor([[[5.0, 7.0, 9.0], [12.0, 16.0, 20.0]], [[2.0, 2.0, 2.0], [1.0, 1.0, 1.0]]]))
+
+
+def test_weights_are_grouped_by_shape_in_name_order():
+    shapes = {"l.1.q": (4, 4), "l.0.k": (2, 4), "l.0.q": (4, 4), "l.1.k": (2, 4), "l.0.down": (4, 8)}
+    assert shape_groups(shapes) == {(4, 8): ["l.0.down"], (2, 4): ["l.0.k", "l.1.k"], (4, 4): ["l.0.q", "l.1.q"]}
+
+
+def test_grouped_update_by_hand():
+    # two 1x2 weights of one shape, one member of rank 1 with coefficient w/N = 1: the update is a b^T per
+    # weight, each weight's factors read from the member's draw
+    shapes = {"a.w": (1, 2), "b.w": (1, 2)}
+    members, weights = [Member(5, 1)], [1.0]
+    factors = member_factors([5], shapes, rank=1)
+    got = lowrank_gradient(members, weights, shapes, rank=1, sigma=0.1)
+    for name in shapes:
+        a, b = factors[name][0][0, :, 0], factors[name][1][0, :, 0]  # (1,), (2,)
+        assert torch.equal(got[name], torch.stack([a[0] * b[0], a[0] * b[1]]).reshape(1, 2))
+
+
+def _transformer_shapes(layers: int = 3) -> dict[str, tuple[int, int]]:
+    projections = {"q_proj": (32, 32), "k_proj": (8, 32), "v_proj": (8, 32), "o_proj": (32, 32),
+                   "gate_proj": (48, 32), "up_proj": (48, 32), "down_proj": (32, 48)}
+    return {f"model.layers.{i}.{name}.weight": shape for i in range(layers) for name, shape in projections.items()}
+
+
+@pytest.mark.parametrize("block", [None, 3])
+@pytest.mark.parametrize("form", ["qiu", "textbook"])
+def test_grouped_update_has_the_bits_of_the_per_matrix_path(form, block):
+    # on the CPU a batched product runs the same float32 kernel per matrix as the single product did,
+    # and later blocks add in the same order, so the bits match; into a flat vector's views (strided
+    # groups written in place) and into separate tensors (the copy-out path) alike
+    from evolm_lib.es.core import Layout
+
+    shapes = _transformer_shapes()
+    members = [Member(seed, sign) for seed in range(40, 48) for sign in (1, -1)]
+    weights = torch.randn(16, generator=torch.Generator().manual_seed(3))
+    reference = lowrank_gradient_per_matrix(members, weights, shapes, 2, 0.05, form, block=block)
+    layout = Layout.of(shapes)
+    flat = torch.full((layout.total,), float("nan"))
+    into_flat = lowrank_gradient(members, weights, shapes, 2, 0.05, form, block=block, out=layout.split(flat))
+    separate = lowrank_gradient(members, weights, shapes, 2, 0.05, form, block=block,
+                                out={name: torch.full(shape, float("nan")) for name, shape in shapes.items()})
+    for name in shapes:
+        assert torch.equal(into_flat[name], reference[name]) and torch.equal(separate[name], reference[name]), name
+    assert torch.equal(flat, torch.cat([reference[name].reshape(-1) for name in layout.names]))
+
+
+def test_grouped_update_on_the_tiny_random_model_equals_the_per_matrix_path(tiny_model_dir):
+    from evolm_lib.engines.resident_weights import targeted_weight_shapes
+    from evolm_lib.lora import ALL_PROJECTIONS
+
+    shapes = targeted_weight_shapes(tiny_model_dir, ALL_PROJECTIONS)
+    assert len(shape_groups(shapes)) < len(shapes)  # something to batch
+    members = [Member(seed, sign) for seed in (7, 8, 9) for sign in (1, -1)]
+    weights = [0.5, -0.5, 1.0, 0.2, -1.0, 0.0]
+    grouped = lowrank_gradient(members, weights, shapes, 1, 0.01)
+    reference = lowrank_gradient_per_matrix(members, weights, shapes, 1, 0.01)
+    assert all(torch.equal(grouped[name], reference[name]) for name in shapes)

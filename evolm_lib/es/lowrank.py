@@ -83,13 +83,55 @@ def slot_factors(member: Member, shapes: Shapes, rank: int, sigma: Sigma, device
 
 
 def combine_factors(a: torch.Tensor, b: torch.Tensor, coefficients: torch.Tensor) -> torch.Tensor:
-    """sum_i coefficients[i] * a[i] @ b[i]^T for a (members, out, r), b (members, in, r): (out, in),
-    as ONE product of the concatenated factors, accumulated in float32."""
-    members, out_features, rank = a.shape
+    """sum_i coefficients[i] * a[..., i] @ b[..., i]^T for a (..., members, out, r), b (..., members, in, r):
+    (..., out, in), as ONE product of the concatenated factors (a batched one for leading dimensions,
+    e.g. a group of same-shaped weights), accumulated in float32."""
+    *lead, members, out_features, rank = a.shape
     c = torch.as_tensor(coefficients, dtype=torch.float32, device=a.device).reshape(members, 1, 1)
-    left = a.float().permute(1, 0, 2).reshape(out_features, members * rank)  # (out, N r)
-    right = (b.float() * c).permute(1, 0, 2).reshape(b.shape[1], members * rank)  # (in, N r)
-    return left @ right.T
+    left = a.float().transpose(-3, -2).reshape(*lead, out_features, members * rank)  # (..., out, N r)
+    right = (b.float() * c).transpose(-3, -2).reshape(*lead, b.shape[-2], members * rank)  # (..., in, N r)
+    return left @ right.transpose(-1, -2)
+
+
+def shape_groups(shapes: Shapes) -> dict[tuple[int, ...], list[str]]:
+    """Weight names grouped by shape (each group in sorted-name order): one batched product per group."""
+    groups: dict[tuple[int, ...], list[str]] = {}
+    for name in sorted(shapes):
+        groups.setdefault(tuple(int(d) for d in shapes[name]), []).append(name)
+    return groups
+
+
+def _stacked_view(views: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """The same-shaped ``views`` as one (len(views), *shape) view of their common storage, where they
+    sit at equal distances in it (each layer's copy of a projection in a flat vector); else None."""
+    first = views[0]
+    if not all(v.is_contiguous() and v.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+               for v in views):
+        return None
+    offsets = [v.storage_offset() for v in views]
+    step = offsets[1] - offsets[0] if len(offsets) > 1 else first.numel()
+    if step < first.numel() or any(b - a != step for a, b in zip(offsets, offsets[1:])):
+        return None
+    return first.as_strided((len(views), *first.shape), (step, *first.stride()), offsets[0])
+
+
+def lowrank_gradient_per_matrix(members: Sequence[Member], weights: torch.Tensor | Sequence[float], shapes: Shapes,
+                                rank: int, sigma: Sigma, form: GradientForm = "qiu", device: str | torch.device = "cpu",
+                                scheme: NoiseScheme = "flat", block: int | None = None) -> dict[str, torch.Tensor]:
+    """``lowrank_gradient`` one weight matrix at a time (a product and an add per matrix): the reference
+    the batched path is checked and timed against."""
+    coefficient = member_coefficients(members, weights, form, sigma, list(shapes))
+    seeds = [seed for seed, c in coefficient.items() if c != 0.0]
+    totals = {name: torch.zeros(tuple(shape), dtype=torch.float32, device=device) for name, shape in shapes.items()}
+    step = block or factor_layout(shapes, rank).block_size()
+    for start in range(0, len(seeds), step):
+        chunk = seeds[start:start + step]
+        c = torch.tensor([coefficient[seed] for seed in chunk], dtype=torch.float32)
+        for name, (a, b) in member_factors(chunk, shapes, rank, device, scheme).items():
+            totals[name].add_(combine_factors(a, b, c))
+    for name, total in totals.items():
+        total.div_(len(members) * math.sqrt(rank) * (sigma_of(sigma, name) if form == "textbook" else 1.0))
+    return totals
 
 
 def lowrank_gradient(members: Sequence[Member], weights: torch.Tensor | Sequence[float], shapes: Shapes, rank: int,
@@ -107,18 +149,43 @@ def lowrank_gradient(members: Sequence[Member], weights: torch.Tensor | Sequence
     seeds = [seed for seed, c in coefficient.items() if c != 0.0]
     n = len(members)
     if out is not None:
-        totals = {name: out[name].view(tuple(shape)).zero_() for name, shape in shapes.items()}
+        totals = {name: out[name].view(tuple(shape)) for name, shape in shapes.items()}
     else:
-        totals = {name: torch.zeros(tuple(shape), dtype=torch.float32, device=device) for name, shape in shapes.items()}
-    layout = factor_layout(shapes, rank)
-    step = block or layout.block_size()
-    for start in range(0, len(seeds), step):
-        chunk = seeds[start:start + step]
+        flat = torch.empty(sum(math.prod(shape) for shape in shapes.values()), dtype=torch.float32, device=device)
+        totals = Layout.of(shapes).split(flat)
+    groups = shape_groups(shapes)
+    # each group's totals as one (matrices, out, in) tensor: a view where they sit at equal distances
+    # (a product written in place), else a buffer copied out at the end
+    stacked = {key: _stacked_view([totals[name] for name in names]) for key, names in groups.items()}
+    buffers = {key: torch.empty((len(groups[key]), *key), dtype=torch.float32, device=device)
+               for key, view in stacked.items() if view is None}
+    step = block or factor_layout(shapes, rank).block_size()
+    chunks = [seeds[start:start + step] for start in range(0, len(seeds), step)]
+    if not chunks:  # every coefficient zero (e.g. equal antithetic rewards): a zero update
+        for total in totals.values():
+            total.zero_()
+    for index, chunk in enumerate(chunks):
         c = torch.tensor([coefficient[seed] for seed in chunk], dtype=torch.float32)
-        for name, (a, b) in member_factors(chunk, shapes, rank, device, scheme).items():
-            totals[name].add_(combine_factors(a, b, c))
-    for name, total in totals.items():
-        divisor = n * math.sqrt(rank) * (sigma_of(sigma, name) if form == "textbook" else 1.0)
-        total.div_(divisor)
+        factors = member_factors(chunk, shapes, rank, device, scheme)
+        for key, names in groups.items():
+            a = torch.stack([factors[name][0] for name in names])  # (matrices, members, out, r)
+            b = torch.stack([factors[name][1] for name in names])  # (matrices, members, in, r)
+            product = combine_factors(a, b, c)  # (matrices, out, in)
+            target = stacked[key] if stacked[key] is not None else buffers[key]
+            # the first block is the sum so far (the per-matrix path's zeros + product); later blocks add
+            if index == 0:
+                target.copy_(product)
+            else:
+                target.add_(product)
+    for key, names in groups.items():
+        target = stacked[key] if stacked[key] is not None else buffers[key]
+        divisors = [n * math.sqrt(rank) * (sigma_of(sigma, name) if form == "textbook" else 1.0) for name in names]
+        if len(set(divisors)) == 1:
+            target.div_(divisors[0])
+        else:  # textbook form with a sigma per weight
+            for matrix, divisor in zip(target.unbind(0), divisors):
+                matrix.div_(divisor)
+        if key in buffers:
+            torch._foreach_copy_([totals[name] for name in names], list(target.unbind(0)))
     return totals
 
