@@ -299,6 +299,7 @@ def throughput_report(spec: ThroughputSpec, paths: Sequence[str] = PATHS, engine
         report["rows"] = measure_throughput(evaluator, spec, paths, "ray" if engine == "ray" else "vllm")
         report["adapter_transfer"] = getattr(evaluator, "adapter_transfer", None)  # after any fall-back to files
         report["lora_kernel_configs"] = getattr(evaluator, "lora_kernel_configs", None)  # tuned tiles a GPU engine uses
+        report["cudagraph_capture_sizes"] = getattr(evaluator, "cudagraph_capture_sizes", None)
         if weight_modes:
             release_eggroll(evaluator)
             report["weight_modes"] = measure_weight_modes(evaluator, spec, repeats=max(spec.repeats, 1))

@@ -335,26 +335,116 @@ def test_hf_ignores_the_models_own_generation_config(tmp_path, tiny_model_dir, t
     assert (config.repetition_penalty, config.no_repeat_ngram_size, config.top_k, config.temperature) == (1.0, 0, 0, 0.7)
 
 
-def test_tuned_lora_kernel_configs_are_picked_per_gpu_for_population_engines(tmp_path, monkeypatch):
-    from evolm_lib.engines.vllm.startup import LORA_KERNEL_CONFIGS, lora_kernel_folder
+def test_tuned_lora_kernel_configs_are_picked_per_gpu_for_lora_population_engines(tmp_path, monkeypatch):
+    from evolm_lib.engines import EngineSizing
+    from evolm_lib.engines.vllm.startup import LORA_KERNEL_CONFIGS, lora_kernel_folder, tuned_ranks
 
     h100 = "NVIDIA H100 80GB HBM3"
     monkeypatch.delenv("VLLM_TUNED_CONFIG_FOLDER", raising=False)
     # shipped for the H100 the sessions measured on; vLLM names the files after the device
     assert (LORA_KERNEL_CONFIGS / "NVIDIA_H100_80GB_HBM3_SHRINK.json").is_file()
     assert (LORA_KERNEL_CONFIGS / "NVIDIA_H100_80GB_HBM3_EXPAND_TRUE.json").is_file()
-    assert lora_kernel_folder("auto", h100, 33) == str(LORA_KERNEL_CONFIGS)
-    assert lora_kernel_folder("auto", h100, 1) is None  # a GRPO engine: tuned for busy slots, slower with one
-    assert lora_kernel_folder("auto", "NVIDIA H200", 33) is None  # not tuned there: vLLM's defaults
-    assert lora_kernel_folder("auto", None, 33) is None
-    assert lora_kernel_folder(None, h100, 33) is None
-    assert lora_kernel_folder(tmp_path, "NVIDIA H200", 1) == str(tmp_path)
+    assert tuned_ranks(LORA_KERNEL_CONFIGS, h100) == {1, 8}  # scripts/tune_lora_kernels.py --ranks 1,8
+    assert tuned_ranks(LORA_KERNEL_CONFIGS, "NVIDIA H200") == set()
+    population = EngineSizing(max_loras=33, max_lora_rank=1)  # a LoRA population of 32 and its mean
+    assert lora_kernel_folder("auto", h100, population) == str(LORA_KERNEL_CONFIGS)
+    assert lora_kernel_folder("auto", h100, population.replace(max_lora_rank=4)) == str(LORA_KERNEL_CONFIGS)  # slots of rank 8
+    assert lora_kernel_folder("auto", h100, population.replace(max_lora_rank=16)) is None  # a rank the tuning left out
+    # EGGROLL's rank-1 noise ran faster on vLLM's defaults; es_mode full serves no adapter
+    assert lora_kernel_folder("auto", h100, population.replace(es_mode="eggroll")) is None
+    assert lora_kernel_folder("auto", h100, population.replace(es_mode="full")) is None
+    assert lora_kernel_folder("auto", h100, population.replace(max_loras=1)) is None  # GRPO: tuned for busy slots
+    assert lora_kernel_folder("auto", "NVIDIA H200", population) is None  # not tuned there: vLLM's defaults
+    assert lora_kernel_folder("auto", None, population) is None
+    assert lora_kernel_folder(None, h100, population) is None
+    assert lora_kernel_folder(tmp_path, "NVIDIA H200", population.replace(es_mode="eggroll")) == str(tmp_path)
     with pytest.raises(ValueError, match="lora_kernel_configs"):
-        lora_kernel_folder(tmp_path / "missing", h100, 33)
+        lora_kernel_folder(tmp_path / "missing", h100, population)
     monkeypatch.setenv("VLLM_TUNED_CONFIG_FOLDER", str(LORA_KERNEL_CONFIGS))  # left by an earlier engine
-    assert lora_kernel_folder("auto", h100, 1) is None
+    assert lora_kernel_folder("auto", h100, population.replace(max_loras=1)) is None
     monkeypatch.setenv("VLLM_TUNED_CONFIG_FOLDER", str(tmp_path))  # the user's own choice wins
-    assert lora_kernel_folder("auto", h100, 1) == str(tmp_path)
+    assert lora_kernel_folder("auto", h100, population.replace(es_mode="eggroll")) == str(tmp_path)
+
+
+def test_a_process_keeps_the_lora_kernel_tiles_of_its_first_gpu_engine(monkeypatch):
+    from evolm_lib.config import ConfigError
+    from evolm_lib.engines import EngineSizing
+    from evolm_lib.engines.vllm import startup
+
+    h100 = "NVIDIA H100 80GB HBM3"
+    monkeypatch.delenv("VLLM_TUNED_CONFIG_FOLDER", raising=False)
+    monkeypatch.setattr(startup, "_lora_tiles", {})  # a process that has started no GPU engine yet
+    population = EngineSizing(max_loras=33, max_lora_rank=1)
+    shipped = str(startup.LORA_KERNEL_CONFIGS)
+    assert startup.lora_kernel_tiles("auto", h100, population) == shipped
+    assert os.environ["VLLM_TUNED_CONFIG_FOLDER"] == shipped  # set before vLLM reads it
+    assert startup.lora_kernel_tiles("auto", h100, population) == shipped  # the same choice: silent
+    # vLLM froze the variable at the first engine's start: EGGROLL's engine runs the shipped tiles, and says so
+    with pytest.warns(UserWarning, match="first GPU engine started with .*lora_kernel_configs.*would pick vLLM's default"):
+        assert startup.lora_kernel_tiles("auto", h100, population.replace(es_mode="eggroll")) == shipped
+    with pytest.raises(ConfigError, match="lora_kernel_configs: .*start it in a new process"):
+        startup.lora_kernel_tiles(None, h100, population)  # asked for by name: refused
+
+
+def test_cuda_graph_sizes_are_the_powers_of_two_below_the_largest_call_and_the_call():
+    from evolm_lib.engines.sizing import cudagraph_capture_sizes
+
+    assert cudagraph_capture_sizes(256, 1024) == [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    assert cudagraph_capture_sizes(300, 1024) == [1, 2, 4, 8, 16, 32, 64, 128, 256, 300]
+    assert cudagraph_capture_sizes(1, 1024) == [1]
+    assert cudagraph_capture_sizes(5, 256) == [1, 2, 4, 5]
+    # vLLM schedules at most max_num_seqs sequences a step: nothing captured above
+    assert cudagraph_capture_sizes(2000, 1024) == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
+    assert cudagraph_capture_sizes(300, 100) == [1, 2, 4, 8, 16, 32, 64, 100]
+    with pytest.raises(ValueError, match="largest_batch"):
+        cudagraph_capture_sizes(0, 1024)
+
+
+def test_a_runs_largest_call_by_hand():
+    from evolm_lib.config import ESConfig, GRPOConfig
+    from evolm_lib.engines import EngineSizing
+    from evolm_lib.engines.sizing import largest_call
+
+    # arithmetic: 200 train and 100 held-out problems; 32 members x 8 prompts with the mean's scoring
+    # of all 300 riding along = 556; scoring in a call of its own: max(256, 300)
+    config = ESConfig(model="tiny-random", task="arithmetic", population_size=32, prompts_per_step=8)
+    assert largest_call(config, 200, 100) == 32 * 8 + 300 == 556
+    assert largest_call(config.replace(score_in_population=False), 200, 100) == 300
+    assert largest_call(config.replace(score_in_population=False), 200, 100, validation=50) == 350
+    assert largest_call(config.replace(es_mode="full"), 200, 100) == 8 + 300  # one member a call
+    assert largest_call(config.replace(prompts_per_step=None, score_in_population=False), 20, 10) == 32 * 20
+    # GRPO: group_size x prompts, or the scoring call
+    grpo = GRPOConfig(model="tiny-random", task="arithmetic", prompts_per_step=64, group_size=8)
+    assert largest_call(grpo, 200, 100) == 512
+    assert largest_call(grpo.replace(prompts_per_step=16), 200, 100) == 300
+    # from_config reads the task's sizes and the mode
+    sizing = EngineSizing.from_config(config.replace(es_mode="eggroll"))
+    assert (sizing.largest_batch, sizing.es_mode) == (556, "eggroll")
+    assert EngineSizing.from_config(grpo).largest_batch == 512
+    # one engine for a sweep: the largest call of its runs
+    assert sizing.covering([grpo.replace(prompts_per_step=100)]).largest_batch == 800
+    with pytest.raises(ValueError, match="es_mode must be one of lora, full, eggroll"):
+        EngineSizing(es_mode="dense")
+
+
+def test_llm_arguments_capture_cuda_graphs_for_the_runs_calls_on_a_gpu_only(tmp_path):
+    from evolm_lib.engines import EngineSizing
+    from evolm_lib.engines.vllm.startup import llm_arguments
+
+    sizing = EngineSizing(max_loras=33, largest_batch=300)
+    on_gpu = llm_arguments(tmp_path, sizing, on_gpu=True)
+    assert on_gpu["compilation_config"] == {"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, 64, 128, 256, 300]}
+    assert not on_gpu["enforce_eager"]
+    assert "compilation_config" not in llm_arguments(tmp_path, sizing, on_gpu=False)  # eager on a CPU
+    assert "compilation_config" not in llm_arguments(tmp_path, sizing, on_gpu=True, enforce_eager=True)
+    assert "compilation_config" not in llm_arguments(tmp_path, sizing.replace(largest_batch=None), on_gpu=True)
+    capped = llm_arguments(tmp_path, sizing, on_gpu=True, max_num_seqs=100)["compilation_config"]
+    assert capped["cudagraph_capture_sizes"][-1] == 100
+    # the user's engine_kwargs win; a compilation_config without sizes gets them
+    own = {"compilation_config": {"cudagraph_capture_sizes": [1, 512]}}
+    assert llm_arguments(tmp_path, sizing, on_gpu=True, engine_kwargs=own)["compilation_config"] == {"cudagraph_capture_sizes": [1, 512]}
+    merged = llm_arguments(tmp_path, sizing, on_gpu=True, engine_kwargs={"compilation_config": {"mode": 3}})
+    assert merged["compilation_config"] == {"mode": 3, "cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, 64, 128, 256, 300]}
 
 
 def test_shipped_lora_kernel_configs_are_laid_out_as_vllm_reads_them():

@@ -21,6 +21,37 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 ADAPTER_TRANSFERS: tuple[str, ...] = get_args(AdapterTransfer)
 CPU_MEMORY_SHARE = 0.5
 """gpu_memory_utilization handed to vLLM on a CPU when it is not set (the KV cache has a fixed size there)."""
+ES_MODES = ("lora", "full", "eggroll")
+"""What an engine's population calls serve (``ESConfig.es_mode``; GRPO's engines serve LoRA adapters)."""
+
+
+def largest_call(config: CommonConfig, train: int, held_out: int, validation: int = 0) -> int:
+    """Requests in the largest engine call of a run (the sequences decoded at once), from its settings
+    and its task's train, held-out and validation problem counts.
+
+    Scoring: every scoring set in one greedy call (train + held-out + validation; the held-out score
+    at the end is a part of it). ES: the population's call, population_size x prompts per member
+    (prompts_per_step, at most the train set), with the scoring riding in it when ``score_in_population``;
+    es_mode full serves one member a call. GRPO: group_size x prompts."""
+    prompts = min(config.prompts_per_step or train, train)
+    scoring = train + held_out + validation
+    population = getattr(config, "population_size", None)
+    if population is None:  # GRPO
+        return max(getattr(config, "group_size", 1) * prompts, scoring)
+    members = 1 if getattr(config, "es_mode", "lora") == "full" else population
+    riding = scoring if getattr(config, "score_in_population", False) else 0
+    return max(members * prompts + riding, scoring)
+
+
+def cudagraph_capture_sizes(largest_batch: int, max_num_seqs: int) -> list[int]:
+    """The batch sizes to capture CUDA graphs for, for an engine whose largest call decodes
+    ``largest_batch`` sequences: the powers of two below it and the batch itself, so a step of a call
+    whose sequences are finishing pads to a captured size at most twice as large. None above
+    ``max_num_seqs`` (vLLM never schedules more sequences in a step)."""
+    if largest_batch < 1 or max_num_seqs < 1:
+        raise ValueError(f"largest_batch and max_num_seqs must be >= 1, got {largest_batch} and {max_num_seqs}")
+    top = min(largest_batch, max_num_seqs)
+    return sorted({1 << k for k in range(top.bit_length()) if 1 << k < top} | {top})
 
 
 def _setting(name: str) -> Any:
@@ -39,6 +70,14 @@ class EngineMemory:
     def kv_cache_bytes(self) -> int | None:
         """The fixed KV cache in bytes (None: vLLM sizes it from ``gpu_memory_utilization``)."""
         return None if self.kv_cache_gb is None else int(self.kv_cache_gb * 2**30)
+
+
+def _task_sizes(config: CommonConfig) -> tuple[int, int, int]:
+    """(train, held-out, validation) problem counts of a run's task."""
+    from ..tasks import get_task
+
+    task = get_task(config.task, **config.task_options)
+    return len(task.train_examples()), len(task.eval_examples()), len(task.validation_examples())
 
 
 def _grpo_transfer(config: CommonConfig) -> str:
@@ -72,6 +111,10 @@ class EngineSizing:
     "GPU engines: vLLM's batch-invariant kernels (VLLM_BATCH_INVARIANT=1), started before vLLM loads them"
     engines_per_gpu: int = _setting("engines_per_gpu")
     "engines sharing one GPU: each takes GPU_MEMORY_SHARE / engines_per_gpu when gpu_memory_utilization is unset"
+    es_mode: str = "lora"
+    "what its population calls serve: lora (adapters), eggroll (rank-r noise in LoRA slots), full (one member at a time); picks the LoRA kernel tiles"
+    largest_batch: int | None = None
+    "requests of the run's largest call (``largest_call``): CUDA graphs are captured up to it; None: vLLM's default sizes"
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_lora_rank <= VLLM_LORA_RANKS[-1]:
@@ -82,6 +125,10 @@ class EngineSizing:
             raise ValueError(f"engines_per_gpu must be an integer >= 1, got {self.engines_per_gpu!r}")
         if self.adapter_transfer not in ADAPTER_TRANSFERS:
             raise ValueError(f"adapter_transfer must be one of {', '.join(ADAPTER_TRANSFERS)}, got {self.adapter_transfer!r}")
+        if self.es_mode not in ES_MODES:
+            raise ValueError(f"es_mode must be one of {', '.join(ES_MODES)}, got {self.es_mode!r}")
+        if self.largest_batch is not None and self.largest_batch < 1:
+            raise ValueError(f"largest_batch must be >= 1 (or None), got {self.largest_batch}")
 
     @classmethod
     def from_config(cls, config: CommonConfig, max_loras: int | None = None) -> "EngineSizing":
@@ -91,18 +138,22 @@ class EngineSizing:
             population = getattr(config, "population_size", None)
             max_loras = population + 1 if population is not None else 1
         # EGGROLL serves each member's rank-noise_rank noise in a LoRA slot; the other modes their adapter
-        rank = config.noise_rank if getattr(config, "es_mode", "lora") == "eggroll" else config.lora_rank
+        es_mode = getattr(config, "es_mode", "lora")
+        rank = config.noise_rank if es_mode == "eggroll" else config.lora_rank
         return cls(max_loras=max_loras, max_lora_rank=rank, max_model_len=config.max_model_len,
                    dtype=config.dtype, gpu_memory_utilization=config.gpu_memory_utilization,
                    kv_cache_gb=config.kv_cache_gb, seed=config.seed, deterministic=config.deterministic,
                    engines_per_gpu=config.engines_per_gpu,
-                   adapter_transfer=getattr(config, "adapter_transfer", _grpo_transfer(config)))
+                   adapter_transfer=getattr(config, "adapter_transfer", _grpo_transfer(config)), es_mode=es_mode,
+                   largest_batch=largest_call(config, *_task_sizes(config)))
 
     def covering(self, configs: Iterable[CommonConfig]) -> "EngineSizing":
         """This sizing grown to serve each of these runs too (one engine shared by a sweep): the
-        largest of their adapters per call and of their ranks."""
+        largest of their adapters per call, of their ranks and of their calls (its own es_mode kept)."""
         sizings = [self, *(self.from_config(config) for config in configs)]
-        return self.replace(max_loras=max(s.max_loras for s in sizings), max_lora_rank=max(s.max_lora_rank for s in sizings))
+        batches = [s.largest_batch for s in sizings]
+        return self.replace(max_loras=max(s.max_loras for s in sizings), max_lora_rank=max(s.max_lora_rank for s in sizings),
+                            largest_batch=None if None in batches else max(batches))
 
     def replace(self, **changes: Any) -> "EngineSizing":
         """A copy with some sizes changed (checked again)."""

@@ -102,6 +102,8 @@ class EngineActor:
             "cpu_affinity": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
             "torch_threads": torch.get_num_threads(),
             "start_s": self.engine.start_seconds,
+            "lora_kernel_configs": self.engine.lora_kernel_configs,  # None: vLLM's default tiles
+            "cudagraph_capture_sizes": self.engine.cudagraph_capture_sizes,
         }
         return self.engine
 

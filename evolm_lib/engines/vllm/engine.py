@@ -60,7 +60,8 @@ class VLLMEvaluator(GridsInOneCall, MembersInPlace):
         member to an adapter file with a new LoRA id each call. ``enforce_eager``, ``max_num_seqs``,
         ``engine_kwargs``: see ``startup.llm_arguments``. ``lora_kernel_configs``: tuned tiles for
         vLLM's LoRA kernels on a GPU (see ``startup.lora_kernel_folder``; "auto" uses those shipped
-        for the H100 in population engines)."""
+        for the H100 in LoRA population engines, the sizing's ``es_mode`` lora; one choice per process:
+        ``startup.lora_kernel_tiles``)."""
         from ...models import resolve_model
 
         self.sizing = (sizing or EngineSizing()).replace(**sizes)
@@ -69,6 +70,7 @@ class VLLMEvaluator(GridsInOneCall, MembersInPlace):
                             lora_kernel_configs=lora_kernel_configs, engine_kwargs=engine_kwargs)
         self.llm, self.deterministic = started.llm, started.deterministic
         self.lora_kernel_configs, self.start_seconds = started.lora_kernel_configs, started.start_seconds
+        self.cudagraph_capture_sizes = started.cudagraph_capture_sizes
         VLLMEvaluator._live_engines += 1
         self.encoder = PromptEncoder(self.llm.get_tokenizer())
         self.files = AdapterFiles(self.model_dir, self.dtype, adapter_root)

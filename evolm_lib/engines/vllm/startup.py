@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ...env import apply_engine_defaults
 from ...quiet import engine_load_options
-from ..sizing import EngineSizing
+from ..sizing import EngineSizing, cudagraph_capture_sizes
 from .worker import EXTENSION
 
 # vLLM's multi-LoRA Triton kernel tiles tuned by scripts/tune_lora_kernels.py, one file pair per GPU model
@@ -19,16 +20,36 @@ LORA_KERNEL_CONFIGS = Path(__file__).resolve().parents[1] / "lora_kernel_configs
 
 
 POPULATION_TILES_MIN_LORAS = 16  # "auto" gives the shipped tiles to engines with at least this many adapter slots
+TUNED_MODES = ("lora",)
+"""The ES modes the shipped tiles were tuned for: LoRA populations (scripts/tune_lora_kernels.py builds
+its calls as a population's forward pass, tokens spread over 33 of 67 busy slots). EGGROLL's rank-1
+noise ran at 0.70 of the base model with them and at 0.87 with vLLM's defaults on Qwen2.5-1.5B's
+shapes (docs/measurements.md); es_mode full serves no adapter, and the tuned tiles slow such calls."""
 
 
-def lora_kernel_folder(choice: str | Path | None, device_name: str | None, max_loras: int) -> str | None:
-    """The folder vLLM should read tuned LoRA kernel configs from (``VLLM_TUNED_CONFIG_FOLDER``).
+def tuned_ranks(folder: str | Path, device_name: str) -> frozenset[int]:
+    """The LoRA ranks a folder's tiles were tuned for on this GPU: the shrink file's innermost keys
+    (config[max_loras + 1][num_slices][m][k = input size][n = rank]); empty when the GPU has no file."""
+    import json
 
-    "auto": a folder the user named in the environment; else, for an engine that serves a population
-    (``max_loras`` >= POPULATION_TILES_MIN_LORAS), the configs shipped here when they include this GPU
-    (``device_name``, e.g. "NVIDIA H100 80GB HBM3"); else None, vLLM's defaults. The shipped tiles were
-    tuned for population calls, with many slots busy; they slow down calls that carry no adapter
-    (docs/measurements.md), so engines of one or two adapters (GRPO) keep the defaults.
+    gpu = device_name.replace(" ", "_").replace("-", "_")
+    path = Path(folder) / f"{gpu}_SHRINK.json"
+    if not path.is_file():
+        return frozenset()
+    tree = json.loads(path.read_text())
+    return frozenset(int(n) for by_slices in tree.values() for by_m in by_slices.values()
+                     for by_k in by_m.values() for by_n in by_k.values() for n in by_n)
+
+
+def lora_kernel_folder(choice: str | Path | None, device_name: str | None, sizing: EngineSizing) -> str | None:
+    """The folder vLLM should read tuned LoRA kernel configs from (``VLLM_TUNED_CONFIG_FOLDER``) for
+    an engine of ``sizing``.
+
+    "auto": a folder the user named in the environment; else the configs shipped here where they
+    were tuned for what the engine serves: a LoRA population (``es_mode`` lora, ``max_loras`` >=
+    POPULATION_TILES_MIN_LORAS) at a slot rank the files cover, on a GPU they include (``device_name``,
+    e.g. "NVIDIA H100 80GB HBM3"); else None, vLLM's defaults: for EGGROLL's noise and es_mode full,
+    for engines of one or two adapters (GRPO) and for ranks the tuning left out.
     None: vLLM's defaults. A path: that folder, which must exist."""
     if choice is None:
         return None
@@ -39,15 +60,14 @@ def lora_kernel_folder(choice: str | Path | None, device_name: str | None, max_l
     named = os.environ.get("VLLM_TUNED_CONFIG_FOLDER")
     if named and named != str(LORA_KERNEL_CONFIGS):  # the user's own (ours may be left from an earlier engine)
         return named
-    if device_name is None or max_loras < POPULATION_TILES_MIN_LORAS:
+    if device_name is None or sizing.es_mode not in TUNED_MODES or sizing.max_loras < POPULATION_TILES_MIN_LORAS:
         return None
-    gpu = device_name.replace(" ", "_").replace("-", "_")
-    return str(LORA_KERNEL_CONFIGS) if (LORA_KERNEL_CONFIGS / f"{gpu}_SHRINK.json").is_file() else None
+    return str(LORA_KERNEL_CONFIGS) if sizing.engine_lora_rank in tuned_ranks(LORA_KERNEL_CONFIGS, device_name) else None
 
 
 def _use_lora_kernel_folder(folder: str | None) -> None:
-    """Point vLLM's LoRA ops at `folder` (None: their defaults), also where an earlier engine of this
-    process already loaded other configs (vLLM caches them per process)."""
+    """Point vLLM's LoRA ops at `folder` (None: their defaults) before the first GPU engine of this
+    process loads them (see ``lora_kernel_tiles``)."""
     if folder is None:
         os.environ.pop("VLLM_TUNED_CONFIG_FOLDER", None)
     else:
@@ -60,6 +80,37 @@ def _use_lora_kernel_folder(folder: str | None) -> None:
         clear = getattr(getattr(utils, cached, None), "cache_clear", None)
         if clear is not None:
             clear()
+
+
+_lora_tiles: dict[str, str | None] = {}  # "process": the tiles of this process's first GPU engine, once started
+
+
+def lora_kernel_tiles(choice: str | Path | None, device_name: str, sizing: EngineSizing) -> str | None:
+    """Set the LoRA kernel tiles for the GPU engine about to start; returns the folder it will use
+    (None: vLLM's defaults).
+
+    vLLM 0.26 reads ``VLLM_TUNED_CONFIG_FOLDER`` through its environment cache, which the first engine
+    of a process freezes when it starts (``vllm.envs.enable_envs_cache``), so every later engine in the
+    process runs the first one's tiles whatever the variable says. A later engine that would pick
+    other tiles gets the first's with a warning under "auto", and is refused when it named its own
+    (start it in a new process)."""
+    wanted = lora_kernel_folder(choice, device_name, sizing)
+    if "process" not in _lora_tiles:
+        _use_lora_kernel_folder(wanted)
+        _lora_tiles["process"] = wanted
+        return wanted
+    first = _lora_tiles["process"]
+    if wanted != first:
+        said = {None: "vLLM's default tiles"}
+        message = (f"lora_kernel_configs: this process's first GPU engine started with {said.get(first, first)}, and vLLM "
+                   f"reads the LoRA kernel tiles once per process; this engine (es_mode {sizing.es_mode}, rank "
+                   f"{sizing.engine_lora_rank}) would pick {said.get(wanted, wanted)}")
+        if choice != "auto":
+            from ...config import ConfigError
+
+            raise ConfigError(message + ": start it in a new process")
+        warnings.warn(message + " but runs with the first's; start it in a new process for its own", stacklevel=3)
+    return first
 
 
 # ----------------------------------------------------------------------------- starting an engine
@@ -102,8 +153,9 @@ def llm_arguments(model_dir: str | Path, sizing: EngineSizing, on_gpu: bool, *, 
     """The keyword arguments of ``vllm.LLM`` for an engine of these sizes on a GPU or a CPU.
 
     ``enforce_eager`` None: eager on a CPU (no compilation), CUDA graphs on a GPU (where decoding
-    without them is several times slower). ``max_num_seqs`` None: every request of a population call
-    in one batch.
+    without them is several times slower), captured for the batch sizes of ``cudagraph_capture_sizes``
+    when the sizing knows its run's largest call. ``max_num_seqs`` None: every request of a population
+    call in one batch.
     ``engine_kwargs``: further ``vllm.LLM`` arguments, which win over the ones derived here."""
     memory = sizing.memory(on_gpu)
     extra = {**engine_load_options(), **(engine_kwargs or {})}  # no loading bar in notebooks
@@ -118,6 +170,16 @@ def llm_arguments(model_dir: str | Path, sizing: EngineSizing, on_gpu: bool, *, 
         extra.setdefault("enable_prefix_caching", False)
     if not on_gpu:  # a whole prompt always fits one scheduler step (see ``run_requests``)
         extra.setdefault("max_num_batched_tokens", max(CPU_BATCHED_TOKENS, sizing.max_model_len))
+    eager = (not on_gpu) if enforce_eager is None else enforce_eager
+    max_num_seqs = max_num_seqs or (1024 if on_gpu else 256)
+    if on_gpu and not eager and sizing.largest_batch is not None:
+        # vLLM captures a graph per batch size up to 512 (51 sizes, each with and without LoRA): most of
+        # a 1.5B engine's 165 s start. A run decodes at most its largest call at once.
+        compilation = extra.get("compilation_config")
+        if compilation is None or (isinstance(compilation, dict) and not
+                                   {"cudagraph_capture_sizes", "max_cudagraph_capture_size"} & set(compilation)):
+            extra["compilation_config"] = {
+                **(compilation or {}), "cudagraph_capture_sizes": cudagraph_capture_sizes(sizing.largest_batch, max_num_seqs)}
     return dict(
         model=str(model_dir),
         dtype=sizing.dtype,
@@ -128,8 +190,8 @@ def llm_arguments(model_dir: str | Path, sizing: EngineSizing, on_gpu: bool, *, 
         max_cpu_loras=2 * sizing.engine_loras,
         max_model_len=sizing.max_model_len,
         gpu_memory_utilization=memory.gpu_memory_utilization,
-        enforce_eager=(not on_gpu) if enforce_eager is None else enforce_eager,
-        max_num_seqs=max_num_seqs or (1024 if on_gpu else 256),
+        enforce_eager=eager,
+        max_num_seqs=max_num_seqs,
         **extra,
     )
 
@@ -146,6 +208,8 @@ class StartedEngine:
     "the folder of tuned LoRA kernel tiles it reads (None: vLLM's defaults)"
     start_seconds: float
     "how long ``vllm.LLM`` took to start"
+    cudagraph_capture_sizes: list[int] | None = None
+    "the batch sizes its CUDA graphs were asked for (None: vLLM's default sizes, or an eager engine)"
 
 
 def start_llm(model_dir: str | Path, sizing: EngineSizing, *, enforce_eager: bool | None = None,
@@ -160,12 +224,11 @@ def start_llm(model_dir: str | Path, sizing: EngineSizing, *, enforce_eager: boo
 
     on_gpu = torch.cuda.is_available()
     deterministic = batch_invariance(sizing.deterministic, on_gpu)
-    folder = None
-    if on_gpu:
-        folder = lora_kernel_folder(lora_kernel_configs, torch.cuda.get_device_name(), sizing.max_loras)
-        _use_lora_kernel_folder(folder)
+    folder = lora_kernel_tiles(lora_kernel_configs, torch.cuda.get_device_name(), sizing) if on_gpu else None
     arguments = llm_arguments(model_dir, sizing, on_gpu, enforce_eager=enforce_eager, max_num_seqs=max_num_seqs,
                               engine_kwargs=engine_kwargs)
     started = time.perf_counter()
     llm = LLM(**arguments)
-    return StartedEngine(llm, deterministic, folder, time.perf_counter() - started)
+    compilation = arguments.get("compilation_config")
+    sizes = compilation.get("cudagraph_capture_sizes") if isinstance(compilation, dict) and not arguments["enforce_eager"] else None
+    return StartedEngine(llm, deterministic, folder, time.perf_counter() - started, sizes)
