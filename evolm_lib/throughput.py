@@ -13,7 +13,9 @@ every call makes N*M*T tokens), one path after the other on the same engine:
   sent as N adapters, which vLLM loads from adapter files; on the HF engine, member by member;
 - ``eggroll``: es_mode eggroll's population on a vLLM engine: each member's rank-``rank`` noise on
   every weight of the 7 projections, written from its seed into a resident LoRA slot (inside the
-  timed call), the mean in the base weights.
+  timed call), the mean in the base weights;
+- ``full``: es_mode full's population: each member's full-rank noise written into the weights of the
+  7 projections, its M prompts served, the mean restored, member after member (as ES runs it).
 
 Each path is warmed up by one short call with the same requests (it also sets the resident slots
 up), then timed ``repeats`` times, every call with a new generation's seeds as ES does. A row keeps
@@ -43,9 +45,10 @@ from .types import Prompt
 PATHS = ("base", "in_place", "files")
 """The paths a measurement takes unless told otherwise; ``eggroll`` is asked for by name (it moves the
 engine's weights of the 7 projections to a path of its own on a CPU engine)."""
-KNOWN_PATHS = (*PATHS, "eggroll")
+KNOWN_PATHS = (*PATHS, "eggroll", "full")
 PATH_LABELS = {"base": "base model", "in_place": "population, in place", "files": "population, adapter files",
                "eggroll": "EGGROLL population (rank-r noise in slots)",
+               "full": "full-ES population (one at a time)",
                "hf files": "population, member by member"}  # by path, or by row name where it differs
 BENCH_PROMPTS = (
     "What is 17 + 25? Explain briefly.",
@@ -58,7 +61,7 @@ BENCH_PROMPTS = (
     "List two prime numbers above 10.",
 )
 # the ratios every report shows, where both rows were measured: (numerator, denominator) row names
-RATIOS = (("vllm eggroll", "vllm base"), ("vllm in_place", "vllm base"), ("vllm files", "vllm base"), ("vllm in_place", "hf files"),
+RATIOS = (("vllm eggroll", "vllm base"), ("vllm full", "vllm base"), ("vllm in_place", "vllm base"), ("vllm files", "vllm base"), ("vllm in_place", "hf files"),
           ("vllm files", "hf files"), ("hf base", "hf files"), ("ray in_place", "ray base"), ("ray files", "ray base"))
 
 
@@ -178,11 +181,28 @@ def eggroll_of(evaluator: Evaluator, spec: ThroughputSpec) -> tuple:
 
 
 def release_eggroll(evaluator: Evaluator) -> None:
-    """Give back an engine's EGGROLL slots and master (before it measures something else)."""
+    """Give back an engine's EGGROLL slots and master, and es_mode full's master (before it measures
+    something else)."""
     weights, slots = _EGGROLL.pop(evaluator, (None, None))
     if slots is not None:
         slots.close()
         weights.close()
+    full = _FULL.pop(evaluator, None)
+    if full is not None:
+        full.close()
+
+
+_FULL: "weakref.WeakKeyDictionary[Evaluator, Any]" = weakref.WeakKeyDictionary()  # evaluator -> es_mode full's weights
+
+
+def full_weights_of(evaluator: Evaluator):
+    """es_mode full's resident weights of the 7 projections on an engine, made once per engine."""
+    from .lora import ALL_PROJECTIONS
+
+    if evaluator not in _FULL:
+        release_eggroll(evaluator)  # one master on the engine at a time
+        _FULL[evaluator] = evaluator.resident_weights(ALL_PROJECTIONS, noise="full")
+    return _FULL[evaluator]
 
 
 def _call(evaluator: Evaluator, spec: ThroughputSpec, path: str, prompts: list[Prompt], mean, generation: int,
@@ -190,7 +210,15 @@ def _call(evaluator: Evaluator, spec: ThroughputSpec, path: str, prompts: list[P
     """One engine call of a path; returns the table and the seconds spent making host adapters."""
     if path == "base":
         return evaluator.generate([p for _ in range(spec.population) for p in prompts], [None], sampling), 0.0
+    if path == "full":
+        table, _, timing = evaluator.run_members_one_by_one(full_weights_of(evaluator), members_of(spec, generation),
+                                                            spec.sigma, prompts, sampling)
+        table.timing.update(timing)
+        return table, 0.0
     if path == "eggroll":
+        full = _FULL.pop(evaluator, None)
+        if full is not None:  # one master on the engine at a time
+            full.close()
         weights, slots = eggroll_of(evaluator, spec)
         write_s = weights.write_slots(slots, members_of(spec, generation), spec.sigma)
         (table,) = evaluator.run_lowrank(slots, [(prompts, "members", sampling)])
@@ -284,8 +312,8 @@ def throughput_report(spec: ThroughputSpec, paths: Sequence[str] = PATHS, engine
     or on ``evaluator`` (left open); returns the rows, their ratios, the engine's start time and the
     machine it ran on; with ``weight_modes`` also es_mode full's and EGGROLL's own costs on that
     engine (:func:`measure_weight_modes`). ``eggroll`` is measured after the other paths (on a CPU
-    engine it moves the projections' weights to plain kernels)."""
-    paths = [p for p in paths if p != "eggroll"] + [p for p in paths if p == "eggroll"]
+    engine it moves the projections' weights to plain kernels), then ``full``."""
+    paths = [p for p in paths if p not in ("eggroll", "full")] + [p for p in ("eggroll", "full") if p in paths]
     report: dict[str, Any] = {"mode": "throughput", **asdict(spec), "machine": machine_info(), "load_before": load_average(),
                               "engine": engine}
     own = evaluator is None

@@ -1,0 +1,247 @@
+"""Each ES mode against the base model, with the LoRA kernel tiles it picks, and EGGROLL's update:
+``python -m evolm_lib.benchmark modes``.
+
+1. Throughput (``evolm_lib.throughput``): the base model and each mode's population on one engine,
+   N members x M prompts x T new tokens (EOS ignored), as ratios to the base model of the same engine:
+   ``lora`` (rank-r adapters written into resident LoRA slots), ``eggroll`` (rank-r noise on every
+   weight of the 7 projections, in LoRA slots) and ``full`` (full-rank noise written into the weights,
+   member after member). vLLM reads its LoRA kernel tiles once per process, so ``--tiles`` sets them
+   for the process: ``default`` (vLLM's), ``shipped`` (``engines/lora_kernel_configs``) or ``auto``
+   (what each mode's run engine picks, ``startup.lora_kernel_folder``; modes that pick other tiles
+   than the first mode are measured in a process of their own, one after the other, each against
+   the base model on its own engine). Each row names the tiles it ran with and those its mode picks.
+2. EGGROLL's update at population N: the gradient of the 7 projections' weights from the members'
+   seeds, batched by weight shape (``es.lowrank.lowrank_gradient``) beside the per-matrix path it
+   replaced (``lowrank_gradient_per_matrix``), medians of ``--update-repeats``, and whether the two
+   give the same bits; then the whole update on the engine as a run makes it (factors, gradient, SGD
+   on the float32 master, weights rewritten: ``throughput.measure_weight_modes``).
+
+Examples::
+
+    python -m evolm_lib.benchmark modes --model tiny-random --population 4 --prompts 2 --new-tokens 8
+    python -m evolm_lib.benchmark modes --model DIR --tiles default --json default.json   # on one card,
+    python -m evolm_lib.benchmark modes --model DIR --tiles shipped --json shipped.json   # and on another
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from ..env import apply_engine_defaults
+from ..throughput import ThroughputSpec, machine_info, measure_throughput, measure_weight_modes, release_eggroll, start_engine
+
+MODE_PATHS = {"lora": "in_place", "eggroll": "eggroll", "full": "full"}
+"""ES mode -> the throughput path that serves its population."""
+TILES = ("auto", "default", "shipped")
+
+
+def picked_tiles(mode: str, spec: ThroughputSpec, device_name: str | None) -> str | None:
+    """The LoRA kernel tiles an engine of a ``mode`` run of the spec's population picks (None: vLLM's)."""
+    from ..engines import EngineSizing
+    from ..engines.vllm.startup import lora_kernel_folder
+
+    sizing = EngineSizing(max_loras=spec.population + 1, max_lora_rank=spec.rank, es_mode=mode)  # members and their mean
+    return lora_kernel_folder("auto", device_name, sizing)
+
+
+def tile_groups(modes: Sequence[str], picks: dict[str, str | None]) -> list[list[str]]:
+    """The modes grouped by the tiles they pick, in the order given (one process per group)."""
+    groups: dict[str | None, list[str]] = {}
+    for mode in modes:
+        groups.setdefault(picks[mode], []).append(mode)
+    return list(groups.values())
+
+
+def time_update(model_dir: str | Path, population: int, rank: int, repeats: int, device: str,
+                sigma: float = 1e-3) -> dict[str, Any]:
+    """Median seconds of EGGROLL's gradient over the 7 projections' weights, batched by shape and per
+    matrix, each generation's members drawn from its seeds on ``device``; and whether they agree bitwise."""
+    import torch
+
+    from ..engines.resident_weights import targeted_weight_shapes
+    from ..es import core as es
+    from ..es.lowrank import lowrank_gradient, lowrank_gradient_per_matrix, shape_groups
+    from ..lora import ALL_PROJECTIONS
+
+    shapes = targeted_weight_shapes(model_dir, ALL_PROJECTIONS)
+    layout = es.Layout.of(shapes)
+    flat = torch.empty(layout.total, dtype=torch.float32, device=device)  # where a run's master update goes
+    weights = torch.linspace(-1.0, 1.0, population)  # shaped fitness: distinct, not all zero
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+    def timed(gradient, generation: int, **out) -> tuple[float, Any]:
+        members = es.population(0, generation, population, antithetic=population % 2 == 0)
+        sync()
+        started = time.perf_counter()
+        result = gradient(members, weights, shapes, rank, sigma, device=device, **out)
+        sync()
+        return time.perf_counter() - started, result
+
+    grouped, per_matrix = [], []
+    for generation in range(repeats + 1):  # the first warms the kernels up
+        grouped.append(timed(lowrank_gradient, generation, out=layout.split(flat))[0])
+        seconds, reference = timed(lowrank_gradient_per_matrix, generation)
+        per_matrix.append(seconds)
+    batched = layout.split(flat)  # the last generation's, beside its per-matrix reference
+    equal = all(torch.equal(batched[name], reference[name]) for name in shapes)
+    difference = max(float((batched[name] - reference[name]).abs().max()) for name in shapes)
+    result = {"weights_values": layout.total, "matrices": len(shapes), "shape_groups": len(shape_groups(shapes)),
+              "population": population, "rank": rank, "repeats": repeats, "device": device,
+              "grouped_s": statistics.median(grouped[1:]), "per_matrix_s": statistics.median(per_matrix[1:]),
+              "bitwise_equal": equal, "max_abs_difference": difference}
+    del flat, reference, batched
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+def measure_modes(evaluator, spec: ThroughputSpec, modes: Sequence[str], weight_modes: bool = True) -> dict[str, Any]:
+    """Rows of the base model and each mode's population on ``evaluator``, their ratios to the base
+    model, and (``weight_modes``) the engine's EGGROLL update and full mode's write and restore."""
+    rows = measure_throughput(evaluator, spec, ["base", *(MODE_PATHS[m] for m in modes)])
+    release_eggroll(evaluator)
+    by_path = {row["path"]: row for row in rows}
+    ratios = {mode: by_path[MODE_PATHS[mode]]["tokens_per_s"] / by_path["base"]["tokens_per_s"] for mode in modes}
+    out = {"rows": [{k: v for k, v in row.items() if k != "calls"} for row in rows], "ratios": ratios}
+    if weight_modes:
+        out["engine_update"] = measure_weight_modes(evaluator, spec, repeats=spec.repeats)
+    return out
+
+
+def _run_group(argv: list[str], modes: list[str]) -> dict[str, Any]:
+    """One tile group in a process of its own (vLLM reads the tiles once per process); its results."""
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "group.json"
+        command = [sys.executable, "-m", "evolm_lib.benchmark", "modes", *argv, "--modes", ",".join(modes),
+                   "--json", str(path), "--no-update"]
+        subprocess.run(command, check=True)
+        return json.loads(path.read_text())
+
+
+def format_modes(result: dict[str, Any]) -> str:
+    """The throughput rows with their tiles and ratios, and the update times."""
+    def tiles(folder: str | None) -> str:
+        return "vLLM's defaults" if folder is None else ("shipped" if folder == result["shipped_folder"] else folder)
+
+    spec = result["spec"]
+    lines = [f"model {spec['model']}: {spec['population']} members (rank {spec['rank']}) x {spec['prompts']} prompts x "
+             f"{spec['new_tokens']} new tokens (EOS ignored), median of {spec['repeats']} call(s); --tiles {result['tiles']}; "
+             f"GPU {result['machine'].get('gpu')}",
+             f"{'mode':<10}{'tok/s':>10}{'/ base':>8}  {'tiles it ran with':<20}{'tiles auto picks':<18}engine start"]
+    for mode, entry in result["modes"].items():
+        rate = entry["tokens_per_s"]
+        ratio = "" if mode == "base" else f"{result['ratios'][mode]:8.2f}"
+        lines.append(f"{mode:<10}{rate:>10.1f}{ratio:>8}  {tiles(entry['tiles_used']):<20}"
+                     f"{'' if mode == 'base' else tiles(entry['tiles_picked']):<18}{entry['engine_start_s']:.1f} s")
+    update = result.get("update")
+    if update:
+        lines += ["", f"EGGROLL gradient, {update['weights_values']:,} values in {update['matrices']} matrices "
+                      f"({update['shape_groups']} shapes), population {update['population']}, on {update['device']}: "
+                      f"batched by shape {update['grouped_s'] * 1e3:.1f} ms, per matrix {update['per_matrix_s'] * 1e3:.1f} ms "
+                      f"({update['per_matrix_s'] / update['grouped_s']:.2f}x); same bits: "
+                      f"{'yes' if update['bitwise_equal'] else 'no, max difference %.3g' % update['max_abs_difference']}"]
+    engine_update = result.get("engine_update")
+    if engine_update:
+        lines.append(f"EGGROLL update on the engine (factors, gradient, SGD on the float32 master, weights rewritten): "
+                     f"{engine_update['eggroll_update_s'] * 1e3:.1f} ms; es_mode full: write a member "
+                     f"{engine_update['full_write_s'] * 1e3:.1f} ms, restore {engine_update['full_restore_s'] * 1e3:.1f} ms")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Measure, print the table, optionally write JSON; returns the results."""
+    import torch
+
+    from ..engines.vllm.startup import LORA_KERNEL_CONFIGS
+    from ..models import resolve_model
+
+    gpu = torch.cuda.is_available()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="python -m evolm_lib.benchmark modes", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct", help="known name or model folder")
+    parser.add_argument("--population", type=int, default=32 if gpu else 4, help="members (32 on a GPU, 4 on a CPU)")
+    parser.add_argument("--prompts", type=int, default=8 if gpu else 2, help="prompts per member")
+    parser.add_argument("--new-tokens", type=int, default=128 if gpu else 8, help="tokens per request")
+    parser.add_argument("--rank", type=int, default=1, help="LoRA rank of lora's members and EGGROLL's noise")
+    parser.add_argument("--repeats", type=int, default=3 if gpu else 1, help="timed calls a path")
+    parser.add_argument("--update-repeats", type=int, default=5 if gpu else 2, help="timed EGGROLL gradients a path")
+    parser.add_argument("--modes", default=",".join(MODE_PATHS), help=f"ES modes, from {list(MODE_PATHS)}")
+    parser.add_argument("--tiles", choices=TILES, default="auto", help="LoRA kernel tiles of this process (see above)")
+    parser.add_argument("--no-update", action="store_true", help="leave EGGROLL's update timings out")
+    parser.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")
+    args = parser.parse_args(argv)
+    for name in ("population", "prompts", "new_tokens", "rank", "repeats", "update_repeats"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.population % 2:
+        parser.error("--population must be even (antithetic pairs)")
+    modes = [m for m in args.modes.split(",") if m]
+    if not modes or any(m not in MODE_PATHS for m in modes) or len(set(modes)) != len(modes):
+        parser.error(f"--modes must name some of {list(MODE_PATHS)}, each once; got {args.modes!r}")
+    apply_engine_defaults()
+    model_dir = resolve_model(args.model)
+    spec = ThroughputSpec(model=str(model_dir), population=args.population, prompts=args.prompts,
+                          new_tokens=args.new_tokens, rank=args.rank, repeats=args.repeats,
+                          noise_device="cuda" if gpu else "cpu")
+    device_name = torch.cuda.get_device_name() if gpu else None
+    picks = {mode: picked_tiles(mode, spec, device_name) for mode in modes}
+    groups = tile_groups(modes, picks) if args.tiles == "auto" else [modes]
+    folder = {"default": None, "shipped": str(LORA_KERNEL_CONFIGS), "auto": picks[groups[0][0]]}[args.tiles]
+    result: dict[str, Any] = {"machine": machine_info(), "spec": {**spec.__dict__}, "tiles": args.tiles,
+                              "shipped_folder": str(LORA_KERNEL_CONFIGS), "modes": {}, "ratios": {}}
+    if not args.no_update:  # before the engine takes its share of the card
+        result["update"] = time_update(model_dir, args.population, args.rank, args.update_repeats,
+                                       "cuda" if gpu else "cpu")
+    # this process: the first tile group, on one engine of the population's size, graphs for its calls
+    engine = start_engine(spec, max_model_len=512, lora_kernel_configs=folder, largest_batch=spec.requests)
+    try:
+        measured = measure_modes(engine, spec, groups[0], weight_modes=not args.no_update and "eggroll" in modes)
+        used, start_s = engine.lora_kernel_configs, engine.start_seconds
+        result["cudagraph_capture_sizes"] = engine.cudagraph_capture_sizes
+    finally:
+        engine.close()
+    rows = {row["path"]: row for row in measured["rows"]}
+    result["modes"]["base"] = {"tokens_per_s": rows["base"]["tokens_per_s"], "tiles_used": used, "tiles_picked": None,
+                               "engine_start_s": start_s}
+    for mode in groups[0]:
+        result["modes"][mode] = {"tokens_per_s": rows[MODE_PATHS[mode]]["tokens_per_s"], "tiles_used": used,
+                                 "tiles_picked": picks[mode], "engine_start_s": start_s,
+                                 "base_tokens_per_s": rows["base"]["tokens_per_s"]}
+    result["ratios"].update(measured["ratios"])
+    result["rows"] = measured["rows"]
+    if "engine_update" in measured:
+        result["engine_update"] = measured["engine_update"]
+    for group in groups[1:]:  # modes that pick other tiles: a process each (GPU only: a CPU has one group)
+        child = _run_group([a for a in _without_modes(argv)], group)
+        for mode in group:
+            result["modes"][mode] = child["modes"][mode]
+            result["ratios"][mode] = child["ratios"][mode]
+        result["rows"] += child["rows"]
+    print(format_modes(result), flush=True)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1))
+    return result
+
+
+def _without_modes(argv: Sequence[str]) -> list[str]:
+    """The command line without its --modes, --json and --no-update (a tile group's process gets its own)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        if arg in ("--modes", "--json"):
+            skip = True
+            continue
+        if arg == "--no-update" or arg.startswith(("--modes=", "--json=")):
+            continue
+        out.append(arg)
+    return out

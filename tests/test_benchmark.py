@@ -1,0 +1,71 @@
+"""The benchmark subcommands of the modes and the engine start, run end to end on a CPU with tiny
+settings: the structure of what they print and write, and ratios made from what they measured."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+
+def test_the_modes_benchmark_measures_each_mode_against_the_base_model(tiny_model_dir, tmp_path, capsys):
+    from evolm_lib.benchmark import main as benchmark
+
+    out = tmp_path / "modes.json"
+    result = benchmark(["modes", "--model", str(tiny_model_dir), "--population", "2", "--prompts", "1",
+                        "--new-tokens", "3", "--update-repeats", "1", "--json", str(out)])
+    assert json.loads(out.read_text())["ratios"] == result["ratios"]
+    assert set(result["modes"]) == {"base", "lora", "eggroll", "full"}
+    rows = {row["path"]: row for row in result["rows"]}
+    assert all(row["tokens"] == 2 * 1 * 3 for row in rows.values())  # EOS ignored: every request its 3 tokens
+    for mode, path in (("lora", "in_place"), ("eggroll", "eggroll"), ("full", "full")):
+        assert result["ratios"][mode] == rows[path]["tokens_per_s"] / rows["base"]["tokens_per_s"]
+        # a CPU engine has no Triton LoRA kernels: vLLM's defaults, whatever a mode would pick
+        assert result["modes"][mode]["tiles_used"] is None and result["modes"][mode]["tiles_picked"] is None
+    update = result["update"]
+    assert update["bitwise_equal"] and update["max_abs_difference"] == 0.0  # batched by shape = per matrix, on a CPU
+    assert update["shape_groups"] < update["matrices"] and update["grouped_s"] > 0 and update["per_matrix_s"] > 0
+    assert result["engine_update"]["eggroll_update_s"] > 0
+    printed = capsys.readouterr().out
+    assert "lora" in printed and "vLLM's defaults" in printed and "batched by shape" in printed and "same bits: yes" in printed
+
+
+def test_the_modes_benchmark_refuses_bad_options():
+    from evolm_lib.benchmark import main as benchmark
+
+    for argv in (["modes", "--modes", "lora,dense"], ["modes", "--population", "3"], ["modes", "--tiles", "tuned"],
+                 ["modes", "--modes", "lora,lora"]):
+        with pytest.raises(SystemExit):
+            benchmark(argv)
+
+
+def test_modes_that_pick_other_tiles_are_grouped_apart():
+    from evolm_lib.benchmark.modes import _without_modes, picked_tiles, tile_groups
+    from evolm_lib.engines.vllm.startup import LORA_KERNEL_CONFIGS
+    from evolm_lib.throughput import ThroughputSpec
+
+    spec = ThroughputSpec(population=32, rank=1)
+    h100 = "NVIDIA H100 80GB HBM3"
+    picks = {mode: picked_tiles(mode, spec, h100) for mode in ("lora", "eggroll", "full")}
+    assert picks == {"lora": str(LORA_KERNEL_CONFIGS), "eggroll": None, "full": None}
+    assert tile_groups(["eggroll", "lora", "full"], picks) == [["eggroll", "full"], ["lora"]]
+    assert tile_groups(["lora", "eggroll"], {m: None for m in ("lora", "eggroll")}) == [["lora", "eggroll"]]
+    assert _without_modes(["--model", "m", "--modes", "lora", "--json=x", "--no-update", "--tiles", "auto"]) == [
+        "--model", "m", "--tiles", "auto"]
+
+
+def test_the_engine_start_benchmark_starts_both_ways_and_checks_throughput(tiny_model_dir, tmp_path, capsys):
+    from evolm_lib.benchmark import main as benchmark
+
+    out = tmp_path / "start.json"
+    report = benchmark(["engine-start", "--model", str(tiny_model_dir), "--population", "2", "--prompts", "1",
+                        "--new-tokens", "3", "--json", str(out)])
+    assert json.loads(out.read_text())["ratios"] == report["ratios"]
+    derived, default = report["engines"]["derived"], report["engines"]["default"]
+    assert derived["start_s"] > 0 and default["start_s"] > 0
+    assert report["ratios"]["start_s derived / default"] == derived["start_s"] / default["start_s"]
+    rate = {c: {row["path"]: row["tokens_per_s"] for row in report["engines"][c]["rows"]} for c in ("derived", "default")}
+    assert report["ratios"]["in_place tok/s derived / default"] == rate["derived"]["in_place"] / rate["default"]["in_place"]
+    assert not report["cuda_graphs"] and derived["cudagraph_capture_sizes"] is None  # eager on a CPU
+    assert "both engines start eager" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        benchmark(["engine-start", "--capture", "some"])
