@@ -98,6 +98,11 @@ def test_equal_antithetic_rewards_give_a_zero_update():
     members = [Member(3, 1), Member(3, -1)]
     update = lowrank_gradient(members, [0.5, 0.5], SHAPES, rank=1, sigma=0.1)
     assert all(torch.count_nonzero(t) == 0 for t in update.values())
+    # also into a flat vector whose same-shaped weights are not evenly spaced (copied out of a buffer)
+    shapes = {"a.q": (2, 2), "b.k": (1, 2), "c.q": (2, 2), "d.k": (1, 2), "e.k": (1, 2)}
+    out = {name: torch.full(shape, float("nan")) for name, shape in shapes.items()}
+    update = lowrank_gradient(members, [0.5, 0.5], shapes, rank=1, sigma=0.1, out=out)
+    assert all(torch.equal(t, torch.zeros_like(t)) for t in update.values())
 
 
 def test_bad_rank_and_shapes_are_named():

@@ -162,8 +162,8 @@ def lowrank_gradient(members: Sequence[Member], weights: torch.Tensor | Sequence
     step = block or factor_layout(shapes, rank).block_size()
     chunks = [seeds[start:start + step] for start in range(0, len(seeds), step)]
     if not chunks:  # every coefficient zero (e.g. equal antithetic rewards): a zero update
-        for total in totals.values():
-            total.zero_()
+        for key in groups:
+            (stacked[key] if stacked[key] is not None else buffers[key]).zero_()
     for index, chunk in enumerate(chunks):
         c = torch.tensor([coefficient[seed] for seed in chunk], dtype=torch.float32)
         factors = member_factors(chunk, shapes, rank, device, scheme)
