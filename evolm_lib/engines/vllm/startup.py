@@ -29,7 +29,8 @@ shapes (docs/measurements.md); es_mode full serves no adapter, and the tuned til
 
 def tuned_ranks(folder: str | Path, device_name: str) -> frozenset[int]:
     """The LoRA ranks a folder's tiles were tuned for on this GPU: the shrink file's innermost keys
-    (config[max_loras + 1][num_slices][m][k = input size][n = rank]); empty when the GPU has no file."""
+    (``config[max_loras + 1][num_slices][m][k][n]``, k the input size, n the rank); empty when the
+    GPU has no file."""
     import json
 
     gpu = device_name.replace(" ", "_").replace("-", "_")
