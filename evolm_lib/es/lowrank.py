@@ -82,15 +82,21 @@ def slot_factors(member: Member, shapes: Shapes, rank: int, sigma: Sigma, device
             for name, (a, b) in factors.items()}
 
 
-def combine_factors(a: torch.Tensor, b: torch.Tensor, coefficients: torch.Tensor) -> torch.Tensor:
-    """sum_i coefficients[i] * a[..., i] @ b[..., i]^T for a (..., members, out, r), b (..., members, in, r):
-    (..., out, in), as ONE product of the concatenated factors (a batched one for leading dimensions,
-    e.g. a group of same-shaped weights), accumulated in float32."""
+def _concatenated(a: torch.Tensor, b: torch.Tensor, coefficients: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A (..., out, N r), (B diag(c))^T (..., N r, in)): the members' factors side by side, float32."""
     *lead, members, out_features, rank = a.shape
     c = torch.as_tensor(coefficients, dtype=torch.float32, device=a.device).reshape(members, 1, 1)
     left = a.float().transpose(-3, -2).reshape(*lead, out_features, members * rank)  # (..., out, N r)
     right = (b.float() * c).transpose(-3, -2).reshape(*lead, b.shape[-2], members * rank)  # (..., in, N r)
-    return left @ right.transpose(-1, -2)
+    return left, right.transpose(-1, -2)
+
+
+def combine_factors(a: torch.Tensor, b: torch.Tensor, coefficients: torch.Tensor) -> torch.Tensor:
+    """sum_i coefficients[i] * a[..., i] @ b[..., i]^T for a (..., members, out, r), b (..., members, in, r):
+    (..., out, in), as ONE product of the concatenated factors (a batched one for leading dimensions,
+    e.g. a group of same-shaped weights), accumulated in float32."""
+    left, right = _concatenated(a, b, coefficients)
+    return left @ right
 
 
 def shape_groups(shapes: Shapes) -> dict[tuple[int, ...], list[str]]:
@@ -170,13 +176,11 @@ def lowrank_gradient(members: Sequence[Member], weights: torch.Tensor | Sequence
         for key, names in groups.items():
             a = torch.stack([factors[name][0] for name in names])  # (matrices, members, out, r)
             b = torch.stack([factors[name][1] for name in names])  # (matrices, members, in, r)
-            product = combine_factors(a, b, c)  # (matrices, out, in)
-            target = stacked[key] if stacked[key] is not None else buffers[key]
-            # the first block is the sum so far (the per-matrix path's zeros + product); later blocks add
-            if index == 0:
-                target.copy_(product)
-            else:
-                target.add_(product)
+            target = stacked[key] if stacked[key] is not None else buffers[key]  # (matrices, out, in)
+            if index == 0:  # the first block is the sum so far: its product written straight in
+                target.baddbmm_(*_concatenated(a, b, c), beta=0.0)
+            else:  # later blocks add their product, as the per-matrix path does
+                target.add_(combine_factors(a, b, c))
     for key, names in groups.items():
         target = stacked[key] if stacked[key] is not None else buffers[key]
         divisors = [n * math.sqrt(rank) * (sigma_of(sigma, name) if form == "textbook" else 1.0) for name in names]
