@@ -106,7 +106,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--rank", type=int, default=1, help="throughput: LoRA rank")
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"ES variants, from {list(VARIANTS)}")
     parser.add_argument("--paths", default="in_place,files,base",
-                        help="throughput paths, from in_place, files, base, eggroll (es_mode eggroll's population)")
+                        help="throughput paths, from in_place, files, base, eggroll, full (es_mode eggroll's and full's populations)")
     parser.add_argument("--weight-modes", action="store_true",
                         help="also time es_mode full's member write and restore and EGGROLL's update on the engine")
     parser.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")
