@@ -91,7 +91,8 @@ def lora_kernel_tiles(choice: str | Path | None, device_name: str, sizing: Engin
     (None: vLLM's defaults).
 
     vLLM 0.26 reads ``VLLM_TUNED_CONFIG_FOLDER`` through its environment cache, which the first engine
-    of a process freezes when it starts (``vllm.envs.enable_envs_cache``), so every later engine in the
+    of a process freezes when it starts (``vllm.envs.enable_envs_cache``, called in the engine core,
+    which runs in this process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so every later engine in the
     process runs the first one's tiles whatever the variable says. A later engine that would pick
     other tiles gets the first's with a warning under "auto", and is refused when it named its own
     (start it in a new process)."""
@@ -174,8 +175,8 @@ def llm_arguments(model_dir: str | Path, sizing: EngineSizing, on_gpu: bool, *, 
     eager = (not on_gpu) if enforce_eager is None else enforce_eager
     max_num_seqs = max_num_seqs or (1024 if on_gpu else 256)
     if on_gpu and not eager and sizing.largest_batch is not None:
-        # vLLM captures a graph per batch size up to 512 (51 sizes, each with and without LoRA): most of
-        # a 1.5B engine's 165 s start. A run decodes at most its largest call at once.
+        # vLLM captures a graph per batch size up to 512 by default (51 sizes, each with and without
+        # LoRA), a large part of a 1.5B engine's 163-168 s start; a run decodes at most its largest call.
         compilation = extra.get("compilation_config")
         if compilation is None or (isinstance(compilation, dict) and not
                                    {"cudagraph_capture_sizes", "max_cudagraph_capture_size"} & set(compilation)):
