@@ -101,11 +101,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     spec = ThroughputSpec(model=args.model, population=args.population, prompts=args.prompts, new_tokens=args.new_tokens,
                           rank=args.rank, repeats=args.repeats, noise_device="cuda" if gpu else "cpu")
     captures = CAPTURES if args.capture == "both" else (args.capture,)
-    engines = {capture: start_and_check(spec, capture) for capture in captures}
-    report = {"machine": machine_info(), "spec": {**spec.__dict__}, "cuda_graphs": gpu, "engines": engines,
-              "ratios": compare(engines)}
+    engines: dict[str, dict[str, Any]] = {}
+    report = {"machine": machine_info(), "spec": {**spec.__dict__}, "cuda_graphs": gpu, "engines": engines, "ratios": {}}
+    for capture in captures:
+        engines[capture] = start_and_check(spec, capture)
+        report["ratios"] = compare(engines)
+        if args.json:  # after every engine: a command stopped at a deadline keeps what it measured
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(report, indent=1))
     print(format_engine_start(report), flush=True)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=1))
     return report

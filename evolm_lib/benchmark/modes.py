@@ -196,9 +196,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     folder = {"default": None, "shipped": str(LORA_KERNEL_CONFIGS), "auto": picks[groups[0][0]]}[args.tiles]
     result: dict[str, Any] = {"machine": machine_info(), "spec": {**spec.__dict__}, "tiles": args.tiles,
                               "shipped_folder": str(LORA_KERNEL_CONFIGS), "modes": {}, "ratios": {}}
+    def save() -> None:  # after every part: a command stopped at a deadline keeps what it measured
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(result, indent=1))
+
     if not args.no_update:  # before the engine takes its share of the card
         result["update"] = time_update(model_dir, args.population, args.rank, args.update_repeats,
                                        "cuda" if gpu else "cpu")
+        save()
     # this process: the first tile group, on one engine of the population's size, graphs for its calls
     engine = start_engine(spec, max_model_len=512, lora_kernel_configs=folder, largest_batch=spec.requests)
     try:
@@ -218,16 +224,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     result["rows"] = measured["rows"]
     if "engine_update" in measured:
         result["engine_update"] = measured["engine_update"]
+    save()
     for group in groups[1:]:  # modes that pick other tiles: a process each (GPU only: a CPU has one group)
         child = _run_group([a for a in _without_modes(argv)], group)
         for mode in group:
             result["modes"][mode] = child["modes"][mode]
             result["ratios"][mode] = child["ratios"][mode]
         result["rows"] += child["rows"]
+        save()
     print(format_modes(result), flush=True)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1))
     return result
 
 
