@@ -9,6 +9,9 @@
 #       card 2: engine-start (Qwen2.5-1.5B shapes), then EGGROLL with the shipped tiles (the earlier choice)
 #       card 3: grpo-update: deterministic in the same process and in its own against not deterministic
 #   bash scripts/gpu_speed.sh ray OUT     # Ray: K=1 against K=4 engines, populations 64 and 128 (Qwen shapes)
+#   bash scripts/gpu_speed.sh starts OUT  # cards 2, 3: engine-start with derived and default CUDA-graph sizes, each from
+#                                         # a cold compile cache of its own and again warm; cards 0, 1: full-pool 1 against 4
+#                                         # engines a card, modes with the tiles each mode picks
 #   bash scripts/gpu_speed.sh pool8 OUT   # full-pool at 8 engines a card against 1 (card 0)
 #
 # Run from the repository root with PYTHONPATH=/root/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0
@@ -46,6 +49,17 @@ cards)
   ;;
 ray)
   bench ray 0,1,2,3 ray --model "$QWEN" --engines 1,4 --population 64,128 --repeats 2 & pids="$pids $!"
+  ;;
+starts)  # engine-start from a cold cache and again warm, derived and default sizes side by side
+  full=0
+  for capture in derived default; do
+    card=$((2 + full)); full=$((full + 1))
+    { export VLLM_CACHE_ROOT=/tmp/cold_$capture TORCHINDUCTOR_CACHE_DIR=/tmp/cold_$capture/inductor TRITON_CACHE_DIR=/tmp/cold_$capture/triton
+      bench start_${capture}_cold $card engine-start --model "$QWEN" --capture $capture
+      bench start_${capture}_warm $card engine-start --model "$QWEN" --capture $capture; } & pids="$pids $!"
+  done
+  bench full_pool_1_4 0 full-pool --engines 1,4 --generations 6 & pids="$pids $!"
+  bench modes_auto 1 modes --model "$QWEN" --tiles auto --repeats 2 & pids="$pids $!"
   ;;
 pool8)
   bench full_pool_1_8 0 full-pool --engines 1,8 --generations 6 & pids="$pids $!"

@@ -30,6 +30,7 @@ import logging
 import shutil
 import statistics
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -102,6 +103,21 @@ def measure_count(config, folder: Path) -> dict[str, Any]:
             "engine_start_s": [i.get("start_s") for i in info], **summarize(rows), "rows": without_times(rows)}
 
 
+def _free_card_memory() -> int:
+    """Bytes free on this process's card (nvidia-smi's view: other processes' memory counts)."""
+    import torch
+
+    return torch.cuda.mem_get_info()[0]
+
+
+def _wait_for_card(free_bytes: int, timeout_s: float = 120.0) -> None:
+    """Wait until the card has ``free_bytes`` free again (or ``timeout_s`` passed: the pre-run check
+    then says what is missing)."""
+    deadline = time.monotonic() + timeout_s
+    while _free_card_memory() < free_bytes and time.monotonic() < deadline:
+        time.sleep(1.0)
+
+
 def full_pool(model: str, engine_counts: Sequence[int], population: int, generations: int, new_tokens: int,
               gpu: bool, kv_cache_gb: float | None, gpu_memory_utilization: float | None = None,
               workdir: str | Path | None = None,
@@ -116,8 +132,11 @@ def full_pool(model: str, engine_counts: Sequence[int], population: int, generat
         ray.init(num_gpus=1 if gpu else 0, include_dashboard=False, logging_level=logging.WARNING)
     folder = Path(tempfile.mkdtemp(prefix="evolm-full-pool-", dir=workdir))
     results = []
+    free_at_start = _free_card_memory() if gpu else None
     try:
         for engines in engine_counts:
+            if free_at_start is not None:  # the last count's engines end with their actors, after close returns
+                _wait_for_card(free_at_start - 2 * 2**30)
             config = pool_config(model, engines, population, generations, new_tokens, gpu, kv_cache_gb,
                                  gpu_memory_utilization=gpu_memory_utilization)
             results.append(measure_count(config, folder / f"engines_{engines}"))

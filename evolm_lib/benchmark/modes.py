@@ -205,6 +205,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         result["update"] = time_update(model_dir, args.population, args.rank, args.update_repeats,
                                        "cuda" if gpu else "cpu")
         save()
+    # Modes that pick other tiles: a process each (GPU only: a CPU has one group), run before this
+    # process starts its engine, whose memory a closed vLLM engine does not give back to the card.
+    children = []
+    for group in groups[1:]:
+        children.append((group, _run_group([a for a in _without_modes(argv)], group)))
     # this process: the first tile group, on one engine of the population's size, graphs for its calls
     engine = start_engine(spec, max_model_len=512, lora_kernel_configs=folder, largest_batch=spec.requests)
     try:
@@ -222,16 +227,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                                  "base_tokens_per_s": rows["base"]["tokens_per_s"]}
     result["ratios"].update(measured["ratios"])
     result["rows"] = measured["rows"]
-    if "engine_update" in measured:
-        result["engine_update"] = measured["engine_update"]
-    save()
-    for group in groups[1:]:  # modes that pick other tiles: a process each (GPU only: a CPU has one group)
-        child = _run_group([a for a in _without_modes(argv)], group)
+    for group, child in children:
         for mode in group:
             result["modes"][mode] = child["modes"][mode]
             result["ratios"][mode] = child["ratios"][mode]
         result["rows"] += child["rows"]
-        save()
+    if "engine_update" in measured:
+        result["engine_update"] = measured["engine_update"]
+    save()
     print(format_modes(result), flush=True)
     return result
 
