@@ -63,6 +63,7 @@ from .analysis import method_globs
 from .batch import execute_notebook, read_yaml_file, settings_changes, spec_from_dict, write_summary_files
 from .config import ConfigError, ESConfig, GRPOConfig, did_you_mean
 from .engines import EngineSizing, make_evaluator
+from .env import record_placement
 from .train.es import ESRun
 from .evaluation import evaluate_adapter, mean_kl_to_base, success
 from .train.grpo import GRPORun
@@ -460,6 +461,7 @@ def run_one(planned: PlannedRun, out: Path, evaluator, kl_evaluator=None, kl_set
     cls = ESRun if planned.kind == "es" else GRPORun
     run = cls.open(planned.config, out / planned.name, evaluator=evaluator)
     try:
+        record_placement(run.run_dir, planned.config)  # the times in its rows, read with where it ran
         run.run(callback=lambda row: print(
             f"  {planned.name} {row['generation']:>4}/{planned.length}  train {row['train/reward_mean']:9.3f}  "
             f"greedy {row.get('policy/train_reward', float('nan')):9.3f}  samples {row['samples/completions']:>6}  "

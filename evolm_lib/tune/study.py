@@ -24,13 +24,15 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from ..env import record_placement
 from ..metrics import final_value
 from ..runs import RunFolderBusy
 from ..seeds import derive_seed
 from ..sweep import PlannedRun, make_shared_evaluator
 from ..train.es import ESRun
 from ..train.grpo import GRPORun
-from .spec import TuneSpec, check_space, trial_config
+from .space import SPLIT
+from .spec import STEP_SIZE, TuneSpec, check_space, trial_config
 
 STORAGE = "optuna.db"
 LOCK = "study.lock"
@@ -167,6 +169,15 @@ def trial_folder(spec: TuneSpec, method: str, study, trial) -> Path:
     return spec.out / "trials" / method / f"trial_{trial.number if first is None else first:04d}"
 
 
+def trial_settings(planned: PlannedRun, params: dict[str, Any], config) -> dict[str, Any]:
+    """What a trial's runs were given: its searched values, and what they set (the generations or steps
+    at the budget; a split's size and prompts per member)."""
+    size = STEP_SIZE[planned.kind]
+    derived = {size: getattr(config, size), "prompts_per_step": config.prompts_per_step} if SPLIT in params else {}
+    length = "num_generations" if planned.kind == "es" else "num_steps"
+    return {**params, **derived, length: getattr(config, length)}
+
+
 class _Pruned(Exception):
     """The pruner stopped the trial at a scoring row."""
 
@@ -179,8 +190,7 @@ def _run_trial(spec: TuneSpec, method: str, trial, folder: Path, evaluator, log:
     for planned in spec.tuning_runs[method]:
         config = trial_config(spec, planned, params)
         if planned is spec.tuning_runs[method][0]:
-            trial.set_user_attr("config", {**params, "num_generations" if planned.kind == "es" else "num_steps":
-                                           config.num_generations if planned.kind == "es" else config.num_steps})
+            trial.set_user_attr("config", trial_settings(planned, params, config))
         cls = ESRun if planned.kind == "es" else GRPORun
         run = cls.open(config, folder / f"seed{config.seed}", evaluator=evaluator)
         stop = False
@@ -194,6 +204,7 @@ def _run_trial(spec: TuneSpec, method: str, trial, folder: Path, evaluator, log:
                 stop = stop or (spec.settings.prune != "none" and trial.should_prune())
 
         try:
+            record_placement(run.run_dir, config)  # the times in its rows, read with where it ran
             run.run(callback=report, should_stop=lambda: stop)
             if stop:
                 raise _Pruned()
