@@ -275,12 +275,11 @@ def tune(spec: TuneSpec, evaluator=None, log: Callable[[str], None] = print) -> 
             evaluator.close()
 
 
-def study_trials(spec: TuneSpec, method: str) -> list[dict[str, Any]]:
-    """Every trial of a method's study as plain data: number, state, value, params, config, seconds,
-    error, and the trial it retries."""
+def trial_rows(study, method: str) -> list[dict[str, Any]]:
+    """Every trial of an Optuna study as plain data: number, state, value, params, config, seconds,
+    error, worker, run folder, and the trial it retries."""
     import optuna
 
-    study = load_study(spec, method)
     rows = []
     retried = optuna.storages.RetryHeartbeatStaleTrialCallback.retried_trial_number
     for t in study.get_trials(deepcopy=False):
@@ -292,6 +291,11 @@ def study_trials(spec: TuneSpec, method: str) -> list[dict[str, Any]]:
                      "worker": t.user_attrs.get("worker"), "run_dir": t.user_attrs.get("run_dir"),
                      "retries": retry_of})
     return rows
+
+
+def study_trials(spec: TuneSpec, method: str) -> list[dict[str, Any]]:
+    """Every trial of a method's study as plain data (``trial_rows``)."""
+    return trial_rows(load_study(spec, method), method)
 
 
 def best_trial(spec: TuneSpec, method: str):
