@@ -195,6 +195,9 @@ def load_tune_spec(path: str | Path, *, generations: int | None = None, override
     classes (every searched setting exists, fits its method and is not one the tuning fixes); a
     ValueError names the first problem by its path in the spec. Starts no engine."""
     data, sweep = load_sweep_spec(path)
+    if sweep.get("grpo_completions") is not None:
+        raise ValueError("sweep.grpo_completions: gives GRPO a budget of its own; every tuned method trains on one "
+                         "budget (leave it out of a tune spec)")
     tune, final_seeds = data.pop("tune", None), data.pop("final_seeds", None)
     settings, spec_out = parse_tune_section(tune, final_seeds)
     tuning = _plan(sweep, generations, settings.seeds, overrides, methods)
