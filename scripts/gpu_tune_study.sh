@@ -6,7 +6,7 @@
 #   bash scripts/gpu_tune_study.sh pack DIR          # pack the study into DIR/tune_study.tar.gz, with the workers' log tails
 #   bash scripts/gpu_tune_study.sh stage SECONDS DIR [ARCHIVE]   # start (unless running), wait, pack: one device call
 #   bash scripts/gpu_tune_study.sh compact DIR       # the study's rows and scores in DIR/compact (to commit)
-#   bash scripts/gpu_tune_study.sh geometry DIR      # the winners' geometry in DIR/geometry (needs the reruns' weights)
+#   bash scripts/gpu_tune_study.sh geometry DIR      # the winners' geometry in DIR/compact/geometry.json (needs the reruns' weights)
 #
 # Workers: WORKERS_PER_METHOD (default: the number of cards) `evolm tune SPEC --methods M` processes per
 # method, spread round-robin over the cards (SmolLM2 leaves a card mostly idle, so five engines share
@@ -91,7 +91,7 @@ case "${1:-}" in
 start) start "${2:-}" ;;
 pack) pack "${2:?pack DIR}" ;;
 compact) python -m evolm_lib.tune.compact "$STUDY" "${2:?compact DIR}/compact" ;;
-geometry) python -m evolm_lib.tune.geometry "$STUDY" "${2:?geometry DIR}/geometry" ${GEOMETRY_ARGS:-} ;;
+geometry) python -m evolm_lib.tune.geometry "$STUDY" "${2:?geometry DIR}/compact" ${GEOMETRY_ARGS:-} ;;
 stage)
   seconds=${2:?stage SECONDS DIR [ARCHIVE]}; dir=${3:?stage SECONDS DIR [ARCHIVE]}
   start "${4:-}"

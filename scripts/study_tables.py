@@ -4,7 +4,8 @@ The tuned study, from its compacted files (python -m evolm_lib.tune.compact), on
 each method's tuning and winner, the winners' held-out score over the final seeds (BCa and t
 intervals), the declared comparisons Holm-corrected and the rest exploratory, the continued reruns,
 the shuffled-fitness control, and the figures (best score against trials; held-out score against
-training completions, generated tokens and wall-clock seconds):
+training completions, generated tokens and wall-clock seconds; the winners' geometry where
+python -m evolm_lib.tune.geometry wrote geometry.json beside the compacted files):
 
     python scripts/study_tables.py studies/tune_study_addition figures/study/tuned_addition
     python scripts/study_tables.py studies/tune_study_conciseness figures/study/tuned_conciseness
@@ -52,7 +53,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from evolm_lib.tune.report import write_study_tables
 
-    for path in write_study_tables(args.compact, args.out, measure=args.measure, figures=not args.no_figures):
+    paths = write_study_tables(args.compact, args.out, measure=args.measure)
+    if not args.no_figures:
+        from evolm_lib.viz.figures import chromium_available
+        from evolm_lib.viz.study import export_study_figures
+
+        if not chromium_available():
+            print("no figures: chromium is missing (apt-get install -y chromium), or pass --no-figures", file=sys.stderr)
+            return 1
+        paths += export_study_figures(args.compact, args.out)
+    for path in paths:
         print(path)
     return 0
 

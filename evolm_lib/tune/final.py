@@ -21,7 +21,7 @@ from typing import Any, Callable
 from ..runs import LOCK_FILE, RunFolderBusy, list_checkpoints, lock_holder, read_jsonl
 from ..sweep import HELDOUT, PlannedRun, run_one
 from .spec import BEST, TuneSpec, trial_config
-from .study import best_trial, finished, study_trials
+from .study import study_lock, best_trial, finished, study_trials
 
 SUMMARY = "tune_summary.json"
 STAGES = ("final", "long", "control")
@@ -130,12 +130,14 @@ def run_extras(spec: TuneSpec, evaluator, log: Callable[[str], None] = print) ->
                 continue
             for planned, rerun in zip(long_plan(spec, method), final_plan(spec, method)):
                 source, folder = spec.out / "final" / planned.name, spec.out / "long" / planned.name
-                if not folder.exists():
-                    if not _finished_rerun(source, rerun.length):
-                        log(f"  long/{planned.name}: waits for its rerun final/{planned.name} to finish")
-                        continue
-                    if not continue_copy(source, folder):
-                        log(f"  long/{planned.name}: final/{planned.name} has no checkpoint here; run from the start")
+                with study_lock(spec.out):  # one worker copies a rerun; the others find the copy
+                    if not folder.exists():
+                        if not _finished_rerun(source, rerun.length):
+                            log(f"  long/{planned.name}: waits for its rerun final/{planned.name} to finish")
+                            continue
+                        folder.parent.mkdir(parents=True, exist_ok=True)
+                        if not continue_copy(source, folder):
+                            log(f"  long/{planned.name}: final/{planned.name} has no checkpoint here; run from the start")
                 run(planned, "long")
     if spec.settings.control != "none":
         method = resolve_best(spec, spec.settings.control)

@@ -8,7 +8,7 @@ pairs of the declared family (tune_summary.json's; or ``--pairs a:b,c:d``) whose
 form (LoRA with LoRA, the model's own weights with the model's own), the held-out reward along the
 straight path between the two solutions at the first chosen seed, served by one engine with the
 weights written in place, and its barrier. Writes OUT_DIR/geometry.json (small: summaries, no
-tensors) and the figures (update norms per layer; each path) as PNG and SVG.
+tensors; written beside a study's compacted files, ``scripts/study_tables.py`` draws its figures).
 """
 from __future__ import annotations
 
@@ -111,11 +111,8 @@ def solution_paths(study: str | Path, pairs: Sequence[tuple[str, str]], seed: in
 
 def write_geometry(study: str | Path, out: str | Path, seeds: Sequence[int] | None = None, stage: str = "final",
                    pairs: Sequence[tuple[str, str]] | None = None, points: int = 5, kl_samples: int = 0,
-                   dtype: str = "bfloat16", figures: bool = True) -> dict[str, Any]:
-    """OUT/geometry.json and the figures (see the module docstring); returns what the JSON holds."""
-    from ..viz.figures import chromium_available, export_figure
-    from ..viz.geometry import plot_path, plot_update_norms
-
+                   dtype: str = "bfloat16") -> dict[str, Any]:
+    """OUT/geometry.json (see the module docstring); returns what it holds."""
     study, out = Path(study), Path(out)
     result = solutions_geometry(study, seeds, stage, dtype)
     pairs = list(pairs) if pairs is not None else _declared_pairs(study, _methods(study, stage))
@@ -123,28 +120,19 @@ def write_geometry(study: str | Path, out: str | Path, seeds: Sequence[int] | No
                                                 if points >= 2 and pairs else ([], []))
     out.mkdir(parents=True, exist_ok=True)
     (out / GEOMETRY).write_text(json.dumps(result, indent=1) + "\n")
-    result["figures"] = []
-    if figures and chromium_available():
-        first = [u for u in result["updates"] if u["seed"] == result["seeds"][0]]
-        result["figures"] += export_figure(plot_update_norms({u["method"]: u["by_layer"] for u in first}),
-                                           "geometry_update_norms", out, formats=("png", "svg"))
-        for path in result["paths"]:
-            result["figures"] += export_figure(plot_path(path["rows"], (path["a"], path["b"]), path["barrier"]),
-                                               f"geometry_path_{path['a']}_{path['b']}", out, formats=("png", "svg"))
     return result
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m evolm_lib.tune.geometry", description=__doc__.split("\n\n")[0])
     parser.add_argument("study", type=Path, help="the study's folder (tune.out), with the reruns' weights")
-    parser.add_argument("out", type=Path, help="the folder for geometry.json and the figures")
+    parser.add_argument("out", type=Path, help="the folder for geometry.json (a compacted study's folder: its figures drawn with the tables)")
     parser.add_argument("--seeds", help="comma-separated final seeds (default: the first three)")
     parser.add_argument("--stage", choices=STAGES, default="final", help="the reruns (final) or their continuations (long)")
     parser.add_argument("--pairs", help="a:b,c:d: the paths to measure (default: the summary's declared family)")
     parser.add_argument("--points", type=int, default=5, help="points of each straight path, ends included (0: no paths)")
     parser.add_argument("--kl-samples", type=int, default=0, help="samples per prompt for the KL along each path (0: none)")
     parser.add_argument("--dtype", default="bfloat16", help="dtype in which 'changed at all' is counted (the engine's)")
-    parser.add_argument("--no-figures", action="store_true")
     args = parser.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else None
     pairs = [tuple(p.split(":")) for p in args.pairs.split(",")] if args.pairs else None
@@ -152,8 +140,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"geometry: --pairs is a:b,c:d, got {args.pairs!r}", file=sys.stderr)
         return 2
     try:
-        result = write_geometry(args.study, args.out, seeds, args.stage, pairs, args.points, args.kl_samples, args.dtype,
-                                not args.no_figures)
+        result = write_geometry(args.study, args.out, seeds, args.stage, pairs, args.points, args.kl_samples, args.dtype)
     except FileNotFoundError as error:
         print(f"geometry: {error}", file=sys.stderr)
         return 1
@@ -166,7 +153,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"path {path['a']} -> {path['b']}: barrier {path['barrier']:.4g}")
     for line in result["skipped_paths"]:
         print(f"no path: {line}")
-    print(f"{args.out / GEOMETRY}, {len(result['figures'])} figure files")
+    print(args.out / GEOMETRY)
     return 0
 
 

@@ -1,14 +1,12 @@
-"""The tuned study's tables and figures from its compacted files (``compact.py``), on any machine:
-``scripts/study_tables.py COMPACT_DIR OUT_DIR``.
+"""The tuned study's tables from its compacted files (``compact.py``), on any machine:
+``scripts/study_tables.py COMPACT_DIR OUT_DIR`` (which draws the figures with ``viz.study``).
 
 Tables (CSV): each method's tuning (trials, their states, the winner's setting and validation score,
 seconds spent, engines per card), the winners' held-out score over the final seeds (mean, BCa and t
 intervals, interquartile mean, training completions, generated tokens and wall seconds with the
 engines per card they ran at), the comparisons (the declared family Holm-corrected, the rest
 exploratory), and where present the continued reruns, the shuffled-fitness control and a plain
-sweep's runs (Qiu et al.'s protocol). Figures (plotly, PNG and SVG): the best validation score so far
-against the trial number, and the held-out score against training completions, generated tokens
-and wall-clock seconds.
+sweep's runs (Qiu et al.'s protocol).
 """
 from __future__ import annotations
 
@@ -20,14 +18,9 @@ from typing import Any, Mapping, Sequence
 
 from .compact import compact_groups, load_compact
 
-CURVES = {"completions": "samples/completions", "tokens": "samples/tokens", "seconds": "time/wall_s"}
-"""The x axes of the held-out curves: training completions, generated tokens, wall-clock seconds."""
-HELDOUT_KEY = "eval/reward"
-"""The rows' greedy held-out score, drawn against each of ``CURVES``."""
 
-
-def _placements(runs: Sequence[dict]) -> dict[str, str]:
-    """The devices and engines per card the runs ran at, as text ("5", "4, 5"; "" when unrecorded)."""
+def placements(runs: Sequence[dict]) -> dict[str, str]:
+    """The devices and engines per card compacted runs ran at, as text ("5", "4, 5"; "" when unrecorded)."""
     lines = [line for run in runs for line in run.get("placement") or []]
     engines = sorted({line["engines_per_card"] for line in lines if line.get("engines_per_card") is not None})
     devices = sorted({line["device"] for line in lines if line.get("device")})
@@ -55,7 +48,7 @@ def winners_table(trials: Sequence[dict], runs: Sequence[dict]):
             "derived": json.dumps({k: v for k, v in (best.get("config") or {}).items() if k not in best["params"]},
                                   sort_keys=True) if best else "",
             "tuning_seconds": sum(t.get("seconds") or 0.0 for t in own),
-            **_placements([r for r in runs if r["stage"] == "trial" and r["method"] == method]),
+            **placements([r for r in runs if r["stage"] == "trial" and r["method"] == method]),
         })
     return pd.DataFrame(lines).set_index("method") if lines else pd.DataFrame()
 
@@ -73,7 +66,7 @@ def _final(groups: Mapping[str, Sequence], runs: Sequence[dict], stage: str, mea
         tokens = [v for v in (final_value(r.rows, "samples/tokens") for r in records) if v is not None]
         seconds = [v for v in (final_value(r.rows, "time/wall_s") for r in records) if v is not None]
         extra[name] = {"generated_tokens": statistics.fmean(tokens) if tokens else math.nan,
-                       "wall_seconds": statistics.fmean(seconds) if seconds else math.nan, **_placements(own)}
+                       "wall_seconds": statistics.fmean(seconds) if seconds else math.nan, **placements(own)}
     for column in ("generated_tokens", "wall_seconds", "engines_per_card", "device"):
         table[column] = [extra[name][column] for name in table.index]
     return table
@@ -125,53 +118,13 @@ def study_tables(compact: dict, measure: str | None = None) -> dict[str, Any]:
     return tables
 
 
-def curve_figures(compact: dict) -> dict[str, Any]:
-    """{name: plotly figure}: the held-out score against training completions, generated tokens and
-    wall seconds, mean and min-max band over the final seeds, per method (its continued reruns where
-    the study has them: they hold the reruns' rows and go on), labelled with the engines per card;
-    and the best validation score so far against the trial number."""
-    from ..analysis import reward_label
-    from ..viz.plots import plot_runs_curve
-    from ..viz.tuning import plot_best_so_far
-
-    runs = compact["runs"]
-    figures: dict[str, Any] = {}
-    if compact["trials"]:
-        by_method: dict[str, list] = {}
-        for trial in compact["trials"]:
-            by_method.setdefault(trial["method"], []).append(trial)
-        select = (compact["summary"] or {}).get("select", "validation/reward")
-        figures["best_vs_trials"] = plot_best_so_far(by_method, select)
-    stage = next((s for s in ("long", "final", "sweep") if compact_groups(runs, s)), None)
-    if stage is None:
-        return figures
-    groups = compact_groups(runs, stage)
-    named = {}
-    for method, records in groups.items():
-        engines = _placements([r for r in runs if r["stage"] == stage and r["method"] == method])["engines_per_card"]
-        named[f"{method}, {engines} engines/card" if engines else method] = [record.rows for record in records]
-    words = {"completions": "training completions", "tokens": "generated tokens", "seconds": "wall-clock seconds"}
-    for name, x in CURVES.items():
-        figures[f"heldout_vs_{name}"] = plot_runs_curve(named, x=x, y=HELDOUT_KEY, reward_label=reward_label(groups),
-                                                        title=f"Held-out score against {words[name]}")
-    return figures
-
-
-def write_study_tables(compact_dir: str | Path, out_dir: str | Path, measure: str | None = None,
-                       figures: bool = True, formats: Sequence[str] = ("png", "svg")) -> list[Path]:
-    """Every table of ``study_tables`` as OUT/<name>.csv and every figure of ``curve_figures`` as
-    OUT/<name>.{png,svg}; returns the paths."""
-    from ..viz.figures import export_figure
-
-    compact = load_compact(compact_dir)
+def write_study_tables(compact_dir: str | Path, out_dir: str | Path, measure: str | None = None) -> list[Path]:
+    """Every table of ``study_tables`` as OUT/<name>.csv; returns the paths."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = []
-    for name, table in study_tables(compact, measure).items():
+    for name, table in study_tables(load_compact(compact_dir), measure).items():
         path = out / f"{name}.csv"
         table.to_csv(path, float_format="%.6g")
         paths.append(path)
-    if figures:
-        for name, figure in curve_figures(compact).items():
-            paths += export_figure(figure, name, out, formats=formats)
     return paths

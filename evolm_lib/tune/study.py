@@ -50,7 +50,7 @@ def open_storage(spec: TuneSpec):
 
     spec.out.mkdir(parents=True, exist_ok=True)
     beat = max(1, math.ceil(spec.settings.heartbeat_s))
-    with _study_lock(spec.out), _quiet_optuna():
+    with study_lock(spec.out), _quiet_optuna():
         retry = optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=spec.settings.max_retries)
         return optuna.storages.RDBStorage(storage_url(spec.out), engine_kwargs={"connect_args": {"timeout": 120}},
                                           heartbeat_interval=beat, grace_period=3 * beat,
@@ -87,7 +87,9 @@ def load_study(spec: TuneSpec, method: str, storage=None):
 
 
 @contextlib.contextmanager
-def _study_lock(out: Path) -> Iterator[None]:
+def study_lock(out: Path) -> Iterator[None]:
+    """The tuning folder's exclusive lock (OUT/study.lock): one worker at a time counts and asks for
+    trials, creates the storage's tables, or copies a rerun to continue it."""
     with open(out / LOCK, "a") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
@@ -132,7 +134,7 @@ def _next_trial(spec: TuneSpec, method: str, storage):
     stale trials (a killed worker's) are failed first, which queues their retries."""
     import optuna
 
-    with _study_lock(spec.out), _quiet_optuna():
+    with study_lock(spec.out), _quiet_optuna():
         study = load_study(spec, method, storage)
         optuna.storages.fail_stale_trials(study)
         if trials_left(study, spec.settings.trials) == 0:
