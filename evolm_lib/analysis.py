@@ -64,6 +64,8 @@ class RunRecord:
     seed: int | None
     config: dict = field(repr=False)
     rows: list[dict] = field(repr=False)
+    heldout: list[dict] | None = field(default=None, repr=False)
+    "its heldout.jsonl lines when read from elsewhere (a compacted study); None: read from the folder"
 
     @property
     def kind(self) -> str:
@@ -527,7 +529,7 @@ def heldout_scores(record: RunRecord, measure: str = "success") -> list[float] |
     """One number per held-out problem of a run: 1.0 or 0.0 for ``measure="success"``, the task's
     reward for ``"reward"``; None when the run has no heldout.jsonl."""
     field_name, _ = _measure(measure)
-    rows = read_heldout(record.path)
+    rows = record.heldout if record.heldout is not None else read_heldout(record.path)
     if rows is None:
         return None
     return [float(bool(row[field_name])) if field_name == "success" else float(row[field_name]) for row in rows]

@@ -69,3 +69,57 @@ def has_cuda() -> bool:
         return torch.cuda.is_available()
     except ImportError:
         return False
+
+
+ENGINES_PER_CARD = "EVOLM_ENGINES_PER_CARD"
+"""Set by whoever starts engines side by side (scripts/gpu_tune_study.sh): how many share this card."""
+PLACEMENT = "placement.jsonl"
+"""In a run folder: where each attempt at the run ran (a line per opening: a resumed run adds one)."""
+
+
+def _processes_on_card() -> int | None:
+    """Compute processes on this process's first visible card, by nvidia-smi (None without it)."""
+    import subprocess
+
+    import torch
+
+    try:
+        uuid = str(torch.cuda.get_device_properties(0).uuid)
+        listed = subprocess.run(["nvidia-smi", "--query-compute-apps=gpu_uuid", "--format=csv,noheader"],
+                                capture_output=True, text=True, timeout=10).stdout.split()
+    except Exception:  # noqa: BLE001 - no nvidia-smi, or a torch without device uuids: not recorded
+        return None
+    return sum(entry.strip().removeprefix("GPU-") == uuid for entry in listed)
+
+
+def placement() -> dict:
+    """Where this process runs its engine: host, device, the visible cards, the engines declared to
+    share a card (``EVOLM_ENGINES_PER_CARD``) and the compute processes seen on it now."""
+    import socket
+    import time
+
+    declared = os.environ.get(ENGINES_PER_CARD)
+    record = {"time": time.time(), "host": socket.gethostname(), "pid": os.getpid(),
+              "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+              "engines_per_card": int(declared) if declared and declared.isdigit() else None,
+              "device": "cpu", "processes_on_card": None}
+    if has_cuda():
+        import torch
+
+        record.update(device=torch.cuda.get_device_name(0), processes_on_card=_processes_on_card())
+    return record
+
+
+def record_placement(run_dir, config=None) -> dict:
+    """Append this process's ``placement()`` (and the run's evaluator, engines and memory share) to
+    the run folder's placement.jsonl; returns the line. Times in a run's rows mean little without it."""
+    import json
+    from pathlib import Path
+
+    line = placement()
+    if config is not None:
+        line.update({key: getattr(config, key, None) for key in
+                     ("engine", "evaluator", "num_engines", "gpu_memory_utilization", "kv_cache_gb")})
+    with open(Path(run_dir) / PLACEMENT, "a") as handle:
+        handle.write(json.dumps(line) + "\n")
+    return line

@@ -27,11 +27,17 @@ The spec is a batch file for notebook 04 (`notebook`, `parameters`) plus a `swee
       out: runs/es_vs_grpo
       seconds_per_completion: {es: 1.1, grpo: 1.6}      # for the wall-time estimate
       kl: {num_samples: 4, temperature: 1.0, every_checkpoint: true}
+      grpo_completions: 39816                           # optional: a published protocol's own GRPO budget (below)
 
+Every ES variant
 Every ES variant of `es_modes` (all at the same budget: the same population x prompts) is one
 more method, and so is every GRPO variant of `grpo_modes` (each trains every seed: several learning
 rates are several variants; tuning a method fairly is `evolm tune`'s work, never a rate picked on one
-seed whose run is then reported as that seed). `--methods es_full,grpo` runs only those
+seed whose run is then reported as that seed). `grpo_completions` gives GRPO a budget of its own in
+training completions (steps = it / (group_size x prompts_per_step), which must divide it, and a
+GRPO variant may then set its own prompts_per_step): a published protocol run as published (Hoy et
+al.'s 79 GRPO steps against 100 ES generations), never the equal-budget comparison; the
+budgets are still checked equal within ES and within GRPO. `--methods es_full,grpo` runs only those
 methods' runs (several processes, each with its own engine, can share one OUT this way). After each run its final adapter (or, for `es_mode` full and
 eggroll, the engine's mean) is scored greedily on every held-out problem, one line per problem in
 OUT/<run>/heldout.jsonl: the input of the study's intervals (``evolm_lib.analysis``).
@@ -63,6 +69,7 @@ from .analysis import method_globs
 from .batch import execute_notebook, read_yaml_file, settings_changes, spec_from_dict, write_summary_files
 from .config import ConfigError, ESConfig, GRPOConfig, did_you_mean
 from .engines import EngineSizing, make_evaluator
+from .env import record_placement
 from .train.es import ESRun
 from .evaluation import evaluate_adapter, mean_kl_to_base, success
 from .train.grpo import GRPORun
@@ -72,7 +79,8 @@ from .runs import (RunFolderBusy, describe_holder, list_checkpoints, load_checkp
 from .tasks import get_task
 
 DEFAULT_SPEC = "papermill_runs/es_vs_grpo_conciseness_cpu.yaml"  # relative to the project folder
-SWEEP_KEYS = ("common", "es", "es_modes", "grpo", "grpo_modes", "generations", "seeds", "out", "seconds_per_completion", "kl")
+SWEEP_KEYS = ("common", "es", "es_modes", "grpo", "grpo_modes", "generations", "seeds", "out", "seconds_per_completion", "kl",
+              "grpo_completions")
 HELDOUT = "heldout.jsonl"  # a finished run's greedy score on every held-out problem, one line each
 
 
@@ -199,6 +207,9 @@ def plan_sweep(sweep: dict, generations: int | None = None, seeds: list[int] | N
         raise ConfigError(LEARNING_RATE_LIST)
     group_sizes = grpo.pop("group_size", 8)
     group_sizes = group_sizes if isinstance(group_sizes, list) else [group_sizes]
+    own_budget = sweep.get("grpo_completions")
+    if own_budget is not None and (isinstance(own_budget, bool) or not isinstance(own_budget, int) or own_budget < 1):
+        raise ValueError(f"sweep.grpo_completions: a whole number of training completions >= 1, got {own_budget!r}")
     variants = sweep.get("es_modes") or {None: {}}
     grpo_variants = {name: dict(settings or {}) for name, settings in (sweep.get("grpo_modes") or {None: {}}).items()}
     plan = []
@@ -214,19 +225,31 @@ def plan_sweep(sweep: dict, generations: int | None = None, seeds: list[int] | N
         for variant, settings in grpo_variants.items():
             sizes = [settings["group_size"]] if "group_size" in settings else group_sizes
             for group_size in sizes:
-                steps, rest = divmod(generations * es.population_size, group_size)
-                if rest or steps < 1:
-                    raise ValueError(f"unequal budgets: {generations} generations x population {es.population_size} "
-                                     f"is not a whole number of steps of group_size {group_size}; change --generations")
                 sections = [("sweep.common", common), ("sweep.grpo", grpo)]
                 if variant is not None:
                     sections.append((f"sweep.grpo_modes.{variant}", {k: v for k, v in settings.items() if k != "group_size"}))
+                if own_budget is None:
+                    steps, rest = divmod(generations * es.population_size, group_size)
+                    if rest or steps < 1:
+                        raise ValueError(f"unequal budgets: {generations} generations x population {es.population_size} "
+                                         f"is not a whole number of steps of group_size {group_size}; change --generations")
+                else:
+                    per_step = group_size * _prompts_per_step(_config(GRPOConfig, [*sections, *given],
+                                                                      {"group_size": group_size, "seed": seed}))
+                    steps, rest = divmod(own_budget, per_step)
+                    if rest or steps < 1:
+                        raise ValueError(f"sweep.grpo_completions: {own_budget} is not a whole number of steps of "
+                                         f"{per_step} completions (group_size {group_size} x prompts_per_step)")
                 config = _config(GRPOConfig, [*sections, *given], {"group_size": group_size, "seed": seed, "num_steps": steps})
                 name, label = (f"grpo_{variant}", f"grpo {variant}") if variant is not None else ("grpo", "grpo")
                 if len(sizes) > 1:
                     name, label = f"{name}_G{group_size}", f"{label} G={group_size}"
                 plan.append(PlannedRun(f"{name}_seed{seed}", label, "grpo", config, steps * group_size * _prompts_per_step(config)))
-    check_equal_budgets(plan)
+    if own_budget is None:
+        check_equal_budgets(plan)
+    else:  # a protocol's own GRPO budget: equal within each kind
+        for kind in ("es", "grpo"):
+            check_equal_budgets([run for run in plan if run.kind == kind])
     return plan
 
 
@@ -460,6 +483,7 @@ def run_one(planned: PlannedRun, out: Path, evaluator, kl_evaluator=None, kl_set
     cls = ESRun if planned.kind == "es" else GRPORun
     run = cls.open(planned.config, out / planned.name, evaluator=evaluator)
     try:
+        record_placement(run.run_dir, planned.config)  # the times in its rows, read with where it ran
         run.run(callback=lambda row: print(
             f"  {planned.name} {row['generation']:>4}/{planned.length}  train {row['train/reward_mean']:9.3f}  "
             f"greedy {row.get('policy/train_reward', float('nan')):9.3f}  samples {row['samples/completions']:>6}  "

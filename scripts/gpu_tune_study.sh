@@ -5,6 +5,8 @@
 #   bash scripts/gpu_tune_study.sh start [ARCHIVE]   # unpack an earlier pack (if given), start the workers, detached
 #   bash scripts/gpu_tune_study.sh pack DIR          # pack the study into DIR/tune_study.tar.gz, with the workers' log tails
 #   bash scripts/gpu_tune_study.sh stage SECONDS DIR [ARCHIVE]   # start (unless running), wait, pack: one device call
+#   bash scripts/gpu_tune_study.sh compact DIR       # the study's rows and scores in DIR/compact (to commit)
+#   bash scripts/gpu_tune_study.sh geometry DIR      # the winners' geometry in DIR/compact/geometry.json (needs the reruns' weights)
 #
 # Workers: WORKERS_PER_METHOD (default: the number of cards) `evolm tune SPEC --methods M` processes per
 # method, spread round-robin over the cards (SmolLM2 leaves a card mostly idle, so five engines share
@@ -12,8 +14,13 @@
 # they outlive the call that started them and run on while the machine is held. Workers of one
 # method share its Optuna study (SQLite in the study folder); a worker that dies leaves a trial whose
 # heartbeat goes stale, and Optuna retries it with the same setting. When a method has its trials,
-# its workers rerun the winner on the final seeds. Packs hold finished trials only
-# (python -m evolm_lib.tune.pack): a new machine unpacks the last one and runs `start` again.
+# its workers rerun the winner on the final seeds, continue those reruns (tune.long, OUT/long) and run
+# the shuffled-fitness control (tune.control, OUT/control). Packs hold finished trials only
+# (python -m evolm_lib.tune.pack), and beside them DIR/tune_study_extras.tar.gz the text files of
+# OUT/long and OUT/control: a new machine unpacks the last ones and runs `start` again. Each worker
+# is told how many engines share its card (EVOLM_ENGINES_PER_CARD, recorded in every run's
+# placement.jsonl beside the times). SPEC and STUDY name another study, e.g.
+#   SPEC=papermill_runs/tune_study_conciseness_gpu.yaml STUDY=runs/tune_study_conciseness bash scripts/gpu_tune_study.sh start
 set -u
 SPEC=${SPEC:-papermill_runs/tune_study_addition_gpu.yaml}
 STUDY=${STUDY:-runs/tune_study_addition}
@@ -36,6 +43,8 @@ start() {
   if [ -n "$archive" ] && [ -f "$archive" ]; then
     mkdir -p "$(dirname "$STUDY")" && tar -xzf "$archive" -C "$(dirname "$STUDY")" || { echo "cannot unpack $archive" >&2; exit 1; }
     echo "unpacked $archive"
+    extras="$(dirname "$archive")/tune_study_extras.tar.gz"
+    if [ -f "$extras" ]; then tar -xzf "$extras" -C "$(dirname "$STUDY")" && echo "unpacked $extras"; fi
   fi
   mkdir -p "$LOGS"
   : > "$LOGS/workers.pids"
@@ -44,11 +53,15 @@ start() {
   local gpus per i=0 method w
   gpus=$(nvidia-smi -L 2>/dev/null | wc -l); [ "$gpus" -ge 1 ] || gpus=1  # a CPU machine: one "card"
   per=${WORKERS_PER_METHOD:-$gpus}
+  local total card_engines
+  total=$((per * $(echo $METHODS | wc -w)))
   for method in $METHODS; do
     for w in $(seq 1 "$per"); do
       # engines sharing a card start a few seconds apart: vLLM's start-up memory profile of one
       # must not see another's allocations arrive
-      CUDA_VISIBLE_DEVICES=$((i % gpus)) setsid python -m evolm_lib.cli tune "$SPEC" --methods "$method" \
+      card_engines=$((total / gpus + ((i % gpus) < (total % gpus) ? 1 : 0)))
+      EVOLM_ENGINES_PER_CARD=$card_engines CUDA_VISIBLE_DEVICES=$((i % gpus)) \
+        setsid python -m evolm_lib.cli tune "$SPEC" --methods "$method" \
         >> "$LOGS/$method.$w.log" 2>&1 < /dev/null &
       echo $! >> "$LOGS/workers.pids"
       i=$((i + 1))
@@ -62,6 +75,13 @@ pack() {
   local dir=$1
   mkdir -p "$dir"
   python -m evolm_lib.tune.pack "$STUDY" "$dir/tune_study.tar.gz"
+  # the continued reruns and the controls: their text files (rows, settings, scores), no weights
+  local extras
+  extras="$(cd "$dir" && pwd)/tune_study_extras.tar.gz"
+  (cd "$(dirname "$STUDY")" && find "$(basename "$STUDY")/long" "$(basename "$STUDY")/control" -type f \
+      \( -name '*.jsonl' -o -name '*.json' -o -name '*.yaml' \) -not -path '*/checkpoints/*' \
+      -not -path '*/snapshots/*' -not -path '*/final_model/*' -not -path '*/final_adapter/*' 2>/dev/null \
+    | tar -czf "$extras" -T - 2>/dev/null) || true
   { nvidia-smi 2>/dev/null --query-gpu=index,name,memory.used,utilization.gpu --format=csv
     for f in "$LOGS"/*.log; do echo "== $f"; tail -n 5 "$f"; done; } > "$dir/tune_study_status.txt" 2>&1
   echo "$(alive) workers alive" | tee -a "$dir/tune_study_status.txt"
@@ -70,11 +90,13 @@ pack() {
 case "${1:-}" in
 start) start "${2:-}" ;;
 pack) pack "${2:?pack DIR}" ;;
+compact) python -m evolm_lib.tune.compact "$STUDY" "${2:?compact DIR}/compact" ;;
+geometry) python -m evolm_lib.tune.geometry "$STUDY" "${2:?geometry DIR}/compact" ${GEOMETRY_ARGS:-} ;;
 stage)
   seconds=${2:?stage SECONDS DIR [ARCHIVE]}; dir=${3:?stage SECONDS DIR [ARCHIVE]}
   start "${4:-}"
   end=$((SECONDS + seconds))
   while [ $SECONDS -lt $end ]; do sleep 10; done
   pack "$dir" ;;
-*) sed -n 2,16p "$0"; exit 2 ;;
+*) sed -n 2,26p "$0"; exit 2 ;;
 esac

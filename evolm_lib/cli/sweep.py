@@ -86,7 +86,11 @@ def main(argv: list[str] | None = None) -> int:
     kl_settings = None if args.no_kl else dict(spec.get("kl") or {})
     estimate, how = sweep.timing_estimate(plan, spec, overrides)
     estimated = f"estimated wall time {estimate / 60:.1f} min ({how})" if estimate is not None else how
-    print(f"{len(plan)} runs into {out}, {plan[0].budget} training completions each; {estimated}")
+    budgets = {kind: run.budget for run in plan for kind in [run.kind]}
+    each = (f"{plan[0].budget} training completions each" if len(set(budgets.values())) == 1 else
+            "training completions: " + ", ".join(f"{kind} {budget}" for kind, budget in budgets.items())
+            + " (sweep.grpo_completions: not an equal-budget comparison)")
+    print(f"{len(plan)} runs into {out}, {each}; {estimated}")
     print(format_plan(actions))
     conflicts = [action for action in actions if action.action == "conflict"]
     if conflicts:

@@ -23,10 +23,11 @@ each method's best setting is then rerun on fresh seeds and scored on the held-o
 
 The spec is a sweep spec (see evolm sweep --help) with a `tune:` section (trials, seeds, select, space,
 and optionally sampler_seed, startup_trials, prune, heartbeat_s, max_retries, primary, measure,
-out) and a
+long, control, out) and a
 `final_seeds:` list disjoint from tune.seeds; docs/tuning.md describes each key. The studies live in
 OUT/optuna.db (SQLite; `optuna-dashboard sqlite:///OUT/optuna.db` shows them live), the trials' runs
-in OUT/trials/, the reruns in OUT/final/, the result in OUT/tune_summary.json and the figures in
+in OUT/trials/, the reruns in OUT/final/ (continued to tune.long x the budget in OUT/long/, the
+shuffled-fitness control of tune.control in OUT/control/), the result in OUT/tune_summary.json and the figures in
 OUT/figures/. A killed worker's trial is retried by the next worker, with the same setting; running
 the same command again continues the study. Ctrl-C stops; nothing finished is lost.
 
@@ -88,6 +89,7 @@ def _run(spec, args) -> int:
         print(f"trials run by this worker: {ran} ({(time.perf_counter() - started) / 60:.1f} min)", flush=True)
         if not args.no_finals:
             tune.run_finals(spec, evaluator)
+            tune.run_extras(spec, evaluator)  # tune.long and tune.control, where the spec declares them
     finally:
         evaluator.close()
     summary = tune.summarize(spec)

@@ -5,16 +5,20 @@ setting is then rerun on fresh seeds and scored on the held-out problems (`evolm
 spec.py: the `tune:` section, checked before any engine starts, and each trial's config;
 space.py: a searched setting (log, uniform or int range, or a choice); study.py: the studies in
 OUT/optuna.db and the worker that runs trials on one engine (heartbeats, retries of killed trials);
-final.py: the winners' reruns on `final_seeds` and the summary with its statistics.
+final.py: the winners' reruns on `final_seeds`, continued (`long`) and controlled (`control`), and the
+summary with its statistics; compact.py: a finished study's rows and scores in a few gzipped files
+to commit; geometry.py: the winners' solutions compared (run where their weights are).
 """
-from .final import SUMMARY, final_groups, final_plan, run_finals, summarize, summary_lines
+from .final import (STAGES, SUMMARY, control_plan, final_groups, final_plan, long_plan, resolve_best, resolved_primary,
+                    run_extras, run_finals, summarize, summary_lines)
 from .space import Parameter, parse_parameter, parse_space
 from .spec import TuneSettings, TuneSpec, check_space, describe, load_tune_spec, trial_config, with_trials
 from .study import (STORAGE, best_trial, finished, load_study, make_tuning_evaluator, open_storage, storage_url,
                     study_trials, tune, tune_method, with_methods)
 
 __all__ = [
-    "Parameter", "STORAGE", "SUMMARY", "TuneSettings", "TuneSpec", "best_trial", "check_space", "describe",
+    "Parameter", "STAGES", "STORAGE", "SUMMARY", "control_plan", "long_plan", "resolve_best", "resolved_primary",
+    "run_extras", "TuneSettings", "TuneSpec", "best_trial", "check_space", "describe",
     "final_groups", "final_plan", "finished", "load_study", "load_tune_spec", "make_tuning_evaluator", "open_storage",
     "parse_parameter", "parse_space", "run_finals", "storage_url", "study_trials", "summarize", "summary_lines",
     "trial_config", "tune", "tune_method", "with_methods", "with_trials",

@@ -1,20 +1,33 @@
 """The winners: each method's best setting rerun on ``final_seeds`` (OUT/final/<method>/seedS), scored
 on every held-out problem, then compared across seeds (``analysis.study_table``, ``method_comparisons``
 with the spec's ``primary`` pairs Holm-corrected). The tuning seeds' runs never enter these tables.
+
+Two further stages, declared in the spec: ``tune.long`` continues each rerun to that many times the
+budget in a copy of its folder (OUT/long/<method>/seedS; the rerun's own folder is never written
+again), and ``tune.control`` reruns one ES method's winner with its members' rewards shuffled
+(OUT/control/<method>/seedS), the control for drift that is not learning. ``best_es`` and
+``best_grpo`` name the ES or GRPO method whose winner scored highest on the selection key, decided
+once every method of that kind has its trials.
 """
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
-from ..runs import RunFolderBusy
-from ..sweep import PlannedRun, run_one
-from .spec import TuneSpec, trial_config
-from .study import best_trial, finished, study_trials
+from ..runs import LOCK_FILE, RunFolderBusy, list_checkpoints, lock_holder, read_jsonl
+from ..sweep import HELDOUT, PlannedRun, run_one
+from .spec import BEST, TuneSpec, trial_config
+from .study import study_lock, best_trial, finished, study_trials
 
 SUMMARY = "tune_summary.json"
+STAGES = ("final", "long", "control")
+"""The folders of the winners' runs under OUT: reruns, continued reruns, shuffled-fitness controls."""
+CONTINUED_FROM = "continued_from.json"
+"""In a continued rerun's folder: the rerun it was copied from, and at which generation or step."""
 
 
 def final_plan(spec: TuneSpec, method: str) -> list[PlannedRun]:
@@ -22,6 +35,118 @@ def final_plan(spec: TuneSpec, method: str) -> list[PlannedRun]:
     params = best_trial(spec, method).params
     return [replace(planned, name=f"{method}/seed{planned.config.seed}", config=trial_config(spec, planned, params))
             for planned in spec.final_runs[method]]
+
+
+def resolve_best(spec: TuneSpec, name: str) -> str | None:
+    """The method ``name`` stands for: itself, or for best_es / best_grpo the method of that kind whose
+    winner scored highest on the selection key (the first in the sweep's order on a tie); None while a
+    method of that kind is still being tuned."""
+    if name not in BEST:
+        return name
+    candidates = [method for method, kind in spec.kinds.items() if kind == BEST[name]]
+    if not candidates or not all(finished(spec, method) for method in candidates):
+        return None
+    scores = {method: best_trial(spec, method).value for method in candidates}
+    return max(candidates, key=lambda method: scores[method])
+
+
+def resolved_primary(spec: TuneSpec) -> tuple[list[tuple[str, str]], dict[str, str | None], list[str]]:
+    """(the declared family with best_es / best_grpo replaced by their methods, what each stood for,
+    notes): a pair not yet decidable is left out, and a pair that repeats another (best_es vs best_grpo
+    resolving to es_lora vs grpo_lora, declared already) is counted once in Holm's family."""
+    names = {name: resolve_best(spec, name) for name in BEST
+             if any(name in pair for pair in spec.settings.primary) or spec.settings.control == name}
+    pairs, seen, notes = [], set(), []
+    for a, b in spec.settings.primary:
+        first, second = names.get(a, a), names.get(b, b)
+        if first is None or second is None:
+            notes.append(f"{a} vs {b}: undecided until every method of its kind has its trials")
+        elif first == second or frozenset((first, second)) in seen:
+            notes.append(f"{a} vs {b} is {first} vs {second}, already in the family: counted once")
+        else:
+            seen.add(frozenset((first, second)))
+            pairs.append((first, second))
+    return pairs, names, notes
+
+
+def long_plan(spec: TuneSpec, method: str) -> list[PlannedRun]:
+    """The method's reruns at ``tune.long`` times the budget (the same settings, more generations or steps)."""
+    factor, plans = spec.settings.long, []
+    for planned in final_plan(spec, method):
+        length = "num_generations" if planned.kind == "es" else "num_steps"
+        config = planned.config.replace(**{length: getattr(planned.config, length) * factor})
+        plans.append(replace(planned, config=config, budget=planned.budget * factor))
+    return plans
+
+
+def control_plan(spec: TuneSpec, method: str) -> list[PlannedRun]:
+    """The method's reruns with ``fitness_control: shuffled`` (an ES method's)."""
+    return [replace(planned, config=planned.config.replace(fitness_control="shuffled"))
+            for planned in final_plan(spec, method)]
+
+
+def _finished_rerun(folder, length: int) -> bool:
+    """Whether a rerun's folder is done: scored on the held-out problems at its last generation or
+    step, and written by no one now."""
+    lines = read_jsonl(folder / HELDOUT)
+    return bool(lines) and all(line.get("generation") == length for line in lines) and lock_holder(folder) is None
+
+
+def continue_copy(source, folder) -> bool:
+    """Copy a finished rerun's folder to ``folder`` to be continued there (not its held-out scores,
+    which the continued run writes anew, nor its writer's lock); False, copying nothing, when the
+    source holds no checkpoint (a folder unpacked without weights: the continued run then starts
+    from the beginning, which a deterministic run reproduces)."""
+    if not list_checkpoints(source):
+        return False
+    partial = folder.with_name(f".{folder.name}.copying")
+    if partial.exists():
+        shutil.rmtree(partial)  # a copy cut short by a kill
+    shutil.copytree(source, partial, ignore=shutil.ignore_patterns(LOCK_FILE, HELDOUT))
+    rows = read_jsonl(partial / "metrics.jsonl")
+    (partial / CONTINUED_FROM).write_text(json.dumps({"from": str(source), "generation": rows[-1].get("generation")
+                                                      if rows else None}) + "\n")
+    os.replace(partial, folder)
+    return True
+
+
+def run_extras(spec: TuneSpec, evaluator, log: Callable[[str], None] = print) -> dict[str, list[str]]:
+    """The declared later stages for this worker's methods: each finished rerun continued to
+    ``tune.long`` x the budget (OUT/long/), and the shuffled-fitness control of ``tune.control``
+    (OUT/control/) once its method is decided; returns {stage/method: folders written or found finished}."""
+    done: dict[str, list[str]] = {}
+
+    def run(planned: PlannedRun, stage: str) -> None:
+        try:
+            run_one(planned, spec.out / stage, evaluator)
+        except RunFolderBusy as busy:
+            log(f"  {stage}/{planned.name}: busy, left to its writer ({busy})")
+            return
+        done.setdefault(f"{stage}/{planned.method.split('/')[0]}", []).append(str(spec.out / stage / planned.name))
+
+    if spec.settings.long > 1:
+        for method in spec.methods:
+            if not finished(spec, method):
+                continue
+            for planned, rerun in zip(long_plan(spec, method), final_plan(spec, method)):
+                source, folder = spec.out / "final" / planned.name, spec.out / "long" / planned.name
+                with study_lock(spec.out):  # one worker copies a rerun; the others find the copy
+                    if not folder.exists():
+                        if not _finished_rerun(source, rerun.length):
+                            log(f"  long/{planned.name}: waits for its rerun final/{planned.name} to finish")
+                            continue
+                        folder.parent.mkdir(parents=True, exist_ok=True)
+                        if not continue_copy(source, folder):
+                            log(f"  long/{planned.name}: final/{planned.name} has no checkpoint here; run from the start")
+                run(planned, "long")
+    if spec.settings.control != "none":
+        method = resolve_best(spec, spec.settings.control)
+        if method is None:
+            log(f"control ({spec.settings.control}): waits until every ES method has its trials")
+        elif method in spec.methods:
+            for planned in control_plan(spec, method):
+                run(planned, "control")
+    return done
 
 
 def run_finals(spec: TuneSpec, evaluator, log: Callable[[str], None] = print) -> dict[str, list[str]]:
@@ -44,13 +169,43 @@ def run_finals(spec: TuneSpec, evaluator, log: Callable[[str], None] = print) ->
     return done
 
 
-def final_groups(spec: TuneSpec, methods: list[str] | None = None):
-    """The reruns' run folders grouped by method (``analysis.load_runs``), for the methods that have some."""
+def final_groups(spec: TuneSpec, methods: list[str] | None = None, stage: str = "final"):
+    """A stage's run folders (``STAGES``: final, long, control) grouped by method (``analysis.load_runs``),
+    for the methods that have some."""
     from ..analysis import load_runs
 
-    folders = {m: str(spec.out / "final" / m / "seed*") for m in (methods or spec.methods)
-               if any((spec.out / "final" / m).glob("seed*/config.yaml"))}
+    folders = {m: str(spec.out / stage / m / "seed*") for m in (methods or spec.methods)
+               if any((spec.out / stage / m).glob("seed*/config.yaml"))}
     return load_runs(folders, allow_mixed=True) if folders else {}
+
+
+def _records(frame) -> list:
+    return [] if frame is None else json.loads(frame.reset_index().to_json(orient="records"))
+
+
+def _extras_summary(spec: TuneSpec, groups, measure: str) -> dict[str, Any]:
+    """The long and control stages' tables: held-out per method at the longer budget (its pairs
+    exploratory), and the control against its method's reruns."""
+    from ..analysis import method_comparisons, study_table
+
+    extras: dict[str, Any] = {}
+    if spec.settings.long > 1:
+        long_groups = final_groups(spec, stage="long")
+        extras["long"] = {"factor": spec.settings.long, "budget": spec.budget * spec.settings.long,
+                          "final": _records(study_table(long_groups, measure=measure)) if long_groups else [],
+                          "comparisons": _records(method_comparisons(long_groups, measure=measure))
+                          if len(long_groups) > 1 else []}
+    if spec.settings.control != "none":
+        method = resolve_best(spec, spec.settings.control)
+        control = final_groups(spec, [method], stage="control") if method else {}
+        entry: dict[str, Any] = {"declared": spec.settings.control, "method": method, "final": [], "comparison": []}
+        if control:
+            pair = {method: groups[method], f"{method} shuffled": control[method]} if method in groups else {
+                f"{method} shuffled": control[method]}
+            entry["final"] = _records(study_table({f"{method} shuffled": control[method]}, measure=measure))
+            entry["comparison"] = _records(method_comparisons(pair, measure=measure)) if len(pair) > 1 else []
+        extras["control"] = entry
+    return extras
 
 
 def summarize(spec: TuneSpec) -> dict[str, Any]:
@@ -79,8 +234,8 @@ def summarize(spec: TuneSpec) -> dict[str, Any]:
             "winner": winner, "trial_list": trials,
         }
     groups = final_groups(spec)
-    labels = {m: m for m in groups}
-    primary = [pair for pair in spec.settings.primary if all(m in labels for m in pair)]
+    declared, resolved, notes = resolved_primary(spec)
+    primary = [pair for pair in declared if all(m in groups for m in pair)]
     table = study_table(groups, measure=measure) if groups else None
     comparisons = method_comparisons(groups, measure=measure, primary=primary) if len(groups) > 1 else None
     summary = {
@@ -90,6 +245,9 @@ def summarize(spec: TuneSpec) -> dict[str, Any]:
         "final": [] if table is None else json.loads(table.reset_index().to_json(orient="records")),
         "comparisons": [] if comparisons is None else json.loads(comparisons.to_json(orient="records")),
         "measure": measure,
+        "primary": {"declared": [list(pair) for pair in spec.settings.primary], "resolved": resolved,
+                    "family": [list(pair) for pair in primary], "notes": notes},
+        **_extras_summary(spec, groups, measure),
     }
     spec.out.mkdir(parents=True, exist_ok=True)
     Path(spec.out / SUMMARY).write_text(json.dumps(summary, indent=1) + "\n")
@@ -110,8 +268,14 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
             row = final[method]
             lines.append(f"  held-out {summary['measure']} on {row['seeds']} final seeds: {row['mean']:.4g} "
                          f"(BCa {row['ci_low']:.4g} to {row['ci_high']:.4g}; t {row['t_low']:.4g} to {row['t_high']:.4g})")
+    resolved = {k: v for k, v in summary.get("primary", {}).get("resolved", {}).items() if v}
+    if resolved:
+        lines.append("decided by the tuning: " + ", ".join(f"{k} = {v}" for k, v in resolved.items()))
     for row in summary["comparisons"]:
         p = row["holm_p"] if row["family"] == "primary" else row["permutation_p"]
         lines.append(f"{row['method_a']} - {row['method_b']} ({row['family']}): {row['difference']:.4g}, "
                      f"p {p:.3g}{' (Holm)' if row['family'] == 'primary' else ''}")
+    for stage in ("long", "control"):
+        for row in summary.get(stage, {}).get("final", []):
+            lines.append(f"{stage}: {row['method']} held-out {summary['measure']} on {row['seeds']} seeds: {row['mean']:.4g}")
     return lines

@@ -4,6 +4,7 @@
     momentum: {uniform: [0.0, 0.9]}    # uniform float, low < high
     lora_rank: {int: [1, 8]}           # uniform integer, low < high
     optimizer: [sgd, adam]             # one of the listed values
+    split: ["30x8", "30x32", "8x30"]   # population (or group) x prompts per member, at the same budget
 
 Every error names the parameter by its path in the spec (``tune.space.es_lora.sigma``).
 """
@@ -15,6 +16,19 @@ from typing import Any
 
 KINDS = ("log", "uniform", "int")
 """The range kinds a parameter may name; a list instead is a choice among its values."""
+SPLIT = "split"
+"""A searched split of a generation's (or step's) completions, each choice "SIZExPROMPTS": SIZE members
+(GRPO: a group of SIZE) each scored on PROMPTS training prompts; the generations (steps) follow from
+the budget, so every choice trains on the same number of completions."""
+
+
+def parse_split(path: str, value: Any) -> tuple[int, int]:
+    """(size, prompts) from a split choice "SIZExPROMPTS" such as "30x8"; ValueError naming ``path``."""
+    parts = value.split("x") if isinstance(value, str) else []
+    if len(parts) != 2 or not all(part.isdigit() and int(part) >= 1 for part in parts):
+        raise ValueError(f"{path}: each choice is \"SIZExPROMPTS\" (population or group size x prompts per member, "
+                         f"e.g. \"30x8\"), got {value!r}")
+    return int(parts[0]), int(parts[1])
 
 
 @dataclass(frozen=True)
@@ -55,7 +69,12 @@ def parse_parameter(path: str, name: str, value: Any) -> Parameter:
             raise ValueError(f"{path}: an empty list of choices")
         if len({repr(v) for v in value}) != len(value):
             raise ValueError(f"{path}: a choice listed twice in {value}")
+        if name == SPLIT:
+            for choice in value:
+                parse_split(path, choice)
         return Parameter(name, "choice", choices=tuple(value))
+    if name == SPLIT:
+        raise ValueError(f"{path}: a list of \"SIZExPROMPTS\" choices, e.g. [\"30x8\", \"8x30\"]; got {value!r}")
     if not isinstance(value, dict) or len(value) != 1:
         raise ValueError(f"{path}: a list of choices or one of {{log: [low, high]}}, {{uniform: [low, high]}}, "
                          f"{{int: [low, high]}}; got {value!r}")

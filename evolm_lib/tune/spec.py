@@ -23,10 +23,10 @@ from typing import Any
 from ..config import ConfigError, ESConfig, GRPOConfig, did_you_mean
 from ..sweep import PlannedRun, load_sweep_spec, plan_sweep, select_methods
 from ..tasks import get_task
-from .space import Parameter, parse_space
+from .space import SPLIT, Parameter, parse_space, parse_split
 
 TUNE_KEYS = ("trials", "seeds", "select", "space", "sampler_seed", "startup_trials", "prune", "heartbeat_s",
-             "max_retries", "primary", "measure", "out")
+             "max_retries", "primary", "measure", "out", "long", "control")
 MEASURES = ("reward", "success")
 """What the reruns are compared on: each run's mean held-out reward, or its share of problems solved."""
 SELECTABLE = ("validation/reward", "policy/train_reward")
@@ -36,12 +36,16 @@ FIXED = {
     "seed": "set by tune.seeds (tuning) and final_seeds (the winners' reruns)",
     "num_generations": "the budget is the sweep's (sweep.generations)",
     "num_steps": "the budget is the sweep's (sweep.generations)",
-    "prompts_per_step": "it changes the completion budget; set it in sweep.common for every method",
+    "prompts_per_step": "it changes the completion budget: search a split instead (split: [\"30x8\", \"8x30\"]: "
+                        "population x prompts at the same budget), or set it in sweep.common",
     "model": "every method tunes on the same model: set it in sweep.common",
     "task": "every method tunes on the same task: set it in sweep.common",
     "task_options": "every method tunes on the same task: set it in sweep.common",
 }
 """Settings a space may not search, and why."""
+BEST = {"best_es": "es", "best_grpo": "grpo"}
+"""Names that stand for a method decided by the tuning: the kind's method whose winner scored highest on
+the selection key (``primary`` pairs and ``control`` may name them)."""
 STEP_SIZE = {"es": "population_size", "grpo": "group_size"}
 """The setting that sets a method's completions per generation or step (with prompts_per_step)."""
 
@@ -74,6 +78,10 @@ class TuneSettings:
     "pairs of methods compared as the declared family (Holm-corrected); every other pair is exploratory"
     measure: str = "reward"
     "the reruns' held-out score: mean reward, or success (share of problems solved)"
+    long: int = 1
+    "the winners' reruns continued to this many times the budget, each in a copy (OUT/long/); 1: not continued"
+    control: str = "none"
+    "none, best_es or an ES method: its winning setting rerun on the final seeds with fitness_control shuffled"
 
 
 def _whole(path: str, value: Any, least: int) -> int:
@@ -131,13 +139,17 @@ def parse_tune_section(tune: Any, final_seeds: Any) -> tuple[TuneSettings, str |
     if measure not in MEASURES:
         raise ValueError(f"tune.measure: one of {', '.join(MEASURES)}, got {measure!r}{did_you_mean(str(measure), MEASURES)}")
     out = tune.get("out")
+    control = tune.get("control", "none")
+    if not isinstance(control, str):
+        raise ValueError(f"tune.control: none, best_es or an ES method's name, got {control!r}")
     settings = TuneSettings(
         trials=_whole("tune.trials", tune["trials"], 1), seeds=seeds, final_seeds=finals, select=select,
         space={str(method): parse_space(f"tune.space.{method}", values) for method, values in space.items()},
         sampler_seed=_whole("tune.sampler_seed", tune.get("sampler_seed", 0), 0),
         startup_trials=_whole("tune.startup_trials", tune.get("startup_trials", 10), 0), prune=prune,
         heartbeat_s=float(heartbeat), max_retries=_whole("tune.max_retries", tune.get("max_retries", 3), 0),
-        primary=tuple((str(a), str(b)) for a, b in primary), measure=measure)
+        primary=tuple((str(a), str(b)) for a, b in primary), measure=measure,
+        long=_whole("tune.long", tune.get("long", 1), 1), control=control)
     return settings, None if out is None else str(out)
 
 
@@ -155,6 +167,8 @@ class TuneSpec:
     "method -> its runs at the spec's settings, one per tuning seed"
     final_runs: dict[str, list[PlannedRun]]
     "method -> its runs at the spec's settings, one per final seed"
+    kinds: dict[str, str] = field(default_factory=dict)
+    "every tuned method of the spec (not only this worker's) -> es or grpo, to decide best_es and best_grpo"
 
     @property
     def methods(self) -> list[str]:
@@ -181,10 +195,14 @@ def load_tune_spec(path: str | Path, *, generations: int | None = None, override
     classes (every searched setting exists, fits its method and is not one the tuning fixes); a
     ValueError names the first problem by its path in the spec. Starts no engine."""
     data, sweep = load_sweep_spec(path)
+    if sweep.get("grpo_completions") is not None:
+        raise ValueError("sweep.grpo_completions: gives GRPO a budget of its own; every tuned method trains on one "
+                         "budget (leave it out of a tune spec)")
     tune, final_seeds = data.pop("tune", None), data.pop("final_seeds", None)
     settings, spec_out = parse_tune_section(tune, final_seeds)
     tuning = _plan(sweep, generations, settings.seeds, overrides, methods)
-    known = list(_plan(sweep, generations, settings.seeds, overrides, None))
+    every = _plan(sweep, generations, settings.seeds, overrides, None)
+    known = list(every)
     for method in settings.space:
         if method not in known:
             raise ValueError(f"tune.space.{method}: not a method of this sweep{did_you_mean(method, known)}; "
@@ -194,31 +212,55 @@ def load_tune_spec(path: str | Path, *, generations: int | None = None, override
         raise ValueError(f"tune.space: no space for {missing}: every method gets the same trials over a space of "
                          f"its own (or leave it out with --methods {','.join(m for m in tuning if m in settings.space)})")
     for pair in settings.primary:
-        bad = [m for m in pair if m not in known]
+        bad = [m for m in pair if m not in known and m not in BEST]
         if bad:
-            raise ValueError(f"tune.primary: {bad} not a method of this sweep{did_you_mean(bad[0], known)}")
+            raise ValueError(f"tune.primary: {bad} not a method of this sweep{did_you_mean(bad[0], known + list(BEST))}")
+        if len(set(pair)) == 1:
+            raise ValueError(f"tune.primary: {list(pair)} compares a method with itself")
+    kinds = {m: runs[0].kind for m, runs in every.items() if m in settings.space}
+    for name, kind in BEST.items():
+        if any(name in pair for pair in settings.primary) or settings.control == name:
+            if kind not in kinds.values():
+                raise ValueError(f"tune: {name} names the best {kind.upper()} method, but no {kind} method is tuned "
+                                 f"here; tuned: {list(kinds)}")
+    if settings.control not in ("none", "best_es") and kinds.get(settings.control) != "es":
+        es = [m for m, kind in kinds.items() if kind == "es"]
+        raise ValueError(f"tune.control: none, best_es or a tuned ES method{did_you_mean(settings.control, es)}; "
+                         f"got {settings.control!r} (ES methods: {es}); the control shuffles ES fitness")
     finals = _plan(sweep, generations, settings.final_seeds, overrides, list(tuning))
     folder = Path(out or spec_out or sweep.get("out", "runs/es_vs_grpo"))  # trials/ and final/ beside a sweep's runs
-    spec = TuneSpec(Path(path), data, sweep, settings, folder, tuning, finals)
+    spec = TuneSpec(Path(path), data, sweep, settings, folder, tuning, finals, kinds)
     check_space(spec)
     return spec
 
 
 def trial_config(spec: TuneSpec, planned: PlannedRun, params: dict[str, Any]):
     """``planned``'s settings with a trial's values over them, at the same completion budget; a
-    ConfigError names the searched setting by its path (tune.space.es_lora.sigma)."""
+    ConfigError names the searched setting by its path (tune.space.es_lora.sigma). A searched
+    ``split`` ("30x8") sets the population (or group) size and the prompts per member together."""
     method = planned.method
+    size = STEP_SIZE[planned.kind]
+    values = dict(params)
     where = {name: f"tune.space.{method}.{name}" for name in params}
+    if SPLIT in values:
+        split = values.pop(SPLIT)
+        values[size], values["prompts_per_step"] = parse_split(where[SPLIT], split)
+        where[size] = where["prompts_per_step"] = where[SPLIT]
     try:
-        config = planned.config.replace(**params)
+        config = planned.config.replace(**values)
     except ConfigError as error:
         raise error.located(where) from None
-    size = STEP_SIZE[planned.kind]
-    if size in params:
-        per_step = planned.budget // planned.length * getattr(config, size) // getattr(planned.config, size)
-        length, rest = divmod(planned.budget, per_step) if per_step else (0, 1)
+    if size in values or "prompts_per_step" in values:
+        shown = params.get(SPLIT, getattr(config, size))
+        num_train = len(get_task(config.task, **config.task_options).train_examples())
+        prompts = config.prompts_per_step or num_train
+        if "prompts_per_step" in values and prompts > num_train:
+            raise ValueError(f"{where[size]}: {shown} scores each member on {prompts} prompts, but the task has "
+                             f"{num_train} training prompts")
+        per_step = getattr(config, size) * min(prompts, num_train)
+        length, rest = divmod(planned.budget, per_step)
         if rest or length < 1:
-            raise ValueError(f"tune.space.{method}.{size}: {getattr(config, size)} makes {per_step} completions a "
+            raise ValueError(f"{where[size]}: {shown} makes {per_step} completions a "
                              f"{'generation' if planned.kind == 'es' else 'step'}, which does not divide the budget "
                              f"of {planned.budget}")
         config = config.replace(**{"num_generations" if planned.kind == "es" else "num_steps": length})
@@ -239,7 +281,7 @@ def check_space(spec: TuneSpec) -> list:
             path = f"tune.space.{method}.{parameter.name}"
             if parameter.name in FIXED:
                 raise ValueError(f"{path}: not searched: {FIXED[parameter.name]}")
-            if parameter.name not in fields:
+            if parameter.name not in fields and parameter.name != SPLIT:
                 raise ValueError(f"{path}: not one of the {cls.__name__} settings{did_you_mean(parameter.name, fields)}")
             for value in parameter.probes():
                 configs.append(trial_config(spec, planned, {parameter.name: value}))
@@ -263,6 +305,16 @@ def describe(spec: TuneSpec) -> list[str]:
         space = ", ".join(f"{p.name} {p.kind} {list(p.choices) if p.kind == 'choice' else [p.low, p.high]}"
                           for p in s.space[method])
         lines.append(f"  {method}: {space}")
+    if s.long > 1:
+        lines.append(f"  then the winners' reruns continued to {s.long} x the budget ({s.long * spec.budget} training "
+                     f"completions) in {spec.out / 'long'}")
+    if s.control != "none":
+        lines.append(f"  control: {s.control}'s winner on the final seeds with fitness_control shuffled, in "
+                     f"{spec.out / 'control'}")
+    if s.primary:
+        lines.append(f"  primary family (Holm): {', '.join(' vs '.join(pair) for pair in s.primary)}"
+                     + ("; best_es / best_grpo: the ES / GRPO method whose winner scored highest on "
+                        f"{s.select}" if any(m in BEST for pair in s.primary for m in pair) else ""))
     return lines
 
 

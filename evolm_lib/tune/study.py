@@ -24,13 +24,15 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from ..env import record_placement
 from ..metrics import final_value
 from ..runs import RunFolderBusy
 from ..seeds import derive_seed
 from ..sweep import PlannedRun, make_shared_evaluator
 from ..train.es import ESRun
 from ..train.grpo import GRPORun
-from .spec import TuneSpec, check_space, trial_config
+from .space import SPLIT
+from .spec import STEP_SIZE, TuneSpec, check_space, trial_config
 
 STORAGE = "optuna.db"
 LOCK = "study.lock"
@@ -48,7 +50,7 @@ def open_storage(spec: TuneSpec):
 
     spec.out.mkdir(parents=True, exist_ok=True)
     beat = max(1, math.ceil(spec.settings.heartbeat_s))
-    with _study_lock(spec.out), _quiet_optuna():
+    with study_lock(spec.out), _quiet_optuna():
         retry = optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=spec.settings.max_retries)
         return optuna.storages.RDBStorage(storage_url(spec.out), engine_kwargs={"connect_args": {"timeout": 120}},
                                           heartbeat_interval=beat, grace_period=3 * beat,
@@ -85,7 +87,9 @@ def load_study(spec: TuneSpec, method: str, storage=None):
 
 
 @contextlib.contextmanager
-def _study_lock(out: Path) -> Iterator[None]:
+def study_lock(out: Path) -> Iterator[None]:
+    """The tuning folder's exclusive lock (OUT/study.lock): one worker at a time counts and asks for
+    trials, creates the storage's tables, or copies a rerun to continue it."""
     with open(out / LOCK, "a") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
@@ -130,7 +134,7 @@ def _next_trial(spec: TuneSpec, method: str, storage):
     stale trials (a killed worker's) are failed first, which queues their retries."""
     import optuna
 
-    with _study_lock(spec.out), _quiet_optuna():
+    with study_lock(spec.out), _quiet_optuna():
         study = load_study(spec, method, storage)
         optuna.storages.fail_stale_trials(study)
         if trials_left(study, spec.settings.trials) == 0:
@@ -167,6 +171,15 @@ def trial_folder(spec: TuneSpec, method: str, study, trial) -> Path:
     return spec.out / "trials" / method / f"trial_{trial.number if first is None else first:04d}"
 
 
+def trial_settings(planned: PlannedRun, params: dict[str, Any], config) -> dict[str, Any]:
+    """What a trial's runs were given: its searched values, and what they set (the generations or steps
+    at the budget; a split's size and prompts per member)."""
+    size = STEP_SIZE[planned.kind]
+    derived = {size: getattr(config, size), "prompts_per_step": config.prompts_per_step} if SPLIT in params else {}
+    length = "num_generations" if planned.kind == "es" else "num_steps"
+    return {**params, **derived, length: getattr(config, length)}
+
+
 class _Pruned(Exception):
     """The pruner stopped the trial at a scoring row."""
 
@@ -179,8 +192,7 @@ def _run_trial(spec: TuneSpec, method: str, trial, folder: Path, evaluator, log:
     for planned in spec.tuning_runs[method]:
         config = trial_config(spec, planned, params)
         if planned is spec.tuning_runs[method][0]:
-            trial.set_user_attr("config", {**params, "num_generations" if planned.kind == "es" else "num_steps":
-                                           config.num_generations if planned.kind == "es" else config.num_steps})
+            trial.set_user_attr("config", trial_settings(planned, params, config))
         cls = ESRun if planned.kind == "es" else GRPORun
         run = cls.open(config, folder / f"seed{config.seed}", evaluator=evaluator)
         stop = False
@@ -194,6 +206,7 @@ def _run_trial(spec: TuneSpec, method: str, trial, folder: Path, evaluator, log:
                 stop = stop or (spec.settings.prune != "none" and trial.should_prune())
 
         try:
+            record_placement(run.run_dir, config)  # the times in its rows, read with where it ran
             run.run(callback=report, should_stop=lambda: stop)
             if stop:
                 raise _Pruned()
@@ -264,12 +277,11 @@ def tune(spec: TuneSpec, evaluator=None, log: Callable[[str], None] = print) -> 
             evaluator.close()
 
 
-def study_trials(spec: TuneSpec, method: str) -> list[dict[str, Any]]:
-    """Every trial of a method's study as plain data: number, state, value, params, config, seconds,
-    error, and the trial it retries."""
+def trial_rows(study, method: str) -> list[dict[str, Any]]:
+    """Every trial of an Optuna study as plain data: number, state, value, params, config, seconds,
+    error, worker, run folder, and the trial it retries."""
     import optuna
 
-    study = load_study(spec, method)
     rows = []
     retried = optuna.storages.RetryHeartbeatStaleTrialCallback.retried_trial_number
     for t in study.get_trials(deepcopy=False):
@@ -281,6 +293,11 @@ def study_trials(spec: TuneSpec, method: str) -> list[dict[str, Any]]:
                      "worker": t.user_attrs.get("worker"), "run_dir": t.user_attrs.get("run_dir"),
                      "retries": retry_of})
     return rows
+
+
+def study_trials(spec: TuneSpec, method: str) -> list[dict[str, Any]]:
+    """Every trial of a method's study as plain data (``trial_rows``)."""
+    return trial_rows(load_study(spec, method), method)
 
 
 def best_trial(spec: TuneSpec, method: str):

@@ -1,0 +1,249 @@
+"""A finished study in a few small files to commit, so its tables and figures rebuild without GPUs:
+``python -m evolm_lib.tune.compact STUDY_DIR OUT_DIR``.
+
+Every run folder under STUDY_DIR (the tuning trials, the reruns, their continuations and controls,
+or the runs of a plain sweep) becomes one line of OUT_DIR/runs.jsonl.gz: where it sits (stage,
+method, trial, seed, path), its settings (config.yaml), its metrics rows with their scalar values only
+(completions, prompts and per-member lists left out; floats to 6 significant digits, times of parts
+of a generation to 3; stored by column; a continued run without the rows it shares with the rerun
+it was copied from), its held-out
+scores (heldout.jsonl's index, reward and success per problem, without the completions), where it
+ran (placement.jsonl: device, engines per card) and the KL of its checkpoints where measured. The
+Optuna trials of every study go to OUT_DIR/trials.jsonl.gz, tune_summary.json is copied, and
+manifest.json counts what went in. The gzip files carry no timestamp: the same study compacts to the
+same bytes. ``load_compact`` and ``compact_groups`` read them back as ``analysis.RunRecord`` groups.
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import math
+import shutil
+import sys
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+from ..env import PLACEMENT
+from ..runs import read_jsonl, read_metrics
+from .final import CONTINUED_FROM, STAGES, SUMMARY
+from .study import STORAGE
+
+RUNS = "runs.jsonl.gz"
+TRIALS = "trials.jsonl.gz"
+MANIFEST = "manifest.json"
+DIGITS = 6
+"""Significant digits kept of a float in the rows (the figures and tables need far fewer)."""
+TIME_DIGITS = 3
+"""Significant digits kept of the seconds a part of a generation took (``time/...``; not the run's
+cumulative ``time/wall_s``): milliseconds' noise is most of a study's bytes."""
+MAX_TEXT = 64
+"""Longest string value kept in a row (the method's name, not a completion)."""
+SKIPPED_FOLDERS = ("checkpoints", "snapshots", "final_model", "final_adapter", "adapter", "figures")
+
+
+def _scalar(value: Any, digits: int = DIGITS) -> tuple[bool, Any]:
+    """(keep, value): numbers (floats to ``digits`` significant digits, non-finite dropped), booleans
+    and short strings."""
+    if isinstance(value, bool) or value is None:
+        return value is not None, value
+    if isinstance(value, int):
+        return True, value
+    if isinstance(value, float):
+        return math.isfinite(value), float(f"{value:.{digits}g}") if math.isfinite(value) else None
+    if isinstance(value, str):
+        return len(value) <= MAX_TEXT, value
+    return False, None
+
+
+def scalar_row(row: dict) -> dict:
+    """A metrics row without its lists, mappings, long strings and non-finite values."""
+    kept = {}
+    for key, value in row.items():
+        keep, value = _scalar(value, TIME_DIGITS if key.startswith("time/") and key != "time/wall_s" else DIGITS)
+        if keep:
+            kept[key] = value
+    return kept
+
+
+def columns(rows: Sequence[dict]) -> dict[str, list]:
+    """Rows as {key: [value or None per row]} (keys sorted): what gzip packs best."""
+    keys = sorted({key for row in rows for key in row})
+    return {key: [row.get(key) for row in rows] for key in keys}
+
+
+def from_columns(table: dict[str, list]) -> list[dict]:
+    """The rows of ``columns`` back, each without the keys it did not have."""
+    length = max((len(values) for values in table.values()), default=0)
+    return [{key: values[i] for key, values in table.items() if values[i] is not None} for i in range(length)]
+
+
+def run_folders(study: Path) -> Iterator[Path]:
+    """Every run folder under ``study`` (config.yaml and metrics.jsonl), sorted; not a copy being made
+    or set aside (a name starting with a dot), a failed attempt, nor anything inside weights."""
+    for config in sorted(study.rglob("config.yaml")):
+        folder = config.parent
+        parts = folder.relative_to(study).parts
+        if (folder / "metrics.jsonl").is_file() and not any(
+                p.startswith(".") or ".failed-" in p or p in SKIPPED_FOLDERS for p in parts):
+            yield folder
+
+
+def locate(study: Path, folder: Path) -> dict[str, Any]:
+    """(stage, method, trial) of a run folder from its place: trials/<method>/trial_NNNN/seedS,
+    <stage>/<method>/seedS for the stages of ``final.STAGES``, else a sweep's <method>_seedS."""
+    parts = folder.relative_to(study).parts
+    if parts[0] == "trials" and len(parts) == 4:
+        return {"stage": "trial", "method": parts[1], "trial": int(parts[2].removeprefix("trial_"))}
+    if parts[0] in STAGES and len(parts) == 3:
+        return {"stage": parts[0], "method": parts[1], "trial": None}
+    return {"stage": "sweep", "method": folder.name.rsplit("_seed", 1)[0], "trial": None}
+
+
+def compact_run(study: Path, folder: Path) -> dict[str, Any]:
+    """One run folder as one line of runs.jsonl.gz (see the module docstring)."""
+    import yaml
+
+    config = yaml.safe_load((folder / "config.yaml").read_text()) or {}
+    rows = [scalar_row(row) for row in read_metrics(folder)]
+    heldout = read_jsonl(folder / "heldout.jsonl")
+    continued = folder / CONTINUED_FROM
+    place = locate(study, folder)
+    shared = 0  # a continued run's first rows are its rerun's: stored once, with the rerun
+    source = study / "final" / place["method"] / folder.name
+    if continued.is_file() and place["stage"] == "long" and (source / "metrics.jsonl").is_file():
+        before = [scalar_row(row) for row in read_metrics(source)]
+        if rows[:len(before)] == before:
+            shared = len(before)
+    return {
+        **place, "seed": config.get("seed"), "path": str(folder.relative_to(study)),
+        "config": config, "columns": columns(rows[shared:]),
+        "rows_from": {"path": str(source.relative_to(study)), "rows": shared} if shared else None,
+        "heldout": {"generation": heldout[0].get("generation"), "index": [line["index"] for line in heldout],
+                    "reward": [_scalar(float(line["reward"]))[1] for line in heldout],
+                    "success": [bool(line["success"]) for line in heldout]} if heldout else None,
+        "placement": read_jsonl(folder / PLACEMENT),
+        "kl": [scalar_row(row) for row in read_jsonl(folder / "kl.jsonl")],
+        "continued_from": json.loads(continued.read_text()) if continued.is_file() else None,
+    }
+
+
+def study_trial_rows(study: Path) -> list[dict[str, Any]]:
+    """Every trial of every Optuna study in STUDY/optuna.db (none without it), as ``study.study_trials``
+    lists them, read straight from the storage (no spec needed)."""
+    if not (study / STORAGE).is_file():
+        return []
+    import optuna
+
+    from .study import trial_rows
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    url = f"sqlite:///{(study / STORAGE).resolve()}"
+    return [row for name in sorted(optuna.get_all_study_names(url))
+            for row in trial_rows(optuna.load_study(study_name=name, storage=url), name)]
+
+
+def _write_gzip_lines(path: Path, lines: Sequence[dict]) -> None:
+    with open(path, "wb") as raw, gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0, compresslevel=9) as zipped:
+        for line in lines:
+            zipped.write((json.dumps(line, separators=(",", ":"), sort_keys=True) + "\n").encode())
+
+
+def compact_study(study: str | Path, out: str | Path) -> dict[str, Any]:
+    """Write STUDY's runs, trials and summary into OUT (see the module docstring); returns the manifest."""
+    study, out = Path(study), Path(out)
+    if not study.is_dir():
+        raise FileNotFoundError(f"{study}: no such folder (a study's or sweep's `out`)")
+    runs = [compact_run(study, folder) for folder in run_folders(study)]
+    if not runs:
+        raise FileNotFoundError(f"{study}: no run folder (config.yaml and metrics.jsonl) under it")
+    out.mkdir(parents=True, exist_ok=True)
+    _write_gzip_lines(out / RUNS, runs)
+    trials = study_trial_rows(study)
+    if trials:
+        _write_gzip_lines(out / TRIALS, trials)
+    if (study / SUMMARY).is_file():
+        shutil.copyfile(study / SUMMARY, out / SUMMARY)
+    counts: dict[str, int] = {}
+    for run in runs:
+        counts[run["stage"]] = counts.get(run["stage"], 0) + 1
+    files = [p for p in (out / RUNS, out / TRIALS, out / SUMMARY) if p.is_file()]
+    manifest = {"source": str(study), "runs": counts, "trials": len(trials),
+                "with_heldout": sum(run["heldout"] is not None for run in runs),
+                "bytes": {p.name: p.stat().st_size for p in files}}
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+    return manifest
+
+
+def _read_gzip_lines(path: Path) -> list[dict]:
+    with gzip.open(path, "rt") as handle:
+        return [json.loads(line) for line in handle if line.strip()]
+
+
+def load_compact(folder: str | Path) -> dict[str, Any]:
+    """{"runs": [...], "trials": [...], "summary": {...} or None} from a compacted study's folder; each
+    run with its ``rows`` whole again (a continued run's first rows taken from its rerun)."""
+    folder = Path(folder)
+    if not (folder / RUNS).is_file():
+        raise FileNotFoundError(f"{folder}: no {RUNS} here (write it with python -m evolm_lib.tune.compact)")
+    summary = folder / SUMMARY
+    runs = _read_gzip_lines(folder / RUNS)
+    for run in runs:
+        run["rows"] = from_columns(run.pop("columns"))
+    by_path = {run["path"]: run for run in runs}
+    for run in runs:
+        if run.get("rows_from"):
+            run["rows"] = by_path[run["rows_from"]["path"]]["rows"][:run["rows_from"]["rows"]] + run["rows"]
+    return {"runs": runs,
+            "trials": _read_gzip_lines(folder / TRIALS) if (folder / TRIALS).is_file() else [],
+            "summary": json.loads(summary.read_text()) if summary.is_file() else None}
+
+
+def heldout_lines(run: dict) -> list[dict] | None:
+    """A compacted run's held-out scores as heldout.jsonl's lines (index, reward, success, generation)."""
+    held = run.get("heldout")
+    if not held:
+        return None
+    return [{"index": i, "reward": r, "success": s, "generation": held.get("generation")}
+            for i, r, s in zip(held["index"], held["reward"], held["success"])]
+
+
+def compact_groups(runs: Sequence[dict], stage: str, label: str = "{method}") -> dict:
+    """The runs of one stage grouped by method, as ``analysis.RunRecord`` lists sorted by seed (their
+    held-out scores inside, so ``analysis.study_table`` and ``method_comparisons`` read them);
+    ``label`` names a group from its method ("{method} shuffled")."""
+    from ..analysis import RunRecord, check_distinct_seeds
+
+    groups: dict[str, list] = {}
+    for run in runs:
+        if run["stage"] != stage:
+            continue
+        name = label.format(method=run["method"])
+        groups.setdefault(name, []).append(RunRecord(Path(run["path"]), name, run["seed"], run["config"], run["rows"],
+                                                     heldout=heldout_lines(run)))
+    for records in groups.values():
+        records.sort(key=lambda r: (r.seed is None, r.seed or 0))
+    check_distinct_seeds(groups)
+    return groups
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m evolm_lib.tune.compact", description=__doc__.split("\n\n")[0])
+    parser.add_argument("study", type=Path, help="the study's folder (tune.out or sweep.out), on the machine that ran it")
+    parser.add_argument("out", type=Path, help="the folder to write runs.jsonl.gz, trials.jsonl.gz, "
+                                               "tune_summary.json and manifest.json into")
+    args = parser.parse_args(argv)
+    try:
+        manifest = compact_study(args.study, args.out)
+    except FileNotFoundError as error:
+        print(f"compact: {error}", file=sys.stderr)
+        return 1
+    size = sum(manifest["bytes"].values())
+    print(f"compacted {sum(manifest['runs'].values())} runs ({', '.join(f'{k} {v}' for k, v in manifest['runs'].items())}; "
+          f"{manifest['with_heldout']} with held-out scores) and {manifest['trials']} trials into {args.out} "
+          f"({size / 2**20:.2f} MiB)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

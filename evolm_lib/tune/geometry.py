@@ -1,0 +1,161 @@
+"""The geometry of the winners' solutions, on the machine that holds their weights (Hoy, Wang & Pan
+2026; the measures of ``evolm_lib.geometry``): ``python -m evolm_lib.tune.geometry STUDY_DIR OUT_DIR``.
+
+For each chosen final seed, every method's rerun (OUT/final/<method>/seedS, or with ``--stage long``
+its continuation) is read as a solution: its update's norm and the share of weights it changed, in
+all, per layer and per module; the cosine between every two methods' updates at that seed. For the
+pairs of the declared family (tune_summary.json's; or ``--pairs a:b,c:d``) whose ends moved the same
+form (LoRA with LoRA, the model's own weights with the model's own), the held-out reward along the
+straight path between the two solutions at the first chosen seed, served by one engine with the
+weights written in place, and its barrier. Writes OUT_DIR/geometry.json (small: summaries, no
+tensors; written beside a study's compacted files, ``scripts/study_tables.py`` draws its figures).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from .final import STAGES, SUMMARY
+
+GEOMETRY = "geometry.json"
+
+
+def _finite(value: float) -> float | None:
+    return value if isinstance(value, float) and math.isfinite(value) else None
+
+
+def _methods(study: Path, stage: str) -> list[str]:
+    return sorted(p.name for p in (study / stage).iterdir() if p.is_dir()) if (study / stage).is_dir() else []
+
+
+def _declared_pairs(study: Path, methods: Sequence[str]) -> list[tuple[str, str]]:
+    """The summary's family (best_es / best_grpo already decided), limited to methods with reruns."""
+    path = study / SUMMARY
+    family = (json.loads(path.read_text()).get("primary") or {}).get("family", []) if path.is_file() else []
+    return [(a, b) for a, b in family if a in methods and b in methods]
+
+
+def solutions_geometry(study: str | Path, seeds: Sequence[int] | None = None, stage: str = "final",
+                       dtype: str = "bfloat16") -> dict[str, Any]:
+    """Update summaries of every method's solution at each seed, and the cosines between every two
+    methods' updates at the same seed (solutions of one seed in memory at a time)."""
+    from ..geometry import load_solution, summarize, update_cosine, update_table
+
+    study = Path(study)
+    methods = _methods(study, stage)
+    if not methods:
+        raise FileNotFoundError(f"{study / stage}: no reruns here (OUT/{stage}/<method>/seedS)")
+    available = sorted({int(p.name.removeprefix("seed")) for m in methods for p in (study / stage / m).glob("seed*")})
+    seeds = list(seeds) if seeds else available[:3]
+    result: dict[str, Any] = {"stage": stage, "dtype": dtype, "seeds": seeds, "updates": [], "cosines": []}
+    for seed in seeds:
+        solutions = {m: load_solution(study / stage / m / f"seed{seed}") for m in methods
+                     if (study / stage / m / f"seed{seed}" / "config.yaml").is_file()}
+        deltas = {}
+        for method, solution in solutions.items():
+            rows = update_table(solution.weights, solution.base, dtype)
+            result["updates"].append({"method": method, "seed": seed, "form": solution.form,
+                                      "generation": solution.generation, **summarize(rows),
+                                      "by_layer": summarize(rows, by="layer"), "by_module": summarize(rows, by="module")})
+            deltas[method] = solution.delta
+        names = list(deltas)
+        for i, a in enumerate(names):
+            for b in names[i + 1:]:
+                cosine = update_cosine(deltas[a], deltas[b])
+                result["cosines"].append({"seed": seed, "a": a, "b": b, "overall": _finite(cosine["overall"]),
+                                          "per_layer": {str(k): _finite(v) for k, v in cosine["per_layer"].items()},
+                                          "per_module": {k: _finite(v) for k, v in cosine["per_module"].items()}})
+        del solutions, deltas
+        gc.collect()
+    return result
+
+
+def solution_paths(study: str | Path, pairs: Sequence[tuple[str, str]], seed: int, stage: str = "final",
+                   points: int = 5, kl_samples: int = 0) -> tuple[list[dict], list[str]]:
+    """(the straight path between each pair's solutions at ``seed`` with its barrier, the pairs left
+    out and why): one engine, sized from the first pair's first run, serves every path."""
+    from ..config import ConfigError
+    from ..engines import EngineSizing, make_evaluator
+    from ..geometry import check_path_ends, interpolation_path, load_solution, path_barrier
+    from ..runs import load_run_config
+    from ..tasks import get_task
+
+    study = Path(study)
+    paths, skipped, engine = [], [], None
+    try:
+        for a, b in pairs:
+            folders = [study / stage / m / f"seed{seed}" for m in (a, b)]
+            ends = [load_solution(folder) for folder in folders]
+            try:
+                check_path_ends(*ends)
+            except ConfigError as error:
+                skipped.append(f"{a} vs {b}: {error}")
+                continue
+            config = load_run_config(folders[0])
+            if engine is None:  # the weights are written in place: an engine with the worker extension
+                engine = make_evaluator(config, sizing=EngineSizing.from_config(config).replace(adapter_transfer="in_place"))
+            rows = interpolation_path(engine, ends[0], ends[1], get_task(config.task, **config.task_options), points,
+                                      max_new_tokens=config.max_new_tokens, kl_samples=kl_samples)
+            paths.append({"a": a, "b": b, "seed": seed, "rows": rows,
+                          "barrier": path_barrier([r["t"] for r in rows], [r["eval/reward"] for r in rows])})
+    finally:
+        if engine is not None:
+            engine.close()
+    return paths, skipped
+
+
+def write_geometry(study: str | Path, out: str | Path, seeds: Sequence[int] | None = None, stage: str = "final",
+                   pairs: Sequence[tuple[str, str]] | None = None, points: int = 5, kl_samples: int = 0,
+                   dtype: str = "bfloat16") -> dict[str, Any]:
+    """OUT/geometry.json (see the module docstring); returns what it holds."""
+    study, out = Path(study), Path(out)
+    result = solutions_geometry(study, seeds, stage, dtype)
+    pairs = list(pairs) if pairs is not None else _declared_pairs(study, _methods(study, stage))
+    result["paths"], result["skipped_paths"] = (solution_paths(study, pairs, result["seeds"][0], stage, points, kl_samples)
+                                                if points >= 2 and pairs else ([], []))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / GEOMETRY).write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m evolm_lib.tune.geometry", description=__doc__.split("\n\n")[0])
+    parser.add_argument("study", type=Path, help="the study's folder (tune.out), with the reruns' weights")
+    parser.add_argument("out", type=Path, help="the folder for geometry.json (a compacted study's folder: its figures drawn with the tables)")
+    parser.add_argument("--seeds", help="comma-separated final seeds (default: the first three)")
+    parser.add_argument("--stage", choices=STAGES, default="final", help="the reruns (final) or their continuations (long)")
+    parser.add_argument("--pairs", help="a:b,c:d: the paths to measure (default: the summary's declared family)")
+    parser.add_argument("--points", type=int, default=5, help="points of each straight path, ends included (0: no paths)")
+    parser.add_argument("--kl-samples", type=int, default=0, help="samples per prompt for the KL along each path (0: none)")
+    parser.add_argument("--dtype", default="bfloat16", help="dtype in which 'changed at all' is counted (the engine's)")
+    args = parser.parse_args(argv)
+    seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else None
+    pairs = [tuple(p.split(":")) for p in args.pairs.split(",")] if args.pairs else None
+    if pairs and any(len(p) != 2 for p in pairs):
+        print(f"geometry: --pairs is a:b,c:d, got {args.pairs!r}", file=sys.stderr)
+        return 2
+    try:
+        result = write_geometry(args.study, args.out, seeds, args.stage, pairs, args.points, args.kl_samples, args.dtype)
+    except FileNotFoundError as error:
+        print(f"geometry: {error}", file=sys.stderr)
+        return 1
+    for update in result["updates"]:
+        print(f"{update['method']} seed {update['seed']}: ||update|| {update['norm']:.4g}, "
+              f"changed {update['changed_share']:.3%} of {update['values']} values")
+    for cosine in result["cosines"]:
+        print(f"cosine({cosine['a']}, {cosine['b']}) seed {cosine['seed']}: {cosine['overall']}")
+    for path in result["paths"]:
+        print(f"path {path['a']} -> {path['b']}: barrier {path['barrier']:.4g}")
+    for line in result["skipped_paths"]:
+        print(f"no path: {line}")
+    print(args.out / GEOMETRY)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""The tuned study's tables from its compacted files (``compact.py``), on any machine:
+``scripts/study_tables.py COMPACT_DIR OUT_DIR`` (which draws the figures with ``viz.study``).
+
+Tables (CSV): each method's tuning (trials, their states, the winner's setting and validation score,
+seconds spent, engines per card), the winners' held-out score over the final seeds (mean, BCa and t
+intervals, interquartile mean, training completions, generated tokens and wall seconds with the
+engines per card they ran at), the comparisons (the declared family Holm-corrected, the rest
+exploratory), and where present the continued reruns, the shuffled-fitness control and a plain
+sweep's runs (Qiu et al.'s protocol).
+"""
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from .compact import compact_groups, load_compact
+
+
+def placements(runs: Sequence[dict]) -> dict[str, str]:
+    """The devices and engines per card compacted runs ran at, as text ("5", "4, 5"; "" when unrecorded)."""
+    lines = [line for run in runs for line in run.get("placement") or []]
+    engines = sorted({line["engines_per_card"] for line in lines if line.get("engines_per_card") is not None})
+    devices = sorted({line["device"] for line in lines if line.get("device")})
+    return {"engines_per_card": ", ".join(map(str, engines)), "device": ", ".join(devices)}
+
+
+def winners_table(trials: Sequence[dict], runs: Sequence[dict]):
+    """One row per method: its trials by state, the winner (the complete trial of the highest score),
+    its setting and what that setting derived (generations, split), the seconds the trials took and
+    the engines per card they ran at."""
+    import pandas as pd
+
+    lines = []
+    for method in dict.fromkeys(t["method"] for t in trials):
+        own = [t for t in trials if t["method"] == method]
+        complete = [t for t in own if t["state"] == "complete" and t["value"] is not None]
+        failed = [t for t in own if t["state"] == "fail" and t.get("error") is not None]
+        pruned = [t for t in own if t["state"] == "pruned"]
+        best = max(complete, key=lambda t: t["value"]) if complete else None
+        lines.append({
+            "method": method, "trials": len(complete) + len(pruned) + len(failed), "complete": len(complete),
+            "pruned": len(pruned), "failed": len(failed), "retries_of_killed": sum(t.get("retries") is not None for t in own),
+            "winner_trial": best["number"] if best else None, "validation_score": best["value"] if best else math.nan,
+            "setting": json.dumps(best["params"], sort_keys=True) if best else "",
+            "derived": json.dumps({k: v for k, v in (best.get("config") or {}).items() if k not in best["params"]},
+                                  sort_keys=True) if best else "",
+            "tuning_seconds": sum(t.get("seconds") or 0.0 for t in own),
+            **placements([r for r in runs if r["stage"] == "trial" and r["method"] == method]),
+        })
+    return pd.DataFrame(lines).set_index("method") if lines else pd.DataFrame()
+
+
+def _final(groups: Mapping[str, Sequence], runs: Sequence[dict], stage: str, measure: str, label: str = "{method}"):
+    """``analysis.study_table`` of a stage with the generated tokens, wall seconds and placement of its runs."""
+    from ..analysis import study_table
+    from ..metrics import final_value
+
+    table = study_table(groups, measure=measure)
+    extra = {}
+    for name in table.index:
+        records = groups[name]
+        own = [r for r in runs if r["stage"] == stage and label.format(method=r["method"]) == name]
+        tokens = [v for v in (final_value(r.rows, "samples/tokens") for r in records) if v is not None]
+        seconds = [v for v in (final_value(r.rows, "time/wall_s") for r in records) if v is not None]
+        extra[name] = {"generated_tokens": statistics.fmean(tokens) if tokens else math.nan,
+                       "wall_seconds": statistics.fmean(seconds) if seconds else math.nan, **placements(own)}
+    for column in ("generated_tokens", "wall_seconds", "engines_per_card", "device"):
+        table[column] = [extra[name][column] for name in table.index]
+    return table
+
+
+def _primary(summary: dict | None, groups: Mapping[str, Sequence]) -> list[tuple[str, str]]:
+    """The summary's resolved family, limited to methods with reruns."""
+    family = ((summary or {}).get("primary") or {}).get("family") or []
+    return [(a, b) for a, b in family if a in groups and b in groups]
+
+
+def study_tables(compact: dict, measure: str | None = None) -> dict[str, Any]:
+    """{name: DataFrame} of a compacted study (see the module docstring); ``measure``: success or
+    reward (default: the summary's, else the task's)."""
+    from ..analysis import default_measure, method_comparisons
+
+    runs, summary = compact["runs"], compact["summary"]
+    tables: dict[str, Any] = {}
+    if compact["trials"]:
+        tables["winners"] = winners_table(compact["trials"], runs)
+    final = compact_groups(runs, "final")
+    measure = measure or (summary or {}).get("measure") or default_measure(final or compact_groups(runs, "sweep"))
+    if final:
+        tables["heldout"] = _final(final, runs, "final", measure)
+        if len(final) > 1:
+            tables["comparisons"] = method_comparisons(final, measure=measure, primary=_primary(summary, final))
+    long = compact_groups(runs, "long")
+    if long:
+        tables["long"] = _final(long, runs, "long", measure)
+        if len(long) > 1:
+            tables["long_comparisons"] = method_comparisons(long, measure=measure)
+    control = compact_groups(runs, "control", label="{method} shuffled")
+    if control:
+        tables["control"] = _final(control, runs, "control", measure, label="{method} shuffled")
+        pairs = {name: group for name, group in control.items()}
+        for name in control:
+            method = name.removesuffix(" shuffled")
+            if method in final:
+                pairs[method] = final[method]
+        if len(pairs) > 1:
+            tables["control_comparisons"] = method_comparisons(pairs, measure=measure)
+    sweep = compact_groups(runs, "sweep")
+    if sweep:
+        tables["sweep"] = _final(sweep, runs, "sweep", measure)
+        if len(sweep) > 1:
+            tables["sweep_comparisons"] = method_comparisons(sweep, measure=measure)
+    for table in tables.values():
+        table.attrs["measure"] = measure
+    return tables
+
+
+def write_study_tables(compact_dir: str | Path, out_dir: str | Path, measure: str | None = None) -> list[Path]:
+    """Every table of ``study_tables`` as OUT/<name>.csv; returns the paths."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name, table in study_tables(load_compact(compact_dir), measure).items():
+        path = out / f"{name}.csv"
+        table.to_csv(path, float_format="%.6g")
+        paths.append(path)
+    return paths

@@ -1,0 +1,73 @@
+"""Figures of the tuned study from its compacted files (``evolm_lib.tune.compact``), on any machine:
+the best validation score so far against the trial number; the held-out score against training
+completions, generated tokens and wall-clock seconds (each method labelled with the engines per card
+its runs had); and, where ``geometry.json`` lies beside the files (``python -m
+evolm_lib.tune.geometry``), the winners' update norms per layer and the straight paths between them."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Sequence
+
+CURVES = {"completions": "samples/completions", "tokens": "samples/tokens", "seconds": "time/wall_s"}
+"""The x axes of the held-out curves: training completions, generated tokens, wall-clock seconds."""
+WORDS = {"completions": "training completions", "tokens": "generated tokens", "seconds": "wall-clock seconds"}
+HELDOUT_KEY = "eval/reward"
+"""The rows' greedy held-out score, drawn against each of ``CURVES``."""
+
+
+def curve_figures(compact: dict) -> dict[str, Any]:
+    """{name: plotly figure}: best_vs_trials, and heldout_vs_completions / _tokens / _seconds: mean and
+    min-max band over the final seeds per method (its continued reruns where the study has them: they
+    hold the reruns' rows and go on; a plain sweep's runs otherwise)."""
+    from ..analysis import reward_label
+    from ..tune.compact import compact_groups
+    from ..tune.report import placements
+    from .plots import plot_runs_curve
+    from .tuning import plot_best_so_far
+
+    runs = compact["runs"]
+    figures: dict[str, Any] = {}
+    if compact["trials"]:
+        by_method: dict[str, list] = {}
+        for trial in compact["trials"]:
+            by_method.setdefault(trial["method"], []).append(trial)
+        figures["best_vs_trials"] = plot_best_so_far(by_method, (compact["summary"] or {}).get("select", "validation/reward"))
+    stage = next((s for s in ("long", "final", "sweep") if compact_groups(runs, s)), None)
+    if stage is None:
+        return figures
+    groups = compact_groups(runs, stage)
+    named = {}
+    for method, records in groups.items():
+        engines = placements([r for r in runs if r["stage"] == stage and r["method"] == method])["engines_per_card"]
+        named[f"{method}, {engines} engines/card" if engines else method] = [record.rows for record in records]
+    for name, x in CURVES.items():
+        figures[f"heldout_vs_{name}"] = plot_runs_curve(named, x=x, y=HELDOUT_KEY, reward_label=reward_label(groups),
+                                                        title=f"Held-out score against {WORDS[name]}")
+    return figures
+
+
+def geometry_figures(geometry: dict) -> dict[str, Any]:
+    """{name: plotly figure} from geometry.json: the update norms per layer at its first seed, and each path."""
+    from .geometry import plot_path, plot_update_norms
+
+    first = [u for u in geometry["updates"] if u["seed"] == geometry["seeds"][0]]
+    figures = {"geometry_update_norms": plot_update_norms({u["method"]: u["by_layer"] for u in first})}
+    for path in geometry.get("paths", []):
+        figures[f"geometry_path_{path['a']}_{path['b']}"] = plot_path(path["rows"], (path["a"], path["b"]), path["barrier"])
+    return figures
+
+
+def export_study_figures(compact_dir: str | Path, out_dir: str | Path,
+                         formats: Sequence[str] = ("png", "svg")) -> list[Path]:
+    """Every figure of ``curve_figures`` (and ``geometry_figures`` where COMPACT_DIR/geometry.json
+    exists) as OUT/<name>.{png,svg}; returns the paths."""
+    from ..tune.compact import load_compact
+    from ..tune.geometry import GEOMETRY
+    from .figures import export_figure
+
+    figures = curve_figures(load_compact(compact_dir))
+    geometry = Path(compact_dir) / GEOMETRY
+    if geometry.is_file():
+        figures.update(geometry_figures(json.loads(geometry.read_text())))
+    return [path for name, figure in figures.items() for path in export_figure(figure, name, out_dir, formats=formats)]

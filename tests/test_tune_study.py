@@ -1,0 +1,262 @@
+"""The tuned study's stages on tiny-random: a searched split at the same budget, the winners continued
+to twice the budget in copies (the reruns untouched), the shuffled-fitness control of the best ES
+form, best_es / best_grpo decided by the validation winners, the study compacted to a few files and
+its tables, figures and geometry rebuilt from them; and every bad setting refused before an engine."""
+from __future__ import annotations
+
+import copy
+import gzip
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from evolm_lib import tune
+from evolm_lib.analysis import load_runs, study_table
+from evolm_lib.runs import read_jsonl, read_metrics
+from evolm_lib.sweep import plan_sweep
+from evolm_lib.tune.compact import columns, compact_groups, compact_study, from_columns, load_compact, scalar_row
+
+REPO = Path(__file__).resolve().parents[1]
+
+SPEC = {
+    "notebook": "notebooks/07_tuning.py",
+    "parameters": {},
+    "sweep": {
+        "common": {"model": "tiny-random", "task": "jsonl",  # task_options: write_spec's file
+
+                   "target_modules": ["q_proj", "v_proj"], "lora_rank": 1, "max_new_tokens": 4,
+                   "max_model_len": 256, "kv_cache_gb": 0.1, "eval_every": 1, "prompts_per_step": 2},
+        "es": {"population_size": 4, "temperature": 0.0},
+        "grpo": {"group_size": 4, "temperature": 1.0},
+        "generations": 2,          # 2 x 4 members x 2 prompts = 16 training completions a run
+        "seeds": [0],
+    },
+    "tune": {
+        "trials": 2, "seeds": [100], "startup_trials": 2,
+        "space": {"es": {"sigma": {"log": [0.005, 0.2]}, "split": ["4x2", "2x4"]},
+                  "grpo": {"learning_rate": {"log": [1.0e-5, 3.0e-3]}}},
+        "primary": [["best_es", "best_grpo"]], "long": 2, "control": "best_es", "measure": "reward",
+    },
+    "final_seeds": [0, 1],
+}
+
+
+WORDS = ["hi", "yes", "blue", "seven", "Paris", "cold", "up", "tree", "one", "red", "sun", "no", "cat", "Rome"]
+
+
+def write_task(tmp_path: Path) -> Path:
+    """10 training prompts (the last 2 carved off as validation) and 4 held-out ones, scored by the
+    length reward: the tiny model's completions differ in length, so members' rewards differ."""
+    path = tmp_path / "words.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"Say the word {word}.", "target": word,
+                                        **({"split": "eval"} if i >= 10 else {})}) + "\n" for i, word in enumerate(WORDS)))
+    return path
+
+
+def write_spec(tmp_path: Path, change=None) -> Path:
+    spec = copy.deepcopy(SPEC)
+    spec["sweep"]["out"] = str(tmp_path / "out")
+    spec["sweep"]["common"]["task_options"] = {"path": str(write_task(tmp_path)), "reward": "length", "num_validation": 2}
+    if change:
+        change(spec)
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def test_a_split_sets_population_and_prompts_and_keeps_the_budget(tmp_path):
+    spec = tune.load_tune_spec(write_spec(tmp_path))
+    planned = spec.tuning_runs["es"][0]
+    assert planned.budget == 16
+    config = tune.trial_config(spec, planned, {"split": "2x4"})  # 16 = 2 generations x 2 members x 4 prompts
+    assert (config.population_size, config.prompts_per_step, config.num_generations) == (2, 4, 2)
+    config = tune.trial_config(spec, planned, {"split": "8x2"})  # 16 = 1 x 8 x 2
+    assert (config.population_size, config.prompts_per_step, config.num_generations) == (8, 2, 1)
+    with pytest.raises(ValueError, match=r"tune.space.es.split: 4x8 makes 32 completions a generation, which does "
+                                         r"not divide the budget of 16"):
+        tune.trial_config(spec, planned, {"split": "4x8"})
+    with pytest.raises(ValueError, match=r"tune.space.es.split: 2x9 scores each member on 9 prompts, but the task "
+                                         r"has 8 training prompts"):
+        tune.trial_config(spec, planned, {"split": "2x9"})
+
+
+def _set(path: list, value):
+    def change(spec):
+        node = spec
+        for key in path[:-1]:
+            node = node[key]
+        node[path[-1]] = value
+    return change
+
+
+@pytest.mark.parametrize("change, message", [
+    (_set(["tune", "space", "es", "split"], ["4x2", "4by2"]), r'tune.space.es.split: each choice is "SIZExPROMPTS"'),
+    (_set(["tune", "space", "es", "split"], {"int": [1, 4]}), r'tune.space.es.split: a list of "SIZExPROMPTS" choices'),
+    (_set(["tune", "space", "es", "split"], ["4x2", "3x2"]), r"tune.space.es.split: .*even"),
+    (_set(["tune", "space", "es", "prompts_per_step"], [2, 4]), r"tune.space.es.prompts_per_step: not searched: .*split"),
+    (_set(["tune", "long"], 0), r"tune.long: a whole number >= 1"),
+    (_set(["tune", "control"], "grpo"), r"tune.control: none, best_es or a tuned ES method.*ES methods: \['es'\]"),
+    (_set(["tune", "control"], "best_grpo"), r"tune.control: none, best_es or a tuned ES method"),
+    (_set(["tune", "primary"], [["best_es", "best_gpro"]]), r"tune.primary: \['best_gpro'\] not a method of this sweep "
+                                                             r"\(did you mean best_grpo\?\)"),
+    (_set(["tune", "primary"], [["es", "es"]]), r"tune.primary: \['es', 'es'\] compares a method with itself"),
+    (_set(["sweep", "grpo_completions"], 16), r"sweep.grpo_completions: gives GRPO a budget of its own"),
+])
+def test_bad_study_settings_fail_naming_the_setting_before_any_engine(tmp_path, change, message):
+    with pytest.raises(ValueError, match=message):
+        tune.load_tune_spec(write_spec(tmp_path, change))
+    assert not (tmp_path / "out").exists()
+
+
+def test_best_of_a_kind_needs_a_tuned_method_of_that_kind(tmp_path):
+    path = write_spec(tmp_path, lambda spec: spec["tune"]["space"].pop("grpo"))  # GRPO planned, but not tuned
+    with pytest.raises(ValueError, match=r"tune: best_grpo names the best GRPO method, but no grpo method is tuned "
+                                         r"here; tuned: \['es'\]"):
+        tune.load_tune_spec(path, methods=["es"])
+
+
+def test_the_dry_run_shows_the_later_stages_and_the_declared_family(tmp_path):
+    lines = "\n".join(tune.describe(tune.load_tune_spec(write_spec(tmp_path))))
+    assert "continued to 2 x the budget (32 training completions)" in lines
+    assert "control: best_es's winner on the final seeds with fitness_control shuffled" in lines
+    assert "primary family (Holm): best_es vs best_grpo; best_es / best_grpo: the ES / GRPO method whose winner" in lines
+
+
+def test_a_protocols_own_grpo_budget_sets_the_steps(tmp_path):
+    sweep = copy.deepcopy(SPEC["sweep"])
+    sweep["common"]["task_options"] = {"path": str(write_task(tmp_path)), "reward": "length", "num_validation": 2}
+    sweep["grpo_completions"] = 40  # 5 steps of a group of 4 on 2 prompts
+    plan = {run.kind: run for run in plan_sweep(sweep)}
+    assert (plan["es"].budget, plan["grpo"].budget, plan["grpo"].config.num_steps) == (16, 40, 5)
+    sweep["grpo_completions"] = 42
+    with pytest.raises(ValueError, match=r"sweep.grpo_completions: 42 is not a whole number of steps of 8 completions"):
+        plan_sweep(sweep)
+
+
+def test_compacted_rows_keep_scalars_and_come_back_by_column():
+    row = {"generation": 3, "method": "es", "eval/reward": 0.1234567891, "time/generate_s": 0.123456,
+           "time/wall_s": 12.3456789, "ok": True, "policy/train_completions": ["a", "b"], "es/weights": [0.5],
+           "train/reward_std": float("nan"), "note": "x" * 65}
+    assert scalar_row(row) == {"generation": 3, "method": "es", "eval/reward": 0.123457, "time/generate_s": 0.123,
+                               "time/wall_s": 12.3457, "ok": True}
+    rows = [{"generation": 0, "eval/reward": 0.5}, {"generation": 1}]
+    assert columns(rows) == {"eval/reward": [0.5, None], "generation": [0, 1]}
+    assert from_columns(columns(rows)) == rows
+
+
+def _png(path: Path) -> bool:
+    return path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 1000
+
+
+def test_the_study_end_to_end_then_compacted_tabled_drawn_and_measured(tmp_path, tiny_vllm):
+    """Two trials each of ES (searching a split) and GRPO, the winners on two final seeds, continued to
+    twice the budget, the control of the best ES form; then compact -> tables -> figures, and the geometry."""
+    spec = tune.load_tune_spec(write_spec(tmp_path))
+    quiet = lambda line: None  # noqa: E731
+    assert tune.tune(spec, tiny_vllm, log=quiet) == {"es": 2, "grpo": 2}
+    for trial in tune.study_trials(spec, "es"):  # a split's size, prompts and generations recorded with the trial
+        size, prompts = map(int, trial["params"]["split"].split("x"))
+        assert trial["config"]["population_size"] == size and trial["config"]["prompts_per_step"] == prompts
+        assert trial["config"]["num_generations"] * size * prompts == 16
+    tune.run_finals(spec, tiny_vllm, log=quiet)
+    done = tune.run_extras(spec, tiny_vllm, log=quiet)
+    assert sorted(done) == ["control/es", "long/es", "long/grpo"]
+    best = {"es": tune.best_trial(spec, "es"), "grpo": tune.best_trial(spec, "grpo")}
+    for method in ("es", "grpo"):
+        for seed in (0, 1):
+            final, long = (spec.out / stage / method / f"seed{seed}" for stage in ("final", "long"))
+            length = yaml.safe_load((final / "config.yaml").read_text())["num_generations" if method == "es" else "num_steps"]
+            final_rows, long_rows = read_metrics(final), read_metrics(long)
+            assert [r["generation"] for r in final_rows] == list(range(length + 1))  # the rerun as it was
+            assert {line["generation"] for line in read_jsonl(final / "heldout.jsonl")} == {length}
+            assert [r["generation"] for r in long_rows] == list(range(2 * length + 1))
+            assert long_rows[:length + 1] == final_rows  # continued from the rerun's end, not started again
+            assert long_rows[-1]["samples/completions"] == 2 * final_rows[-1]["samples/completions"] == 32
+            assert {line["generation"] for line in read_jsonl(long / "heldout.jsonl")} == {2 * length}
+            assert json.loads((long / "continued_from.json").read_text())["generation"] == length
+            for folder in (final, long):
+                (placement,) = {json.dumps({k: v for k, v in line.items() if k in ("device", "evaluator")})
+                                for line in read_jsonl(folder / "placement.jsonl")}
+                assert json.loads(placement) == {"device": "cpu", "evaluator": "local"}
+    winner = "es"  # the only ES method: best_es
+    for seed in (0, 1):
+        config = yaml.safe_load((spec.out / "control" / winner / f"seed{seed}" / "config.yaml").read_text())
+        final = yaml.safe_load((spec.out / "final" / winner / f"seed{seed}" / "config.yaml").read_text())
+        assert config["fitness_control"] == "shuffled" and final["fitness_control"] == "none"
+        assert {k: v for k, v in config.items() if k != "fitness_control"} == {k: v for k, v in final.items()
+                                                                                if k != "fitness_control"}
+        assert all(config[k] == v for k, v in best["es"].params.items() if k != "split")
+
+    summary = tune.summarize(spec)
+    assert summary["primary"]["resolved"] == {"best_es": "es", "best_grpo": "grpo"}
+    assert summary["primary"]["family"] == [["es", "grpo"]]
+    (comparison,) = summary["comparisons"]
+    assert comparison["family"] == "primary" and comparison["holm_p"] == comparison["permutation_p"]
+    assert [row["seeds"] for row in summary["long"]["final"]] == [2, 2] and summary["long"]["budget"] == 32
+    assert summary["control"]["method"] == "es" and summary["control"]["final"][0]["method"] == "es shuffled"
+    assert {row["method_a"] for row in summary["control"]["comparison"]} | {
+        row["method_b"] for row in summary["control"]["comparison"]} == {"es", "es shuffled"}
+
+    compact = tmp_path / "compact"
+    result = subprocess.run([sys.executable, "-m", "evolm_lib.tune.compact", str(spec.out), str(compact)],
+                            capture_output=True, text=True, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    manifest = json.loads((compact / "manifest.json").read_text())
+    assert manifest["runs"] == {"control": 2, "final": 4, "long": 4, "trial": 4} and manifest["trials"] == 4
+    assert sum(manifest["bytes"].values()) < 100_000
+    first = (compact / "runs.jsonl.gz").read_bytes()
+    compact_study(spec.out, compact)  # the same study compacts to the same bytes
+    assert (compact / "runs.jsonl.gz").read_bytes() == first
+    with gzip.open(compact / "runs.jsonl.gz", "rt") as handle:
+        stored = {line["path"]: line for line in map(json.loads, handle)}
+    assert stored["long/es/seed0"]["rows_from"] == {"path": "final/es/seed0", "rows": 3}  # shared rows stored once
+    loaded = load_compact(compact)
+    by_path = {run["path"]: run for run in loaded["runs"]}
+    assert by_path["long/es/seed1"]["rows"] == [scalar_row(r) for r in read_metrics(spec.out / "long" / "es" / "seed1")]
+    folders = load_runs({m: str(spec.out / "final" / m / "seed*") for m in ("es", "grpo")}, allow_mixed=True)
+    for column in ("seeds", "mean", "ci_low", "ci_high", "t_low", "t_high"):  # the tables from the compact files
+        assert study_table(compact_groups(loaded["runs"], "final"), measure="reward")[column].tolist() == pytest.approx(
+            study_table(folders, measure="reward")[column].tolist(), nan_ok=True)
+
+    from evolm_lib.tune.geometry import GEOMETRY, write_geometry
+
+    write_geometry(spec.out, compact, seeds=[0], points=2)  # beside the compacted files
+    saved = json.loads((compact / GEOMETRY).read_text())
+    assert [(u["method"], u["form"]) for u in saved["updates"]] == [("es", "lora"), ("grpo", "lora")]
+    assert all(u["norm"] > 0 for u in saved["updates"])  # both moved their adapters
+    (cosine,) = saved["cosines"]
+    assert (cosine["a"], cosine["b"]) == ("es", "grpo") and -1 <= cosine["overall"] <= 1
+    (path,) = saved["paths"]  # the declared pair: best_es vs best_grpo
+    assert [row["t"] for row in path["rows"]] == [0.0, 1.0] and path["barrier"] == 0.0  # two points: the ends
+
+    tables = tmp_path / "tables"
+    result = subprocess.run([sys.executable, "scripts/study_tables.py", str(compact), str(tables)],
+                            capture_output=True, text=True, cwd=REPO, env={"PYTHONPATH": str(REPO), **_env()})
+    from evolm_lib.viz.figures import chromium_available
+
+    assert result.returncode == (0 if chromium_available() else 1), result.stderr
+    import pandas as pd
+
+    winners = pd.read_csv(tables / "winners.csv", index_col=0)
+    assert winners.loc["es", "trials"] == 2 and winners.loc["es", "winner_trial"] == best["es"].number
+    assert json.loads(winners.loc["grpo", "setting"]) == pytest.approx(best["grpo"].params)
+    heldout = pd.read_csv(tables / "heldout.csv", index_col=0)
+    assert heldout.loc["es", "seeds"] == 2 and heldout.loc["es", "device"] == "cpu"
+    comparisons = pd.read_csv(tables / "comparisons.csv")
+    assert comparisons["family"].tolist() == ["primary"]
+    assert set(pd.read_csv(tables / "control.csv")["method"]) == {"es shuffled"}
+    assert set(pd.read_csv(tables / "long.csv")["method"]) == {"es", "grpo"}
+    if chromium_available():
+        for name in ("best_vs_trials", "heldout_vs_completions", "heldout_vs_tokens", "heldout_vs_seconds",
+                     "geometry_update_norms", "geometry_path_es_grpo"):
+            assert _png(tables / f"{name}.png") and (tables / f"{name}.svg").read_text().lstrip().startswith("<svg")
+
+
+def _env() -> dict:
+    import os
+
+    return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
