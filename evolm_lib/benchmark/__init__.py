@@ -22,6 +22,7 @@ Examples::
 """
 from __future__ import annotations
 
+import argparse
 import importlib
 import sys
 from typing import Any, Sequence
@@ -36,6 +37,26 @@ SUBCOMMANDS = {
 }
 """subcommand -> module of this package holding its ``main(argv)``"""
 DEFAULT = "engine"
+
+
+def add_population_options(parser: argparse.ArgumentParser, gpu: bool, cpu: tuple[int, int, int] = (4, 2, 8),
+                           rank_help: str = "LoRA rank") -> None:
+    """The options of a population call: ``--population``, ``--prompts``, ``--new-tokens`` (32 x 8 x
+    128 on a GPU, ``cpu`` = (members, prompts, tokens) on a CPU) and ``--rank`` (1)."""
+    members, prompts, tokens = (32, 8, 128) if gpu else cpu
+    parser.add_argument("--population", type=int, default=members, help=f"members (32 on a GPU, {cpu[0]} on a CPU)")
+    parser.add_argument("--prompts", type=int, default=prompts, help="prompts per member")
+    parser.add_argument("--new-tokens", type=int, default=tokens, help="tokens per request (EOS ignored)")
+    parser.add_argument("--rank", type=int, default=1, help=rank_help)
+
+
+def check_population_options(parser: argparse.ArgumentParser, args: argparse.Namespace, *more: str) -> None:
+    """Refuse counts below 1 (the population's options and ``more``) and an odd population (antithetic pairs)."""
+    for name in ("population", "prompts", "new_tokens", "rank", *more):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.population % 2:
+        parser.error("--population must be even (antithetic pairs)")
 
 
 def main(argv: Sequence[str] | None = None) -> Any:

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..env import apply_engine_defaults
+from . import add_population_options, check_population_options
 from ..throughput import KNOWN_PATHS, ThroughputSpec, format_throughput, throughput_report
 
 VARIANTS = {  # label -> ESConfig changes
@@ -99,11 +100,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     gpu = torch.cuda.is_available()
     parser = argparse.ArgumentParser(prog="python -m evolm_lib.benchmark engine", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m-instruct", help="known name or model folder")
-    parser.add_argument("--population", type=int, default=32 if gpu else 8, help="members (32 on a GPU, 8 on a CPU)")
+    add_population_options(parser, gpu, (8, 4, 32), "throughput: LoRA rank")
     parser.add_argument("--generations", type=int, default=10 if gpu else 4, help="ES generations per variant")
-    parser.add_argument("--prompts", type=int, default=8 if gpu else 4, help="throughput: prompts per member")
-    parser.add_argument("--new-tokens", type=int, default=128 if gpu else 32, help="throughput: tokens per request")
-    parser.add_argument("--rank", type=int, default=1, help="throughput: LoRA rank")
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"ES variants, from {list(VARIANTS)}")
     parser.add_argument("--paths", default="in_place,files,base",
                         help="throughput paths, from in_place, files, base, eggroll, full (es_mode eggroll's and full's populations)")
@@ -111,11 +109,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                         help="also time es_mode full's member write and restore and EGGROLL's update on the engine")
     parser.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")
     args = parser.parse_args(argv)
-    for name in ("population", "prompts", "new_tokens", "rank"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.population % 2:
-        parser.error("--population must be even (antithetic pairs)")
+    check_population_options(parser, args)
     variants = [v for v in args.variants.split(",") if v]
     if not variants or any(v not in VARIANTS for v in variants):
         parser.error(f"--variants must name some of {list(VARIANTS)}")

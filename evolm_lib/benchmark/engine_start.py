@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..env import apply_engine_defaults
+from . import add_population_options, check_population_options
 from ..throughput import ThroughputSpec, machine_info, measure_throughput, ratios, start_engine
 
 CAPTURES = ("derived", "default")
@@ -83,20 +84,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     gpu = torch.cuda.is_available()
     parser = argparse.ArgumentParser(prog="python -m evolm_lib.benchmark engine-start", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m-instruct", help="known name or model folder")
-    parser.add_argument("--population", type=int, default=32 if gpu else 4, help="members (32 on a GPU, 4 on a CPU)")
-    parser.add_argument("--prompts", type=int, default=8 if gpu else 2, help="prompts per member")
-    parser.add_argument("--new-tokens", type=int, default=128 if gpu else 8, help="throughput check: tokens per request")
-    parser.add_argument("--rank", type=int, default=1, help="LoRA rank")
+    add_population_options(parser, gpu, (4, 2, 8), "LoRA rank")
     parser.add_argument("--repeats", type=int, default=2 if gpu else 1, help="throughput check: timed calls a path")
     parser.add_argument("--capture", choices=("both", *CAPTURES), default="both",
                         help="both (derived, then default, in this process) or one of them")
     parser.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")
     args = parser.parse_args(argv)
-    for name in ("population", "prompts", "new_tokens", "rank", "repeats"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.population % 2:
-        parser.error("--population must be even (antithetic pairs)")
+    check_population_options(parser, args, "repeats")
     apply_engine_defaults()
     spec = ThroughputSpec(model=args.model, population=args.population, prompts=args.prompts, new_tokens=args.new_tokens,
                           rank=args.rank, repeats=args.repeats, noise_device="cuda" if gpu else "cpu")

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..env import apply_engine_defaults
+from . import add_population_options, check_population_options
 from ..throughput import ThroughputSpec, machine_info, measure_throughput, measure_weight_modes, release_eggroll, start_engine
 
 MODE_PATHS = {"lora": "in_place", "eggroll": "eggroll", "full": "full"}
@@ -166,10 +167,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="python -m evolm_lib.benchmark modes", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m-instruct", help="known name or model folder")
-    parser.add_argument("--population", type=int, default=32 if gpu else 4, help="members (32 on a GPU, 4 on a CPU)")
-    parser.add_argument("--prompts", type=int, default=8 if gpu else 2, help="prompts per member")
-    parser.add_argument("--new-tokens", type=int, default=128 if gpu else 8, help="tokens per request")
-    parser.add_argument("--rank", type=int, default=1, help="LoRA rank of lora's members and EGGROLL's noise")
+    add_population_options(parser, gpu, (4, 2, 8), "LoRA rank of lora's members and EGGROLL's noise")
     parser.add_argument("--repeats", type=int, default=3 if gpu else 1, help="timed calls a path")
     parser.add_argument("--update-repeats", type=int, default=5 if gpu else 2, help="timed EGGROLL gradients a path")
     parser.add_argument("--modes", default=",".join(MODE_PATHS), help=f"ES modes, from {list(MODE_PATHS)}")
@@ -177,11 +175,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--no-update", action="store_true", help="leave EGGROLL's update timings out")
     parser.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")
     args = parser.parse_args(argv)
-    for name in ("population", "prompts", "new_tokens", "rank", "repeats", "update_repeats"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.population % 2:
-        parser.error("--population must be even (antithetic pairs)")
+    check_population_options(parser, args, "repeats", "update_repeats")
     modes = [m for m in args.modes.split(",") if m]
     if not modes or any(m not in MODE_PATHS for m in modes) or len(set(modes)) != len(modes):
         parser.error(f"--modes must name some of {list(MODE_PATHS)}, each once; got {args.modes!r}")
