@@ -3,10 +3,10 @@
 Why: with ``deterministic: true`` a GPU engine starts vLLM's batch-invariant mode, which changes the
 whole process it runs in (cuBLAS workspaces limited through the environment, BLAS library and kernel
 overrides): a policy sharing that process updated 1.2-2.3 times slower. ``PolicyProcess`` starts the
-:class:`~evolm_lib.train.policy.PolicyTrainer` in a child (multiprocessing ``spawn``) whose environment
-carries none of that mode's settings (``BATCH_INVARIANT_SETTINGS``): a fresh interpreter, started with
-``subprocess`` (not multiprocessing's spawn, which would import the caller's main script again), with
-this one's ``sys.path``, talking over a socket pair; torch runs there with a training determinism of
+:class:`~evolm_lib.train.policy.PolicyTrainer` in a child whose environment carries none of that
+mode's settings (``BATCH_INVARIANT_SETTINGS``): a fresh interpreter, started with ``subprocess`` (not
+multiprocessing's spawn, which would import the caller's main script again), with this one's
+``sys.path``, talking over a socket pair; torch runs there with a training determinism of
 its own (``deterministic_update``).
 
 What crosses the pipe: commands and small tensors (a step's token ids and rewards, a LoRA adapter,
@@ -43,7 +43,7 @@ BATCH_INVARIANT_SETTINGS = (
 )
 """Environment variables vLLM's batch-invariant mode sets for its process (``override_envs_for_invariance``
 and ``enable_batch_invariant_mode`` in vLLM 0.26-0.32's ``batch_invariant.py``); the policy's process
-starts without them. Its torch flags and aten overrides are per process: a spawned child has none."""
+starts without them. Its torch flags and aten overrides are per process: a fresh interpreter has none."""
 DETERMINISTIC_CUBLAS_WORKSPACE = ":4096:8"
 """What ``torch.use_deterministic_algorithms`` needs of cuBLAS on CUDA >= 10.2 (torch's reproducibility
 notes); a full-size workspace, unlike the batch-invariant mode's ``:16:8``."""
