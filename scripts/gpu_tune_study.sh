@@ -75,13 +75,16 @@ pack() {
   local dir=$1
   mkdir -p "$dir"
   python -m evolm_lib.tune.pack "$STUDY" "$dir/tune_study.tar.gz"
-  # the continued reruns and the controls: their text files (rows, settings, scores), no weights
+  # the continued reruns and the controls that finished (their held-out scores written): their text
+  # files (rows, settings, scores), no weights. One still running is left out whole, as pack.py
+  # leaves out running trials: unpacked without its checkpoints it could not be resumed.
   local extras
   extras="$(cd "$dir" && pwd)/tune_study_extras.tar.gz"
-  (cd "$(dirname "$STUDY")" && find "$(basename "$STUDY")/long" "$(basename "$STUDY")/control" -type f \
-      \( -name '*.jsonl' -o -name '*.json' -o -name '*.yaml' \) -not -path '*/checkpoints/*' \
-      -not -path '*/snapshots/*' -not -path '*/final_model/*' -not -path '*/final_adapter/*' 2>/dev/null \
-    | tar -czf "$extras" -T - 2>/dev/null) || true
+  (cd "$(dirname "$STUDY")" && find "$(basename "$STUDY")/long" "$(basename "$STUDY")/control" -name heldout.jsonl \
+      2>/dev/null | while read -r done; do
+        find "$(dirname "$done")" -type f \( -name '*.jsonl' -o -name '*.json' -o -name '*.yaml' \) \
+          -not -path '*/checkpoints/*' -not -path '*/snapshots/*' -not -path '*/final_model/*' -not -path '*/final_adapter/*'
+      done | tar -czf "$extras" -T - 2>/dev/null) || true
   { nvidia-smi 2>/dev/null --query-gpu=index,name,memory.used,utilization.gpu --format=csv
     for f in "$LOGS"/*.log; do echo "== $f"; tail -n 5 "$f"; done; } > "$dir/tune_study_status.txt" 2>&1
   echo "$(alive) workers alive" | tee -a "$dir/tune_study_status.txt"
