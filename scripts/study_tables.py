@@ -7,10 +7,10 @@ the shuffled-fitness control, and the figures (best score against trials; held-o
 training completions, generated tokens and wall-clock seconds; the winners' geometry where
 python -m evolm_lib.tune.geometry wrote geometry.json beside the compacted files):
 
-    python scripts/study_tables.py studies/tune_study_addition figures/study/tuned_addition
-    python scripts/study_tables.py studies/tune_study_conciseness figures/study/tuned_conciseness
-    python scripts/study_tables.py studies/qiu_protocol_conciseness figures/study/qiu_protocol
-    python scripts/study_tables.py studies/tune_study_addition figures/study/tuned_addition --measure success --no-figures
+    python scripts/study_tables.py figures/study/summaries/tune_study_addition figures/study/tuned_addition
+    python scripts/study_tables.py figures/study/summaries/tune_study_conciseness figures/study/tuned_conciseness
+    python scripts/study_tables.py figures/study/summaries/qiu_protocol_addition figures/study/qiu_protocol
+    python scripts/study_tables.py figures/study/summaries/tune_study_addition figures/study/tuned_addition --measure success --no-figures
 
 The untuned five-seed study, from its run folders (a folder without runs.jsonl.gz): per task the
 study table, the pairwise tests against seed noise, and the equal-budget table and tests:
