@@ -15,9 +15,8 @@
 # method share its Optuna study (SQLite in the study folder); a worker that dies leaves a trial whose
 # heartbeat goes stale, and Optuna retries it with the same setting. When a method has its trials,
 # its workers rerun the winner on the final seeds, continue those reruns (tune.long, OUT/long) and run
-# the shuffled-fitness control (tune.control, OUT/control). Packs hold finished trials only
-# (python -m evolm_lib.tune.pack), and beside them DIR/tune_study_extras.tar.gz the text files of
-# OUT/long and OUT/control: a new machine unpacks the last ones and runs `start` again. Each worker
+# the shuffled-fitness control (tune.control, OUT/control). Packs hold finished runs only
+# (python -m evolm_lib.tune.pack): a new machine unpacks the last one and runs `start` again. Each worker
 # is told how many engines share its card (EVOLM_ENGINES_PER_CARD, recorded in every run's
 # placement.jsonl beside the times). SPEC and STUDY name another study, e.g.
 #   SPEC=papermill_runs/tune_study_conciseness_gpu.yaml STUDY=runs/tune_study_conciseness bash scripts/gpu_tune_study.sh start
@@ -43,8 +42,6 @@ start() {
   if [ -n "$archive" ] && [ -f "$archive" ]; then
     mkdir -p "$(dirname "$STUDY")" && tar -xzf "$archive" -C "$(dirname "$STUDY")" || { echo "cannot unpack $archive" >&2; exit 1; }
     echo "unpacked $archive"
-    extras="$(dirname "$archive")/tune_study_extras.tar.gz"
-    if [ -f "$extras" ]; then tar -xzf "$extras" -C "$(dirname "$STUDY")" && echo "unpacked $extras"; fi
   fi
   mkdir -p "$LOGS"
   : > "$LOGS/workers.pids"
@@ -75,16 +72,6 @@ pack() {
   local dir=$1
   mkdir -p "$dir"
   python -m evolm_lib.tune.pack "$STUDY" "$dir/tune_study.tar.gz"
-  # the continued reruns and the controls that finished (their held-out scores written): their text
-  # files (rows, settings, scores), no weights. One still running is left out whole, as pack.py
-  # leaves out running trials: unpacked without its checkpoints it could not be resumed.
-  local extras
-  extras="$(cd "$dir" && pwd)/tune_study_extras.tar.gz"
-  (cd "$(dirname "$STUDY")" && find "$(basename "$STUDY")/long" "$(basename "$STUDY")/control" -name heldout.jsonl \
-      2>/dev/null | while read -r done; do
-        find "$(dirname "$done")" -type f \( -name '*.jsonl' -o -name '*.json' -o -name '*.yaml' \) \
-          -not -path '*/checkpoints/*' -not -path '*/snapshots/*' -not -path '*/final_model/*' -not -path '*/final_adapter/*'
-      done | tar -czf "$extras" -T - 2>/dev/null) || true
   { nvidia-smi 2>/dev/null --query-gpu=index,name,memory.used,utilization.gpu --format=csv
     for f in "$LOGS"/*.log; do echo "== $f"; tail -n 5 "$f"; done; } > "$dir/tune_study_status.txt" 2>&1
   echo "$(alive) workers alive" | tee -a "$dir/tune_study_status.txt"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -73,6 +74,13 @@ def test_two_methods_four_trials_each_then_the_winners_on_final_seeds_only(tmp_p
     done = tune.run_finals(spec, tiny_vllm, log=lambda line: None)
     assert {m: [Path(f).name for f in folders] for m, folders in done.items()} == {"es": ["seed0", "seed1"],
                                                                                    "grpo": ["seed0", "seed1"]}
+    # a finished rerun as a pack brings it to another machine (its weights left behind) is left be
+    unpacked = spec.out / "final" / "es" / "seed0"
+    for weights in ("checkpoints", "final_adapter", "final_model"):
+        shutil.rmtree(unpacked / weights, ignore_errors=True)
+    scored = (unpacked / "heldout.jsonl").read_text()
+    assert tune.run_finals(spec, tiny_vllm, log=lambda line: None) == done
+    assert (unpacked / "heldout.jsonl").read_text() == scored and not (unpacked / "checkpoints").exists()
     for method in ("es", "grpo"):
         best = tune.best_trial(spec, method)
         for folder in (spec.out / "final" / method).iterdir():
@@ -235,13 +243,15 @@ def test_a_study_packed_mid_run_keeps_finished_trials_rows_and_leaves_weights_an
     study.ask()  # trial 1: still running
     finished = out / "trials" / "es_full" / "trial_0000" / "seed100"
     running = out / "trials" / "es_full" / "trial_0001" / "seed100"
-    for folder in (finished, running, out / "final" / "es_full" / "seed0"):
+    rerun_done, rerun_going = out / "final" / "es_full" / "seed0", out / "final" / "es_full" / "seed1"
+    for folder in (finished, running, rerun_done, rerun_going):
         (folder / "checkpoints" / "000010").mkdir(parents=True)
         (folder / "checkpoints" / "000010" / "state.json").write_text("{}")
         (folder / "snapshots").mkdir()
         (folder / "snapshots" / "000010.safetensors").write_bytes(b"\0" * 64)
         (folder / "metrics.jsonl").write_text('{"generation": 1}\n')
         (folder / "config.yaml").write_text("seed: 100\n")
+    (rerun_done / "heldout.jsonl").write_text('{"index": 0, "generation": 10}\n')  # scored: finished
     (out / "tune_summary.json").write_text("{}")
     archive = tmp_path / "pack" / "study.tar.gz"
     result = subprocess.run([sys.executable, "-m", "evolm_lib.tune.pack", str(out), str(archive)],
@@ -251,8 +261,8 @@ def test_a_study_packed_mid_run_keeps_finished_trials_rows_and_leaves_weights_an
     with tarfile.open(archive) as tar:
         names = sorted(tar.getnames())
         tar.extractall(tmp_path / "unpacked", filter="data")
-    assert names == ["study/final/es_full/seed0/config.yaml", "study/final/es_full/seed0/metrics.jsonl",
-                     "study/optuna.db", "study/trials/es_full/trial_0000/seed100/config.yaml",
+    assert names == ["study/final/es_full/seed0/config.yaml", "study/final/es_full/seed0/heldout.jsonl",
+                     "study/final/es_full/seed0/metrics.jsonl", "study/optuna.db", "study/trials/es_full/trial_0000/seed100/config.yaml",
                      "study/trials/es_full/trial_0000/seed100/metrics.jsonl", "study/tune_summary.json"]
     copy = optuna.load_study(study_name="es_full", storage=f"sqlite:///{tmp_path / 'unpacked' / 'study' / 'optuna.db'}")
     assert [t.state.name for t in copy.trials] == ["COMPLETE", "RUNNING"] and copy.best_value == 0.5

@@ -92,6 +92,14 @@ def _finished_rerun(folder, length: int) -> bool:
     return bool(lines) and all(line.get("generation") == length for line in lines) and lock_holder(folder) is None
 
 
+def run_unfinished(planned: PlannedRun, out, evaluator) -> None:
+    """``run_one``, unless the run's folder holds a finished rerun already (held-out scores at its last
+    generation or step): such a folder may hold no weights (unpacked on another machine from a pack,
+    which leaves weights out), and nothing of it is left to run."""
+    if not _finished_rerun(out / planned.name, planned.length):
+        run_one(planned, out, evaluator)
+
+
 def continue_copy(source, folder) -> bool:
     """Copy a finished rerun's folder to ``folder`` to be continued there (not its held-out scores,
     which the continued run writes anew, nor its writer's lock); False, copying nothing, when the
@@ -118,7 +126,7 @@ def run_extras(spec: TuneSpec, evaluator, log: Callable[[str], None] = print) ->
 
     def run(planned: PlannedRun, stage: str) -> None:
         try:
-            run_one(planned, spec.out / stage, evaluator)
+            run_unfinished(planned, spec.out / stage, evaluator)
         except RunFolderBusy as busy:
             log(f"  {stage}/{planned.name}: busy, left to its writer ({busy})")
             return
@@ -161,7 +169,7 @@ def run_finals(spec: TuneSpec, evaluator, log: Callable[[str], None] = print) ->
         done[method] = []
         for planned in final_plan(spec, method):
             try:
-                run_one(planned, spec.out / "final", evaluator)
+                run_unfinished(planned, spec.out / "final", evaluator)
             except RunFolderBusy as busy:
                 log(f"  {planned.name}: busy, left to its writer ({busy})")
                 continue

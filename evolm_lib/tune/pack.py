@@ -2,14 +2,15 @@
 ``python -m evolm_lib.tune.pack OUT ARCHIVE``.
 
 The archive holds a consistent copy of the study's SQLite storage (taken with SQLite's backup API,
-so a worker writing at that moment cannot tear it), the summary and logs, and every run folder of
-a trial the storage lists as complete or pruned and of the final reruns, with
-their text files only: rows, seed logs, settings, held-out scores. Weights (checkpoints,
-snapshots, saved models) stay behind: a full-parameter run's are hundreds of megabytes each, and
-a finished trial needs none of them again. A trial still running (or failed: its retry reuses
-its folder) is left out whole: unpacked on a new machine, its stale heartbeat makes Optuna retry it
-with the same setting, and the retry starts in an empty folder instead of one whose rows have no
-checkpoint to resume from.
+so a worker writing at that moment cannot tear it), the summary and logs, and the text files (rows,
+seed logs, settings, held-out scores) of every finished run: each trial the storage lists as
+complete or pruned, and each rerun, continued rerun and control (``final/``, ``long/``, ``control/``)
+whose held-out scores are written. Weights (checkpoints, snapshots, saved models) stay behind: a
+full-parameter run's are hundreds of megabytes each, and a finished run needs none of them again
+(``final.run_unfinished`` leaves it be). A run still going (or a failed trial, whose retry reuses
+its folder) is left out whole: unpacked on a new machine, its trial's stale heartbeat makes Optuna
+retry it with the same setting, and a rerun is run again, each in an empty folder instead of one
+whose rows have no checkpoint to resume from.
 
 Unpack with ``tar -xzf ARCHIVE -C PARENT`` (the archive's top folder is OUT's name), then run the
 same ``evolm tune`` commands: each study continues where it stopped.
@@ -24,7 +25,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 
-from .final import SUMMARY
+from ..sweep import HELDOUT
+from .final import STAGES, SUMMARY
 from .study import STORAGE
 
 TEXT_SUFFIXES = (".jsonl", ".json", ".yaml", ".yml", ".txt", ".log", ".csv")
@@ -73,7 +75,8 @@ def pack_study(out: str | Path, archive: str | Path) -> dict[str, Any]:
         archive.parent.mkdir(parents=True, exist_ok=True)
         with tarfile.open(archive, "w:gz") as tar:
             tar.add(copy, arcname=f"{out.name}/{STORAGE}")
-            folders = [out / folder for folder in finished] + [out / "final"]
+            reruns = sorted(p.parent for stage in STAGES for p in (out / stage).rglob(HELDOUT))
+            folders = [out / folder for folder in finished] + reruns
             files = [out / SUMMARY, *out.glob("*.log")] + [p for folder in folders if folder.is_dir()
                                                            for p in sorted(folder.rglob("*")) if _keep(p, folder)]
             for path in files:
