@@ -472,43 +472,6 @@ def test_grpo_run_on_two_engines_equals_one_engine(ray_engines, local_engine, tm
 
 
 @pytest.mark.slow
-def test_the_ray_benchmark_profiles_where_k_engines_lose_on_cpu(tmp_path):
-    """python -m evolm_lib.benchmark ray with tiny-random: K=1 and K=2 CPU engines on their own
-    cluster; the speed-up and its factors come from the measured calls."""
-    import json
-    import subprocess
-
-    pytest.importorskip("ray")
-    stub = tmp_path / "stub"
-    stub.mkdir()
-    (stub / "rfc3987_syntax.py").write_text('raise ImportError("hidden from Ray processes (see start_local_ray)")\n')
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(stub), str(Path(__file__).parents[1])]
-                                                       + [p for p in [os.environ.get("PYTHONPATH")] if p])}
-    out = tmp_path / "bench.json"
-    result = subprocess.run(
-        [sys.executable, "-m", "evolm_lib.benchmark", "ray", "--model", "tiny-random", "--population", "4", "--prompts", "2",
-         "--new-tokens", "4", "--engines", "2,512", "--repeats", "2", "--kv-cache-gb", "0.25", "--max-model-len", "256",
-         "--json", str(out)],
-        env=env, capture_output=True, text=True, timeout=900, cwd=tmp_path,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(out.read_text())
-    assert "skipped K=512: the cluster holds" in result.stdout and report["skipped"] == [512]
-    measured = {row["engines"]: row for row in report["measured"]}
-    assert sorted(measured) == [1, 2] and all(r["tokens"] == 4 * 2 * 4 for r in measured.values())
-    (shard,) = report["shards_alone"]  # the K=1 engine on the 2 members one of 2 engines serves
-    assert shard["engines"] == 2 and shard["population"] == 2 and shard["tokens"] == 2 * 2 * 4
-    rows = {row["engines"]: row for row in report["rows"]}
-    assert rows[2]["speedup"] == pytest.approx(measured[2]["tok_s"] / measured[1]["tok_s"])
-    assert rows[2]["ceiling"] == pytest.approx(measured[1]["seconds"] / shard["seconds"])
-    assert rows[2]["engines_slowdown"] == pytest.approx(measured[2]["slowest_engine_s"] / shard["seconds"])
-    for call in measured[2]["calls"]:  # each engine's own time is inside the call's, the rest is transport
-        assert len(call["engines_s"]) == 2 and 0 < max(call["engines_s"]) <= call["wall_s"]
-        assert call["transport_s"] == pytest.approx(call["wall_s"] - max(call["engines_s"]))
-    assert "ceiling" in result.stdout and "cpu@" in result.stdout
-
-
-@pytest.mark.slow
 def test_a_two_node_cluster_runs_the_batch_cli(tmp_path):
     """scripts/ray_two_nodes.py: the README's several-machines commands rehearsed on two Ray nodes of
     this host; one engine lands on each node and `evolm batch` with ray_address finishes its run."""
