@@ -50,6 +50,17 @@ def add_population_options(parser: argparse.ArgumentParser, gpu: bool, cpu: tupl
     parser.add_argument("--rank", type=int, default=1, help=rank_help)
 
 
+def int_list(parser: argparse.ArgumentParser, text: str, option: str) -> list[int]:
+    """The comma-separated counts of ``--option`` (each >= 1), or the parser's error naming it."""
+    try:
+        values = [int(part) for part in text.split(",") if part]
+    except ValueError:
+        parser.error(f"--{option} must be comma-separated integers, got {text!r}")
+    if not values or any(v < 1 for v in values):
+        parser.error(f"--{option} must be integers >= 1, got {text!r}")
+    return values
+
+
 def check_population_options(parser: argparse.ArgumentParser, args: argparse.Namespace, *more: str) -> None:
     """Refuse counts below 1 (the population's options and ``more``) and an odd population (antithetic pairs)."""
     for name in ("population", "prompts", "new_tokens", "rank", *more):

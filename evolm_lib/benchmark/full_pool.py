@@ -34,6 +34,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from . import int_list
+
 QIU_CONCISENESS = dict(task="conciseness", es_mode="full", es_weights="all", sigma=1e-3, learning_rate=5e-4,
                        fitness_shaping="z_score", temperature=0.0)
 """Qiu et al.'s conciseness settings for full-parameter ES (papermill_runs/study_conciseness_smollm2_gpu.yaml's
@@ -185,12 +187,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                         help="each engine's share of the card (default: 0.6 / engines on the card)")
     parser.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")
     args = parser.parse_args(argv)
-    try:
-        counts = [int(c) for c in args.engines.split(",") if c]
-    except ValueError:
-        parser.error(f"--engines must be comma-separated integers, got {args.engines!r}")
-    if not counts or counts[0] != 1 or any(c < 1 for c in counts):
-        parser.error(f"--engines must start with 1 (the reference) and name counts >= 1, got {args.engines!r}")
+    counts = int_list(parser, args.engines, "engines")
+    if counts[0] != 1:
+        parser.error(f"--engines must start with 1 (the reference), got {args.engines!r}")
     if args.generations < 2:
         parser.error("--generations must be >= 2 (the first warms the engines up)")
     if args.population < max(counts) or args.population % 2:

@@ -41,6 +41,8 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from . import int_list
+
 CONFIGURATIONS = {  # label -> GRPOConfig changes
     "not_deterministic": {"deterministic": False, "policy_process": "same"},
     "deterministic_same": {"deterministic": True, "policy_process": "same"},
@@ -210,7 +212,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # one configuration, in this process
     args = parser.parse_args(argv)
-    args.micro_batch_sizes = [int(m) for m in args.micro_batch_sizes.split(",") if m]
+    args.micro_batch_sizes = int_list(parser, args.micro_batch_sizes, "micro-batch-sizes")
     args.policy_weights = [w for w in args.policy_weights.split(",") if w]
     labels = [c for c in args.configurations.split(",") if c]
     if args.steps < 2:

@@ -38,17 +38,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..env import apply_engine_defaults
+from . import int_list
 from ..throughput import ThroughputSpec, bench_prompts, machine_info, mean_adapter, population_of, start_engine
-
-
-def _ints(text: str, name: str, parser: argparse.ArgumentParser) -> list[int]:
-    try:
-        values = [int(part) for part in text.split(",") if part]
-    except ValueError:
-        parser.error(f"--{name} must be comma-separated integers, got {text!r}")
-    if not values or any(v < 1 for v in values):
-        parser.error(f"--{name} must be integers >= 1, got {text!r}")
-    return values
 
 
 def profile_calls(evaluator, spec: ThroughputSpec) -> dict[str, Any]:
@@ -147,8 +138,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--ray-address", default=None, help="a running cluster (default: a local one)")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args(argv)
-    counts = _ints(args.engines, "engines", parser)
-    populations = _ints(args.population, "population", parser)
+    counts = int_list(parser, args.engines, "engines")
+    populations = int_list(parser, args.population, "population")
     for name in ("prompts", "new_tokens", "rank", "repeats"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
