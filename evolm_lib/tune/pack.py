@@ -38,18 +38,18 @@ FINISHED = ("COMPLETE", "PRUNED")
 
 
 def finished_trial_folders(storage_file: Path) -> tuple[list[str], list[str]]:
-    """(run folders of finished trials, run folders of the others) from the storage's own
-    tables, read without Optuna (a copy taken by :func:`pack_study`): a trial's folder is its
-    ``run_dir`` user attribute where it finished, else ``trials/<study>/trial_NNNN``."""
-    with sqlite3.connect(storage_file) as db:
-        rows = db.execute(
-            "SELECT s.study_name, t.number, t.state, "
-            "(SELECT value_json FROM trial_user_attributes a WHERE a.trial_id = t.trial_id AND a.key = 'run_dir') "
-            "FROM trials t JOIN studies s ON s.study_id = t.study_id").fetchall()
+    """(run folders of finished trials, run folders of the others) of every study in a storage file
+    (the copy :func:`pack_study` takes): a trial's folder is its ``run_dir`` user attribute where it
+    finished, else ``trials/<study>/trial_NNNN``."""
+    import optuna
+
+    storage = f"sqlite:///{storage_file}"
     finished, running = [], []
-    for study, number, state, run_dir in rows:
-        folder = Path(run_dir.strip('"')).name if run_dir else f"trial_{number:04d}"
-        (finished if state in FINISHED else running).append(f"trials/{study}/{folder}")
+    for name in optuna.get_all_study_names(storage):
+        for trial in optuna.load_study(study_name=name, storage=storage).get_trials(deepcopy=False):
+            run_dir = trial.user_attrs.get("run_dir")
+            folder = Path(run_dir).name if run_dir else f"trial_{trial.number:04d}"
+            (finished if trial.state.name in FINISHED else running).append(f"trials/{name}/{folder}")
     return finished, running
 
 
