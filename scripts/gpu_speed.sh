@@ -13,6 +13,11 @@
 #                                         # a cold compile cache of its own and again warm; cards 0, 1: full-pool 1 against 4
 #                                         # engines a card, modes with the tiles each mode picks
 #   bash scripts/gpu_speed.sh pool8 OUT   # full-pool at 8 engines a card against 1 (card 0)
+#   bash scripts/gpu_speed.sh misses OUT  # the goals missed or not measured before, side by side:
+#       card 0: full-pool, 1 engine against 4 on the card, with a fixed KV cache (the 4 start together)
+#       card 1: modes, EGGROLL only (Qwen2.5-1.5B shapes): its update's parts, whole-vector SGD against in place
+#       cards 2, 3: grpo-update, not deterministic and deterministic in its own process with torch's
+#               deterministic algorithms off first, then on twice (two configurations at a time)
 #
 # Run from the repository root with PYTHONPATH=/root/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0
 # EVOLM_CACHE_DIR=/root/cache set. LIMIT (default 560) is the whole part's deadline in seconds: each
@@ -64,7 +69,14 @@ starts)  # engine-start from a cold cache and again warm, derived and default si
 pool8)
   bench full_pool_1_8 0 full-pool --engines 1,8 --generations 6 & pids="$pids $!"
   ;;
-*) echo "unknown part $PART: cards or ray" >&2; exit 2 ;;
+misses)
+  bench full_pool_1_4_together 0 full-pool --engines 1,4 --generations 6 --kv-cache-gb 2 & pids="$pids $!"
+  bench modes_eggroll 1 modes --model "$QWEN" --modes eggroll --tiles auto --repeats 2 & pids="$pids $!"
+  # the configurations' own processes pick their cards (--devices); CUDA_VISIBLE_DEVICES names them all
+  bench grpo_update 0,1,2,3 grpo-update --devices 2,3 --micro-batch-sizes 64 --steps 12 \
+    --configurations not_deterministic,deterministic_own_loose,deterministic_own,deterministic_own_rerun & pids="$pids $!"
+  ;;
+*) echo "unknown part $PART: cards, ray, starts, pool8 or misses" >&2; exit 2 ;;
 esac
 for pid in $pids; do wait "$pid"; done
 tar -czf "$OUT/speed_$PART.tar.gz" "$RES"

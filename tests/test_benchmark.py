@@ -27,9 +27,12 @@ def test_the_modes_benchmark_measures_each_mode_against_the_base_model(tiny_mode
     update = result["update"]
     assert update["bitwise_equal"] and update["max_abs_difference"] == 0.0  # batched by shape = per matrix, on a CPU
     assert update["shape_groups"] < update["matrices"] and update["grouped_s"] > 0 and update["per_matrix_s"] > 0
+    assert update["optimizer_masters_equal"]  # whole-vector SGD and in place: the same master
+    assert update["optimizer_whole_s"] > 0 and update["optimizer_in_place_s"] > 0 and update["restore_s"] > 0
     assert result["engine_update"]["eggroll_update_s"] > 0
     printed = capsys.readouterr().out
     assert "lora" in printed and "vLLM's defaults" in printed and "batched by shape" in printed and "same bits: yes" in printed
+    assert "same master: yes" in printed
 
 
 def test_the_modes_benchmark_refuses_bad_options():

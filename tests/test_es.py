@@ -436,6 +436,46 @@ def test_update_on_flat_params_equals_the_update_on_a_dict_bit_for_bit(config):
                        torch.cat([(flat_params[n] - params[n]).reshape(-1) for n in sorted(params)]))
 
 
+
+@pytest.mark.parametrize("config", [SGDConfig(0.1), SGDConfig(0.1, momentum=0.9, weight_decay=0.01),
+                                    AdamConfig(learning_rate=0.1, weight_decay=0.1)])
+@pytest.mark.parametrize("chunk", [1, 7, 1 << 24])
+def test_the_in_place_update_gives_apply_updates_bits_chunk_by_chunk(config, chunk):
+    generator = torch.Generator().manual_seed(3)
+    params = es.FlatParams.of({Q: torch.randn(3, 4, generator=generator), V: torch.randn(2, 5, generator=generator)})
+    pure_params, pure_state = params, init_optimizer_state(config, params)
+    state = init_optimizer_state(config, params)  # its own float32 master, written in place
+    master = state.master
+    for _ in range(3):
+        gradient = torch.randn(params.layout.total, generator=generator)
+        new_params, pure_state = apply_update(config, pure_state, pure_params, es.FlatParams(gradient.clone(), params.layout))
+        expected_norm = es.update_norm(es.difference(new_params, pure_params))
+        pure_params = new_params
+        state, norm = es.apply_update_in_place(config, state, gradient, chunk=chunk)
+        assert state.master is master and state.step == pure_state.step
+        assert torch.equal(master.flat, pure_state.master.flat)
+        for mine, theirs in ((state.first_moment, pure_state.first_moment), (state.second_moment, pure_state.second_moment)):
+            assert (not mine and not theirs) or torch.equal(mine.flat, theirs.flat)
+        assert norm == pytest.approx(expected_norm, rel=1e-12)  # only the summation order differs
+
+
+def test_the_in_place_update_by_hand_and_its_errors():
+    # SGD 0.5 on [1, 2] with gradient [2, -4]: master [2, 0], change [1, -2], norm sqrt(5)
+    config = SGDConfig(0.5)
+    state = init_optimizer_state(config, es.FlatParams.of({Q: torch.tensor([1.0, 2.0])}))
+    state, norm = es.apply_update_in_place(config, state, torch.tensor([2.0, -4.0]), chunk=1)
+    assert state.master.flat.tolist() == [2.0, 0.0] and norm == pytest.approx(math.sqrt(5), rel=1e-15)
+    with pytest.raises(ValueError, match="a gradient of 2 values"):
+        es.apply_update_in_place(config, state, torch.ones(3))
+    with pytest.raises(ValueError, match="chunk must be at least 1"):
+        es.apply_update_in_place(config, state, torch.ones(2), chunk=0)
+    with pytest.raises(TypeError, match="float32 FlatParams master"):
+        es.apply_update_in_place(config, es.OptimizerState(0, {Q: torch.ones(2)}), torch.ones(2))
+    with torch.inference_mode():  # an engine worker's master: written under inference mode too
+        made = init_optimizer_state(config, es.FlatParams.of({Q: torch.tensor([1.0, 2.0])}))
+    made, _ = es.apply_update_in_place(config, made, torch.tensor([2.0, -4.0]))
+    assert made.master.flat.tolist() == [2.0, 0.0]
+
 def test_mixed_dtype_params_keep_their_dtypes_after_a_flat_update():
     config = SGDConfig(learning_rate=1.0)
     params = {Q: torch.tensor([1.0]), V: torch.tensor([2.0], dtype=torch.bfloat16)}

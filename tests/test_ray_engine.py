@@ -193,6 +193,8 @@ def test_engines_of_one_card_start_one_after_another_and_cards_side_by_side():
     assert start_waves([None, None]) == [[0, 1]]  # CPU slices share nothing
     assert start_waves(["n1/gpu0", "n2/gpu0", "n1/gpu0", "n2/gpu0", "n1/gpu0"]) == [[0, 1], [2, 3], [4]]
     assert start_waves([]) == []
+    assert start_waves(["gpu0"] * 4, together=True) == [[0, 1, 2, 3]]  # fixed KV caches: no memory profiling
+    assert start_waves([], together=True) == []
 
 
 # ----------------------------------------------------------------------------- bad input before any engine

@@ -13,8 +13,10 @@
 2. EGGROLL's update at population N: the gradient of the 7 projections' weights from the members'
    seeds, batched by weight shape (``es.lowrank.lowrank_gradient``) beside the per-matrix path it
    replaced (``lowrank_gradient_per_matrix``), medians of ``--update-repeats``, and whether the two
-   give the same bits; then the whole update on the engine as a run makes it (factors, gradient, SGD
-   on the float32 master, weights rewritten: ``throughput.measure_weight_modes``).
+   give the same bits; the SGD step on a float32 master of that size, whole-vector (the update before)
+   against in place (``es.apply_update_in_place``), and the bfloat16 rewrite; then the whole update on
+   the engine as a run makes it (factors, gradient, SGD on the float32 master, weights rewritten:
+   ``throughput.measure_weight_modes``).
 
 Examples::
 
@@ -97,10 +99,54 @@ def time_update(model_dir: str | Path, population: int, rank: int, repeats: int,
               "population": population, "rank": rank, "repeats": repeats, "device": device,
               "grouped_s": statistics.median(grouped[1:]), "per_matrix_s": statistics.median(per_matrix[1:]),
               "bitwise_equal": equal, "max_abs_difference": difference}
-    del flat, reference, batched
+    del reference, batched
+    result.update(time_optimizer(flat, layout, repeats, sync))
+    del flat
     if device == "cuda":
         torch.cuda.empty_cache()
     return result
+
+
+def time_optimizer(gradient, layout, repeats: int, sync, learning_rate: float = 1e-3) -> dict[str, Any]:
+    """Median seconds of the rest of EGGROLL's update on a float32 master of ``layout``'s size, from
+    one gradient: SGD as a whole-vector step with the norm of the masters' difference (the update
+    before ``apply_update_in_place``) and in place, chunk by chunk; whether their masters have the
+    same bits after the same steps; and the rewrite of bfloat16 weights from the master."""
+    import torch
+
+    from ..es import core as es
+
+    optimizer = es.SGDConfig(learning_rate)
+    start = torch.randn(layout.total, generator=torch.Generator().manual_seed(0)).mul_(0.02).to(gradient.device)
+    whole_state = es.init_optimizer_state(optimizer, es.FlatParams(start.clone(), layout))
+    in_place_state = es.init_optimizer_state(optimizer, es.FlatParams(start, layout), copy=False)
+    live = [torch.empty(shape, dtype=torch.bfloat16, device=gradient.device) for shape in layout.shapes]
+
+    def timed(work) -> float:
+        sync()
+        started = time.perf_counter()
+        work()
+        sync()
+        return time.perf_counter() - started
+
+    def whole() -> None:
+        nonlocal whole_state
+        before = whole_state.master
+        _, whole_state = es.apply_update(optimizer, whole_state, before, es.FlatParams(gradient, layout))
+        float(torch.linalg.vector_norm(whole_state.master.flat.sub(before.flat), dtype=torch.float64))
+
+    def in_place() -> None:
+        nonlocal in_place_state
+        in_place_state, _ = es.apply_update_in_place(optimizer, in_place_state, gradient)
+
+    whole_s, in_place_s, restore_s = [], [], []
+    for _ in range(repeats + 1):  # the first warms the allocator and the kernels up
+        whole_s.append(timed(whole))
+        in_place_s.append(timed(in_place))
+        restore_s.append(timed(lambda: torch._foreach_copy_(live, list(in_place_state.master.values()))))
+    return {"optimizer_whole_s": statistics.median(whole_s[1:]), "optimizer_in_place_s": statistics.median(in_place_s[1:]),
+            "optimizer_masters_equal": bool(torch.equal(whole_state.master.flat, in_place_state.master.flat)),
+            "restore_s": statistics.median(restore_s[1:])}
 
 
 def measure_modes(evaluator, spec: ThroughputSpec, modes: Sequence[str], weight_modes: bool = True) -> dict[str, Any]:
@@ -147,7 +193,11 @@ def format_modes(result: dict[str, Any]) -> str:
                       f"({update['shape_groups']} shapes), population {update['population']}, on {update['device']}: "
                       f"batched by shape {update['grouped_s'] * 1e3:.1f} ms, per matrix {update['per_matrix_s'] * 1e3:.1f} ms "
                       f"({update['per_matrix_s'] / update['grouped_s']:.2f}x); same bits: "
-                      f"{'yes' if update['bitwise_equal'] else 'no, max difference %.3g' % update['max_abs_difference']}"]
+                      f"{'yes' if update['bitwise_equal'] else 'no, max difference %.3g' % update['max_abs_difference']}",
+                  f"EGGROLL optimizer step on the float32 master: whole vector with the difference's norm "
+                  f"{update['optimizer_whole_s'] * 1e3:.1f} ms, in place {update['optimizer_in_place_s'] * 1e3:.1f} ms "
+                  f"({update['optimizer_whole_s'] / update['optimizer_in_place_s']:.2f}x); same master: "
+                  f"{'yes' if update['optimizer_masters_equal'] else 'NO'}; bfloat16 rewrite {update['restore_s'] * 1e3:.1f} ms"]
     engine_update = result.get("engine_update")
     if engine_update:
         lines.append(f"EGGROLL update on the engine (factors, gradient, SGD on the float32 master, weights rewritten): "

@@ -93,7 +93,7 @@ class ResidentWeights:
 
     # --- the update -------------------------------------------------------------------------------
     def gradient(self, members: Sequence[es.Member], weights: Sequence[float] | torch.Tensor, sigma: float,
-                 form: es.GradientForm = "qiu") -> es.FlatParams:
+                 form: es.GradientForm = "qiu") -> es.Params:
         """The ES ascent direction over the targeted weights, from seeds and shaped fitness, on their device."""
         if self.noise == "full":
             return es.es_gradient(members, weights, self.shapes, sigma, form, self.device, self.scheme)
@@ -107,14 +107,22 @@ class ResidentWeights:
              sigma: float, form: es.GradientForm = "qiu") -> float:
         """One ES update of the mean where the weights live; the live weights then hold the new mean.
         Returns the update's L2 norm (float32 master, before the cast)."""
+        gradient = es.flat_of(self.gradient(members, weights, sigma, form), self.layout)
+        norm = self.advance(optimizer, gradient)
+        del gradient  # its buffer goes back to the allocator before the weights are rewritten
+        self.restore()
+        return norm
+
+    @torch.no_grad()
+    def advance(self, optimizer: es.OptimizerConfig, gradient: torch.Tensor) -> float:
+        """The optimizer's step on the float32 master, in place (``es.apply_update_in_place``: no
+        full-size temporaries beside a master of billions of weights); the live weights still hold the
+        old mean until ``restore``. Returns the master's change's L2 norm."""
         if self.optimizer_state is None:
             self.optimizer_state = es.init_optimizer_state(optimizer, self.master, copy=False)
-        before = self.master  # apply_update returns a new master and leaves this one as it was
-        _, state = es.apply_update(optimizer, self.optimizer_state, self.master, self.gradient(members, weights, sigma, form))
-        self.optimizer_state = state
-        self.master = state.master if isinstance(state.master, es.FlatParams) else es.FlatParams.of(state.master, self.layout)
-        self.restore()
-        return float(torch.linalg.vector_norm(self.master.flat.sub(before.flat), dtype=torch.float64))
+        self.optimizer_state, norm = es.apply_update_in_place(optimizer, self.optimizer_state, gradient)
+        self.master = self.optimizer_state.master
+        return norm
 
     @torch.no_grad()
     def load_master(self, flat: torch.Tensor) -> None:

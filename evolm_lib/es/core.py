@@ -546,34 +546,19 @@ def apply_update(
     theta = flat_of(master, layout).to(torch.float32)
     g = flat_of(gradient, layout).detach().to(device=theta.device, dtype=torch.float32)
     step = state.step + 1
-    lr = config.learning_rate
+    keeps_first, keeps_second = _kept_moments(config)
 
-    def buffer(buffers: Params) -> torch.Tensor:
+    def buffer(buffers: Params, kept: bool) -> torch.Tensor | None:
         # A missing buffer (state made for another config, or restored without it) starts at 0.
+        if not kept:
+            return None
         return flat_of(buffers, layout).to(theta.device) if buffers else torch.zeros_like(theta)
 
-    # Per element the arithmetic is the textbook formula, in order (no fused multiply-adds).
-    first: Params = {}
-    second: Params = {}
-    if isinstance(config, AdamConfig):
-        m = buffer(state.first_moment) * config.beta1 + g * (1 - config.beta1)
-        v = buffer(state.second_moment) * config.beta2 + (g * (1 - config.beta2)) * g
-        m_hat = m / (1 - config.beta1**step)
-        v_hat = v / (1 - config.beta2**step)
-        direction = m_hat / (v_hat.sqrt() + config.eps)
-        first, second = FlatParams(m, layout), FlatParams(v, layout)
-    elif isinstance(config, SGDConfig):
-        if config.momentum > 0:
-            direction = buffer(state.first_moment) * config.momentum + g
-            first = FlatParams(direction, layout)
-        else:
-            direction = g
-    else:
-        raise TypeError(f"unknown optimizer config {type(config).__name__}")
-    # '+': ascent, rewards are maximised. Decay is decoupled and uses the pre-step theta (without
-    # decay, x - theta * 0 is x: skipping it gives the same bits and saves two passes over the vector).
-    stepped = theta + direction * lr
-    new_master = FlatParams(stepped - theta * (lr * config.weight_decay) if config.weight_decay else stepped, layout)
+    direction, first, second = _direction(config, g, buffer(state.first_moment, keeps_first),
+                                          buffer(state.second_moment, keeps_second), step)
+    new_master = FlatParams(_stepped(config, theta, direction), layout)
+    first = FlatParams(first, layout) if first is not None else {}
+    second = FlatParams(second, layout) if second is not None else {}
 
     if isinstance(params, FlatParams) and params.layout == layout:
         new_params: Params = new_master.to(params.flat.device, params.flat.dtype)
@@ -587,6 +572,105 @@ def apply_update(
                           for name, tensor in params.items()}
     new_state = replace(state, step=step, master=new_master, first_moment=first, second_moment=second)
     return new_params, new_state
+
+
+def _kept_moments(config: OptimizerConfig) -> tuple[bool, bool]:
+    """Whether the optimizer keeps a first and a second moment buffer."""
+    if isinstance(config, AdamConfig):
+        return True, True
+    if isinstance(config, SGDConfig):
+        return config.momentum > 0, False
+    raise TypeError(f"unknown optimizer config {type(config).__name__}")
+
+
+def _direction(config: OptimizerConfig, g: torch.Tensor, first: torch.Tensor | None, second: torch.Tensor | None,
+               step: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(ascent direction, new first moment, new second moment) from the gradient and the old moments,
+    elementwise on flat float32 vectors (None: a moment the optimizer keeps no buffer for)."""
+    # Per element the arithmetic is the textbook formula, in order (no fused multiply-adds).
+    if isinstance(config, AdamConfig):
+        m = first * config.beta1 + g * (1 - config.beta1)
+        v = second * config.beta2 + (g * (1 - config.beta2)) * g
+        m_hat = m / (1 - config.beta1**step)
+        v_hat = v / (1 - config.beta2**step)
+        return m_hat / (v_hat.sqrt() + config.eps), m, v
+    if isinstance(config, SGDConfig):
+        if config.momentum > 0:
+            direction = first * config.momentum + g
+            return direction, direction, None
+        return g, None, None
+    raise TypeError(f"unknown optimizer config {type(config).__name__}")
+
+
+def _stepped(config: OptimizerConfig, theta: torch.Tensor, direction: torch.Tensor) -> torch.Tensor:
+    """The new master, elementwise: '+' is ascent (rewards are maximised). Decay is decoupled and uses
+    the pre-step theta (without decay, x - theta * 0 is x: skipping it gives the same bits and saves
+    two passes over the vector)."""
+    lr = config.learning_rate
+    stepped = theta + direction * lr
+    return stepped - theta * (lr * config.weight_decay) if config.weight_decay else stepped
+
+
+IN_PLACE_CHUNK = 1 << 24
+"""Values ``apply_update_in_place`` updates at once: its temporaries are a few chunks (64 MB each in
+float32), not copies of a master of billions of weights, and a chunk's launches stay few."""
+
+
+@torch.no_grad()
+def apply_update_in_place(config: OptimizerConfig, state: OptimizerState, gradient: torch.Tensor,
+                          chunk: int = IN_PLACE_CHUNK) -> tuple[OptimizerState, float]:
+    """``apply_update`` on a flat float32 state, written into its own buffers chunk by chunk, with the
+    same bits; returns the advanced state (the same master object, changed) and the L2 norm of the
+    master's change, the float32 differences summed in float64.
+
+    For a master of billions of weights on an engine's card, where ``apply_update``'s full-size
+    temporaries (a new master, the difference, its float64 copy for the norm) cost more than the
+    update's arithmetic. The elementwise maths is the same functions' (``_direction``, ``_stepped``);
+    only the norm's summation order differs from the norm of a whole-vector difference."""
+    master = state.master
+    if not isinstance(master, FlatParams) or master.flat.dtype != torch.float32:
+        raise TypeError("apply_update_in_place needs a float32 FlatParams master (init_optimizer_state makes one)")
+    theta = master.flat
+    g = gradient.detach().reshape(-1)
+    if g.numel() != theta.numel():
+        raise ValueError(f"a gradient of {theta.numel()} values is needed, got {g.numel()}")
+    g = g.to(device=theta.device, dtype=torch.float32)
+    if chunk < 1:
+        raise ValueError(f"chunk must be at least 1, got {chunk}")
+
+    def buffer(buffers: Params, kept: bool) -> torch.Tensor | None:
+        # a buffer the optimizer keeps, updated in place (missing: starts at 0, as in apply_update)
+        if not kept:
+            return None
+        if isinstance(buffers, FlatParams) and buffers.layout == master.layout and buffers.flat.device == theta.device \
+                and buffers.flat.dtype == torch.float32:
+            return buffers.flat
+        return flat_of(buffers, master.layout).to(theta.device, torch.float32) if buffers else torch.zeros_like(theta)
+
+    keeps_first, keeps_second = _kept_moments(config)
+    first = buffer(state.first_moment, keeps_first)
+    second = buffer(state.second_moment, keeps_second)
+    step = state.step + 1
+    norms = []
+    # a master made under inference mode (an engine's worker) may only be written in place under it
+    with torch.inference_mode(theta.is_inference()):
+        for start in range(0, theta.numel(), chunk):
+            part = slice(start, start + chunk)
+            old = theta[part]
+            direction, m, v = _direction(config, g[part], first[part] if first is not None else None,
+                                         second[part] if second is not None else None, step)
+            new = _stepped(config, old, direction)
+            norms.append(torch.linalg.vector_norm(new.sub(old), dtype=torch.float64))
+            old.copy_(new)
+            if m is not None:
+                first[part].copy_(m)
+            if v is not None:
+                second[part].copy_(v)
+    norm = float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
+    advanced = replace(state, step=step, master=master,
+                       first_moment=FlatParams(first, master.layout) if first is not None else {},
+                       second_moment=FlatParams(second, master.layout) if second is not None else {})
+    return advanced, norm
 
 
 def optimizer_state_to(state: OptimizerState, device: str | torch.device) -> OptimizerState:

@@ -77,8 +77,9 @@ class EnginePool:
               policy: FaultPolicy = FaultPolicy()) -> "EnginePool":
         """``num_engines`` actors, each a ``VLLMEvaluator(model, sizing, **options)`` on ``placement``
         (a GPU, a share of one, or a CPU slice). Engines that share a card start one after another
-        (vLLM's memory profiling at start would count a neighbour's allocations as its own); engines
-        on different cards or CPU slices start together (``start_waves``)."""
+        (vLLM's memory profiling at start would count a neighbour's allocations as its own) unless
+        their KV cache is fixed (``kv_cache_gb``: vLLM then profiles no memory); engines on different
+        cards or CPU slices start together (``start_waves``)."""
         ray = import_ray()
         from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
@@ -90,7 +91,7 @@ class EnginePool:
         info: list[dict] = [{} for _ in actors]
         try:
             cards = ray.get([actor.card.remote() for actor in actors], timeout=start_timeout_s)
-            for wave in start_waves(cards):
+            for wave in start_waves(cards, together=sizing.kv_cache_gb is not None):
                 answers = ray.get([actors[index].ready.remote() for index in wave],
                                   timeout=max(deadline - time.monotonic(), 1.0))
                 for index, answer in zip(wave, answers):
@@ -199,11 +200,14 @@ class EnginePool:
         self.actors = []
 
 
-def start_waves(cards: Sequence[Hashable | None]) -> list[list[int]]:
+def start_waves(cards: Sequence[Hashable | None], together: bool = False) -> list[list[int]]:
     """Engine indices grouped into the waves they start in, from the card each engine was given
     (None: a CPU slice, shared with no one): wave k holds the k-th engine of every card, so no two
     engines of one card start at once, and the engines of different cards (all CPU slices) start
-    together. ``[a, a, b, None, b]`` -> ``[[0, 2, 3], [1, 4]]``."""
+    together. ``[a, a, b, None, b]`` -> ``[[0, 2, 3], [1, 4]]``. ``together``: every engine in one
+    wave (their KV caches are fixed, so no engine's start measures the card's free memory)."""
+    if together:
+        return [list(range(len(cards)))] if cards else []
     waves: list[list[int]] = []
     seen: dict[Hashable, int] = {}  # card -> engines of it placed so far
     for index, card in enumerate(cards):
