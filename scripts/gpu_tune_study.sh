@@ -86,7 +86,8 @@ stage)
   seconds=${2:?stage SECONDS DIR [ARCHIVE]}; dir=${3:?stage SECONDS DIR [ARCHIVE]}
   start "${4:-}"
   end=$((SECONDS + seconds))
-  while [ $SECONDS -lt $end ]; do sleep 10; done
+  # stop waiting when no worker is left: the study is done, or the workers died (their logs say why)
+  while [ $SECONDS -lt $end ] && [ "$(alive)" -gt 0 ]; do sleep 10; done
   pack "$dir" ;;
 *) sed -n 2,26p "$0"; exit 2 ;;
 esac

@@ -126,6 +126,15 @@ def test_the_dry_run_shows_the_later_stages_and_the_declared_family(tmp_path):
     assert "primary family (Holm): best_es vs best_grpo; best_es / best_grpo: the ES / GRPO method whose winner" in lines
 
 
+
+def test_a_tune_without_its_libraries_is_refused_before_any_engine(tmp_path, monkeypatch, capsys):
+    from evolm_lib.cli import tune as tune_cli
+
+    monkeypatch.setattr(tune_cli, "TUNE_LIBRARIES", ("optuna", "evolm_no_such_library"))
+    assert tune_cli.main([str(write_spec(tmp_path)), "--dry-run"]) == 2  # the dry run too: it vouches for a launch
+    assert "error: evolm tune needs evolm_no_such_library, not importable here" in capsys.readouterr().err
+    assert tune_cli.missing_libraries(("optuna", "scipy", "statsmodels")) == []
+
 def test_a_protocols_own_grpo_budget_sets_the_steps(tmp_path):
     sweep = copy.deepcopy(SPEC["sweep"])
     sweep["common"]["task_options"] = {"path": str(write_task(tmp_path)), "reward": "length", "num_validation": 2}

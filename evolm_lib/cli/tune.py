@@ -67,6 +67,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     print("\n".join(tune.describe(spec)), flush=True)
+    missing = missing_libraries(TUNE_LIBRARIES)
+    if missing:  # before any engine starts: a worker on a machine without them would die at its first trial
+        print(f"error: evolm tune needs {', '.join(missing)}, not importable here (the project's requirements "
+              "install them: requirements/common.txt)", file=sys.stderr)
+        return 2
     if args.dry_run:
         return 0
     try:
@@ -75,6 +80,17 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         return report_interrupt(f"interrupted: finished trials and reruns are kept in {spec.out.resolve()}; "
                                 "run the same command again to continue (a trial cut short is retried)")
+
+
+TUNE_LIBRARIES = ("optuna", "scipy", "statsmodels")
+"""What a tuning worker imports beyond a run's own needs: the search (Optuna) and the summary's statistics."""
+
+
+def missing_libraries(names) -> list[str]:
+    """The names of ``names`` that cannot be imported here (found without importing them)."""
+    import importlib.util
+
+    return [name for name in names if importlib.util.find_spec(name) is None]
 
 
 def _run(spec, args) -> int:

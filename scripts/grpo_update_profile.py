@@ -1,0 +1,127 @@
+"""Where a deterministic GRPO update spends its time: the policy's own ``train`` step
+(``PolicyTrainer``, the settings of ``python -m evolm_lib.benchmark grpo-update``: SmolLM2, rank-8
+LoRA on every projection, 8 prompts x group 8, one micro-batch of 64) on a fixed rollout batch,
+profiled with torch's deterministic algorithms on and off, each in a fresh process as the policy's
+own process sets them (``policy_process._training_settings``). Prints each setting's median step and
+the torch ops whose device time differs most between the two.
+
+    python scripts/grpo_update_profile.py [--model smollm2-135m-instruct] [--steps 8] [--json out.json]
+    python scripts/grpo_update_profile.py --model tiny-random --steps 2 --new-tokens 4   # on a CPU
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+SETTINGS = ("deterministic", "loose")
+
+
+def measure(setting: str, args: argparse.Namespace) -> dict:
+    """One setting in this (fresh) process: its median train step and its ops' device times."""
+    import torch
+
+    from evolm_lib.benchmark.grpo_update import study_settings
+    from evolm_lib.config import GRPOConfig
+    from evolm_lib.lora import adapter_shapes, init_adapter
+    from evolm_lib.models import resolve_model
+    from evolm_lib.train.policy import PolicyTrainer, rollout_batch
+    from evolm_lib.train.policy_process import _training_settings
+
+    gpu = torch.cuda.is_available()
+    applied = _training_settings(setting == "deterministic", torch.get_num_threads())
+    model_dir = resolve_model(args.model)
+    config = GRPOConfig.from_dict({**study_settings(args, gpu), "micro_batch_size": args.prompts * args.group_size})
+    spec = config.lora_spec()
+    trainer = PolicyTrainer(model_dir, init_adapter(spec, adapter_shapes(model_dir, spec), seed=0), config)
+    rows = args.prompts * args.group_size
+    generator = torch.Generator().manual_seed(0)
+    vocab = trainer.vocab_size
+    prompts = [torch.randint(0, vocab, (args.prompt_tokens,), generator=generator).tolist() for _ in range(rows)]
+    completions = [torch.randint(0, vocab, (args.new_tokens,), generator=generator).tolist() for _ in range(rows)]
+    batch = rollout_batch(prompts, completions, trainer.pad_token_id)
+    rewards = torch.rand(rows, generator=generator)
+    advantages = (rewards - rewards.mean()) / (rewards.std() + 1e-6)
+    sync = torch.cuda.synchronize if gpu else (lambda: None)
+
+    def step() -> float:
+        sync()
+        started = time.perf_counter()
+        trainer.train(batch, rewards, advantages)
+        sync()
+        return time.perf_counter() - started
+
+    seconds = [step() for _ in range(args.steps)]  # the first warms up; the rest are the figure
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if gpu else [])
+    with torch.profiler.profile(activities=activities) as profiler:
+        for _ in range(args.profiled_steps):
+            step()
+    ops = {}
+    for event in profiler.key_averages():
+        device_us = getattr(event, "self_device_time_total", 0) or getattr(event, "self_cuda_time_total", 0)
+        ops[event.key] = {"device_ms": device_us / 1e3 / args.profiled_steps, "cpu_ms": event.self_cpu_time_total / 1e3 / args.profiled_steps,
+                          "calls": event.count / args.profiled_steps}
+    return {"setting": setting, "settings_applied": applied, "device": torch.cuda.get_device_name() if gpu else "cpu",
+            "step_s": statistics.median(seconds[1:]) if len(seconds) > 1 else seconds[0], "step_s_each": seconds,
+            "ops_per_step": ops}
+
+
+def differences(results: dict, top: int) -> list[tuple[str, float, float]]:
+    """(op, deterministic ms, loose ms) of the ops whose time a step differs most, device time where
+    there is one (else host time)."""
+    key = "device_ms" if any(v["device_ms"] for v in results["deterministic"]["ops_per_step"].values()) else "cpu_ms"
+    on, off = results["deterministic"]["ops_per_step"], results["loose"]["ops_per_step"]
+    rows = [(op, on.get(op, {}).get(key, 0.0), off.get(op, {}).get(key, 0.0)) for op in set(on) | set(off)]
+    return sorted(rows, key=lambda r: abs(r[1] - r[2]), reverse=True)[:top]
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--steps", type=int, default=8, help="timed train steps (the first is a warm-up)")
+    parser.add_argument("--profiled-steps", type=int, default=2)
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--prompt-tokens", type=int, default=24)
+    parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--examples", type=int, default=16)
+    parser.add_argument("--top", type=int, default=15)
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--worker", choices=SETTINGS, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.steps < 2 or args.profiled_steps < 1:
+        parser.error("--steps must be at least 2 and --profiled-steps at least 1")
+    if args.worker:
+        args.out.write_text(json.dumps(measure(args.worker, args)))
+        return {}
+    results = {}
+    with tempfile.TemporaryDirectory() as folder:
+        for setting in SETTINGS:  # a fresh process each: torch's deterministic mode is process-wide
+            out = Path(folder) / f"{setting}.json"
+            argv_rest = [a for a in (argv if argv is not None else sys.argv[1:])]
+            env = {k: v for k, v in os.environ.items() if k not in ("VLLM_BATCH_INVARIANT", "CUBLAS_WORKSPACE_CONFIG")}
+            subprocess.run([sys.executable, __file__, *argv_rest, "--worker", setting, "--out", str(out)], check=True, env=env)
+            results[setting] = json.loads(out.read_text())
+    on, off = results["deterministic"]["step_s"], results["loose"]["step_s"]
+    print(f"train step, median of {args.steps - 1} on {results['loose']['device']}: deterministic algorithms on "
+          f"{on * 1e3:.1f} ms, off {off * 1e3:.1f} ms ({on / off:.2f}x)")
+    print(f"{'op':60s} {'on ms':>9s} {'off ms':>9s}")
+    for op, a, b in differences(results, args.top):
+        print(f"{op[:60]:60s} {a:9.2f} {b:9.2f}")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+    return results
+
+
+if __name__ == "__main__":
+    main()
