@@ -5,6 +5,7 @@
 #   bash scripts/gpu_tune_study.sh start [ARCHIVE]   # unpack an earlier pack (if given), start the workers, detached
 #   bash scripts/gpu_tune_study.sh pack DIR          # pack the study into DIR/tune_study.tar.gz, with the workers' log tails
 #   bash scripts/gpu_tune_study.sh stage SECONDS DIR [ARCHIVE]   # start (unless running), wait, pack: one device call
+#                                                                # that ends within SECONDS (give the call a limit above it)
 #   bash scripts/gpu_tune_study.sh compact DIR       # the study's rows and scores in DIR/compact (to commit)
 #   bash scripts/gpu_tune_study.sh geometry DIR      # the winners' geometry in DIR/compact/geometry.json (needs the reruns' weights)
 #
@@ -25,6 +26,7 @@ SPEC=${SPEC:-papermill_runs/tune_study_addition_gpu.yaml}
 STUDY=${STUDY:-runs/tune_study_addition}
 LOGS=${LOGS:-runs/tune_study_logs}
 METHODS=${METHODS:-es_full grpo_full grpo_lora es_lora es_eggroll}  # the slow ones first
+PACK_SECONDS=${PACK_SECONDS:-60}  # what a stage keeps for its pack
 export VLLM_LOGGING_LEVEL=WARNING TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 export OMP_NUM_THREADS=2  # many processes share the machine's cores
 
@@ -84,10 +86,12 @@ compact) python -m evolm_lib.tune.compact "$STUDY" "${2:?compact DIR}/compact" ;
 geometry) python -m evolm_lib.tune.geometry "$STUDY" "${2:?geometry DIR}/compact" ${GEOMETRY_ARGS:-} ;;
 stage)
   seconds=${2:?stage SECONDS DIR [ARCHIVE]}; dir=${3:?stage SECONDS DIR [ARCHIVE]}
+  # SECONDS is the whole stage, start and pack included: it ends by then, so a device call of that
+  # limit always gets its pack back (the workers' start alone takes a minute: 8 s between waves)
+  end=$((SECONDS + seconds - PACK_SECONDS))
   start "${4:-}"
-  end=$((SECONDS + seconds))
   # stop waiting when no worker is left: the study is done, or the workers died (their logs say why)
-  while [ $SECONDS -lt $end ] && [ "$(alive)" -gt 0 ]; do sleep 10; done
+  while [ $SECONDS -lt $end ] && [ "$(alive)" -gt 0 ]; do sleep 5; done
   pack "$dir" ;;
 *) sed -n 2,26p "$0"; exit 2 ;;
 esac
