@@ -17,10 +17,11 @@ demo: setup
 	$(PY) -m evolm_lib.cli demo
 
 # Two processes, a test file (or notebook) each at a time: on 2 cores the suite runs in about half
-# the time (each process's vLLM engines bound to a core of their own: conftest.py). TEST_WORKERS=0: one process.
+# the time (each process's vLLM engines bound to a core of their own: conftest.py), the heaviest files first
+# (conftest.py's HEAVY_FIRST; xdist's own reordering by test count off). TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 2
 test: setup sync
-	$(PY) -m pytest -q -p no:cacheprovider tests notebooks --nbval-lax --durations=15 -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -q -p no:cacheprovider tests notebooks --nbval-lax --durations=15 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test-fast: setup sync
 	$(PY) -m pytest -q -m "not slow and not browser" tests

@@ -11,6 +11,37 @@ import tempfile
 # torch must not load before tests/conftest.py has set the engine's thread settings
 NOTEBOOK_RUNS_ENV = "EVOLM_NOTEBOOK_RUNS"
 
+# The files that take about 25 s or more in `make test`, heaviest first (seconds on the 2-core machine,
+# 2026-11-27: each file alone, or its slowest tests in the suite). pytest-xdist (--dist loadfile) hands
+# each file whole to the next free process in collection order. Its own reordering, by number of tests
+# (off in the Makefile: --no-loadscope-reorder), ran the files of many light tests first and left these,
+# each of few tests, to the end, where one process could run them while the other had finished.
+HEAVY_FIRST = (
+    "tests/test_notebooks.py",  # ~200 s: papermill runs of the notebooks, the batch CLI
+    "tests/test_ray_modes.py",  # ~200 s: one, local and two Ray engines in turn, engines killed
+    "tests/test_ray_engine.py",  # ~160 s: two Ray engines, the two-node cluster
+    "tests/test_jupyterlab.py",  # ~150 s: JupyterLab and Chromium
+    "tests/test_tune.py",  # ~115 s
+    "tests/test_cli.py",  # ~105 s: Ctrl-C in a batch and in a sweep
+    "tests/test_grpo_run.py",  # ~90 s: GRPO on SmolLM2
+    "tests/test_batch.py",  # ~85 s
+    "tests/test_benchmark.py",  # ~80 s: the Ray benchmark
+    "tests/test_policy_process.py",  # ~70 s: the GRPO-update benchmark
+    "tests/test_es_run.py",  # ~50 s
+    "tests/test_engines.py",  # ~50 s
+    "notebooks/06_grpo_stepper.ipynb",  # ~50 s (nbval, SmolLM2)
+    "tests/test_full_pool.py",  # ~45 s
+    "notebooks/07_tuning.ipynb",  # ~40 s (nbval)
+    "tests/test_tune_study.py",  # ~40 s
+    "tests/test_analysis.py",  # ~35 s: notebook 04 twice
+    "tests/test_run_lock.py",  # ~35 s
+    "notebooks/03_es_stepper.ipynb",  # ~30 s (nbval, SmolLM2)
+    "notebooks/02_lora_initialization.ipynb",  # ~30 s (nbval, SmolLM2)
+    "tests/test_es_modes.py",  # ~30 s
+    "notebooks/05_zo_synthetic.ipynb",  # ~30 s (nbval)
+    "notebooks/01_task_inspection.ipynb",  # ~25 s (nbval, SmolLM2)
+)
+
 
 def pytest_configure(config):
     """Point the notebooks' default run folders at a fresh folder (kernels inherit the environment);
@@ -18,6 +49,12 @@ def pytest_configure(config):
     _bind_worker_cpu()
     if NOTEBOOK_RUNS_ENV not in os.environ:
         config._evolm_notebook_runs = os.environ[NOTEBOOK_RUNS_ENV] = tempfile.mkdtemp(prefix="evolm-notebook-runs-")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """HEAVY_FIRST's files first, in its order; every other file after them in the order collected."""
+    rank = {path: index for index, path in enumerate(HEAVY_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(HEAVY_FIRST)))  # stable: tests keep their order
 
 
 def pytest_unconfigure(config):

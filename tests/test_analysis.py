@@ -494,13 +494,24 @@ def test_sweep_plans_equal_budgets():
 # ----------------------------------------------------------------------------- notebook 04
 
 
-@pytest.mark.slow
-def test_notebook_04_draws_and_exports_every_figure(tmp_path):
+@pytest.fixture(scope="module")
+def notebook_04(tmp_path_factory):
+    """Notebook 04 run once by papermill on the fixture runs (ES and GRPO), two held-out prompts side
+    by side: the executed notebook and its figures folder, read by the tests below."""
     from evolm_lib.batch import execute_notebook
 
-    figures = tmp_path / "figures"
-    execute_notebook(REPO / "notebooks" / "04_es_vs_grpo.py", tmp_path / "04.ipynb",
-                     {"es_runs": ES, "grpo_runs": GRPO, "figures_dir": str(figures)}, cwd=REPO)
+    folder = tmp_path_factory.mktemp("notebook_04")
+    executed = execute_notebook(REPO / "notebooks" / "04_es_vs_grpo.py", folder / "04.ipynb",
+                                {"es_runs": ES, "grpo_runs": GRPO, "figures_dir": str(folder / "figures"),
+                                 "num_examples": 2}, cwd=REPO)
+    return executed, folder / "figures"
+
+
+@pytest.mark.slow
+def test_notebook_04_draws_and_exports_every_figure(notebook_04):
+    executed, figures = notebook_04
+    cells = json.loads(executed.read_text())["cells"]
+    assert not [o for c in cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
     # what the notebook's last cell asserted before it was made to work with any subset of methods
     groups = fixture_groups()
     assert "es" in groups and any(label.startswith("grpo") for label in groups), list(groups)
@@ -514,6 +525,22 @@ def test_notebook_04_draws_and_exports_every_figure(tmp_path):
         for fmt, magic in MAGIC.items():
             head = (figures / f"{stem}.{fmt}").read_bytes()[:500]
             assert magic in head if fmt == "svg" else head.startswith(magic), (stem, fmt)
+
+
+@pytest.mark.slow
+def test_notebook_04_shows_completions_long_so_the_table_fits_the_screen(notebook_04):
+    """Notebook 04's completions: one row per prompt and run under four columns, whatever the number of
+    runs (one column per run ran off the screen)."""
+    import re
+
+    executed, _ = notebook_04
+    tables = ["".join(o["data"]["text/html"]) for c in json.loads(executed.read_text())["cells"]
+              for o in c.get("outputs", []) if "final greedy completion" in "".join(o.get("data", {}).get("text/html", ""))]
+    [table] = tables
+    headings = re.findall(r'class="col_heading[^"]*" >([^<]*)</th>', table)
+    assert headings == ["prompt", "target", "run", "final greedy completion"]
+    runs = len(list(FIXTURES.glob("es_*"))) + len(list(FIXTURES.glob("grpo_*")))
+    assert table.count("<tr>") - 1 == 2 * runs  # a header row, then a row per prompt (num_examples 2) and run
 
 
 @pytest.mark.slow

@@ -64,13 +64,6 @@ def _parameterized_copy(source: Path, folder: Path, parameters: dict) -> Path:
     return path
 
 
-def _small_copy(folder: Path) -> Path:
-    """The stepper notebook with the CI parameters injected after its parameters cell, as papermill does."""
-    parameters = _ci_parameters()
-    parameters.update(num_generations=1, run_dir=str(folder / "run"), figures_dir=str(folder / "figures"))
-    return _parameterized_copy(STEPPER, folder, parameters)
-
-
 def _wait_for_server(url: str, process: subprocess.Popen, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -123,15 +116,6 @@ def _lab(tmp_path: Path, root: Path, notebook: Path):
         log.close()
 
 
-@pytest.fixture
-def jupyterlab(tmp_path):
-    """A JupyterLab server on 127.0.0.1 serving a folder with the small stepper notebook."""
-    root = tmp_path / "lab"
-    root.mkdir()
-    with _lab(tmp_path, root, _small_copy(root)) as url:
-        yield url
-
-
 def _run_all_cells(page, timeout_ms: int = 150_000, after: int = 0) -> None:
     """Open the notebook's kernel, Run All, and wait until every code cell ran (its execution count
     above ``after``: a second Run All in the same kernel) or one failed."""
@@ -181,42 +165,6 @@ def _engine_lines(page) -> dict[str, list[str]]:
     return {name: lines for name, lines in found.items() if lines}
 
 
-def test_step_button_adds_a_point_to_the_live_plot(jupyterlab, tmp_path):
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        try:
-            page.goto(jupyterlab)
-            _run_all_cells(page)
-            failed = page.locator(".jp-OutputArea-output", has_text="Traceback (most recent call last)")
-            assert failed.count() == 0, failed.first.inner_text()
-            assert not _engine_lines(page), _engine_lines(page)  # the engine started in this notebook
-
-            cell = page.locator(".jp-CodeCell", has=page.locator("button", has_text="Step")).first
-            cell.scroll_into_view_if_needed()  # JupyterLab 4 renders the outputs of cells in view only
-            step = cell.locator("button", has_text="Step").first
-            step.wait_for(timeout=30_000)
-            # generation 0 is scored before the plot has a point: on a busy 2-core machine that took over 30 s
-            page.wait_for_function(f"cell => ({MEAN_POINTS_JS})(cell) >= 1", arg=cell.element_handle(),
-                                   timeout=120_000)
-            before = cell.evaluate(MEAN_POINTS_JS)
-            assert before == 1, before  # generation 1 ran in the notebook's loop
-
-            step.click()
-            page.wait_for_function(f"cell => ({MEAN_POINTS_JS})(cell) === {before + 1}",
-                                   arg=cell.element_handle(), timeout=60_000, polling=500)
-            assert cell.evaluate(MEAN_POINTS_JS) == before + 1
-            assert "generation 2" in cell.inner_text()
-            cell.screenshot(path=str(tmp_path / "stepper.png"))  # for a look when debugging
-        except Exception:
-            page.screenshot(path=str(tmp_path / "failure.png"))
-            raise
-        finally:
-            browser.close()
-
-
 def _execution_count(page) -> int:
     """The largest execution count among the notebook's code cells (0 before any ran)."""
     return page.evaluate("""() => Math.max(0, ...[...document.querySelectorAll('.jp-CodeCell .jp-InputArea-prompt')]
@@ -232,10 +180,31 @@ def _opened_runs(page) -> list[tuple[str, int]]:
     return [(folder, int(generation)) for folder, generation in re.findall(r"(\S*03_es_stepper-[0-9a-f]{8}): generation (\d+)", text)]
 
 
-def test_the_stepper_runs_all_twice_in_one_kernel_and_again_with_a_changed_setting(tmp_path, monkeypatch):
-    """Run All, Run All again in the same kernel (the run opened before is closed and resumed), then a
-    changed sigma typed into the parameters and Run All once more (a new run in a folder of its own):
-    no traceback at any point."""
+def _click_step_and_see_a_new_point(page, tmp_path: Path) -> None:
+    """Click the stepper's Step button: the live fitness plot gains a point (generation 2)."""
+    cell = page.locator(".jp-CodeCell", has=page.locator("button", has_text="Step")).first
+    cell.scroll_into_view_if_needed()  # JupyterLab 4 renders the outputs of cells in view only
+    step = cell.locator("button", has_text="Step").first
+    step.wait_for(timeout=30_000)
+    # generation 0 is scored before the plot has a point: on a busy 2-core machine that took over 30 s
+    page.wait_for_function(f"cell => ({MEAN_POINTS_JS})(cell) >= 1", arg=cell.element_handle(), timeout=120_000)
+    before = cell.evaluate(MEAN_POINTS_JS)
+    assert before == 1, before  # generation 1 ran in the notebook's loop
+
+    step.click()
+    page.wait_for_function(f"cell => ({MEAN_POINTS_JS})(cell) === {before + 1}",
+                           arg=cell.element_handle(), timeout=60_000, polling=500)
+    assert cell.evaluate(MEAN_POINTS_JS) == before + 1
+    assert "generation 2" in cell.inner_text()
+    cell.screenshot(path=str(tmp_path / "stepper.png"))  # for a look when debugging
+
+
+def test_the_stepper_runs_all_steps_and_runs_all_again_in_one_kernel_and_with_a_changed_setting(tmp_path, monkeypatch):
+    """Run All (no traceback, no engine notice in the outputs), click Step and see the live fitness
+    plot gain a point, Run All again in the same kernel (the run opened before is closed and resumed
+    where the Step left it), then a changed sigma typed into the parameters and Run All once more (a
+    new run in a folder of its own): no traceback at any point. One server, kernel and first Run All
+    for what were two tests (the Step button's, and Run All twice), which each paid for them."""
     from playwright.sync_api import sync_playwright
 
     runs = tmp_path / "runs"
@@ -253,12 +222,16 @@ def test_the_stepper_runs_all_twice_in_one_kernel_and_again_with_a_changed_setti
             page.goto(url)
             _run_all_cells(page, timeout_ms=240_000)
             assert failed.count() == 0, failed.first.inner_text()
+            assert not _engine_lines(page), _engine_lines(page)  # the engine started in this notebook
             [(first, generation)] = _opened_runs(page)
             assert generation == 0 and sorted(p.name for p in runs.iterdir()) == [Path(first).name]
 
+            _click_step_and_see_a_new_point(page, tmp_path)
+            assert failed.count() == 0, failed.first.inner_text()
+
             _run_all_cells(page, timeout_ms=240_000, after=_execution_count(page))
             assert failed.count() == 0, failed.first.inner_text()
-            assert _opened_runs(page) == [(first, 1)]  # the same run, resumed where the first Run All left it
+            assert _opened_runs(page) == [(first, 2)]  # the same run, resumed where the Step left it
 
             injected = page.locator(".jp-CodeCell", has=page.locator(".cm-content", has_text="sigma = 0.05")).first
             injected.locator(".cm-content").click()

@@ -404,23 +404,3 @@ def test_the_stepper_exports_the_figure_again_after_every_step(tmp_path):
     stepper.wait(120)
     after_two = (tmp_path / "es_stepper_fitness.svg").read_text()
     assert stepper.run.generation == 2 and after_two != after_one and "figure not exported" not in stepper.status.value
-
-
-@pytest.mark.slow
-def test_es_vs_grpo_shows_completions_long_so_the_table_fits_the_screen(tmp_path):
-    """Notebook 04's completions: one row per prompt and run under four columns, whatever the number of
-    runs (one column per run ran off the screen)."""
-    import re
-
-    fixtures = REPO / "tests" / "data" / "es_vs_grpo"
-    executed = _execute(NOTEBOOKS / "04_es_vs_grpo.py", tmp_path / "04.ipynb",
-                        {"es_runs": str(fixtures / "es_*"), "grpo_runs": str(fixtures / "grpo_*"),
-                         "figures_dir": str(tmp_path / "figures"), "num_examples": 2})
-    assert not _errors(executed)
-    tables = ["".join(o["data"]["text/html"]) for c in json.loads(executed.read_text())["cells"]
-              for o in c.get("outputs", []) if "final greedy completion" in "".join(o.get("data", {}).get("text/html", ""))]
-    [table] = tables
-    headings = re.findall(r'class="col_heading[^"]*" >([^<]*)</th>', table)
-    assert headings == ["prompt", "target", "run", "final greedy completion"]
-    runs = len(list(fixtures.glob("es_*"))) + len(list(fixtures.glob("grpo_*")))
-    assert table.count("<tr>") - 1 == 2 * runs  # a header row, then a row per prompt and run
