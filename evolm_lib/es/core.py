@@ -623,10 +623,11 @@ def apply_update_in_place(config: OptimizerConfig, state: OptimizerState, gradie
     same bits; returns the advanced state (the same master object, changed) and the L2 norm of the
     master's change, the float32 differences summed in float64.
 
-    For a master of billions of weights on an engine's card, where ``apply_update``'s full-size
-    temporaries (a new master, the difference, its float64 copy for the norm) cost more than the
-    update's arithmetic. The elementwise maths is the same functions' (``_direction``, ``_stepped``);
-    only the norm's summation order differs from the norm of a whole-vector difference."""
+    For a master of billions of weights on an engine's card, beside which ``apply_update``'s
+    full-size temporaries (a new master, the difference, its float64 copy for the norm: four times the
+    master's memory) may not fit. Alone it is no faster (on an H100, 1.31 billion weights: 29.5 ms
+    against 23.7). The elementwise maths is the same functions' (``_direction``, ``_stepped``); only
+    the norm's summation order differs from the norm of a whole-vector difference."""
     master = state.master
     if not isinstance(master, FlatParams) or master.flat.dtype != torch.float32:
         raise TypeError("apply_update_in_place needs a float32 FlatParams master (init_optimizer_state makes one)")
