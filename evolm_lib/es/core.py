@@ -625,8 +625,7 @@ def apply_update_in_place(config: OptimizerConfig, state: OptimizerState, gradie
 
     For a master of billions of weights on an engine's card, beside which ``apply_update``'s
     full-size temporaries (a new master, the difference, its float64 copy for the norm: four times the
-    master's memory) may not fit. Alone it is no faster (on an H100, 1.31 billion weights: 29.5 ms
-    against 23.7). The elementwise maths is the same functions' (``_direction``, ``_stepped``); only
+    master's memory) may not fit; alone it is no faster (docs/measurements.md). The elementwise maths is the same functions' (``_direction``, ``_stepped``); only
     the norm's summation order differs from the norm of a whole-vector difference."""
     master = state.master
     if not isinstance(master, FlatParams) or master.flat.dtype != torch.float32:
