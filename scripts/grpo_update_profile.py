@@ -2,8 +2,10 @@
 (``PolicyTrainer``, the settings of ``python -m evolm_lib.benchmark grpo-update``: SmolLM2, rank-8
 LoRA on every projection, 8 prompts x group 8, one micro-batch of 64) on a fixed rollout batch,
 profiled with torch's deterministic algorithms on and off, each in a fresh process as the policy's
-own process sets them (``policy_process._training_settings``). Prints each setting's median step and
-the torch ops whose device time differs most between the two.
+own process sets them (``policy_process._training_settings``), and on with the attention computed
+eagerly (matmuls and a softmax, deterministic without a special backward) instead of torch's fused
+kernel. Prints each setting's median step and the torch ops whose device time differs most between
+deterministic and loose.
 
     python scripts/grpo_update_profile.py [--model smollm2-135m-instruct] [--steps 8] [--json out.json]
     python scripts/grpo_update_profile.py --model tiny-random --steps 2 --new-tokens 4   # on a CPU
@@ -23,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-SETTINGS = ("deterministic", "loose")
+SETTINGS = ("deterministic", "loose", "deterministic_eager")
 
 
 def measure(setting: str, args: argparse.Namespace) -> dict:
@@ -38,11 +40,14 @@ def measure(setting: str, args: argparse.Namespace) -> dict:
     from evolm_lib.train.policy_process import _training_settings
 
     gpu = torch.cuda.is_available()
-    applied = _training_settings(setting == "deterministic", torch.get_num_threads())
+    applied = _training_settings(setting != "loose", torch.get_num_threads())
     model_dir = resolve_model(args.model)
     config = GRPOConfig.from_dict({**study_settings(args, gpu), "micro_batch_size": args.prompts * args.group_size})
     spec = config.lora_spec()
     trainer = PolicyTrainer(model_dir, init_adapter(spec, adapter_shapes(model_dir, spec), seed=0), config)
+    if setting == "deterministic_eager":
+        trainer.model.set_attn_implementation("eager")
+    applied["attention"] = trainer.model.config._attn_implementation
     rows = args.prompts * args.group_size
     generator = torch.Generator().manual_seed(0)
     vocab = trainer.vocab_size
@@ -113,8 +118,10 @@ def main(argv=None) -> dict:
             subprocess.run([sys.executable, __file__, *argv_rest, "--worker", setting, "--out", str(out)], check=True, env=env)
             results[setting] = json.loads(out.read_text())
     on, off = results["deterministic"]["step_s"], results["loose"]["step_s"]
+    eager = results["deterministic_eager"]["step_s"]
     print(f"train step, median of {args.steps - 1} on {results['loose']['device']}: deterministic algorithms on "
-          f"{on * 1e3:.1f} ms, off {off * 1e3:.1f} ms ({on / off:.2f}x)")
+          f"{on * 1e3:.1f} ms, off {off * 1e3:.1f} ms ({on / off:.2f}x); on with eager attention {eager * 1e3:.1f} ms "
+          f"({eager / off:.2f}x)")
     print(f"{'op':60s} {'on ms':>9s} {'off ms':>9s}")
     for op, a, b in differences(results, args.top):
         print(f"{op[:60]:60s} {a:9.2f} {b:9.2f}")
