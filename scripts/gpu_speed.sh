@@ -18,6 +18,9 @@
 #       card 1: modes, EGGROLL only (Qwen2.5-1.5B shapes): its update's parts, whole-vector SGD against in place
 #       cards 2, 3: grpo-update, not deterministic and deterministic in its own process with torch's
 #               deterministic algorithms off first, then on twice (two configurations at a time)
+#   bash scripts/gpu_speed.sh left OUT    # what the misses call left: card 0, full-pool 1 against 4 engines started
+#       together, alone on the host but for card 1: the GRPO train step profiled with torch's deterministic
+#       algorithms on, off, and on with eager attention (scripts/grpo_update_profile.py)
 #
 # Run from the repository root with PYTHONPATH=/root/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0
 # EVOLM_CACHE_DIR=/root/cache set. LIMIT (default 560) is the whole part's deadline in seconds: each
@@ -76,7 +79,13 @@ misses)
   bench grpo_update 0,1,2,3 grpo-update --devices 2,3 --micro-batch-sizes 64 --steps 12 \
     --configurations not_deterministic,deterministic_own_loose,deterministic_own,deterministic_own_rerun & pids="$pids $!"
   ;;
-*) echo "unknown part $PART: cards, ray, starts, pool8 or misses" >&2; exit 2 ;;
+left)
+  bench full_pool_1_4_together 0 full-pool --engines 1,4 --generations 6 --kv-cache-gb 2 & pids="$pids $!"
+  { CUDA_VISIBLE_DEVICES=1 timeout --signal=TERM --kill-after=10 $((LIMIT - SECONDS)) \
+      python scripts/grpo_update_profile.py --steps 10 --json "$RES/grpo_profile.json" > "$RES/grpo_profile.log" 2>&1
+    echo "grpo_profile: exit $? after $SECONDS s" >> "$RES/exits.txt"; } & pids="$pids $!"
+  ;;
+*) echo "unknown part $PART: cards, ray, starts, pool8, misses or left" >&2; exit 2 ;;
 esac
 for pid in $pids; do wait "$pid"; done
 tar -czf "$OUT/speed_$PART.tar.gz" "$RES"
