@@ -19,8 +19,9 @@
 #       cards 2, 3: grpo-update, not deterministic and deterministic in its own process with torch's
 #               deterministic algorithms off first, then on twice (two configurations at a time)
 #   bash scripts/gpu_speed.sh left OUT    # what the misses call left: card 0, full-pool 1 against 4 engines started
-#       together, alone on the host but for card 1: the GRPO train step profiled with torch's deterministic
-#       algorithms on, off, and on with eager attention (scripts/grpo_update_profile.py)
+#       together; card 1: the GRPO train step profiled with torch's deterministic
+#       algorithms on, off, and on with eager attention (scripts/grpo_update_profile.py); card 2: modes, EGGROLL
+#       only, its in-place step timed at three chunk sizes
 #
 # Run from the repository root with PYTHONPATH=/root/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0
 # EVOLM_CACHE_DIR=/root/cache set. LIMIT (default 560) is the whole part's deadline in seconds: each
@@ -84,6 +85,7 @@ left)
   { CUDA_VISIBLE_DEVICES=1 timeout --signal=TERM --kill-after=10 $((LIMIT - SECONDS)) \
       python scripts/grpo_update_profile.py --steps 10 --json "$RES/grpo_profile.json" > "$RES/grpo_profile.log" 2>&1
     echo "grpo_profile: exit $? after $SECONDS s" >> "$RES/exits.txt"; } & pids="$pids $!"
+  bench modes_eggroll 2 modes --model "$QWEN" --modes eggroll --tiles auto --repeats 2 & pids="$pids $!"
   ;;
 *) echo "unknown part $PART: cards, ray, starts, pool8, misses or left" >&2; exit 2 ;;
 esac

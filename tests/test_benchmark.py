@@ -29,6 +29,7 @@ def test_the_modes_benchmark_measures_each_mode_against_the_base_model(tiny_mode
     assert update["shape_groups"] < update["matrices"] and update["grouped_s"] > 0 and update["per_matrix_s"] > 0
     assert update["optimizer_masters_equal"]  # whole-vector SGD and in place: the same master
     assert update["optimizer_whole_s"] > 0 and update["optimizer_in_place_s"] > 0 and update["restore_s"] > 0
+    assert len(update["optimizer_in_place_s_by_chunk"]) == 3  # the default chunk and one either side
     assert result["engine_update"]["eggroll_update_s"] > 0
     printed = capsys.readouterr().out
     assert "lora" in printed and "vLLM's defaults" in printed and "batched by shape" in printed and "same bits: yes" in printed

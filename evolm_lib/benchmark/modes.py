@@ -110,13 +110,16 @@ def time_update(model_dir: str | Path, population: int, rank: int, repeats: int,
 def time_optimizer(gradient, layout, repeats: int, sync, learning_rate: float = 1e-3) -> dict[str, Any]:
     """Median seconds of the rest of EGGROLL's update on a float32 master of ``layout``'s size, from
     one gradient: SGD as a whole-vector step with the norm of the masters' difference (the update
-    before ``apply_update_in_place``) and in place, chunk by chunk; whether their masters have the
-    same bits after the same steps; and the rewrite of bfloat16 weights from the master."""
+    before ``apply_update_in_place``) and in place, chunk by chunk: at the chunk runs use
+    (``es.IN_PLACE_CHUNK``), a quarter of it and four times it;
+    whether their masters have the same bits after the same steps; and the rewrite of bfloat16
+    weights from the master."""
     import torch
 
     from ..es import core as es
 
     optimizer = es.SGDConfig(learning_rate)
+    chunks = (es.IN_PLACE_CHUNK // 4, es.IN_PLACE_CHUNK, es.IN_PLACE_CHUNK * 4)
     start = torch.randn(layout.total, generator=torch.Generator().manual_seed(0)).mul_(0.02).to(gradient.device)
     whole_state = es.init_optimizer_state(optimizer, es.FlatParams(start.clone(), layout))
     in_place_state = es.init_optimizer_state(optimizer, es.FlatParams(start, layout), copy=False)
@@ -135,16 +138,20 @@ def time_optimizer(gradient, layout, repeats: int, sync, learning_rate: float = 
         _, whole_state = es.apply_update(optimizer, whole_state, before, es.FlatParams(gradient, layout))
         float(torch.linalg.vector_norm(whole_state.master.flat.sub(before.flat), dtype=torch.float64))
 
-    def in_place() -> None:
+    def in_place(chunk: int) -> None:
         nonlocal in_place_state
-        in_place_state, _ = es.apply_update_in_place(optimizer, in_place_state, gradient)
+        in_place_state, _ = es.apply_update_in_place(optimizer, in_place_state, gradient, chunk=chunk)
 
-    whole_s, in_place_s, restore_s = [], [], []
+    whole_s, restore_s = [], []
+    in_place_s: dict[int, list[float]] = {chunk: [] for chunk in chunks}
     for _ in range(repeats + 1):  # the first warms the allocator and the kernels up
-        whole_s.append(timed(whole))
-        in_place_s.append(timed(in_place))
+        for chunk in chunks:  # a whole-vector step for each in-place one: the masters stay comparable
+            whole_s.append(timed(whole))
+            in_place_s[chunk].append(timed(lambda: in_place(chunk)))
         restore_s.append(timed(lambda: torch._foreach_copy_(live, list(in_place_state.master.values()))))
-    return {"optimizer_whole_s": statistics.median(whole_s[1:]), "optimizer_in_place_s": statistics.median(in_place_s[1:]),
+    by_chunk = {str(chunk): statistics.median(seconds[1:]) for chunk, seconds in in_place_s.items()}
+    return {"optimizer_whole_s": statistics.median(whole_s[len(chunks):]),
+            "optimizer_in_place_s": by_chunk[str(es.IN_PLACE_CHUNK)], "optimizer_in_place_s_by_chunk": by_chunk,
             "optimizer_masters_equal": bool(torch.equal(whole_state.master.flat, in_place_state.master.flat)),
             "restore_s": statistics.median(restore_s[1:])}
 
@@ -196,7 +203,9 @@ def format_modes(result: dict[str, Any]) -> str:
                       f"{'yes' if update['bitwise_equal'] else 'no, max difference %.3g' % update['max_abs_difference']}",
                   f"EGGROLL optimizer step on the float32 master: whole vector with the difference's norm "
                   f"{update['optimizer_whole_s'] * 1e3:.1f} ms, in place {update['optimizer_in_place_s'] * 1e3:.1f} ms "
-                  f"({update['optimizer_whole_s'] / update['optimizer_in_place_s']:.2f}x); same master: "
+                  f"({update['optimizer_whole_s'] / update['optimizer_in_place_s']:.2f}x; by chunk: "
+                  + ", ".join(f"{int(c):,} {t * 1e3:.1f} ms" for c, t in update["optimizer_in_place_s_by_chunk"].items())
+                  + "); same master: "
                   f"{'yes' if update['optimizer_masters_equal'] else 'NO'}; bfloat16 rewrite {update['restore_s'] * 1e3:.1f} ms"]
     engine_update = result.get("engine_update")
     if engine_update:
