@@ -113,9 +113,9 @@ def main(argv=None) -> dict:
     with tempfile.TemporaryDirectory() as folder:
         for setting in SETTINGS:  # a fresh process each: torch's deterministic mode is process-wide
             out = Path(folder) / f"{setting}.json"
-            argv_rest = [a for a in (argv if argv is not None else sys.argv[1:])]
             env = {k: v for k, v in os.environ.items() if k not in ("VLLM_BATCH_INVARIANT", "CUBLAS_WORKSPACE_CONFIG")}
-            subprocess.run([sys.executable, __file__, *argv_rest, "--worker", setting, "--out", str(out)], check=True, env=env)
+            subprocess.run([sys.executable, __file__, *(argv if argv is not None else sys.argv[1:]), "--worker", setting,
+                            "--out", str(out)], check=True, env=env)
             results[setting] = json.loads(out.read_text())
     on, off = results["deterministic"]["step_s"], results["loose"]["step_s"]
     eager = results["deterministic_eager"]["step_s"]

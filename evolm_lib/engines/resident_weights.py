@@ -107,21 +107,14 @@ class ResidentWeights:
              sigma: float, form: es.GradientForm = "qiu") -> float:
         """One ES update of the mean where the weights live; the live weights then hold the new mean.
         Returns the update's L2 norm (float32 master, before the cast)."""
-        gradient = es.flat_of(self.gradient(members, weights, sigma, form), self.layout)
-        norm = self.advance(optimizer, gradient)
-        del gradient  # its buffer goes back to the allocator before the weights are rewritten
-        self.restore()
-        return norm
-
-    @torch.no_grad()
-    def advance(self, optimizer: es.OptimizerConfig, gradient: torch.Tensor) -> float:
-        """The optimizer's step on the float32 master, in place (``es.apply_update_in_place``: no
-        full-size temporaries beside a master of billions of weights); the live weights still hold the
-        old mean until ``restore``. Returns the master's change's L2 norm."""
         if self.optimizer_state is None:
             self.optimizer_state = es.init_optimizer_state(optimizer, self.master, copy=False)
+        gradient = es.flat_of(self.gradient(members, weights, sigma, form), self.layout)
+        # in place: no full-size temporaries beside a master of billions of weights
         self.optimizer_state, norm = es.apply_update_in_place(optimizer, self.optimizer_state, gradient)
         self.master = self.optimizer_state.master
+        del gradient  # its buffer goes back to the allocator before the weights are rewritten
+        self.restore()
         return norm
 
     @torch.no_grad()

@@ -547,15 +547,8 @@ def apply_update(
     g = flat_of(gradient, layout).detach().to(device=theta.device, dtype=torch.float32)
     step = state.step + 1
     keeps_first, keeps_second = _kept_moments(config)
-
-    def buffer(buffers: Params, kept: bool) -> torch.Tensor | None:
-        # A missing buffer (state made for another config, or restored without it) starts at 0.
-        if not kept:
-            return None
-        return flat_of(buffers, layout).to(theta.device) if buffers else torch.zeros_like(theta)
-
-    direction, first, second = _direction(config, g, buffer(state.first_moment, keeps_first),
-                                          buffer(state.second_moment, keeps_second), step)
+    direction, first, second = _direction(config, g, _moment(state.first_moment, keeps_first, layout, theta),
+                                          _moment(state.second_moment, keeps_second, layout, theta), step)
     new_master = FlatParams(_stepped(config, theta, direction), layout)
     first = FlatParams(first, layout) if first is not None else {}
     second = FlatParams(second, layout) if second is not None else {}
@@ -581,6 +574,16 @@ def _kept_moments(config: OptimizerConfig) -> tuple[bool, bool]:
     if isinstance(config, SGDConfig):
         return config.momentum > 0, False
     raise TypeError(f"unknown optimizer config {type(config).__name__}")
+
+
+def _moment(buffers: Params, kept: bool, layout: Layout, theta: torch.Tensor,
+            dtype: torch.dtype | None = None) -> torch.Tensor | None:
+    """A moment buffer the optimizer keeps, flat on theta's device (the buffer itself when it already
+    is, in ``dtype``); a missing one (state made for another config, or restored without it) starts
+    at 0. None where the optimizer keeps none."""
+    if not kept:
+        return None
+    return flat_of(buffers, layout).to(theta.device, dtype) if buffers else torch.zeros_like(theta)
 
 
 def _direction(config: OptimizerConfig, g: torch.Tensor, first: torch.Tensor | None, second: torch.Tensor | None,
@@ -638,18 +641,10 @@ def apply_update_in_place(config: OptimizerConfig, state: OptimizerState, gradie
     if chunk < 1:
         raise ValueError(f"chunk must be at least 1, got {chunk}")
 
-    def buffer(buffers: Params, kept: bool) -> torch.Tensor | None:
-        # a buffer the optimizer keeps, updated in place (missing: starts at 0, as in apply_update)
-        if not kept:
-            return None
-        if isinstance(buffers, FlatParams) and buffers.layout == master.layout and buffers.flat.device == theta.device \
-                and buffers.flat.dtype == torch.float32:
-            return buffers.flat
-        return flat_of(buffers, master.layout).to(theta.device, torch.float32) if buffers else torch.zeros_like(theta)
-
+    # the moments are updated in their own buffers where the state holds them flat in float32
     keeps_first, keeps_second = _kept_moments(config)
-    first = buffer(state.first_moment, keeps_first)
-    second = buffer(state.second_moment, keeps_second)
+    first = _moment(state.first_moment, keeps_first, master.layout, theta, torch.float32)
+    second = _moment(state.second_moment, keeps_second, master.layout, theta, torch.float32)
     step = state.step + 1
     norms = []
     # a master made under inference mode (an engine's worker) may only be written in place under it
