@@ -21,7 +21,9 @@
 #   bash scripts/gpu_speed.sh left OUT    # what the misses call left: card 0, full-pool 1 against 4 engines started
 #       together; card 1: the GRPO train step profiled with torch's deterministic
 #       algorithms on, off, and on with eager attention (scripts/grpo_update_profile.py); card 2: modes, EGGROLL
-#       only, its in-place step timed at three chunk sizes
+#       only, its in-place step timed at three chunk sizes; card 3: grpo-update, not deterministic against
+#       deterministic in its own process with the policy's attention fused (sdpa) and eager. The pool's run
+#       folders come back (without files over 5 MB), so a count cut short still shows its generations.
 #
 # Run from the repository root with PYTHONPATH=/root/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0
 # EVOLM_CACHE_DIR=/root/cache set. LIMIT (default 560) is the whole part's deadline in seconds: each
@@ -81,7 +83,9 @@ misses)
     --configurations not_deterministic,deterministic_own_loose,deterministic_own,deterministic_own_rerun & pids="$pids $!"
   ;;
 left)
-  bench full_pool_1_4_together 0 full-pool --engines 1,4 --generations 6 --kv-cache-gb 2 & pids="$pids $!"
+  bench full_pool_1_4_together 0 full-pool --engines 1,4 --generations 5 --kv-cache-gb 2 --workdir "$RES/pool_runs" & pids="$pids $!"
+  bench grpo_update 0,1,2,3 grpo-update --devices 3 --micro-batch-sizes 64 --steps 8 \
+    --configurations not_deterministic,deterministic_own,deterministic_own_eager & pids="$pids $!"
   { CUDA_VISIBLE_DEVICES=1 timeout --signal=TERM --kill-after=10 $((LIMIT - SECONDS)) \
       python scripts/grpo_update_profile.py --steps 10 --json "$RES/grpo_profile.json" > "$RES/grpo_profile.log" 2>&1
     echo "grpo_profile: exit $? after $SECONDS s" >> "$RES/exits.txt"; } & pids="$pids $!"
@@ -90,6 +94,7 @@ left)
 *) echo "unknown part $PART: cards, ray, starts, pool8, misses or left" >&2; exit 2 ;;
 esac
 for pid in $pids; do wait "$pid"; done
-tar -czf "$OUT/speed_$PART.tar.gz" "$RES"
+find "$RES" -type f -size +5M > "$RES/left_out.txt"  # checkpoints of kept run folders: not worth the transfer
+tar -czf "$OUT/speed_$PART.tar.gz" -X "$RES/left_out.txt" "$RES"
 cat "$RES/exits.txt"
 for f in "$RES"/*.log; do echo "== $f"; tail -n 25 "$f"; done

@@ -39,8 +39,11 @@ def test_bad_engine_counts_are_refused_before_any_engine():
 def test_full_pool_measures_one_engine_then_two_on_the_cpu(ray_cluster, tmp_path, capsys):
     out = tmp_path / "full_pool.json"
     result = full_pool.main(["--model", "tiny-random", "--engines", "1,2", "--generations", "2", "--population", "4",
-                             "--json", str(out)])
+                             "--json", str(out), "--workdir", str(tmp_path / "kept")])
     assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+    kept = sorted(part for path in (tmp_path / "kept").rglob("metrics.jsonl") for part in path.parts
+                  if part.startswith("engines_"))
+    assert kept == ["engines_1", "engines_2"], "--workdir keeps each count's run folder and its metrics rows"
     assert result["settings"]["population"] == 4 and result["settings"]["device"] == "cpu"
     one, two = result["counts"]
     assert (one["engines"], two["engines"]) == (1, 2) and two["engines_per_gpu"] == 2

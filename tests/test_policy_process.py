@@ -122,6 +122,24 @@ def test_the_child_updates_the_shared_weights_as_the_trainer_here_does(tiny_mode
     assert _ended(child.pid)
 
 
+def test_eager_policy_attention_trains_as_the_fused_kernel_does(tiny_model_dir):
+    """policy_attention picks the trained model's attention: eager computes what sdpa computes (float32
+    on the CPU: the same loss and weights to rounding), through matmuls and a softmax."""
+    config = GRPOConfig.from_dict({**FULL, "loss_type": "reinforce_with_baseline"})
+    with pytest.raises(ConfigError, match="policy_attention"):
+        config.replace(policy_attention="flash")
+    fused, eager = (PolicyTrainer(tiny_model_dir, None, config.replace(policy_attention=a)) for a in ("sdpa", "eager"))
+    assert (fused.model.config._attn_implementation, eager.model.config._attn_implementation) == ("sdpa", "eager")
+    batch = rollout_batch([[1, 2, 3], [4, 5], [6, 7, 8, 9], [10]], [[11, 12], [13], [14, 15], [16, 17]],
+                          fused.pad_token_id)
+    advantages = torch.tensor([0.5, -1.0, 1.5, -0.25])
+    losses = [trainer.train(batch, torch.zeros(4), advantages)["grpo/loss"] for trainer in (fused, eager)]
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5, abs=1e-6)
+    step = fused.flat_weights() - PolicyTrainer(tiny_model_dir, None, config).flat_weights()
+    apart = fused.flat_weights() - eager.flat_weights()
+    assert step.abs().max() > 0.01 and apart.abs().max() < 1e-3 * step.abs().max()  # AdamW: steps of about lr
+
+
 # ----------------------------------------------------------------------------- runs: same rows, reruns, resume
 
 

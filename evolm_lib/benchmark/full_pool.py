@@ -125,13 +125,16 @@ def full_pool(model: str, engine_counts: Sequence[int], population: int, generat
               workdir: str | Path | None = None,
               on_count: Callable[[list[dict[str, Any]]], None] | None = None) -> list[dict[str, Any]]:
     """Every count's measurements in turn, the first count (1) the reference (see the module docstring);
-    ``on_count`` is given the results so far after each count (a run cut short keeps them)."""
+    ``on_count`` is given the results so far after each count (a run cut short keeps them). The run
+    folders go to a temporary folder, removed at the end, or under ``workdir``, where they are kept."""
     from ..engines.ray.cluster import import_ray
 
     ray = import_ray()
     owns_ray = not ray.is_initialized()
     if owns_ray:  # one card: the engines of every count share it
         ray.init(num_gpus=1 if gpu else 0, include_dashboard=False, logging_level=logging.WARNING)
+    if workdir is not None:
+        Path(workdir).mkdir(parents=True, exist_ok=True)
     folder = Path(tempfile.mkdtemp(prefix="evolm-full-pool-", dir=workdir))
     results = []
     free_at_start = _free_card_memory() if gpu else None
@@ -148,7 +151,8 @@ def full_pool(model: str, engine_counts: Sequence[int], population: int, generat
             if on_count is not None:
                 on_count(speedups(results))
     finally:
-        shutil.rmtree(folder, ignore_errors=True)
+        if workdir is None:
+            shutil.rmtree(folder, ignore_errors=True)
         if owns_ray:
             ray.shutdown()
     return speedups(results)
@@ -186,6 +190,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--gpu-memory-utilization", type=float, default=None,
                         help="each engine's share of the card (default: 0.6 / engines on the card)")
     parser.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")
+    parser.add_argument("--workdir", type=Path, default=None,
+                        help="keep each count's run folder under this folder (a count cut short keeps its metrics rows)")
     args = parser.parse_args(argv)
     counts = int_list(parser, args.engines, "engines")
     if counts[0] != 1:
@@ -209,7 +215,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     print(HEADER, flush=True)
     results = full_pool(args.model, counts, args.population, args.generations, args.new_tokens, gpu, args.kv_cache_gb,
-                        args.gpu_memory_utilization, on_count=report)
+                        args.gpu_memory_utilization, workdir=args.workdir, on_count=report)
     measured = [r for r in results if "skipped" not in r]
     print("speed-ups over 1 engine: " + ", ".join(f"{r['engines']}: {r['speedup']:.2f}x" for r in measured))
     return report(results)

@@ -94,14 +94,15 @@ class PolicyTrainer:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         pad = self.tokenizer.pad_token_id
         self.pad_token_id = pad if pad is not None else self.tokenizer.eos_token_id
-        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        load = dict(dtype=torch.float32, attn_implementation=config.policy_attention)
+        base = AutoModelForCausalLM.from_pretrained(model_dir, **load)
         self.vocab_size = base.get_output_embeddings().weight.shape[0]
         self.reference = None  # full: the base model the KL penalty compares with (LoRA: the adapter disabled)
         if self.full:
             self.model = base.to(self.device)
             self.trained = self._select_trained(model_dir)
             if config.beta > 0:
-                self.reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(self.device)
+                self.reference = AutoModelForCausalLM.from_pretrained(model_dir, **load).to(self.device)
                 self.reference.eval().requires_grad_(False)
         else:
             from peft import LoraConfig, get_peft_model
