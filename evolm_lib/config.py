@@ -429,9 +429,10 @@ class GRPOConfig(CommonConfig):
     deterministic_update: Optional[bool] = None
     ("the policy in its own process: torch.use_deterministic_algorithms there, so an update repeats on "
      "the GPU; None: as deterministic")
-    policy_attention: Literal["sdpa", "eager"] = "sdpa"
+    policy_attention: Literal["auto", "sdpa", "eager"] = "auto"
     ("the trained policy's attention (transformers' attn_implementation): sdpa (torch's fused kernels) or "
-     "eager (matmuls and a softmax, whose backward needs no deterministic special case)")
+     "eager (matmuls and a softmax); auto: eager where torch's deterministic algorithms are on for a GPU "
+     "policy (deterministic_update), whose fused backward they force onto a slow path, else sdpa")
 
     temperature: float = Field(1.0, gt=0)
     "sampling temperature of the rollouts (> 0: a greedy group has no spread); log-probs use logits / temperature"

@@ -22,7 +22,7 @@
 #       together; card 1: the GRPO train step profiled with torch's deterministic
 #       algorithms on, off, and on with eager attention (scripts/grpo_update_profile.py); card 2: modes, EGGROLL
 #       only, its in-place step timed at three chunk sizes; card 3: grpo-update, not deterministic against
-#       deterministic in its own process with the policy's attention fused (sdpa) and eager. The pool's run
+#       deterministic in its own process with the policy's attention eager (auto) and fused (sdpa). The pool's run
 #       folders come back (without files over 5 MB), so a count cut short still shows its generations.
 #
 # Run from the repository root with PYTHONPATH=/root/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0
@@ -85,7 +85,7 @@ misses)
 left)
   bench full_pool_1_4_together 0 full-pool --engines 1,4 --generations 5 --kv-cache-gb 2 --workdir "$RES/pool_runs" & pids="$pids $!"
   bench grpo_update 0,1,2,3 grpo-update --devices 3 --micro-batch-sizes 64 --steps 8 \
-    --configurations not_deterministic,deterministic_own,deterministic_own_eager & pids="$pids $!"
+    --configurations not_deterministic,deterministic_own,deterministic_own_sdpa & pids="$pids $!"
   { CUDA_VISIBLE_DEVICES=1 timeout --signal=TERM --kill-after=10 $((LIMIT - SECONDS)) \
       python scripts/grpo_update_profile.py --steps 10 --json "$RES/grpo_profile.json" > "$RES/grpo_profile.log" 2>&1
     echo "grpo_profile: exit $? after $SECONDS s" >> "$RES/exits.txt"; } & pids="$pids $!"

@@ -19,7 +19,9 @@
 # the shuffled-fitness control (tune.control, OUT/control). Packs hold finished runs only
 # (python -m evolm_lib.tune.pack): a new machine unpacks the last one and runs `start` again. Each worker
 # is told how many engines share its card (EVOLM_ENGINES_PER_CARD, recorded in every run's
-# placement.jsonl beside the times). SPEC and STUDY name another study, e.g.
+# placement.jsonl beside the times). Workers draw no figures (a lent machine may lack plotly and
+# chromium): the figures come from the compacted study (scripts/study_tables.py). SPEC and STUDY name
+# another study, e.g.
 #   SPEC=papermill_runs/tune_study_conciseness_gpu.yaml STUDY=runs/tune_study_conciseness bash scripts/gpu_tune_study.sh start
 set -u
 SPEC=${SPEC:-papermill_runs/tune_study_addition_gpu.yaml}
@@ -48,7 +50,7 @@ start() {
   mkdir -p "$LOGS"
   : > "$LOGS/workers.pids"
   python -c "from evolm_lib.models import resolve_model; resolve_model('smollm2-135m-instruct')" >/dev/null 2>&1
-  python -m evolm_lib.cli tune "$SPEC" --dry-run > "$LOGS/dry_run.txt" 2>&1 || { cat "$LOGS/dry_run.txt" >&2; exit 1; }
+  python -m evolm_lib.cli tune "$SPEC" --dry-run --no-figures > "$LOGS/dry_run.txt" 2>&1 || { cat "$LOGS/dry_run.txt" >&2; exit 1; }
   local gpus per i=0 method w
   gpus=$(nvidia-smi -L 2>/dev/null | wc -l); [ "$gpus" -ge 1 ] || gpus=1  # a CPU machine: one "card"
   per=${WORKERS_PER_METHOD:-$gpus}
@@ -60,7 +62,7 @@ start() {
       # must not see another's allocations arrive
       card_engines=$((total / gpus + ((i % gpus) < (total % gpus) ? 1 : 0)))
       EVOLM_ENGINES_PER_CARD=$card_engines CUDA_VISIBLE_DEVICES=$((i % gpus)) \
-        setsid python -m evolm_lib.cli tune "$SPEC" --methods "$method" \
+        setsid python -m evolm_lib.cli tune "$SPEC" --methods "$method" --no-figures \
         >> "$LOGS/$method.$w.log" 2>&1 < /dev/null &
       echo $! >> "$LOGS/workers.pids"
       i=$((i + 1))
@@ -93,5 +95,5 @@ stage)
   # stop waiting when no worker is left: the study is done, or the workers died (their logs say why)
   while [ $SECONDS -lt $end ] && [ "$(alive)" -gt 0 ]; do sleep 5; done
   pack "$dir" ;;
-*) sed -n 2,26p "$0"; exit 2 ;;
+*) sed -n 2,28p "$0"; exit 2 ;;
 esac

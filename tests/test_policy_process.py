@@ -15,7 +15,7 @@ from evolm_lib.config import ConfigError, GRPOConfig
 from evolm_lib.runs import read_metrics
 from evolm_lib.engines.synthetic import SyntheticEvaluator
 from evolm_lib.train.grpo import GRPORun
-from evolm_lib.train.policy import PolicyTrainer, rollout_batch
+from evolm_lib.train.policy import PolicyTrainer, attention_implementation, rollout_batch
 from evolm_lib.train.policy_process import PolicyProcess, PolicyProcessDied, policy_in_own_process
 
 TINY = dict(model="tiny-random", task="conciseness", target_modules=["q_proj", "v_proj"], lora_rank=2, lora_alpha=2.0,
@@ -128,6 +128,15 @@ def test_eager_policy_attention_trains_as_the_fused_kernel_does(tiny_model_dir):
     config = GRPOConfig.from_dict({**FULL, "loss_type": "reinforce_with_baseline"})
     with pytest.raises(ConfigError, match="policy_attention"):
         config.replace(policy_attention="flash")
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert attention_implementation(config, cuda) == attention_implementation(config, cpu) == "sdpa"
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    try:  # auto: eager only where deterministic algorithms would slow a GPU's fused backward
+        torch.use_deterministic_algorithms(True)
+        assert (attention_implementation(config, cuda), attention_implementation(config, cpu)) == ("eager", "sdpa")
+        assert attention_implementation(config.replace(policy_attention="sdpa"), cuda) == "sdpa"
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
     fused, eager = (PolicyTrainer(tiny_model_dir, None, config.replace(policy_attention=a)) for a in ("sdpa", "eager"))
     assert (fused.model.config._attn_implementation, eager.model.config._attn_implementation) == ("sdpa", "eager")
     batch = rollout_batch([[1, 2, 3], [4, 5], [6, 7, 8, 9], [10]], [[11, 12], [13], [14, 15], [16, 17]],

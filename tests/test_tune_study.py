@@ -134,6 +134,11 @@ def test_a_tune_without_its_libraries_is_refused_before_any_engine(tmp_path, mon
     assert tune_cli.main([str(write_spec(tmp_path)), "--dry-run"]) == 2  # the dry run too: it vouches for a launch
     assert "error: evolm tune needs evolm_no_such_library, not importable here" in capsys.readouterr().err
     assert tune_cli.missing_libraries(("optuna", "scipy", "statsmodels")) == []
+    monkeypatch.setattr(tune_cli, "TUNE_LIBRARIES", ("optuna",))
+    monkeypatch.setattr(tune_cli, "FIGURE_LIBRARIES", ("evolm_no_such_plotting",))
+    assert tune_cli.main([str(write_spec(tmp_path)), "--dry-run"]) == 2  # its figures would end it after the work
+    assert "error: evolm tune's figures need evolm_no_such_plotting" in capsys.readouterr().err
+    assert tune_cli.main([str(write_spec(tmp_path)), "--dry-run", "--no-figures"]) == 0
 
 def test_a_protocols_own_grpo_budget_sets_the_steps(tmp_path):
     sweep = copy.deepcopy(SPEC["sweep"])

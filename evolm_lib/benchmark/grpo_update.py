@@ -49,7 +49,7 @@ CONFIGURATIONS = {  # label -> GRPOConfig changes
     "deterministic_own": {"deterministic": True, "policy_process": "own"},
     "deterministic_own_rerun": {"deterministic": True, "policy_process": "own"},
     "deterministic_own_loose": {"deterministic": True, "policy_process": "own", "deterministic_update": False},
-    "deterministic_own_eager": {"deterministic": True, "policy_process": "own", "policy_attention": "eager"},
+    "deterministic_own_sdpa": {"deterministic": True, "policy_process": "own", "policy_attention": "sdpa"},
 }
 BASELINE = "not_deterministic"
 GOAL = ("deterministic_own", 1.15)

@@ -72,6 +72,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: evolm tune needs {', '.join(missing)}, not importable here (the project's requirements "
               "install them: requirements/common.txt)", file=sys.stderr)
         return 2
+    missing = [] if args.no_figures else missing_libraries(FIGURE_LIBRARIES)
+    if missing:  # the figures come after every trial and rerun: a worker would die there, its work done
+        print(f"error: evolm tune's figures need {', '.join(missing)}, not importable here: install "
+              "requirements/common.txt, or pass --no-figures and draw them later where it is", file=sys.stderr)
+        return 2
     if args.dry_run:
         return 0
     try:
@@ -84,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
 
 TUNE_LIBRARIES = ("optuna", "scipy", "statsmodels")
 """What a tuning worker imports beyond a run's own needs: the search (Optuna) and the summary's statistics."""
+FIGURE_LIBRARIES = ("plotly",)
+"""What the figures at a tune's end import (chromium, which exports them, is checked when they are drawn)."""
 
 
 def missing_libraries(names) -> list[str]:

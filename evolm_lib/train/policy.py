@@ -76,6 +76,15 @@ def optimizer_state_from_tensors(optimizer: torch.optim.Optimizer, names: dict[t
 # ---------------------------------------------------------------------------- the trainer
 
 
+def attention_implementation(config: GRPOConfig, device: torch.device) -> str:
+    """The policy's attention (``policy_attention``): ``auto`` is eager where torch's deterministic
+    algorithms are on and the policy is on a GPU, where they force the fused kernel's backward onto a
+    slow path (docs/measurements.md); on a CPU the fused kernel's backward is deterministic as it is."""
+    if config.policy_attention != "auto":
+        return config.policy_attention
+    return "eager" if device.type == "cuda" and torch.are_deterministic_algorithms_enabled() else "sdpa"
+
+
 class PolicyTrainer:
     """The policy as transformers (float32): log-probs, gradients and AdamW on the LoRA tensors (peft),
     or, with ``policy_weights: full`` (``adapter`` None), on the model weights in ``grpo_weights``."""
@@ -94,7 +103,7 @@ class PolicyTrainer:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         pad = self.tokenizer.pad_token_id
         self.pad_token_id = pad if pad is not None else self.tokenizer.eos_token_id
-        load = dict(dtype=torch.float32, attn_implementation=config.policy_attention)
+        load = dict(dtype=torch.float32, attn_implementation=attention_implementation(config, self.device))
         base = AutoModelForCausalLM.from_pretrained(model_dir, **load)
         self.vocab_size = base.get_output_embeddings().weight.shape[0]
         self.reference = None  # full: the base model the KL penalty compares with (LoRA: the adapter disabled)
