@@ -110,9 +110,10 @@ def placement() -> dict:
     return record
 
 
-def record_placement(run_dir, config=None) -> dict:
-    """Append this process's ``placement()`` (and the run's evaluator, engines and memory share) to
-    the run folder's placement.jsonl; returns the line. Times in a run's rows mean little without it."""
+def record_placement(run_dir, config=None, run_settings: dict | None = None) -> dict:
+    """Append this process's ``placement()`` (and the run's evaluator, engines and memory share, and
+    ``run_settings``: what the run resolved where it ran) to the run folder's placement.jsonl; returns
+    the line. Times in a run's rows mean little without it."""
     import json
     from pathlib import Path
 
@@ -120,6 +121,7 @@ def record_placement(run_dir, config=None) -> dict:
     if config is not None:
         line.update({key: getattr(config, key, None) for key in
                      ("engine", "evaluator", "num_engines", "gpu_memory_utilization", "kv_cache_gb")})
+    line.update(run_settings or {})
     with open(Path(run_dir) / PLACEMENT, "a") as handle:
         handle.write(json.dumps(line) + "\n")
     return line

@@ -196,6 +196,9 @@ def test_the_study_end_to_end_then_compacted_tabled_drawn_and_measured(tmp_path,
                 (placement,) = {json.dumps({k: v for k, v in line.items() if k in ("device", "evaluator")})
                                 for line in read_jsonl(folder / "placement.jsonl")}
                 assert json.loads(placement) == {"device": "cpu", "evaluator": "local"}
+                resolved = {(line.get("policy_process"), line.get("policy_attention"))
+                            for line in read_jsonl(folder / "placement.jsonl")}
+                assert resolved == ({("same", "sdpa")} if method == "grpo" else {(None, None)})  # a CPU policy
     winner = "es"  # the only ES method: best_es
     for seed in (0, 1):
         config = yaml.safe_load((spec.out / "control" / winner / f"seed{seed}" / "config.yaml").read_text())

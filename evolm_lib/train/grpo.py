@@ -86,6 +86,11 @@ class GRPORun(RunLoop):
     def _moves_adapter(config: GRPOConfig) -> bool:
         return config.policy_weights == "lora"  # full: the policy is the model weights, no adapter is built
 
+    def placement(self) -> dict:
+        """Where the policy updates and the attention it resolved (``policy_attention: auto``)."""
+        return {"policy_process": "own" if isinstance(self.trainer, PolicyProcess) else "same",
+                "policy_attention": self.trainer.attention}
+
     def sync_engine(self) -> float:
         """policy_weights full: write the trainer's weights into the engine (cast to its dtype, in place);
         returns the seconds it took."""

@@ -73,6 +73,10 @@ class RunLoop:
         """The run of this kind from ``state``, on ``evaluator`` (None: the engine its config asks for)."""
         raise NotImplementedError
 
+    def placement(self) -> dict:
+        """What this run resolved where it runs, beside its config (``env.record_placement``): none here."""
+        return {}
+
     @classmethod
     def create(cls, config, run_dir: str | Path, *, evaluator: Evaluator | None = None, overwrite: bool = False,
                initial_adapter: AdapterWeights | None = None):

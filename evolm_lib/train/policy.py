@@ -103,7 +103,8 @@ class PolicyTrainer:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         pad = self.tokenizer.pad_token_id
         self.pad_token_id = pad if pad is not None else self.tokenizer.eos_token_id
-        load = dict(dtype=torch.float32, attn_implementation=attention_implementation(config, self.device))
+        self.attention = attention_implementation(config, self.device)
+        load = dict(dtype=torch.float32, attn_implementation=self.attention)
         base = AutoModelForCausalLM.from_pretrained(model_dir, **load)
         self.vocab_size = base.get_output_embeddings().weight.shape[0]
         self.reference = None  # full: the base model the KL penalty compares with (LoRA: the adapter disabled)

@@ -160,7 +160,8 @@ def _serve(connection, model_dir: str, adapter: bytes, config: dict, device: str
         _send(connection, (0, *_error_message(error)))
         return
     _send(connection, (0, "ok", {"full": trainer.full, "spec": trainer.spec, "vocab_size": trainer.vocab_size,
-                              "pad_token_id": trainer.pad_token_id, "device": str(trainer.device), "settings": settings}))
+                              "pad_token_id": trainer.pad_token_id, "device": str(trainer.device),
+                              "settings": {**settings, "attention": trainer.attention}}))
     if shared is not None:  # torch's reductions: CUDA IPC handles or shared-memory file descriptors, once
         connection.send_bytes(bytes(ForkingPickler.dumps(shared)))
     while True:
@@ -221,6 +222,7 @@ class PolicyProcess:
             info = self._reply("start")
             self.full, self.spec, self.vocab_size = info["full"], info["spec"], info["vocab_size"]
             self.pad_token_id, self.device, self.settings = info["pad_token_id"], torch.device(info["device"]), info["settings"]
+            self.attention = self.settings["attention"]
             if self.full:
                 self._shared = pickle.loads(self._receive("start"))
         except BaseException:

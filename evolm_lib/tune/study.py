@@ -206,7 +206,7 @@ def _run_trial(spec: TuneSpec, method: str, trial, folder: Path, evaluator, log:
                 stop = stop or (spec.settings.prune != "none" and trial.should_prune())
 
         try:
-            record_placement(run.run_dir, config)  # the times in its rows, read with where it ran
+            record_placement(run.run_dir, config, run.placement())  # the times in its rows, read with where it ran
             run.run(callback=report, should_stop=lambda: stop)
             if stop:
                 raise _Pruned()
