@@ -25,7 +25,8 @@
 #       deterministic in its own process with the policy's attention eager (auto) and fused (sdpa). The pool's run
 #       folders come back (without files over 5 MB), so a count cut short still shows its generations.
 #   bash scripts/gpu_speed.sh next OUT    # what the left call left: card 0, modes (EGGROLL against the base model,
-#       nothing else heavy on the host); card 1, grpo-update with eager attention run twice (same rows?)
+#       nothing else heavy on the host); card 1, grpo-update with eager attention run twice (same rows?);
+#       card 2, the train step profiled again, the cuBLAS workspace setting's cost told from the algorithms'
 #
 # Run from the repository root with PYTHONPATH=/root/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0
 # EVOLM_CACHE_DIR=/root/cache set. LIMIT (default 560) is the whole part's deadline in seconds: each
@@ -97,6 +98,9 @@ next)
   bench modes_eggroll 0 modes --model "$QWEN" --modes eggroll --tiles auto --repeats 3 --no-update & pids="$pids $!"
   bench grpo_update 0,1,2,3 grpo-update --devices 1 --micro-batch-sizes 64 --steps 8 \
     --configurations not_deterministic,deterministic_own,deterministic_own_rerun & pids="$pids $!"
+  { CUDA_VISIBLE_DEVICES=2 timeout --signal=TERM --kill-after=10 $((LIMIT - SECONDS)) \
+      python scripts/grpo_update_profile.py --steps 10 --json "$RES/grpo_profile.json" > "$RES/grpo_profile.log" 2>&1
+    echo "grpo_profile: exit $? after $SECONDS s" >> "$RES/exits.txt"; } & pids="$pids $!"
   ;;
 *) echo "unknown part $PART: cards, ray, starts, pool8, misses, left or next" >&2; exit 2 ;;
 esac

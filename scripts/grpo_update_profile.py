@@ -1,11 +1,18 @@
 """Where a deterministic GRPO update spends its time: the policy's own ``train`` step
 (``PolicyTrainer``, the settings of ``python -m evolm_lib.benchmark grpo-update``: SmolLM2, rank-8
-LoRA on every projection, 8 prompts x group 8, one micro-batch of 64) on a fixed rollout batch,
-profiled with torch's deterministic algorithms on and off, each in a fresh process as the policy's
-own process sets them (``policy_process._training_settings``), and on with the attention computed
-eagerly (matmuls and a softmax, deterministic without a special backward) instead of torch's fused
-kernel. Prints each setting's median step and the torch ops whose device time differs most between
-deterministic and loose.
+LoRA on every projection, 8 prompts x group 8, one micro-batch of 64) on a fixed rollout batch, each
+setting in a fresh process set up as the policy's own process sets itself
+(``policy_process._training_settings``):
+
+- ``deterministic``: torch's deterministic algorithms on, the attention ``policy_attention: auto``
+  picks (eager on a GPU);
+- ``deterministic_sdpa``: on, with torch's fused attention kernel (whose backward they slow);
+- ``loose``: off;
+- ``loose_workspace``: off, with the cuBLAS workspace setting the deterministic mode needs
+  (``CUBLAS_WORKSPACE_CONFIG``), to tell that setting's cost from the algorithms'.
+
+Prints each setting's median step over ``loose``'s, and the torch ops whose time (on the device,
+and on the host) differs most between ``deterministic`` and ``loose``.
 
     python scripts/grpo_update_profile.py [--model smollm2-135m-instruct] [--steps 8] [--json out.json]
     python scripts/grpo_update_profile.py --model tiny-random --steps 2 --new-tokens 4   # on a CPU
@@ -25,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-SETTINGS = ("deterministic", "loose", "deterministic_eager")
+SETTINGS = ("deterministic", "deterministic_sdpa", "loose", "loose_workspace")
 
 
 def measure(setting: str, args: argparse.Namespace) -> dict:
@@ -37,17 +44,18 @@ def measure(setting: str, args: argparse.Namespace) -> dict:
     from evolm_lib.lora import adapter_shapes, init_adapter
     from evolm_lib.models import resolve_model
     from evolm_lib.train.policy import PolicyTrainer, rollout_batch
-    from evolm_lib.train.policy_process import _training_settings
+    from evolm_lib.train.policy_process import DETERMINISTIC_CUBLAS_WORKSPACE, _training_settings
 
     gpu = torch.cuda.is_available()
-    applied = _training_settings(setting != "loose", torch.get_num_threads())
+    if setting == "loose_workspace":  # read when cuBLAS starts: before any CUDA work
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = DETERMINISTIC_CUBLAS_WORKSPACE
+    applied = _training_settings(setting.startswith("deterministic"), torch.get_num_threads())
     model_dir = resolve_model(args.model)
-    config = GRPOConfig.from_dict({**study_settings(args, gpu), "micro_batch_size": args.prompts * args.group_size})
+    config = GRPOConfig.from_dict({**study_settings(args, gpu), "micro_batch_size": args.prompts * args.group_size,
+                                   "policy_attention": "sdpa" if setting == "deterministic_sdpa" else "auto"})
     spec = config.lora_spec()
     trainer = PolicyTrainer(model_dir, init_adapter(spec, adapter_shapes(model_dir, spec), seed=0), config)
-    if setting == "deterministic_eager":
-        trainer.model.set_attn_implementation("eager")
-    applied["attention"] = trainer.model.config._attn_implementation
+    applied["attention"] = trainer.attention
     rows = args.prompts * args.group_size
     generator = torch.Generator().manual_seed(0)
     vocab = trainer.vocab_size
@@ -80,13 +88,13 @@ def measure(setting: str, args: argparse.Namespace) -> dict:
             "ops_per_step": ops}
 
 
-def differences(results: dict, top: int) -> list[tuple[str, float, float]]:
-    """(op, deterministic ms, loose ms) of the ops whose time a step differs most, device time where
-    there is one (else host time)."""
-    key = "device_ms" if any(v["device_ms"] for v in results["deterministic"]["ops_per_step"].values()) else "cpu_ms"
+def differences(results: dict, top: int) -> list[tuple[str, float, float, float, float]]:
+    """(op, deterministic and loose device ms, deterministic and loose host ms) a step of the ops whose
+    time differs most between the two, on the device or on the host."""
     on, off = results["deterministic"]["ops_per_step"], results["loose"]["ops_per_step"]
-    rows = [(op, on.get(op, {}).get(key, 0.0), off.get(op, {}).get(key, 0.0)) for op in set(on) | set(off)]
-    return sorted(rows, key=lambda r: abs(r[1] - r[2]), reverse=True)[:top]
+    rows = [(op, *(side.get(op, {}).get(key, 0.0) for key in ("device_ms", "cpu_ms") for side in (on, off)))
+            for op in set(on) | set(off)]
+    return sorted(rows, key=lambda r: max(abs(r[1] - r[2]), abs(r[3] - r[4])), reverse=True)[:top]
 
 
 def main(argv=None) -> dict:
@@ -117,14 +125,13 @@ def main(argv=None) -> dict:
             subprocess.run([sys.executable, __file__, *(argv if argv is not None else sys.argv[1:]), "--worker", setting,
                             "--out", str(out)], check=True, env=env)
             results[setting] = json.loads(out.read_text())
-    on, off = results["deterministic"]["step_s"], results["loose"]["step_s"]
-    eager = results["deterministic_eager"]["step_s"]
-    print(f"train step, median of {args.steps - 1} on {results['loose']['device']}: deterministic algorithms on "
-          f"{on * 1e3:.1f} ms, off {off * 1e3:.1f} ms ({on / off:.2f}x); on with eager attention {eager * 1e3:.1f} ms "
-          f"({eager / off:.2f}x)")
-    print(f"{'op':60s} {'on ms':>9s} {'off ms':>9s}")
-    for op, a, b in differences(results, args.top):
-        print(f"{op[:60]:60s} {a:9.2f} {b:9.2f}")
+    loose = results["loose"]["step_s"]
+    print(f"train step, median of {args.steps - 1} on {results['loose']['device']}: "
+          + "; ".join(f"{setting} {results[setting]['step_s'] * 1e3:.1f} ms ({results[setting]['step_s'] / loose:.2f}x)"
+                      for setting in SETTINGS))
+    print(f"{'op (deterministic against loose, ms a step)':60s} {'device on':>10s} {'off':>8s} {'host on':>10s} {'off':>8s}")
+    for op, device_on, device_off, host_on, host_off in differences(results, args.top):
+        print(f"{op[:60]:60s} {device_on:10.2f} {device_off:8.2f} {host_on:10.2f} {host_off:8.2f}")
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     return results
