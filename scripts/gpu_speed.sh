@@ -19,8 +19,7 @@
 #       cards 2, 3: grpo-update, not deterministic and deterministic in its own process with torch's
 #               deterministic algorithms off first, then on twice (two configurations at a time)
 #   bash scripts/gpu_speed.sh left OUT    # what the misses call left: card 0, full-pool 1 against 4 engines started
-#       together; card 1: the GRPO train step profiled with torch's deterministic
-#       algorithms on, off, and on with eager attention (scripts/grpo_update_profile.py); card 2: modes, EGGROLL
+#       together; card 1: the GRPO train step profiled (scripts/grpo_update_profile.py); card 2: modes, EGGROLL
 #       only, its in-place step timed at three chunk sizes; card 3: grpo-update, not deterministic against
 #       deterministic in its own process with the policy's attention eager (auto) and fused (sdpa). The pool's run
 #       folders come back (without files over 5 MB), so a count cut short still shows its generations.
