@@ -190,6 +190,47 @@ def test_paper_style_drops_the_title_and_sizes_fonts_for_a_column():
         figures.export_figure(fig, "x", style="poster")
 
 
+def test_a_long_legend_makes_the_paper_figure_taller_not_the_plot_smaller():
+    few = go.Figure([go.Scatter(x=[0, 1], y=[0, 1], name="es")])  # one entry: plotly shows no legend
+    assert figures.paper_height(few, 900) == 630 and figures.paper_style(few).layout.margin.t == 30
+    asked = go.Figure([go.Scatter(x=[0, 1], y=[0, 1], name="es", showlegend=True)])
+    assert figures.paper_height(asked, 900) == 630 + 45  # one row of 1.5 x the 30-pixel tick font
+    names = [f"es_eggroll, 5 engines/card (n={n})" for n in range(5)]  # one entry a row at this width
+    many = go.Figure([go.Scatter(x=[0, 1], y=[0, 1], name=name) for name in names])
+    styled = figures.paper_style(many)
+    assert styled.layout.legend.orientation == "h" and styled.layout.legend.entrywidth == 1
+    assert figures.paper_height(many, 900) == 630 + 5 * 45
+    assert styled.layout.margin.t == 5 * 45 + 30  # the legend's rows above the plot: the plot keeps its 0.7 x width
+
+
+def test_best_so_far_draws_one_legend_entry_a_method():
+    from evolm_lib.viz.tuning import plot_best_so_far
+
+    def trial(number, value, state="complete"):
+        return {"number": number, "value": value, "state": state}
+
+    fig = plot_best_so_far({"es": [trial(0, 0.2), trial(1, 0.1), trial(2, None, "failed"), trial(3, 0.5)],
+                            "grpo": [trial(0, 0.7), trial(1, 0.9)]})
+    assert [t.name for t in fig.data if t.showlegend is not False] == ["es", "grpo"]
+    assert list(trace(fig, "es").y) == [0.2, 0.2, 0.5] and list(trace(fig, "es").x) == [0, 1, 3]
+    assert list(trace(fig, "es, each trial").y) == [0.2, 0.1, 0.5]  # complete trials only, no legend entry
+    assert trace(fig, "es, each trial").marker.color == trace(fig, "es").line.color
+
+
+def test_the_study_curves_come_from_one_stage_for_every_method():
+    from evolm_lib.viz.study import curve_stage
+
+    def runs(stage, method, seeds):
+        return [{"stage": stage, "method": method, "seed": seed} for seed in seeds]
+
+    final = runs("final", "es", [0, 1]) + runs("final", "grpo", [0, 1])
+    assert curve_stage(final + runs("long", "es", [0, 1]) + runs("long", "grpo", [0, 1])) == "long"
+    assert curve_stage(final + runs("long", "es", [0, 1])) == "final"  # grpo not continued yet: reruns for all
+    assert curve_stage(final + runs("long", "es", [0]) + runs("long", "grpo", [0, 1])) == "final"
+    assert curve_stage(runs("sweep", "es", [0]) + runs("trial", "es", [0])) == "sweep"
+    assert curve_stage(runs("trial", "es", [0])) is None
+
+
 def test_time_breakdown_stacks_phases_and_rest():
     fig = plots.plot_time_breakdown(make_rows(3))
     assert fig.layout.barmode == "stack"
@@ -334,13 +375,15 @@ def test_sanitize_name():
                     reason="no Chromium for kaleido: apt-get install chromium (or make setup)")
 def test_export_figure_writes_real_files(tmp_path):
     out = tmp_path / "figs"
-    paths = figures.export_figure(plots.plot_fitness(make_rows()), "fitness/es run", out_dir=out)
+    fig = plots.plot_fitness(make_rows())
+    paths = figures.export_figure(fig, "fitness/es run", out_dir=out)
     assert [p.name for p in paths] == ["fitness_es_run.png", "fitness_es_run.pdf", "fitness_es_run.svg"]
     assert all(p.parent == out for p in paths)
     png, pdf, svg = (p.read_bytes() for p in paths)
     assert png.startswith(b"\x89PNG\r\n\x1a\n")
     assert int.from_bytes(png[16:20], "big") == 1800  # width 900 x scale 2
-    assert int.from_bytes(png[20:24], "big") == 1260  # the paper style's height: 0.7 x width
+    # the paper style's height: 0.7 x width for the plot and 3 rows of 45 px for its 5 legend entries
+    assert int.from_bytes(png[20:24], "big") == 2 * figures.paper_height(fig, 900) == 2 * (630 + 3 * 45)
     assert pdf.startswith(b"%PDF")
     assert b"<svg" in svg[:200]
     # the sync server makes later exports fast

@@ -73,20 +73,42 @@ def sanitize_name(name: str) -> str:
     return stem
 
 
+def _paper_sizes(width: int) -> tuple[float, int, int]:
+    """Pixels per point once a ``width``-pixel figure is shrunk to the column, and the tick and title
+    font sizes in pixels."""
+    pixel = width / COLUMN_WIDTH_PT
+    return pixel, round(FONT_PT * pixel), round((FONT_PT + 1) * pixel)
+
+
+def _legend_layout(fig: go.Figure, width: int) -> tuple[int, int]:
+    """(rows, entries a row) of the paper style's legend above the plot; (0, 0) where none is shown.
+    As many entries a row (up to 3) as the longest name leaves room for (a character about 0.5 em)."""
+    _, tick, title = _paper_sizes(width)
+    shown = [t for t in fig.data if t.showlegend is not False and t.name]
+    # plotly shows a one-entry legend only when asked to (layout or trace showlegend set true)
+    asked = fig.layout.showlegend is True or any(t.showlegend is True for t in shown)
+    if fig.layout.showlegend is False or not shown or (len(shown) == 1 and not asked):
+        return 0, 0
+    entry = 0.5 * tick * max(len(t.name) for t in shown) + 1.5 * tick
+    per_row = max(1, min(3, len(shown), int((width - 4.5 * title) // entry)))
+    return -(-len(shown) // per_row), per_row
+
+
+def paper_height(fig: go.Figure, width: int) -> int:
+    """The paper style's height: 0.7 x ``width`` for the plot (a column figure), and the rows of the
+    legend above it on top, so that a long legend does not squeeze the plot."""
+    _, tick, _ = _paper_sizes(width)
+    return round(0.7 * width + 1.5 * tick * _legend_layout(fig, width)[0])
+
+
 def paper_style(fig: go.Figure, width: int = 900) -> go.Figure:
     """A copy of `fig` for a paper: no title, fonts that read 8-9 pt once a `width`-pixel figure is
     shrunk to one column (240 pt), thicker lines, axis lines with ticks outside, a light grid, and a
     legend above the plot in rows of at most three entries."""
     styled = go.Figure(fig)  # a copy (of a FigureWidget too): the notebook's figure keeps its look
-    pixel = width / COLUMN_WIDTH_PT  # pixels per point once shrunk to the column
-    tick, title = round(FONT_PT * pixel), round((FONT_PT + 1) * pixel)
-    shown = [t for t in styled.data if t.showlegend is not False and t.name]
-    legend_rows = 0
-    if styled.layout.showlegend is not False and len(shown) > 1:
-        # as many entries a row (up to 3) as the longest name leaves room for (a character ~0.5 em)
-        entry = 0.5 * tick * max(len(t.name) for t in shown) + 1.5 * tick
-        per_row = max(1, min(3, len(shown), int((width - 4.5 * title) // entry)))
-        legend_rows = -(-len(shown) // per_row)
+    pixel, tick, title = _paper_sizes(width)
+    legend_rows, per_row = _legend_layout(styled, width)
+    if legend_rows:
         styled.update_layout(legend=dict(orientation="h", x=0, xanchor="left", y=1.02, yanchor="bottom",
                                          entrywidth=1 / per_row, entrywidthmode="fraction",
                                          font_size=tick, bgcolor="rgba(0,0,0,0)"))
@@ -116,14 +138,15 @@ def export_figure(fig: go.Figure, name: str, out_dir: str | os.PathLike = "figur
                   formats: Sequence[str] = FORMATS, width: int = 900, height: int | None = None,
                   scale: float = 2, style: str | None = "paper") -> list[Path]:
     """Write `fig` as out_dir/name.{png,pdf,svg} in `style` ("paper" or None: as shown); returns the
-    paths. The default height is 0.7 x width for the paper style (a column figure), 500 otherwise."""
+    paths. The default height is the paper style's (``paper_height``: 0.7 x width and the legend's
+    rows), 500 otherwise."""
     bad = [f for f in formats if f not in ("png", "pdf", "svg", "jpeg", "jpg", "webp")]
     if bad:
         raise ValueError(f"unsupported formats {bad}; use png, pdf, svg, jpeg or webp")
     if style not in STYLES:
         raise ValueError(f"unknown style {style!r}; use one of {STYLES}")
     if height is None:
-        height = round(0.7 * width) if style == "paper" else 500
+        height = paper_height(fig, width) if style == "paper" else 500
     if style == "paper":
         fig = paper_style(fig, width)
     if not chromium_available():

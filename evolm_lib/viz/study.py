@@ -18,8 +18,7 @@ HELDOUT_KEY = "eval/reward"
 
 def curve_figures(compact: dict) -> dict[str, Any]:
     """{name: plotly figure}: best_vs_trials, and heldout_vs_completions / _tokens / _seconds: mean and
-    min-max band over the final seeds per method (its continued reruns where the study has them: they
-    hold the reruns' rows and go on; a plain sweep's runs otherwise)."""
+    min-max band over the final seeds per method, from one stage for all (``curve_stage``)."""
     from ..analysis import reward_label
     from ..tune.compact import compact_groups
     from ..tune.report import placements
@@ -33,7 +32,7 @@ def curve_figures(compact: dict) -> dict[str, Any]:
         for trial in compact["trials"]:
             by_method.setdefault(trial["method"], []).append(trial)
         figures["best_vs_trials"] = plot_best_so_far(by_method, (compact["summary"] or {}).get("select", "validation/reward"))
-    stage = next((s for s in ("long", "final", "sweep") if compact_groups(runs, s)), None)
+    stage = curve_stage(runs)
     if stage is None:
         return figures
     groups = compact_groups(runs, stage)
@@ -45,6 +44,23 @@ def curve_figures(compact: dict) -> dict[str, Any]:
         figures[f"heldout_vs_{name}"] = plot_runs_curve(named, x=x, y=HELDOUT_KEY, reward_label=reward_label(groups),
                                                         title=f"Held-out score against {WORDS[name]}")
     return figures
+
+
+def curve_stage(runs: Sequence[dict]) -> str | None:
+    """The stage the held-out curves come from, one for every method: the continued reruns where every
+    method has them for each of its reruns' seeds (they hold the reruns' rows and go on), else the
+    reruns, else a plain sweep's runs; None where there are none."""
+    def seeds(stage: str) -> dict[str, set]:
+        found: dict[str, set] = {}
+        for run in runs:
+            if run["stage"] == stage:
+                found.setdefault(run["method"], set()).add(run["seed"])
+        return found
+
+    final, long = seeds("final"), seeds("long")
+    if final:
+        return "long" if long == final else "final"
+    return "sweep" if seeds("sweep") else None
 
 
 def geometry_figures(geometry: dict) -> dict[str, Any]:

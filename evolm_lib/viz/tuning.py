@@ -28,18 +28,20 @@ def best_so_far(trials: Sequence[Mapping[str, Any]]) -> tuple[list[int], list[fl
 
 
 def plot_best_so_far(trials_by_method: Mapping[str, Sequence[Mapping[str, Any]]], select: str = "validation/reward",
-                     title: str = "Best score so far, per method") -> go.Figure:
+                     title: str = "Best score so far, per method (dots: each trial)") -> go.Figure:
     """One line per method: the best selection score among its trials up to each trial number, with
-    every complete trial's own score as a marker."""
+    every complete trial's own score as a marker of its colour (one legend entry a method: a paper's
+    legend of two entries a method would take the plot's room)."""
     fig = go.Figure()
     for index, (method, trials) in enumerate(trials_by_method.items()):
         color = qualitative.Plotly[index % len(qualitative.Plotly)]
         numbers, best = best_so_far(trials)
-        fig.add_trace(go.Scatter(x=numbers, y=best, mode="lines", name=f"{method}, best so far", line={"color": color,
-                                 "shape": "hv"}))
+        fig.add_trace(go.Scatter(x=numbers, y=best, mode="lines", name=method, legendgroup=method,
+                                 line={"color": color, "shape": "hv"}))
         done = [t for t in trials if t["state"] == "complete" and t["value"] is not None]
         fig.add_trace(go.Scatter(x=[t["number"] for t in done], y=[t["value"] for t in done], mode="markers",
-                                 name=f"{method}, each trial", marker={"color": color, "size": 7, "opacity": 0.5}))
+                                 name=f"{method}, each trial", legendgroup=method, showlegend=False,
+                                 marker={"color": color, "size": 7, "opacity": 0.5}))
     last = max((t["number"] for trials in trials_by_method.values() for t in trials), default=1)
     fig.update_layout(title=title, xaxis_title="trial number", yaxis_title=axis_title(select), template="plotly_white")
     fig.update_xaxes(**integer_ticks(last))
