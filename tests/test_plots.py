@@ -215,6 +215,11 @@ def test_best_so_far_draws_one_legend_entry_a_method():
     assert list(trace(fig, "es").y) == [0.2, 0.2, 0.5] and list(trace(fig, "es").x) == [0, 1, 3]
     assert list(trace(fig, "es, each trial").y) == [0.2, 0.1, 0.5]  # complete trials only, no legend entry
     assert trace(fig, "es, each trial").marker.color == trace(fig, "es").line.color
+    # a method has one colour in every figure: the tuned study's names, their labels, and the sweeps' names
+    assert plots.method_color("es_lora", 3) == plots.method_color("es_lora, 5 engines/card (n=10)", 0) == \
+        plots.method_color("es", 1) == trace(fig, "es").line.color
+    assert plots.method_color("grpo_full", 0) == plots.method_color("grpo full", 2) != plots.method_color("grpo_lora", 0)
+    assert plots.method_color("es shuffled", 0) != plots.method_color("es shuffled", 1)  # others: by index
 
 
 def test_the_study_curves_come_from_one_stage_for_every_method():

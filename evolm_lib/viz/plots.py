@@ -24,7 +24,9 @@ TIME_KEYS = tuple(PHASE_NAMES)  # phases of a generation (ES) or step (GRPO), in
 BOX_FROM_SEEDS = 5  # fewer seeds per method: every point and the mean, not a box
 
 _PALETTE = qualitative.Plotly
-_METHOD_COLORS = {"es": _PALETTE[0], "grpo": _PALETTE[1], "es eggroll": _PALETTE[2], "es full": _PALETTE[3]}
+_METHOD_COLORS = {"es": _PALETTE[0], "es lora": _PALETTE[0], "grpo": _PALETTE[1], "grpo lora": _PALETTE[1],
+                  "es eggroll": _PALETTE[2], "es full": _PALETTE[3], "grpo full": _PALETTE[4]}
+"""One colour a method in every figure: the sweeps' names and the tuned study's (es_lora, ...) alike."""
 _OTHER_COLORS = [c for c in _PALETTE if c not in _METHOD_COLORS.values()]  # labels of other names
 
 
@@ -36,8 +38,11 @@ def _rgba(hex_color: str, alpha: float) -> str:
     return f"rgba({r},{g},{b},{alpha})"
 
 
-def _method_color(method: str, index: int) -> str:
-    return _METHOD_COLORS.get(str(method).lower(), _OTHER_COLORS[index % len(_OTHER_COLORS)])
+def method_color(method: str, index: int) -> str:
+    """The colour of ``method`` (the part of a label before a comma: "es_lora, 5 engines/card" is
+    es_lora's), or, for a name without one, the ``index``-th of the others."""
+    key = str(method).split(",")[0].strip().lower().replace("_", " ")
+    return _METHOD_COLORS.get(key, _OTHER_COLORS[index % len(_OTHER_COLORS)])
 
 
 def _records(table: Any) -> list[Mapping[str, Any]]:
@@ -187,7 +192,7 @@ def plot_runs_curve(runs: Runs, x: str, y: str, band: str = "minmax",
     for i, (method, seed_rows) in enumerate(runs.items()):
         agg = aggregate_seeds(seed_rows, x, y)
         xs_all += agg["x"]
-        color = _method_color(method, i)
+        color = method_color(method, i)
         if band == "minmax":
             upper, lower, band_name = agg["max"], agg["min"], f"{method} min-max"
         else:
@@ -261,13 +266,13 @@ def plot_reward_vs_kl(points: Sequence[Mapping[str, Any]], title: str = "Reward 
                 path = sorted((p for p in pts if p.get("seed") == seed), key=lambda p: p["generation"])
                 fig.add_scatter(name=method, legendgroup=method, showlegend=n == 0, mode="lines+markers",
                                 x=[p["kl"] for p in path], y=[p["reward"] for p in path],
-                                marker=dict(size=7, color=_method_color(method, i)),
-                                line=dict(width=1, color=_method_color(method, i)),
+                                marker=dict(size=7, color=method_color(method, i)),
+                                line=dict(width=1, color=method_color(method, i)),
                                 text=[f"seed {seed}, generation {p['generation']}" for p in path],
                                 hovertemplate="%{text}<br>KL %{x:.4g}<br>reward %{y:.4g}<extra></extra>")
             continue
         fig.add_scatter(name=method, x=[p.get("kl") for p in pts], y=[p.get("reward") for p in pts],
-                        mode="markers", marker=dict(size=10, color=_method_color(method, i)),
+                        mode="markers", marker=dict(size=10, color=method_color(method, i)),
                         text=[f"seed {p.get('seed')}" for p in pts],
                         hovertemplate="%{text}<br>KL %{x:.4g}<br>reward %{y:.4g}<extra></extra>")
     front = pareto_front(points)
@@ -297,7 +302,7 @@ def plot_seed_spread(runs: Runs, y: str = "policy/train_reward", title: str | No
             if value is not None:
                 finals.append(value)
                 seeds.append(next((r["seed"] for r in rows if "seed" in r), j))
-        color = _method_color(method, i)
+        color = method_color(method, i)
         text = [f"seed {s}" for s in seeds]
         if len(finals) >= BOX_FROM_SEEDS:
             fig.add_box(name=method, x=[method] * len(finals), y=finals, boxpoints="all", pointpos=0,
@@ -326,7 +331,7 @@ def plot_heldout(runs: Any, methods: Any, y: str = "heldout/accuracy", title: st
     names = list(dict.fromkeys([str(m["method"]) for m in methods] + [str(r["method"]) for r in runs]))
     fig = go.Figure()
     for i, method in enumerate(names):
-        color = _method_color(method, i)
+        color = method_color(method, i)
         points = [r for r in runs if str(r["method"]) == method and finite(r.get("value"))]
         if points:
             # seeds spread over [i - 0.3, i - 0.05]; the mean sits at i + 0.15

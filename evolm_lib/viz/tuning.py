@@ -9,9 +9,8 @@ from typing import Any
 
 import plotly.graph_objects as go
 
-from plotly.colors import qualitative
-
 from .labels import axis_title, integer_ticks
+from .plots import method_color
 
 
 def best_so_far(trials: Sequence[Mapping[str, Any]]) -> tuple[list[int], list[float]]:
@@ -34,7 +33,7 @@ def plot_best_so_far(trials_by_method: Mapping[str, Sequence[Mapping[str, Any]]]
     legend of two entries a method would take the plot's room)."""
     fig = go.Figure()
     for index, (method, trials) in enumerate(trials_by_method.items()):
-        color = qualitative.Plotly[index % len(qualitative.Plotly)]
+        color = method_color(method, index)
         numbers, best = best_so_far(trials)
         fig.add_trace(go.Scatter(x=numbers, y=best, mode="lines", name=method, legendgroup=method,
                                  line={"color": color, "shape": "hv"}))
