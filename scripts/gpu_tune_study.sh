@@ -19,7 +19,9 @@
 # the shuffled-fitness control (tune.control, OUT/control). Packs hold finished runs only
 # (python -m evolm_lib.tune.pack): a new machine unpacks the last one and runs `start` again. Each worker
 # is told how many engines share its card (EVOLM_ENGINES_PER_CARD, recorded in every run's
-# placement.jsonl beside the times). Workers draw no figures (a lent machine may lack plotly and
+# placement.jsonl beside the times). While a stage waits, a worker that ended cleanly (its method had
+# nothing left to claim) is replaced on its card by one of the method still at work with the fewest
+# workers (REFILL=0: not). Workers draw no figures (a lent machine may lack plotly and
 # chromium): the figures come from the compacted study (scripts/study_tables.py). SPEC and STUDY name
 # another study, e.g.
 #   SPEC=papermill_runs/tune_study_conciseness_gpu.yaml STUDY=runs/tune_study_conciseness bash scripts/gpu_tune_study.sh start
@@ -38,6 +40,38 @@ alive() {  # workers of the last start still running
   echo $n
 }
 
+launch() {  # launch METHOD CARD ENGINES LOG: one detached worker, recorded in workers.pids and workers.tsv
+  EVOLM_ENGINES_PER_CARD=$3 CUDA_VISIBLE_DEVICES=$2 \
+    setsid python -m evolm_lib.cli tune "$SPEC" --methods "$1" --no-figures >> "$4" 2>&1 < /dev/null &
+  echo $! >> "$LOGS/workers.pids"
+  printf '%s\t%s\t%s\t%s\t%s\n' $! "$2" "$3" "$1" "$4" >> "$LOGS/workers.tsv"
+}
+
+refill() {
+  # A worker that ended cleanly (its log's "summary:" line) found nothing left to claim in its method:
+  # its card slot goes to a new worker of a method still at work (none of whose workers ended so),
+  # the one with the fewest workers alive. Methods left with the most work then get more hands.
+  local pid card engines method log target best n m
+  while IFS=$'\t' read -r pid card engines method log; do
+    kill -0 "$pid" 2>/dev/null && continue
+    grep -qx "$pid" "$LOGS/replaced.txt" && continue
+    echo "$pid" >> "$LOGS/replaced.txt"
+    grep -q '^summary: ' "$log" || continue  # died: its log says why; no replacement
+    target=""; best=""
+    for m in $METHODS; do
+      # /dev/null: grep must not read this loop's input when the method has no log yet
+      grep -qs '^summary: ' /dev/null $(awk -F'\t' -v m="$m" '$4 == m {print $5}' "$LOGS/workers.tsv") && continue
+      n=0
+      while IFS=$'\t' read -r p _ _ mm _; do [ "$mm" = "$m" ] && kill -0 "$p" 2>/dev/null && n=$((n + 1)); done < "$LOGS/workers.tsv"
+      [ "$n" -gt 0 ] || continue
+      if [ -z "$best" ] || [ "$n" -lt "$best" ]; then target=$m; best=$n; fi
+    done
+    [ -n "$target" ] || continue
+    launch "$target" "$card" "$engines" "$LOGS/$target.r$(wc -l < "$LOGS/replaced.txt").log"
+    echo "card $card: a worker of $method ended; a worker of $target took its place"
+  done < <(cat "$LOGS/workers.tsv")
+}
+
 start() {
   local archive=${1:-}
   if [ "$(alive)" -gt 0 ]; then
@@ -48,7 +82,7 @@ start() {
     echo "unpacked $archive"
   fi
   mkdir -p "$LOGS"
-  : > "$LOGS/workers.pids"
+  : > "$LOGS/workers.pids"; : > "$LOGS/workers.tsv"; : > "$LOGS/replaced.txt"
   python -c "from evolm_lib.models import resolve_model; resolve_model('smollm2-135m-instruct')" >/dev/null 2>&1
   python -m evolm_lib.cli tune "$SPEC" --dry-run --no-figures > "$LOGS/dry_run.txt" 2>&1 || { cat "$LOGS/dry_run.txt" >&2; exit 1; }
   local gpus per i=0 method w
@@ -61,10 +95,7 @@ start() {
       # engines sharing a card start a few seconds apart: vLLM's start-up memory profile of one
       # must not see another's allocations arrive
       card_engines=$((total / gpus + ((i % gpus) < (total % gpus) ? 1 : 0)))
-      EVOLM_ENGINES_PER_CARD=$card_engines CUDA_VISIBLE_DEVICES=$((i % gpus)) \
-        setsid python -m evolm_lib.cli tune "$SPEC" --methods "$method" --no-figures \
-        >> "$LOGS/$method.$w.log" 2>&1 < /dev/null &
-      echo $! >> "$LOGS/workers.pids"
+      launch "$method" $((i % gpus)) "$card_engines" "$LOGS/$method.$w.log"
       i=$((i + 1))
       [ $((i % gpus)) -eq 0 ] && sleep 8
     done
@@ -93,7 +124,10 @@ stage)
   end=$((SECONDS + seconds - PACK_SECONDS))
   start "${4:-}"
   # stop waiting when no worker is left: the study is done, or the workers died (their logs say why)
-  while [ $SECONDS -lt $end ] && [ "$(alive)" -gt 0 ]; do sleep 5; done
+  while [ $SECONDS -lt $end ] && [ "$(alive)" -gt 0 ]; do
+    [ "${REFILL:-1}" = 1 ] && refill
+    sleep 5
+  done
   pack "$dir" ;;
-*) sed -n 2,28p "$0"; exit 2 ;;
+*) sed -n 2,27p "$0"; exit 2 ;;
 esac
