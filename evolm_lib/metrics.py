@@ -69,6 +69,25 @@ def series(rows: Sequence[Row], key: str, x: str | None = None) -> tuple[list[fl
     return xs, ys
 
 
+TRAINING_SECONDS = "time/training_s"
+"""A derived key (``with_training_seconds``): the seconds a run has spent training so far."""
+
+
+def with_training_seconds(rows: Sequence[Row]) -> list[Row]:
+    """Copies of ``rows`` with ``TRAINING_SECONDS``: the running sum of each generation's (or step's)
+    ``time/generation_s`` less its ``time/eval_s``. Scoring, checkpoints and the engine's start are
+    left out, so methods that score or checkpoint at other cadences (per step against per
+    generation) compare by the time their training took; ``time/wall_s`` keeps everything."""
+    total, out = 0.0, []
+    for row in rows:
+        spent = row.get("time/generation_s")
+        if finite(spent):
+            scoring = row.get("time/eval_s")
+            total += float(spent) - (float(scoring) if finite(scoring) else 0.0)
+        out.append({**row, TRAINING_SECONDS: total})
+    return out
+
+
 def final_value(rows: Sequence[Row], key: str) -> float | None:
     """The last finite value of `key` in a run's rows (None when it never appears)."""
     for row in reversed(rows):

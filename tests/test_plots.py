@@ -222,6 +222,16 @@ def test_best_so_far_draws_one_legend_entry_a_method():
     assert plots.method_color("es shuffled", 0) != plots.method_color("es shuffled", 1)  # others: by index
 
 
+def test_training_seconds_leave_scoring_and_checkpoints_out():
+    rows = [{"generation": 0, "time/eval_s": 1.0, "time/wall_s": 5.0},  # the first scoring: before training
+            {"generation": 1, "time/generation_s": 3.0, "time/eval_s": 1.0, "time/wall_s": 8.5},
+            {"generation": 2, "time/generation_s": 2.0, "time/wall_s": 22.5},  # a checkpoint's 12 s before it
+            {"generation": 3, "time/generation_s": 4.0, "time/eval_s": 0.5, "time/wall_s": 26.5}]
+    timed = metrics.with_training_seconds(rows)
+    assert [row[metrics.TRAINING_SECONDS] for row in timed] == [0.0, 2.0, 4.0, 7.5]
+    assert "time/training_s" not in rows[3] and timed[3]["time/wall_s"] == 26.5  # copies; wall time kept
+
+
 def test_the_study_curves_come_from_one_stage_for_every_method():
     from evolm_lib.viz.study import curve_stage
 

@@ -140,6 +140,19 @@ def test_a_tune_without_its_libraries_is_refused_before_any_engine(tmp_path, mon
     assert "error: evolm tune's figures need evolm_no_such_plotting" in capsys.readouterr().err
     assert tune_cli.main([str(write_spec(tmp_path)), "--dry-run", "--no-figures"]) == 0
 
+@pytest.mark.parametrize("task", ["addition", "conciseness"])
+def test_the_gpu_study_specs_check_and_checkpoint_grpo_no_more_often_than_es(task):
+    """Every searched setting of the tuned study's GPU specs builds a config; and at the same budget a
+    GRPO run writes no more checkpoints than an ES run: a full-weight GRPO checkpoint (the weights and
+    AdamW's moments) written every 10 of 450 steps took most of a trial on the GPU."""
+    from evolm_lib.tune.spec import check_space
+
+    configs = check_space(tune.load_tune_spec(REPO / "papermill_runs" / f"tune_study_{task}_gpu.yaml"))
+    es = [c.num_generations // c.checkpoint_every for c in configs if hasattr(c, "num_generations")]
+    grpo = [c.num_steps // c.checkpoint_every for c in configs if hasattr(c, "num_steps")]
+    assert es and grpo and max(grpo) <= max(es)
+
+
 def test_a_protocols_own_grpo_budget_sets_the_steps(tmp_path):
     sweep = copy.deepcopy(SPEC["sweep"])
     sweep["common"]["task_options"] = {"path": str(write_task(tmp_path)), "reward": "length", "num_validation": 2}

@@ -54,9 +54,10 @@ def winners_table(trials: Sequence[dict], runs: Sequence[dict]):
 
 
 def _final(groups: Mapping[str, Sequence], runs: Sequence[dict], stage: str, measure: str, label: str = "{method}"):
-    """``analysis.study_table`` of a stage with the generated tokens, wall seconds and placement of its runs."""
+    """``analysis.study_table`` of a stage with the generated tokens, wall and training seconds
+    (``metrics.with_training_seconds``) and placement of its runs."""
     from ..analysis import study_table
-    from ..metrics import final_value
+    from ..metrics import TRAINING_SECONDS, final_value, with_training_seconds
 
     table = study_table(groups, measure=measure)
     extra = {}
@@ -65,9 +66,11 @@ def _final(groups: Mapping[str, Sequence], runs: Sequence[dict], stage: str, mea
         own = [r for r in runs if r["stage"] == stage and label.format(method=r["method"]) == name]
         tokens = [v for v in (final_value(r.rows, "samples/tokens") for r in records) if v is not None]
         seconds = [v for v in (final_value(r.rows, "time/wall_s") for r in records) if v is not None]
+        training = [with_training_seconds(r.rows)[-1][TRAINING_SECONDS] for r in records if r.rows]
         extra[name] = {"generated_tokens": statistics.fmean(tokens) if tokens else math.nan,
-                       "wall_seconds": statistics.fmean(seconds) if seconds else math.nan, **placements(own)}
-    for column in ("generated_tokens", "wall_seconds", "engines_per_card", "device"):
+                       "wall_seconds": statistics.fmean(seconds) if seconds else math.nan,
+                       "training_seconds": statistics.fmean(training) if training else math.nan, **placements(own)}
+    for column in ("generated_tokens", "wall_seconds", "training_seconds", "engines_per_card", "device"):
         table[column] = [extra[name][column] for name in table.index]
     return table
 

@@ -20,6 +20,7 @@ KEY_LABELS: Mapping[str, str] = {
     "samples/tokens": "training tokens generated",
     "samples/eval_completions": "scoring completions (greedy, mean adapter)",
     "time/wall_s": "wall-clock time (s)",
+    "time/training_s": "training time (s; scoring and checkpoints left out)",
     # rewards: the current (mean) adapter, greedy; the population's members
     REWARD: "reward",
     "policy/train_reward": "mean-adapter reward on train prompts",

@@ -9,9 +9,11 @@ import json
 from pathlib import Path
 from typing import Any, Sequence
 
-CURVES = {"completions": "samples/completions", "tokens": "samples/tokens", "seconds": "time/wall_s"}
-"""The x axes of the held-out curves: training completions, generated tokens, wall-clock seconds."""
-WORDS = {"completions": "training completions", "tokens": "generated tokens", "seconds": "wall-clock seconds"}
+CURVES = {"completions": "samples/completions", "tokens": "samples/tokens", "seconds": "time/training_s"}
+"""The x axes of the held-out curves: training completions, generated tokens, training seconds
+(``metrics.with_training_seconds``: the checkpoints and scoring of a run, whose cadence differs
+between ES's generations and GRPO's steps, left out)."""
+WORDS = {"completions": "training completions", "tokens": "generated tokens", "seconds": "training seconds"}
 HELDOUT_KEY = "eval/reward"
 """The rows' greedy held-out score, drawn against each of ``CURVES``."""
 
@@ -20,6 +22,7 @@ def curve_figures(compact: dict) -> dict[str, Any]:
     """{name: plotly figure}: best_vs_trials, and heldout_vs_completions / _tokens / _seconds: mean and
     min-max band over the final seeds per method, from one stage for all (``curve_stage``)."""
     from ..analysis import reward_label
+    from ..metrics import with_training_seconds
     from ..tune.compact import compact_groups
     from ..tune.report import placements
     from .plots import plot_runs_curve
@@ -39,7 +42,8 @@ def curve_figures(compact: dict) -> dict[str, Any]:
     named = {}
     for method, records in groups.items():
         engines = placements([r for r in runs if r["stage"] == stage and r["method"] == method])["engines_per_card"]
-        named[f"{method}, {engines} engines/card" if engines else method] = [record.rows for record in records]
+        named[f"{method}, {engines} engines/card" if engines else method] = [with_training_seconds(record.rows)
+                                                                             for record in records]
     for name, x in CURVES.items():
         figures[f"heldout_vs_{name}"] = plot_runs_curve(named, x=x, y=HELDOUT_KEY, reward_label=reward_label(groups),
                                                         title=f"Held-out score against {WORDS[name]}")
