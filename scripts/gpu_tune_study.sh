@@ -41,28 +41,35 @@ alive() {  # workers of the last start still running
 }
 
 launch() {  # launch METHOD CARD ENGINES LOG: one detached worker, recorded in workers.pids and workers.tsv
+  local offset=0
+  [ -f "$4" ] && offset=$(wc -c < "$4")  # logs are appended to: this worker's part starts here
   EVOLM_ENGINES_PER_CARD=$3 CUDA_VISIBLE_DEVICES=$2 \
     setsid python -m evolm_lib.cli tune "$SPEC" --methods "$1" --no-figures >> "$4" 2>&1 < /dev/null &
   echo $! >> "$LOGS/workers.pids"
-  printf '%s\t%s\t%s\t%s\t%s\n' $! "$2" "$3" "$1" "$4" >> "$LOGS/workers.tsv"
+  printf '%s\t%s\t%s\t%s\t%s\t%s\n' $! "$2" "$3" "$1" "$4" "$offset" >> "$LOGS/workers.tsv"
+}
+
+ended_cleanly() {  # ended_cleanly LOG OFFSET: the worker that wrote LOG from OFFSET on printed its summary
+  tail -c +$(($2 + 1)) "$1" 2>/dev/null | grep -q '^summary: '
 }
 
 refill() {
-  # A worker that ended cleanly (its log's "summary:" line) found nothing left to claim in its method:
-  # its card slot goes to a new worker of a method still at work (none of whose workers ended so),
-  # the one with the fewest workers alive. Methods left with the most work then get more hands.
-  local pid card engines method log target best n m
-  while IFS=$'\t' read -r pid card engines method log; do
+  # A worker that ended cleanly (its summary line) found nothing left to claim in its method: its
+  # card slot goes to a new worker of a method still at work (none of whose workers ended so), the
+  # one with the fewest workers alive. Methods left with the most work then get more hands.
+  local pid card engines method log offset target best n m done_methods
+  while IFS=$'\t' read -r pid card engines method log offset; do
     kill -0 "$pid" 2>/dev/null && continue
     grep -qx "$pid" "$LOGS/replaced.txt" && continue
     echo "$pid" >> "$LOGS/replaced.txt"
-    grep -q '^summary: ' "$log" || continue  # died: its log says why; no replacement
+    ended_cleanly "$log" "$offset" || continue  # died: its log says why; no replacement
+    done_methods=" "
+    while IFS=$'\t' read -r _ _ _ m l o; do ended_cleanly "$l" "$o" && done_methods="$done_methods$m "; done < "$LOGS/workers.tsv"
     target=""; best=""
     for m in $METHODS; do
-      # /dev/null: grep must not read this loop's input when the method has no log yet
-      grep -qs '^summary: ' /dev/null $(awk -F'\t' -v m="$m" '$4 == m {print $5}' "$LOGS/workers.tsv") && continue
+      case "$done_methods" in *" $m "*) continue ;; esac
       n=0
-      while IFS=$'\t' read -r p _ _ mm _; do [ "$mm" = "$m" ] && kill -0 "$p" 2>/dev/null && n=$((n + 1)); done < "$LOGS/workers.tsv"
+      while IFS=$'\t' read -r p _ _ mm _ _; do [ "$mm" = "$m" ] && kill -0 "$p" 2>/dev/null && n=$((n + 1)); done < "$LOGS/workers.tsv"
       [ "$n" -gt 0 ] || continue
       if [ -z "$best" ] || [ "$n" -lt "$best" ]; then target=$m; best=$n; fi
     done

@@ -12,10 +12,10 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_tune_study.sh"
 
 
 def _functions() -> str:
-    """The script's own alive, launch and refill functions (the rest of it starts real workers)."""
+    """The script's own functions that refill uses (the rest of it starts real workers)."""
     text, taken, keep = SCRIPT.read_text().splitlines(), [], False
     for line in text:
-        keep = keep or line.startswith(("alive() {", "launch() {", "refill() {"))
+        keep = keep or line.startswith(("alive() {", "launch() {", "ended_cleanly() {", "refill() {"))
         if keep:
             taken.append(line)
         if keep and line == "}":
@@ -50,9 +50,11 @@ def test_a_clean_end_hands_its_card_to_the_method_at_work_with_the_fewest_worker
 
     def worker(method: str, card: int, pid: int, summary: bool) -> None:
         log = logs / f"{method}.{len(rows)}.log"
-        log.write_text("trials run by this worker: 4\nsummary: out/tune_summary.json (3.0 min in all)\n" if summary
-                       else "Traceback (most recent call last):\nRuntimeError: out of memory\n")
-        rows.append(f"{pid}\t{card}\t5\t{method}\t{log}")
+        # an earlier worker's clean end in the same (appended) log says nothing about this one
+        earlier = "summary: out/tune_summary.json (1.0 min in all)\n"
+        log.write_text(earlier + ("trials run by this worker: 4\nsummary: out/tune_summary.json (3.0 min in all)\n"
+                                  if summary else "Traceback (most recent call last):\nRuntimeError: out of memory\n"))
+        rows.append(f"{pid}\t{card}\t5\t{method}\t{log}\t{len(earlier)}")
 
     worker("es_lora", 0, _ended(), summary=True)       # done, nothing left to claim: its card goes on
     worker("es_full", 1, _ended(), summary=False)      # died: not replaced
@@ -66,7 +68,7 @@ def test_a_clean_end_hands_its_card_to_the_method_at_work_with_the_fewest_worker
     script = f"""set -u
 LOGS={logs}; METHODS="es_full grpo_full grpo_lora es_lora es_eggroll"
 {_functions()}
-launch() {{ printf '%s\\t%s\\t%s\\t%s\\t%s\\n' $$ "$2" "$3" "$1" "$4" >> "$LOGS/workers.tsv"; }}  # stands in, alive
+launch() {{ printf '%s\\t%s\\t%s\\t%s\\t%s\\t0\\n' $$ "$2" "$3" "$1" "$4" >> "$LOGS/workers.tsv"; }}  # stands in, alive
 refill
 refill  # a second pass replaces nothing twice
 """
