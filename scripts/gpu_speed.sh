@@ -41,14 +41,19 @@ nvidia-smi -L | tee "$RES/cards.txt"
 git log -1 --format=%H > "$RES/commit.txt" 2>/dev/null || true
 python -c "from evolm_lib.models import resolve_model; resolve_model('smollm2-135m-instruct')" > /dev/null
 QWEN=$(python scripts/qwen_shape.py | tail -n 1)  # before any engine: every part but pool8 measures on it
-bench() {  # bench NAME CARDS ARGS...: one benchmark on some cards, stopped at the part's deadline
+measure() {  # measure NAME CARDS COMMAND...: COMMAND --json RES/NAME.json on some cards, stopped at the deadline
   local name=$1 cards=$2 left
   shift 2
   left=$((LIMIT - SECONDS))
   if [ "$left" -lt 30 ]; then echo "$name: not started, $left s left" >> "$RES/exits.txt"; return; fi
   CUDA_VISIBLE_DEVICES=$cards timeout --signal=TERM --kill-after=10 "$left" \
-    python -m evolm_lib.benchmark "$@" --json "$RES/$name.json" > "$RES/$name.log" 2>&1
+    "$@" --json "$RES/$name.json" > "$RES/$name.log" 2>&1
   echo "$name: exit $? after $SECONDS s" >> "$RES/exits.txt"
+}
+bench() {  # bench NAME CARDS ARGS...: one `python -m evolm_lib.benchmark ARGS...`
+  local name=$1 cards=$2
+  shift 2
+  measure "$name" "$cards" python -m evolm_lib.benchmark "$@"
 }
 pids=""
 case "$PART" in
@@ -88,18 +93,14 @@ left)
   bench full_pool_1_4_together 0 full-pool --engines 1,4 --generations 5 --kv-cache-gb 2 --workdir "$RES/pool_runs" & pids="$pids $!"
   bench grpo_update 0,1,2,3 grpo-update --devices 3 --micro-batch-sizes 64 --steps 8 \
     --configurations not_deterministic,deterministic_own,deterministic_own_sdpa & pids="$pids $!"
-  { CUDA_VISIBLE_DEVICES=1 timeout --signal=TERM --kill-after=10 $((LIMIT - SECONDS)) \
-      python scripts/grpo_update_profile.py --steps 10 --json "$RES/grpo_profile.json" > "$RES/grpo_profile.log" 2>&1
-    echo "grpo_profile: exit $? after $SECONDS s" >> "$RES/exits.txt"; } & pids="$pids $!"
+  measure grpo_profile 1 python scripts/grpo_update_profile.py --steps 10 & pids="$pids $!"
   bench modes_eggroll 2 modes --model "$QWEN" --modes eggroll --tiles auto --repeats 2 & pids="$pids $!"
   ;;
 next)
   bench modes_eggroll 0 modes --model "$QWEN" --modes eggroll --tiles auto --repeats 3 --no-update & pids="$pids $!"
   bench grpo_update 0,1,2,3 grpo-update --devices 1 --micro-batch-sizes 64 --steps 8 \
     --configurations not_deterministic,deterministic_own,deterministic_own_rerun & pids="$pids $!"
-  { CUDA_VISIBLE_DEVICES=2 timeout --signal=TERM --kill-after=10 $((LIMIT - SECONDS)) \
-      python scripts/grpo_update_profile.py --steps 10 --json "$RES/grpo_profile.json" > "$RES/grpo_profile.log" 2>&1
-    echo "grpo_profile: exit $? after $SECONDS s" >> "$RES/exits.txt"; } & pids="$pids $!"
+  measure grpo_profile 2 python scripts/grpo_update_profile.py --steps 10 & pids="$pids $!"
   ;;
 *) echo "unknown part $PART: cards, ray, starts, pool8, misses, left or next" >&2; exit 2 ;;
 esac
