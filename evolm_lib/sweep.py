@@ -483,7 +483,8 @@ def run_one(planned: PlannedRun, out: Path, evaluator, kl_evaluator=None, kl_set
     cls = ESRun if planned.kind == "es" else GRPORun
     run = cls.open(planned.config, out / planned.name, evaluator=evaluator)
     try:
-        record_placement(run.run_dir, planned.config, run.placement())  # the times in its rows, read with where it ran
+        if run.generation < planned.length:  # the times in its rows, read with where it ran (an attempt
+            record_placement(run.run_dir, planned.config, run.placement())  # that finds the run done writes none)
         run.run(callback=lambda row: print(
             f"  {planned.name} {row['generation']:>4}/{planned.length}  train {row['train/reward_mean']:9.3f}  "
             f"greedy {row.get('policy/train_reward', float('nan')):9.3f}  samples {row['samples/completions']:>6}  "

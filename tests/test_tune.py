@@ -71,7 +71,10 @@ def test_two_methods_four_trials_each_then_the_winners_on_final_seeds_only(tmp_p
             assert config["seed"] == 100 and all(config[k] == v for k, v in t["params"].items())
     # running again continues the finished study: no new trial
     assert tune.tune(spec, tiny_vllm, log=lambda line: None) == {"es": 0, "grpo": 0}
+    assert tune.outstanding(spec) == ["final/es/seed0", "final/es/seed1", "final/grpo/seed0", "final/grpo/seed1"]
+    assert tune.outstanding(spec, finals=False) == []
     done = tune.run_finals(spec, tiny_vllm, log=lambda line: None)
+    assert tune.outstanding(spec) == []
     assert {m: [Path(f).name for f in folders] for m, folders in done.items()} == {"es": ["seed0", "seed1"],
                                                                                    "grpo": ["seed0", "seed1"]}
     # a finished rerun as a pack brings it to another machine (its weights left behind) is left be
@@ -89,6 +92,13 @@ def test_two_methods_four_trials_each_then_the_winners_on_final_seeds_only(tmp_p
             assert (folder / "heldout.jsonl").exists()
     seeds = {yaml.safe_load(p.read_text())["seed"] for p in (spec.out / "trials").rglob("config.yaml")}
     assert seeds == {100}  # tuning touched no final seed
+    # a rerun another worker has just started (its config, no rows yet) and one a kill cut short (rows,
+    # no held-out score) are not in the tables, and the summary is written beside them
+    started, cut = spec.out / "final" / "es" / "seed7", spec.out / "final" / "es" / "seed8"
+    started.mkdir()
+    shutil.copy(spec.out / "final" / "es" / "seed1" / "config.yaml", started)
+    shutil.copytree(spec.out / "final" / "es" / "seed1", cut, ignore=shutil.ignore_patterns("heldout.jsonl"))
+    assert {m: len(runs) for m, runs in tune.final_groups(spec).items()} == {"es": 2, "grpo": 2}
     summary = tune.summarize(spec)
     assert json.loads((spec.out / tune.SUMMARY).read_text())["methods"]["es"]["trials"] == 4
     assert {m: summary["methods"][m]["complete"] for m in ("es", "grpo")} == {"es": 4, "grpo": 4}
@@ -160,6 +170,27 @@ def test_two_workers_share_one_study_and_never_run_the_same_trial(tmp_path):
     assert len({t["worker"] for t in trials}) <= 2
     for t in trials:  # each trial's run written once, by one worker
         assert [row["generation"] for row in read_metrics(Path(t["run_dir"]) / "seed100")] == [0, 1, 2, 3]
+
+
+def test_a_worker_with_nothing_to_claim_waits_for_the_others_and_ends_with_every_rerun(tmp_path):
+    path = _hf_spec(tmp_path, trials=2, generations=3)
+    spec = tune.load_tune_spec(path, methods=["es"])
+    tune.load_study(spec, "es")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    workers = [subprocess.Popen([sys.executable, "-m", "evolm_lib.cli", "tune", str(path), "--methods", "es",
+                                 "--no-figures"], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    outputs = [w.communicate(timeout=600)[0] for w in workers]
+    assert [w.returncode for w in workers] == [0, 0], outputs
+    # each worker's summary holds both trials and both reruns, whichever worker ran them
+    for output in outputs:
+        assert "es: 2 trials (2 complete" in output, output
+        assert "held-out success on 2 final seeds" in output or "held-out reward on 2 final seeds" in output, output
+    for seed in (0, 1):  # each rerun written by one worker, where it ran recorded once
+        folder = spec.out / "final" / "es" / f"seed{seed}"
+        assert [row["generation"] for row in read_metrics(folder)] == [0, 1, 2, 3]
+        assert len((folder / "placement.jsonl").read_text().splitlines()) == 1
+        assert len((folder / "heldout.jsonl").read_text().splitlines()) == 8  # every held-out problem, once
 
 
 def _set(path: list, value):

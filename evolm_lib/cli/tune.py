@@ -29,7 +29,9 @@ OUT/optuna.db (SQLite; `optuna-dashboard sqlite:///OUT/optuna.db` shows them liv
 in OUT/trials/, the reruns in OUT/final/ (continued to tune.long x the budget in OUT/long/, the
 shuffled-fitness control of tune.control in OUT/control/), the result in OUT/tune_summary.json and the figures in
 OUT/figures/. A killed worker's trial is retried by the next worker, with the same setting; running
-the same command again continues the study. Ctrl-C stops; nothing finished is lost.
+the same command again continues the study. A worker with nothing left to claim waits while other
+workers still hold trials or reruns of its methods, then takes what their end makes ready, so every
+worker ends with the whole summary. Ctrl-C stops; nothing finished is lost.
 
 exit status: 0 done, 2 a bad spec or option, 130 interrupted."""
 
@@ -108,11 +110,10 @@ def _run(spec, args) -> int:
     started = time.perf_counter()
     evaluator = tune.make_tuning_evaluator(spec)
     try:
-        ran = tune.tune(spec, evaluator)
+        # trials, then the reruns, their continuations (tune.long) and the control (tune.control);
+        # waits while other workers hold what is left
+        ran = tune.work(spec, evaluator, finals=not args.no_finals)
         print(f"trials run by this worker: {ran} ({(time.perf_counter() - started) / 60:.1f} min)", flush=True)
-        if not args.no_finals:
-            tune.run_finals(spec, evaluator)
-            tune.run_extras(spec, evaluator)  # tune.long and tune.control, where the spec declares them
     finally:
         evaluator.close()
     summary = tune.summarize(spec)

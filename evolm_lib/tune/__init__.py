@@ -9,8 +9,8 @@ final.py: the winners' reruns on `final_seeds`, continued (`long`) and controlle
 summary with its statistics; compact.py: a finished study's rows and scores in a few gzipped files
 to commit; geometry.py: the winners' solutions compared (run where their weights are).
 """
-from .final import (STAGES, SUMMARY, control_plan, final_groups, final_plan, long_plan, resolve_best, resolved_primary,
-                    run_extras, run_finals, summarize, summary_lines)
+from .final import (STAGES, SUMMARY, control_plan, final_groups, final_plan, long_plan, outstanding, resolve_best,
+                    resolved_primary, run_extras, run_finals, summarize, summary_lines, work)
 from .space import Parameter, parse_parameter, parse_space
 from .spec import TuneSettings, TuneSpec, check_space, describe, load_tune_spec, trial_config, with_trials
 from .study import (STORAGE, best_trial, finished, load_study, make_tuning_evaluator, open_storage, storage_url,
@@ -20,6 +20,6 @@ __all__ = [
     "Parameter", "STAGES", "STORAGE", "SUMMARY", "control_plan", "long_plan", "resolve_best", "resolved_primary",
     "run_extras", "TuneSettings", "TuneSpec", "best_trial", "check_space", "describe",
     "final_groups", "final_plan", "finished", "load_study", "load_tune_spec", "make_tuning_evaluator", "open_storage",
-    "parse_parameter", "parse_space", "run_finals", "storage_url", "study_trials", "summarize", "summary_lines",
-    "trial_config", "tune", "tune_method", "with_methods", "with_trials",
+    "outstanding", "parse_parameter", "parse_space", "run_finals", "storage_url", "study_trials", "summarize", "summary_lines",
+    "trial_config", "tune", "tune_method", "with_methods", "with_trials", "work",
 ]

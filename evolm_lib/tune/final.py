@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
@@ -21,7 +22,11 @@ from typing import Any, Callable
 from ..runs import LOCK_FILE, RunFolderBusy, list_checkpoints, lock_holder, read_jsonl
 from ..sweep import HELDOUT, PlannedRun, run_one
 from .spec import BEST, TuneSpec, trial_config
-from .study import study_lock, best_trial, finished, study_trials
+from .study import best_trial, finished, load_study, study_lock, study_trials, tune
+
+POLL_S = 5.0
+"""How often a worker with nothing to claim looks again at what other workers hold (at most the
+spec's heartbeat_s)."""
 
 SUMMARY = "tune_summary.json"
 STAGES = ("final", "long", "control")
@@ -85,11 +90,13 @@ def control_plan(spec: TuneSpec, method: str) -> list[PlannedRun]:
             for planned in final_plan(spec, method)]
 
 
-def _finished_rerun(folder, length: int) -> bool:
+def _finished_rerun(folder, length: int | None = None) -> bool:
     """Whether a rerun's folder is done: scored on the held-out problems at its last generation or
-    step, and written by no one now."""
+    step (``length``; any, where None), and written by no one now. A rerun scores the held-out
+    problems once, when it ends."""
     lines = read_jsonl(folder / HELDOUT)
-    return bool(lines) and all(line.get("generation") == length for line in lines) and lock_holder(folder) is None
+    return (bool(lines) and (length is None or all(line.get("generation") == length for line in lines))
+            and lock_holder(folder) is None)
 
 
 def run_unfinished(planned: PlannedRun, out, evaluator) -> None:
@@ -177,13 +184,77 @@ def run_finals(spec: TuneSpec, evaluator, log: Callable[[str], None] = print) ->
     return done
 
 
+def _running_trials(spec: TuneSpec, method: str) -> int:
+    from optuna.trial import TrialState
+
+    return sum(t.state in (TrialState.RUNNING, TrialState.WAITING)
+               for t in load_study(spec, method).get_trials(deepcopy=False))
+
+
+def outstanding(spec: TuneSpec, finals: bool = True) -> list[str]:
+    """The work of this worker's methods not finished yet that a worker can still finish: trials
+    running or queued, and reruns, continued reruns and control runs another worker writes or that
+    nobody has started. Empty when the worker's part of the study is done. Work nobody can start
+    here is left out: a control undecided while another method's trials are unclaimed (its own
+    workers run them)."""
+    left = []
+    for method in spec.methods:
+        if not finished(spec, method):
+            left.append(f"trials of {method}")
+            continue
+        if not finals:
+            continue
+        stages = [("final", final_plan(spec, method))] + ([("long", long_plan(spec, method))] if spec.settings.long > 1 else [])
+        left += [f"{stage}/{planned.name}" for stage, plans in stages for planned in plans
+                 if not _finished_rerun(spec.out / stage / planned.name, planned.length)]
+    control = spec.settings.control
+    if finals and control != "none":
+        method = resolve_best(spec, control)
+        if method is None:
+            candidates = [m for m, kind in spec.kinds.items() if kind == BEST[control]]
+            if any(m in spec.methods for m in candidates) and any(_running_trials(spec, m) for m in candidates):
+                left.append(f"control ({control}): the trials deciding it")
+        elif method in spec.methods:
+            left += [f"control/{planned.name}" for planned in control_plan(spec, method)
+                     if not _finished_rerun(spec.out / "control" / planned.name, planned.length)]
+    return left
+
+
+def work(spec: TuneSpec, evaluator, finals: bool = True, log: Callable[[str], None] = print) -> dict[str, int]:
+    """This worker's whole part of the study: trials, then (with ``finals``) the reruns, continued
+    reruns and control, again and again until ``outstanding`` is empty. A worker with nothing to
+    claim while others still hold trials or runs waits for them instead of ending, so it takes the
+    reruns their trials make ready (and a killed worker's trial once its heartbeat goes stale), and
+    its summary holds every run. Returns {method: trials run here}."""
+    ran = {method: 0 for method in spec.methods}
+    said: set[str] = set()
+
+    def once(line: str) -> None:  # each pass repeats the lines of work still waiting: say each once
+        if line not in said:
+            said.add(line)
+            log(line)
+
+    while True:
+        for method, count in tune(spec, evaluator, log).items():
+            ran[method] += count
+        if finals:
+            run_finals(spec, evaluator, once)
+            run_extras(spec, evaluator, once)
+        left = outstanding(spec, finals)
+        if not left:
+            return ran
+        once(f"waiting for other workers: {len(left)} unfinished ({', '.join(left[:3])}{', ...' if len(left) > 3 else ''})")
+        time.sleep(min(POLL_S, spec.settings.heartbeat_s))
+
+
 def final_groups(spec: TuneSpec, methods: list[str] | None = None, stage: str = "final"):
-    """A stage's run folders (``STAGES``: final, long, control) grouped by method (``analysis.load_runs``),
-    for the methods that have some."""
+    """A stage's finished runs (``STAGES``: final, long, control) grouped by method (``analysis.load_runs``),
+    for the methods that have some. A run another worker is writing, or one a kill cut short, is
+    left out until it finishes: its folder may hold no rows yet, and never a held-out score."""
     from ..analysis import load_runs
 
-    folders = {m: str(spec.out / stage / m / "seed*") for m in (methods or spec.methods)
-               if any((spec.out / stage / m).glob("seed*/config.yaml"))}
+    folders = {m: found for m in (methods or spec.methods)
+               if (found := [str(f) for f in sorted((spec.out / stage / m).glob("seed*")) if _finished_rerun(f)])}
     return load_runs(folders, allow_mixed=True) if folders else {}
 
 
