@@ -26,6 +26,7 @@
 #   bash scripts/gpu_speed.sh next OUT    # what the left call left: card 0, modes (EGGROLL against the base model,
 #       nothing else heavy on the host); card 1, grpo-update with eager attention run twice (same rows?);
 #       card 2, the train step profiled again, the cuBLAS workspace setting's cost told from the algorithms'
+#   bash scripts/gpu_speed.sh eggroll OUT # modes, EGGROLL against the base model, alone on the host (card 0)
 #
 # Run from the repository root with PYTHONPATH=/root/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0
 # EVOLM_CACHE_DIR=/root/cache set. LIMIT (default 560) is the whole part's deadline in seconds: each
@@ -102,7 +103,10 @@ next)
     --configurations not_deterministic,deterministic_own,deterministic_own_rerun & pids="$pids $!"
   measure grpo_profile 2 python scripts/grpo_update_profile.py --steps 10 & pids="$pids $!"
   ;;
-*) echo "unknown part $PART: cards, ray, starts, pool8, misses, left or next" >&2; exit 2 ;;
+eggroll)
+  bench modes_eggroll 0 modes --model "$QWEN" --modes eggroll --tiles auto --repeats 5 --no-update & pids="$pids $!"
+  ;;
+*) echo "unknown part $PART: cards, ray, starts, pool8, misses, left, next or eggroll" >&2; exit 2 ;;
 esac
 for pid in $pids; do wait "$pid"; done
 find "$RES" -type f -size +5M > "$RES/left_out.txt"  # checkpoints of kept run folders: not worth the transfer
