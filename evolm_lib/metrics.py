@@ -19,6 +19,12 @@ def finite(value: Any) -> bool:
         return False
 
 
+def without_times(rows: Iterable[Row]) -> list[dict]:
+    """Rows without their ``time/`` keys, which differ from run to run: what two runs of the same
+    settings must agree on (``deterministic``)."""
+    return [{key: value for key, value in row.items() if not key.startswith("time/")} for row in rows]
+
+
 def x_key(rows: Sequence[Row]) -> str:
     """The x-axis key of a run's rows: "generation" (ES) or "step" (GRPO)."""
     for key in ("generation", "step"):

@@ -7,7 +7,10 @@
 #   bash scripts/gpu_tune_study.sh stage SECONDS DIR [ARCHIVE]   # start (unless running), wait, pack: one device call
 #                                                                # that ends within SECONDS (give the call a limit above it)
 #   bash scripts/gpu_tune_study.sh compact DIR       # the study's rows and scores in DIR/compact (to commit)
-#   bash scripts/gpu_tune_study.sh geometry DIR      # the winners' geometry in DIR/compact/geometry.json (needs the reruns' weights)
+#   bash scripts/gpu_tune_study.sh rebuild           # the geometry's reruns whose weights a pack left behind, run again
+#                                                    # side by side (one process per method and seed), rows checked
+#   bash scripts/gpu_tune_study.sh geometry DIR      # the winners' geometry in DIR/compact/geometry.json (needs the reruns'
+#                                                    # weights: here, or rebuilt)
 #
 # Workers: WORKERS_PER_METHOD (default: the number of cards) `evolm tune SPEC --methods M` processes per
 # method, spread round-robin over the cards (SmolLM2 leaves a card mostly idle, so five engines share
@@ -110,6 +113,27 @@ start() {
   echo "$i workers on $gpus GPUs: $METHODS"
 }
 
+rebuild() {
+  # The first three final seeds of every method (the geometry's), each rerun without weights here run
+  # again by `python -m evolm_lib.tune.rebuild` into STUDY/rebuilt/, one process per method and seed,
+  # round-robin over the cards; returns when all have ended (their logs: LOGS/rebuild.METHOD.SEED.log).
+  local gpus method seed i=0 pids="" pid failed=0
+  gpus=$(nvidia-smi -L 2>/dev/null | wc -l); [ "$gpus" -ge 1 ] || gpus=1
+  mkdir -p "$LOGS"
+  for method in $(ls "$STUDY/final"); do
+    for seed in $(ls "$STUDY/final/$method" | sed -n 's/^seed\([0-9]*\)$/\1/p' | sort -n | head -n 3); do
+      CUDA_VISIBLE_DEVICES=$((i % gpus)) python -m evolm_lib.tune.rebuild "$STUDY" --methods "$method" --seeds "$seed" \
+        > "$LOGS/rebuild.$method.$seed.log" 2>&1 < /dev/null &
+      pids="$pids $!"
+      i=$((i + 1))
+      [ $((i % gpus)) -eq 0 ] && sleep "${REBUILD_WAVE_S:-8}"  # engines of one card start apart, as the workers'
+    done
+  done
+  for pid in $pids; do wait "$pid" || failed=$((failed + 1)); done
+  tail -q -n 1 "$LOGS"/rebuild.*.log
+  echo "$i rebuilds on $gpus GPUs, $failed failed or with rows that differ"
+}
+
 pack() {
   local dir=$1
   mkdir -p "$dir"
@@ -123,6 +147,7 @@ case "${1:-}" in
 start) start "${2:-}" ;;
 pack) pack "${2:?pack DIR}" ;;
 compact) python -m evolm_lib.tune.compact "$STUDY" "${2:?compact DIR}/compact" ;;
+rebuild) rebuild ;;
 geometry) python -m evolm_lib.tune.geometry "$STUDY" "${2:?geometry DIR}/compact" ${GEOMETRY_ARGS:-} ;;
 stage)
   seconds=${2:?stage SECONDS DIR [ARCHIVE]}; dir=${3:?stage SECONDS DIR [ARCHIVE]}
@@ -136,5 +161,5 @@ stage)
     sleep 5
   done
   pack "$dir" ;;
-*) sed -n 2,27p "$0"; exit 2 ;;
+*) sed -n 2,30p "$0"; exit 2 ;;
 esac

@@ -25,6 +25,7 @@ from evolm_lib.runs import (
 )
 from evolm_lib.train.es import ESRun
 from evolm_lib.train.grpo import GRPORun
+from evolm_lib.metrics import without_times
 
 OLD_LAYOUT = Path(__file__).with_name("data") / "old_layout"
 ADAPTER = "adapter/adapter_model.safetensors"
@@ -41,10 +42,6 @@ def grpo_config() -> GRPOConfig:
     return GRPOConfig.from_dict(dict(model="tiny-random", target_modules=["q_proj", "v_proj"], lora_rank=2,
                                      lora_alpha=2.0, max_new_tokens=4, loss_type="no_baseline",
                                      normalize_by_std=False, group_size=2, learning_rate=1e-2, num_steps=5))
-
-
-def without_times(rows: list[dict]) -> list[dict]:
-    return [{k: v for k, v in row.items() if not k.startswith("time/")} for row in rows]
 
 
 def stopped_run(cls, config, run_dir: Path, generations: int):

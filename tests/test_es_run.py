@@ -21,6 +21,7 @@ from evolm_lib.runs import load_run_config
 from evolm_lib.runs import RunFolderExists, list_checkpoints, read_metrics
 from evolm_lib.engines.synthetic import SyntheticEvaluator
 from evolm_lib.tasks.conciseness import EVAL_PAIRS, TRAIN_PAIRS
+from evolm_lib.metrics import without_times
 
 from helpers_kill_run import kill_config
 
@@ -51,11 +52,6 @@ def synthetic_length(evaluator: SyntheticEvaluator, adapter, max_new_tokens: int
 def mean_gap_reward(length: int, targets: list[int]) -> float:
     """Conciseness reward averaged over prompts: mean of -|length - target length|."""
     return sum(-abs(length - t) for t in targets) / len(targets)
-
-
-def without_times(rows: list[dict]) -> list[dict]:
-    """Rows without the time/* keys, which differ between runs."""
-    return [{k: v for k, v in row.items() if not k.startswith("time/")} for row in rows]
 
 
 def run_to_end(config: ESConfig, run_dir: Path) -> ESRun:

@@ -36,6 +36,7 @@ from evolm_lib.runs import (
     restore_run_config,
 )
 from evolm_lib.train.es import ESRun
+from evolm_lib.metrics import without_times
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "reliability.md"
 
@@ -45,10 +46,6 @@ def config(**changes) -> ESConfig:
     return ESConfig(**{**dict(model="tiny-random", target_modules=("q_proj", "v_proj"), sigma=0.02,
                               learning_rate=0.05, optimizer="sgd", momentum=0.5, population_size=4,
                               num_generations=3, seed=5), **changes})
-
-
-def without_times(rows: list[dict]) -> list[dict]:
-    return [{k: v for k, v in row.items() if not k.startswith("time/")} for row in rows]
 
 
 def run_to(run_dir: Path, generations: int, **changes) -> None:

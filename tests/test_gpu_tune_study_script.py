@@ -1,6 +1,7 @@
-"""``scripts/gpu_tune_study.sh``'s refill, run by bash on stand-in workers: a worker that ended cleanly
+"""``scripts/gpu_tune_study.sh`` run by bash on stand-in workers: refill (a worker that ended cleanly
 gives its card to a method still at work, the one with the fewest workers alive; a worker that died,
-or one of a method whose work is all claimed, is not replaced."""
+or one of a method whose work is all claimed, is not replaced) and rebuild (one process per method and
+seed over the cards)."""
 from __future__ import annotations
 
 import subprocess
@@ -82,3 +83,37 @@ refill  # a second pass replaces nothing twice
     assert added == [["0", "5", "es_eggroll"], ["1", "5", "grpo_lora"]]  # the ended worker's card and engine count
     ended = [row.split("\t")[0] for row in rows[:3]]
     assert sorted((logs / "replaced.txt").read_text().split()) == sorted(ended)
+
+
+def test_rebuild_runs_the_first_three_final_seeds_of_each_method_one_process_each_round_robin(tmp_path):
+    """`rebuild` starts `python -m evolm_lib.tune.rebuild` per method and seed (the geometry's first
+    three seeds, numerically: seed10 after seed2) over the cards, waits for all, and counts failures."""
+    study = tmp_path / "study"
+    for method, seeds in (("es_full", (0, 1, 2, 10)), ("grpo_lora", (2, 0, 1))):
+        for seed in seeds:
+            (study / "final" / method / f"seed{seed}").mkdir(parents=True)
+    (study / "final" / "es_full" / "notes.txt").write_text("not a seed folder")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "calls.txt"
+    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\necho 'GPU 0: H100'\necho 'GPU 1: H100'\n")
+    # a stand-in for the rebuild: records its card and arguments; grpo_lora seed 1's rows differ (exit 3)
+    (bin_dir / "python").write_text(
+        f'#!/bin/sh\necho "$CUDA_VISIBLE_DEVICES $*" >> {calls}\necho "rebuilt $5 $7"\n'
+        'if [ "$5" = grpo_lora ] && [ "$7" = 1 ]; then exit 3; fi\n')
+    for tool in ("nvidia-smi", "python"):
+        (bin_dir / tool).chmod(0o755)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "STUDY": str(study), "LOGS": str(tmp_path / "logs"), "REBUILD_WAVE_S": "0"}
+    result = subprocess.run(["bash", str(SCRIPT), "rebuild"], env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    started = sorted(calls.read_text().splitlines(), key=lambda line: (line.split()[5], int(line.split()[7])))
+    assert started == [
+        f"0 -m evolm_lib.tune.rebuild {study} --methods es_full --seeds 0",
+        f"1 -m evolm_lib.tune.rebuild {study} --methods es_full --seeds 1",
+        f"0 -m evolm_lib.tune.rebuild {study} --methods es_full --seeds 2",
+        f"1 -m evolm_lib.tune.rebuild {study} --methods grpo_lora --seeds 0",
+        f"0 -m evolm_lib.tune.rebuild {study} --methods grpo_lora --seeds 1",
+        f"1 -m evolm_lib.tune.rebuild {study} --methods grpo_lora --seeds 2",
+    ]
+    assert result.stdout.splitlines()[-1] == "6 rebuilds on 2 GPUs, 1 failed or with rows that differ"
+    assert "rebuilt grpo_lora 2" in result.stdout

@@ -31,6 +31,7 @@ from evolm_lib.train.es import ESRun
 from evolm_lib.lora import AdapterWeights, LoraSpec, adapter_shapes, init_adapter
 from evolm_lib.runs import list_checkpoints, read_metrics
 from evolm_lib.types import Prompt
+from evolm_lib.metrics import without_times
 
 # Small engines: each actor is a vLLM engine in its own process.
 ENGINE = dict(model="tiny-random", max_model_len=256, kv_cache_gb=0.25, seed=0)
@@ -44,11 +45,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def without_times(rows: list[dict]) -> list[dict]:
-    """Rows without the time/* keys, which differ between runs."""
-    return [{k: v for k, v in row.items() if not k.startswith("time/")} for row in rows]
 
 
 def token_ids(tables) -> list:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import gzip
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -262,6 +263,36 @@ def test_the_study_end_to_end_then_compacted_tabled_drawn_and_measured(tmp_path,
     assert (cosine["a"], cosine["b"]) == ("es", "grpo") and -1 <= cosine["overall"] <= 1
     (path,) = saved["paths"]  # the declared pair: best_es vs best_grpo
     assert [row["t"] for row in path["rows"]] == [0.0, 1.0] and path["barrier"] == 0.0  # two points: the ends
+
+    # a pack leaves the weights behind: rebuilt from the reruns' configs, rows checked, the same geometry
+    from evolm_lib.tune.rebuild import RECORD, REBUILT, rebuild, solution_folder
+
+    packed = tmp_path / "weights_left_behind"
+    for method in ("es", "grpo"):
+        folder = spec.out / "final" / method / "seed0"
+        (packed / method).mkdir(parents=True)
+        for weights in ("checkpoints", "final_adapter", "final_model"):
+            if (folder / weights).exists():
+                shutil.move(folder / weights, packed / method / weights)
+        assert solution_folder(spec.out, "final", method, 0) == folder  # nothing to read it from yet
+    rows_before = {m: read_metrics(spec.out / "final" / m / "seed0") for m in ("es", "grpo")}
+    records = rebuild(spec.out, seeds=[0], evaluator=tiny_vllm, log=quiet)
+    assert [(r["from"], r["rows_identical"]) for r in records] == [("final/es/seed0", True), ("final/grpo/seed0", True)]
+    assert rebuild(spec.out, seeds=[0], evaluator=tiny_vllm, log=quiet) == []  # done: nothing run again
+    for method in ("es", "grpo"):
+        assert read_metrics(spec.out / "final" / method / "seed0") == rows_before[method]  # the rerun untouched
+        assert solution_folder(spec.out, "final", method, 0) == spec.out / REBUILT / "final" / method / "seed0"
+    write_geometry(spec.out, tmp_path / "rebuilt_geometry", seeds=[0], points=2)
+    again = json.loads((tmp_path / "rebuilt_geometry" / GEOMETRY).read_text())
+    assert [(u["method"], u["norm"], u["changed_share"]) for u in again["updates"]] == [
+        (u["method"], u["norm"], u["changed_share"]) for u in saved["updates"]]
+    assert again["cosines"] == saved["cosines"] and again["paths"][0]["barrier"] == path["barrier"]
+    # a rebuild whose rows differ is kept, recorded, and not read
+    with open(spec.out / REBUILT / RECORD) as handle:
+        entries = [json.loads(line) for line in handle]
+    (spec.out / REBUILT / RECORD).write_text("".join(json.dumps({**e, "rows_identical": e["from"] != "final/es/seed0"})
+                                                     + "\n" for e in entries))
+    assert solution_folder(spec.out, "final", "es", 0) == spec.out / "final" / "es" / "seed0"
 
     tables = tmp_path / "tables"
     result = subprocess.run([sys.executable, "scripts/study_tables.py", str(compact), str(tables)],

@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from ..metrics import without_times
 from . import int_list
 
 QIU_CONCISENESS = dict(task="conciseness", es_mode="full", es_weights="all", sigma=1e-3, learning_rate=5e-4,
@@ -52,11 +53,6 @@ def pool_config(model: str, engines: int, population: int, generations: int, new
                     max_model_len=max_model_len, num_generations=generations, eval_every=eval_every,
                     dtype="bfloat16" if gpu else "float32", deterministic=gpu, noise_device="cuda" if gpu else "cpu",
                     kv_cache_gb=kv_cache_gb, gpu_memory_utilization=gpu_memory_utilization, evaluator="ray", num_engines=engines, engines_per_gpu=engines)
-
-
-def without_times(rows: list[dict]) -> list[dict]:
-    """Rows without their ``time/`` keys, which differ from run to run."""
-    return [{key: value for key, value in row.items() if not key.startswith("time/")} for row in rows]
 
 
 def summarize(rows: list[dict]) -> dict[str, Any]:

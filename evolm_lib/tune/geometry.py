@@ -7,7 +7,8 @@ all, per layer and per module; the cosine between every two methods' updates at 
 pairs of the declared family (tune_summary.json's; or ``--pairs a:b,c:d``) whose ends moved the same
 form (LoRA with LoRA, the model's own weights with the model's own), the held-out reward along the
 straight path between the two solutions at the first chosen seed, served by one engine with the
-weights written in place, and its barrier. Writes OUT_DIR/geometry.json (small: summaries, no
+weights written in place, and its barrier. A rerun whose weights a pack left behind is read from
+its rebuilt copy (``evolm_lib.tune.rebuild``: run again, its rows checked against the rerun's). Writes OUT_DIR/geometry.json (small: summaries, no
 tensors; written beside a study's compacted files, ``scripts/study_tables.py`` draws its figures).
 """
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .final import STAGES, SUMMARY
+from .rebuild import solution_folder
 
 GEOMETRY = "geometry.json"
 
@@ -54,7 +56,7 @@ def solutions_geometry(study: str | Path, seeds: Sequence[int] | None = None, st
     seeds = list(seeds) if seeds else available[:3]
     result: dict[str, Any] = {"stage": stage, "dtype": dtype, "seeds": seeds, "updates": [], "cosines": []}
     for seed in seeds:
-        solutions = {m: load_solution(study / stage / m / f"seed{seed}") for m in methods
+        solutions = {m: load_solution(solution_folder(study, stage, m, seed)) for m in methods
                      if (study / stage / m / f"seed{seed}" / "config.yaml").is_file()}
         deltas = {}
         for method, solution in solutions.items():
@@ -89,7 +91,7 @@ def solution_paths(study: str | Path, pairs: Sequence[tuple[str, str]], seed: in
     paths, skipped, engine = [], [], None
     try:
         for a, b in pairs:
-            folders = [study / stage / m / f"seed{seed}" for m in (a, b)]
+            folders = [solution_folder(study, stage, m, seed) for m in (a, b)]
             ends = [load_solution(folder) for folder in folders]
             try:
                 check_path_ends(*ends)
