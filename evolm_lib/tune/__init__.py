@@ -21,6 +21,6 @@ __all__ = [
     "Parameter", "STAGES", "STORAGE", "SUMMARY", "control_plan", "long_plan", "resolve_best", "resolved_primary",
     "run_extras", "TuneSettings", "TuneSpec", "best_trial", "check_space", "describe",
     "final_groups", "final_plan", "finished", "load_study", "load_tune_spec", "make_tuning_evaluator", "open_storage",
-    "outstanding", "parse_parameter", "parse_space", "run_finals", "storage_url", "study_trials", "summarize", "summary_lines",
-    "trial_config", "tune", "tune_method", "with_methods", "with_trials", "work",
+    "outstanding", "parse_parameter", "parse_space", "run_finals", "storage_url", "study_trials", "summarize",
+    "summary_lines", "trial_config", "tune", "tune_method", "with_methods", "with_trials", "work",
 ]

@@ -204,7 +204,9 @@ def outstanding(spec: TuneSpec, finals: bool = True) -> list[str]:
             continue
         if not finals:
             continue
-        stages = [("final", final_plan(spec, method))] + ([("long", long_plan(spec, method))] if spec.settings.long > 1 else [])
+        stages = [("final", final_plan(spec, method))]
+        if spec.settings.long > 1:
+            stages.append(("long", long_plan(spec, method)))
         left += [f"{stage}/{planned.name}" for stage, plans in stages for planned in plans
                  if not _finished_rerun(spec.out / stage / planned.name, planned.length)]
     control = spec.settings.control
@@ -243,7 +245,8 @@ def work(spec: TuneSpec, evaluator, finals: bool = True, log: Callable[[str], No
         left = outstanding(spec, finals)
         if not left:
             return ran
-        once(f"waiting for other workers: {len(left)} unfinished ({', '.join(left[:3])}{', ...' if len(left) > 3 else ''})")
+        shown = ", ".join(left[:3]) + (", ..." if len(left) > 3 else "")
+        once(f"waiting for other workers: {len(left)} unfinished ({shown})")
         time.sleep(min(POLL_S, spec.settings.heartbeat_s))
 
 

@@ -8,8 +8,9 @@ pairs of the declared family (tune_summary.json's; or ``--pairs a:b,c:d``) whose
 form (LoRA with LoRA, the model's own weights with the model's own), the held-out reward along the
 straight path between the two solutions at the first chosen seed, served by one engine with the
 weights written in place, and its barrier. A rerun whose weights a pack left behind is read from
-its rebuilt copy (``evolm_lib.tune.rebuild``: run again, its rows checked against the rerun's). Writes OUT_DIR/geometry.json (small: summaries, no
-tensors; written beside a study's compacted files, ``scripts/study_tables.py`` draws its figures).
+its rebuilt copy (``evolm_lib.tune.rebuild``: run again, its rows checked against the rerun's).
+Writes OUT_DIR/geometry.json (small: summaries, no tensors; written beside a study's compacted
+files, ``scripts/study_tables.py`` draws its figures).
 """
 from __future__ import annotations
 

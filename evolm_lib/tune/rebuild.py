@@ -8,7 +8,8 @@ written. Its rows are then compared with the rerun's, time columns aside. Under 
 they are the same, and so are the weights; where they differ the rebuilt folder is kept and
 reported, and the geometry does not read it (``solution_folder``). A rerun whose weights are here,
 and a rebuilt one already finished, are left as they are, so running the command again only
-finishes what a kill cut short. Rows of every rebuild go to STUDY/rebuilt/rebuilt.jsonl.
+finishes what a kill cut short. Each rebuild's comparison (rows identical, or the first row that
+differs) is a line of STUDY/rebuilt/rebuilt.jsonl.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from ..metrics import without_times
-from ..runs import list_checkpoints, load_run_config, read_config_kind, read_metrics
+from ..runs import list_checkpoints, load_run_config, read_config_kind, read_jsonl, read_metrics
 from ..sweep import PlannedRun, make_shared_evaluator, run_one
 from .final import STAGES
 
@@ -37,9 +38,7 @@ def rebuilt_folder(study: Path, stage: str, method: str, seed: int) -> Path:
 
 
 def _records(study: Path) -> dict[str, dict]:
-    path = Path(study) / REBUILT / RECORD
-    lines = path.read_text().splitlines() if path.is_file() else []
-    return {entry["folder"]: entry for entry in map(json.loads, lines)}
+    return {entry["folder"]: entry for entry in read_jsonl(Path(study) / REBUILT / RECORD)}
 
 
 def solution_folder(study: str | Path, stage: str, method: str, seed: int) -> Path:
