@@ -193,6 +193,22 @@ def test_a_worker_with_nothing_to_claim_waits_for_the_others_and_ends_with_every
         assert len((folder / "heldout.jsonl").read_text().splitlines()) == 8  # every held-out problem, once
 
 
+def test_tune_parallel_holds_a_method_to_that_many_trials_at_once(tmp_path):
+    def change(spec):
+        spec["sweep"]["common"]["engine"] = "hf"
+        spec["tune"].update(trials=3, parallel=1)
+    path = write_spec(tmp_path, change, generations=2)
+    spec = tune.load_tune_spec(path, methods=["es"])
+    tune.load_study(spec, "es")
+    workers = [_worker(path) for _ in range(2)]
+    outputs = [w.communicate(timeout=600)[0] for w in workers]
+    assert [w.returncode for w in workers] == [0, 0], outputs
+    trials = sorted(tune.load_study(spec, "es").get_trials(deepcopy=False), key=lambda t: t.datetime_start)
+    assert [t.state.name for t in trials] == ["COMPLETE"] * 3
+    for before, after in zip(trials, trials[1:]):  # one at a time: each drawn knowing every trial before it
+        assert after.datetime_start >= before.datetime_complete
+
+
 def _set(path: list, value):
     def change(spec):
         node = spec
@@ -223,6 +239,7 @@ _DELETE = object()
     (_set(["sweep", "common", "task_options"], {}), r"tune.select: validation/reward, but es's task 'conciseness' has no validation"),
     (_set(["tune", "space", "grpo"], _DELETE), r"tune.space: no space for \['grpo'\]"),
     (_set(["tune", "trials"], 0), r"tune.trials: a whole number >= 1"),
+    (_set(["tune", "parallel"], -1), r"tune.parallel: a whole number >= 0"),
     (_set(["tune", "primary"], [["es", "grpoo"]]), r"tune.primary: \['grpoo'\] not a method of this sweep"),
 ])
 def test_bad_specs_fail_naming_the_setting_before_any_engine(tmp_path, change, message, capsys):

@@ -26,7 +26,7 @@ from ..tasks import get_task
 from .space import SPLIT, Parameter, parse_space, parse_split
 
 TUNE_KEYS = ("trials", "seeds", "select", "space", "sampler_seed", "startup_trials", "prune", "heartbeat_s",
-             "max_retries", "primary", "measure", "out", "long", "control")
+             "max_retries", "primary", "measure", "out", "long", "control", "parallel")
 MEASURES = ("reward", "success")
 """What the reruns are compared on: each run's mean held-out reward, or its share of problems solved."""
 SELECTABLE = ("validation/reward", "policy/train_reward")
@@ -72,6 +72,9 @@ class TuneSettings:
     "none, or median: a trial stops at a scoring row below the median of earlier trials at that row"
     heartbeat_s: float = 30.0
     "a running trial's heartbeat; a trial silent for 3 heartbeats is failed and retried (a killed worker)"
+    parallel: int = 0
+    ("at most this many trials of a method running at once, retries of killed ones aside (0: no limit): "
+     "what TPE knows when it draws a trial depends on how many run beside it")
     max_retries: int = 3
     "times a failed (killed) trial is retried with the same setting"
     primary: tuple[tuple[str, str], ...] = ()
@@ -149,7 +152,8 @@ def parse_tune_section(tune: Any, final_seeds: Any) -> tuple[TuneSettings, str |
         startup_trials=_whole("tune.startup_trials", tune.get("startup_trials", 10), 0), prune=prune,
         heartbeat_s=float(heartbeat), max_retries=_whole("tune.max_retries", tune.get("max_retries", 3), 0),
         primary=tuple((str(a), str(b)) for a, b in primary), measure=measure,
-        long=_whole("tune.long", tune.get("long", 1), 1), control=control)
+        long=_whole("tune.long", tune.get("long", 1), 1), control=control,
+        parallel=_whole("tune.parallel", tune.get("parallel", 0), 0))
     return settings, None if out is None else str(out)
 
 
@@ -305,6 +309,8 @@ def describe(spec: TuneSpec) -> list[str]:
         space = ", ".join(f"{p.name} {p.kind} {list(p.choices) if p.kind == 'choice' else [p.low, p.high]}"
                           for p in s.space[method])
         lines.append(f"  {method}: {space}")
+    if s.parallel:
+        lines.append(f"  at most {s.parallel} trials of a method at once (tune.parallel)")
     if s.long > 1:
         lines.append(f"  then the winners' reruns continued to {s.long} x the budget ({s.long * spec.budget} training "
                      f"completions) in {spec.out / 'long'}")

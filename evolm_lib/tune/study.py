@@ -130,15 +130,21 @@ def finished(spec: TuneSpec, method: str, storage=None) -> bool:
 
 
 def _next_trial(spec: TuneSpec, method: str, storage):
-    """(study, trial) for this worker's next trial of ``method``, or (study, None) when none is left;
-    stale trials (a killed worker's) are failed first, which queues their retries."""
+    """(study, trial) for this worker's next trial of ``method``, or (study, None) when none is left
+    or ``tune.parallel`` trials already run (a retry, whose setting is fixed, runs regardless); stale
+    trials (a killed worker's) are failed first, which queues their retries."""
     import optuna
+    from optuna.trial import TrialState
 
     with study_lock(spec.out), _quiet_optuna():
         study = load_study(spec, method, storage)
         optuna.storages.fail_stale_trials(study)
         if trials_left(study, spec.settings.trials) == 0:
             return study, None
+        states = [t.state for t in study.get_trials(deepcopy=False)]
+        limit = spec.settings.parallel
+        if limit and TrialState.WAITING not in states and states.count(TrialState.RUNNING) >= limit:
+            return study, None  # the worker waits (tune.work) until one of them ends
         return study, study.ask()
 
 
