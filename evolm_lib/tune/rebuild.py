@@ -34,6 +34,7 @@ def has_weights(folder: Path) -> bool:
 
 
 def rebuilt_folder(study: Path, stage: str, method: str, seed: int) -> Path:
+    """Where a rerun of ``stage`` is rebuilt: STUDY/rebuilt/<stage>/<method>/seedS."""
     return Path(study) / REBUILT / stage / method / f"seed{seed}"
 
 
