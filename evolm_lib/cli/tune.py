@@ -22,8 +22,8 @@ each method's best setting is then rerun on fresh seeds and scored on the held-o
     evolm tune papermill_runs/tune_tiny.yaml --methods grpo   one worker per method: several processes share the study
 
 The spec is a sweep spec (see evolm sweep --help) with a `tune:` section (trials, seeds, select, space,
-and optionally sampler_seed, startup_trials, prune, heartbeat_s, max_retries, primary, measure,
-long, control, out) and a
+and optionally sampler_seed, startup_trials, prune, heartbeat_s, max_retries, parallel, primary,
+measure, long, control, out) and a
 `final_seeds:` list disjoint from tune.seeds; docs/tuning.md describes each key. The studies live in
 OUT/optuna.db (SQLite; `optuna-dashboard sqlite:///OUT/optuna.db` shows them live), the trials' runs
 in OUT/trials/, the reruns in OUT/final/ (continued to tune.long x the budget in OUT/long/, the
