@@ -426,6 +426,29 @@ def test_open_resumes_a_matching_run_and_refuses_other_settings(tmp_path):
     assert fresh.generation == 0 and load_run_config(run_dir).sigma == 0.5
 
 
+def test_open_resumes_a_run_another_writer_made_between_its_look_and_its_lock(tmp_path, monkeypatch):
+    # two tuning workers reach one rerun together: the first finds an empty folder, and before it holds
+    # the lock the other has made (here, finished) the run there; the first resumes it, never raises
+    config = small_config(num_generations=2)
+    run_dir = tmp_path / "run"
+    checked, raced = ESRun._checked.__func__, []
+
+    def checked_while_another_writes(cls, settings, initial_adapter):
+        result = checked(cls, settings, initial_adapter)
+        if not raced:
+            raced.append(True)
+            other = ESRun.create(settings, run_dir, evaluator=SyntheticEvaluator())
+            other.run()
+            other.close()
+        return result
+
+    monkeypatch.setattr(ESRun, "_checked", classmethod(checked_while_another_writes))
+    run = ESRun.open(config, run_dir, evaluator=SyntheticEvaluator())
+    assert raced and run.generation == 2  # resumed at the other writer's end, not created again
+    run.close()
+    assert [r["generation"] for r in read_metrics(run_dir)] == [0, 1, 2]
+
+
 def test_a_run_made_before_noise_scheme_resumes_with_per_tensor_noise(tmp_path):
     config = small_config(num_generations=4, noise_scheme="per_tensor")
     reference = run_to_end(config, tmp_path / "reference")

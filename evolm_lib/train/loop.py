@@ -83,20 +83,32 @@ class RunLoop:
         """Start a new run in an empty folder (an existing run is refused unless ``overwrite``);
         ``initial_adapter`` replaces the config's initialisation (e.g. an adapter from notebook 02).
         The run holds the folder's writer lock until ``close()``; ``RunFolderBusy`` if another has it."""
+        checked = cls._checked(config, initial_adapter)
+        lock = WriterLock.acquire(run_dir)  # before the folder is touched and before any engine
+        with lock.released_on_error():
+            return cls._create(config, Path(run_dir), lock, checked, evaluator, overwrite)
+
+    @classmethod
+    def _checked(cls, config, initial_adapter: AdapterWeights | None) -> tuple:
+        """(task, model folder, first adapter) of a new run, every setting checked before its folder."""
         task = get_task(config.task, **config.task_options)
         model_dir = resolve_model(config.model)
         check_engine_settings(config, model_dir, task)  # context, KV cache and memory, before the folder
         adapter = cls._first_adapter(config, model_dir, initial_adapter) if cls._moves_adapter(config) else None
         check_backends(config.report_to)  # a missing package fails here, before the folder and the engine
-        lock = WriterLock.acquire(run_dir)  # before the folder is touched and before any engine
-        with lock.released_on_error():
-            run_dir = prepare_run_dir(run_dir, overwrite)
-            write_run_config(run_dir, config, cls.kind)
-            run = cls._build(RunState(config=config, adapter=adapter), run_dir=run_dir, evaluator=evaluator,
-                             task=task, model_dir=model_dir)
-            run._writer, run._owns_evaluator = lock, evaluator is None
-            run._reporters = open_reporters(config.report_to, run_dir)
-            run.commit({"generation": 0, **run.row_header(), **run.score(force=True)})
+        return task, model_dir, adapter
+
+    @classmethod
+    def _create(cls, config, run_dir: Path, lock: WriterLock, checked: tuple, evaluator: Evaluator | None,
+                overwrite: bool):
+        task, model_dir, adapter = checked
+        run_dir = prepare_run_dir(run_dir, overwrite)
+        write_run_config(run_dir, config, cls.kind)
+        run = cls._build(RunState(config=config, adapter=adapter), run_dir=run_dir, evaluator=evaluator,
+                         task=task, model_dir=model_dir)
+        run._writer, run._owns_evaluator = lock, evaluator is None
+        run._reporters = open_reporters(config.report_to, run_dir)
+        run.commit({"generation": 0, **run.row_header(), **run.score(force=True)})
         return run
 
     @classmethod
@@ -133,13 +145,25 @@ class RunLoop:
         the run is created. One writer at a time: ``RunFolderBusy`` (naming the holder) when another
         process, or a run still open in this one, writes the folder; nothing is written then."""
         run_dir = Path(run_dir)
-        if resume and not overwrite and list_checkpoints(run_dir):
+        resuming = resume and not overwrite
+        if resuming and list_checkpoints(run_dir):
             lock = WriterLock.acquire(run_dir, create=False)
             with lock.released_on_error():
-                if extended_settings(run_dir, config):  # a larger budget, another cadence: recorded
-                    write_run_config(run_dir, config, cls.kind)
-                return cls._resume(run_dir, lock, evaluator)
-        return cls.create(config, run_dir, evaluator=evaluator, overwrite=overwrite, initial_adapter=initial_adapter)
+                return cls._resume_with(config, run_dir, lock, evaluator)
+        checked = cls._checked(config, initial_adapter)
+        lock = WriterLock.acquire(run_dir)
+        with lock.released_on_error():
+            # another writer may have made the run between the look above and the lock: resume it
+            if resuming and list_checkpoints(run_dir):
+                return cls._resume_with(config, run_dir, lock, evaluator)
+            return cls._create(config, run_dir, lock, checked, evaluator, overwrite)
+
+    @classmethod
+    def _resume_with(cls, config, run_dir: Path, lock: WriterLock, evaluator: Evaluator | None):
+        """``_resume``, the folder's config first brought to ``config``'s budget and cadence."""
+        if extended_settings(run_dir, config):  # a larger budget, another cadence: recorded
+            write_run_config(run_dir, config, cls.kind)
+        return cls._resume(run_dir, lock, evaluator)
 
     @staticmethod
     def _moves_adapter(config) -> bool:
