@@ -11,6 +11,9 @@
 #                                                    # side by side (one process per method and seed), rows checked
 #   bash scripts/gpu_tune_study.sh geometry DIR      # the winners' geometry in DIR/compact/geometry.json (needs the reruns'
 #                                                    # weights: here, or rebuilt)
+#   bash scripts/gpu_tune_study.sh finish DIR [SECONDS]   # once nothing is outstanding: rebuild, geometry and compact
+#                                                    # into DIR/compact, each stopped at the deadline; a stage whose
+#                                                    # workers have all ended runs it before its pack (FINISH=0: not)
 #
 # Workers: WORKERS_PER_METHOD (default: the number of cards) `evolm tune SPEC --methods M` processes per
 # method, spread round-robin over the cards (SmolLM2 leaves a card mostly idle, so five engines share
@@ -134,6 +137,26 @@ rebuild() {
   echo "$i rebuilds on $gpus GPUs, $failed failed or with rows that differ"
 }
 
+finish() {
+  # The study's last steps on the machine that holds the reruns' weights, once no method has work
+  # outstanding (tune.outstanding over the whole spec): the geometry's rebuilds, the geometry, the
+  # compacted files, all in DIR/compact. Each step is stopped at the deadline; what a stopped rebuild
+  # wrote resumes the next time.
+  local dir=$1 until=$((SECONDS + ${2:-3600}))
+  if ! python -c 'import sys
+from evolm_lib import tune
+left = tune.outstanding(tune.load_tune_spec(sys.argv[1], out=sys.argv[2]))
+print(f"{len(left)} unfinished: {left[:3]}" if left else "the study is done")
+sys.exit(1 if left else 0)' "$SPEC" "$STUDY"; then
+    return 0
+  fi
+  mkdir -p "$dir/compact"
+  [ $((until - SECONDS)) -gt 30 ] && timeout --kill-after=10 $((until - SECONDS)) bash "$0" rebuild
+  [ $((until - SECONDS)) -gt 30 ] && timeout --kill-after=10 $((until - SECONDS)) \
+    python -m evolm_lib.tune.geometry "$STUDY" "$dir/compact" ${GEOMETRY_ARGS:-}
+  python -m evolm_lib.tune.compact "$STUDY" "$dir/compact"
+}
+
 pack() {
   local dir=$1
   mkdir -p "$dir"
@@ -148,6 +171,7 @@ start) start "${2:-}" ;;
 pack) pack "${2:?pack DIR}" ;;
 compact) python -m evolm_lib.tune.compact "$STUDY" "${2:?compact DIR}/compact" ;;
 rebuild) rebuild ;;
+finish) finish "${2:?finish DIR [SECONDS]}" "${3:-3600}" ;;
 geometry) python -m evolm_lib.tune.geometry "$STUDY" "${2:?geometry DIR}/compact" ${GEOMETRY_ARGS:-} ;;
 stage)
   seconds=${2:?stage SECONDS DIR [ARCHIVE]}; dir=${3:?stage SECONDS DIR [ARCHIVE]}
@@ -160,6 +184,8 @@ stage)
     [ "${REFILL:-1}" = 1 ] && refill
     sleep 5
   done
+  # every worker ended: the study may be done, and its weights are still here
+  [ "$(alive)" -eq 0 ] && [ "${FINISH:-1}" = 1 ] && finish "$dir" $((end - SECONDS))
   pack "$dir" ;;
-*) sed -n 2,30p "$0"; exit 2 ;;
+*) sed -n 2,33p "$0"; exit 2 ;;
 esac

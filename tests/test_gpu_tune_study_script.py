@@ -1,7 +1,7 @@
 """``scripts/gpu_tune_study.sh`` run by bash on stand-in workers: refill (a worker that ended cleanly
 gives its card to a method still at work, the one with the fewest workers alive; a worker that died,
-or one of a method whose work is all claimed, is not replaced) and rebuild (one process per method and
-seed over the cards)."""
+or one of a method whose work is all claimed, is not replaced), rebuild (one process per method and
+seed over the cards) and finish (rebuild, geometry, compact, only for a finished study)."""
 from __future__ import annotations
 
 import subprocess
@@ -117,3 +117,33 @@ def test_rebuild_runs_the_first_three_final_seeds_of_each_method_one_process_eac
     ]
     assert result.stdout.splitlines()[-1] == "6 rebuilds on 2 GPUs, 1 failed or with rows that differ"
     assert "rebuilt grpo_lora 2" in result.stdout
+
+
+@pytest.mark.parametrize("done", [True, False])
+def test_finish_rebuilds_measures_and_compacts_only_a_finished_study(tmp_path, done):
+    """`finish` asks tune.outstanding whether the study is done; only then it runs the rebuilds, the
+    geometry and the compaction, in that order, into DIR/compact."""
+    study = tmp_path / "study"
+    (study / "final" / "es_lora" / "seed0").mkdir(parents=True)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "calls.txt"
+    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\necho 'GPU 0: H100'\n")
+    # a stand-in python: the status check (-c) says done or not; every module call is recorded
+    (bin_dir / "python").write_text(
+        f'#!/bin/sh\nif [ "$1" = -c ]; then echo "status $3 $4" >> {calls}; exit {0 if done else 1}; fi\n'
+        f'echo "$2 $3 $4" >> {calls}\n')
+    for tool in ("nvidia-smi", "python"):
+        (bin_dir / tool).chmod(0o755)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "STUDY": str(study), "SPEC": "spec.yaml", "LOGS": str(tmp_path / "logs"),
+           "REBUILD_WAVE_S": "0"}
+    out = tmp_path / "out"
+    result = subprocess.run(["bash", str(SCRIPT), "finish", str(out), "120"], env=env, capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr
+    expected = [f"status spec.yaml {study}"]
+    if done:
+        expected += [f"evolm_lib.tune.rebuild {study} --methods", f"evolm_lib.tune.geometry {study} {out}/compact",
+                     f"evolm_lib.tune.compact {study} {out}/compact"]
+    assert calls.read_text().splitlines() == expected
+    assert (out / "compact").is_dir() == done
