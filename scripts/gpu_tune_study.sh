@@ -144,7 +144,9 @@ finish() {
   # wrote resumes the next time.
   local dir=$1 until=$((SECONDS + ${2:-3600}))
   if ! python -c 'import sys
+import optuna
 from evolm_lib import tune
+optuna.logging.set_verbosity(optuna.logging.WARNING)
 left = tune.outstanding(tune.load_tune_spec(sys.argv[1], out=sys.argv[2]))
 print(f"{len(left)} unfinished: {left[:3]}" if left else "the study is done")
 sys.exit(1 if left else 0)' "$SPEC" "$STUDY"; then
