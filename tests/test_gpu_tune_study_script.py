@@ -85,6 +85,19 @@ refill  # a second pass replaces nothing twice
     assert sorted((logs / "replaced.txt").read_text().split()) == sorted(ended)
 
 
+def _stand_ins(tmp_path: Path, study: Path, gpus: int, python: str) -> dict:
+    """The environment for running the script on stand-ins: an nvidia-smi listing ``gpus`` cards and a
+    ``python`` of the given shell body, first on PATH."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    cards = "".join(f"echo 'GPU {i}: H100'\n" for i in range(gpus))
+    for tool, body in (("nvidia-smi", cards), ("python", python)):
+        (bin_dir / tool).write_text("#!/bin/sh\n" + body)
+        (bin_dir / tool).chmod(0o755)
+    return {"PATH": f"{bin_dir}:/usr/bin:/bin", "STUDY": str(study), "LOGS": str(tmp_path / "logs"),
+            "REBUILD_WAVE_S": "0"}
+
+
 def test_rebuild_runs_the_first_three_final_seeds_of_each_method_one_process_each_round_robin(tmp_path):
     """`rebuild` starts `python -m evolm_lib.tune.rebuild` per method and seed (the geometry's first
     three seeds, numerically: seed10 after seed2) over the cards, waits for all, and counts failures."""
@@ -93,17 +106,11 @@ def test_rebuild_runs_the_first_three_final_seeds_of_each_method_one_process_eac
         for seed in seeds:
             (study / "final" / method / f"seed{seed}").mkdir(parents=True)
     (study / "final" / "es_full" / "notes.txt").write_text("not a seed folder")
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
     calls = tmp_path / "calls.txt"
-    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\necho 'GPU 0: H100'\necho 'GPU 1: H100'\n")
     # a stand-in for the rebuild: records its card and arguments; grpo_lora seed 1's rows differ (exit 3)
-    (bin_dir / "python").write_text(
-        f'#!/bin/sh\necho "$CUDA_VISIBLE_DEVICES $*" >> {calls}\necho "rebuilt $5 $7"\n'
-        'if [ "$5" = grpo_lora ] && [ "$7" = 1 ]; then exit 3; fi\n')
-    for tool in ("nvidia-smi", "python"):
-        (bin_dir / tool).chmod(0o755)
-    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "STUDY": str(study), "LOGS": str(tmp_path / "logs"), "REBUILD_WAVE_S": "0"}
+    env = _stand_ins(tmp_path, study, gpus=2, python=(
+        f'echo "$CUDA_VISIBLE_DEVICES $*" >> {calls}\necho "rebuilt $5 $7"\n'
+        'if [ "$5" = grpo_lora ] && [ "$7" = 1 ]; then exit 3; fi\n'))
     result = subprocess.run(["bash", str(SCRIPT), "rebuild"], env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     started = sorted(calls.read_text().splitlines(), key=lambda line: (line.split()[5], int(line.split()[7])))
@@ -125,18 +132,12 @@ def test_finish_rebuilds_measures_and_compacts_only_a_finished_study(tmp_path, d
     geometry and the compaction, in that order, into DIR/compact."""
     study = tmp_path / "study"
     (study / "final" / "es_lora" / "seed0").mkdir(parents=True)
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
     calls = tmp_path / "calls.txt"
-    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\necho 'GPU 0: H100'\n")
     # a stand-in python: the status check (-c) says done or not; every module call is recorded
-    (bin_dir / "python").write_text(
-        f'#!/bin/sh\nif [ "$1" = -c ]; then echo "status $3 $4" >> {calls}; exit {0 if done else 1}; fi\n'
-        f'echo "$2 $3 $4" >> {calls}\n')
-    for tool in ("nvidia-smi", "python"):
-        (bin_dir / tool).chmod(0o755)
-    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "STUDY": str(study), "SPEC": "spec.yaml", "LOGS": str(tmp_path / "logs"),
-           "REBUILD_WAVE_S": "0"}
+    env = _stand_ins(tmp_path, study, gpus=1, python=(
+        f'if [ "$1" = -c ]; then echo "status $3 $4" >> {calls}; exit {0 if done else 1}; fi\n'
+        f'echo "$2 $3 $4" >> {calls}\n'))
+    env["SPEC"] = "spec.yaml"
     out = tmp_path / "out"
     result = subprocess.run(["bash", str(SCRIPT), "finish", str(out), "120"], env=env, capture_output=True, text=True,
                             timeout=60)
