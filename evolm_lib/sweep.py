@@ -194,6 +194,14 @@ def _prompts_per_step(config) -> int:
     return min(config.prompts_per_step or num_train, num_train)
 
 
+def run_budget(kind: str, config) -> int:
+    """A run's training completions: its generations (ES) or steps (GRPO) x population or group size x
+    prompts per step (all the task's training prompts where ``prompts_per_step`` is unset)."""
+    length, size = ((config.num_generations, config.population_size) if kind == "es"
+                    else (config.num_steps, config.group_size))
+    return length * size * _prompts_per_step(config)
+
+
 def plan_sweep(sweep: dict, generations: int | None = None, seeds: list[int] | None = None,
                overrides: dict | None = None) -> list[PlannedRun]:
     """Every run of the sweep, with GRPO's steps set for the same training completions as ES; every
@@ -219,9 +227,8 @@ def plan_sweep(sweep: dict, generations: int | None = None, seeds: list[int] | N
             if variant is not None:
                 sections.append((f"sweep.es_modes.{variant}", settings or {}))
             es = _config(ESConfig, [*sections, *given], {"seed": seed, "num_generations": generations})
-            budget = generations * es.population_size * _prompts_per_step(es)
             name, label = (f"es_{variant}", f"es {variant}") if variant is not None else ("es", "es")
-            plan.append(PlannedRun(f"{name}_seed{seed}", label, "es", es, budget))
+            plan.append(PlannedRun(f"{name}_seed{seed}", label, "es", es, run_budget("es", es)))
         for variant, settings in grpo_variants.items():
             sizes = [settings["group_size"]] if "group_size" in settings else group_sizes
             for group_size in sizes:
@@ -244,7 +251,7 @@ def plan_sweep(sweep: dict, generations: int | None = None, seeds: list[int] | N
                 name, label = (f"grpo_{variant}", f"grpo {variant}") if variant is not None else ("grpo", "grpo")
                 if len(sizes) > 1:
                     name, label = f"{name}_G{group_size}", f"{label} G={group_size}"
-                plan.append(PlannedRun(f"{name}_seed{seed}", label, "grpo", config, steps * group_size * _prompts_per_step(config)))
+                plan.append(PlannedRun(f"{name}_seed{seed}", label, "grpo", config, run_budget("grpo", config)))
     if own_budget is None:
         check_equal_budgets(plan)
     else:  # a protocol's own GRPO budget: equal within each kind

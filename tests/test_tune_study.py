@@ -154,6 +154,18 @@ def test_the_gpu_study_specs_check_and_checkpoint_grpo_no_more_often_than_es(tas
     assert es and grpo and max(grpo) <= max(es)
 
 
+def test_a_runs_budget_counts_every_training_prompt_where_prompts_per_step_is_unset():
+    from evolm_lib.config import ESConfig, GRPOConfig
+    from evolm_lib.sweep import run_budget
+
+    # conciseness trains on the paper's two prompts: 240 x 30 x 2 and 900 x 8 x 2, the GPU study's budget
+    es = ESConfig(model="tiny-random", task="conciseness", population_size=30, num_generations=240)
+    grpo = GRPOConfig(model="tiny-random", task="conciseness", group_size=8, num_steps=900)
+    assert es.prompts_per_step is None and run_budget("es", es) == run_budget("grpo", grpo) == 14_400
+    assert run_budget("es", es.replace(task="arithmetic", task_options={"digits": 2}, prompts_per_step=8,
+                                       num_generations=60)) == 14_400  # 60 x 30 x 8
+
+
 def test_a_protocols_own_grpo_budget_sets_the_steps(tmp_path):
     sweep = copy.deepcopy(SPEC["sweep"])
     sweep["common"]["task_options"] = {"path": str(write_task(tmp_path)), "reward": "length", "num_validation": 2}

@@ -21,7 +21,7 @@ from typing import Callable, Sequence
 
 from ..metrics import without_times
 from ..runs import list_checkpoints, load_run_config, read_config_kind, read_jsonl, read_metrics
-from ..sweep import PlannedRun, make_shared_evaluator, run_one
+from ..sweep import PlannedRun, make_shared_evaluator, run_budget, run_one
 from .final import STAGES
 
 REBUILT = "rebuilt"
@@ -59,22 +59,32 @@ def planned_rebuild(source: Path, copy: Path, method: str) -> PlannedRun:
     """The rerun at ``source`` planned again, to run into ``copy``."""
     kind = read_config_kind(source)
     config = load_run_config(source)
-    length = config.num_generations if kind == "es" else config.num_steps
-    per_step = (config.population_size if kind == "es" else config.group_size) * config.prompts_per_step
-    return PlannedRun(copy.name, method, kind, config, length * per_step)
+    return PlannedRun(copy.name, method, kind, config, run_budget(kind, config))
+
+
+def stage_methods(study: str | Path, stage: str) -> list[str]:
+    """The methods with runs in a stage's folder (STUDY/<stage>/<method>), sorted."""
+    root = Path(study) / stage
+    return sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+
+
+def chosen_seeds(study: str | Path, stage: str, methods: Sequence[str], seeds: Sequence[int] | None) -> list[int]:
+    """``seeds``, else the first three seeds any of ``methods`` has in the stage: the solutions the
+    geometry reads, and so the reruns rebuilt for it."""
+    root = Path(study) / stage
+    available = sorted({int(p.name.removeprefix("seed")) for m in methods for p in (root / m).glob("seed*")})
+    return list(seeds) if seeds else available[:3]
 
 
 def to_rebuild(study: Path, seeds: Sequence[int] | None, stage: str = "final",
                methods: Sequence[str] | None = None) -> list[tuple[Path, Path, str]]:
     """(finished rerun, its rebuilt folder, method) for each chosen rerun without weights here."""
     root = Path(study) / stage
-    found = sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+    found = stage_methods(study, stage)
     wanted = [m for m in found if methods is None or m in methods]
     if methods is not None and (missing := sorted(set(methods) - set(found))):
         raise FileNotFoundError(f"{root}: no reruns of {missing} (found {found})")
-    available = sorted({int(p.name.removeprefix("seed")) for m in wanted for p in (root / m).glob("seed*")})
-    chosen = list(seeds) if seeds else available[:3]
-    work = []
+    work, chosen = [], chosen_seeds(study, stage, wanted, seeds)
     for method in wanted:
         for seed in chosen:
             source = root / method / f"seed{seed}"
