@@ -40,6 +40,12 @@ PACK_SECONDS=${PACK_SECONDS:-60}  # what a stage keeps for its pack
 export VLLM_LOGGING_LEVEL=WARNING TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 export OMP_NUM_THREADS=2  # many processes share the machine's cores
 
+cards() {  # the machine's GPUs (a CPU machine: one "card")
+  local n
+  n=$(nvidia-smi -L 2>/dev/null | wc -l); [ "$n" -ge 1 ] || n=1
+  echo "$n"
+}
+
 alive() {  # workers of the last start still running
   local n=0 pid
   for pid in $(cat "$LOGS/workers.pids" 2>/dev/null); do kill -0 "$pid" 2>/dev/null && n=$((n + 1)); done
@@ -99,7 +105,7 @@ start() {
   python -c "from evolm_lib.models import resolve_model; resolve_model('smollm2-135m-instruct')" >/dev/null 2>&1
   python -m evolm_lib.cli tune "$SPEC" --dry-run --no-figures > "$LOGS/dry_run.txt" 2>&1 || { cat "$LOGS/dry_run.txt" >&2; exit 1; }
   local gpus per i=0 method w
-  gpus=$(nvidia-smi -L 2>/dev/null | wc -l); [ "$gpus" -ge 1 ] || gpus=1  # a CPU machine: one "card"
+  gpus=$(cards)
   per=${WORKERS_PER_METHOD:-$gpus}
   local total card_engines
   total=$((per * $(echo $METHODS | wc -w)))
@@ -121,7 +127,7 @@ rebuild() {
   # again by `python -m evolm_lib.tune.rebuild` into STUDY/rebuilt/, one process per method and seed,
   # round-robin over the cards; returns when all have ended (their logs: LOGS/rebuild.METHOD.SEED.log).
   local gpus method seed i=0 pids="" pid failed=0
-  gpus=$(nvidia-smi -L 2>/dev/null | wc -l); [ "$gpus" -ge 1 ] || gpus=1
+  gpus=$(cards)
   mkdir -p "$LOGS"
   for method in $(ls "$STUDY/final"); do
     for seed in $(ls "$STUDY/final/$method" | sed -n 's/^seed\([0-9]*\)$/\1/p' | sort -n | head -n 3); do

@@ -23,17 +23,13 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .final import STAGES, SUMMARY
-from .rebuild import solution_folder
+from .rebuild import chosen_seeds, solution_folder, stage_methods
 
 GEOMETRY = "geometry.json"
 
 
 def _finite(value: float) -> float | None:
     return value if isinstance(value, float) and math.isfinite(value) else None
-
-
-def _methods(study: Path, stage: str) -> list[str]:
-    return sorted(p.name for p in (study / stage).iterdir() if p.is_dir()) if (study / stage).is_dir() else []
 
 
 def _declared_pairs(study: Path, methods: Sequence[str]) -> list[tuple[str, str]]:
@@ -50,11 +46,10 @@ def solutions_geometry(study: str | Path, seeds: Sequence[int] | None = None, st
     from ..geometry import load_solution, summarize, update_cosine, update_table
 
     study = Path(study)
-    methods = _methods(study, stage)
+    methods = stage_methods(study, stage)
     if not methods:
         raise FileNotFoundError(f"{study / stage}: no reruns here (OUT/{stage}/<method>/seedS)")
-    available = sorted({int(p.name.removeprefix("seed")) for m in methods for p in (study / stage / m).glob("seed*")})
-    seeds = list(seeds) if seeds else available[:3]
+    seeds = chosen_seeds(study, stage, methods, seeds)
     result: dict[str, Any] = {"stage": stage, "dtype": dtype, "seeds": seeds, "updates": [], "cosines": []}
     for seed in seeds:
         solutions = {m: load_solution(solution_folder(study, stage, m, seed)) for m in methods
@@ -118,7 +113,7 @@ def write_geometry(study: str | Path, out: str | Path, seeds: Sequence[int] | No
     """OUT/geometry.json (see the module docstring); returns what it holds."""
     study, out = Path(study), Path(out)
     result = solutions_geometry(study, seeds, stage, dtype)
-    pairs = list(pairs) if pairs is not None else _declared_pairs(study, _methods(study, stage))
+    pairs = list(pairs) if pairs is not None else _declared_pairs(study, stage_methods(study, stage))
     result["paths"], result["skipped_paths"] = (solution_paths(study, pairs, result["seeds"][0], stage, points, kl_samples)
                                                 if points >= 2 and pairs else ([], []))
     out.mkdir(parents=True, exist_ok=True)
