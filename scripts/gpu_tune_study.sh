@@ -2,8 +2,10 @@
 # The tuned study (papermill_runs/tune_study_addition_gpu.yaml) on a machine of several GPUs, in
 # stages that survive a machine taken back: each call packs what is finished.
 #
-#   bash scripts/gpu_tune_study.sh start [ARCHIVE]   # unpack an earlier pack (if given), start the workers, detached
-#   bash scripts/gpu_tune_study.sh pack DIR          # pack the study into DIR/tune_study.tar.gz, with the workers' log tails
+#   bash scripts/gpu_tune_study.sh start [ARCHIVE]   # unpack an earlier pack (if given; or its parts ARCHIVE.part-NN),
+#                                                    # start the workers, detached
+#   bash scripts/gpu_tune_study.sh pack DIR          # pack the study into DIR/tune_study.tar.gz (in parts of PART_BYTES,
+#                                                    # 15 MiB, where larger), with the workers' log tails
 #   bash scripts/gpu_tune_study.sh stage SECONDS DIR [ARCHIVE]   # start (unless running), wait, pack: one device call
 #                                                                # that ends within SECONDS (give the call a limit above it)
 #   bash scripts/gpu_tune_study.sh compact DIR       # the study's rows and scores in DIR/compact (to commit)
@@ -96,10 +98,7 @@ start() {
   if [ "$(alive)" -gt 0 ]; then
     echo "workers already running: $(alive)"; return 0
   fi
-  if [ -n "$archive" ] && [ -f "$archive" ]; then
-    mkdir -p "$(dirname "$STUDY")" && tar -xzf "$archive" -C "$(dirname "$STUDY")" || { echo "cannot unpack $archive" >&2; exit 1; }
-    echo "unpacked $archive"
-  fi
+  [ -n "$archive" ] && unpack "$archive"
   mkdir -p "$LOGS"
   : > "$LOGS/workers.pids"; : > "$LOGS/workers.tsv"; : > "$LOGS/replaced.txt"
   python -c "from evolm_lib.models import resolve_model; resolve_model('smollm2-135m-instruct')" >/dev/null 2>&1
@@ -165,10 +164,30 @@ sys.exit(1 if left else 0)' "$SPEC" "$STUDY"; then
   python -m evolm_lib.tune.compact "$STUDY" "$dir/compact"
 }
 
+unpack() {  # unpack ARCHIVE: a pack, or the parts pack split it into (ARCHIVE.part-00, -01, ...)
+  local archive=$1
+  if [ -f "$archive" ]; then
+    mkdir -p "$(dirname "$STUDY")" && tar -xzf "$archive" -C "$(dirname "$STUDY")" || { echo "cannot unpack $archive" >&2; exit 1; }
+  elif [ -f "$archive.part-00" ]; then
+    mkdir -p "$(dirname "$STUDY")" && cat "$archive".part-* | tar -xz -C "$(dirname "$STUDY")" \
+      || { echo "cannot unpack the parts $archive.part-*" >&2; exit 1; }
+  else
+    echo "no pack at $archive (nor its parts $archive.part-NN)" >&2; exit 1
+  fi
+  echo "unpacked $archive"
+}
+
 pack() {
-  local dir=$1
+  # DIR/tune_study.tar.gz, split into DIR/tune_study.tar.gz.part-00, -01, ... of PART_BYTES each where
+  # it is larger (a device call returns files of at most 16 MiB); `cat` joins them, and start takes either
+  local dir=$1 part=${PART_BYTES:-15728640}
   mkdir -p "$dir"
+  rm -f "$dir"/tune_study.tar.gz.part-*
   python -m evolm_lib.tune.pack "$STUDY" "$dir/tune_study.tar.gz"
+  if [ -f "$dir/tune_study.tar.gz" ] && [ "$(stat -c %s "$dir/tune_study.tar.gz")" -gt "$part" ]; then
+    split -b "$part" -d -a 2 "$dir/tune_study.tar.gz" "$dir/tune_study.tar.gz.part-" && rm "$dir/tune_study.tar.gz"
+    echo "split into $(ls "$dir"/tune_study.tar.gz.part-* | wc -l) parts of at most $part bytes; cat joins them"
+  fi
   { nvidia-smi 2>/dev/null --query-gpu=index,name,memory.used,utilization.gpu --format=csv
     for f in "$LOGS"/*.log; do echo "== $f"; tail -n 5 "$f"; done; } > "$dir/tune_study_status.txt" 2>&1
   echo "$(alive) workers alive" | tee -a "$dir/tune_study_status.txt"
@@ -195,5 +214,5 @@ stage)
   # every worker ended: the study may be done, and its weights are still here
   [ "$(alive)" -eq 0 ] && [ "${FINISH:-1}" = 1 ] && finish "$dir" $((end - SECONDS))
   pack "$dir" ;;
-*) sed -n 2,33p "$0"; exit 2 ;;
+*) sed -n 2,35p "$0"; exit 2 ;;
 esac

@@ -1,10 +1,14 @@
 """``scripts/gpu_tune_study.sh`` run by bash on stand-in workers: refill (a worker that ended cleanly
 gives its card to a method still at work, the one with the fewest workers alive; a worker that died,
 or one of a method whose work is all claimed, is not replaced), rebuild (one process per method and
-seed over the cards) and finish (rebuild, geometry, compact, only for a finished study)."""
+seed over the cards), finish (rebuild, geometry, compact, only for a finished study), and a pack
+split into parts a device call can return, which start joins again."""
 from __future__ import annotations
 
+import os
 import subprocess
+import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -12,11 +16,13 @@ import pytest
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_tune_study.sh"
 
 
-def _functions() -> str:
-    """The script's own functions that refill uses (the rest of it starts real workers)."""
+def _functions(*names: str) -> str:
+    """The script's own functions of these names, by default those refill uses (the rest of it starts
+    real workers)."""
+    names = names or ("alive", "launch", "ended_cleanly", "refill")
     text, taken, keep = SCRIPT.read_text().splitlines(), [], False
     for line in text:
-        keep = keep or line.startswith(("alive() {", "launch() {", "ended_cleanly() {", "refill() {"))
+        keep = keep or line.startswith(tuple(f"{name}() {{" for name in names))
         if keep:
             taken.append(line)
         if keep and line == "}":
@@ -148,3 +154,45 @@ def test_finish_rebuilds_measures_and_compacts_only_a_finished_study(tmp_path, d
                      f"evolm_lib.tune.compact {study} {out}/compact"]
     assert calls.read_text().splitlines() == expected
     assert (out / "compact").is_dir() == done
+
+
+def test_a_pack_larger_than_a_part_is_split_and_start_joins_the_parts_again(tmp_path):
+    """`pack` with the real packer: an archive over PART_BYTES becomes parts of at most that size and
+    no whole archive; `unpack` (what start runs) puts the study back from the parts, file for file."""
+    import optuna
+
+    study = tmp_path / "run" / "study"
+    trial_folder = study / "trials" / "es_lora" / "trial_0000"
+    (trial_folder / "seed100").mkdir(parents=True)
+    storage = optuna.create_study(storage=f"sqlite:///{study / 'optuna.db'}", study_name="es_lora",
+                                  direction="maximize")
+    trial = storage.ask()
+    trial.set_user_attr("run_dir", str(trial_folder))
+    storage.tell(trial, 0.5)
+    rows = os.urandom(250_000).hex()  # gzip cannot shrink it below two parts
+    (trial_folder / "seed100" / "metrics.jsonl").write_text(rows + "\n")
+    (study / "tune_summary.json").write_text("{}")
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "STUDY": str(study),
+           "LOGS": str(tmp_path / "logs"), "PART_BYTES": "200000"}
+    out = tmp_path / "out"
+    (out).mkdir()
+    (out / "tune_study.tar.gz.part-07").write_text("an earlier pack's part")  # not mistaken for this pack's
+    result = subprocess.run(["bash", str(SCRIPT), "pack", str(out)], env=env, capture_output=True, text=True,
+                            timeout=120, cwd=SCRIPT.parents[1])
+    assert result.returncode == 0, result.stderr
+    parts = sorted(out.glob("tune_study.tar.gz.part-*"))
+    count = -(-sum(p.stat().st_size for p in parts) // 200_000)
+    assert count >= 2 and [p.name for p in parts] == [f"tune_study.tar.gz.part-{i:02d}" for i in range(count)]
+    assert all(p.stat().st_size <= 200_000 for p in parts) and not (out / "tune_study.tar.gz").exists()
+    assert f"split into {count} parts of at most 200000 bytes" in result.stdout
+
+    again = tmp_path / "again" / "study"
+    script = f"set -u\nSTUDY={again}\n{_functions('unpack')}\nunpack {out}/tune_study.tar.gz\n"
+    result = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert (again / "trials" / "es_lora" / "trial_0000" / "seed100" / "metrics.jsonl").read_text() == rows + "\n"
+    assert optuna.load_study(study_name="es_lora", storage=f"sqlite:///{again / 'optuna.db'}").best_value == 0.5
+
+    script = f"set -u\nSTUDY={again}\n{_functions('unpack')}\nunpack {tmp_path}/none.tar.gz\n"
+    result = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1 and f"no pack at {tmp_path}/none.tar.gz" in result.stderr

@@ -296,7 +296,8 @@ def test_a_study_packed_mid_run_keeps_finished_trials_rows_and_leaves_weights_an
     result = subprocess.run([sys.executable, "-m", "evolm_lib.tune.pack", str(out), str(archive)],
                             capture_output=True, text=True, cwd=REPO)
     assert result.returncode == 0, result.stderr
-    assert "left out 1 running: trials/es_full/trial_0001" in result.stdout
+    assert ("left out 2 unfinished (running, or failed and retried): "
+            "trials/es_full/trial_0001, final/es_full/seed1") in result.stdout
     with tarfile.open(archive) as tar:
         names = sorted(tar.getnames())
         tar.extractall(tmp_path / "unpacked", filter="data")

@@ -75,7 +75,9 @@ def pack_study(out: str | Path, archive: str | Path) -> dict[str, Any]:
         archive.parent.mkdir(parents=True, exist_ok=True)
         with tarfile.open(archive, "w:gz") as tar:
             tar.add(copy, arcname=f"{out.name}/{STORAGE}")
+            started = {p.parent for stage in STAGES for p in (out / stage).rglob("config.yaml")}
             reruns = sorted(p.parent for stage in STAGES for p in (out / stage).rglob(HELDOUT))
+            report["running"] += sorted(str(folder.relative_to(out)) for folder in started - set(reruns))
             folders = [out / folder for folder in finished] + reruns
             files = [out / SUMMARY, *out.glob("*.log")] + [p for folder in folders if folder.is_dir()
                                                            for p in sorted(folder.rglob("*")) if _keep(p, folder)]
@@ -98,7 +100,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"pack: {error}", file=sys.stderr)
         return 1
     print(f"packed {report['files']} files of {len(report['finished'])} finished trials ({report['bytes'] / 2**20:.1f} MiB); "
-          f"left out {len(report['running'])} running: {', '.join(report['running']) or 'none'}")
+          f"left out {len(report['running'])} unfinished (running, or failed and retried): {', '.join(report['running']) or 'none'}")
     return 0
 
 
