@@ -14,7 +14,7 @@
 #   bash scripts/gpu_tune_study.sh geometry DIR      # the winners' geometry in DIR/compact/geometry.json (needs the reruns'
 #                                                    # weights: here, or rebuilt)
 #   bash scripts/gpu_tune_study.sh finish DIR [SECONDS]   # once nothing is outstanding: rebuild, geometry and compact
-#                                                    # into DIR/compact, each stopped at the deadline; a stage whose
+#                                                    # into DIR/compact.tar.gz, each stopped at the deadline; a stage whose
 #                                                    # workers have all ended runs it before its pack (FINISH=0: not)
 #
 # Workers: WORKERS_PER_METHOD (default: the number of cards) `evolm tune SPEC --methods M` processes per
@@ -145,8 +145,8 @@ rebuild() {
 finish() {
   # The study's last steps on the machine that holds the reruns' weights, once no method has work
   # outstanding (tune.outstanding over the whole spec): the geometry's rebuilds, the geometry, the
-  # compacted files, all in DIR/compact. Each step is stopped at the deadline; what a stopped rebuild
-  # wrote resumes the next time.
+  # compacted files, all in DIR/compact, packed as DIR/compact.tar.gz. Each step is stopped at the
+  # deadline; what a stopped rebuild wrote resumes the next time.
   local dir=$1 until=$((SECONDS + ${2:-3600}))
   if ! python -c 'import sys
 import optuna
@@ -162,6 +162,8 @@ sys.exit(1 if left else 0)' "$SPEC" "$STUDY"; then
   [ $((until - SECONDS)) -gt 30 ] && timeout --kill-after=10 $((until - SECONDS)) \
     python -m evolm_lib.tune.geometry "$STUDY" "$dir/compact" ${GEOMETRY_ARGS:-}
   python -m evolm_lib.tune.compact "$STUDY" "$dir/compact"
+  # one file: beside the pack's parts and the status, the call's files stay within the 8 a call returns
+  tar -czf "$dir/compact.tar.gz" -C "$dir" compact && rm -rf "$dir/compact"
 }
 
 unpack() {  # unpack ARCHIVE: a pack, or the parts pack split it into (ARCHIVE.part-00, -01, ...)

@@ -135,7 +135,7 @@ def test_rebuild_runs_the_first_three_final_seeds_of_each_method_one_process_eac
 @pytest.mark.parametrize("done", [True, False])
 def test_finish_rebuilds_measures_and_compacts_only_a_finished_study(tmp_path, done):
     """`finish` asks tune.outstanding whether the study is done; only then it runs the rebuilds, the
-    geometry and the compaction, in that order, into DIR/compact."""
+    geometry and the compaction, in that order, into DIR/compact, and packs that as one file."""
     study = tmp_path / "study"
     (study / "final" / "es_lora" / "seed0").mkdir(parents=True)
     calls = tmp_path / "calls.txt"
@@ -153,7 +153,10 @@ def test_finish_rebuilds_measures_and_compacts_only_a_finished_study(tmp_path, d
         expected += [f"evolm_lib.tune.rebuild {study} --methods", f"evolm_lib.tune.geometry {study} {out}/compact",
                      f"evolm_lib.tune.compact {study} {out}/compact"]
     assert calls.read_text().splitlines() == expected
-    assert (out / "compact").is_dir() == done
+    assert (out / "compact.tar.gz").is_file() == done and not (out / "compact").exists()
+    if done:
+        with tarfile.open(out / "compact.tar.gz") as tar:
+            assert tar.getnames() == ["compact"]
 
 
 def test_a_pack_larger_than_a_part_is_split_and_start_joins_the_parts_again(tmp_path):
