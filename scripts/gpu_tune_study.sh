@@ -24,8 +24,10 @@
 # method share its Optuna study (SQLite in the study folder); a worker that dies leaves a trial whose
 # heartbeat goes stale, and Optuna retries it with the same setting. When a method has its trials,
 # its workers rerun the winner on the final seeds, continue those reruns (tune.long, OUT/long) and run
-# the shuffled-fitness control (tune.control, OUT/control). Packs hold finished runs only
-# (python -m evolm_lib.tune.pack): a new machine unpacks the last one and runs `start` again. Each worker
+# the shuffled-fitness control (tune.control, OUT/control). Packs hold finished runs, and unfinished
+# runs with their newest checkpoint where it is small: ES on the model's own weights always, LoRA runs
+# within a budget (python -m evolm_lib.tune.pack): a new machine unpacks the last one and runs `start`
+# again, and those runs go on from their checkpoints. Each worker
 # is told how many engines share its card (EVOLM_ENGINES_PER_CARD, recorded in every run's
 # placement.jsonl beside the times). While a stage waits, a worker that ended cleanly (its method had
 # nothing left to claim) is replaced on its card by one of the method still at work with the fewest

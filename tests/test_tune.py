@@ -291,13 +291,15 @@ def test_a_study_packed_mid_run_keeps_finished_trials_rows_and_leaves_weights_an
         (folder / "metrics.jsonl").write_text('{"generation": 1}\n')
         (folder / "config.yaml").write_text("seed: 100\n")
     (rerun_done / "heldout.jsonl").write_text('{"index": 0, "generation": 10}\n')  # scored: finished
+    (out / "final" / "es_full" / ".seed0.copying").mkdir()  # a continuation's copy being made: not a run
+    (out / "final" / "es_full" / ".seed0.copying" / "config.yaml").write_text("seed: 0\n")
     (out / "tune_summary.json").write_text("{}")
     archive = tmp_path / "pack" / "study.tar.gz"
     result = subprocess.run([sys.executable, "-m", "evolm_lib.tune.pack", str(out), str(archive)],
                             capture_output=True, text=True, cwd=REPO)
     assert result.returncode == 0, result.stderr
-    assert ("left out 2 unfinished (running, or failed and retried): "
-            "trials/es_full/trial_0001, final/es_full/seed1") in result.stdout
+    assert ("left out 2 unfinished runs, to run from their start: "
+            "final/es_full/seed1, trials/es_full/trial_0001/seed100") in result.stdout  # no intact checkpoint
     with tarfile.open(archive) as tar:
         names = sorted(tar.getnames())
         tar.extractall(tmp_path / "unpacked", filter="data")
@@ -310,3 +312,94 @@ def test_a_study_packed_mid_run_keeps_finished_trials_rows_and_leaves_weights_an
     missing = subprocess.run([sys.executable, "-m", "evolm_lib.tune.pack", str(tmp_path), str(archive)],
                              capture_output=True, text=True, cwd=REPO)
     assert missing.returncode == 1 and "no optuna.db here" in missing.stderr
+
+
+def test_a_retry_packs_into_its_first_attempts_folder_and_a_failed_trial_s_folder_is_its_retry_s(tmp_path):
+    """tune.pack.trial_folders: finished trials by their run_dir, trials still to run (running, or a
+    retry waiting) by their first attempt's folder, which a retry resumes; a failed trial alone names
+    no folder."""
+    import optuna
+
+    from evolm_lib.tune.pack import trial_folders
+
+    storage = tmp_path / "optuna.db"
+    study = optuna.create_study(storage=f"sqlite:///{storage}", study_name="es_full", direction="maximize")
+    done = study.ask()  # 0: complete
+    done.set_user_attr("run_dir", "runs/x/trials/es_full/trial_0000")
+    study.tell(done, 0.5)
+    study.tell(study.ask(), state=optuna.trial.TrialState.FAIL)  # 1: killed, its retry waits as 3
+    study.tell(study.ask(), state=optuna.trial.TrialState.FAIL)  # 2: refused by its config, no retry
+    params = {"sigma": 0.1}
+    distributions = {"sigma": optuna.distributions.FloatDistribution(0.01, 1.0)}
+    study.add_trial(optuna.trial.create_trial(state=optuna.trial.TrialState.WAITING, params=params,
+                                              distributions=distributions,
+                                              system_attrs={"failed_trial": 1, "retry_history": [1]}))
+    study.ask()  # 4: running (takes the waiting retry 3 first, so ask twice)
+    study.ask()
+    assert trial_folders(storage) == (["trials/es_full/trial_0000"],
+                                      ["trials/es_full/trial_0001", "trials/es_full/trial_0004"])
+
+
+def test_an_unfinished_run_packed_with_its_checkpoint_resumes_elsewhere_to_the_uninterrupted_rows(tiny_vllm, tmp_path):
+    """A full-parameter ES run's checkpoint holds no tensors (its mean is replayed from the seed log),
+    a LoRA run's (ES or GRPO) holds the adapter and the optimizer's moments: under a budget below the
+    ES LoRA checkpoint only the first goes in and the LoRA runs are left out and named; under the
+    default all go in, without snapshots, and each, unpacked in another folder, resumes to the rows
+    of a run never stopped."""
+    import tarfile
+
+    import optuna
+
+    from evolm_lib.config import ESConfig, GRPOConfig
+    from evolm_lib.runs import list_checkpoints
+    from evolm_lib.train.es import ESRun
+    from evolm_lib.train.grpo import GRPORun
+    from evolm_lib.tune.pack import pack_study
+
+    common = dict(model="tiny-random", task="conciseness", population_size=4, sigma=0.1, learning_rate=0.05,
+                  lora_rank=1, target_modules=["q_proj", "v_proj"], max_new_tokens=6, max_model_len=256,
+                  kv_cache_gb=0.0625, eval_every=1, num_generations=4, checkpoint_every=1, optimizer="adam")
+    configs = {"es_full": ESConfig(**common, es_mode="full"), "es_lora": ESConfig(**common),
+               "grpo_lora": GRPOConfig(model="tiny-random", task="conciseness", target_modules=["q_proj", "v_proj"],
+                                       lora_rank=1, max_new_tokens=6, max_model_len=256, kv_cache_gb=0.0625,
+                                       group_size=2, num_steps=4, checkpoint_every=1, eval_every=1, temperature=1.0)}
+    opened = {"es_full": ESRun, "es_lora": ESRun, "grpo_lora": GRPORun}
+    out = tmp_path / "study"
+    out.mkdir()
+    optuna.create_study(storage=f"sqlite:///{out / 'optuna.db'}", study_name="es_full")
+    uninterrupted = {}
+    for method, config in configs.items():
+        whole = opened[method].open(config, tmp_path / "whole" / method, evaluator=tiny_vllm)
+        whole.run()
+        whole.close()
+        uninterrupted[method] = [{k: v for k, v in r.items() if not k.startswith("time/")}
+                                 for r in read_metrics(tmp_path / "whole" / method)]
+        cut = opened[method].open(config, out / "final" / method / "seed0", evaluator=tiny_vllm)
+        cut.run(2)  # the machine goes back after generation 2: no held-out scores, unfinished
+        cut.close()
+    lora = list_checkpoints(out / "final" / "es_lora" / "seed0")[-1]
+    lora_bytes = sum(p.stat().st_size for p in lora.rglob("*") if p.is_file())
+
+    report = pack_study(out, tmp_path / "small.tar.gz", checkpoint_bytes=lora_bytes - 1)
+    assert report["resumed"] == ["final/es_full/seed0 at 2"]
+    assert report["left_out"] == ["final/es_lora/seed0", "final/grpo_lora/seed0"]
+    with tarfile.open(tmp_path / "small.tar.gz") as tar:
+        names = tar.getnames()
+    assert "study/final/es_full/seed0/checkpoints/000002/state.json" in names
+    assert "study/final/es_full/seed0/seed_log.jsonl" in names
+    assert not [n for n in names if "snapshots" in n or "_lora" in n]
+
+    report = pack_study(out, tmp_path / "pack.tar.gz")
+    assert report["resumed"] == ["final/es_full/seed0 at 2", "final/es_lora/seed0 at 2", "final/grpo_lora/seed0 at 2"]
+    assert report["left_out"] == []
+    with tarfile.open(tmp_path / "pack.tar.gz") as tar:
+        assert "study/final/es_lora/seed0/checkpoints/000002/adapter/adapter_model.safetensors" in tar.getnames()
+        tar.extractall(tmp_path / "elsewhere", filter="data")
+    for method, config in configs.items():
+        folder = tmp_path / "elsewhere" / "study" / "final" / method / "seed0"
+        run = opened[method].open(config, folder, evaluator=tiny_vllm)
+        assert run.generation == 2
+        run.run()
+        run.close()
+        assert [{k: v for k, v in r.items() if not k.startswith("time/")} for r in read_metrics(folder)] == \
+            uninterrupted[method], method

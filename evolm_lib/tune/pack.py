@@ -1,16 +1,27 @@
 """A study's folder packed while its workers run, so a machine taken back loses nothing packed:
-``python -m evolm_lib.tune.pack OUT ARCHIVE``.
+``python -m evolm_lib.tune.pack OUT ARCHIVE [--checkpoint-mib N]``.
 
 The archive holds a consistent copy of the study's SQLite storage (taken with SQLite's backup API,
-so a worker writing at that moment cannot tear it), the summary and logs, and the text files (rows,
-seed logs, settings, held-out scores) of every finished run: each trial the storage lists as
-complete or pruned, and each rerun, continued rerun and control (``final/``, ``long/``, ``control/``)
-whose held-out scores are written. Weights (checkpoints, snapshots, saved models) stay behind: a
-full-parameter run's are hundreds of megabytes each, and a finished run needs none of them again
-(``final.run_unfinished`` leaves it be). A run still going (or a failed trial, whose retry reuses
-its folder) is left out whole: unpacked on a new machine, its trial's stale heartbeat makes Optuna
-retry it with the same setting, and a rerun is run again, each in an empty folder instead of one
-whose rows have no checkpoint to resume from.
+so a worker writing at that moment cannot tear it), the summary and logs, and:
+
+- the text files (rows, seed logs, settings, held-out scores) of every finished run: each trial the
+  storage lists as complete or pruned, and each rerun, continued rerun and control (``final/``,
+  ``long/``, ``control/``) whose held-out scores are written;
+- every unfinished run's text files with its newest intact checkpoint, so that a new machine
+  resumes it from there (a trial's retry resumes its first attempt's folders, a rerun its own), and
+  the newest checkpoint of each finished rerun in ``final/``, from which its continuation in
+  ``long/`` starts.
+
+A checkpoint of ES on the model's own weights (``es_mode`` full or eggroll) holds no tensors: the
+mean is the model's weights with the seed log's updates replayed, as a resume on the same machine
+does without a snapshot. A checkpoint of a LoRA mean or of GRPO holds tensors (the adapter, the
+optimizer's moments): checkpoints go in smallest first while they stay within ``checkpoint_bytes``
+(a device call returns 64 MiB in all), so a full-weight GRPO checkpoint never does. Snapshots and
+saved models stay behind. An unfinished run whose checkpoint does not go in is left out whole and
+named: on a new machine it runs again from its start in an empty folder (a trial's stale heartbeat
+makes Optuna retry it with the same setting). A checkpoint's files are read once and checked
+against its manifest as they go in, so a checkpoint pruned or rewritten while the pack reads it is
+never carried torn: the run falls back to its previous checkpoint, or is left out.
 
 Unpack with ``tar -xzf ARCHIVE -C PARENT`` (the archive's top folder is OUT's name), then run the
 same ``evolm tune`` commands: each study continues where it stopped.
@@ -18,39 +29,53 @@ same ``evolm tune`` commands: each study continues where it stopped.
 from __future__ import annotations
 
 import argparse
+import hashlib
+import io
+import json
 import sqlite3
 import sys
 import tarfile
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+from ..runs import CHECKPOINTS, MANIFEST, list_checkpoints
 from ..sweep import HELDOUT
 from .final import STAGES, SUMMARY
 from .study import STORAGE
 
 TEXT_SUFFIXES = (".jsonl", ".json", ".yaml", ".yml", ".txt", ".log", ".csv")
-"""What a packed run folder keeps: its rows, seed log, settings and scores."""
-WEIGHT_FOLDERS = ("checkpoints", "snapshots", "final_model", "final_adapter", "adapter")
-"""Folders of weights, left out wherever they are."""
+"""What a packed run folder keeps besides its checkpoint: its rows, seed log, settings and scores."""
+WEIGHT_FOLDERS = (CHECKPOINTS, "snapshots", "final_model", "final_adapter", "adapter")
+"""Folders of weights, left out wherever they are (a checkpoint goes in on its own terms)."""
 FINISHED = ("COMPLETE", "PRUNED")
-"""Trial states whose folders are packed: no retry will write into them again."""
+"""Trial states whose folders are finished: no retry will write into them again."""
+TO_RUN = ("RUNNING", "WAITING")
+"""Trial states whose folders a worker will write into again (a retry waits as WAITING)."""
+CHECKPOINT_BYTES = 24 * 2**20
+"""The checkpoints' bytes a pack carries at most (before compression)."""
 
 
-def finished_trial_folders(storage_file: Path) -> tuple[list[str], list[str]]:
-    """(run folders of finished trials, run folders of the others) of every study in a storage file
-    (the copy :func:`pack_study` takes): a trial's folder is its ``run_dir`` user attribute where it
-    finished, else ``trials/<study>/trial_NNNN``."""
+def trial_folders(storage_file: Path) -> tuple[list[str], list[str]]:
+    """(folders of finished trials, folders of trials a worker will go on with) of every study in a
+    storage file (the copy :func:`pack_study` takes), as ``trials/<study>/trial_NNNN``. A trial's
+    folder is its ``run_dir`` user attribute where it finished, else its first attempt's (a retry
+    resumes the folder of the trial it retries); a failed trial's folder belongs to its retry."""
     import optuna
 
     storage = f"sqlite:///{storage_file}"
-    finished, running = [], []
+    finished, to_run = set(), set()
     for name in optuna.get_all_study_names(storage):
         for trial in optuna.load_study(study_name=name, storage=storage).get_trials(deepcopy=False):
             run_dir = trial.user_attrs.get("run_dir")
-            folder = Path(run_dir).name if run_dir else f"trial_{trial.number:04d}"
-            (finished if trial.state.name in FINISHED else running).append(f"trials/{name}/{folder}")
-    return finished, running
+            first = trial.system_attrs.get("failed_trial", trial.number)  # Optuna's retried_trial_number
+            folder = f"trials/{name}/{Path(run_dir).name if run_dir else f'trial_{first:04d}'}"
+            if trial.state.name in FINISHED:
+                finished.add(folder)
+            elif trial.state.name in TO_RUN:
+                to_run.add(folder)
+    return sorted(finished), sorted(to_run - finished)
 
 
 def _keep(path: Path, root: Path) -> bool:
@@ -58,33 +83,112 @@ def _keep(path: Path, root: Path) -> bool:
     return path.is_file() and path.suffix in TEXT_SUFFIXES and not set(relative.parts[:-1]) & set(WEIGHT_FOLDERS)
 
 
-def pack_study(out: str | Path, archive: str | Path) -> dict[str, Any]:
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+@dataclass
+class _Checkpoint:
+    """A checkpoint folder's files as read once, each matching its manifest."""
+
+    folder: Path
+    files: dict[str, bytes] = field(default_factory=dict)
+
+    @property
+    def bytes(self) -> int:
+        return sum(len(data) for data in self.files.values())
+
+
+def _read_checkpoint(folder: Path) -> _Checkpoint | None:
+    """The checkpoint's files and manifest, read once; None unless every file its manifest lists is
+    there with its size and SHA-256 (one being pruned or rewritten, or damaged, is not carried)."""
+    try:
+        manifest = (folder / MANIFEST).read_bytes()
+        entries = json.loads(manifest)["files"]
+        read = _Checkpoint(folder, {MANIFEST: manifest})
+        for name, entry in entries.items():
+            data = (folder / name).read_bytes()
+            if len(data) != entry["bytes"] or _sha256(data) != entry["sha256"]:
+                return None
+            read.files[name] = data
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return read
+
+
+def _newest_checkpoint(run_folder: Path) -> _Checkpoint | None:
+    """The newest checkpoint of a run folder that reads whole, or None."""
+    for folder in reversed(list_checkpoints(run_folder)):
+        checkpoint = _read_checkpoint(folder)
+        if checkpoint is not None:
+            return checkpoint
+    return None
+
+
+def _run_folders(folder: Path) -> list[Path]:
+    """The run folders at or under ``folder`` (a trial's are its seed folders): those with a config,
+    not inside a checkpoint, and not a hidden folder (a continuation's copy being made)."""
+    found = (p.parent for p in folder.rglob("config.yaml"))
+    return sorted(run for run in found if CHECKPOINTS not in run.relative_to(folder).parts
+                  and not any(part.startswith(".") for part in run.relative_to(folder).parts))
+
+
+def pack_study(out: str | Path, archive: str | Path, checkpoint_bytes: int = CHECKPOINT_BYTES) -> dict[str, Any]:
     """Pack the study folder ``out`` into the gzipped tar ``archive`` (see the module docstring);
-    returns what went in and what was left out."""
+    returns what went in and what was left out: ``finished`` trial folders, ``resumed``: unfinished
+    run folders whose checkpoint went in (with its generation), ``continued``: finished reruns whose
+    checkpoint went in for their continuation, ``left_out``: unfinished run folders, ``files``,
+    ``checkpoint_bytes`` and the archive's ``bytes``."""
     out, archive = Path(out), Path(archive)
     storage = out / STORAGE
     if not storage.is_file():
         raise FileNotFoundError(f"{out}: no {STORAGE} here; is this the `out` folder of a tune spec?")
-    report: dict[str, Any] = {"finished": [], "running": [], "files": 0}
+    report: dict[str, Any] = {"finished": [], "resumed": [], "continued": [], "left_out": [], "files": 0,
+                              "checkpoint_bytes": 0}
     with tempfile.TemporaryDirectory() as tmp:
         copy = Path(tmp) / STORAGE
         with sqlite3.connect(f"file:{storage}?mode=ro", uri=True) as source, sqlite3.connect(copy) as target:
             source.backup(target)
-        finished, running = finished_trial_folders(copy)
-        report["finished"], report["running"] = sorted(finished), sorted(running)
+        finished, to_run = trial_folders(copy)
+        report["finished"] = finished
+        reruns = sorted(p.parent for stage in STAGES for p in (out / stage).rglob(HELDOUT))
+        unfinished = [run for folder in to_run for run in _run_folders(out / folder)]
+        unfinished += [run for stage in STAGES for run in _run_folders(out / stage) if run not in reruns]
+        continued = [run for run in reruns if run.parent.parent == out / "final"]
+        # checkpoints smallest first (the model-weight ES ones hold no tensors), the budget kept
+        candidates = [(checkpoint, run) for run in unfinished + continued
+                      if (checkpoint := _newest_checkpoint(run)) is not None]
+        chosen: dict[Path, _Checkpoint] = {}
+        for checkpoint, run in sorted(candidates, key=lambda pair: (pair[0].bytes, str(pair[1]))):
+            if report["checkpoint_bytes"] + checkpoint.bytes <= checkpoint_bytes:
+                chosen[run] = checkpoint
+                report["checkpoint_bytes"] += checkpoint.bytes
         archive.parent.mkdir(parents=True, exist_ok=True)
         with tarfile.open(archive, "w:gz") as tar:
             tar.add(copy, arcname=f"{out.name}/{STORAGE}")
-            started = {p.parent for stage in STAGES for p in (out / stage).rglob("config.yaml")}
-            reruns = sorted(p.parent for stage in STAGES for p in (out / stage).rglob(HELDOUT))
-            report["running"] += sorted(str(folder.relative_to(out)) for folder in started - set(reruns))
-            folders = [out / folder for folder in finished] + reruns
+
+            def add_bytes(relative: Path, data: bytes) -> None:
+                info = tarfile.TarInfo(f"{out.name}/{relative}")
+                info.size, info.mode = len(data), 0o644
+                tar.addfile(info, io.BytesIO(data))
+                report["files"] += 1
+
+            for run, checkpoint in sorted(chosen.items()):  # the checkpoint first: rows read after it reach it
+                for name, data in sorted(checkpoint.files.items()):
+                    add_bytes(checkpoint.folder.relative_to(out) / name, data)
+                at = f"{run.relative_to(out)} at {int(checkpoint.folder.name.split('.')[0])}"
+                report["resumed" if run in unfinished else "continued"].append(at)
+            folders = [out / folder for folder in finished] + reruns + [run for run in unfinished if run in chosen]
             files = [out / SUMMARY, *out.glob("*.log")] + [p for folder in folders if folder.is_dir()
                                                            for p in sorted(folder.rglob("*")) if _keep(p, folder)]
             for path in files:
                 if path.is_file():
                     tar.add(path, arcname=f"{out.name}/{path.relative_to(out)}")
                     report["files"] += 1
+        left = [str(run.relative_to(out)) for run in unfinished if run not in chosen]
+        # a trial folder nobody wrote into yet, or whose runs hold no config: named as the trial
+        left += [folder for folder in to_run if not _run_folders(out / folder)]
+        report["left_out"] = sorted(left)
     report["bytes"] = archive.stat().st_size
     return report
 
@@ -93,14 +197,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m evolm_lib.tune.pack", description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path, help="the study's folder (the spec's sweep.out)")
     parser.add_argument("archive", type=Path, help="the .tar.gz to write")
+    parser.add_argument("--checkpoint-mib", type=float, default=CHECKPOINT_BYTES / 2**20,
+                        help="the checkpoints' MiB the pack carries at most, before compression (default: %(default)s)")
     args = parser.parse_args(argv)
     try:
-        report = pack_study(args.out, args.archive)
+        report = pack_study(args.out, args.archive, checkpoint_bytes=int(args.checkpoint_mib * 2**20))
     except (FileNotFoundError, sqlite3.Error) as error:
         print(f"pack: {error}", file=sys.stderr)
         return 1
-    print(f"packed {report['files']} files of {len(report['finished'])} finished trials ({report['bytes'] / 2**20:.1f} MiB); "
-          f"left out {len(report['running'])} unfinished (running, or failed and retried): {', '.join(report['running']) or 'none'}")
+    print(f"packed {report['files']} files of {len(report['finished'])} finished trials ({report['bytes'] / 2**20:.1f} MiB, "
+          f"checkpoints {report['checkpoint_bytes'] / 2**20:.1f} MiB of them before compression); "
+          f"{len(report['resumed'])} unfinished runs go on from their checkpoints: {', '.join(report['resumed']) or 'none'}; "
+          f"{len(report['continued'])} finished reruns' checkpoints for their continuations; "
+          f"left out {len(report['left_out'])} unfinished runs, to run from their start: "
+          f"{', '.join(report['left_out']) or 'none'}")
     return 0
 
 
