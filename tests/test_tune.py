@@ -316,8 +316,8 @@ def test_a_study_packed_mid_run_keeps_finished_trials_rows_and_leaves_weights_an
 
 def test_a_retry_packs_into_its_first_attempts_folder_and_a_failed_trial_s_folder_is_its_retry_s(tmp_path):
     """tune.pack.trial_folders: finished trials by their run_dir, trials still to run (running, or a
-    retry waiting) by their first attempt's folder, which a retry resumes; a failed trial alone names
-    no folder."""
+    retry waiting) by their first attempt's folder, which a retry resumes; a failed trial with a
+    retry under its retry's name, one without among the failed."""
     import optuna
 
     from evolm_lib.tune.pack import trial_folders
@@ -337,7 +337,8 @@ def test_a_retry_packs_into_its_first_attempts_folder_and_a_failed_trial_s_folde
     study.ask()  # 4: running (takes the waiting retry 3 first, so ask twice)
     study.ask()
     assert trial_folders(storage) == (["trials/es_full/trial_0000"],
-                                      ["trials/es_full/trial_0001", "trials/es_full/trial_0004"])
+                                      ["trials/es_full/trial_0001", "trials/es_full/trial_0004"],
+                                      ["trials/es_full/trial_0002"])
 
 
 def test_an_unfinished_run_packed_with_its_checkpoint_resumes_elsewhere_to_the_uninterrupted_rows(tiny_vllm, tmp_path):

@@ -57,15 +57,16 @@ CHECKPOINT_BYTES = 24 * 2**20
 """The checkpoints' bytes a pack carries at most (before compression)."""
 
 
-def trial_folders(storage_file: Path) -> tuple[list[str], list[str]]:
-    """(folders of finished trials, folders of trials a worker will go on with) of every study in a
-    storage file (the copy :func:`pack_study` takes), as ``trials/<study>/trial_NNNN``. A trial's
-    folder is its ``run_dir`` user attribute where it finished, else its first attempt's (a retry
-    resumes the folder of the trial it retries); a failed trial's folder belongs to its retry."""
+def trial_folders(storage_file: Path) -> tuple[list[str], list[str], list[str]]:
+    """(folders of finished trials, folders of trials a worker will go on with, folders of failed
+    trials nobody retries) of every study in a storage file (the copy :func:`pack_study` takes), as
+    ``trials/<study>/trial_NNNN``. A trial's folder is its ``run_dir`` user attribute where it
+    finished, else its first attempt's (a retry resumes the folder of the trial it retries); a failed
+    trial's folder belongs to its retry where it has one."""
     import optuna
 
     storage = f"sqlite:///{storage_file}"
-    finished, to_run = set(), set()
+    finished, to_run, failed = set(), set(), set()
     for name in optuna.get_all_study_names(storage):
         for trial in optuna.load_study(study_name=name, storage=storage).get_trials(deepcopy=False):
             run_dir = trial.user_attrs.get("run_dir")
@@ -75,7 +76,9 @@ def trial_folders(storage_file: Path) -> tuple[list[str], list[str]]:
                 finished.add(folder)
             elif trial.state.name in TO_RUN:
                 to_run.add(folder)
-    return sorted(finished), sorted(to_run - finished)
+            else:
+                failed.add(folder)
+    return sorted(finished), sorted(to_run - finished), sorted(failed - to_run - finished)
 
 
 def _keep(path: Path, root: Path) -> bool:
@@ -135,7 +138,8 @@ def _run_folders(folder: Path) -> list[Path]:
 
 def pack_study(out: str | Path, archive: str | Path, checkpoint_bytes: int = CHECKPOINT_BYTES) -> dict[str, Any]:
     """Pack the study folder ``out`` into the gzipped tar ``archive`` (see the module docstring);
-    returns what went in and what was left out: ``finished`` trial folders, ``resumed``: unfinished
+    returns what went in and what was left out: ``finished`` trial folders, ``failed``: folders of
+    failed trials nobody retries (left out: what they wrote is the trial's error), ``resumed``: unfinished
     run folders whose checkpoint went in (with its generation), ``continued``: finished reruns whose
     checkpoint went in for their continuation, ``left_out``: unfinished run folders, ``files``,
     ``checkpoint_bytes`` and the archive's ``bytes``."""
@@ -143,14 +147,14 @@ def pack_study(out: str | Path, archive: str | Path, checkpoint_bytes: int = CHE
     storage = out / STORAGE
     if not storage.is_file():
         raise FileNotFoundError(f"{out}: no {STORAGE} here; is this the `out` folder of a tune spec?")
-    report: dict[str, Any] = {"finished": [], "resumed": [], "continued": [], "left_out": [], "files": 0,
-                              "checkpoint_bytes": 0}
+    report: dict[str, Any] = {"finished": [], "failed": [], "resumed": [], "continued": [], "left_out": [],
+                              "files": 0, "checkpoint_bytes": 0}
     with tempfile.TemporaryDirectory() as tmp:
         copy = Path(tmp) / STORAGE
         with sqlite3.connect(f"file:{storage}?mode=ro", uri=True) as source, sqlite3.connect(copy) as target:
             source.backup(target)
-        finished, to_run = trial_folders(copy)
-        report["finished"] = finished
+        finished, to_run, failed = trial_folders(copy)
+        report["finished"], report["failed"] = finished, failed
         reruns = sorted(p.parent for stage in STAGES for p in (out / stage).rglob(HELDOUT))
         unfinished = [run for folder in to_run for run in _run_folders(out / folder)]
         unfinished += [run for stage in STAGES for run in _run_folders(out / stage) if run not in reruns]
@@ -210,7 +214,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{len(report['resumed'])} unfinished runs go on from their checkpoints: {', '.join(report['resumed']) or 'none'}; "
           f"{len(report['continued'])} finished reruns' checkpoints for their continuations; "
           f"left out {len(report['left_out'])} unfinished runs, to run from their start: "
-          f"{', '.join(report['left_out']) or 'none'}")
+          f"{', '.join(report['left_out']) or 'none'}; failed trials left out: {', '.join(report['failed']) or 'none'}")
     return 0
 
 
