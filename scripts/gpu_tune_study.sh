@@ -4,8 +4,10 @@
 #
 #   bash scripts/gpu_tune_study.sh start [ARCHIVE]   # unpack an earlier pack (if given; or its parts ARCHIVE.part-NN),
 #                                                    # start the workers, detached
-#   bash scripts/gpu_tune_study.sh pack DIR          # pack the study into DIR/tune_study.tar.gz (in parts of PART_BYTES,
-#                                                    # 15 MiB, where larger), with the workers' log tails
+#   bash scripts/gpu_tune_study.sh pack DIR          # pack the study in parts of 15 MiB (PART_BYTES), the first 6
+#                                                    # (FIRST_PARTS) into DIR/tune_study.tar.gz.part-NN, with the
+#                                                    # workers' log tails (CHECKPOINT_MIB: the checkpoints it carries)
+#   bash scripts/gpu_tune_study.sh parts N DIR       # the last pack's parts N to N+7 into DIR (a call returns 8 files)
 #   bash scripts/gpu_tune_study.sh stage SECONDS DIR [ARCHIVE]   # start (unless running), wait, pack: one device call
 #                                                                # that ends within SECONDS (give the call a limit above it)
 #   bash scripts/gpu_tune_study.sh compact DIR       # the study's rows and scores in DIR/compact (to commit)
@@ -41,6 +43,8 @@ STUDY=${STUDY:-runs/tune_study_addition}
 LOGS=${LOGS:-runs/tune_study_logs}
 METHODS=${METHODS:-es_full grpo_full grpo_lora es_lora es_eggroll}  # the slow ones first
 PACK_SECONDS=${PACK_SECONDS:-60}  # what a stage keeps for its pack
+PACKS=${PACKS:-runs/tune_study_pack}  # the last pack's parts, kept on the machine for `parts`
+FIRST_PARTS=${FIRST_PARTS:-6}     # the parts a pack puts in its DIR: with the status and compact.tar.gz, 8 files
 export VLLM_LOGGING_LEVEL=WARNING TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 export OMP_NUM_THREADS=2  # many processes share the machine's cores
 
@@ -182,24 +186,39 @@ unpack() {  # unpack ARCHIVE: a pack, or the parts pack split it into (ARCHIVE.p
 }
 
 pack() {
-  # DIR/tune_study.tar.gz, split into DIR/tune_study.tar.gz.part-00, -01, ... of PART_BYTES each where
-  # it is larger (a device call returns files of at most 16 MiB); `cat` joins them, and start takes either
-  local dir=$1 part=${PART_BYTES:-15728640}
-  mkdir -p "$dir"
-  rm -f "$dir"/tune_study.tar.gz.part-*
-  python -m evolm_lib.tune.pack "$STUDY" "$dir/tune_study.tar.gz"
-  if [ -f "$dir/tune_study.tar.gz" ] && [ "$(stat -c %s "$dir/tune_study.tar.gz")" -gt "$part" ]; then
-    split -b "$part" -d -a 2 "$dir/tune_study.tar.gz" "$dir/tune_study.tar.gz.part-" && rm "$dir/tune_study.tar.gz"
-    echo "split into $(ls "$dir"/tune_study.tar.gz.part-* | wc -l) parts of at most $part bytes; cat joins them"
+  # The study packed (python -m evolm_lib.tune.pack; unfinished runs' checkpoints within CHECKPOINT_MIB)
+  # into PACKS on this machine, split into tune_study.tar.gz.part-00, -01, ... of PART_BYTES: a device
+  # call returns at most 8 files of 16 MiB. The first FIRST_PARTS go to DIR, `parts N DIR` copies the
+  # others in later calls; cat joins them, and start takes the parts as they are.
+  local dir=$1 part=${PART_BYTES:-15728640} count
+  mkdir -p "$dir" "$PACKS"
+  rm -f "$PACKS"/tune_study.tar.gz* "$dir"/tune_study.tar.gz.part-*
+  python -m evolm_lib.tune.pack "$STUDY" "$PACKS/tune_study.tar.gz" --checkpoint-mib "${CHECKPOINT_MIB:-24}"
+  split -b "$part" -d -a 2 "$PACKS/tune_study.tar.gz" "$PACKS/tune_study.tar.gz.part-" && rm "$PACKS/tune_study.tar.gz"
+  count=$(ls "$PACKS"/tune_study.tar.gz.part-* | wc -l)
+  parts 0 "$dir" "$FIRST_PARTS"
+  if [ "$count" -gt "$FIRST_PARTS" ]; then
+    echo "this call returns $FIRST_PARTS of the pack's $count parts: the others with \`bash $0 parts $FIRST_PARTS DIR\`, 8 a call, before the machine goes back"
   fi
   { nvidia-smi 2>/dev/null --query-gpu=index,name,memory.used,utilization.gpu --format=csv
     for f in "$LOGS"/*.log; do echo "== $f"; tail -n 5 "$f"; done; } > "$dir/tune_study_status.txt" 2>&1
   echo "$(alive) workers alive" | tee -a "$dir/tune_study_status.txt"
 }
 
+parts() {  # parts N DIR [COUNT]: the last pack's parts N, N+1, ... (COUNT of them, default 8) copied into DIR
+  local first=$1 dir=$2 count=${3:-8} i file copied=""
+  mkdir -p "$dir"
+  for i in $(seq "$first" $((first + count - 1))); do
+    file=$(printf '%s/tune_study.tar.gz.part-%02d' "$PACKS" "$i")
+    [ -f "$file" ] && cp "$file" "$dir/" && copied="$copied $(printf %02d "$i")"
+  done
+  echo "parts${copied:- none} of $(ls "$PACKS"/tune_study.tar.gz.part-* 2>/dev/null | wc -l) in $dir"
+}
+
 case "${1:-}" in
 start) start "${2:-}" ;;
 pack) pack "${2:?pack DIR}" ;;
+parts) parts "${2:?parts N DIR}" "${3:?parts N DIR}" ;;
 compact) python -m evolm_lib.tune.compact "$STUDY" "${2:?compact DIR}/compact" ;;
 rebuild) rebuild ;;
 finish) finish "${2:?finish DIR [SECONDS]}" "${3:-3600}" ;;
@@ -218,5 +237,5 @@ stage)
   # every worker ended: the study may be done, and its weights are still here
   [ "$(alive)" -eq 0 ] && [ "${FINISH:-1}" = 1 ] && finish "$dir" $((end - SECONDS))
   pack "$dir" ;;
-*) sed -n 2,35p "$0"; exit 2 ;;
+*) sed -n 2,39p "$0"; exit 2 ;;
 esac

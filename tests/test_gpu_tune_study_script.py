@@ -6,6 +6,7 @@ split into parts a device call can return, which start joins again."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -159,9 +160,10 @@ def test_finish_rebuilds_measures_and_compacts_only_a_finished_study(tmp_path, d
             assert tar.getnames() == ["compact"]
 
 
-def test_a_pack_larger_than_a_part_is_split_and_start_joins_the_parts_again(tmp_path):
-    """`pack` with the real packer: an archive over PART_BYTES becomes parts of at most that size and
-    no whole archive; `unpack` (what start runs) puts the study back from the parts, file for file."""
+def test_a_pack_goes_back_in_parts_over_several_calls_and_start_joins_them_again(tmp_path):
+    """`pack` with the real packer: the archive in parts of at most PART_BYTES kept on the machine,
+    the first FIRST_PARTS in DIR (an earlier pack's parts there removed), `parts N DIR2` the rest;
+    `unpack` (what start runs) puts the study back from the parts gathered, file for file."""
     import optuna
 
     study = tmp_path / "run" / "study"
@@ -172,22 +174,33 @@ def test_a_pack_larger_than_a_part_is_split_and_start_joins_the_parts_again(tmp_
     trial = storage.ask()
     trial.set_user_attr("run_dir", str(trial_folder))
     storage.tell(trial, 0.5)
-    rows = os.urandom(250_000).hex()  # gzip cannot shrink it below two parts
+    rows = os.urandom(250_000).hex()  # gzip cannot shrink it below three parts
     (trial_folder / "seed100" / "metrics.jsonl").write_text(rows + "\n")
     (study / "tune_summary.json").write_text("{}")
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "STUDY": str(study),
-           "LOGS": str(tmp_path / "logs"), "PART_BYTES": "200000"}
+           "LOGS": str(tmp_path / "logs"), "PACKS": str(tmp_path / "packs"), "PART_BYTES": "100000",
+           "FIRST_PARTS": "2"}
     out = tmp_path / "out"
-    (out).mkdir()
+    out.mkdir()
     (out / "tune_study.tar.gz.part-07").write_text("an earlier pack's part")  # not mistaken for this pack's
     result = subprocess.run(["bash", str(SCRIPT), "pack", str(out)], env=env, capture_output=True, text=True,
                             timeout=120, cwd=SCRIPT.parents[1])
     assert result.returncode == 0, result.stderr
-    parts = sorted(out.glob("tune_study.tar.gz.part-*"))
-    count = -(-sum(p.stat().st_size for p in parts) // 200_000)
-    assert count >= 2 and [p.name for p in parts] == [f"tune_study.tar.gz.part-{i:02d}" for i in range(count)]
-    assert all(p.stat().st_size <= 200_000 for p in parts) and not (out / "tune_study.tar.gz").exists()
-    assert f"split into {count} parts of at most 200000 bytes" in result.stdout
+    kept = sorted((tmp_path / "packs").iterdir())
+    count = -(-sum(p.stat().st_size for p in kept) // 100_000)
+    assert count >= 3 and [p.name for p in kept] == [f"tune_study.tar.gz.part-{i:02d}" for i in range(count)]
+    assert all(p.stat().st_size <= 100_000 for p in kept)
+    assert sorted(p.name for p in out.iterdir()) == ["tune_study.tar.gz.part-00", "tune_study.tar.gz.part-01",
+                                                     "tune_study_status.txt"]
+    assert f"this call returns 2 of the pack's {count} parts" in result.stdout
+
+    later = tmp_path / "later"
+    result = subprocess.run(["bash", str(SCRIPT), "parts", "2", str(later)], env=env, capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert sorted(p.name for p in later.iterdir()) == [f"tune_study.tar.gz.part-{i:02d}" for i in range(2, count)]
+    for part in later.iterdir():
+        shutil.copy(part, out / part.name)
 
     again = tmp_path / "again" / "study"
     script = f"set -u\nSTUDY={again}\n{_functions('unpack')}\nunpack {out}/tune_study.tar.gz\n"
