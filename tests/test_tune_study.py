@@ -323,6 +323,13 @@ def test_the_study_end_to_end_then_compacted_tabled_drawn_and_measured(tmp_path,
     assert comparisons["family"].tolist() == ["primary"]
     assert set(pd.read_csv(tables / "control.csv")["method"]) == {"es shuffled"}
     assert set(pd.read_csv(tables / "long.csv")["method"]) == {"es", "grpo"}
+    digest = (tables / "summary.md").read_text().splitlines()  # what a findings section quotes, as Markdown
+    es_line = next(line for line in digest if line.startswith("| es |"))  # the methods' table comes first
+    cells = [cell.strip() for cell in es_line.strip("|").split("|")]
+    assert cells[:3] == ["es", "2", f"trial {best['es'].number} ({best['es'].value:.3g})"]
+    assert cells[4] == "2" and cells[5].startswith(f"{heldout.loc['es', 'mean']:.3g} (")  # reward: as it is
+    assert [line for line in digest if line.startswith("| es shuffled |")]  # the control's own score
+    assert [line for line in digest if line.startswith("| es | grpo | primary |")]
     if chromium_available():
         for name in ("best_vs_trials", "heldout_vs_completions", "heldout_vs_tokens", "heldout_vs_seconds",
                      "geometry_update_norms", "geometry_path_es_grpo"):

@@ -6,7 +6,8 @@ seconds spent, engines per card), the winners' held-out score over the final see
 intervals, interquartile mean, training completions, generated tokens and wall seconds with the
 engines per card they ran at), the comparisons (the declared family Holm-corrected, the rest
 exploratory), and where present the continued reruns, the shuffled-fitness control and a plain
-sweep's runs (Qiu et al.'s protocol).
+sweep's runs (Qiu et al.'s protocol); and their digest in Markdown (``summary.md``), the numbers a
+findings section quotes.
 """
 from __future__ import annotations
 
@@ -121,13 +122,96 @@ def study_tables(compact: dict, measure: str | None = None) -> dict[str, Any]:
     return tables
 
 
+def _value(value: float, measure: str) -> str:
+    """A held-out score as the README gives it: a success rate in percent, a reward as it is."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "n/a"
+    return f"{100 * value:.1f} %" if measure == "success" else f"{value:.3g}"
+
+
+def _interval(low: float, high: float, measure: str) -> str:
+    return f"{_value(low, measure).removesuffix(' %')}-{_value(high, measure)}"
+
+
+def _setting(text: str) -> str:
+    """A winner's setting (JSON) in a line: numbers to 3 digits."""
+    if not text:
+        return ""
+    return ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in json.loads(text).items())
+
+
+def _p(value) -> str:
+    return "" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.2g}"
+
+
+def study_digest(tables: Mapping[str, Any], title: str) -> str:
+    """The tables a findings section quotes, as Markdown: each method's trials, winner and setting,
+    its held-out score over the final seeds with BCa and t intervals and the seed spread, at twice
+    the budget where continued; then the comparisons (the declared family Holm-corrected, the rest
+    exploratory) and the shuffled-fitness control."""
+    import pandas as pd
+
+    measure = next(iter(tables.values())).attrs.get("measure", "") if tables else ""
+    lines = [f"# {title}", "", f"Held-out {measure} over the final seeds: mean (BCa interval), t interval, "
+             "seed standard deviation; the winner's validation score in brackets.", ""]
+    winners, long = tables.get("winners"), tables.get("long")
+    finals = [table for table in (tables.get("heldout"), tables.get("control")) if table is not None]
+    heldout = pd.concat(finals) if finals else None  # the control's rows under their own names
+    methods = list(dict.fromkeys([*(winners.index if winners is not None else []),
+                                  *(heldout.index if heldout is not None else [])]))
+    lines += ["| method | trials | winner | setting | seeds | held out (BCa) | t interval | seed std | at 2x (BCa) |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for method in methods:
+        row = winners.loc[method] if winners is not None and method in winners.index else None
+        final = heldout.loc[method] if heldout is not None and method in heldout.index else None
+        later = long.loc[method] if long is not None and method in long.index else None
+        cells = [method,
+                 "" if row is None else f"{int(row['trials'])}",
+                 "" if row is None or row["winner_trial"] is None or math.isnan(row["winner_trial"])
+                 else f"trial {int(row['winner_trial'])} ({row['validation_score']:.3g})",
+                 "" if row is None else _setting(row["setting"]),
+                 "" if final is None else f"{int(final['seeds'])}",
+                 "" if final is None else f"{_value(final['mean'], measure)} ({_interval(final['ci_low'], final['ci_high'], measure)})",
+                 "" if final is None else _interval(final["t_low"], final["t_high"], measure),
+                 "" if final is None else (f"{100 * final['seed_std']:.1f} points" if measure == "success"
+                                           else f"{final['seed_std']:.3g}"),
+                 "" if later is None else f"{_value(later['mean'], measure)} ({_interval(later['ci_low'], later['ci_high'], measure)})"]
+        lines.append("| " + " | ".join(cells) + " |")
+    for name, heading in (("comparisons", "Comparisons at the budget"), ("long_comparisons", "Comparisons at twice the budget"),
+                          ("control_comparisons", "The shuffled-fitness control")):
+        table = tables.get(name)
+        if table is None or table.empty:
+            continue
+        lines += ["", f"{heading} (difference a - b with its BCa interval; permutation p over seeds; "
+                      "Holm over the declared family):", "",
+                  "| a | b | family | difference | permutation p | Holm p | beyond seed noise |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
+        scale = 100 if measure == "success" else 1
+        unit = " points" if measure == "success" else ""
+        for _, row in table.sort_values(["family", "method_a", "method_b"], ascending=[False, True, True]).iterrows():
+            lines.append(f"| {row['method_a']} | {row['method_b']} | {row['family']} | "
+                         f"{scale * row['difference']:+.3g}{unit} ({scale * row['ci_low']:+.3g} to {scale * row['ci_high']:+.3g}) | "
+                         f"{_p(row['permutation_p'])} | {_p(row.get('holm_p'))} | {row['larger_than_seed_noise']} |")
+    return "\n".join(lines) + "\n"
+
+
+DIGEST = "summary.md"
+"""The Markdown digest ``write_study_tables`` writes beside the CSV tables."""
+
+
 def write_study_tables(compact_dir: str | Path, out_dir: str | Path, measure: str | None = None) -> list[Path]:
-    """Every table of ``study_tables`` as OUT/<name>.csv; returns the paths."""
+    """Every table of ``study_tables`` as OUT/<name>.csv, and their digest as OUT/summary.md
+    (``study_digest``); returns the paths."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = []
-    for name, table in study_tables(load_compact(compact_dir), measure).items():
+    tables = study_tables(load_compact(compact_dir), measure)
+    for name, table in tables.items():
         path = out / f"{name}.csv"
         table.to_csv(path, float_format="%.6g")
         paths.append(path)
+    if tables:
+        digest = out / DIGEST
+        digest.write_text(study_digest(tables, title=Path(compact_dir).name))
+        paths.append(digest)
     return paths
