@@ -9,14 +9,14 @@ so a worker writing at that moment cannot tear it), the summary and logs, and:
   ``long/``, ``control/``) whose held-out scores are written;
 - every unfinished run's text files with its newest intact checkpoint, so that a new machine
   resumes it from there (a trial's retry resumes its first attempt's folders, a rerun its own), and
-  the newest checkpoint of each finished rerun in ``final/``, from which its continuation in
-  ``long/`` starts.
+  the newest checkpoint of each finished rerun in ``final/`` whose continuation in ``long/`` is not
+  finished, for it to start from.
 
 A checkpoint of ES on the model's own weights (``es_mode`` full or eggroll) holds no tensors: the
 mean is the model's weights with the seed log's updates replayed, as a resume on the same machine
 does without a snapshot. A checkpoint of a LoRA mean or of GRPO holds tensors (the adapter, the
 optimizer's moments): checkpoints go in smallest first while they stay within ``checkpoint_bytes``
-(a device call returns 64 MiB in all), so a full-weight GRPO checkpoint never does. Snapshots and
+(what a lent machine sends back is limited), so a full-weight GRPO checkpoint never does. Snapshots and
 saved models stay behind. An unfinished run whose checkpoint does not go in is left out whole and
 named: on a new machine it runs again from its start in an empty folder (a trial's stale heartbeat
 makes Optuna retry it with the same setting). A checkpoint's files are read once and checked
@@ -139,10 +139,10 @@ def _run_folders(folder: Path) -> list[Path]:
 def pack_study(out: str | Path, archive: str | Path, checkpoint_bytes: int = CHECKPOINT_BYTES) -> dict[str, Any]:
     """Pack the study folder ``out`` into the gzipped tar ``archive`` (see the module docstring);
     returns what went in and what was left out: ``finished`` trial folders, ``failed``: folders of
-    failed trials nobody retries (left out: what they wrote is the trial's error), ``resumed``: unfinished
-    run folders whose checkpoint went in (with its generation), ``continued``: finished reruns whose
-    checkpoint went in for their continuation, ``left_out``: unfinished run folders, ``files``,
-    ``checkpoint_bytes`` and the archive's ``bytes``."""
+    failed trials nobody retries (left out, named), ``resumed``: unfinished run folders whose
+    checkpoint went in (with its generation), ``continued``: finished reruns whose checkpoint went in
+    for their continuation, ``left_out``: unfinished run folders, ``files``, ``checkpoint_bytes`` and
+    the archive's ``bytes``."""
     out, archive = Path(out), Path(archive)
     storage = out / STORAGE
     if not storage.is_file():
@@ -158,7 +158,8 @@ def pack_study(out: str | Path, archive: str | Path, checkpoint_bytes: int = CHE
         reruns = sorted(p.parent for stage in STAGES for p in (out / stage).rglob(HELDOUT))
         unfinished = [run for folder in to_run for run in _run_folders(out / folder)]
         unfinished += [run for stage in STAGES for run in _run_folders(out / stage) if run not in reruns]
-        continued = [run for run in reruns if run.parent.parent == out / "final"]
+        continued = [run for run in reruns if run.parent.parent == out / "final"
+                     and out / "long" / run.relative_to(out / "final") not in reruns]
         # checkpoints smallest first (the model-weight ES ones hold no tensors), the budget kept
         candidates = [(checkpoint, run) for run in unfinished + continued
                       if (checkpoint := _newest_checkpoint(run)) is not None]
