@@ -172,9 +172,10 @@ def test_two_workers_share_one_study_and_never_run_the_same_trial(tmp_path):
         assert [row["generation"] for row in read_metrics(Path(t["run_dir"]) / "seed100")] == [0, 1, 2, 3]
 
 
-def test_two_workers_one_trial_at_a_time_then_each_ends_with_every_rerun(tmp_path):
+def test_two_workers_one_trial_at_a_time_then_each_ends_with_every_rerun(tmp_path, monkeypatch, capsys):
     """tune.parallel 1: the second worker waits while the first runs a trial. A worker with nothing to
-    claim waits for the others instead of ending, so each ends with the whole summary."""
+    claim waits for the others instead of ending, so each ends with the whole summary; a worker
+    started once all is done starts no engine."""
     def change(spec):
         spec["sweep"]["common"]["engine"] = "hf"  # starts in seconds
         spec["tune"].update(trials=2, parallel=1)
@@ -198,6 +199,15 @@ def test_two_workers_one_trial_at_a_time_then_each_ends_with_every_rerun(tmp_pat
         assert [row["generation"] for row in read_metrics(folder)] == [0, 1, 2, 3]
         assert len((folder / "placement.jsonl").read_text().splitlines()) == 1
         assert len((folder / "heldout.jsonl").read_text().splitlines()) == 8  # every held-out problem, once
+
+    def no_engine(spec):
+        raise AssertionError("an engine started for a finished study")
+
+    monkeypatch.setattr(tune, "make_tuning_evaluator", no_engine)
+    assert main(["tune", str(path), "--methods", "es", "--no-figures"]) == 0
+    output = capsys.readouterr().out
+    assert "nothing left to run for these methods: no engine started" in output
+    assert "held-out reward on 2 final seeds" in output  # the summary all the same
 
 
 def _set(path: list, value):

@@ -108,14 +108,17 @@ def _run(spec, args) -> int:
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # a line per study opened says nothing here
     started = time.perf_counter()
-    evaluator = tune.make_tuning_evaluator(spec)
-    try:
-        # trials, then the reruns, their continuations (tune.long) and the control (tune.control);
-        # waits while other workers hold what is left
-        ran = tune.work(spec, evaluator, finals=not args.no_finals)
-        print(f"trials run by this worker: {ran} ({(time.perf_counter() - started) / 60:.1f} min)", flush=True)
-    finally:
-        evaluator.close()
+    if tune.outstanding(spec, finals=not args.no_finals):
+        evaluator = tune.make_tuning_evaluator(spec)
+        try:
+            # trials, then the reruns, their continuations (tune.long) and the control (tune.control);
+            # waits while other workers hold what is left
+            ran = tune.work(spec, evaluator, finals=not args.no_finals)
+            print(f"trials run by this worker: {ran} ({(time.perf_counter() - started) / 60:.1f} min)", flush=True)
+        finally:
+            evaluator.close()
+    else:  # a worker started on a finished study (a new lease's, say) starts no engine
+        print("nothing left to run for these methods: no engine started", flush=True)
     summary = tune.summarize(spec)
     print("\n".join(tune.summary_lines(summary)))
     print(f"summary: {spec.out / tune.SUMMARY} ({(time.perf_counter() - started) / 60:.1f} min in all)")
