@@ -369,11 +369,11 @@ def test_an_unfinished_run_packed_with_its_checkpoint_resumes_elsewhere_to_the_u
 
     common = dict(model="tiny-random", task="conciseness", population_size=4, sigma=0.1, learning_rate=0.05,
                   lora_rank=1, target_modules=["q_proj", "v_proj"], max_new_tokens=6, max_model_len=256,
-                  kv_cache_gb=0.0625, eval_every=1, num_generations=4, checkpoint_every=1, optimizer="adam")
+                  kv_cache_gb=0.0625, eval_every=1, num_generations=3, checkpoint_every=1, optimizer="adam")
     configs = {"es_full": ESConfig(**common, es_mode="full"), "es_lora": ESConfig(**common),
                "grpo_lora": GRPOConfig(model="tiny-random", task="conciseness", target_modules=["q_proj", "v_proj"],
                                        lora_rank=1, max_new_tokens=6, max_model_len=256, kv_cache_gb=0.0625,
-                                       group_size=2, num_steps=4, checkpoint_every=1, eval_every=1, temperature=1.0)}
+                                       group_size=2, num_steps=3, checkpoint_every=1, eval_every=1, temperature=1.0)}
     opened = {"es_full": ESRun, "es_lora": ESRun, "grpo_lora": GRPORun}
     out = tmp_path / "study"
     out.mkdir()
