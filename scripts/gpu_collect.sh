@@ -18,10 +18,11 @@ while [ ! -e "$LOGS/study.done" ] && [ "$waited" -lt "$WAIT" ]; do sleep 10; wai
 [ -e "$LOGS/study.done" ] && echo "study: finished" || echo "study: still running after ${waited} s"
 for log in "$LOGS"/*.log; do
   [ -e "$log" ] || continue
-  echo "== $(basename "$log"): $(grep -c "KL to base [0-9]" "$log") KLs, $(grep -c "held-out success" "$log") held-out; $(grep -E "^  [a-z_0-9]+ +[0-9]+/" "$log" | tail -n 1 | cut -c 1-110)"
+  echo "== $(basename "$log"): $(grep -c "KL to base [0-9]" "$log") KLs, $(grep -c "held-out on [0-9]* problems" "$log") held-out; $(grep -E "^  [a-z_0-9]+ +[0-9]+/" "$log" | tail -n 1 | cut -c 1-110)"
   grep -h "Error\|error:" "$log" | tail -n 2 | cut -c 1-300
 done
 tar czf "$DEST/study.tgz" --exclude=checkpoints --exclude=snapshots --exclude=final_model --exclude=final_adapter \
-    --exclude='*.safetensors' --exclude='*.lock' runs/study_addition runs/study_conciseness runs/study_addition_long 2>/dev/null
+    --exclude='*.safetensors' --exclude='*.lock' runs/study_addition runs/study_conciseness runs/study_addition_long \
+    runs/qiu_protocol_addition 2>/dev/null
 tar czf "$DEST/logs.tgz" "$LOGS" 2>/dev/null
 ls -la "$DEST"

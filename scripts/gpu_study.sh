@@ -11,7 +11,9 @@
 #     LIMIT   seconds each process may run (default 500)
 #     JOBSET  all: every run of both specs; grpo: the GRPO variants alone, a process per seed;
 #             finish: GRPO on addition at both rates, GRPO at 5e-4 on conciseness, EGGROLL seeds 2-4,
-#             and the ES forms on addition at twice the budget (runs/study_addition_long)
+#             and the ES forms on addition at twice the budget (runs/study_addition_long);
+#             qiu: Qiu et al.'s protocol (papermill_runs/qiu_protocol_addition_gpu.yaml), full ES and
+#             full GRPO on seeds 0-2, a process per run (runs/qiu_protocol_addition)
 #     LOGS    folder of the logs (default runs/study_logs)
 #
 # In the background: `setsid nohup bash scripts/gpu_study.sh 1200 finish > runs/study_driver.log 2>&1 &`,
@@ -29,6 +31,7 @@ GPUS=$(nvidia-smi -L | wc -l)
 python -c "from evolm_lib.models import resolve_model; resolve_model('smollm2-135m-instruct')" >/dev/null 2>&1
 A=papermill_runs/study_addition_smollm2_gpu.yaml
 C=papermill_runs/study_conciseness_smollm2_gpu.yaml
+Q=papermill_runs/qiu_protocol_addition_gpu.yaml
 LONG="--generations 120 --out runs/study_addition_long"  # twice the budget: do the ES forms stop rising?
 # name spec methods seeds [more sweep options]   (the slow ones first)
 case "$JOBSET" in
@@ -83,7 +86,15 @@ lm $A es_lora 3,4 $LONG
 le $A es_eggroll 0,1,2 $LONG
 lg $A es_eggroll 3,4 $LONG
 " ;;
-*) echo "unknown job set $JOBSET: all, grpo or finish" >&2; exit 2 ;;
+qiu) JOBS="
+qf0 $Q es_full 0
+qf1 $Q es_full 1
+qf2 $Q es_full 2
+qg0 $Q grpo_full 0
+qg1 $Q grpo_full 1
+qg2 $Q grpo_full 2
+" ;;
+*) echo "unknown job set $JOBSET: all, grpo, finish or qiu" >&2; exit 2 ;;
 esac
 pids=""
 i=0

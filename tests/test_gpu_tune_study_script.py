@@ -2,7 +2,8 @@
 gives its card to a method still at work, the one with the fewest workers alive; a worker that died,
 or one of a method whose work is all claimed, is not replaced), rebuild (one process per method and
 seed over the cards), finish (rebuild, geometry, compact, only for a finished study), and a pack
-split into parts a device call can return, which start joins again."""
+split into parts a device call can return, which start joins again; and ``scripts/gpu_study.sh``'s
+job set for Qiu et al.'s protocol."""
 from __future__ import annotations
 
 import os
@@ -212,3 +213,25 @@ def test_a_pack_goes_back_in_parts_over_several_calls_and_start_joins_them_again
     script = f"set -u\nSTUDY={again}\n{_functions('unpack')}\nunpack {tmp_path}/none.tar.gz\n"
     result = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60)
     assert result.returncode == 1 and f"no pack at {tmp_path}/none.tar.gz" in result.stderr
+
+
+def test_the_qiu_protocol_runs_a_process_per_run_round_robin_over_the_cards(tmp_path):
+    """scripts/gpu_study.sh LIMIT qiu on stand-ins: six `evolm sweep` processes of the protocol's spec
+    (full ES and full GRPO on seeds 0-2), card by card, each under the limit; then the end marked."""
+    calls = tmp_path / "calls.txt"
+    env = _stand_ins(tmp_path, tmp_path / "unused", gpus=4, python=(
+        f'[ "$1" = -c ] && exit 0\necho "$CUDA_VISIBLE_DEVICES $*" >> {calls}\n'))
+    logs = tmp_path / "logs"
+    result = subprocess.run(["bash", str(SCRIPT.with_name("gpu_study.sh")), "30", "qiu", str(logs)], env=env,
+                            capture_output=True, text=True, timeout=60, cwd=SCRIPT.parents[1])
+    assert result.returncode == 0, result.stderr
+    spec = "papermill_runs/qiu_protocol_addition_gpu.yaml"
+    assert sorted(calls.read_text().splitlines()) == sorted(
+        f"{card} -m evolm_lib.cli sweep {spec} --methods {method} --seeds {seed} --no-notebook"
+        for card, (method, seed) in zip([0, 1, 2, 3, 0, 1], [(m, s) for m in ("es_full", "grpo_full") for s in (0, 1, 2)]))
+    assert "6 processes on 4 GPUs, at most 30 s each" in result.stdout and (logs / "study.done").exists()
+    assert (SCRIPT.parents[1] / spec).is_file()
+
+    unknown = subprocess.run(["bash", str(SCRIPT.with_name("gpu_study.sh")), "30", "qui", str(logs)], env=env,
+                             capture_output=True, text=True, timeout=60, cwd=SCRIPT.parents[1])
+    assert unknown.returncode == 2 and "unknown job set qui: all, grpo, finish or qiu" in unknown.stderr
