@@ -335,6 +335,8 @@ def test_the_study_end_to_end_then_compacted_tabled_drawn_and_measured(tmp_path,
     cells = [cell.strip() for cell in es_line.strip("|").split("|")]
     assert cells[:3] == ["es", "2", f"trial {best['es'].number} ({best['es'].value:.3g})"]
     assert cells[4] == "2" and cells[5].startswith(f"{heldout.loc['es', 'mean']:.3g} (")  # reward: as it is
+    assert cells[9] == f"{heldout.loc['es', 'generated_tokens']:,.0f}"  # the tokens axis, the seeds' mean
+    assert cells[10].startswith(f"{heldout.loc['es', 'training_seconds']:.0f} (")  # with its engines a card
     assert [line for line in digest if line.startswith("| es shuffled |")]  # the control's own score
     assert [line for line in digest if line.startswith("| es | grpo | primary |")]
     if chromium_available():

@@ -147,8 +147,9 @@ def _p(value) -> str:
 def study_digest(tables: Mapping[str, Any], title: str) -> str:
     """The tables a findings section quotes, as Markdown: each method's trials, winner and setting,
     its held-out score over the final seeds with BCa and t intervals and the seed spread, at twice
-    the budget where continued; then the comparisons (the declared family Holm-corrected, the rest
-    exploratory) and the shuffled-fitness control."""
+    the budget where continued, the tokens it generated and its training seconds with the engines
+    per card they ran at (the means over the seeds); then the comparisons (the declared family
+    Holm-corrected, the rest exploratory) and the shuffled-fitness control."""
     import pandas as pd
 
     measure = next(iter(tables.values())).attrs.get("measure", "") if tables else ""
@@ -159,8 +160,9 @@ def study_digest(tables: Mapping[str, Any], title: str) -> str:
     heldout = pd.concat(finals) if finals else None  # the control's rows under their own names
     methods = list(dict.fromkeys([*(winners.index if winners is not None else []),
                                   *(heldout.index if heldout is not None else [])]))
-    lines += ["| method | trials | winner | setting | seeds | held out (BCa) | t interval | seed std | at 2x (BCa) |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines += ["| method | trials | winner | setting | seeds | held out (BCa) | t interval | seed std | at 2x (BCa) "
+              "| generated tokens | training s (engines a card) |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for method in methods:
         row = winners.loc[method] if winners is not None and method in winners.index else None
         final = heldout.loc[method] if heldout is not None and method in heldout.index else None
@@ -175,7 +177,10 @@ def study_digest(tables: Mapping[str, Any], title: str) -> str:
                  "" if final is None else _interval(final["t_low"], final["t_high"], measure),
                  "" if final is None else (f"{100 * final['seed_std']:.1f} points" if measure == "success"
                                            else f"{final['seed_std']:.3g}"),
-                 "" if later is None else f"{_value(later['mean'], measure)} ({_interval(later['ci_low'], later['ci_high'], measure)})"]
+                 "" if later is None else f"{_value(later['mean'], measure)} ({_interval(later['ci_low'], later['ci_high'], measure)})",
+                 "" if final is None or math.isnan(final["generated_tokens"]) else f"{final['generated_tokens']:,.0f}",
+                 "" if final is None or math.isnan(final["training_seconds"])
+                 else f"{final['training_seconds']:.0f} ({final['engines_per_card'] or 'n/a'})"]
         lines.append("| " + " | ".join(cells) + " |")
     for name, heading in (("comparisons", "Comparisons at the budget"), ("long_comparisons", "Comparisons at twice the budget"),
                           ("control_comparisons", "The shuffled-fitness control")):
