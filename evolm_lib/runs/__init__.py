@@ -54,6 +54,7 @@ from .checkpoints import (
     latest_intact_checkpoint,
     list_checkpoints,
     load_checkpoint,
+    read_checkpoint_files,
     verify_checkpoint,
     write_checkpoint,
 )
@@ -92,7 +93,7 @@ from .metrics_file import (
 
 __all__ = [
     "CHECKPOINT_FORMAT", "CHECKPOINTS", "CONFIG_COPY", "DAMAGED", "MANIFEST", "CheckpointDamaged", "CheckpointFallback",
-    "latest_intact_checkpoint", "list_checkpoints", "load_checkpoint", "verify_checkpoint", "write_checkpoint",
+    "latest_intact_checkpoint", "list_checkpoints", "load_checkpoint", "read_checkpoint_files", "verify_checkpoint", "write_checkpoint",
     "DAMAGED_CONFIG", "EXTENDABLE", "RunFolderDamaged", "RunState", "extended_settings", "load_latest",
     "load_run_config", "read_config_file", "read_config_kind", "restore_run_config", "write_run_config", "NOTEBOOK_RUNS_ENV", "NotARunFolder", "RunFolderExists", "notebook_run_dir",
     "prepare_run_dir", "LOCK_FILE", "RunFolderBusy", "WriterLock", "describe_holder", "lock_holder",

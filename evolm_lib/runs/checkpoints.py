@@ -133,6 +133,34 @@ def load_checkpoint(path: Path) -> tuple[AdapterWeights | None, dict[str, torch.
     return adapter, optimizer, json.loads((path / "state.json").read_text())
 
 
+def _mismatch(name: str, entry: dict, size: int, sha256) -> str | None:
+    """What differs between a checkpoint file and its manifest entry, in words, or None;
+    ``sha256()`` is asked only when the size matches."""
+    if size != entry["bytes"]:
+        return f"{name} has {size} bytes, its manifest says {entry['bytes']}"
+    if sha256() != entry["sha256"]:
+        return f"{name} differs from its manifest's SHA-256"
+    return None
+
+
+def read_checkpoint_files(path: Path) -> dict[str, bytes] | None:
+    """Every file of a checkpoint with a manifest, the manifest included, each read once and checked
+    against it (a copy taken while the run writes: what is read is what was checked); None when the
+    manifest is missing or unreadable, or a file is missing or differs from it."""
+    path = Path(path)
+    try:
+        manifest = (path / MANIFEST).read_bytes()
+        files = {MANIFEST: manifest}
+        for name, entry in json.loads(manifest)["files"].items():
+            data = (path / name).read_bytes()
+            if _mismatch(name, entry, len(data), lambda: hashlib.sha256(data).hexdigest()) is not None:
+                return None
+            files[name] = data
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return files
+
+
 def verify_checkpoint(path: Path) -> str | None:
     """What is wrong with a checkpoint folder, in words, or None when it is intact: every file of its
     manifest present with its size and SHA-256. One written before manifests existed (no manifest,
@@ -147,10 +175,9 @@ def verify_checkpoint(path: Path) -> str | None:
             file = path / name
             if not file.is_file():
                 return f"{name} is missing"
-            if file.stat().st_size != entry["bytes"]:
-                return f"{name} has {file.stat().st_size} bytes, its manifest says {entry['bytes']}"
-            if _sha256(file) != entry["sha256"]:
-                return f"{name} differs from its manifest's SHA-256"
+            problem = _mismatch(name, entry, file.stat().st_size, lambda: _sha256(file))
+            if problem is not None:
+                return problem
         return None
     try:
         state = json.loads((path / "state.json").read_text())

@@ -29,18 +29,16 @@ same ``evolm tune`` commands: each study continues where it stopped.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import io
-import json
 import sqlite3
 import sys
 import tarfile
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from ..runs import CHECKPOINTS, MANIFEST, list_checkpoints
+from ..runs import CHECKPOINTS, list_checkpoints, read_checkpoint_files
 from ..sweep import HELDOUT
 from .final import STAGES, SUMMARY
 from .study import STORAGE
@@ -86,45 +84,24 @@ def _keep(path: Path, root: Path) -> bool:
     return path.is_file() and path.suffix in TEXT_SUFFIXES and not set(relative.parts[:-1]) & set(WEIGHT_FOLDERS)
 
 
-def _sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
 @dataclass
 class _Checkpoint:
     """A checkpoint folder's files as read once, each matching its manifest."""
 
     folder: Path
-    files: dict[str, bytes] = field(default_factory=dict)
+    files: dict[str, bytes]
 
     @property
     def bytes(self) -> int:
         return sum(len(data) for data in self.files.values())
 
 
-def _read_checkpoint(folder: Path) -> _Checkpoint | None:
-    """The checkpoint's files and manifest, read once; None unless every file its manifest lists is
-    there with its size and SHA-256 (one being pruned or rewritten, or damaged, is not carried)."""
-    try:
-        manifest = (folder / MANIFEST).read_bytes()
-        entries = json.loads(manifest)["files"]
-        read = _Checkpoint(folder, {MANIFEST: manifest})
-        for name, entry in entries.items():
-            data = (folder / name).read_bytes()
-            if len(data) != entry["bytes"] or _sha256(data) != entry["sha256"]:
-                return None
-            read.files[name] = data
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return read
-
-
 def _newest_checkpoint(run_folder: Path) -> _Checkpoint | None:
     """The newest checkpoint of a run folder that reads whole, or None."""
     for folder in reversed(list_checkpoints(run_folder)):
-        checkpoint = _read_checkpoint(folder)
-        if checkpoint is not None:
-            return checkpoint
+        files = read_checkpoint_files(folder)  # one being pruned or rewritten, or damaged, is not carried
+        if files is not None:
+            return _Checkpoint(folder, files)
     return None
 
 
@@ -156,7 +133,8 @@ def pack_study(out: str | Path, archive: str | Path, checkpoint_bytes: int = CHE
         finished, to_run, failed = trial_folders(copy)
         report["finished"], report["failed"] = finished, failed
         reruns = sorted(p.parent for stage in STAGES for p in (out / stage).rglob(HELDOUT))
-        unfinished = [run for folder in to_run for run in _run_folders(out / folder)]
+        trial_runs = {folder: _run_folders(out / folder) for folder in to_run}
+        unfinished = [run for runs in trial_runs.values() for run in runs]
         unfinished += [run for stage in STAGES for run in _run_folders(out / stage) if run not in reruns]
         continued = [run for run in reruns if run.parent.parent == out / "final"
                      and out / "long" / run.relative_to(out / "final") not in reruns]
@@ -192,7 +170,7 @@ def pack_study(out: str | Path, archive: str | Path, checkpoint_bytes: int = CHE
                     report["files"] += 1
         left = [str(run.relative_to(out)) for run in unfinished if run not in chosen]
         # a trial folder nobody wrote into yet, or whose runs hold no config: named as the trial
-        left += [folder for folder in to_run if not _run_folders(out / folder)]
+        left += [folder for folder, runs in trial_runs.items() if not runs]
         report["left_out"] = sorted(left)
     report["bytes"] = archive.stat().st_size
     return report
