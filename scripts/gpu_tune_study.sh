@@ -34,8 +34,9 @@
 # placement.jsonl beside the times). While a stage waits, a worker that ended cleanly (its method had
 # nothing left to claim) is replaced on its card by one of the method still at work with the fewest
 # workers (REFILL=0: not). Workers draw no figures (a lent machine may lack plotly and
-# chromium): the figures come from the compacted study (scripts/study_tables.py). SPEC and STUDY name
-# another study, e.g.
+# chromium): the figures come from the compacted study (scripts/study_tables.py). REBUILD_AT_START=1:
+# `start` also starts `rebuild` detached beside the workers (it rebuilds finished reruns only), so
+# the rebuilds run while the workers do rather than after them. SPEC and STUDY name another study, e.g.
 #   SPEC=papermill_runs/tune_study_conciseness_gpu.yaml STUDY=runs/tune_study_conciseness bash scripts/gpu_tune_study.sh start
 set -u
 SPEC=${SPEC:-papermill_runs/tune_study_addition_gpu.yaml}
@@ -125,6 +126,14 @@ start() {
     done
   done
   echo "$i workers on $gpus GPUs: $METHODS"
+  if [ "${REBUILD_AT_START:-0}" = 1 ]; then
+    # the geometry's rebuilds beside the workers, detached as they are: a rebuild needs only a
+    # finished rerun's config, and `finish` waits for these (after REBUILD_DELAY_S, so the workers'
+    # engines have started before theirs)
+    setsid bash -c "sleep ${REBUILD_DELAY_S:-60}; exec bash '$0' rebuild" > "$LOGS/rebuild.out" 2>&1 < /dev/null &
+    echo $! > "$LOGS/rebuild.pid"
+    echo "the geometry's rebuilds start beside them in ${REBUILD_DELAY_S:-60} s (log: $LOGS/rebuild.out)"
+  fi
 }
 
 rebuild() {
@@ -164,6 +173,9 @@ sys.exit(1 if left else 0)' "$SPEC" "$STUDY"; then
     return 0
   fi
   mkdir -p "$dir/compact"
+  local early
+  early=$(cat "$LOGS/rebuild.pid" 2>/dev/null)  # rebuilds started beside the workers (REBUILD_AT_START)
+  while [ -n "$early" ] && kill -0 "$early" 2>/dev/null && [ $((until - SECONDS)) -gt 30 ]; do sleep 5; done
   [ $((until - SECONDS)) -gt 30 ] && timeout --kill-after=10 $((until - SECONDS)) bash "$0" rebuild
   [ $((until - SECONDS)) -gt 30 ] && timeout --kill-after=10 $((until - SECONDS)) \
     python -m evolm_lib.tune.geometry "$STUDY" "$dir/compact" ${GEOMETRY_ARGS:-}
@@ -237,5 +249,5 @@ stage)
   # every worker ended: the study may be done, and its weights are still here
   [ "$(alive)" -eq 0 ] && [ "${FINISH:-1}" = 1 ] && finish "$dir" $((end - SECONDS))
   pack "$dir" ;;
-*) sed -n 2,39p "$0"; exit 2 ;;
+*) sed -n 2,40p "$0"; exit 2 ;;
 esac

@@ -161,6 +161,34 @@ def test_finish_rebuilds_measures_and_compacts_only_a_finished_study(tmp_path, d
             assert tar.getnames() == ["compact"]
 
 
+def test_rebuilds_started_beside_the_workers_end_before_finish_goes_on(tmp_path):
+    """With REBUILD_AT_START=1, `start` also starts `rebuild` detached beside its workers and returns
+    at once; `finish` waits for those rebuilds before its own rebuild, the geometry and compact."""
+    study = tmp_path / "study"
+    (study / "final" / "es_lora" / "seed0").mkdir(parents=True)
+    calls = tmp_path / "calls.txt"
+    # stand-ins: the status check says done, workers end at once, a rebuild takes a second
+    env = _stand_ins(tmp_path, study, gpus=2, python=(
+        '[ "$1" = -c ] && exit 0\n'
+        f'case "$2" in evolm_lib.tune.rebuild) echo "rebuild starts $5" >> {calls}; sleep 1; '
+        f'echo "rebuild ends $5" >> {calls} ;;\n'
+        f'evolm_lib.cli) [ "$5" = --dry-run ] || echo "worker $6" >> {calls} ;;\n'
+        f'*) echo "$2" >> {calls} ;; esac\n'))
+    env.update(SPEC="spec.yaml", METHODS="es_lora", WORKERS_PER_METHOD="1", REBUILD_AT_START="1", REBUILD_DELAY_S="0")
+    result = subprocess.run(["bash", str(SCRIPT), "start"], env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "the geometry's rebuilds start beside them in 0 s" in result.stdout
+    out = tmp_path / "out"
+    result = subprocess.run(["bash", str(SCRIPT), "finish", str(out), "120"], env={**env, "REBUILD_AT_START": "0"},
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    lines = calls.read_text().splitlines()
+    assert lines[0] == "worker es_lora" and lines[1:3] == ["rebuild starts es_lora", "rebuild ends es_lora"]
+    # finish's own rebuild (here a stand-in, which runs again; the real one finds the work done), then on
+    assert lines[3:] == ["rebuild starts es_lora", "rebuild ends es_lora", "evolm_lib.tune.geometry",
+                         "evolm_lib.tune.compact"]
+
+
 def test_a_pack_goes_back_in_parts_over_several_calls_and_start_joins_them_again(tmp_path):
     """`pack` with the real packer: the archive in parts of at most PART_BYTES kept on the machine,
     the first FIRST_PARTS in DIR (an earlier pack's parts there removed), `parts N DIR2` the rest;

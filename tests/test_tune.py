@@ -351,7 +351,7 @@ def test_a_retry_packs_into_its_first_attempts_folder_and_a_failed_trial_s_folde
                                       ["trials/es_full/trial_0002"])
 
 
-def test_an_unfinished_run_packed_with_its_checkpoint_resumes_elsewhere_to_the_uninterrupted_rows(tiny_vllm, tmp_path):
+def test_an_unfinished_run_packed_with_its_checkpoint_resumes_elsewhere_to_the_uninterrupted_rows(tiny_vllm, tmp_path, capsys):
     """A full-parameter ES run's checkpoint holds no tensors (its mean is replayed from the seed log),
     a LoRA run's (ES or GRPO) holds the adapter and the optimizer's moments: under a budget below the
     ES LoRA checkpoint only the first goes in and the LoRA runs are left out and named; under the
@@ -394,6 +394,15 @@ def test_an_unfinished_run_packed_with_its_checkpoint_resumes_elsewhere_to_the_u
     report = pack_study(out, tmp_path / "small.tar.gz", checkpoint_bytes=lora_bytes - 1)
     assert report["resumed"] == ["final/es_full/seed0 at 2"]
     assert report["left_out"] == ["final/es_lora/seed0", "final/grpo_lora/seed0"]
+    assert sorted(run for run, _ in report["over_budget"]) == report["left_out"]  # named, with their sizes
+    assert dict(report["over_budget"])["final/es_lora/seed0"] == lora_bytes
+    from evolm_lib.tune.pack import main as pack_main
+
+    budget = str((lora_bytes - 1) / 2**20)
+    assert pack_main([str(out), str(tmp_path / "small_again.tar.gz"), "--checkpoint-mib", budget]) == 0
+    said = capsys.readouterr().out.splitlines()[-1]
+    assert said.startswith(f"2 checkpoints over --checkpoint-mib {float(budget):g} stayed behind (")
+    assert said.endswith("final/es_lora/seed0, final/grpo_lora/seed0")
     with tarfile.open(tmp_path / "small.tar.gz") as tar:
         names = tar.getnames()
     assert "study/final/es_full/seed0/checkpoints/000002/state.json" in names
@@ -402,7 +411,7 @@ def test_an_unfinished_run_packed_with_its_checkpoint_resumes_elsewhere_to_the_u
 
     report = pack_study(out, tmp_path / "pack.tar.gz")
     assert report["resumed"] == ["final/es_full/seed0 at 2", "final/es_lora/seed0 at 2", "final/grpo_lora/seed0 at 2"]
-    assert report["left_out"] == []
+    assert report["left_out"] == [] and report["over_budget"] == []
     with tarfile.open(tmp_path / "pack.tar.gz") as tar:
         assert "study/final/es_lora/seed0/checkpoints/000002/adapter/adapter_model.safetensors" in tar.getnames()
         tar.extractall(tmp_path / "elsewhere", filter="data")

@@ -294,6 +294,13 @@ def test_the_study_end_to_end_then_compacted_tabled_drawn_and_measured(tmp_path,
             if (folder / weights).exists():
                 shutil.move(folder / weights, packed / method / weights)
         assert solution_folder(spec.out, "final", method, 0) == folder  # nothing to read it from yet
+    from evolm_lib.sweep import HELDOUT
+    from evolm_lib.tune.rebuild import to_rebuild
+
+    scores = spec.out / "final" / "grpo" / "seed0" / HELDOUT
+    scores.rename(scores.with_name("away"))  # as while the rerun still runs: no solution to rebuild yet
+    assert [method for _, _, method in to_rebuild(spec.out, [0])] == ["es"]
+    scores.with_name("away").rename(scores)
     rows_before = {m: read_metrics(spec.out / "final" / m / "seed0") for m in ("es", "grpo")}
     records = rebuild(spec.out, seeds=[0], evaluator=tiny_vllm, log=quiet)
     assert [(r["from"], r["rows_identical"]) for r in records] == [("final/es/seed0", True), ("final/grpo/seed0", True)]

@@ -118,14 +118,15 @@ def pack_study(out: str | Path, archive: str | Path, checkpoint_bytes: int = CHE
     returns what went in and what was left out: ``finished`` trial folders, ``failed``: folders of
     failed trials nobody retries (left out, named), ``resumed``: unfinished run folders whose
     checkpoint went in (with its generation), ``continued``: finished reruns whose checkpoint went in
-    for their continuation, ``left_out``: unfinished run folders, ``files``, ``checkpoint_bytes`` and
-    the archive's ``bytes``."""
+    for their continuation, ``left_out``: unfinished run folders, ``over_budget``: (run folder, bytes)
+    of each checkpoint that did not fit within ``checkpoint_bytes``, ``files``, ``checkpoint_bytes``
+    and the archive's ``bytes``."""
     out, archive = Path(out), Path(archive)
     storage = out / STORAGE
     if not storage.is_file():
         raise FileNotFoundError(f"{out}: no {STORAGE} here; is this the `out` folder of a tune spec?")
     report: dict[str, Any] = {"finished": [], "failed": [], "resumed": [], "continued": [], "left_out": [],
-                              "files": 0, "checkpoint_bytes": 0}
+                              "over_budget": [], "files": 0, "checkpoint_bytes": 0}
     with tempfile.TemporaryDirectory() as tmp:
         copy = Path(tmp) / STORAGE
         with sqlite3.connect(f"file:{storage}?mode=ro", uri=True) as source, sqlite3.connect(copy) as target:
@@ -146,6 +147,8 @@ def pack_study(out: str | Path, archive: str | Path, checkpoint_bytes: int = CHE
             if report["checkpoint_bytes"] + checkpoint.bytes <= checkpoint_bytes:
                 chosen[run] = checkpoint
                 report["checkpoint_bytes"] += checkpoint.bytes
+            else:  # named with its size, so whoever packs can tell what a larger budget would carry
+                report["over_budget"].append((str(run.relative_to(out)), checkpoint.bytes))
         archive.parent.mkdir(parents=True, exist_ok=True)
         with tarfile.open(archive, "w:gz") as tar:
             tar.add(copy, arcname=f"{out.name}/{STORAGE}")
@@ -194,6 +197,11 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{len(report['continued'])} finished reruns' checkpoints for their continuations; "
           f"left out {len(report['left_out'])} unfinished runs, to run from their start: "
           f"{', '.join(report['left_out']) or 'none'}; failed trials left out: {', '.join(report['failed']) or 'none'}")
+    if report["over_budget"]:
+        sizes = [size / 2**20 for _, size in report["over_budget"]]
+        print(f"{len(sizes)} checkpoints over --checkpoint-mib {args.checkpoint_mib:g} stayed behind "
+              f"({min(sizes):.1f}-{max(sizes):.1f} MiB each, {sum(sizes):.1f} MiB in all): "
+              f"{', '.join(sorted(run for run, _ in report['over_budget']))}")
     return 0
 
 

@@ -21,7 +21,7 @@ from typing import Callable, Sequence
 
 from ..metrics import without_times
 from ..runs import list_checkpoints, load_run_config, read_config_kind, read_jsonl, read_metrics
-from ..sweep import PlannedRun, make_shared_evaluator, run_budget, run_one
+from ..sweep import HELDOUT, PlannedRun, make_shared_evaluator, run_budget, run_one
 from .final import STAGES
 
 REBUILT = "rebuilt"
@@ -78,7 +78,8 @@ def chosen_seeds(study: str | Path, stage: str, methods: Sequence[str], seeds: S
 
 def to_rebuild(study: Path, seeds: Sequence[int] | None, stage: str = "final",
                methods: Sequence[str] | None = None) -> list[tuple[Path, Path, str]]:
-    """(finished rerun, its rebuilt folder, method) for each chosen rerun without weights here."""
+    """(finished rerun, its rebuilt folder, method) for each chosen rerun without weights here (a rerun
+    still running is left for later)."""
     root = Path(study) / stage
     found = stage_methods(study, stage)
     wanted = [m for m in found if methods is None or m in methods]
@@ -88,7 +89,8 @@ def to_rebuild(study: Path, seeds: Sequence[int] | None, stage: str = "final",
     for method in wanted:
         for seed in chosen:
             source = root / method / f"seed{seed}"
-            if (source / "config.yaml").is_file() and not has_weights(source):
+            # a rerun still running (no held-out scores yet) is not a solution to rebuild
+            if (source / HELDOUT).is_file() and not has_weights(source):
                 work.append((source, rebuilt_folder(study, stage, method, seed), method))
     return work
 
