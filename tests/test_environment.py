@@ -48,3 +48,45 @@ def test_installed_versions_match_the_pins():
     for name, pin in _requirements("cpu.txt").items():
         if "==" in pin:
             assert version(name) == pin.split("==")[1], name
+
+
+def test_the_source_digest_follows_the_files_not_their_order_times_or_caches(tmp_path):
+    """`env.source_digest`: the same Python files give the same digest whatever order they were
+    written in or when; an edit, a rename or a new module changes it; caches and other files do not."""
+    import os
+
+    from evolm_lib.env import source_digest
+
+    first, second = tmp_path / "a", tmp_path / "b"
+    for root, order in ((first, ("x.py", "sub/y.py")), (second, ("sub/y.py", "x.py"))):
+        for name in order:
+            (root / name).parent.mkdir(parents=True, exist_ok=True)
+            (root / name).write_text(f"# {Path(name).stem}\n")
+    os.utime(second / "x.py", (0, 0))
+    digest = source_digest(first)
+    assert len(digest) == 16 and digest == source_digest(second)
+    (second / "sub" / "__pycache__").mkdir()
+    (second / "sub" / "__pycache__" / "y.cpython-311.py").write_text("cached")
+    (second / "notes.txt").write_text("not code")
+    assert source_digest(second) == digest
+    (second / "x.py").write_text("# x, edited\n")
+    assert source_digest(second) != digest
+    (second / "x.py").write_text("# x\n")
+    (second / "x.py").rename(second / "z.py")
+    assert source_digest(second) != digest
+
+
+def test_a_runs_placement_names_its_code_and_libraries(monkeypatch):
+    """placement() records the package's source digest, the commit (EVOLM_CODE_COMMIT where a copy has
+    no git history, else the checkout's) and the installed versions of the libraries rows depend on."""
+    import evolm_lib
+    from evolm_lib.env import CODE_COMMIT, placement, source_digest
+
+    monkeypatch.delenv(CODE_COMMIT, raising=False)
+    line = placement()
+    assert line["code_digest"] == source_digest(Path(evolm_lib.__file__).parent)
+    from importlib import metadata
+
+    assert line["versions"]["torch"] == metadata.version("torch") and set(line["versions"]) >= {"vllm", "transformers"}
+    monkeypatch.setenv(CODE_COMMIT, "0123456789abcdef")
+    assert placement()["code_commit"] == "0123456789abcdef"

@@ -17,6 +17,7 @@ import yaml
 
 from evolm_lib import tune
 from evolm_lib.analysis import load_runs, study_table
+from evolm_lib.env import code_identity
 from evolm_lib.runs import read_jsonl, read_metrics
 from evolm_lib.sweep import plan_sweep
 from evolm_lib.tune.compact import columns, compact_groups, compact_study, from_columns, load_compact, scalar_row
@@ -229,6 +230,8 @@ def test_the_study_end_to_end_then_compacted_tabled_drawn_and_measured(tmp_path,
                 (placement,) = {json.dumps({k: v for k, v in line.items() if k in ("device", "evaluator")})
                                 for line in read_jsonl(folder / "placement.jsonl")}
                 assert json.loads(placement) == {"device": "cpu", "evaluator": "local"}
+                assert {line["code_digest"] for line in read_jsonl(folder / "placement.jsonl")} == {
+                    code_identity()["code_digest"]}  # the code each run ran
                 resolved = {(line.get("policy_process"), line.get("policy_attention"))
                             for line in read_jsonl(folder / "placement.jsonl")}
                 assert resolved == ({("same", "sdpa")} if method == "grpo" else {(None, None)})  # a CPU policy
@@ -346,6 +349,9 @@ def test_the_study_end_to_end_then_compacted_tabled_drawn_and_measured(tmp_path,
     assert cells[10].startswith(f"{heldout.loc['es', 'training_seconds']:.0f} (")  # with its engines a card
     assert [line for line in digest if line.startswith("| es shuffled |")]  # the control's own score
     assert [line for line in digest if line.startswith("| es | grpo | primary |")]
+    code = code_identity()  # where the finals ran: this process's device and code
+    named = code["code_commit"][:7] if code["code_commit"] else f"digest {code['code_digest']}"
+    assert f"The final seeds ran on cpu, an unrecorded number of engines a card; code {named}." in digest
     if chromium_available():
         for name in ("best_vs_trials", "heldout_vs_completions", "heldout_vs_tokens", "heldout_vs_seconds",
                      "geometry_update_norms", "geometry_path_es_grpo"):

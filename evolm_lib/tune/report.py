@@ -21,11 +21,14 @@ from .compact import compact_groups, load_compact
 
 
 def placements(runs: Sequence[dict]) -> dict[str, str]:
-    """The devices and engines per card compacted runs ran at, as text ("5", "4, 5"; "" when unrecorded)."""
+    """The devices, engines per card and code compacted runs ran at, as text ("5", "4, 5"; "" when
+    unrecorded): the code as its commit where known, else as its source digest (``env.code_identity``)."""
     lines = [line for run in runs for line in run.get("placement") or []]
     engines = sorted({line["engines_per_card"] for line in lines if line.get("engines_per_card") is not None})
     devices = sorted({line["device"] for line in lines if line.get("device")})
-    return {"engines_per_card": ", ".join(map(str, engines)), "device": ", ".join(devices)}
+    code = sorted({line["code_commit"][:7] if line.get("code_commit") else f"digest {line['code_digest']}"
+                   for line in lines if line.get("code_digest")})
+    return {"engines_per_card": ", ".join(map(str, engines)), "device": ", ".join(devices), "code": ", ".join(code)}
 
 
 def winners_table(trials: Sequence[dict], runs: Sequence[dict]):
@@ -71,7 +74,7 @@ def _final(groups: Mapping[str, Sequence], runs: Sequence[dict], stage: str, mea
         extra[name] = {"generated_tokens": statistics.fmean(tokens) if tokens else math.nan,
                        "wall_seconds": statistics.fmean(seconds) if seconds else math.nan,
                        "training_seconds": statistics.fmean(training) if training else math.nan, **placements(own)}
-    for column in ("generated_tokens", "wall_seconds", "training_seconds", "engines_per_card", "device"):
+    for column in ("generated_tokens", "wall_seconds", "training_seconds", "engines_per_card", "device", "code"):
         table[column] = [extra[name][column] for name in table.index]
     return table
 
@@ -182,6 +185,14 @@ def study_digest(tables: Mapping[str, Any], title: str) -> str:
                  "" if final is None or math.isnan(final["training_seconds"])
                  else f"{final['training_seconds']:.0f} ({final['engines_per_card'] or 'n/a'})"]
         lines.append("| " + " | ".join(cells) + " |")
+    if heldout is not None:
+        def listed(column: str) -> str:
+            return ", ".join(sorted({part for cell in heldout[column].fillna("") for part in str(cell).split(", ") if part}))
+
+        code = listed("code")
+        lines += ["", f"The final seeds ran on {listed('device') or 'unrecorded devices'}, "
+                      f"{listed('engines_per_card') or 'an unrecorded number of'} engines a card; "
+                      f"code {code if code else 'not recorded (runs from before placement.jsonl recorded it)'}."]
     for name, heading in (("comparisons", "Comparisons at the budget"), ("long_comparisons", "Comparisons at twice the budget"),
                           ("control_comparisons", "The shuffled-fitness control")):
         table = tables.get(name)
