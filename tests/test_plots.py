@@ -206,14 +206,21 @@ def test_a_long_legend_makes_the_paper_figure_taller_not_the_plot_smaller():
 def test_best_so_far_draws_one_legend_entry_a_method():
     from evolm_lib.viz.tuning import plot_best_so_far
 
-    def trial(number, value, state="complete"):
-        return {"number": number, "value": value, "state": state}
+    def trial(number, value, state="complete", retries=None, error=None):
+        return {"number": number, "value": value, "state": state, "retries": retries, "error": error}
 
-    fig = plot_best_so_far({"es": [trial(0, 0.2), trial(1, 0.1), trial(2, None, "failed"), trial(3, 0.5)],
-                            "grpo": [trial(0, 0.7), trial(1, 0.9)]})
+    # es: a failed trial counts (its error said why), a pruned one too; grpo: trial 1 was killed and
+    # Optuna retried it as trial 3, which takes its place; trial 4 still runs
+    fig = plot_best_so_far({"es": [trial(0, None, "pruned"), trial(1, 0.2), trial(2, None, "fail", error="OOM"),
+                                   trial(3, 0.5), trial(4, 0.1)],
+                            "grpo": [trial(0, 0.7), trial(1, None, "fail"), trial(2, 0.6), trial(3, 0.9, retries=1),
+                                     trial(4, None, "running")]})
     assert [t.name for t in fig.data if t.showlegend is not False] == ["es", "grpo"]
-    assert list(trace(fig, "es").y) == [0.2, 0.2, 0.5] and list(trace(fig, "es").x) == [0, 1, 3]
-    assert list(trace(fig, "es, each trial").y) == [0.2, 0.1, 0.5]  # complete trials only, no legend entry
+    assert list(trace(fig, "es").x) == [2, 3, 4, 5] and list(trace(fig, "es").y) == [0.2, 0.2, 0.5, 0.5]
+    assert list(trace(fig, "es, each trial").y) == [0.2, 0.5, 0.1]  # complete trials only, no legend entry
+    assert list(trace(fig, "grpo").x) == [1, 2, 3] and list(trace(fig, "grpo").y) == [0.7, 0.9, 0.9]
+    assert list(trace(fig, "grpo, each trial").x) == [1, 2, 3]  # the retry in the killed trial's place
+    assert list(trace(fig, "grpo, each trial").y) == [0.7, 0.9, 0.6]
     assert trace(fig, "es, each trial").marker.color == trace(fig, "es").line.color
     # a method has one colour in every figure: the tuned study's names, their labels, and the sweeps' names
     assert plots.method_color("es_lora", 3) == plots.method_color("es_lora, 5 engines/card (n=10)", 0) == \

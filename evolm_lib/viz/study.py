@@ -1,5 +1,5 @@
 """Figures of the tuned study from its compacted files (``evolm_lib.tune.compact``), on any machine:
-the best validation score so far against the trial number; the held-out score against training
+the best validation score so far against the trials counted; the held-out score against training
 completions, generated tokens and wall-clock seconds (each method labelled with the engines per card
 its runs had); and, where ``geometry.json`` lies beside the files (``python -m
 evolm_lib.tune.geometry``), the winners' update norms per layer and the straight paths between them."""

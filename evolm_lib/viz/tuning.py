@@ -1,4 +1,4 @@
-"""Figures of a tuning study (`evolm tune`): the best validation score so far against the trial number,
+"""Figures of a tuning study (`evolm tune`): the best validation score so far against the trials counted,
 one line per method, and each searched setting's effect, Optuna's own slice and importance plots
 (``optuna.visualization``, plotly figures like the others, exported by ``figures.export_figure``)."""
 from __future__ import annotations
@@ -13,36 +13,58 @@ from .labels import axis_title, integer_ticks
 from .plots import method_color
 
 
+def counted_trials(trials: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """A method's trials as they count against its trial budget, in order: complete, pruned, and failed
+    with an error (as the winners table counts them). A killed trial that Optuna retried (the retry
+    is asked later, with the same setting) is not counted; its retry takes its place in the order."""
+    by_number = {t["number"]: t for t in trials}
+    retried = {t["retries"] for t in trials if t.get("retries") is not None}
+
+    def place(trial: Mapping[str, Any]) -> tuple[int, int]:
+        number, seen = trial["number"], set()
+        while by_number.get(number, {}).get("retries") is not None and number not in seen:
+            seen.add(number)
+            number = by_number[number]["retries"]
+        return number, trial["number"]
+
+    counted = [t for t in trials if t["number"] not in retried and (
+        t["state"] in ("complete", "pruned") or (t["state"] == "fail" and t.get("error") is not None))]
+    return sorted(counted, key=place)
+
+
 def best_so_far(trials: Sequence[Mapping[str, Any]]) -> tuple[list[int], list[float]]:
-    """(trial numbers, best value up to each) over a method's complete trials, in trial order
-    (pruned and failed trials have no final score and are left out)."""
-    numbers, best, top = [], [], None
-    for trial in sorted(trials, key=lambda t: t["number"]):
-        if trial["state"] != "complete" or trial["value"] is None:
-            continue
-        top = trial["value"] if top is None else max(top, trial["value"])
-        numbers.append(int(trial["number"]))
-        best.append(float(top))
-    return numbers, best
+    """(trials counted so far, best value among them) at each counted trial (``counted_trials``)
+    from the first with a score on (pruned and failed trials have no final score: the best carries over)."""
+    counts, best, top = [], [], None
+    for count, trial in enumerate(counted_trials(trials), start=1):
+        if trial["state"] == "complete" and trial["value"] is not None:
+            top = trial["value"] if top is None else max(top, trial["value"])
+        if top is not None:
+            counts.append(count)
+            best.append(float(top))
+    return counts, best
 
 
 def plot_best_so_far(trials_by_method: Mapping[str, Sequence[Mapping[str, Any]]], select: str = "validation/reward",
                      title: str = "Best score so far, per method (dots: each trial)") -> go.Figure:
-    """One line per method: the best selection score among its trials up to each trial number, with
-    every complete trial's own score as a marker of its colour (one legend entry a method: a paper's
-    legend of two entries a method would take the plot's room)."""
+    """One line per method: the best selection score among its first k counted trials
+    (``counted_trials``: a killed trial's retry in its place, so every method's axis ends at its
+    trial budget), with every complete trial's own score as a marker of its colour (one legend entry
+    a method: a paper's legend of two entries a method would take the plot's room)."""
     fig = go.Figure()
+    last = 1
     for index, (method, trials) in enumerate(trials_by_method.items()):
         color = method_color(method, index)
-        numbers, best = best_so_far(trials)
-        fig.add_trace(go.Scatter(x=numbers, y=best, mode="lines", name=method, legendgroup=method,
+        counts, best = best_so_far(trials)
+        fig.add_trace(go.Scatter(x=counts, y=best, mode="lines", name=method, legendgroup=method,
                                  line={"color": color, "shape": "hv"}))
-        done = [t for t in trials if t["state"] == "complete" and t["value"] is not None]
-        fig.add_trace(go.Scatter(x=[t["number"] for t in done], y=[t["value"] for t in done], mode="markers",
+        done = [(count, t["value"]) for count, t in enumerate(counted_trials(trials), start=1)
+                if t["state"] == "complete" and t["value"] is not None]
+        fig.add_trace(go.Scatter(x=[c for c, _ in done], y=[v for _, v in done], mode="markers",
                                  name=f"{method}, each trial", legendgroup=method, showlegend=False,
                                  marker={"color": color, "size": 7, "opacity": 0.5}))
-    last = max((t["number"] for trials in trials_by_method.values() for t in trials), default=1)
-    fig.update_layout(title=title, xaxis_title="trial number", yaxis_title=axis_title(select), template="plotly_white")
+        last = max(last, len(counted_trials(trials)))
+    fig.update_layout(title=title, xaxis_title="trials", yaxis_title=axis_title(select), template="plotly_white")
     fig.update_xaxes(**integer_ticks(last))
     return fig
 
