@@ -21,14 +21,20 @@ from .compact import compact_groups, load_compact
 
 
 def placements(runs: Sequence[dict]) -> dict[str, str]:
-    """The devices, engines per card and code compacted runs ran at, as text ("5", "4, 5"; "" when
-    unrecorded): the code as its commit where known, else as its source digest (``env.code_identity``)."""
+    """The devices, engines per card, compute processes on the card (their range) and code compacted
+    runs ran at, as text ("5", "4, 5", "6-10"; "" when unrecorded): the code as its commit where known,
+    else as its source digest (``env.code_identity``)."""
     lines = [line for run in runs for line in run.get("placement") or []]
     engines = sorted({line["engines_per_card"] for line in lines if line.get("engines_per_card") is not None})
     devices = sorted({line["device"] for line in lines if line.get("device")})
     code = sorted({line["code_commit"][:7] if line.get("code_commit") else f"digest {line['code_digest']}"
                    for line in lines if line.get("code_digest")})
-    return {"engines_per_card": ", ".join(map(str, engines)), "device": ", ".join(devices), "code": ", ".join(code)}
+    # compute processes nvidia-smi saw on the card as each run opened (engines, and GRPO policies in
+    # their own processes): engines a card alone understate what a card was shared with
+    seen = sorted({line["processes_on_card"] for line in lines if line.get("processes_on_card") is not None})
+    processes = "" if not seen else str(seen[0]) if len(seen) == 1 else f"{seen[0]}-{seen[-1]}"
+    return {"engines_per_card": ", ".join(map(str, engines)), "device": ", ".join(devices), "code": ", ".join(code),
+            "processes_on_card": processes}
 
 
 def winners_table(trials: Sequence[dict], runs: Sequence[dict]):
@@ -74,7 +80,8 @@ def _final(groups: Mapping[str, Sequence], runs: Sequence[dict], stage: str, mea
         extra[name] = {"generated_tokens": statistics.fmean(tokens) if tokens else math.nan,
                        "wall_seconds": statistics.fmean(seconds) if seconds else math.nan,
                        "training_seconds": statistics.fmean(training) if training else math.nan, **placements(own)}
-    for column in ("generated_tokens", "wall_seconds", "training_seconds", "engines_per_card", "device", "code"):
+    for column in ("generated_tokens", "wall_seconds", "training_seconds", "engines_per_card", "processes_on_card",
+                   "device", "code"):
         table[column] = [extra[name][column] for name in table.index]
     return table
 
@@ -150,9 +157,10 @@ def _p(value) -> str:
 def study_digest(tables: Mapping[str, Any], title: str) -> str:
     """The tables a findings section quotes, as Markdown: each method's trials, winner and setting,
     its held-out score over the final seeds with BCa and t intervals and the seed spread, at twice
-    the budget where continued, the tokens it generated and its training seconds with the engines
-    per card they ran at (the means over the seeds); then the comparisons (the declared family
-    Holm-corrected, the rest exploratory) and the shuffled-fitness control."""
+    the budget where continued, the tokens it generated and its training seconds (the means over the
+    seeds) with the engines per card they ran at and the compute processes seen on the card; where
+    and with what code the final seeds ran; then the comparisons (the declared family Holm-corrected,
+    the rest exploratory) and the shuffled-fitness control."""
     import pandas as pd
 
     measure = next(iter(tables.values())).attrs.get("measure", "") if tables else ""
@@ -164,7 +172,7 @@ def study_digest(tables: Mapping[str, Any], title: str) -> str:
     methods = list(dict.fromkeys([*(winners.index if winners is not None else []),
                                   *(heldout.index if heldout is not None else [])]))
     lines += ["| method | trials | winner | setting | seeds | held out (BCa) | t interval | seed std | at 2x (BCa) "
-              "| generated tokens | training s (engines a card) |",
+              "| generated tokens | training s (engines a card; processes on it) |",
               "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for method in methods:
         row = winners.loc[method] if winners is not None and method in winners.index else None
@@ -183,7 +191,8 @@ def study_digest(tables: Mapping[str, Any], title: str) -> str:
                  "" if later is None else f"{_value(later['mean'], measure)} ({_interval(later['ci_low'], later['ci_high'], measure)})",
                  "" if final is None or math.isnan(final["generated_tokens"]) else f"{final['generated_tokens']:,.0f}",
                  "" if final is None or math.isnan(final["training_seconds"])
-                 else f"{final['training_seconds']:.0f} ({final['engines_per_card'] or 'n/a'})"]
+                 else f"{final['training_seconds']:.0f} ({final['engines_per_card'] or 'n/a'}"
+                      + (f"; {final['processes_on_card']})" if final.get("processes_on_card") else ")")]
         lines.append("| " + " | ".join(cells) + " |")
     if heldout is not None:
         def listed(column: str) -> str:
