@@ -229,6 +229,19 @@ def test_best_so_far_draws_one_legend_entry_a_method():
     assert plots.method_color("es shuffled", 0) != plots.method_color("es shuffled", 1)  # others: by index
 
 
+def test_a_retry_of_a_retry_takes_the_first_killed_trials_place():
+    from evolm_lib.tune.report import counted_trials
+
+    def trial(number, state, retries=None, error=None):
+        return {"number": number, "value": 0.5 if state == "complete" else None, "state": state, "retries": retries,
+                "error": error}
+
+    # trial 1 was killed, its retry 3 killed too, and 3's retry 5 finished: 5 stands where 1 stood
+    trials = [trial(0, "complete"), trial(1, "fail"), trial(2, "fail", error="CUDA out of memory"),
+              trial(3, "fail", retries=1), trial(4, "pruned"), trial(5, "complete", retries=3), trial(6, "waiting")]
+    assert [t["number"] for t in counted_trials(trials)] == [0, 5, 2, 4]
+
+
 def test_training_seconds_leave_scoring_and_checkpoints_out():
     rows = [{"generation": 0, "time/eval_s": 1.0, "time/wall_s": 5.0},  # the first scoring: before training
             {"generation": 1, "time/generation_s": 3.0, "time/eval_s": 1.0, "time/wall_s": 8.5},

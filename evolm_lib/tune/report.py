@@ -37,6 +37,25 @@ def placements(runs: Sequence[dict]) -> dict[str, str]:
             "processes_on_card": processes}
 
 
+def counted_trials(trials: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """A method's trials as they count against its trial budget, in order: complete, pruned, and failed
+    with an error. A killed trial that Optuna retried (the retry is asked later, with the same
+    setting) is not counted; its retry takes its place in the order."""
+    by_number = {t["number"]: t for t in trials}
+    retried = {t["retries"] for t in trials if t.get("retries") is not None}
+
+    def place(trial: Mapping[str, Any]) -> tuple[int, int]:
+        number, seen = trial["number"], set()
+        while by_number.get(number, {}).get("retries") is not None and number not in seen:
+            seen.add(number)
+            number = by_number[number]["retries"]
+        return number, trial["number"]
+
+    counted = [t for t in trials if t["number"] not in retried and (
+        t["state"] in ("complete", "pruned") or (t["state"] == "fail" and t.get("error") is not None))]
+    return sorted(counted, key=place)
+
+
 def winners_table(trials: Sequence[dict], runs: Sequence[dict]):
     """One row per method: its trials by state, the winner (the complete trial of the highest score),
     its setting and what that setting derived (generations, split), the seconds the trials took and
@@ -46,9 +65,10 @@ def winners_table(trials: Sequence[dict], runs: Sequence[dict]):
     lines = []
     for method in dict.fromkeys(t["method"] for t in trials):
         own = [t for t in trials if t["method"] == method]
-        complete = [t for t in own if t["state"] == "complete" and t["value"] is not None]
-        failed = [t for t in own if t["state"] == "fail" and t.get("error") is not None]
-        pruned = [t for t in own if t["state"] == "pruned"]
+        counted = counted_trials(own)
+        complete = [t for t in counted if t["state"] == "complete" and t["value"] is not None]
+        failed = [t for t in counted if t["state"] == "fail"]
+        pruned = [t for t in counted if t["state"] == "pruned"]
         best = max(complete, key=lambda t: t["value"]) if complete else None
         lines.append({
             "method": method, "trials": len(complete) + len(pruned) + len(failed), "complete": len(complete),

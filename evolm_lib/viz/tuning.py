@@ -13,28 +13,11 @@ from .labels import axis_title, integer_ticks
 from .plots import method_color
 
 
-def counted_trials(trials: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
-    """A method's trials as they count against its trial budget, in order: complete, pruned, and failed
-    with an error (as the winners table counts them). A killed trial that Optuna retried (the retry
-    is asked later, with the same setting) is not counted; its retry takes its place in the order."""
-    by_number = {t["number"]: t for t in trials}
-    retried = {t["retries"] for t in trials if t.get("retries") is not None}
-
-    def place(trial: Mapping[str, Any]) -> tuple[int, int]:
-        number, seen = trial["number"], set()
-        while by_number.get(number, {}).get("retries") is not None and number not in seen:
-            seen.add(number)
-            number = by_number[number]["retries"]
-        return number, trial["number"]
-
-    counted = [t for t in trials if t["number"] not in retried and (
-        t["state"] in ("complete", "pruned") or (t["state"] == "fail" and t.get("error") is not None))]
-    return sorted(counted, key=place)
-
-
 def best_so_far(trials: Sequence[Mapping[str, Any]]) -> tuple[list[int], list[float]]:
     """(trials counted so far, best value among them) at each counted trial (``counted_trials``)
     from the first with a score on (pruned and failed trials have no final score: the best carries over)."""
+    from ..tune.report import counted_trials  # the tune package is heavy to import; figures alone need not pay
+
     counts, best, top = [], [], None
     for count, trial in enumerate(counted_trials(trials), start=1):
         if trial["state"] == "complete" and trial["value"] is not None:
@@ -51,6 +34,8 @@ def plot_best_so_far(trials_by_method: Mapping[str, Sequence[Mapping[str, Any]]]
     (``counted_trials``: a killed trial's retry in its place, so every method's axis ends at its
     trial budget), with every complete trial's own score as a marker of its colour (one legend entry
     a method: a paper's legend of two entries a method would take the plot's room)."""
+    from ..tune.report import counted_trials
+
     fig = go.Figure()
     last = 1
     for index, (method, trials) in enumerate(trials_by_method.items()):
