@@ -185,6 +185,35 @@ def test_a_protocols_own_grpo_budget_sets_the_steps(tmp_path):
         plan_sweep(sweep)
 
 
+def test_how_soon_each_method_of_a_pair_reaches_the_weaker_ones_final_score():
+    """reach_table, hand-computed: the target is the lower of the two methods' mean final evaluation
+    reward (a: 0.6 and 0.4, mean 0.5; b: 0.8 and 0.9); a seed's first row at or above it gives its
+    training seconds (scoring left out) and completions; medians over the seeds that reach it."""
+    from types import SimpleNamespace
+
+    from evolm_lib.tune.report import reach_table
+
+    def run(*rows):
+        return SimpleNamespace(rows=[{"generation": g, **row} for g, row in enumerate(rows)])
+
+    groups = {
+        "a": [run({"eval/reward": 0.1, "samples/completions": 0},
+                  {"time/generation_s": 2.0, "eval/reward": 0.45, "samples/completions": 10},
+                  {"time/generation_s": 3.0, "time/eval_s": 1.0, "eval/reward": 0.6, "samples/completions": 20}),
+              run({"eval/reward": 0.1, "samples/completions": 0},
+                  {"time/generation_s": 2.0, "eval/reward": 0.4, "samples/completions": 10})],
+        "b": [run({"eval/reward": 0.2, "samples/completions": 0},
+                  {"time/generation_s": 1.0, "eval/reward": 0.8, "samples/completions": 5}),
+              run({"eval/reward": 0.5, "samples/completions": 0},  # there before any training
+                  {"time/generation_s": 1.0, "eval/reward": 0.9, "samples/completions": 5})]}
+    table = reach_table(groups, [("a", "b")])
+    assert table.to_dict("records") == [
+        {"a": "a", "b": "b", "target": 0.5, "method": "a", "seeds": 2, "reached": 1, "training_seconds": 4.0,
+         "completions": 20},
+        {"a": "a", "b": "b", "target": 0.5, "method": "b", "seeds": 2, "reached": 2, "training_seconds": 0.5,
+         "completions": 2.5}]
+
+
 def test_compacted_rows_keep_scalars_and_come_back_by_column():
     row = {"generation": 3, "method": "es", "eval/reward": 0.1234567891, "time/generate_s": 0.123456,
            "time/wall_s": 12.3456789, "ok": True, "policy/train_completions": ["a", "b"], "es/weights": [0.5],
@@ -349,6 +378,10 @@ def test_the_study_end_to_end_then_compacted_tabled_drawn_and_measured(tmp_path,
     assert cells[10].startswith(f"{heldout.loc['es', 'training_seconds']:.0f} (")  # with its engines a card
     assert [line for line in digest if line.startswith("| es shuffled |")]  # the control's own score
     assert [line for line in digest if line.startswith("| es | grpo | primary |")]
+    reach = pd.read_csv(tables / "reach.csv", index_col=0)  # the declared pair on the budget axes
+    assert reach[["a", "b", "method"]].values.tolist() == [["es", "grpo", "es"], ["es", "grpo", "grpo"]]
+    assert (reach["reached"] >= 1).all()  # each method reaches the weaker one's final mean: the weaker on its seeds' average
+    assert [line for line in digest if line.startswith("| es | grpo | ") and " of 2 | " in line]
     code = code_identity()  # where the finals ran: this process's device and code
     named = code["code_commit"][:7] if code["code_commit"] else f"digest {code['code_digest']}"
     assert f"The final seeds ran on cpu, an unrecorded number of engines a card; code {named}." in digest

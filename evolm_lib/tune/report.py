@@ -112,6 +112,39 @@ def _primary(summary: dict | None, groups: Mapping[str, Sequence]) -> list[tuple
     return [(a, b) for a, b in family if a in groups and b in groups]
 
 
+def reach_table(groups: Mapping[str, Sequence], pairs: Sequence[tuple[str, str]], key: str = "eval/reward"):
+    """For each pair (a, b): the target, the lower of the two methods' mean final ``key`` over their
+    seeds; and for each of the two, how many seeds reach the target in their rows, and the median
+    training seconds (``metrics.with_training_seconds``) and training completions at which they first
+    do (over the seeds that reach it). It reads a comparison on the budget axes: how soon the
+    stronger method matches what the weaker one ends with (a DataFrame: a, b, target, method, seeds,
+    reached, training_seconds, completions)."""
+    import pandas as pd
+
+    from ..metrics import TRAINING_SECONDS, final_value, finite, with_training_seconds
+
+    lines = []
+    for a, b in pairs:
+        finals = {m: [v for v in (final_value(r.rows, key) for r in groups[m]) if v is not None] for m in (a, b)}
+        if not all(finals.values()):
+            continue
+        target = min(statistics.fmean(values) for values in finals.values())
+        for method in (a, b):
+            firsts = []
+            for record in groups[method]:
+                first = next((row for row in with_training_seconds(record.rows)
+                              if finite(row.get(key)) and row[key] >= target), None)
+                if first is not None:
+                    firsts.append((first[TRAINING_SECONDS], first.get("samples/completions")))
+            lines.append({"a": a, "b": b, "target": target, "method": method, "seeds": len(groups[method]),
+                          "reached": len(firsts),
+                          "training_seconds": statistics.median(s for s, _ in firsts) if firsts else math.nan,
+                          "completions": statistics.median(c for _, c in firsts if c is not None)
+                          if any(c is not None for _, c in firsts) else math.nan})
+    return pd.DataFrame(lines, columns=["a", "b", "target", "method", "seeds", "reached", "training_seconds",
+                                        "completions"])
+
+
 def study_tables(compact: dict, measure: str | None = None) -> dict[str, Any]:
     """{name: DataFrame} of a compacted study (see the module docstring); ``measure``: success or
     reward (default: the summary's, else the task's)."""
@@ -127,6 +160,8 @@ def study_tables(compact: dict, measure: str | None = None) -> dict[str, Any]:
         tables["heldout"] = _final(final, runs, "final", measure)
         if len(final) > 1:
             tables["comparisons"] = method_comparisons(final, measure=measure, primary=_primary(summary, final))
+        if _primary(summary, final):
+            tables["reach"] = reach_table(final, _primary(summary, final))
     long = compact_groups(runs, "long")
     if long:
         tables["long"] = _final(long, runs, "long", measure)
@@ -237,6 +272,17 @@ def study_digest(tables: Mapping[str, Any], title: str) -> str:
             lines.append(f"| {row['method_a']} | {row['method_b']} | {row['family']} | "
                          f"{scale * row['difference']:+.3g}{unit} ({scale * row['ci_low']:+.3g} to {scale * row['ci_high']:+.3g}) | "
                          f"{_p(row['permutation_p'])} | {_p(row.get('holm_p'))} | {row['larger_than_seed_noise']} |")
+    reach = tables.get("reach")
+    if reach is not None and not reach.empty:
+        lines += ["", "How soon each method of a declared pair reaches the score the weaker of the two ends with "
+                      "(the evaluation reward in the rows, the mean over the seeds; medians over the seeds that reach it):", "",
+                  "| a | b | target | method | seeds reaching it | training s | training completions |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
+        for _, row in reach.iterrows():
+            lines.append(f"| {row['a']} | {row['b']} | {_value(row['target'], measure)} | {row['method']} | "
+                         f"{int(row['reached'])} of {int(row['seeds'])} | "
+                         f"{'' if math.isnan(row['training_seconds']) else format(row['training_seconds'], '.0f')} | "
+                         f"{'' if math.isnan(row['completions']) else format(row['completions'], ',.0f')} |")
     return "\n".join(lines) + "\n"
 
 
