@@ -6,6 +6,7 @@ Every value is a default: a variable the user already set is left alone.
 """
 from __future__ import annotations
 
+import functools
 import os
 
 from .quiet import quiet_engines, verbose
@@ -115,7 +116,30 @@ def source_digest(root) -> str:
     return digest.hexdigest()[:16]
 
 
-_CODE: dict = {}
+@functools.cache
+def _package_code() -> tuple[str, str | None, dict[str, str | None]]:
+    """(source digest, git commit or None, library versions) of this process's evolm_lib, read once."""
+    import subprocess
+    from importlib import metadata
+    from pathlib import Path
+
+    package = Path(__file__).resolve().parent
+    versions: dict[str, str | None] = {}
+    for name, distributions in LIBRARIES.items():
+        versions[name] = None
+        for distribution in distributions:
+            try:
+                versions[name] = metadata.version(distribution)
+                break
+            except metadata.PackageNotFoundError:
+                continue
+    try:
+        head = subprocess.run(["git", "-C", str(package), "rev-parse", "HEAD"], capture_output=True, text=True,
+                              timeout=10)
+        commit = head.stdout.strip() if head.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):  # no git on this machine
+        commit = None
+    return source_digest(package), commit, versions
 
 
 def code_identity() -> dict:
@@ -123,30 +147,8 @@ def code_identity() -> dict:
     once a process) and ``code_commit`` (``EVOLM_CODE_COMMIT`` where set, else the commit of the git
     checkout the package sits in, else None; the digest says whether the files were that commit's),
     and ``versions`` of ``LIBRARIES`` (None where not installed)."""
-    import subprocess
-    from importlib import metadata
-    from pathlib import Path
-
-    package = Path(__file__).resolve().parent
-    if not _CODE:
-        versions = {}
-        for name, distributions in LIBRARIES.items():
-            versions[name] = None
-            for distribution in distributions:
-                try:
-                    versions[name] = metadata.version(distribution)
-                    break
-                except metadata.PackageNotFoundError:
-                    continue
-        try:
-            head = subprocess.run(["git", "-C", str(package), "rev-parse", "HEAD"], capture_output=True, text=True,
-                                  timeout=10)
-            commit = head.stdout.strip() if head.returncode == 0 else None
-        except (OSError, subprocess.SubprocessError):  # no git on this machine
-            commit = None
-        _CODE.update(code_digest=source_digest(package), git_commit=commit, versions=versions)
-    return {"code_digest": _CODE["code_digest"], "code_commit": os.environ.get(CODE_COMMIT) or _CODE["git_commit"],
-            "versions": _CODE["versions"]}
+    digest, commit, versions = _package_code()
+    return {"code_digest": digest, "code_commit": os.environ.get(CODE_COMMIT) or commit, "versions": versions}
 
 
 def placement() -> dict:

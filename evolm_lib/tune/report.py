@@ -71,7 +71,7 @@ def winners_table(trials: Sequence[dict], runs: Sequence[dict]):
         pruned = [t for t in counted if t["state"] == "pruned"]
         best = max(complete, key=lambda t: t["value"]) if complete else None
         lines.append({
-            "method": method, "trials": len(complete) + len(pruned) + len(failed), "complete": len(complete),
+            "method": method, "trials": len(counted), "complete": len(complete),
             "pruned": len(pruned), "failed": len(failed), "retries_of_killed": sum(t.get("retries") is not None for t in own),
             "winner_trial": best["number"] if best else None, "validation_score": best["value"] if best else math.nan,
             "setting": json.dumps(best["params"], sort_keys=True) if best else "",
@@ -135,12 +135,13 @@ def reach_table(groups: Mapping[str, Sequence], pairs: Sequence[tuple[str, str]]
                 first = next((row for row in with_training_seconds(record.rows)
                               if finite(row.get(key)) and row[key] >= target), None)
                 if first is not None:
-                    firsts.append((first[TRAINING_SECONDS], first.get("samples/completions")))
+                    firsts.append(first)
+            seconds = [row[TRAINING_SECONDS] for row in firsts]
+            completions = [row["samples/completions"] for row in firsts if row.get("samples/completions") is not None]
             lines.append({"a": a, "b": b, "target": target, "method": method, "seeds": len(groups[method]),
                           "reached": len(firsts),
-                          "training_seconds": statistics.median(s for s, _ in firsts) if firsts else math.nan,
-                          "completions": statistics.median(c for _, c in firsts if c is not None)
-                          if any(c is not None for _, c in firsts) else math.nan})
+                          "training_seconds": statistics.median(seconds) if seconds else math.nan,
+                          "completions": statistics.median(completions) if completions else math.nan})
     return pd.DataFrame(lines, columns=["a", "b", "target", "method", "seeds", "reached", "training_seconds",
                                         "completions"])
 
@@ -158,10 +159,11 @@ def study_tables(compact: dict, measure: str | None = None) -> dict[str, Any]:
     measure = measure or (summary or {}).get("measure") or default_measure(final or compact_groups(runs, "sweep"))
     if final:
         tables["heldout"] = _final(final, runs, "final", measure)
+        primary = _primary(summary, final)
         if len(final) > 1:
-            tables["comparisons"] = method_comparisons(final, measure=measure, primary=_primary(summary, final))
-        if _primary(summary, final):
-            tables["reach"] = reach_table(final, _primary(summary, final))
+            tables["comparisons"] = method_comparisons(final, measure=measure, primary=primary)
+        if primary:
+            tables["reach"] = reach_table(final, primary)
     long = compact_groups(runs, "long")
     if long:
         tables["long"] = _final(long, runs, "long", measure)

@@ -43,12 +43,13 @@ def plot_best_so_far(trials_by_method: Mapping[str, Sequence[Mapping[str, Any]]]
         counts, best = best_so_far(trials)
         fig.add_trace(go.Scatter(x=counts, y=best, mode="lines", name=method, legendgroup=method,
                                  line={"color": color, "shape": "hv"}))
-        done = [(count, t["value"]) for count, t in enumerate(counted_trials(trials), start=1)
+        counted = counted_trials(trials)
+        done = [(count, t["value"]) for count, t in enumerate(counted, start=1)
                 if t["state"] == "complete" and t["value"] is not None]
         fig.add_trace(go.Scatter(x=[c for c, _ in done], y=[v for _, v in done], mode="markers",
                                  name=f"{method}, each trial", legendgroup=method, showlegend=False,
                                  marker={"color": color, "size": 7, "opacity": 0.5}))
-        last = max(last, len(counted_trials(trials)))
+        last = max(last, len(counted))
     fig.update_layout(title=title, xaxis_title="trials", yaxis_title=axis_title(select), template="plotly_white")
     fig.update_xaxes(**integer_ticks(last))
     return fig
