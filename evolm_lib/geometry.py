@@ -13,7 +13,8 @@ things on run folders:
 - ``interpolation_path`` and ``path_barrier``: held-out reward and KL to the base model at points of
   ``(1 - t) theta_A + t theta_B``, served by the resident engine (the weights written in place and
   restored exactly afterwards), and the largest drop below the line between the ends;
-- ``off_task_drift``: KL to the base model on another task's prompts, per checkpoint of a run.
+- ``off_task_drift``: KL to the base model on another task's prompts, per checkpoint of a run;
+  ``solution_drift``: the same for one solution, served in place as a path's points are.
 
 The maths (norms, cosines, barrier) are pure functions on named tensors; reading folders and serving
 weights are kept apart from them.
@@ -239,6 +240,20 @@ def check_path_ends(a: Solution, b: Solution) -> None:
 
 
 @contextmanager
+def _resident(evaluator, model_dir: Path, names: Sequence[str]) -> Iterator[tuple]:
+    """(the engine's resident weights covering ``names``, a function that lays named weights out as
+    they hold them: sorted names back to back, the base model's value where a name is missing)."""
+    targets, layers = _resident_targets(names)
+    weights = evaluator.resident_weights(targets, noise="full", layers_to_transform=layers)
+    try:
+        order = sorted(weights.shapes)
+        base = {name: value.float() for name, value in read_base_weights(model_dir, order).items()}
+        yield weights, lambda named: torch.cat([named.get(n, base[n]).reshape(-1) for n in order])
+    finally:
+        weights.close()
+
+
+@contextmanager
 def _serving(weights, flat: torch.Tensor) -> Iterator[None]:
     """Inside the block the engine's resident ``weights`` serve ``flat``; afterwards what they served before."""
     saved = weights.read()
@@ -260,15 +275,8 @@ def interpolation_path(evaluator, a: Solution, b: Solution, task: Task, points: 
     ts = [i / (points - 1) for i in range(points)] if isinstance(points, int) else [float(t) for t in points]
     if isinstance(points, int) and points < 2:
         raise ValueError(f"points: at least 2 (the ends), got {points}")
-    names = sorted(set(a.weights) | set(b.weights))
-    targets, layers = _resident_targets(names)
-    weights = evaluator.resident_weights(targets, noise="full", layers_to_transform=layers)
-    try:
-        order = sorted(weights.shapes)  # the engine's layout: sorted names, back to back
-        base = {name: value.float() for name, value in read_base_weights(a.model_dir, order).items()}
-        theta_a = torch.cat([a.weights.get(n, base[n]).reshape(-1) for n in order])
-        theta_b = torch.cat([b.weights.get(n, base[n]).reshape(-1) for n in order])
-        base_flat = torch.cat([base[n].reshape(-1) for n in order])
+    with _resident(evaluator, a.model_dir, sorted(set(a.weights) | set(b.weights))) as (weights, flat):
+        theta_a, theta_b, base_flat = flat(a.weights), flat(b.weights), flat({})
         rows = []
         for t in ts:
             point = theta_a * (1 - t) + theta_b * t  # t = 0 and 1 give each end bit for bit
@@ -282,8 +290,21 @@ def interpolation_path(evaluator, a: Solution, b: Solution, task: Task, points: 
                                                        serving_base=lambda: _serving(weights, base_flat))
             rows.append(row)
         return rows
-    finally:
-        weights.close()
+
+
+def solution_drift(evaluator, solution: Solution, task: Task, *, num_samples: int = 2, max_prompts: int | None = None,
+                   max_new_tokens: int = 64, seed: int = 0) -> float:
+    """KL to the base model on ``task``'s held-out prompts (another task's: the drift off the task the
+    run trained on) of a solution, its weights written into the engine in place as
+    ``interpolation_path`` serves a point (a LoRA merged); afterwards the engine serves exactly what
+    it served before. One number for one solution; ``off_task_drift`` follows a run's checkpoints."""
+    examples = list(task.eval_examples() or task.train_examples())[:max_prompts]
+    with _resident(evaluator, solution.model_dir, sorted(solution.weights)) as (weights, flat):
+        base_flat = flat({})
+        with _serving(weights, flat(solution.weights)):
+            return mean_kl_to_base(evaluator, task, None, examples, num_samples=num_samples,
+                                   max_new_tokens=max_new_tokens, seed=seed,
+                                   serving_base=lambda: _serving(weights, base_flat))
 
 
 def off_task_source(off_task: str | Path) -> Task:

@@ -18,6 +18,10 @@
 #   bash scripts/gpu_tune_study.sh finish DIR [SECONDS]   # once nothing is outstanding: rebuild, geometry and compact
 #                                                    # into DIR/compact.tar.gz, each stopped at the deadline; a stage whose
 #                                                    # workers have all ended runs it before its pack (FINISH=0: not)
+#   bash scripts/gpu_tune_study.sh geometry-stage SECONDS DIR [ARCHIVE]   # finish's steps for the reruns at the budget
+#                                                    # while later stages are outstanding (no workers): unpack ARCHIVE,
+#                                                    # start them detached, wait for them within SECONDS; once they have
+#                                                    # ended DIR/compact.tar.gz, and DIR/geometry_stage_status.txt always
 #
 # Workers: WORKERS_PER_METHOD (default: the number of cards) `evolm tune SPEC --methods M` processes per
 # method, spread round-robin over the cards (SmolLM2 leaves a card mostly idle, so five engines share
@@ -43,6 +47,9 @@ SPEC=${SPEC:-papermill_runs/tune_study_addition_gpu.yaml}
 STUDY=${STUDY:-runs/tune_study_addition}
 LOGS=${LOGS:-runs/tune_study_logs}
 METHODS=${METHODS:-es_full grpo_full grpo_lora es_lora es_eggroll}  # the slow ones first
+# the other study's spec: the geometry measures each solution's drift on its held-out prompts (for
+# the conciseness study, the addition spec; DRIFT_SPEC= none)
+DRIFT_SPEC=${DRIFT_SPEC-papermill_runs/tune_study_conciseness_gpu.yaml}
 PACK_SECONDS=${PACK_SECONDS:-60}  # what a stage keeps for its pack
 PACKS=${PACKS:-runs/tune_study_pack}  # the last pack's parts, kept on the machine for `parts`
 FIRST_PARTS=${FIRST_PARTS:-6}     # the parts a pack puts in its DIR: with the status and compact.tar.gz, 8 files
@@ -172,16 +179,60 @@ print(f"{len(left)} unfinished: {left[:3]}" if left else "the study is done")
 sys.exit(1 if left else 0)' "$SPEC" "$STUDY"; then
     return 0
   fi
+  last_steps "$dir" "$until"
+}
+
+last_steps() {
+  # last_steps DIR UNTIL: the rebuilds, the geometry and the compacted files into DIR/compact.tar.gz,
+  # each step stopped at UNTIL (bash's SECONDS)
+  local dir=$1 until=$2
   mkdir -p "$dir/compact"
   local early
   early=$(cat "$LOGS/rebuild.pid" 2>/dev/null)  # rebuilds started beside the workers (REBUILD_AT_START)
   while [ -n "$early" ] && kill -0 "$early" 2>/dev/null && [ $((until - SECONDS)) -gt 30 ]; do sleep 5; done
   [ $((until - SECONDS)) -gt 30 ] && timeout --kill-after=10 $((until - SECONDS)) bash "$0" rebuild
-  [ $((until - SECONDS)) -gt 30 ] && timeout --kill-after=10 $((until - SECONDS)) \
-    python -m evolm_lib.tune.geometry "$STUDY" "$dir/compact" ${GEOMETRY_ARGS:-}
+  # the summary a worker last wrote may predate reruns finished since (a lease's end kills workers
+  # before they write it): written again from the study, for the geometry's declared pairs and the
+  # compacted copy; no run is started (--no-finals, every trial done)
+  python -m evolm_lib.cli tune "$SPEC" --out "$STUDY" --no-finals --no-figures > "$dir/summary.txt" 2>&1
+  [ $((until - SECONDS)) -gt 30 ] && timeout --kill-after=10 $((until - SECONDS)) bash "$0" geometry "$dir"
   python -m evolm_lib.tune.compact "$STUDY" "$dir/compact"
   # one file: beside the pack's parts and the status, the call's files stay within the 8 a call returns
   tar -czf "$dir/compact.tar.gz" -C "$dir" compact && rm -rf "$dir/compact"
+}
+
+geometry_stage() {
+  # The geometry of the reruns at the budget on a machine that runs no workers, while the study's later
+  # stages (continuations, control) wait for a lease of their own: finish's steps without its check that
+  # nothing is outstanding, started detached by the first call (after unpacking ARCHIVE) so they run on
+  # across calls; each call waits for them until its SECONDS are up.
+  local seconds=$1 dir=$2 archive=${3:-} end pid work=$LOGS/geometry_stage
+  end=$((SECONDS + seconds - 15))
+  mkdir -p "$LOGS" "$dir"
+  if [ ! -f "$LOGS/geometry_stage.pid" ]; then
+    [ -n "$archive" ] && unpack "$archive"
+    rm -rf "$work"
+    setsid bash -c "python -c \"from evolm_lib.models import resolve_model; resolve_model('smollm2-135m-instruct')\" \
+      && exec bash '$0' last-steps '$work' ${GEOMETRY_STAGE_S:-3600}" > "$LOGS/geometry_stage.out" 2>&1 < /dev/null &
+    echo $! > "$LOGS/geometry_stage.pid"
+    echo "the rebuilds, the geometry and compact started (log: $LOGS/geometry_stage.out)"
+  fi
+  pid=$(cat "$LOGS/geometry_stage.pid")
+  while kill -0 "$pid" 2>/dev/null && [ $SECONDS -lt $end ]; do sleep 5; done
+  if kill -0 "$pid" 2>/dev/null; then
+    echo "still running: the next call waits for them"
+  elif [ -f "$work/compact.tar.gz" ]; then
+    cp "$work/compact.tar.gz" "$dir/" && echo "done: $dir/compact.tar.gz"
+  else
+    echo "ended without compact.tar.gz: $dir/geometry_stage_status.txt says why"
+  fi
+  { nvidia-smi 2>/dev/null --query-gpu=index,name,memory.used,utilization.gpu --format=csv
+    for f in "$LOGS/geometry_stage.out" "$LOGS"/rebuild.*.log; do [ -f "$f" ] && { echo "== $f"; tail -n 5 "$f"; }; done
+  } > "$dir/geometry_stage_status.txt" 2>&1
+}
+
+geometry() {  # geometry DIR: the winners' geometry into DIR/compact/geometry.json
+  python -m evolm_lib.tune.geometry "$STUDY" "$1/compact" ${DRIFT_SPEC:+--drift-spec "$DRIFT_SPEC"} ${GEOMETRY_ARGS:-}
 }
 
 unpack() {  # unpack ARCHIVE: a pack, or the parts pack split it into (ARCHIVE.part-00, -01, ...)
@@ -234,7 +285,9 @@ parts) parts "${2:?parts N DIR}" "${3:?parts N DIR}" ;;
 compact) python -m evolm_lib.tune.compact "$STUDY" "${2:?compact DIR}/compact" ;;
 rebuild) rebuild ;;
 finish) finish "${2:?finish DIR [SECONDS]}" "${3:-3600}" ;;
-geometry) python -m evolm_lib.tune.geometry "$STUDY" "${2:?geometry DIR}/compact" ${GEOMETRY_ARGS:-} ;;
+last-steps) last_steps "${2:?last-steps DIR [SECONDS]}" $((SECONDS + ${3:-3600})) ;;
+geometry-stage) geometry_stage "${2:?geometry-stage SECONDS DIR [ARCHIVE]}" "${3:?geometry-stage SECONDS DIR [ARCHIVE]}" "${4:-}" ;;
+geometry) geometry "${2:?geometry DIR}" ;;
 stage)
   seconds=${2:?stage SECONDS DIR [ARCHIVE]}; dir=${3:?stage SECONDS DIR [ARCHIVE]}
   # SECONDS is the whole stage, start and pack included: it ends by then, so a device call of that
@@ -249,5 +302,5 @@ stage)
   # every worker ended: the study may be done, and its weights are still here
   [ "$(alive)" -eq 0 ] && [ "${FINISH:-1}" = 1 ] && finish "$dir" $((end - SECONDS))
   pack "$dir" ;;
-*) sed -n 2,40p "$0"; exit 2 ;;
+*) sed -n 2,44p "$0"; exit 2 ;;
 esac

@@ -152,8 +152,8 @@ def test_finish_rebuilds_measures_and_compacts_only_a_finished_study(tmp_path, d
     assert result.returncode == 0, result.stderr
     expected = [f"status spec.yaml {study}"]
     if done:
-        expected += [f"evolm_lib.tune.rebuild {study} --methods", f"evolm_lib.tune.geometry {study} {out}/compact",
-                     f"evolm_lib.tune.compact {study} {out}/compact"]
+        expected += [f"evolm_lib.tune.rebuild {study} --methods", "evolm_lib.cli tune spec.yaml",
+                     f"evolm_lib.tune.geometry {study} {out}/compact", f"evolm_lib.tune.compact {study} {out}/compact"]
     assert calls.read_text().splitlines() == expected
     assert (out / "compact.tar.gz").is_file() == done and not (out / "compact").exists()
     if done:
@@ -172,7 +172,8 @@ def test_rebuilds_started_beside_the_workers_end_before_finish_goes_on(tmp_path)
         '[ "$1" = -c ] && exit 0\n'
         f'case "$2" in evolm_lib.tune.rebuild) echo "rebuild starts $5" >> {calls}; sleep 1; '
         f'echo "rebuild ends $5" >> {calls} ;;\n'
-        f'evolm_lib.cli) [ "$5" = --dry-run ] || echo "worker $6" >> {calls} ;;\n'
+        f'evolm_lib.cli) case "$5 $7" in *--dry-run*) ;; *--no-finals*) echo summary >> {calls} ;; '
+        f'*) echo "worker $6" >> {calls} ;; esac ;;\n'
         f'*) echo "$2" >> {calls} ;; esac\n'))
     env.update(SPEC="spec.yaml", METHODS="es_lora", WORKERS_PER_METHOD="1", REBUILD_AT_START="1", REBUILD_DELAY_S="0")
     result = subprocess.run(["bash", str(SCRIPT), "start"], env=env, capture_output=True, text=True, timeout=60)
@@ -185,8 +186,48 @@ def test_rebuilds_started_beside_the_workers_end_before_finish_goes_on(tmp_path)
     lines = calls.read_text().splitlines()
     assert lines[0] == "worker es_lora" and lines[1:3] == ["rebuild starts es_lora", "rebuild ends es_lora"]
     # finish's own rebuild (here a stand-in, which runs again; the real one finds the work done), then on
-    assert lines[3:] == ["rebuild starts es_lora", "rebuild ends es_lora", "evolm_lib.tune.geometry",
+    assert lines[3:] == ["rebuild starts es_lora", "rebuild ends es_lora", "summary", "evolm_lib.tune.geometry",
                          "evolm_lib.tune.compact"]
+
+
+def test_the_geometry_stage_runs_finish_steps_detached_across_calls_without_asking_whether_the_study_is_done(
+        tmp_path):
+    """`geometry-stage` unpacks the archive once, starts the rebuilds, geometry and compact detached
+    (no status check, no workers), and each call waits for them only until its own seconds are up: a
+    call that ends first says so and returns no compact, the next waits on the same steps (it starts
+    nothing again) and returns DIR/compact.tar.gz with a status file."""
+    study = tmp_path / "runs" / "study"
+    source = tmp_path / "source" / "study" / "final" / "es_lora" / "seed0"
+    source.mkdir(parents=True)
+    (source / "config.yaml").write_text("seed: 0\n")
+    archive = tmp_path / "pack.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(tmp_path / "source" / "study", arcname="study")
+    calls = tmp_path / "calls.txt"
+    # stand-ins: a status check (python -c) would be recorded; the rebuild takes 12 s, the rest is at once
+    env = _stand_ins(tmp_path, study, gpus=1, python=(
+        f'if [ "$1" = -c ]; then case "$2" in *resolve_model*) echo resolve_model ;; *) echo status ;; esac >> {calls}; '
+        'exit 0; fi\n'
+        f'case "$2" in evolm_lib.tune.rebuild) echo "rebuild $5" >> {calls}; sleep 12 ;;\n'
+        f'*) echo "$2" >> {calls}; [ "$2" = evolm_lib.tune.compact ] && mkdir -p "$4" && echo x > "$4/rows.csv" ;; esac\n'))
+    env["SPEC"] = "spec.yaml"
+    out1, out2 = tmp_path / "out1", tmp_path / "out2"
+    first = subprocess.run(["bash", str(SCRIPT), "geometry-stage", "20", str(out1), str(archive)], env=env,
+                           capture_output=True, text=True, timeout=60)
+    assert first.returncode == 0, first.stderr
+    assert f"unpacked {archive}" in first.stdout and "still running" in first.stdout
+    assert (study / "final" / "es_lora" / "seed0" / "config.yaml").is_file()
+    assert not (out1 / "compact.tar.gz").exists() and (out1 / "geometry_stage_status.txt").is_file()
+    second = subprocess.run(["bash", str(SCRIPT), "geometry-stage", "60", str(out2), str(archive)], env=env,
+                            capture_output=True, text=True, timeout=90)
+    assert second.returncode == 0, second.stderr
+    assert "unpacked" not in second.stdout and f"done: {out2}/compact.tar.gz" in second.stdout
+    work = tmp_path / "logs" / "geometry_stage"
+    assert calls.read_text().splitlines() == [
+        "resolve_model", "rebuild es_lora", "evolm_lib.cli", "evolm_lib.tune.geometry", "evolm_lib.tune.compact"]
+    with tarfile.open(out2 / "compact.tar.gz") as tar:
+        assert sorted(tar.getnames()) == ["compact", "compact/rows.csv"]
+    assert (out2 / "geometry_stage_status.txt").is_file() and not (work / "compact").exists()
 
 
 def test_a_pack_goes_back_in_parts_over_several_calls_and_start_joins_them_again(tmp_path):

@@ -306,8 +306,16 @@ def test_the_study_end_to_end_then_compacted_tabled_drawn_and_measured(tmp_path,
 
     from evolm_lib.tune.geometry import GEOMETRY, write_geometry
 
-    write_geometry(spec.out, compact, seeds=[0], points=2)  # beside the compacted files
+    with pytest.raises(FileNotFoundError, match="missing.yaml"):  # a bad drift spec: before any engine or file
+        write_geometry(spec.out, compact, seeds=[0], points=2, drift_spec=tmp_path / "missing.yaml")
+    assert not (compact / GEOMETRY).exists()
+    # beside the compacted files; the drift on the other study's held-out prompts (conciseness's)
+    write_geometry(spec.out, compact, seeds=[0], points=2, drift_spec=REPO / "papermill_runs" / "tune_study_conciseness_gpu.yaml",
+                   drift_samples=1)
     saved = json.loads((compact / GEOMETRY).read_text())
+    assert [(d["method"], d["seed"], d["task"], d["prompts"], d["samples"]) for d in saved["drift"]] == [
+        ("es", 0, "conciseness", 108, 1), ("grpo", 0, "conciseness", 108, 1)]
+    assert all(d["kl"] is not None and d["kl"] > 0 for d in saved["drift"])  # both moved off the base, on prompts never trained on
     assert [(u["method"], u["form"]) for u in saved["updates"]] == [("es", "lora"), ("grpo", "lora")]
     assert all(u["norm"] > 0 for u in saved["updates"])  # both moved their adapters
     (cosine,) = saved["cosines"]

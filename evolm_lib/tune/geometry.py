@@ -7,7 +7,9 @@ all, per layer and per module; the cosine between every two methods' updates at 
 pairs of the declared family (tune_summary.json's; or ``--pairs a:b,c:d``) whose ends moved the same
 form (LoRA with LoRA, the model's own weights with the model's own), the held-out reward along the
 straight path between the two solutions at the first chosen seed, served by one engine with the
-weights written in place, and its barrier. A rerun whose weights a pack left behind is read from
+weights written in place, and its barrier. With ``--drift-spec`` another study's spec (the
+conciseness study's for addition runs, and back): each solution's KL to the base model on that
+study's held-out prompts, the drift off the task trained on. A rerun whose weights a pack left behind is read from
 its rebuilt copy (``evolm_lib.tune.rebuild``: run again, its rows checked against the rerun's).
 Writes OUT_DIR/geometry.json (small: summaries, no tensors; written beside a study's compacted
 files, ``scripts/study_tables.py`` draws its figures).
@@ -73,51 +75,106 @@ def solutions_geometry(study: str | Path, seeds: Sequence[int] | None = None, st
     return result
 
 
-def solution_paths(study: str | Path, pairs: Sequence[tuple[str, str]], seed: int, stage: str = "final",
+def geometry_engine(study: str | Path, stage: str, method: str, seed: int):
+    """One engine for the paths and the drift, sized from one rerun's config, with the worker extension
+    that writes weights in place (every solution is served as weights written in place, a LoRA merged)."""
+    from ..engines import EngineSizing, make_evaluator
+    from ..runs import load_run_config
+
+    config = load_run_config(solution_folder(study, stage, method, seed))
+    return make_evaluator(config, sizing=EngineSizing.from_config(config).replace(adapter_transfer="in_place"))
+
+
+def solution_paths(engine, study: str | Path, pairs: Sequence[tuple[str, str]], seed: int, stage: str = "final",
                    points: int = 5, kl_samples: int = 0) -> tuple[list[dict], list[str]]:
     """(the straight path between each pair's solutions at ``seed`` with its barrier, the pairs left
-    out and why): one engine, sized from the first pair's first run, serves every path."""
+    out and why), served by ``engine``."""
     from ..config import ConfigError
-    from ..engines import EngineSizing, make_evaluator
     from ..geometry import check_path_ends, interpolation_path, load_solution, path_barrier
     from ..runs import load_run_config
     from ..tasks import get_task
 
     study = Path(study)
-    paths, skipped, engine = [], [], None
-    try:
-        for a, b in pairs:
-            folders = [solution_folder(study, stage, m, seed) for m in (a, b)]
-            ends = [load_solution(folder) for folder in folders]
-            try:
-                check_path_ends(*ends)
-            except ConfigError as error:
-                skipped.append(f"{a} vs {b}: {error}")
-                continue
-            config = load_run_config(folders[0])
-            if engine is None:  # the weights are written in place: an engine with the worker extension
-                engine = make_evaluator(config, sizing=EngineSizing.from_config(config).replace(adapter_transfer="in_place"))
-            rows = interpolation_path(engine, ends[0], ends[1], get_task(config.task, **config.task_options), points,
-                                      max_new_tokens=config.max_new_tokens, kl_samples=kl_samples)
-            paths.append({"a": a, "b": b, "seed": seed, "rows": rows,
-                          "barrier": path_barrier([r["t"] for r in rows], [r["eval/reward"] for r in rows])})
-    finally:
-        if engine is not None:
-            engine.close()
+    paths, skipped = [], []
+    for a, b in pairs:
+        folders = [solution_folder(study, stage, m, seed) for m in (a, b)]
+        ends = [load_solution(folder) for folder in folders]
+        try:
+            check_path_ends(*ends)
+        except ConfigError as error:
+            skipped.append(f"{a} vs {b}: {error}")
+            continue
+        config = load_run_config(folders[0])
+        rows = interpolation_path(engine, ends[0], ends[1], get_task(config.task, **config.task_options), points,
+                                  max_new_tokens=config.max_new_tokens, kl_samples=kl_samples)
+        paths.append({"a": a, "b": b, "seed": seed, "rows": rows,
+                      "barrier": path_barrier([r["t"] for r in rows], [r["eval/reward"] for r in rows])})
     return paths, skipped
+
+
+def drift_source(spec_path: str | Path) -> tuple[str, Any, int]:
+    """(task name, task, max_new_tokens) of another study's spec: the held-out prompts, with that
+    study's task options, on which the drift off the task trained on is measured."""
+    from ..tasks import get_task
+    from .spec import load_tune_spec
+
+    config = next(iter(load_tune_spec(spec_path).final_runs.values()))[0].config
+    return config.task, get_task(config.task, **config.task_options), config.max_new_tokens
+
+
+def solution_drifts(engine, study: str | Path, seeds: Sequence[int], source: tuple[str, Any, int], stage: str = "final",
+                    samples: int = 2) -> list[dict]:
+    """KL to the base model on ``source``'s held-out prompts (``drift_source``) of every method's
+    solution at each seed (``geometry.solution_drift``, sampled with the run's seed)."""
+    from ..geometry import load_solution, solution_drift
+
+    study = Path(study)
+    name, task, max_new_tokens = source
+    rows = []
+    for seed in seeds:
+        for method in stage_methods(study, stage):
+            if not (study / stage / method / f"seed{seed}" / "config.yaml").is_file():
+                continue
+            solution = load_solution(solution_folder(study, stage, method, seed))
+            kl = solution_drift(engine, solution, task, num_samples=samples, max_new_tokens=max_new_tokens, seed=seed)
+            rows.append({"method": method, "seed": seed, "task": name, "prompts": len(task.eval_examples()),
+                         "samples": samples, "kl": _finite(kl)})
+            del solution
+            gc.collect()
+    return rows
 
 
 def write_geometry(study: str | Path, out: str | Path, seeds: Sequence[int] | None = None, stage: str = "final",
                    pairs: Sequence[tuple[str, str]] | None = None, points: int = 5, kl_samples: int = 0,
-                   dtype: str = "bfloat16") -> dict[str, Any]:
-    """OUT/geometry.json (see the module docstring); returns what it holds."""
+                   dtype: str = "bfloat16", drift_spec: str | Path | None = None,
+                   drift_samples: int = 2) -> dict[str, Any]:
+    """OUT/geometry.json (see the module docstring); returns what it holds. The file is written after
+    each part (updates and cosines, paths, drift), so a part that fails or is stopped keeps the ones
+    before it."""
     study, out = Path(study), Path(out)
+    source = drift_source(drift_spec) if drift_spec else None  # a bad spec fails before any engine starts
     result = solutions_geometry(study, seeds, stage, dtype)
-    pairs = list(pairs) if pairs is not None else _declared_pairs(study, stage_methods(study, stage))
-    result["paths"], result["skipped_paths"] = (solution_paths(study, pairs, result["seeds"][0], stage, points, kl_samples)
-                                                if points >= 2 and pairs else ([], []))
+    result.update(paths=[], skipped_paths=[], drift=[])
     out.mkdir(parents=True, exist_ok=True)
-    (out / GEOMETRY).write_text(json.dumps(result, indent=1) + "\n")
+
+    def write() -> None:
+        (out / GEOMETRY).write_text(json.dumps(result, indent=1) + "\n")
+
+    write()
+    pairs = list(pairs) if pairs is not None else _declared_pairs(study, stage_methods(study, stage))
+    if not ((points >= 2 and pairs) or source):
+        return result
+    engine = geometry_engine(study, stage, stage_methods(study, stage)[0], result["seeds"][0])
+    try:
+        if points >= 2 and pairs:
+            result["paths"], result["skipped_paths"] = solution_paths(engine, study, pairs, result["seeds"][0], stage,
+                                                                      points, kl_samples)
+            write()
+        if source:
+            result["drift"] = solution_drifts(engine, study, result["seeds"], source, stage, drift_samples)
+            write()
+    finally:
+        engine.close()
     return result
 
 
@@ -131,6 +188,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--points", type=int, default=5, help="points of each straight path, ends included (0: no paths)")
     parser.add_argument("--kl-samples", type=int, default=0, help="samples per prompt for the KL along each path (0: none)")
     parser.add_argument("--dtype", default="bfloat16", help="dtype in which 'changed at all' is counted (the engine's)")
+    parser.add_argument("--drift-spec", help="another study's spec: each solution's KL to the base model on its "
+                                             "held-out prompts (the drift off the task trained on; default: none)")
+    parser.add_argument("--drift-samples", type=int, default=2, help="samples per prompt for the drift's KL")
     args = parser.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else None
     pairs = [tuple(p.split(":")) for p in args.pairs.split(",")] if args.pairs else None
@@ -138,8 +198,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"geometry: --pairs is a:b,c:d, got {args.pairs!r}", file=sys.stderr)
         return 2
     try:
-        result = write_geometry(args.study, args.out, seeds, args.stage, pairs, args.points, args.kl_samples, args.dtype)
-    except FileNotFoundError as error:
+        result = write_geometry(args.study, args.out, seeds, args.stage, pairs, args.points, args.kl_samples, args.dtype,
+                                args.drift_spec, args.drift_samples)
+    except (FileNotFoundError, ValueError) as error:  # a missing study or rerun, a bad spec: named
         print(f"geometry: {error}", file=sys.stderr)
         return 1
     for update in result["updates"]:
@@ -151,6 +212,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"path {path['a']} -> {path['b']}: barrier {path['barrier']:.4g}")
     for line in result["skipped_paths"]:
         print(f"no path: {line}")
+    for drift in result["drift"]:
+        print(f"{drift['method']} seed {drift['seed']}: KL to the base on {drift['task']}'s held-out prompts {drift['kl']}")
     print(args.out / GEOMETRY)
     return 0
 
