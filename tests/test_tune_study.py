@@ -214,6 +214,51 @@ def test_how_soon_each_method_of_a_pair_reaches_the_weaker_ones_final_score():
          "completions": 2.5}]
 
 
+def test_the_geometry_tables_average_over_seeds_and_skip_directionless_updates():
+    """geometry.json's updates, drift, cosines and paths as tables and digest lines, against
+    hand-computed means and standard deviations; a cosine of no direction (None) is left out."""
+    from evolm_lib.tune.report import geometry_digest, geometry_tables
+
+    def update(method, seed, norm, changed):
+        return {"method": method, "seed": seed, "form": "full", "values": 100, "norm": norm, "base_norm": 10.0,
+                "changed_share": changed, "by_layer": [{"layer": 0, "values": 100, "norm": norm, "base_norm": 10.0,
+                                                        "changed_share": changed}]}
+
+    geometry = {
+        "seeds": [0, 1],
+        "updates": [update("es", 0, 3.0, 0.9), update("es", 1, 5.0, 0.7), update("grpo", 0, 1.0, 0.2),
+                    update("grpo", 1, 1.0, 0.4)],
+        "drift": [{"method": "es", "seed": 0, "task": "conciseness", "kl": 0.1},
+                  {"method": "es", "seed": 1, "task": "conciseness", "kl": 0.3},
+                  {"method": "grpo", "seed": 0, "task": "conciseness", "kl": 0.2},
+                  {"method": "grpo", "seed": 1, "task": "conciseness", "kl": None}],
+        "cosines": [{"seed": 0, "a": "es", "b": "grpo", "overall": 0.1}, {"seed": 1, "a": "es", "b": "grpo", "overall": -0.3},
+                    {"seed": 0, "a": "es", "b": "es", "overall": None}],
+        "paths": [{"a": "es", "b": "grpo", "seed": 0, "barrier": 0.05,
+                   "rows": [{"t": 0.0, "eval/reward": 0.5}, {"t": 0.5, "eval/reward": 0.6}, {"t": 1.0, "eval/reward": 0.8}]}],
+    }
+    tables = geometry_tables(geometry)
+    updates = tables["geometry_updates"]
+    assert updates.loc["es", "update_norm"] == 4.0 and updates.loc["es", "update_norm_sd"] == pytest.approx(2 ** 0.5)
+    assert updates.loc["es", "relative_norm"] == pytest.approx(0.4) and updates.loc["es", "changed_share"] == pytest.approx(0.8)
+    assert updates.loc["es", "drift_kl"] == pytest.approx(0.2) and updates.loc["es", "drift_kl_sd"] == pytest.approx(2 ** 0.5 / 10)
+    assert updates.loc["grpo", "drift_kl"] == pytest.approx(0.2)  # the seed without a KL left out
+    assert updates.loc["grpo", "update_norm_sd"] == 0.0 and updates.loc["grpo", "seeds"] == 2
+    (cosine,) = tables["geometry_cosines"].to_dict("records")  # es with es had no direction
+    assert cosine == {"a": "es", "b": "grpo", "seeds": 2, "cosine": pytest.approx(-0.1), "lowest": -0.3, "highest": 0.1}
+    (path,) = tables["geometry_paths"].to_dict("records")
+    assert path == {"a": "es", "b": "grpo", "seed": 0, "t=0": 0.5, "t=0.5": 0.6, "t=1": 0.8, "barrier": 0.05}
+    lines = geometry_digest(tables, "success")
+    assert "| es | full | 4 (1.4) | 0.4 | 80.0 % | 0.2 (0.14) |" in lines
+    assert "| es | grpo | -0.1 | -0.3 to 0.1 |" in lines
+    assert "| es | grpo | 0 | 50.0 % | 60.0 % | 80.0 % | 5.0 % |" in lines
+    assert geometry_digest({}, "success") == [] and geometry_tables({}) == {}
+    from evolm_lib.viz.study import geometry_figures
+
+    figure = geometry_figures(geometry)["geometry_path_es_grpo"]  # its ends named on the axis, as a paper's title goes
+    assert figure.layout.xaxis.title.text == "t (0: es, 1: grpo)"
+
+
 def test_compacted_rows_keep_scalars_and_come_back_by_column():
     row = {"generation": 3, "method": "es", "eval/reward": 0.1234567891, "time/generate_s": 0.123456,
            "time/wall_s": 12.3456789, "ok": True, "policy/train_completions": ["a", "b"], "es/weights": [0.5],
@@ -353,6 +398,10 @@ def test_the_study_end_to_end_then_compacted_tabled_drawn_and_measured(tmp_path,
     assert [(u["method"], u["norm"], u["changed_share"]) for u in again["updates"]] == [
         (u["method"], u["norm"], u["changed_share"]) for u in saved["updates"]]
     assert again["cosines"] == saved["cosines"] and again["paths"][0]["barrier"] == path["barrier"]
+    rebuilt = compact_study(spec.out, tmp_path / "compact_rebuilt")  # the rebuilt runs compact as their own stage
+    assert rebuilt["runs"]["rebuilt"] == 2 and "sweep" not in rebuilt["runs"]
+    assert sorted(run["method"] for run in load_compact(tmp_path / "compact_rebuilt")["runs"]
+                  if run["stage"] == "rebuilt") == ["es", "grpo"]
     # a rebuild whose rows differ is kept, recorded, and not read
     with open(spec.out / REBUILT / RECORD) as handle:
         entries = [json.loads(line) for line in handle]

@@ -27,6 +27,7 @@ from typing import Any, Iterator, Sequence
 from ..env import PLACEMENT
 from ..runs import read_jsonl, read_metrics
 from .final import CONTINUED_FROM, STAGES, SUMMARY
+from .rebuild import REBUILT
 from .study import STORAGE
 
 RUNS = "runs.jsonl.gz"
@@ -91,12 +92,15 @@ def run_folders(study: Path) -> Iterator[Path]:
 
 def locate(study: Path, folder: Path) -> dict[str, Any]:
     """(stage, method, trial) of a run folder from its place: trials/<method>/trial_NNNN/seedS,
-    <stage>/<method>/seedS for the stages of ``final.STAGES``, else a sweep's <method>_seedS."""
+    <stage>/<method>/seedS for the stages of ``final.STAGES``, rebuilt/<stage>/<method>/seedS (stage
+    "rebuilt"), else a sweep's <method>_seedS."""
     parts = folder.relative_to(study).parts
     if parts[0] == "trials" and len(parts) == 4:
         return {"stage": "trial", "method": parts[1], "trial": int(parts[2].removeprefix("trial_"))}
     if parts[0] in STAGES and len(parts) == 3:
         return {"stage": parts[0], "method": parts[1], "trial": None}
+    if parts[0] == REBUILT and len(parts) == 4:  # a rerun run again for the geometry: rebuilt/<stage>/<method>/seedS
+        return {"stage": REBUILT, "method": parts[2], "trial": None}
     return {"stage": "sweep", "method": folder.name.rsplit("_seed", 1)[0], "trial": None}
 
 

@@ -6,8 +6,8 @@ seconds spent, engines per card), the winners' held-out score over the final see
 intervals, interquartile mean, training completions, generated tokens and wall seconds with the
 engines per card they ran at), the comparisons (the declared family Holm-corrected, the rest
 exploratory), and where present the continued reruns, the shuffled-fitness control and a plain
-sweep's runs (Qiu et al.'s protocol); and their digest in Markdown (``summary.md``), the numbers a
-findings section quotes.
+sweep's runs (Qiu et al.'s protocol); the winners' geometry where geometry.json lies beside the
+compacted files; and their digest in Markdown (``summary.md``), the numbers a findings section quotes.
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from .compact import compact_groups, load_compact
+from .geometry import GEOMETRY
 
 
 def placements(runs: Sequence[dict]) -> dict[str, str]:
@@ -285,7 +286,87 @@ def study_digest(tables: Mapping[str, Any], title: str) -> str:
                          f"{int(row['reached'])} of {int(row['seeds'])} | "
                          f"{'' if math.isnan(row['training_seconds']) else format(row['training_seconds'], '.0f')} | "
                          f"{'' if math.isnan(row['completions']) else format(row['completions'], ',.0f')} |")
+    lines += geometry_digest(tables, measure)
     return "\n".join(lines) + "\n"
+
+
+def geometry_tables(geometry: Mapping[str, Any]) -> dict[str, Any]:
+    """{name: DataFrame} of geometry.json (``tune.geometry``): per method its update over the seeds
+    (mean and standard deviation of the norm, the norm relative to the weights it moved, the share of
+    them changed) with its drift (mean KL to the base on the other study's prompts); per pair of
+    methods the cosine of their updates (mean, lowest and highest over the seeds); per path its
+    held-out score at each point and its barrier."""
+    import pandas as pd
+
+    def spread(values: Sequence[float | None]) -> tuple[float, float]:
+        values = [v for v in values if v is not None and math.isfinite(v)]
+        return (statistics.fmean(values) if values else math.nan,
+                statistics.stdev(values) if len(values) > 1 else math.nan)
+
+    updates, drift = geometry.get("updates", []), geometry.get("drift", [])
+    lines = []
+    for method in dict.fromkeys(u["method"] for u in updates):
+        own = [u for u in updates if u["method"] == method]
+        norm, norm_sd = spread([u["norm"] for u in own])
+        kl, kl_sd = spread([d["kl"] for d in drift if d["method"] == method])
+        lines.append({"method": method, "form": own[0]["form"], "seeds": len(own), "values": own[0]["values"],
+                      "update_norm": norm, "update_norm_sd": norm_sd,
+                      "relative_norm": statistics.fmean(u["norm"] / u["base_norm"] for u in own),
+                      "changed_share": statistics.fmean(u["changed_share"] for u in own),
+                      "drift_task": next((d["task"] for d in drift if d["method"] == method), None),
+                      "drift_kl": kl, "drift_kl_sd": kl_sd})
+    tables = {"geometry_updates": pd.DataFrame(lines).set_index("method")} if lines else {}
+    pairs: dict[tuple[str, str], list] = {}
+    for cosine in geometry.get("cosines", []):
+        if cosine["overall"] is not None:  # an update of no length has no direction
+            pairs.setdefault((cosine["a"], cosine["b"]), []).append(cosine["overall"])
+    if pairs:
+        tables["geometry_cosines"] = pd.DataFrame(
+            [{"a": a, "b": b, "seeds": len(values), "cosine": statistics.fmean(values), "lowest": min(values),
+              "highest": max(values)} for (a, b), values in pairs.items()])
+    paths = geometry.get("paths", [])
+    if paths:
+        tables["geometry_paths"] = pd.DataFrame(
+            [{"a": path["a"], "b": path["b"], "seed": path["seed"],
+              **{f"t={row['t']:g}": row["eval/reward"] for row in path["rows"]}, "barrier": path["barrier"]}
+             for path in paths])
+    return tables
+
+
+def geometry_digest(tables: Mapping[str, Any], measure: str) -> list[str]:
+    """The geometry tables as Markdown lines (none without them)."""
+    updates, cosines, paths = (tables.get(f"geometry_{name}") for name in ("updates", "cosines", "paths"))
+    lines = []
+    if updates is not None:
+        task = next((t for t in updates["drift_task"] if isinstance(t, str)), None)
+        lines += ["", f"The winners' geometry over {int(updates['seeds'].max())} final seeds (mean, seed standard "
+                      "deviation): the update's norm, relative to the norm of the weights it moved, and the share "
+                      "of those weights it changed in the engine's dtype"
+                      + (f"; the drift, mean KL to the base model on {task}'s held-out prompts:" if task else ":"), "",
+                  "| method | form | update norm | relative | weights changed |" + (" drift KL |" if task else ""),
+                  "| --- | --- | --- | --- | --- |" + (" --- |" if task else "")]
+        for method, row in updates.iterrows():
+            cells = [method, row["form"], f"{row['update_norm']:.3g} ({row['update_norm_sd']:.2g})",
+                     f"{row['relative_norm']:.3g}", f"{100 * row['changed_share']:.1f} %"]
+            if task:
+                cells.append("" if math.isnan(row["drift_kl"]) else f"{row['drift_kl']:.3g} ({row['drift_kl_sd']:.2g})")
+            lines.append("| " + " | ".join(cells) + " |")
+    if cosines is not None:
+        lines += ["", "The cosine between two methods' updates at the same seed (mean over the seeds; lowest to highest):",
+                  "", "| a | b | cosine | range |", "| --- | --- | --- | --- |"]
+        for _, row in cosines.iterrows():
+            lines.append(f"| {row['a']} | {row['b']} | {row['cosine']:.2g} | {row['lowest']:.2g} to {row['highest']:.2g} |")
+    if paths is not None:
+        points = [c for c in paths.columns if c.startswith("t=")]
+        lines += ["", "Held-out mean reward (a task scored right or wrong: its success) along the straight path from a "
+                      "to b, the weights written in place, and its barrier, the largest drop below the line between "
+                      "the ends:", "",
+                  "| a | b | seed | " + " | ".join(points) + " | barrier |",
+                  "| --- | --- | --- | " + " | ".join("---" for _ in points) + " | --- |"]
+        for _, row in paths.iterrows():
+            lines.append(f"| {row['a']} | {row['b']} | {int(row['seed'])} | "
+                         + " | ".join(_value(row[c], measure) for c in points) + f" | {_value(row['barrier'], measure)} |")
+    return lines
 
 
 DIGEST = "summary.md"
@@ -299,6 +380,12 @@ def write_study_tables(compact_dir: str | Path, out_dir: str | Path, measure: st
     out.mkdir(parents=True, exist_ok=True)
     paths = []
     tables = study_tables(load_compact(compact_dir), measure)
+    geometry = Path(compact_dir) / GEOMETRY
+    if geometry.is_file():
+        extra = geometry_tables(json.loads(geometry.read_text()))
+        for table in extra.values():
+            table.attrs["measure"] = next(iter(tables.values())).attrs.get("measure") if tables else None
+        tables.update(extra)
     for name, table in tables.items():
         path = out / f"{name}.csv"
         table.to_csv(path, float_format="%.6g")

@@ -37,7 +37,7 @@ def plot_path(rows: Sequence[dict], labels: tuple[str, str], barrier: float | No
     if barrier is not None:
         title += f": barrier {barrier:.3g}"
     fig.update_layout(title=title)
-    fig.update_xaxes(title_text="t")
+    fig.update_xaxes(title_text=f"t (0: {labels[0]}, 1: {labels[1]})")  # the ends named where a paper drops the title
     return fig
 
 
