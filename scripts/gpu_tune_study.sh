@@ -17,7 +17,8 @@
 #                                                    # weights: here, or rebuilt)
 #   bash scripts/gpu_tune_study.sh finish DIR [SECONDS]   # once nothing is outstanding: rebuild, geometry and compact
 #                                                    # into DIR/compact.tar.gz, each stopped at the deadline; a stage whose
-#                                                    # workers have all ended runs it before its pack (FINISH=0: not)
+#                                                    # workers have all ended runs it before its pack (FINISH=0: not;
+#                                                    # GEOMETRY=0: no rebuilds and geometry, measured before)
 #   bash scripts/gpu_tune_study.sh geometry-stage SECONDS DIR [ARCHIVE]   # finish's steps for the reruns at the budget
 #                                                    # while later stages are outstanding (no workers): unpack ARCHIVE,
 #                                                    # start them detached, wait for them within SECONDS; once they have
@@ -190,12 +191,13 @@ last_steps() {
   local early
   early=$(cat "$LOGS/rebuild.pid" 2>/dev/null)  # rebuilds started beside the workers (REBUILD_AT_START)
   while [ -n "$early" ] && kill -0 "$early" 2>/dev/null && [ $((until - SECONDS)) -gt 30 ]; do sleep 5; done
-  [ $((until - SECONDS)) -gt 30 ] && timeout --kill-after=10 $((until - SECONDS)) bash "$0" rebuild
+  # GEOMETRY=0: the geometry was measured already (geometry-stage): the rows and summary alone
+  [ "${GEOMETRY:-1}" = 1 ] && [ $((until - SECONDS)) -gt 30 ] && timeout --kill-after=10 $((until - SECONDS)) bash "$0" rebuild
   # the summary a worker last wrote may predate reruns finished since (a lease's end kills workers
   # before they write it): written again from the study, for the geometry's declared pairs and the
   # compacted copy; no run is started (--no-finals, every trial done)
   python -m evolm_lib.cli tune "$SPEC" --out "$STUDY" --no-finals --no-figures > "$dir/summary.txt" 2>&1
-  [ $((until - SECONDS)) -gt 30 ] && timeout --kill-after=10 $((until - SECONDS)) bash "$0" geometry "$dir"
+  [ "${GEOMETRY:-1}" = 1 ] && [ $((until - SECONDS)) -gt 30 ] && timeout --kill-after=10 $((until - SECONDS)) bash "$0" geometry "$dir"
   python -m evolm_lib.tune.compact "$STUDY" "$dir/compact"
   # one file: beside the pack's parts and the status, the call's files stay within the 8 a call returns
   tar -czf "$dir/compact.tar.gz" -C "$dir" compact && rm -rf "$dir/compact"
@@ -302,5 +304,5 @@ stage)
   # every worker ended: the study may be done, and its weights are still here
   [ "$(alive)" -eq 0 ] && [ "${FINISH:-1}" = 1 ] && finish "$dir" $((end - SECONDS))
   pack "$dir" ;;
-*) sed -n 2,44p "$0"; exit 2 ;;
+*) sed -n 2,45p "$0"; exit 2 ;;
 esac

@@ -134,10 +134,11 @@ def test_rebuild_runs_the_first_three_final_seeds_of_each_method_one_process_eac
     assert "rebuilt grpo_lora 2" in result.stdout
 
 
-@pytest.mark.parametrize("done", [True, False])
-def test_finish_rebuilds_measures_and_compacts_only_a_finished_study(tmp_path, done):
+@pytest.mark.parametrize("done, geometry", [(True, "1"), (False, "1"), (True, "0")])
+def test_finish_rebuilds_measures_and_compacts_only_a_finished_study(tmp_path, done, geometry):
     """`finish` asks tune.outstanding whether the study is done; only then it runs the rebuilds, the
-    geometry and the compaction, in that order, into DIR/compact, and packs that as one file."""
+    geometry and the compaction, in that order, into DIR/compact, and packs that as one file; with
+    GEOMETRY=0 (measured before, by geometry-stage) no rebuild and no geometry."""
     study = tmp_path / "study"
     (study / "final" / "es_lora" / "seed0").mkdir(parents=True)
     calls = tmp_path / "calls.txt"
@@ -145,15 +146,16 @@ def test_finish_rebuilds_measures_and_compacts_only_a_finished_study(tmp_path, d
     env = _stand_ins(tmp_path, study, gpus=1, python=(
         f'if [ "$1" = -c ]; then echo "status $3 $4" >> {calls}; exit {0 if done else 1}; fi\n'
         f'echo "$2 $3 $4" >> {calls}\n'))
-    env["SPEC"] = "spec.yaml"
+    env.update(SPEC="spec.yaml", GEOMETRY=geometry)
     out = tmp_path / "out"
     result = subprocess.run(["bash", str(SCRIPT), "finish", str(out), "120"], env=env, capture_output=True, text=True,
                             timeout=60)
     assert result.returncode == 0, result.stderr
     expected = [f"status spec.yaml {study}"]
     if done:
-        expected += [f"evolm_lib.tune.rebuild {study} --methods", "evolm_lib.cli tune spec.yaml",
-                     f"evolm_lib.tune.geometry {study} {out}/compact", f"evolm_lib.tune.compact {study} {out}/compact"]
+        expected += ([f"evolm_lib.tune.rebuild {study} --methods"] if geometry == "1" else []) + [
+            "evolm_lib.cli tune spec.yaml"] + ([f"evolm_lib.tune.geometry {study} {out}/compact"] if geometry == "1" else []) + [
+            f"evolm_lib.tune.compact {study} {out}/compact"]
     assert calls.read_text().splitlines() == expected
     assert (out / "compact.tar.gz").is_file() == done and not (out / "compact").exists()
     if done:
