@@ -9,8 +9,9 @@ form (LoRA with LoRA, the model's own weights with the model's own), the held-ou
 straight path between the two solutions at the first chosen seed, served by one engine with the
 weights written in place, and its barrier. With ``--drift-spec`` another study's spec (the
 conciseness study's for addition runs, and back): each solution's KL to the base model on that
-study's held-out prompts, the drift off the task trained on. A rerun whose weights a pack left behind is read from
-its rebuilt copy (``evolm_lib.tune.rebuild``: run again, its rows checked against the rerun's).
+study's held-out prompts, the drift off the task trained on. A rerun whose weights a pack left
+behind is read from its rebuilt copy (``evolm_lib.tune.rebuild``: run again, its rows checked
+against the rerun's).
 Writes OUT_DIR/geometry.json (small: summaries, no tensors; written beside a study's compacted
 files, ``scripts/study_tables.py`` draws its figures).
 """
@@ -164,7 +165,9 @@ def write_geometry(study: str | Path, out: str | Path, seeds: Sequence[int] | No
     pairs = list(pairs) if pairs is not None else _declared_pairs(study, stage_methods(study, stage))
     if not ((points >= 2 and pairs) or source):
         return result
-    engine = geometry_engine(study, stage, stage_methods(study, stage)[0], result["seeds"][0])
+    first = result["seeds"][0]
+    sized = next(m for m in stage_methods(study, stage) if (study / stage / m / f"seed{first}" / "config.yaml").is_file())
+    engine = geometry_engine(study, stage, sized, first)
     try:
         if points >= 2 and pairs:
             result["paths"], result["skipped_paths"] = solution_paths(engine, study, pairs, result["seeds"][0], stage,
