@@ -48,9 +48,12 @@ SPEC=${SPEC:-papermill_runs/tune_study_addition_gpu.yaml}
 STUDY=${STUDY:-runs/tune_study_addition}
 LOGS=${LOGS:-runs/tune_study_logs}
 METHODS=${METHODS:-es_full grpo_full grpo_lora es_lora es_eggroll}  # the slow ones first
-# the other study's spec: the geometry measures each solution's drift on its held-out prompts (for
-# the conciseness study, the addition spec; DRIFT_SPEC= none)
-DRIFT_SPEC=${DRIFT_SPEC-papermill_runs/tune_study_conciseness_gpu.yaml}
+# the other study's spec: the geometry measures each solution's drift on its held-out prompts
+# (DRIFT_SPEC= none)
+case "$SPEC" in
+*conciseness*) DRIFT_SPEC=${DRIFT_SPEC-papermill_runs/tune_study_addition_gpu.yaml} ;;
+*) DRIFT_SPEC=${DRIFT_SPEC-papermill_runs/tune_study_conciseness_gpu.yaml} ;;
+esac
 PACK_SECONDS=${PACK_SECONDS:-60}  # what a stage keeps for its pack
 PACKS=${PACKS:-runs/tune_study_pack}  # the last pack's parts, kept on the machine for `parts`
 FIRST_PARTS=${FIRST_PARTS:-6}     # the parts a pack puts in its DIR: with the status and compact.tar.gz, 8 files

@@ -354,6 +354,8 @@ def test_the_study_end_to_end_then_compacted_tabled_drawn_and_measured(tmp_path,
     with pytest.raises(FileNotFoundError, match="missing.yaml"):  # a bad drift spec: before any engine or file
         write_geometry(spec.out, compact, seeds=[0], points=2, drift_spec=tmp_path / "missing.yaml")
     assert not (compact / GEOMETRY).exists()
+    with pytest.raises(ValueError, match="drift_spec: .* the task these runs trained on"):  # drift needs another task
+        write_geometry(spec.out, compact, seeds=[0], points=2, drift_spec=spec.path)
     # beside the compacted files; the drift on the other study's held-out prompts (conciseness's)
     write_geometry(spec.out, compact, seeds=[0], points=2, drift_spec=REPO / "papermill_runs" / "tune_study_conciseness_gpu.yaml",
                    drift_samples=1)

@@ -153,7 +153,14 @@ def write_geometry(study: str | Path, out: str | Path, seeds: Sequence[int] | No
     each part (updates and cosines, paths, drift), so a part that fails or is stopped keeps the ones
     before it."""
     study, out = Path(study), Path(out)
-    source = drift_source(drift_spec) if drift_spec else None  # a bad spec fails before any engine starts
+    source = drift_source(drift_spec) if drift_spec else None  # a bad spec fails before any weights are read
+    if source:
+        from ..runs import load_run_config
+
+        trained = {load_run_config(config.parent).task for config in (study / stage).glob("*/seed*/config.yaml")}
+        if source[0] in trained:
+            raise ValueError(f"drift_spec: {drift_spec} is a study of {source[0]}, the task these runs trained on; the "
+                             "drift off the task needs another study's spec (for addition runs, the conciseness study's)")
     result = solutions_geometry(study, seeds, stage, dtype)
     result.update(paths=[], skipped_paths=[], drift=[])
     out.mkdir(parents=True, exist_ok=True)
