@@ -210,12 +210,15 @@ geometry_stage() {
   # The geometry of the reruns at the budget on a machine that runs no workers, while the study's later
   # stages (continuations, control) wait for a lease of their own: finish's steps without its check that
   # nothing is outstanding, started detached by the first call (after unpacking ARCHIVE) so they run on
-  # across calls; each call waits for them until its SECONDS are up.
+  # across calls; each call waits for them until its SECONDS are up. A call that finds them ended
+  # without their compact.tar.gz (failed, or killed) starts them again: rebuilds already made are kept.
   local seconds=$1 dir=$2 archive=${3:-} end pid work=$LOGS/geometry_stage
   end=$((SECONDS + seconds - 15))
   mkdir -p "$LOGS" "$dir"
-  if [ ! -f "$LOGS/geometry_stage.pid" ]; then
-    [ -n "$archive" ] && unpack "$archive"
+  pid=$(cat "$LOGS/geometry_stage.pid" 2>/dev/null)
+  if [ -z "$pid" ] || { ! kill -0 "$pid" 2>/dev/null && [ ! -f "$work/compact.tar.gz" ]; }; then
+    [ -n "$pid" ] && echo "the last start ended without compact.tar.gz (its log's end: $(tail -n 1 "$LOGS/geometry_stage.out")): again"
+    [ -n "$archive" ] && [ ! -d "$STUDY" ] && unpack "$archive"  # unpacked once: never over rebuilt runs
     rm -rf "$work"
     setsid bash -c "python -c \"from evolm_lib.models import resolve_model; resolve_model('smollm2-135m-instruct')\" \
       && exec bash '$0' last-steps '$work' ${GEOMETRY_STAGE_S:-3600}" > "$LOGS/geometry_stage.out" 2>&1 < /dev/null &
@@ -232,7 +235,7 @@ geometry_stage() {
     echo "ended without compact.tar.gz: $dir/geometry_stage_status.txt says why"
   fi
   { nvidia-smi 2>/dev/null --query-gpu=index,name,memory.used,utilization.gpu --format=csv
-    for f in "$LOGS/geometry_stage.out" "$LOGS"/rebuild.*.log; do [ -f "$f" ] && { echo "== $f"; tail -n 5 "$f"; }; done
+    for f in "$LOGS/geometry_stage.out" "$LOGS"/rebuild.*.log; do [ -f "$f" ] || continue; echo "== $f"; tail -n 5 "$f"; done
   } > "$dir/geometry_stage_status.txt" 2>&1
 }
 

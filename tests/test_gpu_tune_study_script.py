@@ -230,6 +230,23 @@ def test_the_geometry_stage_runs_finish_steps_detached_across_calls_without_aski
     with tarfile.open(out2 / "compact.tar.gz") as tar:
         assert sorted(tar.getnames()) == ["compact", "compact/rows.csv"]
     assert (out2 / "geometry_stage_status.txt").is_file() and not (work / "compact").exists()
+    # a start that ends without its compact (here the model's conversion fails once) is started again
+    # by the next call, without unpacking over the study
+    (tmp_path / "failing").mkdir()
+    marker = tmp_path / "failed_once"
+    env_failing = _stand_ins(tmp_path / "failing", study, gpus=1, python=(
+        f'if [ "$1" = -c ]; then [ -f {marker} ] && exit 0; touch {marker}; echo "conversion fails" >> {calls}; exit 1; fi\n'
+        f'echo "$2" >> {calls}; [ "$2" = evolm_lib.tune.compact ] && mkdir -p "$4" && echo x > "$4/rows.csv"; exit 0\n'))
+    env_failing.update(SPEC="spec.yaml", LOGS=str(tmp_path / "logs2"))
+    (study / "rebuilt").mkdir()
+    runs = [subprocess.run(["bash", str(SCRIPT), "geometry-stage", "60", str(tmp_path / f"out{i}"), str(archive)],
+                           env=env_failing, capture_output=True, text=True, timeout=90) for i in (3, 4)]
+    assert all(run.returncode == 0 for run in runs), [run.stderr for run in runs]
+    assert "ended without compact.tar.gz" in runs[0].stdout and "unpacked" not in runs[0].stdout
+    assert "the last start ended without compact.tar.gz" in runs[1].stdout and "done:" in runs[1].stdout
+    assert calls.read_text().splitlines()[-5:] == ["conversion fails", "evolm_lib.tune.rebuild", "evolm_lib.cli",
+                                                  "evolm_lib.tune.geometry", "evolm_lib.tune.compact"]
+    assert (study / "rebuilt").is_dir()  # the study was not unpacked over
 
 
 def test_a_pack_goes_back_in_parts_over_several_calls_and_start_joins_them_again(tmp_path):
