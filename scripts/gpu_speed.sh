@@ -27,6 +27,9 @@
 #       nothing else heavy on the host); card 1, grpo-update with eager attention run twice (same rows?);
 #       card 2, the train step profiled again, the cuBLAS workspace setting's cost told from the algorithms'
 #   bash scripts/gpu_speed.sh eggroll OUT # modes, EGGROLL against the base model, alone on the host (card 0)
+#   bash scripts/gpu_speed.sh loose OUT   # grpo-update on every card of the machine, side by side: deterministic in
+#       its own process with and without torch's deterministic algorithms, the latter twice (do its rows repeat?),
+#       against not deterministic; LoRA and full policies (each configuration's progress in grpo_update_loose_logs/)
 #
 # Run from the repository root with PYTHONPATH=/root/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0
 # EVOLM_CACHE_DIR=/root/cache set. LIMIT (default 560) is the whole part's deadline in seconds: each
@@ -106,7 +109,12 @@ next)
 eggroll)
   bench modes_eggroll 0 modes --model "$QWEN" --modes eggroll --tiles auto --repeats 5 --no-update & pids="$pids $!"
   ;;
-*) echo "unknown part $PART: cards, ray, starts, pool8, misses, left, next or eggroll" >&2; exit 2 ;;
+loose)
+  all=$(nvidia-smi -L | awk '{printf "%s%d", NR > 1 ? "," : "", NR - 1}')
+  bench grpo_update_loose "$all" grpo-update --devices "$all" --micro-batch-sizes 64 --steps 8 --policy-weights lora,full \
+    --configurations not_deterministic,deterministic_own,deterministic_own_loose,deterministic_own_loose_rerun & pids="$pids $!"
+  ;;
+*) echo "unknown part $PART: cards, ray, starts, pool8, misses, left, next, eggroll or loose" >&2; exit 2 ;;
 esac
 for pid in $pids; do wait "$pid"; done
 find "$RES" -type f -size +5M > "$RES/left_out.txt"  # checkpoints of kept run folders: not worth the transfer

@@ -13,10 +13,14 @@ steps after the first (and ``time/sync_s``, the write of full weights into the e
   deterministic_own         deterministic true, the policy in its own process (deterministic algorithms there)
   deterministic_own_rerun   the same again: its rows must equal the run before's
   deterministic_own_loose   deterministic true, own process, without torch's deterministic algorithms
+  deterministic_own_loose_rerun   the same again: do its rows repeat without those algorithms?
 
 Printed: the medians, each over ``not_deterministic`` (the goal: ``deterministic_own`` <= 1.15), and
-whether the two deterministic own-process runs gave identical rows. ``--devices 0,1,2`` runs the
+whether the runs that should repeat another's rows did (``SAME_ROWS``). ``--devices 0,1,2`` runs the
 configurations side by side, one card each (CUDA_VISIBLE_DEVICES); without it one after the other.
+Each configuration's process prints its progress (engine ready, each run's steps done) into a log;
+with ``--json`` the logs are kept beside it (``NAME_logs/``), so a command stopped at a deadline
+still shows where its time went.
 
 Examples::
 
@@ -50,6 +54,13 @@ CONFIGURATIONS = {  # label -> GRPOConfig changes
     "deterministic_own_rerun": {"deterministic": True, "policy_process": "own"},
     "deterministic_own_loose": {"deterministic": True, "policy_process": "own", "deterministic_update": False},
     "deterministic_own_sdpa": {"deterministic": True, "policy_process": "own", "policy_attention": "sdpa"},
+    "deterministic_own_loose_rerun": {"deterministic": True, "policy_process": "own", "deterministic_update": False},
+}
+SAME_ROWS = {  # label -> the configuration whose rows it is compared with
+    "deterministic_own_rerun": "deterministic_own",
+    "deterministic_same": "deterministic_own",
+    "deterministic_own_loose": "deterministic_own",
+    "deterministic_own_loose_rerun": "deterministic_own_loose",
 }
 BASELINE = "not_deterministic"
 GOAL = ("deterministic_own", 1.15)
@@ -83,7 +94,9 @@ def measure(label: str, args: argparse.Namespace) -> dict[str, Any]:
     apply_engine_defaults()
     gpu = torch.cuda.is_available()
     base = GRPOConfig.from_dict({**study_settings(args, gpu), **CONFIGURATIONS[label]})
+    started = time.perf_counter()
     engine = make_evaluator(base)
+    print(f"{label}: engine ready after {time.perf_counter() - started:.1f} s", flush=True)
     folder = Path(tempfile.mkdtemp(prefix="evolm-grpo-update-"))
     result: dict[str, Any] = {"label": label, "device": torch.cuda.get_device_name() if gpu else "cpu", "runs": {}}
     try:
@@ -102,6 +115,8 @@ def measure(label: str, args: argparse.Namespace) -> dict[str, Any]:
                                  for phase in PHASES})
                 measured["rows"] = [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
                 result["runs"][f"{weights}/{micro}"] = measured
+                print(f"{label}: {weights}/{micro} {len(rows)} steps done after {time.perf_counter() - started:.1f} s, "
+                      f"update median {measured['update_s']} s", flush=True)
     finally:
         engine.close()
         shutil.rmtree(folder, ignore_errors=True)
@@ -118,12 +133,8 @@ def ratios(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
         base = runs.get(BASELINE)
         out["update_over_baseline"][key] = {label: run["update_s"] / base["update_s"] for label, run in runs.items()
                                             if base is not None and label != BASELINE}
-        identical = {}
-        if "deterministic_own" in runs and "deterministic_own_rerun" in runs:
-            identical["deterministic_own_rerun"] = runs["deterministic_own"]["rows"] == runs["deterministic_own_rerun"]["rows"]
-        if "deterministic_own" in runs and "deterministic_same" in runs:
-            identical["deterministic_same"] = runs["deterministic_own"]["rows"] == runs["deterministic_same"]["rows"]
-        out["rows_identical"][key] = identical
+        out["rows_identical"][key] = {label: runs[label]["rows"] == runs[reference]["rows"]
+                                      for label, reference in SAME_ROWS.items() if label in runs and reference in runs}
         ratio = out["update_over_baseline"][key].get(GOAL[0])
         out["goal_met"][key] = None if ratio is None else ratio <= GOAL[1]
     return out
@@ -153,11 +164,15 @@ def _worker_command(label: str, out: Path, argv: Sequence[str]) -> list[str]:
     return [sys.executable, "-m", "evolm_lib.benchmark", "grpo-update", *argv, "--worker", label, "--json", str(out)]
 
 
-def run_configurations(labels: Sequence[str], argv: Sequence[str], devices: Sequence[str]) -> dict[str, dict[str, Any]]:
-    """Each configuration in a process of its own: one after the other, or side by side, one card each."""
+def run_configurations(labels: Sequence[str], argv: Sequence[str], devices: Sequence[str],
+                       logs: Path | None = None) -> dict[str, dict[str, Any]]:
+    """Each configuration in a process of its own: one after the other, or side by side, one card each;
+    their logs in ``logs`` (kept), else in a folder removed at the end."""
     from ..env import child_environment
 
     folder = Path(tempfile.mkdtemp(prefix="evolm-grpo-update-"))
+    logs = logs or folder
+    logs.mkdir(parents=True, exist_ok=True)
     # a configuration's own settings decide batch invariance: none inherited from this shell
     environment = {k: v for k, v in child_environment().items() if k != "VLLM_BATCH_INVARIANT"}
     root = str(Path(__file__).resolve().parents[2])  # this evolm_lib, whatever the caller's sys.path
@@ -169,7 +184,7 @@ def run_configurations(labels: Sequence[str], argv: Sequence[str], devices: Sequ
             while pending and slots:
                 label, device = pending.pop(0), slots.pop(0)
                 env = dict(environment, **({"CUDA_VISIBLE_DEVICES": device} if device is not None else {}))
-                log = open(folder / f"{label}.log", "w")
+                log = open(logs / f"{label}.log", "w")
                 process = subprocess.Popen(_worker_command(label, folder / f"{label}.json", argv), env=env,
                                            stdout=log, stderr=subprocess.STDOUT)
                 running[label] = (process, device, log)
@@ -181,7 +196,7 @@ def run_configurations(labels: Sequence[str], argv: Sequence[str], devices: Sequ
                 del running[label]
                 slots.append(device)
                 if process.returncode != 0:
-                    tail = (folder / f"{label}.log").read_text()[-3000:]
+                    tail = (logs / f"{label}.log").read_text()[-3000:]
                     raise RuntimeError(f"grpo-update: configuration {label} failed (exit {process.returncode}):\n{tail}")
                 results[label] = json.loads((folder / f"{label}.json").read_text())
                 print(f"{label}: done", flush=True)
@@ -234,7 +249,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         args.json.write_text(json.dumps(result))
         return result
     devices = [d for d in args.devices.split(",") if d]
-    results = run_configurations(labels, _without_option(_without_option(argv, "--json"), "--devices"), devices)
+    logs = args.json.with_name(f"{args.json.stem}_logs") if args.json else None
+    results = run_configurations(labels, _without_option(_without_option(argv, "--json"), "--devices"), devices, logs)
     summary = ratios(results)
     print(format_results(results, summary))
     result = {"settings": study_settings(args, gpu), "micro_batch_sizes": args.micro_batch_sizes,
