@@ -259,6 +259,37 @@ def test_the_geometry_tables_average_over_seeds_and_skip_directionless_updates()
     assert figure.layout.xaxis.title.text == "t (0: es, 1: grpo)"
 
 
+def test_a_later_compaction_keeps_what_an_earlier_one_of_the_study_holds_and_it_lacks(tmp_path):
+    """merge: the earlier folder's runs the later one has no line for (the geometry's rebuilds, made on
+    another machine) and its geometry.json join the later folder; a run in both stays the later one's;
+    the manifest counts them; merging again adds nothing."""
+    from evolm_lib.tune.compact import MANIFEST, RUNS, _read_gzip_lines, _write_gzip_lines, main as compact_main
+
+    def line(path, stage, heldout=None, rows=1):
+        return {"path": path, "stage": stage, "method": "es", "columns": {"generation": list(range(rows))},
+                "heldout": heldout}
+
+    earlier, later = tmp_path / "earlier", tmp_path / "later"
+    earlier.mkdir()
+    later.mkdir()
+    _write_gzip_lines(earlier / RUNS, [line("final/es/seed0", "final", rows=1), line("rebuilt/final/es/seed0", "rebuilt",
+                                                                                     heldout={"index": [0]})])
+    (earlier / "geometry.json").write_text('{"seeds": [0]}\n')
+    _write_gzip_lines(later / RUNS, [line("final/es/seed0", "final", rows=2), line("long/es/seed0", "long")])
+    (later / MANIFEST).write_text(json.dumps({"bytes": {}, "runs": {"final": 1, "long": 1}, "source": "study"}))
+    assert compact_main(["merge", str(later), str(earlier)]) == 0
+    merged = {run["path"]: run for run in _read_gzip_lines(later / RUNS)}
+    assert list(merged) == ["final/es/seed0", "long/es/seed0", "rebuilt/final/es/seed0"]
+    assert merged["final/es/seed0"]["columns"] == {"generation": [0, 1]}  # the later study's line
+    assert (later / "geometry.json").read_text() == '{"seeds": [0]}\n'
+    manifest = json.loads((later / MANIFEST).read_text())
+    assert manifest["runs"] == {"final": 1, "long": 1, "rebuilt": 1} and manifest["with_heldout"] == 1
+    assert manifest["kept"] == {"from": str(earlier), "runs": 1, "geometry": True} and manifest["source"] == "study"
+    assert compact_main(["merge", str(later), str(earlier)]) == 0
+    assert len(_read_gzip_lines(later / RUNS)) == 3 and json.loads((later / MANIFEST).read_text())["kept"]["runs"] == 0
+    assert compact_main(["merge", str(later), str(tmp_path / "missing")]) == 1  # named, nothing written
+
+
 def test_compacted_rows_keep_scalars_and_come_back_by_column():
     row = {"generation": 3, "method": "es", "eval/reward": 0.1234567891, "time/generate_s": 0.123456,
            "time/wall_s": 12.3456789, "ok": True, "policy/train_completions": ["a", "b"], "es/weights": [0.5],

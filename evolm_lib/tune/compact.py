@@ -12,6 +12,8 @@ ran (placement.jsonl: device, engines per card) and the KL of its checkpoints wh
 Optuna trials of every study go to OUT_DIR/trials.jsonl.gz, tune_summary.json is copied, and
 manifest.json counts what went in. The gzip files carry no timestamp: the same study compacts to the
 same bytes. ``load_compact`` and ``compact_groups`` read them back as ``analysis.RunRecord`` groups.
+``python -m evolm_lib.tune.compact merge INTO FROM`` keeps in a later compaction what an earlier one
+of the same study holds and it lacks (``merge_compact``).
 """
 from __future__ import annotations
 
@@ -231,7 +233,50 @@ def compact_groups(runs: Sequence[dict], stage: str, label: str = "{method}") ->
     return groups
 
 
+def merge_compact(into: str | Path, source: str | Path) -> dict[str, Any]:
+    """Keep what an earlier compaction of the same study holds and a later one lacks: ``source``'s runs
+    that ``into`` has no line for (a stage run on another machine, such as the geometry's rebuilds) and
+    its geometry.json where ``into`` has none, added to ``into``, whose manifest counts them ("kept").
+    A run in both stays as ``into`` has it (the later study's). Returns the manifest."""
+    from .geometry import GEOMETRY
+
+    into, source = Path(into), Path(source)
+    for folder in (into, source):
+        if not (folder / RUNS).is_file():
+            raise FileNotFoundError(f"{folder}: no {RUNS} here (a compacted study's folder)")
+    lines = _read_gzip_lines(into / RUNS)
+    have = {line["path"] for line in lines}
+    kept = [line for line in _read_gzip_lines(source / RUNS) if line["path"] not in have]
+    _write_gzip_lines(into / RUNS, lines + kept)
+    geometry = not (into / GEOMETRY).is_file() and (source / GEOMETRY).is_file()
+    if geometry:
+        shutil.copyfile(source / GEOMETRY, into / GEOMETRY)
+    manifest = json.loads((into / MANIFEST).read_text()) if (into / MANIFEST).is_file() else {"bytes": {}}
+    counts: dict[str, int] = {}
+    for line in lines + kept:
+        counts[line["stage"]] = counts.get(line["stage"], 0) + 1
+    manifest.update(runs=counts, with_heldout=sum(line["heldout"] is not None for line in lines + kept),
+                    kept={"from": str(source), "runs": len(kept), "geometry": geometry})
+    manifest["bytes"][RUNS] = (into / RUNS).stat().st_size
+    (into / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+    return manifest
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["merge"]:
+        merge = argparse.ArgumentParser(prog="python -m evolm_lib.tune.compact merge", description=merge_compact.__doc__)
+        merge.add_argument("into", type=Path, help="the later compacted folder, which gains what it lacks")
+        merge.add_argument("source", type=Path, help="the earlier compacted folder of the same study")
+        args = merge.parse_args(argv[1:])
+        try:
+            manifest = merge_compact(args.into, args.source)
+        except FileNotFoundError as error:
+            print(f"compact merge: {error}", file=sys.stderr)
+            return 1
+        kept = manifest["kept"]
+        print(f"kept {kept['runs']} runs{' and geometry.json' if kept['geometry'] else ''} of {args.source} in {args.into}")
+        return 0
     parser = argparse.ArgumentParser(prog="python -m evolm_lib.tune.compact", description=__doc__.split("\n\n")[0])
     parser.add_argument("study", type=Path, help="the study's folder (tune.out or sweep.out), on the machine that ran it")
     parser.add_argument("out", type=Path, help="the folder to write runs.jsonl.gz, trials.jsonl.gz, "
