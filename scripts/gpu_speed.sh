@@ -42,7 +42,9 @@ RES=runs/speed_$PART
 mkdir -p "$RES" "$OUT"
 export PYTHONUNBUFFERED=1 VLLM_LOGGING_LEVEL=WARNING TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=4
 nvidia-smi -L | tee "$RES/cards.txt"
-git log -1 --format=%H > "$RES/commit.txt" 2>/dev/null || true
+# the code measured: EVOLM_CODE_COMMIT where the caller names it (a lent machine's copy of the tree may
+# carry a git history older than the tree itself), else the copy's own HEAD
+echo "${EVOLM_CODE_COMMIT:-$(git log -1 --format=%H 2>/dev/null)}" > "$RES/commit.txt"
 python -c "from evolm_lib.models import resolve_model; resolve_model('smollm2-135m-instruct')" > /dev/null
 QWEN=$(python scripts/qwen_shape.py | tail -n 1)  # before any engine: every part but pool8 measures on it
 measure() {  # measure NAME CARDS COMMAND...: COMMAND --json RES/NAME.json on some cards, stopped at the deadline
