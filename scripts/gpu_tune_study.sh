@@ -151,12 +151,16 @@ rebuild() {
   # The first three final seeds of every method (the geometry's), each rerun without weights here run
   # again by `python -m evolm_lib.tune.rebuild` into STUDY/rebuilt/, one process per method and seed,
   # round-robin over the cards; returns when all have ended (their logs: LOGS/rebuild.METHOD.SEED.log).
-  local gpus method seed i=0 pids="" pid failed=0
+  local gpus method seed i=0 pids="" pid failed=0 total=0
   gpus=$(cards)
   mkdir -p "$LOGS"
+  seeds() { ls "$STUDY/final/$1" | sed -n 's/^seed\([0-9]*\)$/\1/p' | sort -n | head -n 3; }
+  for method in $(ls "$STUDY/final"); do total=$((total + $(seeds "$method" | wc -l))); done
   for method in $(ls "$STUDY/final"); do
-    for seed in $(ls "$STUDY/final/$method" | sed -n 's/^seed\([0-9]*\)$/\1/p' | sort -n | head -n 3); do
-      CUDA_VISIBLE_DEVICES=$((i % gpus)) python -m evolm_lib.tune.rebuild "$STUDY" --methods "$method" --seeds "$seed" \
+    for seed in $(seeds "$method"); do
+      # each run records the rebuilds that share its card (EVOLM_ENGINES_PER_CARD), as the workers do
+      EVOLM_ENGINES_PER_CARD=$((total / gpus + ((i % gpus) < (total % gpus) ? 1 : 0))) CUDA_VISIBLE_DEVICES=$((i % gpus)) \
+        python -m evolm_lib.tune.rebuild "$STUDY" --methods "$method" --seeds "$seed" \
         > "$LOGS/rebuild.$method.$seed.log" 2>&1 < /dev/null &
       pids="$pids $!"
       i=$((i + 1))

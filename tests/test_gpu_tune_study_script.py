@@ -115,9 +115,11 @@ def test_rebuild_runs_the_first_three_final_seeds_of_each_method_one_process_eac
             (study / "final" / method / f"seed{seed}").mkdir(parents=True)
     (study / "final" / "es_full" / "notes.txt").write_text("not a seed folder")
     calls = tmp_path / "calls.txt"
-    # a stand-in for the rebuild: records its card and arguments; grpo_lora seed 1's rows differ (exit 3)
+    # a stand-in for the rebuild: records its card, the engines declared on it and its arguments;
+    # grpo_lora seed 1's rows differ (exit 3)
     env = _stand_ins(tmp_path, study, gpus=2, python=(
-        f'echo "$CUDA_VISIBLE_DEVICES $*" >> {calls}\necho "rebuilt $5 $7"\n'
+        f'echo "$CUDA_VISIBLE_DEVICES $*" >> {calls}\necho "$CUDA_VISIBLE_DEVICES $EVOLM_ENGINES_PER_CARD" >> {calls}.engines\n'
+        'echo "rebuilt $5 $7"\n'
         'if [ "$5" = grpo_lora ] && [ "$7" = 1 ]; then exit 3; fi\n'))
     result = subprocess.run(["bash", str(SCRIPT), "rebuild"], env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
@@ -131,6 +133,7 @@ def test_rebuild_runs_the_first_three_final_seeds_of_each_method_one_process_eac
         f"1 -m evolm_lib.tune.rebuild {study} --methods grpo_lora --seeds 2",
     ]
     assert result.stdout.splitlines()[-1] == "6 rebuilds on 2 GPUs, 1 failed or with rows that differ"
+    assert sorted(Path(f"{calls}.engines").read_text().splitlines()) == ["0 3"] * 3 + ["1 3"] * 3  # 6 over 2 cards
     assert "rebuilt grpo_lora 2" in result.stdout
 
 
