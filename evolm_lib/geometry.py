@@ -292,13 +292,19 @@ def interpolation_path(evaluator, a: Solution, b: Solution, task: Task, points: 
         return rows
 
 
+def drift_prompts(task: Task, max_prompts: int | None = None) -> list:
+    """The prompts the drift is measured on: the task's held-out examples (its training ones where it
+    has none), the first ``max_prompts``."""
+    return list(task.eval_examples() or task.train_examples())[:max_prompts]
+
+
 def solution_drift(evaluator, solution: Solution, task: Task, *, num_samples: int = 2, max_prompts: int | None = None,
                    max_new_tokens: int = 64, seed: int = 0) -> float:
     """KL to the base model on ``task``'s held-out prompts (another task's: the drift off the task the
     run trained on) of a solution, its weights written into the engine in place as
     ``interpolation_path`` serves a point (a LoRA merged); afterwards the engine serves exactly what
     it served before. One number for one solution; ``off_task_drift`` follows a run's checkpoints."""
-    examples = list(task.eval_examples() or task.train_examples())[:max_prompts]
+    examples = drift_prompts(task, max_prompts)
     with _resident(evaluator, solution.model_dir, sorted(solution.weights)) as (weights, flat):
         base_flat = flat({})
         with _serving(weights, flat(solution.weights)):
@@ -332,7 +338,7 @@ def off_task_drift(evaluator, run_dir: str | Path, off_task: str | Path | Task, 
     from .train.grpo import GRPORun
 
     task = off_task if isinstance(off_task, Task) else off_task_source(off_task)
-    examples = list(task.eval_examples() or task.train_examples())[:max_prompts]
+    examples = drift_prompts(task, max_prompts)
     kind = read_config_kind(run_dir)
     run = (ESRun if kind == "es" else GRPORun).resume(run_dir, evaluator=evaluator)
     rows = []

@@ -66,6 +66,16 @@ cards() {  # the machine's GPUs (a CPU machine: one "card")
   echo "$n"
 }
 
+on_card() {  # on_card TOTAL GPUS I: how many of TOTAL processes, dealt round-robin, share the card of the I-th
+  echo $(($1 / $2 + (($3 % $2) < ($1 % $2) ? 1 : 0)))
+}
+
+status() {  # status LOG...: the cards' memory and load, and each existing log's last lines
+  nvidia-smi 2>/dev/null --query-gpu=index,name,memory.used,utilization.gpu --format=csv
+  local f
+  for f in "$@"; do [ -f "$f" ] || continue; echo "== $f"; tail -n 5 "$f"; done
+}
+
 alive() {  # workers of the last start still running
   local n=0 pid
   for pid in $(cat "$LOGS/workers.pids" 2>/dev/null); do kill -0 "$pid" 2>/dev/null && n=$((n + 1)); done
@@ -130,7 +140,7 @@ start() {
     for w in $(seq 1 "$per"); do
       # engines sharing a card start a few seconds apart: vLLM's start-up memory profile of one
       # must not see another's allocations arrive
-      card_engines=$((total / gpus + ((i % gpus) < (total % gpus) ? 1 : 0)))
+      card_engines=$(on_card "$total" "$gpus" "$i")
       launch "$method" $((i % gpus)) "$card_engines" "$LOGS/$method.$w.log"
       i=$((i + 1))
       [ $((i % gpus)) -eq 0 ] && sleep 8
@@ -159,7 +169,7 @@ rebuild() {
   for method in $(ls "$STUDY/final"); do
     for seed in $(seeds "$method"); do
       # each run records the rebuilds that share its card (EVOLM_ENGINES_PER_CARD), as the workers do
-      EVOLM_ENGINES_PER_CARD=$((total / gpus + ((i % gpus) < (total % gpus) ? 1 : 0))) CUDA_VISIBLE_DEVICES=$((i % gpus)) \
+      EVOLM_ENGINES_PER_CARD=$(on_card "$total" "$gpus" "$i") CUDA_VISIBLE_DEVICES=$((i % gpus)) \
         python -m evolm_lib.tune.rebuild "$STUDY" --methods "$method" --seeds "$seed" \
         > "$LOGS/rebuild.$method.$seed.log" 2>&1 < /dev/null &
       pids="$pids $!"
@@ -238,9 +248,7 @@ geometry_stage() {
   else
     echo "ended without compact.tar.gz: $dir/geometry_stage_status.txt says why"
   fi
-  { nvidia-smi 2>/dev/null --query-gpu=index,name,memory.used,utilization.gpu --format=csv
-    for f in "$LOGS/geometry_stage.out" "$LOGS"/rebuild.*.log; do [ -f "$f" ] || continue; echo "== $f"; tail -n 5 "$f"; done
-  } > "$dir/geometry_stage_status.txt" 2>&1
+  status "$LOGS/geometry_stage.out" "$LOGS"/rebuild.*.log > "$dir/geometry_stage_status.txt" 2>&1
 }
 
 geometry() {  # geometry DIR: the winners' geometry into DIR/compact/geometry.json
@@ -275,8 +283,7 @@ pack() {
   if [ "$count" -gt "$FIRST_PARTS" ]; then
     echo "this call returns $FIRST_PARTS of the pack's $count parts: the others with \`bash $0 parts $FIRST_PARTS DIR\`, 8 a call, before the machine goes back"
   fi
-  { nvidia-smi 2>/dev/null --query-gpu=index,name,memory.used,utilization.gpu --format=csv
-    for f in "$LOGS"/*.log; do echo "== $f"; tail -n 5 "$f"; done; } > "$dir/tune_study_status.txt" 2>&1
+  status "$LOGS"/*.log > "$dir/tune_study_status.txt" 2>&1
   echo "$(alive) workers alive" | tee -a "$dir/tune_study_status.txt"
 }
 

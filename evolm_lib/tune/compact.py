@@ -155,6 +155,14 @@ def _write_gzip_lines(path: Path, lines: Sequence[dict]) -> None:
             zipped.write((json.dumps(line, separators=(",", ":"), sort_keys=True) + "\n").encode())
 
 
+def _counts(runs: Sequence[dict]) -> dict[str, Any]:
+    """The manifest's counts of compacted runs: per stage, and those with held-out scores."""
+    stages: dict[str, int] = {}
+    for run in runs:
+        stages[run["stage"]] = stages.get(run["stage"], 0) + 1
+    return {"runs": stages, "with_heldout": sum(run["heldout"] is not None for run in runs)}
+
+
 def compact_study(study: str | Path, out: str | Path) -> dict[str, Any]:
     """Write STUDY's runs, trials and summary into OUT (see the module docstring); returns the manifest."""
     study, out = Path(study), Path(out)
@@ -170,12 +178,8 @@ def compact_study(study: str | Path, out: str | Path) -> dict[str, Any]:
         _write_gzip_lines(out / TRIALS, trials)
     if (study / SUMMARY).is_file():
         shutil.copyfile(study / SUMMARY, out / SUMMARY)
-    counts: dict[str, int] = {}
-    for run in runs:
-        counts[run["stage"]] = counts.get(run["stage"], 0) + 1
     files = [p for p in (out / RUNS, out / TRIALS, out / SUMMARY) if p.is_file()]
-    manifest = {"source": str(study), "runs": counts, "trials": len(trials),
-                "with_heldout": sum(run["heldout"] is not None for run in runs),
+    manifest = {"source": str(study), **_counts(runs), "trials": len(trials),
                 "bytes": {p.name: p.stat().st_size for p in files}}
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
     return manifest
@@ -187,8 +191,11 @@ def _read_gzip_lines(path: Path) -> list[dict]:
 
 
 def load_compact(folder: str | Path) -> dict[str, Any]:
-    """{"runs": [...], "trials": [...], "summary": {...} or None} from a compacted study's folder; each
+    """{"runs": [...], "trials": [...], "summary": {...} or None, "geometry": {...} or None} from a
+    compacted study's folder (geometry.json where ``tune.geometry`` wrote it beside the files); each
     run with its ``rows`` whole again (a continued run's first rows taken from its rerun)."""
+    from .geometry import GEOMETRY
+
     folder = Path(folder)
     if not (folder / RUNS).is_file():
         raise FileNotFoundError(f"{folder}: no {RUNS} here (write it with python -m evolm_lib.tune.compact)")
@@ -202,7 +209,8 @@ def load_compact(folder: str | Path) -> dict[str, Any]:
             run["rows"] = by_path[run["rows_from"]["path"]]["rows"][:run["rows_from"]["rows"]] + run["rows"]
     return {"runs": runs,
             "trials": _read_gzip_lines(folder / TRIALS) if (folder / TRIALS).is_file() else [],
-            "summary": json.loads(summary.read_text()) if summary.is_file() else None}
+            "summary": json.loads(summary.read_text()) if summary.is_file() else None,
+            "geometry": json.loads((folder / GEOMETRY).read_text()) if (folder / GEOMETRY).is_file() else None}
 
 
 def heldout_lines(run: dict) -> list[dict] | None:
@@ -252,11 +260,7 @@ def merge_compact(into: str | Path, source: str | Path) -> dict[str, Any]:
     if geometry:
         shutil.copyfile(source / GEOMETRY, into / GEOMETRY)
     manifest = json.loads((into / MANIFEST).read_text()) if (into / MANIFEST).is_file() else {"bytes": {}}
-    counts: dict[str, int] = {}
-    for line in lines + kept:
-        counts[line["stage"]] = counts.get(line["stage"], 0) + 1
-    manifest.update(runs=counts, with_heldout=sum(line["heldout"] is not None for line in lines + kept),
-                    kept={"from": str(source), "runs": len(kept), "geometry": geometry})
+    manifest.update(**_counts(lines + kept), kept={"from": str(source), "runs": len(kept), "geometry": geometry})
     manifest["bytes"][RUNS] = (into / RUNS).stat().st_size
     (into / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
     return manifest

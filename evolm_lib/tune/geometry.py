@@ -42,6 +42,11 @@ def _declared_pairs(study: Path, methods: Sequence[str]) -> list[tuple[str, str]
     return [(a, b) for a, b in family if a in methods and b in methods]
 
 
+def _methods_at(study: Path, stage: str, seed: int) -> list[str]:
+    """The methods with a rerun (its config.yaml) at ``seed`` in the stage."""
+    return [m for m in stage_methods(study, stage) if (study / stage / m / f"seed{seed}" / "config.yaml").is_file()]
+
+
 def solutions_geometry(study: str | Path, seeds: Sequence[int] | None = None, stage: str = "final",
                        dtype: str = "bfloat16") -> dict[str, Any]:
     """Update summaries of every method's solution at each seed, and the cosines between every two
@@ -55,8 +60,7 @@ def solutions_geometry(study: str | Path, seeds: Sequence[int] | None = None, st
     seeds = chosen_seeds(study, stage, methods, seeds)
     result: dict[str, Any] = {"stage": stage, "dtype": dtype, "seeds": seeds, "updates": [], "cosines": []}
     for seed in seeds:
-        solutions = {m: load_solution(solution_folder(study, stage, m, seed)) for m in methods
-                     if (study / stage / m / f"seed{seed}" / "config.yaml").is_file()}
+        solutions = {m: load_solution(solution_folder(study, stage, m, seed)) for m in _methods_at(study, stage, seed)}
         deltas = {}
         for method, solution in solutions.items():
             rows = update_table(solution.weights, solution.base, dtype)
@@ -127,18 +131,16 @@ def solution_drifts(engine, study: str | Path, seeds: Sequence[int], source: tup
                     samples: int = 2) -> list[dict]:
     """KL to the base model on ``source``'s held-out prompts (``drift_source``) of every method's
     solution at each seed (``geometry.solution_drift``, sampled with the run's seed)."""
-    from ..geometry import load_solution, solution_drift
+    from ..geometry import drift_prompts, load_solution, solution_drift
 
     study = Path(study)
     name, task, max_new_tokens = source
     rows = []
     for seed in seeds:
-        for method in stage_methods(study, stage):
-            if not (study / stage / method / f"seed{seed}" / "config.yaml").is_file():
-                continue
+        for method in _methods_at(study, stage, seed):
             solution = load_solution(solution_folder(study, stage, method, seed))
             kl = solution_drift(engine, solution, task, num_samples=samples, max_new_tokens=max_new_tokens, seed=seed)
-            rows.append({"method": method, "seed": seed, "task": name, "prompts": len(task.eval_examples()),
+            rows.append({"method": method, "seed": seed, "task": name, "prompts": len(drift_prompts(task)),
                          "samples": samples, "kl": _finite(kl)})
             del solution
             gc.collect()
@@ -173,8 +175,7 @@ def write_geometry(study: str | Path, out: str | Path, seeds: Sequence[int] | No
     if not ((points >= 2 and pairs) or source):
         return result
     first = result["seeds"][0]
-    sized = next(m for m in stage_methods(study, stage) if (study / stage / m / f"seed{first}" / "config.yaml").is_file())
-    engine = geometry_engine(study, stage, sized, first)
+    engine = geometry_engine(study, stage, _methods_at(study, stage, first)[0], first)
     try:
         if points >= 2 and pairs:
             result["paths"], result["skipped_paths"] = solution_paths(engine, study, pairs, result["seeds"][0], stage,

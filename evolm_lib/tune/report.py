@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from .compact import compact_groups, load_compact
-from .geometry import GEOMETRY
 
 
 def placements(runs: Sequence[dict]) -> dict[str, str]:
@@ -185,6 +184,8 @@ def study_tables(compact: dict, measure: str | None = None) -> dict[str, Any]:
         tables["sweep"] = _final(sweep, runs, "sweep", measure)
         if len(sweep) > 1:
             tables["sweep_comparisons"] = method_comparisons(sweep, measure=measure)
+    if compact.get("geometry"):
+        tables.update(geometry_tables(compact["geometry"]))
     for table in tables.values():
         table.attrs["measure"] = measure
     return tables
@@ -380,12 +381,6 @@ def write_study_tables(compact_dir: str | Path, out_dir: str | Path, measure: st
     out.mkdir(parents=True, exist_ok=True)
     paths = []
     tables = study_tables(load_compact(compact_dir), measure)
-    geometry = Path(compact_dir) / GEOMETRY
-    if geometry.is_file():
-        extra = geometry_tables(json.loads(geometry.read_text()))
-        for table in extra.values():
-            table.attrs["measure"] = next(iter(tables.values())).attrs.get("measure") if tables else None
-        tables.update(extra)
     for name, table in tables.items():
         path = out / f"{name}.csv"
         table.to_csv(path, float_format="%.6g")

@@ -5,7 +5,6 @@ its runs had); and, where ``geometry.json`` lies beside the files (``python -m
 evolm_lib.tune.geometry``), the winners' update norms per layer and the straight paths between them."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -83,11 +82,10 @@ def export_study_figures(compact_dir: str | Path, out_dir: str | Path,
     """Every figure of ``curve_figures`` (and ``geometry_figures`` where COMPACT_DIR/geometry.json
     exists) as OUT/<name>.{png,svg}; returns the paths."""
     from ..tune.compact import load_compact
-    from ..tune.geometry import GEOMETRY
     from .figures import export_figure
 
-    figures = curve_figures(load_compact(compact_dir))
-    geometry = Path(compact_dir) / GEOMETRY
-    if geometry.is_file():
-        figures.update(geometry_figures(json.loads(geometry.read_text())))
+    compact = load_compact(compact_dir)
+    figures = curve_figures(compact)
+    if compact["geometry"]:
+        figures.update(geometry_figures(compact["geometry"]))
     return [path for name, figure in figures.items() for path in export_figure(figure, name, out_dir, formats=formats)]
