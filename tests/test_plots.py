@@ -122,7 +122,7 @@ def test_rewards_carry_the_task_definition():
     assert fig.layout.yaxis.title.text == "reward<br>(-|length difference|, chars)"
     runs = {"es": [seed_run(0, [0, 10])]}
     fig = plots.plot_reward_vs_samples(runs, reward_label="exact match, 0 or 1")
-    assert fig.layout.yaxis.title.text == "mean-adapter reward on<br>train prompts<br>(exact match, 0 or 1)"
+    assert fig.layout.yaxis.title.text == "greedy reward on train<br>prompts<br>(exact match, 0 or 1)"
     assert fig.layout.xaxis.title.text == "training completions"
 
 
@@ -168,7 +168,7 @@ def test_labels_map_keys_to_words_with_units():
     from evolm_lib.viz import labels
 
     assert labels.label("policy/train_reward", "-|length difference|, chars") == \
-        "mean-adapter reward on train prompts (-|length difference|, chars)"
+        "greedy reward on train prompts (-|length difference|, chars)"
     assert labels.label("samples/completions") == "training completions"
     assert labels.label("time/wall_s") == "wall-clock time (s)"
     assert labels.label("policy/kl", "ignored for non-rewards") == "KL to the base model (nats per token)"
@@ -264,6 +264,16 @@ def test_the_study_curves_come_from_one_stage_for_every_method():
     assert curve_stage(final + runs("long", "es", [0]) + runs("long", "grpo", [0, 1])) == "final"
     assert curve_stage(runs("sweep", "es", [0]) + runs("trial", "es", [0])) == "sweep"
     assert curve_stage(runs("trial", "es", [0])) is None
+
+
+def test_the_study_curves_name_the_card_only_where_the_methods_ran_on_different_ones():
+    from evolm_lib.viz.study import curve_names
+
+    h100 = {"device": "NVIDIA H100 80GB HBM3", "engines_per_card": "5"}
+    assert curve_names({"es": h100, "grpo": h100}) == {"es": "es, 5 engines/card", "grpo": "grpo, 5 engines/card"}
+    mixed = curve_names({"es": h100, "grpo": {"device": "NVIDIA H200", "engines_per_card": "2, 3"}})
+    assert mixed == {"es": "es, H100, 5 engines/card", "grpo": "grpo, H200, 2, 3 engines/card"}
+    assert curve_names({"es": {"device": "", "engines_per_card": ""}}) == {"es": "es"}  # nothing recorded
 
 
 def test_time_breakdown_stacks_phases_and_rest():

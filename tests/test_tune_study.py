@@ -214,6 +214,26 @@ def test_how_soon_each_method_of_a_pair_reaches_the_weaker_ones_final_score():
          "completions": 2.5}]
 
 
+def test_where_a_stage_ran_is_told_per_group_of_methods_when_they_differ():
+    import pandas as pd
+
+    from evolm_lib.tune.report import _where
+
+    def table(rows):
+        return pd.DataFrame(rows, index=[r["method"] for r in rows])
+
+    h100 = {"device": "NVIDIA H100 80GB HBM3", "engines_per_card": "5", "code": ""}
+    same = table([{"method": "es", **h100}, {"method": "grpo", **h100}])
+    assert _where("The final seeds", same) == ("The final seeds ran on NVIDIA H100 80GB HBM3, 5 engines a card; "
+                                               "code not recorded (runs from before placement.jsonl recorded it).")
+    mixed = table([{"method": "es", **h100}, {"method": "grpo", "device": "NVIDIA H200", "engines_per_card": "2, 3",
+                                              "code": "301acde"}, {"method": "es_full", **h100}])
+    assert _where("The runs at twice the budget", mixed) == (
+        "The runs at twice the budget ran in 2 places: es and es_full on NVIDIA H100 80GB HBM3, 5 engines a card, "
+        "code not recorded (runs from before placement.jsonl recorded it); grpo on NVIDIA H200, 2, 3 engines a card, "
+        "code 301acde.")
+
+
 def test_the_geometry_tables_average_over_seeds_and_skip_directionless_updates():
     """geometry.json's updates, drift, cosines and paths as tables and digest lines, against
     hand-computed means and standard deviations; a cosine of no direction (None) is left out."""

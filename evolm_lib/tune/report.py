@@ -254,13 +254,9 @@ def study_digest(tables: Mapping[str, Any], title: str) -> str:
                       + (f"; {final['processes_on_card']})" if final.get("processes_on_card") else ")")]
         lines.append("| " + " | ".join(cells) + " |")
     if heldout is not None:
-        def listed(column: str) -> str:
-            return ", ".join(sorted({part for cell in heldout[column].fillna("") for part in str(cell).split(", ") if part}))
-
-        code = listed("code")
-        lines += ["", f"The final seeds ran on {listed('device') or 'unrecorded devices'}, "
-                      f"{listed('engines_per_card') or 'an unrecorded number of'} engines a card; "
-                      f"code {code if code else 'not recorded (runs from before placement.jsonl recorded it)'}."]
+        lines += ["", _where("The final seeds", heldout)]
+    if long is not None:
+        lines += ["", _where("The runs at twice the budget", long)]
     for name, heading in (("comparisons", "Comparisons at the budget"), ("long_comparisons", "Comparisons at twice the budget"),
                           ("control_comparisons", "The shuffled-fitness control")):
         table = tables.get(name)
@@ -289,6 +285,34 @@ def study_digest(tables: Mapping[str, Any], title: str) -> str:
                          f"{'' if math.isnan(row['completions']) else format(row['completions'], ',.0f')} |")
     lines += geometry_digest(tables, measure)
     return "\n".join(lines) + "\n"
+
+
+def _where(runs: str, table) -> str:
+    """Where a stage's runs ran, as a sentence starting with ``runs``: the devices, engines a card and
+    code, one clause per group of methods that share them when the methods differ (a seconds column
+    compares only within one such group)."""
+    def listed(rows, column: str) -> str:
+        return ", ".join(sorted({part for cell in rows[column].fillna("") for part in str(cell).split(", ") if part}))
+
+    def place(rows) -> tuple[str, str]:
+        code = listed(rows, "code")
+        return (f"{listed(rows, 'device') or 'unrecorded devices'}, "
+                f"{listed(rows, 'engines_per_card') or 'an unrecorded number of'} engines a card",
+                f"code {code if code else 'not recorded (runs from before placement.jsonl recorded it)'}")
+
+    places: dict[tuple[str, str], list[str]] = {}
+    for method in table.index:
+        places.setdefault(place(table.loc[[method]]), []).append(str(method))
+    if len(places) == 1:
+        where, code = next(iter(places))
+        return f"{runs} ran on {where}; {code}."
+    return f"{runs} ran in {len(places)} places: " + "; ".join(
+        f"{_and(methods)} on {where}, {code}" for (where, code), methods in places.items()) + "."
+
+
+def _and(words: Sequence[str]) -> str:
+    """"a", "a and b", "a, b and c"."""
+    return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} and {words[-1]}"
 
 
 def geometry_tables(geometry: Mapping[str, Any]) -> dict[str, Any]:

@@ -18,15 +18,15 @@ KEY_LABELS: Mapping[str, str] = {
     "step": "step",
     "samples/completions": "training completions",
     "samples/tokens": "training tokens generated",
-    "samples/eval_completions": "scoring completions (greedy, mean adapter)",
+    "samples/eval_completions": "scoring completions (greedy)",
     "time/wall_s": "wall-clock time (s)",
     "time/training_s": "training time (s; scoring and checkpoints left out)",
-    # rewards: the current (mean) adapter, greedy; the population's members
+    # rewards: the current solution (ES's mean, GRPO's policy), greedy; the population's members
     REWARD: "reward",
-    "policy/train_reward": "mean-adapter reward on train prompts",
-    "eval/reward": "mean-adapter reward on eval prompts",
-    "eval/accuracy": "mean-adapter accuracy on eval prompts (fraction solved)",
-    "validation/reward": "mean-adapter reward on validation prompts",
+    "policy/train_reward": "greedy reward on train prompts",
+    "eval/reward": "greedy reward on eval prompts",
+    "eval/accuracy": "greedy accuracy on eval prompts (fraction solved)",
+    "validation/reward": "greedy reward on validation prompts",
     # the final mean adapter or policy, greedy, on the held-out problems (heldout.jsonl)
     "heldout/accuracy": "held-out accuracy (fraction solved)",
     "heldout/reward": "held-out mean reward",
@@ -40,7 +40,7 @@ KEY_LABELS: Mapping[str, str] = {
     "policy/kl": "KL to the base model (nats per token)",
     # ES and GRPO internals
     "es/update_norm": "ES update norm (L2)",
-    "es/mean_norm": "mean-adapter norm (L2)",
+    "es/mean_norm": "ES mean norm (L2)",
     "grpo/loss": "GRPO loss",
     "grpo/grad_norm": "gradient norm before clipping (L2)",
     "grpo/clip_fraction": "fraction of clipped ratios",

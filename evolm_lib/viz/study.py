@@ -38,15 +38,30 @@ def curve_figures(compact: dict) -> dict[str, Any]:
     if stage is None:
         return figures
     groups = compact_groups(runs, stage)
-    named = {}
-    for method, records in groups.items():
-        engines = placements([r for r in runs if r["stage"] == stage and r["method"] == method])["engines_per_card"]
-        named[f"{method}, {engines} engines/card" if engines else method] = [with_training_seconds(record.rows)
-                                                                             for record in records]
+    names = curve_names({method: placements([r for r in runs if r["stage"] == stage and r["method"] == method])
+                         for method in groups})
+    named = {names[method]: [with_training_seconds(record.rows) for record in records]
+             for method, records in groups.items()}
     for name, x in CURVES.items():
         figures[f"heldout_vs_{name}"] = plot_runs_curve(named, x=x, y=HELDOUT_KEY, reward_label=reward_label(groups),
                                                         title=f"Held-out score against {WORDS[name]}")
     return figures
+
+
+def curve_names(places: dict[str, dict[str, str]]) -> dict[str, str]:
+    """{method: legend name} from each method's ``tune.report.placements``: the engines a card beside
+    the method, and the card too where the methods ran on different ones, since training seconds
+    compare only on like cards."""
+    devices = {place.get("device", "") for place in places.values()}
+    names = {}
+    for method, place in places.items():
+        parts = [method]
+        if len(devices) > 1 and place.get("device"):
+            parts.append(", ".join(d.removeprefix("NVIDIA ").split()[0] for d in place["device"].split(", ")))
+        if place.get("engines_per_card"):
+            parts.append(f"{place['engines_per_card']} engines/card")
+        names[method] = ", ".join(parts)
+    return names
 
 
 def curve_stage(runs: Sequence[dict]) -> str | None:
