@@ -582,6 +582,11 @@ def test_in_place_slots_and_files_give_the_same_run_and_resume_bit_exact(tmp_pat
     try:
         reference = ESRun.create(config.replace(adapter_transfer="files"), tmp_path / "files", evaluator=files)
         reference.run()
+        # started without the worker extension (as a GRPO LoRA run's engine): asked for the model's own
+        # weights, it names the setting that starts one with it, before any call reaches the worker
+        assert files.hosts_weights is False
+        with pytest.raises(ValueError, match="started with adapter_transfer 'files', without the worker extension"):
+            files.resident_weights(["q_proj"])
     finally:
         files.close()
     slots = engine("in_place")

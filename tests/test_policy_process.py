@@ -234,7 +234,7 @@ def test_the_grpo_update_benchmark_runs_each_configuration_in_a_process_of_its_o
 
     out = tmp_path / "grpo_update.json"
     result = benchmark(["grpo-update", "--model", "tiny-random", "--steps", "2", "--prompts", "2", "--group-size", "4",
-                        "--micro-batch-sizes", "8", "--examples", "8", "--new-tokens", "4",
+                        "--micro-batch-sizes", "8", "--examples", "8", "--new-tokens", "4", "--policy-weights", "lora,full",
                         "--configurations", "not_deterministic,deterministic_own", "--json", str(out)])
     printed = capsys.readouterr().out
     assert json.loads(out.read_text()) == json.loads(json.dumps(result))
@@ -245,6 +245,10 @@ def test_the_grpo_update_benchmark_runs_each_configuration_in_a_process_of_its_o
         assert len(measured["update_s_steps"]) == 1  # 2 steps, the first not timed
         assert measured["update_s"] == statistics.median(measured["update_s_steps"]) > 0
         assert measured["sync_s"] is None and "rows" not in measured  # LoRA: nothing written into the engine
+    for label in configurations:  # the model's own weights, on the same engine after the LoRA run
+        full = configurations[label]["runs"]["full/8"]
+        assert len(full["sync_s_steps"]) == 1 and full["sync_s"] > 0 and full["update_s"] > 0
+    assert set(result["update_over_baseline"]) == {"lora/8", "full/8"}
     ratio = own["update_s"] / free["update_s"]
     assert result["update_over_baseline"]["lora/8"] == {"deterministic_own": pytest.approx(ratio)}
     assert result["goal_met"]["lora/8"] == (ratio <= 1.15)
@@ -255,6 +259,7 @@ def test_the_grpo_update_benchmark_runs_each_configuration_in_a_process_of_its_o
     for label in configurations:
         progress = (logs / f"{label}.log").read_text()
         assert f"{label}: engine ready after " in progress and f"{label}: lora/8 2 steps done after " in progress
+        assert f"{label}: full/8 2 steps done after " in progress
 
 
 @pytest.mark.parametrize("argv, message", [(["--steps", "1"], "--steps"), (["--micro-batch-sizes", "3"], "divide"),

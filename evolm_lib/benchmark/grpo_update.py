@@ -87,7 +87,7 @@ def measure(label: str, args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from ..config import GRPOConfig
-    from ..engines import make_evaluator
+    from ..engines import EngineSizing, make_evaluator
     from ..env import apply_engine_defaults
     from ..train.grpo import GRPORun
 
@@ -95,7 +95,12 @@ def measure(label: str, args: argparse.Namespace) -> dict[str, Any]:
     gpu = torch.cuda.is_available()
     base = GRPOConfig.from_dict({**study_settings(args, gpu), **CONFIGURATIONS[label]})
     started = time.perf_counter()
-    engine = make_evaluator(base)
+    # one engine serves every policy of the configuration: a policy of the model's own weights is
+    # written into it in place, so it is started with the worker extension whenever one is asked for
+    sizing = EngineSizing.from_config(base)
+    if "full" in args.policy_weights:
+        sizing = sizing.replace(adapter_transfer="in_place")
+    engine = make_evaluator(base, sizing=sizing)
     print(f"{label}: engine ready after {time.perf_counter() - started:.1f} s", flush=True)
     folder = Path(tempfile.mkdtemp(prefix="evolm-grpo-update-"))
     result: dict[str, Any] = {"label": label, "device": torch.cuda.get_device_name() if gpu else "cpu", "runs": {}}

@@ -22,7 +22,7 @@ from ..resident_weights import MembersInPlace
 from ..sizing import ADAPTER_TRANSFERS, EngineSizing
 from .adapters import AdapterFiles
 from .requests import RequestGrid, run_requests
-from .slots import LOWRANK_SLOT_ID, PopulationSlots, ResidentSlots
+from .slots import EXTENSION, LOWRANK_SLOT_ID, PopulationSlots, ResidentSlots
 from .startup import start_llm
 from .weights import EngineWeights
 from .workarounds import base_as_zero_adapter, fresh_cuda_graph_pool, vllm_cpu_prompt_logprobs_fix
@@ -69,6 +69,10 @@ class VLLMEvaluator(GridsInOneCall, MembersInPlace):
         started = start_llm(self.model_dir, self.sizing, enforce_eager=enforce_eager, max_num_seqs=max_num_seqs,
                             lora_kernel_configs=lora_kernel_configs, engine_kwargs=engine_kwargs)
         self.llm, self.deterministic = started.llm, started.deterministic
+        # resident weights (es_mode full / eggroll, GRPO on the model's own weights) are written by the
+        # worker extension, which only an in-place sizing (or the caller's engine_kwargs) installs
+        self.hosts_weights = (self.sizing.adapter_transfer == "in_place"
+                              or (engine_kwargs or {}).get("worker_extension_cls") == EXTENSION)
         self.lora_kernel_configs, self.start_seconds = started.lora_kernel_configs, started.start_seconds
         self.cudagraph_capture_sizes = started.cudagraph_capture_sizes
         VLLMEvaluator._live_engines += 1
@@ -182,6 +186,10 @@ class VLLMEvaluator(GridsInOneCall, MembersInPlace):
     def resident_weights(self, target_modules, *, noise: str = "full", noise_rank: int = 1, noise_scheme: str = "flat",
                          layers_to_transform=None):
         """The engine's targeted weights, written in place (``weights.EngineWeights``)."""
+        if not self.hosts_weights:
+            raise ValueError("this engine cannot write the model's weights in place: it was started with adapter_transfer "
+                             f"{self.sizing.adapter_transfer!r}, without the worker extension; start it with adapter_transfer "
+                             "'in_place' (EngineSizing.from_config sizes a run of policy_weights full or es_mode full so)")
         return EngineWeights(self.llm, self.model_dir, target_modules, noise=noise, noise_rank=noise_rank,
                              noise_scheme=noise_scheme, layers_to_transform=layers_to_transform)
 
