@@ -127,8 +127,8 @@ RESULT_COLUMNS = (
 def run_summary(rows: Sequence[Row]) -> dict[str, float | None]:
     """A run's results from its metrics rows: the greedy reward of the solution (ES's mean, GRPO's
     policy) on train and eval prompts at the start (generation 0, the base or initial adapter), at the
-    end and at its best; the last
-    KL to the base model; training completions and tokens; wall time (s). None where not logged."""
+    end and at its best; the last KL to the base model; training completions and tokens; wall time
+    (s). None where not logged."""
     rows = list(rows)
     last = rows[-1] if rows else {}
     steps = last.get("generation", last.get("step"))
