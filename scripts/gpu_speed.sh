@@ -112,7 +112,7 @@ eggroll)
   bench modes_eggroll 0 modes --model "$QWEN" --modes eggroll --tiles auto --repeats 5 --no-update & pids="$pids $!"
   ;;
 loose)
-  all=$(nvidia-smi -L | awk '{print NR - 1}' | paste -sd, -)  # every card: 0,1,...,N-1
+  all=$(awk '{print NR - 1}' "$RES/cards.txt" | paste -sd, -)  # every card listed above: 0,1,...,N-1
   bench grpo_update_loose "$all" grpo-update --devices "$all" --micro-batch-sizes 64 --steps 8 --policy-weights lora,full \
     --configurations not_deterministic,deterministic_own,deterministic_own_loose,deterministic_own_loose_rerun & pids="$pids $!"
   ;;

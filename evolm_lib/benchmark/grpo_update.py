@@ -95,12 +95,10 @@ def measure(label: str, args: argparse.Namespace) -> dict[str, Any]:
     gpu = torch.cuda.is_available()
     base = GRPOConfig.from_dict({**study_settings(args, gpu), **CONFIGURATIONS[label]})
     started = time.perf_counter()
-    # one engine serves every policy of the configuration: a policy of the model's own weights is
-    # written into it in place, so it is started with the worker extension whenever one is asked for
-    sizing = EngineSizing.from_config(base)
-    if "full" in args.policy_weights:
-        sizing = sizing.replace(adapter_transfer="in_place")
-    engine = make_evaluator(base, sizing=sizing)
+    # one engine serves every policy of the configuration: sized for a full one where one is asked for
+    # (its weights are written in place, which a LoRA policy's engine cannot do)
+    engine = make_evaluator(base, sizing=EngineSizing.from_config(
+        base.replace(policy_weights="full") if "full" in args.policy_weights else base))
     print(f"{label}: engine ready after {time.perf_counter() - started:.1f} s", flush=True)
     folder = Path(tempfile.mkdtemp(prefix="evolm-grpo-update-"))
     result: dict[str, Any] = {"label": label, "device": torch.cuda.get_device_name() if gpu else "cpu", "runs": {}}

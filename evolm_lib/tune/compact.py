@@ -163,6 +163,12 @@ def _counts(runs: Sequence[dict]) -> dict[str, Any]:
     return {"runs": stages, "with_heldout": sum(run["heldout"] is not None for run in runs)}
 
 
+def _write_manifest(folder: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+    """FOLDER/manifest.json (sorted keys: the same counts give the same bytes); returns the manifest."""
+    (folder / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+    return manifest
+
+
 def compact_study(study: str | Path, out: str | Path) -> dict[str, Any]:
     """Write STUDY's runs, trials and summary into OUT (see the module docstring); returns the manifest."""
     study, out = Path(study), Path(out)
@@ -179,10 +185,8 @@ def compact_study(study: str | Path, out: str | Path) -> dict[str, Any]:
     if (study / SUMMARY).is_file():
         shutil.copyfile(study / SUMMARY, out / SUMMARY)
     files = [p for p in (out / RUNS, out / TRIALS, out / SUMMARY) if p.is_file()]
-    manifest = {"source": str(study), **_counts(runs), "trials": len(trials),
-                "bytes": {p.name: p.stat().st_size for p in files}}
-    (out / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
-    return manifest
+    return _write_manifest(out, {"source": str(study), **_counts(runs), "trials": len(trials),
+                                 "bytes": {p.name: p.stat().st_size for p in files}})
 
 
 def _read_gzip_lines(path: Path) -> list[dict]:
@@ -262,8 +266,7 @@ def merge_compact(into: str | Path, source: str | Path) -> dict[str, Any]:
     manifest = json.loads((into / MANIFEST).read_text()) if (into / MANIFEST).is_file() else {"bytes": {}}
     manifest.update(**_counts(lines + kept), kept={"from": str(source), "runs": len(kept), "geometry": geometry})
     manifest["bytes"][RUNS] = (into / RUNS).stat().st_size
-    (into / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
-    return manifest
+    return _write_manifest(into, manifest)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

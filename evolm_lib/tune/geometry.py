@@ -135,12 +135,12 @@ def solution_drifts(engine, study: str | Path, seeds: Sequence[int], source: tup
 
     study = Path(study)
     name, task, max_new_tokens = source
-    rows = []
+    prompts, rows = len(drift_prompts(task)), []
     for seed in seeds:
         for method in _methods_at(study, stage, seed):
             solution = load_solution(solution_folder(study, stage, method, seed))
             kl = solution_drift(engine, solution, task, num_samples=samples, max_new_tokens=max_new_tokens, seed=seed)
-            rows.append({"method": method, "seed": seed, "task": name, "prompts": len(drift_prompts(task)),
+            rows.append({"method": method, "seed": seed, "task": name, "prompts": prompts,
                          "samples": samples, "kl": _finite(kl)})
             del solution
             gc.collect()
@@ -178,8 +178,8 @@ def write_geometry(study: str | Path, out: str | Path, seeds: Sequence[int] | No
     engine = geometry_engine(study, stage, _methods_at(study, stage, first)[0], first)
     try:
         if points >= 2 and pairs:
-            result["paths"], result["skipped_paths"] = solution_paths(engine, study, pairs, result["seeds"][0], stage,
-                                                                      points, kl_samples)
+            result["paths"], result["skipped_paths"] = solution_paths(engine, study, pairs, first, stage, points,
+                                                                      kl_samples)
             write()
         if source:
             result["drift"] = solution_drifts(engine, study, result["seeds"], source, stage, drift_samples)
