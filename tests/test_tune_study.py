@@ -214,6 +214,44 @@ def test_how_soon_each_method_of_a_pair_reaches_the_weaker_ones_final_score():
          "completions": 2.5}]
 
 
+def test_a_protocols_sweep_is_digested_at_its_own_budgets_and_at_the_common_one():
+    """A plain sweep whose methods trained on different budgets (Qiu et al.'s protocol): its runs in
+    the digest's table, the budgets said to differ, each method's evaluation reward at the common
+    budget interpolated between its logged points (hand-computed: b's seeds reach 0.5, 0.5 and 0.4 at
+    100 completions), both comparisons, and 3 seeds against 3 named as unable to reach 0.05."""
+    from evolm_lib.tune.report import study_digest, study_tables
+
+    def run(method, seed, curve, solved):
+        rows = [{"generation": g, "samples/completions": c, "eval/reward": r} for g, (c, r) in enumerate(curve)]
+        return {"stage": "sweep", "method": method, "seed": seed, "trial": None, "path": f"{method}_seed{seed}",
+                "config": {"seed": seed}, "rows": rows, "placement": [],
+                "heldout": {"generation": len(curve) - 1, "index": list(range(4)), "reward": [float(x) for x in solved],
+                            "success": [bool(x) for x in solved]}}
+
+    runs = [run("a", 0, [(0, 0.1), (100, 0.5)], [1, 1, 0, 0]), run("a", 1, [(0, 0.1), (100, 0.6)], [1, 1, 1, 0]),
+            run("a", 2, [(0, 0.1), (100, 0.7)], [1, 1, 1, 0]),
+            run("b", 0, [(0, 0.1), (50, 0.3), (200, 0.9)], [1, 0, 0, 0]),
+            run("b", 1, [(0, 0.1), (50, 0.4), (200, 0.7)], [1, 1, 0, 0]),
+            run("b", 2, [(0, 0.1), (50, 0.2), (200, 0.8)], [0, 0, 0, 0])]
+    tables = study_tables({"runs": runs, "trials": [], "summary": None, "geometry": None}, measure="success")
+    assert set(tables) == {"sweep", "sweep_comparisons", "sweep_equal_budget", "sweep_equal_budget_tests"}
+    equal = tables["sweep_equal_budget"]
+    assert equal.attrs["budget"] == 100
+    assert equal.loc["b", "reward_mean"] == pytest.approx((0.5 + 0.5 + 0.4) / 3)
+    assert equal.loc["b", "final_reward_mean"] == pytest.approx(0.8)
+    digest = study_digest(tables, "protocol").splitlines()
+    assert "Held-out success over each method's seeds: mean (BCa interval), t interval, seed standard deviation." in digest
+    assert [line.split(" | ")[:6] for line in digest if line.startswith(("| a |", "| b |"))][:2] == [
+        ["| a", "", "", "", "3", "66.7 % (50.0-75.0 %)"], ["| b", "", "", "", "3", "25.0 % (0.0-50.0 %)"]]
+    assert ("Not an equal-budget comparison: the methods trained on different numbers of completions, a on 100 and "
+            "b on 200 (means over the seeds).") in digest
+    assert "| a | 3 | 0.6 (std 0.1) | 0.6 (100) |" in digest and "| b | 3 | 0.467 (std 0.058) | 0.8 (200) |" in digest
+    assert any(line.startswith("| a | b | exploratory | +41.7 points (") for line in digest)
+    assert any(line.startswith("| a | b | exploratory | +0.133 (") for line in digest)
+    assert sum(line.startswith("Too few seeds to call beyond seed noise at 0.05, whatever the difference: a - b (3 and 3 "
+                               "seeds: smallest p 0.1; Welch's t p ") for line in digest) == 2
+
+
 def test_where_a_stage_ran_is_told_per_group_of_methods_when_they_differ():
     import pandas as pd
 

@@ -6,7 +6,8 @@ seconds spent, engines per card), the winners' held-out score over the final see
 intervals, interquartile mean, training completions, generated tokens and wall seconds with the
 engines per card they ran at), the comparisons (the declared family Holm-corrected, the rest
 exploratory), and where present the continued reruns, the shuffled-fitness control and a plain
-sweep's runs (Qiu et al.'s protocol); the winners' geometry where geometry.json lies beside the
+sweep's runs (Qiu et al.'s protocol; where its methods trained on different budgets, also each one's
+evaluation reward at the common budget, and the comparisons there); the winners' geometry where geometry.json lies beside the
 compacted files; and their digest in Markdown (``summary.md``), the numbers a findings section quotes.
 """
 from __future__ import annotations
@@ -149,7 +150,7 @@ def reach_table(groups: Mapping[str, Sequence], pairs: Sequence[tuple[str, str]]
 def study_tables(compact: dict, measure: str | None = None) -> dict[str, Any]:
     """{name: DataFrame} of a compacted study (see the module docstring); ``measure``: success or
     reward (default: the summary's, else the task's)."""
-    from ..analysis import default_measure, method_comparisons
+    from ..analysis import default_measure, equal_budget_comparisons, equal_budget_table, method_comparisons
 
     runs, summary = compact["runs"], compact["summary"]
     tables: dict[str, Any] = {}
@@ -184,6 +185,9 @@ def study_tables(compact: dict, measure: str | None = None) -> dict[str, Any]:
         tables["sweep"] = _final(sweep, runs, "sweep", measure)
         if len(sweep) > 1:
             tables["sweep_comparisons"] = method_comparisons(sweep, measure=measure)
+            if tables["sweep"]["training_completions"].nunique() > 1:  # a protocol's own budgets: read both at the smaller
+                tables["sweep_equal_budget"] = equal_budget_table(sweep)
+                tables["sweep_equal_budget_tests"] = equal_budget_comparisons(sweep)
     if compact.get("geometry"):
         tables.update(geometry_tables(compact["geometry"]))
     for table in tables.values():
@@ -223,10 +227,12 @@ def study_digest(tables: Mapping[str, Any], title: str) -> str:
     import pandas as pd
 
     measure = next(iter(tables.values())).attrs.get("measure", "") if tables else ""
+    winners, long, sweep = tables.get("winners"), tables.get("long"), tables.get("sweep")
     lines = [f"# {title}", "", f"Held-out {measure} over the final seeds: mean (BCa interval), t interval, "
-             "seed standard deviation; the winner's validation score in brackets.", ""]
-    winners, long = tables.get("winners"), tables.get("long")
-    finals = [table for table in (tables.get("heldout"), tables.get("control")) if table is not None]
+             "seed standard deviation; the winner's validation score in brackets." if winners is not None else
+             f"Held-out {measure} over each method's seeds: mean (BCa interval), t interval, seed standard deviation.", ""]
+    tuned = [table for table in (tables.get("heldout"), tables.get("control")) if table is not None]
+    finals = tuned + ([sweep] if sweep is not None else [])
     heldout = pd.concat(finals) if finals else None  # the control's rows under their own names
     methods = list(dict.fromkeys([*(winners.index if winners is not None else []),
                                   *(heldout.index if heldout is not None else [])]))
@@ -253,12 +259,24 @@ def study_digest(tables: Mapping[str, Any], title: str) -> str:
                  else f"{final['training_seconds']:.0f} ({final['engines_per_card'] or 'n/a'}"
                       + (f"; {final['processes_on_card']})" if final.get("processes_on_card") else ")")]
         lines.append("| " + " | ".join(cells) + " |")
-    if heldout is not None:
-        lines += ["", _where("The final seeds", heldout)]
+    if tuned:
+        lines += ["", _where("The final seeds", pd.concat(tuned))]
     if long is not None:
         lines += ["", _where("The runs at twice the budget", long)]
-    for name, heading in (("comparisons", "Comparisons at the budget"), ("long_comparisons", "Comparisons at twice the budget"),
-                          ("control_comparisons", "The shuffled-fitness control")):
+    if sweep is not None:
+        lines += ["", _where("The runs", sweep)]
+        if sweep["training_completions"].nunique() > 1:
+            lines += ["", "Not an equal-budget comparison: the methods trained on different numbers of completions, " + _and(
+                [f"{method} on {completions:,.0f}" for method, completions in sweep["training_completions"].items()])
+                + " (means over the seeds)."]
+    lines += equal_budget_digest(tables.get("sweep_equal_budget"))
+    in_measure = measure == "success"  # differences in percentage points; the evaluation reward's as they are
+    for name, heading, points in (
+            ("comparisons", "Comparisons at the budget", in_measure),
+            ("long_comparisons", "Comparisons at twice the budget", in_measure),
+            ("control_comparisons", "The shuffled-fitness control", in_measure),
+            ("sweep_comparisons", "Comparisons of the runs, each at its own budget", in_measure),
+            ("sweep_equal_budget_tests", "Comparisons at the common budget (the evaluation reward there)", False)):
         table = tables.get(name)
         if table is None or table.empty:
             continue
@@ -266,12 +284,12 @@ def study_digest(tables: Mapping[str, Any], title: str) -> str:
                       "Holm over the declared family):", "",
                   "| a | b | family | difference | permutation p | Holm p | beyond seed noise |",
                   "| --- | --- | --- | --- | --- | --- | --- |"]
-        scale = 100 if measure == "success" else 1
-        unit = " points" if measure == "success" else ""
+        scale, unit = (100, " points") if points else (1, "")
         for _, row in table.sort_values(["family", "method_a", "method_b"], ascending=[False, True, True]).iterrows():
             lines.append(f"| {row['method_a']} | {row['method_b']} | {row['family']} | "
                          f"{scale * row['difference']:+.3g}{unit} ({scale * row['ci_low']:+.3g} to {scale * row['ci_high']:+.3g}) | "
                          f"{_p(row['permutation_p'])} | {_p(row.get('holm_p'))} | {row['larger_than_seed_noise']} |")
+        lines += too_few_seeds(table)
     reach = tables.get("reach")
     if reach is not None and not reach.empty:
         lines += ["", "How soon each method of a declared pair reaches the score the weaker of the two ends with "
@@ -308,6 +326,37 @@ def _where(runs: str, table) -> str:
         return f"{runs} ran on {where}; {code}."
     return f"{runs} ran in {len(places)} places: " + "; ".join(
         f"{_and(methods)} on {where}, {code}" for (where, code), methods in places.items()) + "."
+
+
+def equal_budget_digest(table) -> list[str]:
+    """``analysis.equal_budget_table`` as digest lines: each method's evaluation reward at the largest
+    budget every run reached (each run's interpolated linearly between its logged points), beside
+    what it ended with at its own budget."""
+    if table is None:
+        return []
+    lines = ["", f"At the common budget of {table.attrs['budget']:,.0f} training completions (the evaluation reward "
+                 "in the rows, each run's interpolated linearly between its logged points there; mean and seed "
+                 "standard deviation):", "",
+             "| method | seeds | at the common budget | at its own budget (training completions) |",
+             "| --- | --- | --- | --- |"]
+    for method, row in table.iterrows():
+        lines.append(f"| {method} | {int(row['seeds'])} | {row['reward_mean']:.3g} (std {row['reward_std']:.2g}) | "
+                     f"{row['final_reward_mean']:.3g} ({row['final_budget_mean']:,.0f}) |")
+    return lines
+
+
+def too_few_seeds(table) -> list[str]:
+    """A line for the pairs whose seed counts cannot reach the comparisons' alpha: the smallest p an
+    exact permutation test over seeds can give (``smallest_p``; 0.1 for 3 against 3) is above it, so
+    such a pair is never called beyond seed noise, however large its difference; Welch's t p beside it,
+    for reference, as the table keeps it."""
+    alpha = table.attrs.get("alpha", 0.05)
+    short = table[table["smallest_p"] >= alpha]
+    if short.empty:
+        return []
+    pairs = [f"{row['method_a']} - {row['method_b']} ({int(row['seeds_a'])} and {int(row['seeds_b'])} seeds: "
+             f"smallest p {row['smallest_p']:.2g}; Welch's t p {_p(row['welch_p'])})" for _, row in short.iterrows()]
+    return ["", f"Too few seeds to call beyond seed noise at {alpha:g}, whatever the difference: " + _and(pairs) + "."]
 
 
 def _and(words: Sequence[str]) -> str:
