@@ -19,6 +19,7 @@
 # In the background: `setsid nohup bash scripts/gpu_study.sh 1200 finish > runs/study_driver.log 2>&1 &`,
 # then `bash scripts/gpu_collect.sh 570 OUT` packs what is done so far.
 set -u
+. "$(dirname "${BASH_SOURCE[0]}")/gpu_cards.sh"  # on_card
 LIMIT=${1:-500}
 JOBSET=${2:-all}
 LOGS=${3:-runs/study_logs}
@@ -98,11 +99,14 @@ qg2 $Q grpo_full 2
 esac
 pids=""
 i=0
+total=$(grep -c . <<< "$JOBS")
 while read -r name spec methods seeds more; do
   [ -z "$name" ] && continue
-  gpu=$((i % GPUS)); i=$((i + 1))
+  gpu=$((i % GPUS))
+  # each run records how many of these processes share its card (EVOLM_ENGINES_PER_CARD, in placement.jsonl)
+  engines=$(on_card "$total" "$GPUS" "$i"); i=$((i + 1))
   # shellcheck disable=SC2086  # $more holds several options
-  CUDA_VISIBLE_DEVICES=$gpu timeout --signal=TERM --kill-after=20 "$LIMIT" \
+  EVOLM_ENGINES_PER_CARD=$engines CUDA_VISIBLE_DEVICES=$gpu timeout --signal=TERM --kill-after=20 "$LIMIT" \
     python -m evolm_lib.cli sweep "$spec" --methods "$methods" --seeds "$seeds" --no-notebook $more \
     >> "$LOGS/$name.log" 2>&1 &
   pids="$pids $!"

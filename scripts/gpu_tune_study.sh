@@ -44,6 +44,7 @@
 # the rebuilds run while the workers do rather than after them. SPEC and STUDY name another study, e.g.
 #   SPEC=papermill_runs/tune_study_conciseness_gpu.yaml STUDY=runs/tune_study_conciseness bash scripts/gpu_tune_study.sh start
 set -u
+. "$(dirname "${BASH_SOURCE[0]}")/gpu_cards.sh"  # on_card
 SPEC=${SPEC:-papermill_runs/tune_study_addition_gpu.yaml}
 STUDY=${STUDY:-runs/tune_study_addition}
 LOGS=${LOGS:-runs/tune_study_logs}
@@ -64,10 +65,6 @@ cards() {  # the machine's GPUs (a CPU machine: one "card")
   local n
   n=$(nvidia-smi -L 2>/dev/null | wc -l); [ "$n" -ge 1 ] || n=1
   echo "$n"
-}
-
-on_card() {  # on_card TOTAL GPUS I: how many of TOTAL processes, dealt round-robin, share the card of the I-th
-  echo $(($1 / $2 + (($3 % $2) < ($1 % $2) ? 1 : 0)))
 }
 
 status() {  # status LOG...: the cards' memory and load, and each existing log's last lines

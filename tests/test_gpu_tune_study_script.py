@@ -308,17 +308,19 @@ def test_a_pack_goes_back_in_parts_over_several_calls_and_start_joins_them_again
 
 def test_the_qiu_protocol_runs_a_process_per_run_round_robin_over_the_cards(tmp_path):
     """scripts/gpu_study.sh LIMIT qiu on stand-ins: six `evolm sweep` processes of the protocol's spec
-    (full ES and full GRPO on seeds 0-2), card by card, each under the limit; then the end marked."""
+    (full ES and full GRPO on seeds 0-2), card by card, each under the limit and told how many share its
+    card; then the end marked."""
     calls = tmp_path / "calls.txt"
     env = _stand_ins(tmp_path, tmp_path / "unused", gpus=4, python=(
-        f'[ "$1" = -c ] && exit 0\necho "$CUDA_VISIBLE_DEVICES $*" >> {calls}\n'))
+        f'[ "$1" = -c ] && exit 0\necho "$CUDA_VISIBLE_DEVICES $EVOLM_ENGINES_PER_CARD $*" >> {calls}\n'))
     logs = tmp_path / "logs"
     result = subprocess.run(["bash", str(SCRIPT.with_name("gpu_study.sh")), "30", "qiu", str(logs)], env=env,
                             capture_output=True, text=True, timeout=60, cwd=SCRIPT.parents[1])
     assert result.returncode == 0, result.stderr
     spec = "papermill_runs/qiu_protocol_addition_gpu.yaml"
+    # six processes on four cards: cards 0 and 1 hold two each, and every run is told its card's count
     assert sorted(calls.read_text().splitlines()) == sorted(
-        f"{card} -m evolm_lib.cli sweep {spec} --methods {method} --seeds {seed} --no-notebook"
+        f"{card} {2 if card < 2 else 1} -m evolm_lib.cli sweep {spec} --methods {method} --seeds {seed} --no-notebook"
         for card, (method, seed) in zip([0, 1, 2, 3, 0, 1], [(m, s) for m in ("es_full", "grpo_full") for s in (0, 1, 2)]))
     assert "6 processes on 4 GPUs, at most 30 s each" in result.stdout and (logs / "study.done").exists()
     assert (SCRIPT.parents[1] / spec).is_file()
