@@ -122,6 +122,40 @@ def test_the_child_updates_the_shared_weights_as_the_trainer_here_does(tiny_mode
     assert _ended(child.pid)
 
 
+def test_the_child_shares_its_lora_tensors_and_a_steps_adapter_is_read_without_a_call(tiny_model_dir):
+    """A LoRA step in the child and one here, on the same batch: the parent reads the child's adapter
+    from the tensors it shares (no call crosses the socket for it), bit for bit the trainer's here,
+    and a view taken before the step is live; the adapter is a copy, which the next step leaves be."""
+    from evolm_lib.lora import adapter_shapes, init_adapter
+
+    config = GRPOConfig.from_dict({**TINY, "loss_type": "reinforce_with_baseline", "policy_process": "own"})
+    shapes = adapter_shapes(tiny_model_dir, config.lora_spec())
+    adapter = init_adapter(config.lora_spec(), shapes, "random_ab", 0, {k: 1.0 for k in shapes}, 0.2)
+    child = PolicyProcess(tiny_model_dir, adapter, config)
+    here = PolicyTrainer(tiny_model_dir, adapter, config)
+    try:
+        assert not child.full and set(child._shared) == set(adapter.tensors)
+        view = dict(child._shared)
+        batch = rollout_batch([[1, 2, 3], [4, 5], [6, 7, 8, 9], [10]], [[11, 12], [13], [14, 15], [16, 17]],
+                              here.pad_token_id)
+        advantages = torch.tensor([0.5, -1.0, 1.5, -0.25])
+        child.train(batch, torch.zeros(4), advantages)
+        here.train(batch, torch.zeros(4), advantages)
+        calls = child._calls
+        theirs, ours = child.adapter(), here.adapter()
+        assert child._calls == calls  # read from the shared tensors, not asked for
+        assert theirs.spec == ours.spec and set(theirs.tensors) == set(ours.tensors)
+        assert all(torch.equal(theirs.tensors[k], ours.tensors[k]) for k in ours.tensors)
+        assert any(not torch.equal(theirs.tensors[k], adapter.tensors[k]) for k in ours.tensors)  # the step moved it
+        assert all(torch.equal(view[k], ours.tensors[k]) for k in ours.tensors)  # a view taken before the step: live
+        child.train(batch, torch.zeros(4), advantages)
+        assert all(torch.equal(theirs.tensors[k], ours.tensors[k]) for k in ours.tensors)  # a copy: not moved again
+        assert any(not torch.equal(view[k], ours.tensors[k]) for k in ours.tensors)
+    finally:
+        child.close()
+    assert _ended(child.pid)
+
+
 def test_eager_policy_attention_trains_as_the_fused_kernel_does(tiny_model_dir):
     """policy_attention picks the trained model's attention: eager computes what sdpa computes (float32
     on the CPU: the same loss and weights to rounding), through matmuls and a softmax."""

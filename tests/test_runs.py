@@ -97,10 +97,25 @@ def _science(rows: list[dict]) -> list[dict]:
     return [{k: v for k, v in row.items() if not k.startswith("time/")} for row in rows]
 
 
+def _rounded_alike(value, expected) -> bool:
+    """Equal, floats to float32 rounding (relative 1e-5), through lists and mappings."""
+    if isinstance(value, float) or isinstance(expected, float):
+        return value == pytest.approx(expected, rel=1e-5, abs=1e-6)
+    if isinstance(value, (list, tuple)):
+        return len(value) == len(expected) and all(map(_rounded_alike, value, expected))
+    if isinstance(value, dict):
+        return value.keys() == expected.keys() and all(_rounded_alike(value[k], expected[k]) for k in value)
+    return value == expected
+
+
 @pytest.mark.parametrize("kind", ["es", "grpo"])
 def test_a_run_folder_written_before_the_runs_moved_resumes_like_an_uninterrupted_run(tmp_path, kind):
     """tests/data/old_layout: folders written by evolm_lib/es/run.py and grpo/run.py (commit 3456869),
-    stopped part-way; today's code opens them and ends where an uninterrupted run of today ends."""
+    stopped part-way; today's code opens them and ends where an uninterrupted run of today ends.
+    They were written on another CPU, and torch's float sums round differently between vector
+    instruction sets (AVX-512 there, AVX2 on some machines CI runs on): a GRPO step's loss there and
+    here can differ in the last bits, so the ends and the old rows are compared to float32 rounding.
+    A resume on one machine is bit for bit (tests/test_grpo_run.py, tests/test_es_run.py)."""
     old = _old_layout_settings()
     if kind == "es":
         cls, config, stopped_at = ESRun, ESConfig.from_dict(old.OLD_ES), 2  # checkpoint 2; row 3 reruns
@@ -116,12 +131,13 @@ def test_a_run_folder_written_before_the_runs_moved_resumes_like_an_uninterrupte
     reference.run()
     reference.close()
     for name, value in reference.adapter.tensors.items():
-        assert torch.equal(value, resumed.adapter.tensors[name]), name
+        torch.testing.assert_close(resumed.adapter.tensors[name], value, rtol=1e-5, atol=1e-6, msg=name)
     rows, expected = read_metrics(run_dir), read_metrics(tmp_path / "reference")
     generations = list(range(reference.generation + 1))
     assert [r["generation"] for r in rows] == [r["generation"] for r in expected] == generations
     # rows written by the old code carry the keys they had then; each equals today's value
-    assert [{k: e[k] for k in r} for r, e in zip(_science(rows), _science(expected))] == _science(rows)
+    assert all(r.keys() <= e.keys() for r, e in zip(_science(rows), _science(expected)))
+    assert _rounded_alike(_science(rows), [{k: e[k] for k in r} for r, e in zip(_science(rows), _science(expected))])
 
 
 def _pre_protocol():

@@ -76,6 +76,12 @@ def optimizer_state_from_tensors(optimizer: torch.optim.Optimizer, names: dict[t
 # ---------------------------------------------------------------------------- the trainer
 
 
+def adapter_copy(spec, tensors: dict[str, torch.Tensor]) -> AdapterWeights:
+    """An adapter of float32 host copies of ``tensors`` (LoRA tensors, PEFT-named, wherever they live):
+    what a run keeps of its policy after a step."""
+    return AdapterWeights(spec, {k: v.float().cpu().clone() for k, v in tensors.items()})
+
+
 def attention_implementation(config: GRPOConfig, device: torch.device) -> str:
     """The policy's attention (``policy_attention``): ``auto`` is eager where torch's deterministic
     algorithms are on and the policy is on a GPU, where they force the fused kernel's backward onto a
@@ -193,12 +199,16 @@ class PolicyTrainer:
         if result.unexpected_keys or missing:
             raise ValueError(f"adapter does not fit the model: unexpected {result.unexpected_keys[:3]}, missing {missing[:3]}")
 
-    def adapter(self) -> AdapterWeights:
-        """The current LoRA tensors, PEFT-named, as the engine loads them."""
+    def adapter_tensors(self) -> dict[str, torch.Tensor]:
+        """The LoRA tensors, PEFT-named as the engine loads them (float32, on the trainer's device; live
+        views of the trained parameters, not copies)."""
         from peft import get_peft_model_state_dict
 
-        state = get_peft_model_state_dict(self.model)
-        return AdapterWeights(self.spec, {k: v.detach().float().cpu().clone() for k, v in state.items()})
+        return {k: v.detach() for k, v in get_peft_model_state_dict(self.model).items()}
+
+    def adapter(self) -> AdapterWeights:
+        """The current LoRA tensors, PEFT-named, as the engine loads them (host copies)."""
+        return adapter_copy(self.spec, self.adapter_tensors())
 
     def encode(self, prompt) -> list[int]:
         """Prompt token ids, for evaluators that do not tokenise (the synthetic one)."""

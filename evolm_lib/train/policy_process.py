@@ -9,11 +9,12 @@ multiprocessing's spawn, which would import the caller's main script again), wit
 ``sys.path``, talking over a socket pair; torch runs there with a training determinism of
 its own (``deterministic_update``).
 
-What crosses the pipe: commands and small tensors (a step's token ids and rewards, a LoRA adapter,
-AdamW's state for a checkpoint), pickled on both ends. The trained weights of ``policy_weights: full``
-cross once: the child shares its parameters (CUDA IPC on a GPU, shared memory on a CPU) and updates
-them in place; the parent reads them after each reply, which the child sends only once its device has
-finished (``torch.cuda.synchronize``). The child dying surfaces as ``PolicyProcessDied`` at the next
+What crosses the pipe: commands and small tensors (a step's token ids and rewards, AdamW's state for
+a checkpoint), pickled on both ends. The trained tensors cross once, the model's weights with
+``policy_weights: full`` or the LoRA tensors: the child shares them (CUDA IPC on a GPU, shared memory
+on a CPU) and updates them in place; the parent reads them after each reply, which the child sends
+only once its device has finished (``torch.cuda.synchronize``), so a step's adapter is read where it
+lies rather than pickled through the socket. The child dying surfaces as ``PolicyProcessDied`` at the next
 call, never as a hang.
 """
 from __future__ import annotations
@@ -34,6 +35,7 @@ from ..config import GRPOConfig
 from ..engines.base import PromptEncoder
 from ..env import child_environment
 from ..lora import AdapterWeights
+from .policy import adapter_copy
 
 BATCH_INVARIANT_SETTINGS = (
     "VLLM_BATCH_INVARIANT", "CUBLAS_WORKSPACE_CONFIG", "CUBLASLT_WORKSPACE_SIZE", "VLLM_ALLREDUCE_USE_SYMM_MEM",
@@ -47,7 +49,7 @@ starts without them. Its torch flags and aten overrides are per process: a fresh
 DETERMINISTIC_CUBLAS_WORKSPACE = ":4096:8"
 """What ``torch.use_deterministic_algorithms`` needs of cuBLAS on CUDA >= 10.2 (torch's reproducibility
 notes); a full-size workspace, unlike the batch-invariant mode's ``:16:8``."""
-CALLS = ("train", "adapter", "set_weights", "optimizer_tensors", "load_optimizer_tensors", "save_model")
+CALLS = ("train", "set_weights", "optimizer_tensors", "load_optimizer_tensors", "save_model")
 """The trainer's methods the parent may call in the child."""
 STOP_SECONDS = 30.0
 """How long ``close`` waits for the child to end by itself before it is terminated."""
@@ -150,20 +152,18 @@ def _serve(connection, model_dir: str, adapter: bytes, config: dict, device: str
         config = GRPOConfig.from_dict(config)
         settings = _training_settings(deterministic_update(config), threads)
         trainer = PolicyTrainer(Path(model_dir), pickle.loads(adapter), config, device)
-        shared = None
-        if trainer.full:
-            shared = {name: param.detach() for name, param in trainer.trained.items()}
-            if trainer.device.type == "cpu":  # in place: the optimizer keeps the same parameters
-                for tensor in shared.values():
-                    tensor.share_memory_()
+        shared = trainer.weights() if trainer.full else trainer.adapter_tensors()  # views of the trained parameters
+        if trainer.device.type == "cpu":  # in place: the optimizer keeps the same parameters
+            for tensor in shared.values():
+                tensor.share_memory_()
     except BaseException as error:
         _send(connection, (0, *_error_message(error)))
         return
     _send(connection, (0, "ok", {"full": trainer.full, "spec": trainer.spec, "vocab_size": trainer.vocab_size,
                               "pad_token_id": trainer.pad_token_id, "device": str(trainer.device),
                               "settings": {**settings, "attention": trainer.attention}}))
-    if shared is not None:  # torch's reductions: CUDA IPC handles or shared-memory file descriptors, once
-        connection.send_bytes(bytes(ForkingPickler.dumps(shared)))
+    # torch's reductions: CUDA IPC handles or shared-memory file descriptors, once
+    connection.send_bytes(bytes(ForkingPickler.dumps(shared)))
     while True:
         try:
             number, name, args = pickle.loads(connection.recv_bytes())
@@ -223,8 +223,7 @@ class PolicyProcess:
             self.full, self.spec, self.vocab_size = info["full"], info["spec"], info["vocab_size"]
             self.pad_token_id, self.device, self.settings = info["pad_token_id"], torch.device(info["device"]), info["settings"]
             self.attention = self.settings["attention"]
-            if self.full:
-                self._shared = pickle.loads(self._receive("start"))
+            self._shared = pickle.loads(self._receive("start"))  # the trained tensors, shared
         except BaseException:
             self.close()
             raise
@@ -255,9 +254,13 @@ class PolicyProcess:
             raise error
         return payload[0]
 
-    def _call(self, name: str, *args) -> Any:
+    def _alive(self, what: str) -> None:
+        """``PolicyProcessDied`` where the child has ended: its shared tensors hold no answer then."""
         if self._process.poll() is not None:
-            raise self._died(name)
+            raise self._died(what)
+
+    def _call(self, name: str, *args) -> Any:
+        self._alive(name)
         try:
             self._calls += 1
             _send(self._connection, (self._calls, name, args))
@@ -279,17 +282,21 @@ class PolicyProcess:
         return self._call("train", batch, raw_rewards, advantages)
 
     def adapter(self) -> AdapterWeights:
-        """The current LoRA tensors (host), as ``PolicyTrainer.adapter``."""
-        return self._call("adapter")
+        """The current LoRA tensors (host copies), as ``PolicyTrainer.adapter``: read from the tensors
+        the child shares, no call."""
+        self._alive("adapter")
+        return adapter_copy(self.spec, self._shared)
 
     def weights(self) -> dict[str, torch.Tensor]:
         """policy_weights full: the child's trained weights, shared (live, not copies; read them between
         calls, and not after ``close``: on a GPU they are the child's memory)."""
+        self._alive("weights")
         return dict(self._shared)
 
     def flat_weights(self) -> torch.Tensor:
         """policy_weights full: the trained weights as one float32 vector in sorted-name order, on the
         child's device (a copy made here, from the shared tensors)."""
+        self._alive("flat_weights")
         return torch.cat([tensor.reshape(-1) for tensor in self._shared.values()])
 
     def set_weights(self, tensors: dict[str, torch.Tensor]) -> None:

@@ -7,8 +7,9 @@ intervals, interquartile mean, training completions, generated tokens and wall s
 engines per card they ran at), the comparisons (the declared family Holm-corrected, the rest
 exploratory), and where present the continued reruns, the shuffled-fitness control and a plain
 sweep's runs (Qiu et al.'s protocol; where its methods trained on different budgets, also each one's
-evaluation reward at the common budget, and the comparisons there); the winners' geometry where geometry.json lies beside the
-compacted files; and their digest in Markdown (``summary.md``), the numbers a findings section quotes.
+evaluation reward at the common budget, and the comparisons there); the winners' geometry where
+geometry.json lies beside the compacted files; and their digest in Markdown (``summary.md``), the
+numbers a findings section quotes.
 """
 from __future__ import annotations
 
@@ -223,7 +224,9 @@ def study_digest(tables: Mapping[str, Any], title: str) -> str:
     the budget where continued, the tokens it generated and its training seconds (the means over the
     seeds) with the engines per card they ran at and the compute processes seen on the card; where
     and with what code the final seeds ran; then the comparisons (the declared family Holm-corrected,
-    the rest exploratory) and the shuffled-fitness control."""
+    the rest exploratory) and the shuffled-fitness control. A plain sweep's runs go in the same table;
+    where their budgets differ, the digest says so and reads each method at the common budget too.
+    Pairs whose seed counts cannot reach the comparisons' alpha are named (``too_few_seeds``)."""
     import pandas as pd
 
     measure = next(iter(tables.values())).attrs.get("measure", "") if tables else ""
@@ -276,7 +279,7 @@ def study_digest(tables: Mapping[str, Any], title: str) -> str:
             ("long_comparisons", "Comparisons at twice the budget", in_measure),
             ("control_comparisons", "The shuffled-fitness control", in_measure),
             ("sweep_comparisons", "Comparisons of the runs, each at its own budget", in_measure),
-            ("sweep_equal_budget_tests", "Comparisons at the common budget (the evaluation reward there)", False)):
+            ("sweep_equal_budget_tests", "Comparisons at the common budget, of the evaluation reward there", False)):
         table = tables.get(name)
         if table is None or table.empty:
             continue
