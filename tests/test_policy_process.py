@@ -156,6 +156,20 @@ def test_the_child_shares_its_lora_tensors_and_a_steps_adapter_is_read_without_a
     assert _ended(child.pid)
 
 
+def test_shared_lora_tensors_must_be_the_trained_parameters_own_memory():
+    """The child shares views of what the optimizer moves; a copy would leave the parent reading the
+    first adapter for ever, so it is refused before any step."""
+    from evolm_lib.train.policy_process import _views_of_trained
+
+    model = torch.nn.Linear(3, 2)
+    model.bias.requires_grad_(False)
+    views = {"weight": model.weight.detach()}
+    assert _views_of_trained(views, model) is views
+    for tensors in ({"weight": model.weight.detach().clone()}, {"bias": model.bias.detach()}):
+        with pytest.raises(RuntimeError, match=r"the LoRA tensors \['(weight|bias)'\] are not the trained parameters"):
+            _views_of_trained(tensors, model)
+
+
 def test_eager_policy_attention_trains_as_the_fused_kernel_does(tiny_model_dir):
     """policy_attention picks the trained model's attention: eager computes what sdpa computes (float32
     on the CPU: the same loss and weights to rounding), through matmuls and a softmax."""

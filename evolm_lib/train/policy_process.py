@@ -102,6 +102,18 @@ def _training_settings(deterministic_update: bool, threads: int) -> dict[str, An
             "batch_invariant": os.environ.get("VLLM_BATCH_INVARIANT")}
 
 
+def _views_of_trained(tensors: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``tensors`` where each is a trained parameter's own memory (what the parent reads after each
+    step must be what the optimizer moved); a copy among them fails here, before any step, rather than
+    leaving the parent a stale adapter."""
+    trained = {param.data_ptr() for param in model.parameters() if param.requires_grad}
+    copies = sorted(name for name, tensor in tensors.items() if tensor.data_ptr() not in trained)
+    if copies:
+        raise RuntimeError(f"the LoRA tensors {copies[:3]} are not the trained parameters' own memory, so "
+                           "the run could not read the policy's steps from them")
+    return tensors
+
+
 def _send(connection, message: Any) -> None:
     connection.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
 
@@ -152,7 +164,7 @@ def _serve(connection, model_dir: str, adapter: bytes, config: dict, device: str
         config = GRPOConfig.from_dict(config)
         settings = _training_settings(deterministic_update(config), threads)
         trainer = PolicyTrainer(Path(model_dir), pickle.loads(adapter), config, device)
-        shared = trainer.weights() if trainer.full else trainer.adapter_tensors()  # views of the trained parameters
+        shared = trainer.weights() if trainer.full else _views_of_trained(trainer.adapter_tensors(), trainer.model)
         if trainer.device.type == "cpu":  # in place: the optimizer keeps the same parameters
             for tensor in shared.values():
                 tensor.share_memory_()
