@@ -14,8 +14,8 @@ a checkpoint), pickled on both ends. The trained tensors cross once, the model's
 ``policy_weights: full`` or the LoRA tensors: the child shares them (CUDA IPC on a GPU, shared memory
 on a CPU) and updates them in place; the parent reads them after each reply, which the child sends
 only once its device has finished (``torch.cuda.synchronize``), so a step's adapter is read where it
-lies rather than pickled through the socket. The child dying surfaces as ``PolicyProcessDied`` at the next
-call, never as a hang.
+lies rather than pickled through the socket. The child dying surfaces as ``PolicyProcessDied`` at
+the next call, never as a hang.
 """
 from __future__ import annotations
 
