@@ -235,8 +235,9 @@ def study_digest(tables: Mapping[str, Any], title: str) -> str:
              "seed standard deviation; the winner's validation score in brackets." if winners is not None else
              f"Held-out {measure} over each method's seeds: mean (BCa interval), t interval, seed standard deviation.", ""]
     tuned = [table for table in (tables.get("heldout"), tables.get("control")) if table is not None]
-    finals = tuned + ([sweep] if sweep is not None else [])
-    heldout = pd.concat(finals) if finals else None  # the control's rows under their own names
+    tuned = pd.concat(tuned) if tuned else None  # the control's rows under their own names
+    finals = [table for table in (tuned, sweep) if table is not None]
+    heldout = pd.concat(finals) if finals else None
     methods = list(dict.fromkeys([*(winners.index if winners is not None else []),
                                   *(heldout.index if heldout is not None else [])]))
     lines += ["| method | trials | winner | setting | seeds | held out (BCa) | t interval | seed std | at 2x (BCa) "
@@ -262,13 +263,13 @@ def study_digest(tables: Mapping[str, Any], title: str) -> str:
                  else f"{final['training_seconds']:.0f} ({final['engines_per_card'] or 'n/a'}"
                       + (f"; {final['processes_on_card']})" if final.get("processes_on_card") else ")")]
         lines.append("| " + " | ".join(cells) + " |")
-    if tuned:
-        lines += ["", _where("The final seeds", pd.concat(tuned))]
+    if tuned is not None:
+        lines += ["", _where("The final seeds", tuned)]
     if long is not None:
         lines += ["", _where("The runs at twice the budget", long)]
     if sweep is not None:
         lines += ["", _where("The runs", sweep)]
-        if sweep["training_completions"].nunique() > 1:
+        if "sweep_equal_budget" in tables:  # study_tables reads the methods there where their budgets differ
             lines += ["", "Not an equal-budget comparison: the methods trained on different numbers of completions, " + _and(
                 [f"{method} on {completions:,.0f}" for method, completions in sweep["training_completions"].items()])
                 + " (means over the seeds)."]
