@@ -30,6 +30,9 @@
 #   bash scripts/gpu_speed.sh loose OUT   # grpo-update on every card of the machine, side by side: deterministic in
 #       its own process with and without torch's deterministic algorithms, the latter twice (do its rows repeat?),
 #       against not deterministic; LoRA and full policies (each configuration's progress in grpo_update_loose_logs/)
+#   bash scripts/gpu_speed.sh swap OUT    # grpo-update, LoRA policy, on cards 0 and 1 (a 2-card machine will do): each
+#       deterministic configuration (own process, with and without torch's deterministic algorithms) side by
+#       side with not deterministic, then again with the two cards swapped, so a card's own speed cancels
 #
 # Run from the repository root with PYTHONPATH=/root/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0
 # EVOLM_CACHE_DIR=/root/cache set. LIMIT (default 560) is the whole part's deadline in seconds: each
@@ -46,7 +49,10 @@ nvidia-smi -L | tee "$RES/cards.txt"
 # carry a git history older than the tree itself), else the copy's own HEAD
 echo "${EVOLM_CODE_COMMIT:-$(git log -1 --format=%H 2>/dev/null)}" > "$RES/commit.txt"
 python -c "from evolm_lib.models import resolve_model; resolve_model('smollm2-135m-instruct')" > /dev/null
-QWEN=$(python scripts/qwen_shape.py | tail -n 1)  # before any engine: every part but pool8 measures on it
+case "$PART" in  # before any engine: the parts that measure on the Qwen2.5-1.5B shapes build them
+pool8|loose|swap) QWEN="" ;;
+*) QWEN=$(python scripts/qwen_shape.py | tail -n 1) ;;
+esac
 measure() {  # measure NAME CARDS COMMAND...: COMMAND --json RES/NAME.json on some cards, stopped at the deadline
   local name=$1 cards=$2 left
   shift 2
@@ -116,7 +122,15 @@ loose)
   bench grpo_update_loose "$all" grpo-update --devices "$all" --micro-batch-sizes 64 --steps 8 --policy-weights lora,full \
     --configurations not_deterministic,deterministic_own,deterministic_own_loose,deterministic_own_loose_rerun & pids="$pids $!"
   ;;
-*) echo "unknown part $PART: cards, ray, starts, pool8, misses, left, next, eggroll or loose" >&2; exit 2 ;;
+swap)
+  { for c in deterministic_own deterministic_own_loose; do
+      for order in "not_deterministic,$c" "$c,not_deterministic"; do
+        bench "grpo_update_swap_${c}_${order%%,*}_on_0" 0,1 grpo-update --devices 0,1 --micro-batch-sizes 64 --steps 8 \
+          --policy-weights lora --configurations "$order"
+      done
+    done; } & pids="$pids $!"
+  ;;
+*) echo "unknown part $PART: cards, ray, starts, pool8, misses, left, next, eggroll, loose or swap" >&2; exit 2 ;;
 esac
 for pid in $pids; do wait "$pid"; done
 find "$RES" -type f -size +5M > "$RES/left_out.txt"  # checkpoints of kept run folders: not worth the transfer
