@@ -1,6 +1,7 @@
 """The notebooks in a real JupyterLab, driven by headless Chromium: the ES stepper (run all cells,
-click Step, see the live fitness plot gain a point), and notebooks 02 and 04 run to the end without
-an error or an engine notice in their outputs (stdout, where vLLM logs by default, and stderr)."""
+click Step, see the live fitness plot gain a point), and notebook 04 run to the end without an
+error or an engine notice in its outputs (stdout, where vLLM logs by default, and stderr). The other
+notebooks run under papermill (tests/test_notebooks.py) and nbval, as committed."""
 from __future__ import annotations
 
 import contextlib
@@ -251,21 +252,14 @@ def test_the_stepper_runs_all_steps_and_runs_all_again_in_one_kernel_and_with_a_
             browser.close()
 
 
-def _browser_parameters(stem: str, folder: Path) -> dict:
-    tiny = {key: _ci_parameters()[key] for key in ("model", "max_new_tokens", "max_model_len", "kv_cache_gb")}
-    if stem == "02_lora_initialization":
-        return {**tiny, "population_size": 4, "init_adapter_dir": str(folder / "init_adapter")}
-    return {"es_runs": str(FIXTURE_RUNS / "es_*"), "grpo_runs": str(FIXTURE_RUNS / "grpo_*"),
-            "figures_dir": str(folder / "figures")}
-
-
-@pytest.mark.parametrize("stem", ["02_lora_initialization", "04_es_vs_grpo"])
-def test_notebook_runs_in_the_browser_without_error_output(tmp_path, stem):
+def test_the_comparison_notebook_runs_in_the_browser_without_error_output(tmp_path):
     from playwright.sync_api import sync_playwright
 
     root = tmp_path / "lab"
     root.mkdir()
-    notebook = _parameterized_copy(REPO / "notebooks" / f"{stem}.ipynb", root, _browser_parameters(stem, tmp_path))
+    parameters = {"es_runs": str(FIXTURE_RUNS / "es_*"), "grpo_runs": str(FIXTURE_RUNS / "grpo_*"),
+                  "figures_dir": str(tmp_path / "figures")}
+    notebook = _parameterized_copy(REPO / "notebooks" / "04_es_vs_grpo.ipynb", root, parameters)
     with _lab(tmp_path, root, notebook) as url, sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
@@ -277,7 +271,7 @@ def test_notebook_runs_in_the_browser_without_error_output(tmp_path, stem):
             assert not [t for t in texts if "Traceback (most recent call last)" in t], texts
             assert not _engine_lines(page), _engine_lines(page)  # no engine notices either, on either stream
             assert page.locator(".jp-CodeCell").count() >= 8 and outputs.count() >= 5
-            page.screenshot(path=str(tmp_path / f"{stem}.png"), full_page=True)  # for a look when debugging
+            page.screenshot(path=str(tmp_path / "04_es_vs_grpo.png"), full_page=True)  # for a look when debugging
         except Exception:
             page.screenshot(path=str(tmp_path / "failure.png"))
             raise
