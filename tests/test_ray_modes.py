@@ -242,7 +242,10 @@ def test_an_engine_that_stays_lost_past_its_attempts_ends_the_run_and_it_resumes
     two_engines.pool.policy = FaultPolicy(max_attempts=1)  # one loss is too many: the run must stop cleanly
     two_engines.pool.on_submitted = kill_at_call(1)
     try:
-        with pytest.raises(EngineLostError, match="engine 1 of 2 .* is lost: its run_members call was lost 1 times"):
+        # the kill follows the members' call; where that short call ends first, the update's call is the
+        # one lost: either way the generation is not counted
+        lost = "engine 1 of 2 .* is lost: its (run_members|weights_step) call was lost 1 times"
+        with pytest.raises(EngineLostError, match=lost):
             run.step()
     finally:
         two_engines.pool.on_submitted = None
