@@ -41,7 +41,12 @@
 # workers (REFILL=0: not). Workers draw no figures (a lent machine may lack plotly and
 # chromium): the figures come from the compacted study (scripts/study_tables.py). REBUILD_AT_START=1:
 # `start` also starts `rebuild` detached beside the workers (it rebuilds finished reruns only), so
-# the rebuilds run while the workers do rather than after them. SPEC and STUDY name another study, e.g.
+# the rebuilds run while the workers do rather than after them. PLACE="grpo_full@0 grpo_full@0
+# es_lora@1 ...": one worker per METHOD@CARD instead of METHODS x WORKERS_PER_METHOD dealt round-robin
+# (a method kept to cards of its own, several workers on one card). CLAIM_UNTIL="grpo_full=EPOCH ...":
+# a worker of that method starts no trial or run after that time (`evolm tune --claim-for`), for runs
+# whose checkpoints never travel (full GRPO's) and so must end within the lease that starts them; its
+# worker then ends and its card is refilled. SPEC and STUDY name another study, e.g.
 #   SPEC=papermill_runs/tune_study_conciseness_gpu.yaml STUDY=runs/tune_study_conciseness bash scripts/gpu_tune_study.sh start
 set -u
 . "$(dirname "${BASH_SOURCE[0]}")/gpu_cards.sh"  # on_card
@@ -79,11 +84,27 @@ alive() {  # workers of the last start still running
   echo $n
 }
 
+claim_for() {
+  # claim_for METHOD: the seconds a new worker of METHOD may start runs for, by the deadline `start`
+  # recorded from CLAIM_UNTIL ("METHOD=EPOCH_SECONDS ..."): nothing when METHOD has none, "past" once
+  # it has passed
+  local entry now
+  now=$(date +%s)
+  for entry in $(cat "$LOGS/claim_until.txt" 2>/dev/null); do
+    [ "${entry%%=*}" = "$1" ] || continue
+    if [ "${entry#*=}" -gt "$now" ]; then echo $((${entry#*=} - now)); else echo past; fi
+    return 0
+  done
+}
+
 launch() {  # launch METHOD CARD ENGINES LOG: one detached worker, recorded in workers.pids and workers.tsv
-  local offset=0
+  local offset=0 claim
+  claim=$(claim_for "$1")
+  [ "$claim" = past ] && { echo "card $2: no worker of $1, whose deadline for starting runs has passed"; return 0; }
   [ -f "$4" ] && offset=$(wc -c < "$4")  # logs are appended to: this worker's part starts here
   EVOLM_ENGINES_PER_CARD=$3 CUDA_VISIBLE_DEVICES=$2 \
-    setsid python -m evolm_lib.cli tune "$SPEC" --methods "$1" --no-figures >> "$4" 2>&1 < /dev/null &
+    setsid python -m evolm_lib.cli tune "$SPEC" --methods "$1" --no-figures ${claim:+--claim-for "$claim"} \
+    >> "$4" 2>&1 < /dev/null &
   echo $! >> "$LOGS/workers.pids"
   printf '%s\t%s\t%s\t%s\t%s\t%s\n' $! "$2" "$3" "$1" "$4" "$offset" >> "$LOGS/workers.tsv"
 }
@@ -107,6 +128,7 @@ refill() {
     target=""; best=""
     for m in $METHODS; do
       case "$done_methods" in *" $m "*) continue ;; esac
+      [ "$(claim_for "$m")" = past ] && continue  # it may start nothing more here
       n=0
       while IFS=$'\t' read -r p _ _ mm _ _; do [ "$mm" = "$m" ] && kill -0 "$p" 2>/dev/null && n=$((n + 1)); done < "$LOGS/workers.tsv"
       [ "$n" -gt 0 ] || continue
@@ -123,27 +145,55 @@ start() {
   if [ "$(alive)" -gt 0 ]; then
     echo "workers already running: $(alive)"; return 0
   fi
+  local gpus per i=0 method entry card entries="" names wave=0 launched=0 n
+  gpus=$(cards)
+  if [ -n "${PLACE:-}" ]; then
+    entries=$PLACE
+  else
+    per=${WORKERS_PER_METHOD:-$gpus}
+    for method in $METHODS; do
+      for _ in $(seq 1 "$per"); do entries="$entries $method@$((i % gpus))"; i=$((i + 1)); done
+    done
+  fi
+  for entry in $entries; do
+    card=${entry#*@}
+    case "$entry" in *@*) ;; *) echo "PLACE: $entry is not METHOD@CARD" >&2; exit 2 ;; esac
+    case "$card" in ''|*[!0-9]*) echo "PLACE: $entry: the card is not a number" >&2; exit 2 ;; esac
+    [ "$card" -lt "$gpus" ] || { echo "PLACE: $entry: this machine has cards 0 to $((gpus - 1))" >&2; exit 2; }
+  done
+  for entry in ${CLAIM_UNTIL:-}; do
+    case "${entry#*=}" in ''|*[!0-9]*) echo "CLAIM_UNTIL: $entry is not METHOD=EPOCH_SECONDS" >&2; exit 2 ;; esac
+  done
+  names=$(for entry in $entries; do echo "${entry%@*}"; done | awk '!seen[$0]++' | paste -sd, -)
   [ -n "$archive" ] && unpack "$archive"
   mkdir -p "$LOGS"
   : > "$LOGS/workers.pids"; : > "$LOGS/workers.tsv"; : > "$LOGS/replaced.txt"
+  printf '%s\n' ${CLAIM_UNTIL:-} > "$LOGS/claim_until.txt"  # read again by later calls' refills
   python -c "from evolm_lib.models import resolve_model; resolve_model('smollm2-135m-instruct')" >/dev/null 2>&1
-  python -m evolm_lib.cli tune "$SPEC" --dry-run --no-figures > "$LOGS/dry_run.txt" 2>&1 || { cat "$LOGS/dry_run.txt" >&2; exit 1; }
-  local gpus per i=0 method w
-  gpus=$(cards)
-  per=${WORKERS_PER_METHOD:-$gpus}
-  local total card_engines
-  total=$((per * $(echo $METHODS | wc -w)))
-  for method in $METHODS; do
-    for w in $(seq 1 "$per"); do
-      # engines sharing a card start a few seconds apart: vLLM's start-up memory profile of one
-      # must not see another's allocations arrive
-      card_engines=$(on_card "$total" "$gpus" "$i")
-      launch "$method" $((i % gpus)) "$card_engines" "$LOGS/$method.$w.log"
-      i=$((i + 1))
-      [ $((i % gpus)) -eq 0 ] && sleep 8
+  python -m evolm_lib.cli tune "$SPEC" --dry-run --no-figures --methods "$names" > "$LOGS/dry_run.txt" 2>&1 \
+    || { cat "$LOGS/dry_run.txt" >&2; exit 1; }
+  local total
+  local -A workers  # each method's workers so far: their logs' numbers
+  total=$(echo $entries | wc -w)
+  # wave by wave, the next worker of each card: engines sharing a card start a few seconds apart,
+  # since vLLM's start-up memory profile of one must not see another's allocations arrive
+  while [ "$launched" -lt "$total" ]; do
+    wave=$((wave + 1))
+    for card in $(seq 0 $((gpus - 1))); do
+      n=0
+      for entry in $entries; do
+        [ "${entry#*@}" = "$card" ] || continue
+        n=$((n + 1))
+        [ "$n" -eq "$wave" ] || continue
+        method=${entry%@*}
+        workers[$method]=$((${workers[$method]:-0} + 1))
+        launch "$method" "$card" "$(echo " $entries " | grep -o "@$card " | wc -l)" "$LOGS/$method.${workers[$method]}.log"
+        launched=$((launched + 1))
+      done
     done
+    sleep "${WAVE_S:-8}"
   done
-  echo "$i workers on $gpus GPUs: $METHODS"
+  echo "$total workers on $gpus GPUs: $names"
   if [ "${REBUILD_AT_START:-0}" = 1 ]; then
     # the geometry's rebuilds beside the workers, detached as they are: a rebuild needs only a
     # finished rerun's config, and `finish` waits for these (after REBUILD_DELAY_S, so the workers'

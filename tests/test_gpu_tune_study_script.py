@@ -21,7 +21,7 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_tune_study.sh"
 def _functions(*names: str) -> str:
     """The script's own functions of these names, by default those refill uses (the rest of it starts
     real workers)."""
-    names = names or ("alive", "launch", "ended_cleanly", "refill")
+    names = names or ("alive", "claim_for", "launch", "ended_cleanly", "refill")
     text, taken, keep = SCRIPT.read_text().splitlines(), [], False
     for line in text:
         keep = keep or line.startswith(tuple(f"{name}() {{" for name in names))
@@ -103,7 +103,7 @@ def _stand_ins(tmp_path: Path, study: Path, gpus: int, python: str) -> dict:
         (bin_dir / tool).write_text("#!/bin/sh\n" + body)
         (bin_dir / tool).chmod(0o755)
     return {"PATH": f"{bin_dir}:/usr/bin:/bin", "STUDY": str(study), "LOGS": str(tmp_path / "logs"),
-            "REBUILD_WAVE_S": "0"}
+            "REBUILD_WAVE_S": "0", "WAVE_S": "0"}
 
 
 def test_rebuild_runs_the_first_three_final_seeds_of_each_method_one_process_each_round_robin(tmp_path):
@@ -328,3 +328,64 @@ def test_the_qiu_protocol_runs_a_process_per_run_round_robin_over_the_cards(tmp_
     unknown = subprocess.run(["bash", str(SCRIPT.with_name("gpu_study.sh")), "30", "qui", str(logs)], env=env,
                              capture_output=True, text=True, timeout=60, cwd=SCRIPT.parents[1])
     assert unknown.returncode == 2 and "unknown job set qui: all, grpo, finish or qiu" in unknown.stderr
+
+
+def test_start_places_workers_as_told_and_passes_each_its_deadline_for_starting_runs(tmp_path):
+    """PLACE puts each worker on its card, wave by wave (the first worker of every card, then the
+    second, ...), each told its card's count; CLAIM_UNTIL gives a method's workers the seconds left to
+    its deadline (--claim-for) and no worker once it has passed; refills read the deadlines again."""
+    import time
+
+    calls = tmp_path / "calls.txt"
+    env = _stand_ins(tmp_path, tmp_path / "study", gpus=3, python=(
+        f'[ "$1" = -c ] && exit 0\necho "$CUDA_VISIBLE_DEVICES $EVOLM_ENGINES_PER_CARD $*" >> {calls}\n'))
+    soon = int(time.time()) + 600
+    env.update(PLACE="grpo_full@0 grpo_full@0 es_lora@1 es_full@0 grpo_lora@2", CLAIM_UNTIL=f"grpo_full={soon}")
+    result = subprocess.run(["bash", str(SCRIPT), "start"], env=env, capture_output=True, text=True, timeout=120,
+                            cwd=SCRIPT.parents[1])
+    assert result.returncode == 0, result.stderr
+    assert "5 workers on 3 GPUs: grpo_full,es_lora,es_full,grpo_lora" in result.stdout
+    for _ in range(100):  # the stand-in workers run detached: wait for the last to write its line
+        lines = calls.read_text().splitlines()
+        if len(lines) == 6:
+            break
+        time.sleep(0.1)
+    lines.sort(key=lambda line: "--dry-run" not in line)
+    spec = "papermill_runs/tune_study_addition_gpu.yaml"
+    assert lines[0].strip() == f"-m evolm_lib.cli tune {spec} --dry-run --no-figures --methods grpo_full,es_lora,es_full,grpo_lora"
+    placed = [row.split("\t")[1:4] for row in (tmp_path / "logs" / "workers.tsv").read_text().splitlines()]
+    assert placed == [["0", "3", "grpo_full"], ["1", "1", "es_lora"], ["2", "1", "grpo_lora"],  # wave 1: cards 0-2
+                      ["0", "3", "grpo_full"],  # wave 2: card 0
+                      ["0", "3", "es_full"]]  # wave 3
+    launched = sorted(line.split(" --claim-for ") for line in lines[1:])
+    assert [head for head, *_ in launched] == sorted(
+        f"{card} {engines} -m evolm_lib.cli tune {spec} --methods {method} --no-figures"
+        for card, engines, method in placed)
+    claims = [(head.split()[-2], float(rest[0]) if rest else None) for head, *rest in launched]
+    assert sorted(method for method, claim in claims if claim is None) == ["es_full", "es_lora", "grpo_lora"]
+    deadlines = [claim for method, claim in claims if claim is not None]
+    assert len(deadlines) == 2 and all(590 <= claim <= 600 for claim in deadlines)  # both grpo_full's
+    logs = sorted(p.name for p in (tmp_path / "logs").glob("*.log"))
+    assert logs == ["es_full.1.log", "es_lora.1.log", "grpo_full.1.log", "grpo_full.2.log", "grpo_lora.1.log"]
+
+    # a refill in a later call: the deadline passed, grpo_full takes no card back
+    (tmp_path / "logs" / "claim_until.txt").write_text(f"grpo_full={int(time.time()) - 1}\n")
+    script = f"""set -u
+LOGS={tmp_path / 'logs'}
+{_functions('claim_for', 'launch')}
+launch grpo_full 1 2 {tmp_path / 'logs' / 'late.log'}
+"""
+    late = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60)
+    assert late.stdout == "card 1: no worker of grpo_full, whose deadline for starting runs has passed\n"
+    assert len(calls.read_text().splitlines()) == len(lines)
+
+    for place, message in (("grpo_full@3", "PLACE: grpo_full@3: this machine has cards 0 to 2"),
+                           ("grpo_full", "PLACE: grpo_full is not METHOD@CARD"),
+                           ("grpo_full@x", "PLACE: grpo_full@x: the card is not a number")):
+        bad = subprocess.run(["bash", str(SCRIPT), "start"], env={**env, "PLACE": place, "LOGS": str(tmp_path / "l2")},
+                             capture_output=True, text=True, timeout=60, cwd=SCRIPT.parents[1])
+        assert bad.returncode == 2 and message in bad.stderr and not (tmp_path / "l2").exists()
+    bad = subprocess.run(["bash", str(SCRIPT), "start"], env={**env, "CLAIM_UNTIL": "grpo_full=soon",
+                                                                  "LOGS": str(tmp_path / "l2")},
+                         capture_output=True, text=True, timeout=60, cwd=SCRIPT.parents[1])
+    assert bad.returncode == 2 and "CLAIM_UNTIL: grpo_full=soon is not METHOD=EPOCH_SECONDS" in bad.stderr

@@ -107,6 +107,27 @@ def test_two_methods_four_trials_each_then_the_winners_on_final_seeds_only(tmp_p
     assert comparison["family"] == "primary" and comparison["holm_p"] == comparison["permutation_p"]
 
 
+def test_a_worker_that_may_claim_no_more_finishes_its_run_and_leaves_the_rest(tmp_path, tiny_vllm, capsys):
+    """``may_claim`` (``--claim-for`` on the command line) is asked before each trial or rerun starts:
+    once it says no, the worker ends with the rest unclaimed, and a later worker finishes it."""
+    spec = tune.load_tune_spec(write_spec(tmp_path, _set(["tune", "trials"], 2)), methods=["es"])
+    lines = []
+    one_claim = iter([True])
+    assert tune.work(spec, tiny_vllm, log=lines.append, may_claim=lambda: next(one_claim, False)) == {"es": 1}
+    assert [t["state"] for t in tune.study_trials(spec, "es")] == ["complete"]
+    assert tune.outstanding(spec) == ["trials of es"]
+    assert lines[-1] == "claiming no more: 1 unfinished left to other workers or a later start (trials of es)"
+    one_claim = iter([True])  # the second trial, then no rerun begun
+    assert tune.work(spec, tiny_vllm, log=lines.append, may_claim=lambda: next(one_claim, False)) == {"es": 1}
+    assert tune.outstanding(spec) == ["final/es/seed0", "final/es/seed1"]
+    assert not (spec.out / "final").exists()
+    assert tune.work(spec, tiny_vllm, log=lines.append) == {"es": 0}  # no limit: the reruns
+    assert tune.outstanding(spec) == []
+    assert [row["generation"] for row in read_metrics(spec.out / "final" / "es" / "seed1")] == [0, 1, 2]
+    assert main(["tune", str(tmp_path / "spec.yaml"), "--claim-for", "-5"]) == 2
+    assert "--claim-for: a number of seconds >= 0, not -5.0" in capsys.readouterr().err
+
+
 def _worker(spec: Path, *extra: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     return subprocess.Popen([sys.executable, "-m", "evolm_lib.cli", "tune", str(spec), "--methods", "es", "--no-finals",

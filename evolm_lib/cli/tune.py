@@ -49,6 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
                                                          "(default: the spec's)")
     parser.add_argument("--model", help="override the model, e.g. tiny-random for a quick check (default: the spec's)")
     parser.add_argument("--no-finals", action="store_true", help="tune only; rerun no winner")
+    parser.add_argument("--claim-for", type=float, metavar="SECONDS",
+                        help="start trials and runs only within SECONDS of this worker's start; it finishes what it "
+                             "runs then, and ends leaving the rest (on a lent machine, for runs whose checkpoints "
+                             "cannot travel to the next one; default: no limit)")
     parser.add_argument("--no-figures", action="store_true", help="write no figures")
     parser.add_argument("--dry-run", action="store_true", help="check the spec and print the plan only")
     return parser
@@ -65,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
                                    methods=methods, out=args.out)
         if args.trials is not None:
             spec = tune.with_trials(spec, args.trials)
+        if args.claim_for is not None and not (args.claim_for >= 0):
+            raise ValueError(f"--claim-for: a number of seconds >= 0, not {args.claim_for}")
     except (ValueError, FileNotFoundError) as error:  # a bad spec or option: one line naming it
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -108,12 +114,18 @@ def _run(spec, args) -> int:
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # a line per study opened says nothing here
     started = time.perf_counter()
+    may_claim = tune.always
+    if args.claim_for is not None:
+        claim_until = time.monotonic() + args.claim_for
+
+        def may_claim() -> bool:
+            return time.monotonic() < claim_until
     if tune.outstanding(spec, finals=not args.no_finals):
         evaluator = tune.make_tuning_evaluator(spec)
         try:
             # trials, then the reruns, their continuations (tune.long) and the control (tune.control);
             # waits while other workers hold what is left
-            ran = tune.work(spec, evaluator, finals=not args.no_finals)
+            ran = tune.work(spec, evaluator, finals=not args.no_finals, may_claim=may_claim)
             print(f"trials run by this worker: {ran} ({(time.perf_counter() - started) / 60:.1f} min)", flush=True)
         finally:
             evaluator.close()

@@ -14,11 +14,12 @@ from .final import (STAGES, SUMMARY, control_plan, final_groups, final_plan, lon
                     resolved_primary, run_extras, run_finals, summarize, summary_lines, work)
 from .space import Parameter, parse_parameter, parse_space
 from .spec import TuneSettings, TuneSpec, check_space, describe, load_tune_spec, trial_config, with_trials
-from .study import (STORAGE, best_trial, finished, load_study, make_tuning_evaluator, open_storage, storage_url,
-                    study_trials, tune, tune_method, with_methods)
+from .study import (STORAGE, always, best_trial, finished, load_study, make_tuning_evaluator, open_storage,
+                    storage_url, study_trials, tune, tune_method, with_methods)
 
 __all__ = [
-    "Parameter", "STAGES", "STORAGE", "SUMMARY", "control_plan", "long_plan", "resolve_best", "resolved_primary",
+    "Parameter", "STAGES", "STORAGE", "SUMMARY", "always", "control_plan", "long_plan", "resolve_best",
+    "resolved_primary",
     "run_extras", "TuneSettings", "TuneSpec", "best_trial", "check_space", "describe",
     "final_groups", "final_plan", "finished", "load_study", "load_tune_spec", "make_tuning_evaluator", "open_storage",
     "outstanding", "parse_parameter", "parse_space", "run_finals", "storage_url", "study_trials", "summarize",

@@ -22,7 +22,7 @@ from typing import Any, Callable
 from ..runs import LOCK_FILE, RunFolderBusy, list_checkpoints, lock_holder, read_jsonl
 from ..sweep import HELDOUT, PlannedRun, run_one
 from .spec import BEST, TuneSpec, trial_config
-from .study import best_trial, finished, load_study, study_lock, study_trials, tune
+from .study import always, best_trial, finished, load_study, study_lock, study_trials, tune
 
 POLL_S = 5.0
 """How often a worker with nothing to claim looks again at what other workers hold (at most the
@@ -99,12 +99,17 @@ def _finished_rerun(folder, length: int | None = None) -> bool:
             and lock_holder(folder) is None)
 
 
-def run_unfinished(planned: PlannedRun, out, evaluator) -> None:
+def run_unfinished(planned: PlannedRun, out, evaluator, may_claim: Callable[[], bool] = always) -> bool:
     """``run_one``, unless the run's folder holds a finished rerun already (held-out scores at its last
     generation or step): such a folder may hold no weights (unpacked on another machine from a pack,
-    which leaves weights out), and nothing of it is left to run."""
-    if not _finished_rerun(out / planned.name, planned.length):
-        run_one(planned, out, evaluator)
+    which leaves weights out), and nothing of it is left to run. An unfinished run is left alone
+    when ``may_claim`` says the worker starts nothing more. Returns whether the run is finished."""
+    if _finished_rerun(out / planned.name, planned.length):
+        return True
+    if not may_claim():
+        return False
+    run_one(planned, out, evaluator)
+    return True
 
 
 def continue_copy(source, folder) -> bool:
@@ -125,15 +130,18 @@ def continue_copy(source, folder) -> bool:
     return True
 
 
-def run_extras(spec: TuneSpec, evaluator, log: Callable[[str], None] = print) -> dict[str, list[str]]:
+def run_extras(spec: TuneSpec, evaluator, log: Callable[[str], None] = print,
+               may_claim: Callable[[], bool] = always) -> dict[str, list[str]]:
     """The declared later stages for this worker's methods: each finished rerun continued to
     ``tune.long`` x the budget (OUT/long/), and the shuffled-fitness control of ``tune.control``
-    (OUT/control/) once its method is decided; returns {stage/method: folders written or found finished}."""
+    (OUT/control/) once its method is decided, each started while ``may_claim``; returns
+    {stage/method: folders written or found finished}."""
     done: dict[str, list[str]] = {}
 
     def run(planned: PlannedRun, stage: str) -> None:
         try:
-            run_unfinished(planned, spec.out / stage, evaluator)
+            if not run_unfinished(planned, spec.out / stage, evaluator, may_claim):
+                return
         except RunFolderBusy as busy:
             log(f"  {stage}/{planned.name}: busy, left to its writer ({busy})")
             return
@@ -146,7 +154,7 @@ def run_extras(spec: TuneSpec, evaluator, log: Callable[[str], None] = print) ->
             for planned, rerun in zip(long_plan(spec, method), final_plan(spec, method)):
                 source, folder = spec.out / "final" / planned.name, spec.out / "long" / planned.name
                 with study_lock(spec.out):  # one worker copies a rerun; the others find the copy
-                    if not folder.exists():
+                    if not folder.exists() and may_claim():
                         if not _finished_rerun(source, rerun.length):
                             log(f"  long/{planned.name}: waits for its rerun final/{planned.name} to finish")
                             continue
@@ -164,10 +172,11 @@ def run_extras(spec: TuneSpec, evaluator, log: Callable[[str], None] = print) ->
     return done
 
 
-def run_finals(spec: TuneSpec, evaluator, log: Callable[[str], None] = print) -> dict[str, list[str]]:
+def run_finals(spec: TuneSpec, evaluator, log: Callable[[str], None] = print,
+               may_claim: Callable[[], bool] = always) -> dict[str, list[str]]:
     """Rerun every method whose study is finished on the final seeds (a method still being tuned by
-    another worker is left for later, a rerun another worker writes is skipped); returns
-    {method: rerun folders written or found finished}."""
+    another worker is left for later, a rerun another worker writes is skipped, and none is started
+    once ``may_claim`` says no); returns {method: rerun folders written or found finished}."""
     done: dict[str, list[str]] = {}
     for method in spec.methods:
         if not finished(spec, method):
@@ -176,7 +185,8 @@ def run_finals(spec: TuneSpec, evaluator, log: Callable[[str], None] = print) ->
         done[method] = []
         for planned in final_plan(spec, method):
             try:
-                run_unfinished(planned, spec.out / "final", evaluator)
+                if not run_unfinished(planned, spec.out / "final", evaluator, may_claim):
+                    continue
             except RunFolderBusy as busy:
                 log(f"  {planned.name}: busy, left to its writer ({busy})")
                 continue
@@ -222,12 +232,16 @@ def outstanding(spec: TuneSpec, finals: bool = True) -> list[str]:
     return left
 
 
-def work(spec: TuneSpec, evaluator, finals: bool = True, log: Callable[[str], None] = print) -> dict[str, int]:
+def work(spec: TuneSpec, evaluator, finals: bool = True, log: Callable[[str], None] = print,
+         may_claim: Callable[[], bool] = always) -> dict[str, int]:
     """This worker's whole part of the study: trials, then (with ``finals``) the reruns, continued
     reruns and control, again and again until ``outstanding`` is empty. A worker with nothing to
     claim while others still hold trials or runs waits for them instead of ending, so it takes the
     reruns their trials make ready (and a killed worker's trial once its heartbeat goes stale), and
-    its summary holds every run. Returns {method: trials run here}."""
+    its summary holds every run. ``may_claim`` is asked before each trial or run is started: once it
+    says no, the worker finishes what it runs and returns, leaving the rest to other workers or a
+    later start (a run that cannot resume on another machine is not begun where it could not end).
+    Returns {method: trials run here}."""
     ran = {method: 0 for method in spec.methods}
     said: set[str] = set()
 
@@ -237,15 +251,18 @@ def work(spec: TuneSpec, evaluator, finals: bool = True, log: Callable[[str], No
             log(line)
 
     while True:
-        for method, count in tune(spec, evaluator, log).items():
+        for method, count in tune(spec, evaluator, log, may_claim).items():
             ran[method] += count
         if finals:
-            run_finals(spec, evaluator, once)
-            run_extras(spec, evaluator, once)
+            run_finals(spec, evaluator, once, may_claim)
+            run_extras(spec, evaluator, once, may_claim)
         left = outstanding(spec, finals)
         if not left:
             return ran
         shown = ", ".join(left[:3]) + (", ..." if len(left) > 3 else "")
+        if not may_claim():
+            log(f"claiming no more: {len(left)} unfinished left to other workers or a later start ({shown})")
+            return ran
         once(f"waiting for other workers: {len(left)} unfinished ({shown})")
         time.sleep(min(POLL_S, spec.settings.heartbeat_s))
 

@@ -129,17 +129,23 @@ def finished(spec: TuneSpec, method: str, storage=None) -> bool:
                                                     for t in all_trials)
 
 
-def _next_trial(spec: TuneSpec, method: str, storage):
-    """(study, trial) for this worker's next trial of ``method``, or (study, None) when none is left
-    or ``tune.parallel`` trials already run (a retry, whose setting is fixed, runs regardless); stale
-    trials (a killed worker's) are failed first, which queues their retries."""
+def always() -> bool:
+    """The default ``may_claim``: a worker claims work for as long as there is some."""
+    return True
+
+
+def _next_trial(spec: TuneSpec, method: str, storage, may_claim: Callable[[], bool] = always):
+    """(study, trial) for this worker's next trial of ``method``, or (study, None) when none is left,
+    ``tune.parallel`` trials already run (a retry, whose setting is fixed, runs regardless) or the
+    worker may claim no more (``may_claim``); stale trials (a killed worker's) are failed first, which
+    queues their retries."""
     import optuna
     from optuna.trial import TrialState
 
     with study_lock(spec.out), _quiet_optuna():
         study = load_study(spec, method, storage)
         optuna.storages.fail_stale_trials(study)
-        if trials_left(study, spec.settings.trials) == 0:
+        if trials_left(study, spec.settings.trials) == 0 or not may_claim():
             return study, None
         states = [t.state for t in study.get_trials(deepcopy=False)]
         limit = spec.settings.parallel
@@ -226,14 +232,16 @@ def _run_trial(spec: TuneSpec, method: str, trial, folder: Path, evaluator, log:
     return sum(values) / len(values)
 
 
-def tune_method(spec: TuneSpec, method: str, evaluator, log: Callable[[str], None] = print, storage=None) -> int:
-    """Run trials of ``method`` until its study holds ``trials`` of them; returns how many this worker ran."""
+def tune_method(spec: TuneSpec, method: str, evaluator, log: Callable[[str], None] = print, storage=None,
+                may_claim: Callable[[], bool] = always) -> int:
+    """Run trials of ``method`` until its study holds ``trials`` of them, or until ``may_claim`` says
+    this worker starts no more; returns how many this worker ran."""
     from optuna.trial import TrialState
 
     storage = storage or open_storage(spec)
     ran = 0
     while True:
-        study, trial = _next_trial(spec, method, storage)
+        study, trial = _next_trial(spec, method, storage, may_claim)
         if trial is None:
             return ran
         folder = trial_folder(spec, method, study, trial)
@@ -271,13 +279,15 @@ def make_tuning_evaluator(spec: TuneSpec):
     return make_shared_evaluator(runs + probes)
 
 
-def tune(spec: TuneSpec, evaluator=None, log: Callable[[str], None] = print) -> dict[str, int]:
-    """Every method's trials (this worker's share of them), on one engine; returns {method: trials run here}."""
+def tune(spec: TuneSpec, evaluator=None, log: Callable[[str], None] = print,
+         may_claim: Callable[[], bool] = always) -> dict[str, int]:
+    """Every method's trials (this worker's share of them, those it claims while ``may_claim``), on one
+    engine; returns {method: trials run here}."""
     own = evaluator is None
     evaluator = evaluator or make_tuning_evaluator(spec)
     try:
         storage = open_storage(spec)
-        return {method: tune_method(spec, method, evaluator, log, storage) for method in spec.methods}
+        return {method: tune_method(spec, method, evaluator, log, storage, may_claim) for method in spec.methods}
     finally:
         if own:
             evaluator.close()
