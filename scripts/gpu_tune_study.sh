@@ -4,10 +4,11 @@
 #
 #   bash scripts/gpu_tune_study.sh start [ARCHIVE]   # unpack an earlier pack (if given; or its parts ARCHIVE.part-NN),
 #                                                    # start the workers, detached
-#   bash scripts/gpu_tune_study.sh pack DIR          # pack the study in parts of 15 MiB (PART_BYTES), the first 6
+#   bash scripts/gpu_tune_study.sh pack DIR          # pack the study in parts of 15 MiB (PART_BYTES), the first 4
 #                                                    # (FIRST_PARTS) into DIR/tune_study.tar.gz.part-NN, with the
 #                                                    # workers' log tails (CHECKPOINT_MIB: the checkpoints it carries)
-#   bash scripts/gpu_tune_study.sh parts N DIR       # the last pack's parts N to N+7 into DIR (a call returns 8 files)
+#   bash scripts/gpu_tune_study.sh parts N DIR [COUNT]   # the last pack's parts N to N+3 (COUNT) into DIR: a call
+#                                                    # returns 8 files of 16 MiB, 64 MiB together (RETURN_BYTES)
 #   bash scripts/gpu_tune_study.sh stage SECONDS DIR [ARCHIVE]   # start (unless running), wait, pack: one device call
 #                                                                # that ends within SECONDS (give the call a limit above it)
 #   bash scripts/gpu_tune_study.sh compact DIR       # the study's rows and scores in DIR/compact (to commit)
@@ -62,7 +63,8 @@ case "$SPEC" in
 esac
 PACK_SECONDS=${PACK_SECONDS:-60}  # what a stage keeps for its pack
 PACKS=${PACKS:-runs/tune_study_pack}  # the last pack's parts, kept on the machine for `parts`
-FIRST_PARTS=${FIRST_PARTS:-6}     # the parts a pack puts in its DIR: with the status and compact.tar.gz, 8 files
+RETURN_BYTES=${RETURN_BYTES:-67108864}  # what one device call brings back, its files together
+FIRST_PARTS=${FIRST_PARTS:-4}     # the parts a pack puts in its DIR, fewer where they would pass RETURN_BYTES
 export VLLM_LOGGING_LEVEL=WARNING TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 export OMP_NUM_THREADS=2  # many processes share the machine's cores
 
@@ -263,7 +265,7 @@ last_steps() {
   python -m evolm_lib.cli tune "$SPEC" --out "$STUDY" --no-finals --no-figures > "$dir/summary.txt" 2>&1
   [ "${GEOMETRY:-1}" = 1 ] && [ $((until - SECONDS)) -gt 30 ] && timeout --kill-after=10 $((until - SECONDS)) bash "$0" geometry "$dir"
   python -m evolm_lib.tune.compact "$STUDY" "$dir/compact"
-  # one file: beside the pack's parts and the status, the call's files stay within the 8 a call returns
+  # one file: the pack's parts beside it are as many as the call can still return (pack)
   tar -czf "$dir/compact.tar.gz" -C "$dir" compact && rm -rf "$dir/compact"
 }
 
@@ -318,24 +320,28 @@ unpack() {  # unpack ARCHIVE: a pack, or the parts pack split it into (ARCHIVE.p
 pack() {
   # The study packed (python -m evolm_lib.tune.pack; unfinished runs' checkpoints within CHECKPOINT_MIB)
   # into PACKS on this machine, split into tune_study.tar.gz.part-00, -01, ... of PART_BYTES: a device
-  # call returns at most 8 files of 16 MiB. The first FIRST_PARTS go to DIR, `parts N DIR` copies the
-  # others in later calls; cat joins them, and start takes the parts as they are.
-  local dir=$1 part=${PART_BYTES:-15728640} count
+  # call returns at most 8 files of 16 MiB, RETURN_BYTES together. The first FIRST_PARTS go to DIR (as
+  # many as fit beside what DIR holds already, a compact.tar.gz say, and a MiB for the status), `parts N
+  # DIR` copies the others in later calls; cat joins them, and start takes the parts as they are.
+  local dir=$1 part=${PART_BYTES:-15728640} count first room
   mkdir -p "$dir" "$PACKS"
   rm -f "$PACKS"/tune_study.tar.gz* "$dir"/tune_study.tar.gz.part-*
   python -m evolm_lib.tune.pack "$STUDY" "$PACKS/tune_study.tar.gz" --checkpoint-mib "${CHECKPOINT_MIB:-24}"
   split -b "$part" -d -a 2 "$PACKS/tune_study.tar.gz" "$PACKS/tune_study.tar.gz.part-" && rm "$PACKS/tune_study.tar.gz"
   count=$(ls "$PACKS"/tune_study.tar.gz.part-* | wc -l)
-  parts 0 "$dir" "$FIRST_PARTS"
-  if [ "$count" -gt "$FIRST_PARTS" ]; then
-    echo "this call returns $FIRST_PARTS of the pack's $count parts: the others with \`bash $0 parts $FIRST_PARTS DIR\`, 8 a call, before the machine goes back"
+  room=$((RETURN_BYTES - $(du -cb "$dir" | tail -n 1 | cut -f 1) - 1048576))
+  first=$((room / part)); [ "$first" -gt "$FIRST_PARTS" ] && first=$FIRST_PARTS; [ "$first" -lt 0 ] && first=0
+  parts 0 "$dir" "$first"
+  if [ "$count" -gt "$first" ]; then
+    echo "this call returns $first of the pack's $count parts: the others with \`bash $0 parts $first DIR\`, $((RETURN_BYTES / part)) a call, before the machine goes back"
   fi
   status "$LOGS"/*.log > "$dir/tune_study_status.txt" 2>&1
   echo "$(alive) workers alive" | tee -a "$dir/tune_study_status.txt"
 }
 
-parts() {  # parts N DIR [COUNT]: the last pack's parts N, N+1, ... (COUNT of them, default 8) copied into DIR
-  local first=$1 dir=$2 count=${3:-8} i file copied=""
+parts() {  # parts N DIR [COUNT]: the last pack's parts N, N+1, ... (COUNT of them, by default as many as a
+  # call returns) copied into DIR
+  local first=$1 dir=$2 count=${3:-$((RETURN_BYTES / ${PART_BYTES:-15728640}))} i file copied=""
   mkdir -p "$dir"
   for i in $(seq "$first" $((first + count - 1))); do
     file=$(printf '%s/tune_study.tar.gz.part-%02d' "$PACKS" "$i")
@@ -347,7 +353,7 @@ parts() {  # parts N DIR [COUNT]: the last pack's parts N, N+1, ... (COUNT of th
 case "${1:-}" in
 start) start "${2:-}" ;;
 pack) pack "${2:?pack DIR}" ;;
-parts) parts "${2:?parts N DIR}" "${3:?parts N DIR}" ;;
+parts) parts "${2:?parts N DIR [COUNT]}" "${3:?parts N DIR [COUNT]}" ${4:+"$4"} ;;
 compact) python -m evolm_lib.tune.compact "$STUDY" "${2:?compact DIR}/compact" ;;
 rebuild) rebuild ;;
 finish) finish "${2:?finish DIR [SECONDS]}" "${3:-3600}" ;;

@@ -254,7 +254,8 @@ def test_the_geometry_stage_runs_finish_steps_detached_across_calls_without_aski
 
 def test_a_pack_goes_back_in_parts_over_several_calls_and_start_joins_them_again(tmp_path):
     """`pack` with the real packer: the archive in parts of at most PART_BYTES kept on the machine,
-    the first FIRST_PARTS in DIR (an earlier pack's parts there removed), `parts N DIR2` the rest;
+    the first in DIR, as many as fit in what a call returns beside what DIR holds (an earlier pack's
+    parts there removed), `parts N DIR2 [COUNT]` the rest;
     `unpack` (what start runs) puts the study back from the parts gathered, file for file."""
     import optuna
 
@@ -271,10 +272,13 @@ def test_a_pack_goes_back_in_parts_over_several_calls_and_start_joins_them_again
     (study / "tune_summary.json").write_text("{}")
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "STUDY": str(study),
            "LOGS": str(tmp_path / "logs"), "PACKS": str(tmp_path / "packs"), "PART_BYTES": "100000",
-           "FIRST_PARTS": "2"}
+           # room for two parts (and some slack for the folder's own size) beside compact.tar.gz and a
+           # MiB kept for the status
+           "RETURN_BYTES": str(2**20 + 150_000 + 250_000 + 50_000)}
     out = tmp_path / "out"
     out.mkdir()
     (out / "tune_study.tar.gz.part-07").write_text("an earlier pack's part")  # not mistaken for this pack's
+    (out / "compact.tar.gz").write_bytes(os.urandom(150_000))
     result = subprocess.run(["bash", str(SCRIPT), "pack", str(out)], env=env, capture_output=True, text=True,
                             timeout=120, cwd=SCRIPT.parents[1])
     assert result.returncode == 0, result.stderr
@@ -282,9 +286,14 @@ def test_a_pack_goes_back_in_parts_over_several_calls_and_start_joins_them_again
     count = -(-sum(p.stat().st_size for p in kept) // 100_000)
     assert count >= 3 and [p.name for p in kept] == [f"tune_study.tar.gz.part-{i:02d}" for i in range(count)]
     assert all(p.stat().st_size <= 100_000 for p in kept)
-    assert sorted(p.name for p in out.iterdir()) == ["tune_study.tar.gz.part-00", "tune_study.tar.gz.part-01",
-                                                     "tune_study_status.txt"]
+    assert sorted(p.name for p in out.iterdir()) == ["compact.tar.gz", "tune_study.tar.gz.part-00",
+                                                     "tune_study.tar.gz.part-01", "tune_study_status.txt"]
     assert f"this call returns 2 of the pack's {count} parts" in result.stdout
+
+    one = tmp_path / "one"
+    result = subprocess.run(["bash", str(SCRIPT), "parts", "2", str(one), "1"], env=env, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0 and [p.name for p in one.iterdir()] == ["tune_study.tar.gz.part-02"]
 
     later = tmp_path / "later"
     result = subprocess.run(["bash", str(SCRIPT), "parts", "2", str(later)], env=env, capture_output=True, text=True,
