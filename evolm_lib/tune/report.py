@@ -234,8 +234,8 @@ def study_digest(tables: Mapping[str, Any], title: str) -> str:
     lines = [f"# {title}", "", f"Held-out {measure} over the final seeds: mean (BCa interval), t interval, "
              "seed standard deviation; the winner's validation score in brackets." if winners is not None else
              f"Held-out {measure} over each method's seeds: mean (BCa interval), t interval, seed standard deviation.", ""]
-    tuned = [table for table in (tables.get("heldout"), tables.get("control")) if table is not None]
-    tuned = pd.concat(tuned) if tuned else None  # the control's rows under their own names
+    parts = [table for table in (tables.get("heldout"), tables.get("control")) if table is not None]
+    tuned = pd.concat(parts) if parts else None  # the control's rows under their own names
     finals = [table for table in (tuned, sweep) if table is not None]
     heldout = pd.concat(finals) if finals else None
     methods = list(dict.fromkeys([*(winners.index if winners is not None else []),
