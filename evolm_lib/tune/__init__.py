@@ -19,9 +19,8 @@ from .study import (STORAGE, always, best_trial, finished, load_study, make_tuni
 
 __all__ = [
     "Parameter", "STAGES", "STORAGE", "SUMMARY", "always", "control_plan", "long_plan", "resolve_best",
-    "resolved_primary",
-    "run_extras", "TuneSettings", "TuneSpec", "best_trial", "check_space", "describe",
-    "final_groups", "final_plan", "finished", "load_study", "load_tune_spec", "make_tuning_evaluator", "open_storage",
-    "outstanding", "parse_parameter", "parse_space", "run_finals", "storage_url", "study_trials", "summarize",
-    "summary_lines", "trial_config", "tune", "tune_method", "with_methods", "with_trials", "work",
+    "resolved_primary", "run_extras", "TuneSettings", "TuneSpec", "best_trial", "check_space", "describe",
+    "final_groups", "final_plan", "finished", "load_study", "load_tune_spec", "make_tuning_evaluator",
+    "open_storage", "outstanding", "parse_parameter", "parse_space", "run_finals", "storage_url", "study_trials",
+    "summarize", "summary_lines", "trial_config", "tune", "tune_method", "with_methods", "with_trials", "work",
 ]
