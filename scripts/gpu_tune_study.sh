@@ -336,6 +336,8 @@ pack() {
     echo "this call returns $first of the pack's $count parts: the others with \`bash $0 parts $first DIR\`, $((RETURN_BYTES / part)) a call, before the machine goes back"
   fi
   status "$LOGS"/*.log > "$dir/tune_study_status.txt" 2>&1
+  # where each method stands, runs under way with their generation or step and checkpoint
+  python -m evolm_lib.tune.progress "$SPEC" --out "$STUDY" 2>&1 | tee -a "$dir/tune_study_status.txt"
   echo "$(alive) workers alive" | tee -a "$dir/tune_study_status.txt"
 }
 

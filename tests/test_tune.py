@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -444,3 +445,58 @@ def test_an_unfinished_run_packed_with_its_checkpoint_resumes_elsewhere_to_the_u
         run.close()
         assert [{k: v for k, v in r.items() if not k.startswith("time/")} for r in read_metrics(folder)] == \
             uninterrupted[method], method
+
+
+def test_the_progress_table_counts_each_stage_and_places_each_run_under_way(tmp_path, capsys):
+    """python -m evolm_lib.tune.progress: trials finished of the spec's and those running with their
+    runs' positions and checkpoints, reruns, continued reruns and the control, from the folder and
+    storage alone (no engine)."""
+    from evolm_lib.runs import write_checkpoint
+    from evolm_lib.tune.progress import main as progress
+
+    def change(spec):
+        spec["tune"].update(trials=2, long=2, control="best_es")
+    path = write_spec(tmp_path, change)
+    assert progress([str(path)]) == 2
+    assert "holds no study (no optuna.db)" in capsys.readouterr().err
+    spec = tune.load_tune_spec(path)
+
+    def trial(method: str, value: float | None):
+        study = tune.load_study(spec, method)
+        with warnings.catch_warnings():  # Optuna's note that its heartbeat is meant for optimize()
+            warnings.simplefilter("ignore", UserWarning)
+            asked = study.ask()
+        for parameter in spec.settings.space[method]:
+            parameter.suggest(asked)
+        if value is not None:
+            study.tell(asked, value)
+        return study, asked
+
+    def rows(folder: Path, generations: int, length: int, kind: str = "es") -> None:
+        folder.mkdir(parents=True)
+        key = "num_generations" if kind == "es" else "num_steps"
+        (folder / "config.yaml").write_text(f"{key}: {length}\n")
+        (folder / "metrics.jsonl").write_text("".join(json.dumps({"generation": g}) + "\n" for g in range(generations)))
+
+    for value in (0.5, 0.7):  # es tuned: its reruns and their continuations are planned
+        trial("es", value)
+    trial("grpo", 0.1)
+    study, running = trial("grpo", None)  # a trial under way, checkpointed at step 1
+    folder = tune.study.trial_folder(spec, "grpo", study, running) / "seed100"
+    rows(folder, 3, 2, kind="grpo")
+    write_checkpoint(folder, 1, None, {}, {}, base_model="tiny-random")
+    final = spec.out / "final" / "es"
+    rows(final / "seed0", 3, 2)
+    (final / "seed0" / "heldout.jsonl").write_text(json.dumps({"generation": 2, "reward": 1.0}) + "\n")
+    rows(final / "seed1", 1, 2)  # begun, no checkpoint
+    rows(spec.out / "long" / "es" / "seed0", 2, 4)
+    assert progress([str(path)]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "| method | trials | reruns on the final seeds | continued to 2x |",
+        "| --- | --- | --- | --- |",
+        "| es | 2 of 2 | 1 of 2; under way: seed1 at 0/2 (no checkpoint) | 0 of 2; under way: seed0 at 1/4 (no checkpoint) |",
+        "| grpo | 1 of 2; under way: trial_0001 at 2/2 (checkpoint 1) | 0 of 2: waits for the trials "
+        "| 0 of 2: waits for the trials |",
+        "",
+        "Control (best_es): es, 0 of 2",
+    ]

@@ -8,7 +8,8 @@ OUT/optuna.db and the worker that runs trials on one engine (heartbeats, retries
 final.py: the winners' reruns on `final_seeds`, continued (`long`) and controlled (`control`), and the
 summary with its statistics; compact.py: a finished study's rows and scores in a few gzipped files
 to commit; geometry.py: the winners' solutions compared (run where their weights are); rebuild.py:
-reruns whose weights a pack left behind run again, their rows checked against the rerun's.
+reruns whose weights a pack left behind run again, their rows checked against the rerun's;
+progress.py: where a study stands, as a Markdown table (runs under way with their positions).
 """
 from .final import (STAGES, SUMMARY, control_plan, final_groups, final_plan, long_plan, outstanding, resolve_best,
                     resolved_primary, run_extras, run_finals, summarize, summary_lines, work)

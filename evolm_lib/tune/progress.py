@@ -1,0 +1,115 @@
+"""Where a tuned study stands, per method: trials finished of ``tune.trials`` and those under way,
+reruns on the final seeds, continued reruns (``tune.long``) and the control (``tune.control``), each
+run under way with its generation or step. It starts no engine and changes no trial (a method
+with no study yet gets an empty one, as a worker's first look would make), so it runs wherever a
+pack was unpacked:
+
+    python -m evolm_lib.tune.progress papermill_runs/tune_study_conciseness_gpu.yaml --out runs/tune_study_conciseness
+
+prints the Markdown table that the docs' progress sections show. A trial "under way" is one the
+storage holds as running or waiting: on a machine that unpacked a pack, a trial that was running
+when the last machine went back is listed this way until a worker retries it.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from ..runs import list_checkpoints, read_config_file, read_metrics, row_generation
+from ..sweep import PlannedRun
+from .final import _finished_rerun, control_plan, final_plan, long_plan, resolve_best
+from .spec import TuneSpec, load_tune_spec
+from .study import STORAGE, counted, finished, load_study, trial_folder
+
+
+def run_position(folder: Path) -> str:
+    """Where a run folder stands: ``at G/LENGTH`` (its last row's generation or step) and where it would
+    resume (its newest checkpoint, or from its start), or ``from its start`` where it holds no config
+    (a pack left it out)."""
+    if not (folder / "config.yaml").exists():
+        return "from its start"
+    config = read_config_file(folder)
+    length = config.get("num_generations", config.get("num_steps"))
+    rows = read_metrics(folder) if (folder / "metrics.jsonl").exists() else []
+    checkpoints = list_checkpoints(folder)
+    resumes = f"checkpoint {int(checkpoints[-1].name)}" if checkpoints else "no checkpoint"
+    return f"at {max(row_generation(rows[-1]), 0) if rows else 0}/{length} ({resumes})"
+
+
+def trials_cell(spec: TuneSpec, method: str) -> str:
+    """``k of N``, and each trial under way (running or waiting) with its runs' positions."""
+    from optuna.trial import TrialState
+
+    study = load_study(spec, method)
+    trials = study.get_trials(deepcopy=False)
+    open_states = (TrialState.RUNNING, TrialState.WAITING)
+    done = sum(counted(t) and t.state not in open_states for t in trials)
+    cell = f"{done} of {spec.settings.trials}"
+    under_way = []
+    for trial in (t for t in trials if t.state in open_states):
+        folder = trial_folder(spec, method, study, trial)
+        positions = [run_position(folder / f"seed{planned.config.seed}") for planned in spec.tuning_runs[method]]
+        under_way.append(f"{folder.name} {', '.join(positions)}")
+    return cell + (f"; under way: {'; '.join(under_way)}" if under_way else "")
+
+
+def runs_cell(out: Path, plans: Sequence[PlannedRun]) -> str:
+    """``k of N`` finished runs of a stage, and those begun with their positions."""
+    done, under_way = 0, []
+    for planned in plans:
+        folder = out / planned.name
+        if _finished_rerun(folder, planned.length):
+            done += 1
+        elif folder.exists():
+            under_way.append(f"{folder.name} {run_position(folder)}")
+    return f"{done} of {len(plans)}" + (f"; under way: {', '.join(under_way)}" if under_way else "")
+
+
+def progress_table(spec: TuneSpec) -> str:
+    """The study's progress as Markdown: a row per method, then the control's line."""
+    seeds = len(next(iter(spec.final_runs.values())))
+    lines = ["| method | trials | reruns on the final seeds | continued to 2x |" if spec.settings.long == 2 else
+             f"| method | trials | reruns on the final seeds | continued to {spec.settings.long}x |",
+             "| --- | --- | --- | --- |"]
+    for method in spec.methods:
+        if finished(spec, method):
+            reruns = runs_cell(spec.out / "final", final_plan(spec, method))
+            longer = runs_cell(spec.out / "long", long_plan(spec, method)) if spec.settings.long > 1 else "none declared"
+        else:
+            reruns = longer = f"0 of {seeds}: waits for the trials"
+        lines.append(f"| {method} | {trials_cell(spec, method)} | {reruns} | {longer} |")
+    control = spec.settings.control
+    if control != "none":
+        method = resolve_best(spec, control)
+        lines += ["", f"Control ({control}): " + (f"undecided until every method of its kind has its trials"
+                                                  if method is None else
+                                                  f"{method}, {runs_cell(spec.out / 'control', control_plan(spec, method))}")]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m evolm_lib.tune.progress", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("spec", help="the study's spec (YAML with a tune: section)")
+    parser.add_argument("--out", help="the study's folder (default: the spec's)")
+    args = parser.parse_args(argv)
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    try:
+        spec = load_tune_spec(args.spec, out=args.out)
+    except (ValueError, FileNotFoundError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    if not (spec.out / STORAGE).exists():
+        print(f"error: {spec.out} holds no study (no {STORAGE}): nothing has run there, or --out names another "
+              "folder", file=sys.stderr)
+        return 2
+    print(progress_table(spec))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
