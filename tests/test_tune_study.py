@@ -374,7 +374,11 @@ def test_the_study_end_to_end_then_compacted_tabled_drawn_and_measured(tmp_path,
         assert trial["config"]["population_size"] == size and trial["config"]["prompts_per_step"] == prompts
         assert trial["config"]["num_generations"] * size * prompts == 16
     tune.run_finals(spec, tiny_vllm, log=quiet)
-    done = tune.run_extras(spec, tiny_vllm, log=quiet)
+    for method in ("es", "grpo"):  # the worker that finishes a rerun continues it before the next rerun
+        def started(stage: str, seed: int) -> float:  # a continuation's folder holds its rerun's line first
+            return read_jsonl(spec.out / stage / method / f"seed{seed}" / "placement.jsonl")[-1]["time"]
+        assert started("final", 0) < started("long", 0) < started("final", 1) < started("long", 1)
+    done = tune.run_extras(spec, tiny_vllm, log=quiet)  # the continuations found finished, and the control
     assert sorted(done) == ["control/es", "long/es", "long/grpo"]
     best = {"es": tune.best_trial(spec, "es"), "grpo": tune.best_trial(spec, "grpo")}
     for method in ("es", "grpo"):

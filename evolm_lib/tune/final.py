@@ -4,7 +4,7 @@ with the spec's ``primary`` pairs Holm-corrected). The tuning seeds' runs never 
 
 Two further stages, declared in the spec: ``tune.long`` continues each rerun to that many times the
 budget in a copy of its folder (OUT/long/<method>/seedS; the rerun's own folder is never written
-again), and ``tune.control`` reruns one ES method's winner with its members' rewards shuffled
+again; the worker that finishes a rerun continues it next, while its checkpoint is on its machine), and ``tune.control`` reruns one ES method's winner with its members' rewards shuffled
 (OUT/control/<method>/seedS), the control for drift that is not learning. ``best_es`` and
 ``best_grpo`` name the ES or GRPO method whose winner scored highest on the selection key, decided
 once every method of that kind has its trials.
@@ -130,17 +130,36 @@ def continue_copy(source, folder) -> bool:
     return True
 
 
+def continue_rerun(spec: TuneSpec, planned: PlannedRun, rerun: PlannedRun, evaluator,
+                   log: Callable[[str], None] = print, may_claim: Callable[[], bool] = always) -> bool:
+    """The finished rerun ``rerun`` continued as ``planned`` (``tune.long`` x its budget) in a copy of
+    its folder, OUT/long/<name>, from its last checkpoint (from the start where this machine holds
+    none); one worker copies it, under the study's lock. Returns whether the continuation is
+    finished: False while its rerun is not, or once ``may_claim`` says no (``RunFolderBusy`` where
+    another worker writes it)."""
+    source, folder = spec.out / "final" / planned.name, spec.out / "long" / planned.name
+    with study_lock(spec.out):  # one worker copies a rerun; the others find the copy
+        if not folder.exists() and may_claim():
+            if not _finished_rerun(source, rerun.length):
+                log(f"  long/{planned.name}: waits for its rerun final/{planned.name} to finish")
+                return False
+            folder.parent.mkdir(parents=True, exist_ok=True)
+            if not continue_copy(source, folder):
+                log(f"  long/{planned.name}: final/{planned.name} has no checkpoint here; run from the start")
+    return run_unfinished(planned, spec.out / "long", evaluator, may_claim)
+
+
 def run_extras(spec: TuneSpec, evaluator, log: Callable[[str], None] = print,
                may_claim: Callable[[], bool] = always) -> dict[str, list[str]]:
     """The declared later stages for this worker's methods: each finished rerun continued to
-    ``tune.long`` x the budget (OUT/long/), and the shuffled-fitness control of ``tune.control``
-    (OUT/control/) once its method is decided, each started while ``may_claim``; returns
-    {stage/method: folders written or found finished}."""
+    ``tune.long`` x the budget (OUT/long/, ``continue_rerun``), and the shuffled-fitness control of
+    ``tune.control`` (OUT/control/) once its method is decided, each started while ``may_claim``;
+    returns {stage/method: folders written or found finished}."""
     done: dict[str, list[str]] = {}
 
-    def run(planned: PlannedRun, stage: str) -> None:
+    def run(planned: PlannedRun, stage: str, start: Callable[[], bool]) -> None:
         try:
-            if not run_unfinished(planned, spec.out / stage, evaluator, may_claim):
+            if not start():
                 return
         except RunFolderBusy as busy:
             log(f"  {stage}/{planned.name}: busy, left to its writer ({busy})")
@@ -152,23 +171,14 @@ def run_extras(spec: TuneSpec, evaluator, log: Callable[[str], None] = print,
             if not finished(spec, method):
                 continue
             for planned, rerun in zip(long_plan(spec, method), final_plan(spec, method)):
-                source, folder = spec.out / "final" / planned.name, spec.out / "long" / planned.name
-                with study_lock(spec.out):  # one worker copies a rerun; the others find the copy
-                    if not folder.exists() and may_claim():
-                        if not _finished_rerun(source, rerun.length):
-                            log(f"  long/{planned.name}: waits for its rerun final/{planned.name} to finish")
-                            continue
-                        folder.parent.mkdir(parents=True, exist_ok=True)
-                        if not continue_copy(source, folder):
-                            log(f"  long/{planned.name}: final/{planned.name} has no checkpoint here; run from the start")
-                run(planned, "long")
+                run(planned, "long", lambda: continue_rerun(spec, planned, rerun, evaluator, log, may_claim))
     if spec.settings.control != "none":
         method = resolve_best(spec, spec.settings.control)
         if method is None:
             log(f"control ({spec.settings.control}): waits until every ES method has its trials")
         elif method in spec.methods:
             for planned in control_plan(spec, method):
-                run(planned, "control")
+                run(planned, "control", lambda: run_unfinished(planned, spec.out / "control", evaluator, may_claim))
     return done
 
 
@@ -176,14 +186,19 @@ def run_finals(spec: TuneSpec, evaluator, log: Callable[[str], None] = print,
                may_claim: Callable[[], bool] = always) -> dict[str, list[str]]:
     """Rerun every method whose study is finished on the final seeds (a method still being tuned by
     another worker is left for later, a rerun another worker writes is skipped, and none is started
-    once ``may_claim`` says no); returns {method: rerun folders written or found finished}."""
+    once ``may_claim`` says no); returns {method: rerun folders written or found finished}. With
+    ``tune.long``, a rerun this worker finishes is continued at once (``continue_rerun``), before the
+    next rerun: its checkpoint is on this machine now, where a later machine may not get it (a
+    full-weight GRPO checkpoint never travels, and its continuation would start from the first step)."""
     done: dict[str, list[str]] = {}
     for method in spec.methods:
         if not finished(spec, method):
             log(f"{method}: tuning not finished; its reruns wait")
             continue
         done[method] = []
-        for planned in final_plan(spec, method):
+        longer = long_plan(spec, method) if spec.settings.long > 1 else None
+        for i, planned in enumerate(final_plan(spec, method)):
+            found = _finished_rerun(spec.out / "final" / planned.name, planned.length)
             try:
                 if not run_unfinished(planned, spec.out / "final", evaluator, may_claim):
                     continue
@@ -191,6 +206,11 @@ def run_finals(spec: TuneSpec, evaluator, log: Callable[[str], None] = print,
                 log(f"  {planned.name}: busy, left to its writer ({busy})")
                 continue
             done[method].append(str(spec.out / "final" / planned.name))
+            if longer is not None and not found:
+                try:
+                    continue_rerun(spec, longer[i], planned, evaluator, log, may_claim)
+                except RunFolderBusy as busy:
+                    log(f"  long/{planned.name}: busy, left to its writer ({busy})")
     return done
 
 
