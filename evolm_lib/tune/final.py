@@ -90,7 +90,7 @@ def control_plan(spec: TuneSpec, method: str) -> list[PlannedRun]:
             for planned in final_plan(spec, method)]
 
 
-def _finished_rerun(folder, length: int | None = None) -> bool:
+def finished_rerun(folder, length: int | None = None) -> bool:
     """Whether a rerun's folder is done: scored on the held-out problems at its last generation or
     step (``length``; any, where None), and written by no one now. A rerun scores the held-out
     problems once, when it ends."""
@@ -104,7 +104,7 @@ def run_unfinished(planned: PlannedRun, out, evaluator, may_claim: Callable[[], 
     generation or step): such a folder may hold no weights (unpacked on another machine from a pack,
     which leaves weights out), and nothing of it is left to run. An unfinished run is left alone
     when ``may_claim`` says the worker starts nothing more. Returns whether the run is finished."""
-    if _finished_rerun(out / planned.name, planned.length):
+    if finished_rerun(out / planned.name, planned.length):
         return True
     if not may_claim():
         return False
@@ -140,7 +140,7 @@ def continue_rerun(spec: TuneSpec, planned: PlannedRun, rerun: PlannedRun, evalu
     source, folder = spec.out / "final" / planned.name, spec.out / "long" / planned.name
     with study_lock(spec.out):  # one worker copies a rerun; the others find the copy
         if not folder.exists() and may_claim():
-            if not _finished_rerun(source, rerun.length):
+            if not finished_rerun(source, rerun.length):
                 log(f"  long/{planned.name}: waits for its rerun final/{planned.name} to finish")
                 return False
             folder.parent.mkdir(parents=True, exist_ok=True)
@@ -198,7 +198,7 @@ def run_finals(spec: TuneSpec, evaluator, log: Callable[[str], None] = print,
         done[method] = []
         longer = long_plan(spec, method) if spec.settings.long > 1 else None
         for i, planned in enumerate(final_plan(spec, method)):
-            found = _finished_rerun(spec.out / "final" / planned.name, planned.length)
+            found = finished_rerun(spec.out / "final" / planned.name, planned.length)
             try:
                 if not run_unfinished(planned, spec.out / "final", evaluator, may_claim):
                     continue
@@ -238,7 +238,7 @@ def outstanding(spec: TuneSpec, finals: bool = True) -> list[str]:
         if spec.settings.long > 1:
             stages.append(("long", long_plan(spec, method)))
         left += [f"{stage}/{planned.name}" for stage, plans in stages for planned in plans
-                 if not _finished_rerun(spec.out / stage / planned.name, planned.length)]
+                 if not finished_rerun(spec.out / stage / planned.name, planned.length)]
     control = spec.settings.control
     if finals and control != "none":
         method = resolve_best(spec, control)
@@ -248,7 +248,7 @@ def outstanding(spec: TuneSpec, finals: bool = True) -> list[str]:
                 left.append(f"control ({control}): the trials deciding it")
         elif method in spec.methods:
             left += [f"control/{planned.name}" for planned in control_plan(spec, method)
-                     if not _finished_rerun(spec.out / "control" / planned.name, planned.length)]
+                     if not finished_rerun(spec.out / "control" / planned.name, planned.length)]
     return left
 
 
@@ -294,7 +294,7 @@ def final_groups(spec: TuneSpec, methods: list[str] | None = None, stage: str = 
     from ..analysis import load_runs
 
     folders = {m: found for m in (methods or spec.methods)
-               if (found := [str(f) for f in sorted((spec.out / stage / m).glob("seed*")) if _finished_rerun(f)])}
+               if (found := [str(f) for f in sorted((spec.out / stage / m).glob("seed*")) if finished_rerun(f)])}
     return load_runs(folders, allow_mixed=True) if folders else {}
 
 

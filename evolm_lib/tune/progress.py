@@ -19,7 +19,7 @@ from typing import Sequence
 
 from ..runs import list_checkpoints, read_config_file, read_metrics, row_generation
 from ..sweep import PlannedRun
-from .final import _finished_rerun, control_plan, final_plan, long_plan, resolve_best
+from .final import control_plan, final_plan, finished_rerun, long_plan, resolve_best
 from .spec import TuneSpec, load_tune_spec
 from .study import STORAGE, counted, finished, load_study, trial_folder
 
@@ -60,7 +60,7 @@ def runs_cell(out: Path, plans: Sequence[PlannedRun]) -> str:
     done, under_way = 0, []
     for planned in plans:
         folder = out / planned.name
-        if _finished_rerun(folder, planned.length):
+        if finished_rerun(folder, planned.length):
             done += 1
         elif folder.exists():
             under_way.append(f"{folder.name} {run_position(folder)}")
