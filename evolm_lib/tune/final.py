@@ -4,7 +4,8 @@ with the spec's ``primary`` pairs Holm-corrected). The tuning seeds' runs never 
 
 Two further stages, declared in the spec: ``tune.long`` continues each rerun to that many times the
 budget in a copy of its folder (OUT/long/<method>/seedS; the rerun's own folder is never written
-again; the worker that finishes a rerun continues it next, while its checkpoint is on its machine), and ``tune.control`` reruns one ES method's winner with its members' rewards shuffled
+again; the worker that finishes a rerun continues it next, while its checkpoint is on its machine),
+and ``tune.control`` reruns one ES method's winner with its members' rewards shuffled
 (OUT/control/<method>/seedS), the control for drift that is not learning. ``best_es`` and
 ``best_grpo`` name the ES or GRPO method whose winner scored highest on the selection key, decided
 once every method of that kind has its trials.
@@ -74,14 +75,17 @@ def resolved_primary(spec: TuneSpec) -> tuple[list[tuple[str, str]], dict[str, s
     return pairs, names, notes
 
 
+def long_run(spec: TuneSpec, rerun: PlannedRun) -> PlannedRun:
+    """A rerun at ``tune.long`` times its budget (the same settings, more generations or steps)."""
+    factor = spec.settings.long
+    length = "num_generations" if rerun.kind == "es" else "num_steps"
+    config = rerun.config.replace(**{length: getattr(rerun.config, length) * factor})
+    return replace(rerun, config=config, budget=rerun.budget * factor)
+
+
 def long_plan(spec: TuneSpec, method: str) -> list[PlannedRun]:
-    """The method's reruns at ``tune.long`` times the budget (the same settings, more generations or steps)."""
-    factor, plans = spec.settings.long, []
-    for planned in final_plan(spec, method):
-        length = "num_generations" if planned.kind == "es" else "num_steps"
-        config = planned.config.replace(**{length: getattr(planned.config, length) * factor})
-        plans.append(replace(planned, config=config, budget=planned.budget * factor))
-    return plans
+    """The method's reruns at ``tune.long`` times the budget."""
+    return [long_run(spec, rerun) for rerun in final_plan(spec, method)]
 
 
 def control_plan(spec: TuneSpec, method: str) -> list[PlannedRun]:
@@ -170,7 +174,8 @@ def run_extras(spec: TuneSpec, evaluator, log: Callable[[str], None] = print,
         for method in spec.methods:
             if not finished(spec, method):
                 continue
-            for planned, rerun in zip(long_plan(spec, method), final_plan(spec, method)):
+            for rerun in final_plan(spec, method):
+                planned = long_run(spec, rerun)
                 run(planned, "long", lambda: continue_rerun(spec, planned, rerun, evaluator, log, may_claim))
     if spec.settings.control != "none":
         method = resolve_best(spec, spec.settings.control)
@@ -196,19 +201,21 @@ def run_finals(spec: TuneSpec, evaluator, log: Callable[[str], None] = print,
             log(f"{method}: tuning not finished; its reruns wait")
             continue
         done[method] = []
-        longer = long_plan(spec, method) if spec.settings.long > 1 else None
-        for i, planned in enumerate(final_plan(spec, method)):
-            found = finished_rerun(spec.out / "final" / planned.name, planned.length)
+        for planned in final_plan(spec, method):
+            folder = spec.out / "final" / planned.name
+            if finished_rerun(folder, planned.length):  # here already: its continuation is run_extras'
+                done[method].append(str(folder))
+                continue
             try:
                 if not run_unfinished(planned, spec.out / "final", evaluator, may_claim):
                     continue
             except RunFolderBusy as busy:
                 log(f"  {planned.name}: busy, left to its writer ({busy})")
                 continue
-            done[method].append(str(spec.out / "final" / planned.name))
-            if longer is not None and not found:
+            done[method].append(str(folder))
+            if spec.settings.long > 1:
                 try:
-                    continue_rerun(spec, longer[i], planned, evaluator, log, may_claim)
+                    continue_rerun(spec, long_run(spec, planned), planned, evaluator, log, may_claim)
                 except RunFolderBusy as busy:
                     log(f"  long/{planned.name}: busy, left to its writer ({busy})")
     return done

@@ -19,7 +19,7 @@ from typing import Sequence
 
 from ..runs import list_checkpoints, read_config_file, read_metrics, row_generation
 from ..sweep import PlannedRun
-from .final import control_plan, final_plan, finished_rerun, long_plan, resolve_best
+from .final import control_plan, final_plan, finished_rerun, long_run, resolve_best
 from .spec import TuneSpec, load_tune_spec
 from .study import STORAGE, counted, finished, load_study, trial_folder
 
@@ -70,22 +70,23 @@ def runs_cell(out: Path, plans: Sequence[PlannedRun]) -> str:
 def progress_table(spec: TuneSpec) -> str:
     """The study's progress as Markdown: a row per method, then the control's line."""
     seeds = len(next(iter(spec.final_runs.values())))
-    lines = ["| method | trials | reruns on the final seeds | continued to 2x |" if spec.settings.long == 2 else
-             f"| method | trials | reruns on the final seeds | continued to {spec.settings.long}x |",
-             "| --- | --- | --- | --- |"]
+    long = spec.settings.long
+    lines = [f"| method | trials | reruns on the final seeds | continued to {long}x |", "| --- | --- | --- | --- |"]
     for method in spec.methods:
         if finished(spec, method):
-            reruns = runs_cell(spec.out / "final", final_plan(spec, method))
-            longer = runs_cell(spec.out / "long", long_plan(spec, method)) if spec.settings.long > 1 else "none declared"
+            plans = final_plan(spec, method)
+            reruns = runs_cell(spec.out / "final", plans)
+            longer = (runs_cell(spec.out / "long", [long_run(spec, rerun) for rerun in plans]) if long > 1
+                      else "none declared")
         else:
             reruns = longer = f"0 of {seeds}: waits for the trials"
         lines.append(f"| {method} | {trials_cell(spec, method)} | {reruns} | {longer} |")
     control = spec.settings.control
     if control != "none":
         method = resolve_best(spec, control)
-        lines += ["", f"Control ({control}): " + (f"undecided until every method of its kind has its trials"
-                                                  if method is None else
-                                                  f"{method}, {runs_cell(spec.out / 'control', control_plan(spec, method))}")]
+        stands = ("undecided until every method of its kind has its trials" if method is None
+                  else f"{method}, {runs_cell(spec.out / 'control', control_plan(spec, method))}")
+        lines += ["", f"Control ({control}): {stands}"]
     return "\n".join(lines)
 
 
