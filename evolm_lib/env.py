@@ -153,8 +153,10 @@ def code_identity() -> dict:
 
 def placement() -> dict:
     """Where this process runs its engine: host, device, the visible cards, the engines declared to
-    share a card (``EVOLM_ENGINES_PER_CARD``) and the compute processes seen on it now; and with what
-    code (``code_identity``)."""
+    share a card (``EVOLM_ENGINES_PER_CARD``), the CUDA MPS daemon's pipe it was pointed at
+    (``CUDA_MPS_PIPE_DIRECTORY``: the processes sharing the card ran their kernels side by side) and
+    the compute processes seen on it now (under MPS nvidia-smi lists the MPS server, not its
+    clients); and with what code (``code_identity``)."""
     import socket
     import time
 
@@ -162,6 +164,7 @@ def placement() -> dict:
     record = {"time": time.time(), "host": socket.gethostname(), "pid": os.getpid(),
               "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
               "engines_per_card": int(declared) if declared and declared.isdigit() else None,
+              "cuda_mps_pipe_directory": os.environ.get("CUDA_MPS_PIPE_DIRECTORY"),
               "device": "cpu", "processes_on_card": None, **code_identity()}
     if has_cuda():
         import torch

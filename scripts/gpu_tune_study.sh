@@ -47,7 +47,11 @@
 # (a method kept to cards of its own, several workers on one card). CLAIM_UNTIL="grpo_full=EPOCH ...":
 # a worker of that method starts no trial or run after that time (`evolm tune --claim-for`), for runs
 # whose checkpoints never travel (full GRPO's) and so must end within the lease that starts them; its
-# worker then ends and its card is refilled. SPEC and STUDY name another study, e.g.
+# worker then ends and its card is refilled. MPS_CARDS="0 1": CUDA's Multi-Process Service on those
+# cards (a control daemon under MPS_DIR, started once a lease and checked with one CUDA process a card
+# before any worker starts), so the processes sharing a card run their kernels side by side instead of
+# the card switching between them; workers on other cards never reach the daemon (its pipe is not the
+# default one), and each run's placement.jsonl names the pipe it used. SPEC and STUDY name another study, e.g.
 #   SPEC=papermill_runs/tune_study_conciseness_gpu.yaml STUDY=runs/tune_study_conciseness bash scripts/gpu_tune_study.sh start
 set -u
 . "$(dirname "${BASH_SOURCE[0]}")/gpu_cards.sh"  # on_card
@@ -67,6 +71,7 @@ RETURN_BYTES=${RETURN_BYTES:-67108864}  # what one device call brings back, its 
 FIRST_PARTS=${FIRST_PARTS:-4}     # the parts a pack puts in its DIR, fewer where they would pass RETURN_BYTES
 export VLLM_LOGGING_LEVEL=WARNING TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 export OMP_NUM_THREADS=2  # many processes share the machine's cores
+MPS_DIR=${MPS_DIR:-/tmp/evolm-mps}  # MPS_CARDS' daemon: its pipe and log folders (a socket path is short)
 
 cards() {  # the machine's GPUs (a CPU machine: one "card")
   local n
@@ -99,12 +104,37 @@ claim_for() {
   done
 }
 
+mps_env() {  # mps_env CARD: the variables that send CARD's processes through the MPS daemon (MPS_CARDS)
+  grep -qx "$1" "$LOGS/mps_cards.txt" 2>/dev/null \
+    && echo "CUDA_MPS_PIPE_DIRECTORY=$MPS_DIR/pipe CUDA_MPS_LOG_DIRECTORY=$MPS_DIR/log"
+}
+
+start_mps() {
+  # The MPS daemon for the cards of MPS_CARDS (validated by `start`), started unless one answers
+  # already (an earlier call of the lease), and one CUDA process through it on each of those cards:
+  # a daemon that cannot serve them stops the start before any worker has one
+  local card
+  : > "$LOGS/mps_cards.txt"
+  [ -n "${MPS_CARDS:-}" ] || return 0
+  mkdir -p "$MPS_DIR/pipe" "$MPS_DIR/log"
+  if ! echo get_server_list | CUDA_MPS_PIPE_DIRECTORY=$MPS_DIR/pipe nvidia-cuda-mps-control > /dev/null 2>&1; then
+    CUDA_MPS_PIPE_DIRECTORY=$MPS_DIR/pipe CUDA_MPS_LOG_DIRECTORY=$MPS_DIR/log setsid nvidia-cuda-mps-control -d \
+      || { echo "MPS_CARDS: the MPS control daemon did not start" >&2; exit 1; }
+  fi
+  for card in $MPS_CARDS; do
+    echo "$card" >> "$LOGS/mps_cards.txt"
+    env $(mps_env "$card") CUDA_VISIBLE_DEVICES="$card" python -c 'import torch; torch.ones(1, device="cuda").sum().item()' \
+      || { echo "MPS_CARDS: card $card: a CUDA process through MPS failed (the daemon's log: $MPS_DIR/log)" >&2; exit 1; }
+  done
+  echo "MPS on cards $(paste -sd, "$LOGS/mps_cards.txt") (daemon: $MPS_DIR)"
+}
+
 launch() {  # launch METHOD CARD ENGINES LOG: one detached worker, recorded in workers.pids and workers.tsv
   local offset=0 claim
   claim=$(claim_for "$1")
   [ "$claim" = past ] && { echo "card $2: no worker of $1, whose deadline for starting runs has passed"; return 0; }
   [ -f "$4" ] && offset=$(wc -c < "$4")  # logs are appended to: this worker's part starts here
-  EVOLM_ENGINES_PER_CARD=$3 CUDA_VISIBLE_DEVICES=$2 \
+  env $(mps_env "$2") EVOLM_ENGINES_PER_CARD=$3 CUDA_VISIBLE_DEVICES=$2 \
     setsid python -m evolm_lib.cli tune "$SPEC" --methods "$1" --no-figures ${claim:+--claim-for "$claim"} \
     >> "$4" 2>&1 < /dev/null &
   echo $! >> "$LOGS/workers.pids"
@@ -163,6 +193,13 @@ start() {
     case "$card" in ''|*[!0-9]*) echo "PLACE: $entry: the card is not a number" >&2; exit 2 ;; esac
     [ "$card" -lt "$gpus" ] || { echo "PLACE: $entry: this machine has cards 0 to $((gpus - 1))" >&2; exit 2; }
   done
+  for card in ${MPS_CARDS:-}; do
+    case "$card" in *[!0-9]*) echo "MPS_CARDS: $card is not a card number" >&2; exit 2 ;; esac
+    [ "$card" -lt "$gpus" ] || { echo "MPS_CARDS: card $card: this machine has cards 0 to $((gpus - 1))" >&2; exit 2; }
+  done
+  if [ -n "${MPS_CARDS:-}" ] && ! command -v nvidia-cuda-mps-control > /dev/null; then
+    echo "MPS_CARDS: this machine has no nvidia-cuda-mps-control" >&2; exit 2
+  fi
   for entry in ${CLAIM_UNTIL:-}; do
     case "${entry#*=}" in ''|*[!0-9]*) echo "CLAIM_UNTIL: $entry is not METHOD=EPOCH_SECONDS" >&2; exit 2 ;; esac
   done
@@ -174,6 +211,7 @@ start() {
   python -c "from evolm_lib.models import resolve_model; resolve_model('smollm2-135m-instruct')" >/dev/null 2>&1
   python -m evolm_lib.cli tune "$SPEC" --dry-run --no-figures --methods "$names" > "$LOGS/dry_run.txt" 2>&1 \
     || { cat "$LOGS/dry_run.txt" >&2; exit 1; }
+  start_mps
   local total
   local -A workers  # each method's workers so far: their logs' numbers
   total=$(echo $entries | wc -w)

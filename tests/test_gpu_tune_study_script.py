@@ -21,7 +21,7 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_tune_study.sh"
 def _functions(*names: str) -> str:
     """The script's own functions of these names, by default those refill uses (the rest of it starts
     real workers)."""
-    names = names or ("alive", "claim_for", "launch", "ended_cleanly", "refill")
+    names = names or ("alive", "claim_for", "mps_env", "launch", "ended_cleanly", "refill")
     text, taken, keep = SCRIPT.read_text().splitlines(), [], False
     for line in text:
         keep = keep or line.startswith(tuple(f"{name}() {{" for name in names))
@@ -383,7 +383,7 @@ def test_start_places_workers_as_told_and_passes_each_its_deadline_for_starting_
     (tmp_path / "logs" / "claim_until.txt").write_text(f"grpo_full={int(time.time()) - 1}\n")
     script = f"""set -u
 LOGS={tmp_path / 'logs'}
-{_functions('claim_for', 'launch')}
+{_functions('claim_for', 'mps_env', 'launch')}
 launch grpo_full 1 2 {tmp_path / 'logs' / 'late.log'}
 """
     late = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60)
@@ -400,3 +400,71 @@ launch grpo_full 1 2 {tmp_path / 'logs' / 'late.log'}
                                                                   "LOGS": str(tmp_path / "l2")},
                          capture_output=True, text=True, timeout=60, cwd=SCRIPT.parents[1])
     assert bad.returncode == 2 and "CLAIM_UNTIL: grpo_full=soon is not METHOD=EPOCH_SECONDS" in bad.stderr
+
+
+def test_mps_cards_start_one_daemon_check_it_and_send_only_their_workers_through_it(tmp_path):
+    """MPS_CARDS starts the MPS control daemon once (not again while it answers), checks each of its
+    cards with a CUDA process through it before any worker starts, and points only the workers of those
+    cards at its pipe; bad cards, a machine without the daemon and a failing check stop the start."""
+    import time
+
+    calls = tmp_path / "calls.txt"
+    env = _stand_ins(tmp_path, tmp_path / "study", gpus=2, python=(
+        f'echo "python $CUDA_VISIBLE_DEVICES ${{CUDA_MPS_PIPE_DIRECTORY:-none}} $*" >> {calls}\n'
+        f'case "$*" in *torch*) [ -f {tmp_path}/cuda_fails ] && exit 1 ;; esac\nexit 0\n'))
+    mps = tmp_path / "mps"
+    # a stand-in daemon: -d records its start and answers queries from then on
+    (tmp_path / "bin" / "nvidia-cuda-mps-control").write_text(
+        f'#!/bin/sh\nif [ "$1" = -d ]; then echo "daemon $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY" >> {calls}; '
+        f'touch {tmp_path}/answers; exit 0; fi\n[ -f {tmp_path}/answers ]\n')
+    (tmp_path / "bin" / "nvidia-cuda-mps-control").chmod(0o755)
+    env.update(PLACE="es_full@0 grpo_full@1 es_lora@1", MPS_CARDS="1", MPS_DIR=str(mps))
+    (tmp_path / "nobin").mkdir()  # the same stand-ins without the daemon
+    for tool in ("nvidia-smi", "python"):
+        shutil.copy(tmp_path / "bin" / tool, tmp_path / "nobin" / tool)
+
+    def start(**changes):
+        return subprocess.run(["bash", str(SCRIPT), "start"], env={**env, **changes}, capture_output=True,
+                              text=True, timeout=120, cwd=SCRIPT.parents[1])
+
+    def workers():
+        for _ in range(100):  # the stand-in workers run detached: wait for all three lines
+            lines = [line for line in calls.read_text().splitlines() if "--methods" in line and "--dry-run" not in line]
+            if len(lines) == 3:
+                return sorted(line.split(" -m ")[0] for line in lines)
+            time.sleep(0.1)
+        raise AssertionError(calls.read_text())
+
+    result = start()
+    assert result.returncode == 0, result.stderr
+    assert "MPS on cards 1 (daemon: " in result.stdout
+    lines = calls.read_text().splitlines()
+    pipe = f"{mps}/pipe"
+    assert lines.count(f"daemon {pipe} {mps}/log") == 1
+    check = [line for line in lines if "torch" in line]
+    assert len(check) == 1 and check[0].startswith(f"python 1 {pipe} -c ")
+    assert workers() == ["python 0 none", f"python 1 {pipe}", f"python 1 {pipe}"]
+
+    for _ in range(100):  # the stand-in workers end: a second start finds the daemon answering
+        if not any(os.path.exists(f"/proc/{pid}") for pid in (tmp_path / "logs" / "workers.pids").read_text().split()):
+            break
+        time.sleep(0.1)
+    calls.write_text("")
+    again = start()
+    assert again.returncode == 0 and "MPS on cards 1" in again.stdout, again.stdout + again.stderr
+    assert not [line for line in calls.read_text().splitlines() if line.startswith("daemon")]
+    assert workers() == ["python 0 none", f"python 1 {pipe}", f"python 1 {pipe}"]
+
+    for changes, code, message in (
+            ({"MPS_CARDS": "2"}, 2, "MPS_CARDS: card 2: this machine has cards 0 to 1"),
+            ({"MPS_CARDS": "x"}, 2, "MPS_CARDS: x is not a card number"),
+            ({"MPS_CARDS": "0", "PATH": env["PATH"].replace(str(tmp_path / "bin"), str(tmp_path / "nobin"))},
+             2, "MPS_CARDS: this machine has no nvidia-cuda-mps-control")):
+        bad = start(LOGS=str(tmp_path / "l2"), **changes)
+        assert bad.returncode == code and message in bad.stderr and not (tmp_path / "l2").exists()
+    (tmp_path / "cuda_fails").touch()
+    calls.write_text("")
+    bad = start(LOGS=str(tmp_path / "l3"), MPS_CARDS="0 1")
+    assert bad.returncode == 1 and "MPS_CARDS: card 0: a CUDA process through MPS failed" in bad.stderr
+    assert not (tmp_path / "l3" / "workers.pids").read_text()
+    assert not [line for line in calls.read_text().splitlines() if "--methods" in line and "--dry-run" not in line]
