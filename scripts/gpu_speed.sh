@@ -33,11 +33,14 @@
 #   bash scripts/gpu_speed.sh swap OUT    # grpo-update, LoRA policy, on cards 0 and 1 (a 2-card machine will do): each
 #       deterministic configuration (own process, with and without torch's deterministic algorithms) side by
 #       side with not deterministic, then again with the two cards swapped, so a card's own speed cancels
+#   bash scripts/gpu_speed.sh mps OUT     # full-pool, 1 engine against 4 on a card, side by side: card 0 as the card
+#       comes, card 1 through CUDA's MPS (a control daemon for its processes, so their kernels run side by side)
 #
 # Run from the repository root with PYTHONPATH=/root/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0
 # EVOLM_CACHE_DIR=/root/cache set. LIMIT (default 560) is the whole part's deadline in seconds: each
 # measurement is stopped when it is reached, and its JSON keeps what it had written.
 set -u
+. "$(dirname "${BASH_SOURCE[0]}")/gpu_cards.sh"  # mps_daemon
 PART=${1:?cards or ray}
 OUT=${2:?OUT folder}
 LIMIT=${LIMIT:-560}
@@ -130,7 +133,13 @@ swap)
       done
     done; } & pids="$pids $!"
   ;;
-*) echo "unknown part $PART: cards, ray, starts, pool8, misses, left, next, eggroll, loose or swap" >&2; exit 2 ;;
+mps)
+  mps_daemon /tmp/evolm-mps || { echo "the MPS control daemon did not start" >&2; exit 1; }
+  bench full_pool_1_4 0 full-pool --engines 1,4 --generations 5 --kv-cache-gb 2 --workdir "$RES/pool_runs" & pids="$pids $!"
+  CUDA_MPS_PIPE_DIRECTORY=/tmp/evolm-mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/evolm-mps/log \
+    bench full_pool_1_4_mps 1 full-pool --engines 1,4 --generations 5 --kv-cache-gb 2 --workdir "$RES/pool_runs_mps" & pids="$pids $!"
+  ;;
+*) echo "unknown part $PART: cards, ray, starts, pool8, misses, left, next, eggroll, loose, swap or mps" >&2; exit 2 ;;
 esac
 for pid in $pids; do wait "$pid"; done
 find "$RES" -type f -size +5M > "$RES/left_out.txt"  # checkpoints of kept run folders: not worth the transfer

@@ -7,10 +7,21 @@
 #   bash scripts/gpu_stage_study.sh install    # there, once every part is in .gpu_stage/study/ (one device
 #                                              # call per part, carry=['.gpu_stage/study/part.NN']): into /root/site
 #
+#   bash scripts/gpu_stage_study.sh bundle [ARCHIVE PART...]   # here: vLLM's staged parts (.gpu_stage/part.NN,
+#                                              # unstage.sh), these wheels' parts and a study's pack (its PARTs copied
+#                                              # in as .gpu_stage/ARCHIVE.part-NN) in one tar, split into
+#                                              # .gpu_stage/bundle/piece.NN that fill a call's carry beside the tree
+#   bash scripts/gpu_stage_study.sh unbundle   # there, once every piece is in /root/bundle/ (one call each:
+#                                              # mkdir -p /root/bundle && cp .gpu_stage/bundle/piece.NN /root/bundle/):
+#                                              # the files back in .gpu_stage/, vLLM's parts in /root/stage/ for
+#                                              # unstage.sh; then `bash /root/unstage.sh` and `install`
+#
 # `evolm tune SPEC --dry-run` then says whether the machine has what a worker needs.
 set -euo pipefail
 STAGE=.gpu_stage/study
 SITE=${SITE:-/root/site}
+ROOT=${STAGE_ROOT:-/root}  # where the pieces arrive and vLLM's parts go, on the GPU machine
+CARRY_BYTES=${CARRY_BYTES:-67108864}  # what one device call carries, the working tree included
 case "${1:-}" in
 download)
   tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
@@ -40,5 +51,27 @@ for wheel in sorted(glob.glob(os.path.join(wheels, "*.whl"))):
 print(f"installed {len(glob.glob(os.path.join(wheels, '*.whl')))} wheels into {site}")
 PY
   ;;
-*) sed -n 2,10p "$0"; exit 2 ;;
+bundle)
+  # a call carries the working tree (tracked and untracked files git does not ignore) beside one piece
+  tree=$(git ls-files -co --exclude-standard -z | xargs -0 du -cb 2>/dev/null | tail -n 1 | cut -f 1)
+  piece=${PIECE_BYTES:-$((CARRY_BYTES - tree - 2000000))}
+  [ "$piece" -gt 0 ] || { echo "the working tree ($tree bytes) leaves no room for a piece" >&2; exit 1; }
+  if [ $# -ge 2 ]; then
+    archive=$2; shift 2
+    rm -f ".gpu_stage/$archive".part-*
+    for part in "$@"; do cp "$part" ".gpu_stage/$archive.part-${part##*.part-}"; done
+  fi
+  files=$(cd .gpu_stage && ls -d part.[0-9]* unstage.sh study/part.[0-9]* *.part-[0-9]* 2>/dev/null)
+  rm -rf .gpu_stage/bundle; mkdir -p .gpu_stage/bundle
+  (cd .gpu_stage && tar -cf - $files) | split -b "$piece" -d - .gpu_stage/bundle/piece.
+  echo "$(echo $files | wc -w) files in $(ls .gpu_stage/bundle | wc -l) pieces of at most $piece bytes under .gpu_stage/bundle/"
+  ;;
+unbundle)
+  mkdir -p .gpu_stage "$ROOT/stage"
+  cat "$ROOT"/bundle/piece.* | tar -xf - -C .gpu_stage
+  mv .gpu_stage/part.[0-9]* "$ROOT/stage/" && cp .gpu_stage/unstage.sh "$ROOT/"
+  rm -rf "$ROOT/bundle"
+  echo "vLLM's $(ls "$ROOT/stage" | wc -l) parts in $ROOT/stage, $(ls "$STAGE" | wc -l) wheel parts in $STAGE, packs: $(ls .gpu_stage | grep -c '\.part-' || true) parts"
+  ;;
+*) sed -n 2,19p "$0"; exit 2 ;;
 esac

@@ -47,14 +47,14 @@
 # (a method kept to cards of its own, several workers on one card). CLAIM_UNTIL="grpo_full=EPOCH ...":
 # a worker of that method starts no trial or run after that time (`evolm tune --claim-for`), for runs
 # whose checkpoints never travel (full GRPO's) and so must end within the lease that starts them; its
-# worker then ends and its card is refilled. MPS_CARDS="0 1": CUDA's Multi-Process Service on those
+# worker then ends and its card is refilled. MPS_CARDS="0 1" (or all): CUDA's Multi-Process Service on those
 # cards (a control daemon under MPS_DIR, started once a lease and checked with one CUDA process a card
 # before any worker starts), so the processes sharing a card run their kernels side by side instead of
 # the card switching between them; workers on other cards never reach the daemon (its pipe is not the
 # default one), and each run's placement.jsonl names the pipe it used. SPEC and STUDY name another study, e.g.
 #   SPEC=papermill_runs/tune_study_conciseness_gpu.yaml STUDY=runs/tune_study_conciseness bash scripts/gpu_tune_study.sh start
 set -u
-. "$(dirname "${BASH_SOURCE[0]}")/gpu_cards.sh"  # on_card
+. "$(dirname "${BASH_SOURCE[0]}")/gpu_cards.sh"  # on_card, mps_daemon
 SPEC=${SPEC:-papermill_runs/tune_study_addition_gpu.yaml}
 STUDY=${STUDY:-runs/tune_study_addition}
 LOGS=${LOGS:-runs/tune_study_logs}
@@ -116,11 +116,7 @@ start_mps() {
   local card
   : > "$LOGS/mps_cards.txt"
   [ -n "${MPS_CARDS:-}" ] || return 0
-  mkdir -p "$MPS_DIR/pipe" "$MPS_DIR/log"
-  if ! echo get_server_list | CUDA_MPS_PIPE_DIRECTORY=$MPS_DIR/pipe nvidia-cuda-mps-control > /dev/null 2>&1; then
-    CUDA_MPS_PIPE_DIRECTORY=$MPS_DIR/pipe CUDA_MPS_LOG_DIRECTORY=$MPS_DIR/log setsid nvidia-cuda-mps-control -d \
-      || { echo "MPS_CARDS: the MPS control daemon did not start" >&2; exit 1; }
-  fi
+  mps_daemon "$MPS_DIR" || { echo "MPS_CARDS: the MPS control daemon did not start" >&2; exit 1; }
   for card in $MPS_CARDS; do
     echo "$card" >> "$LOGS/mps_cards.txt"
     env $(mps_env "$card") CUDA_VISIBLE_DEVICES="$card" python -c 'import torch; torch.ones(1, device="cuda").sum().item()' \
@@ -193,6 +189,7 @@ start() {
     case "$card" in ''|*[!0-9]*) echo "PLACE: $entry: the card is not a number" >&2; exit 2 ;; esac
     [ "$card" -lt "$gpus" ] || { echo "PLACE: $entry: this machine has cards 0 to $((gpus - 1))" >&2; exit 2; }
   done
+  [ "${MPS_CARDS:-}" = all ] && MPS_CARDS=$(seq -s ' ' 0 $((gpus - 1)))
   for card in ${MPS_CARDS:-}; do
     case "$card" in *[!0-9]*) echo "MPS_CARDS: $card is not a card number" >&2; exit 2 ;; esac
     [ "$card" -lt "$gpus" ] || { echo "MPS_CARDS: card $card: this machine has cards 0 to $((gpus - 1))" >&2; exit 2; }
@@ -256,7 +253,8 @@ rebuild() {
   for method in $(ls "$STUDY/final"); do
     for seed in $(seeds "$method"); do
       # each run records the rebuilds that share its card (EVOLM_ENGINES_PER_CARD), as the workers do
-      EVOLM_ENGINES_PER_CARD=$(on_card "$total" "$gpus" "$i") CUDA_VISIBLE_DEVICES=$((i % gpus)) \
+      # and goes through the card's MPS daemon where the workers do (MPS_CARDS)
+      env $(mps_env $((i % gpus))) EVOLM_ENGINES_PER_CARD=$(on_card "$total" "$gpus" "$i") CUDA_VISIBLE_DEVICES=$((i % gpus)) \
         python -m evolm_lib.tune.rebuild "$STUDY" --methods "$method" --seeds "$seed" \
         > "$LOGS/rebuild.$method.$seed.log" 2>&1 < /dev/null &
       pids="$pids $!"

@@ -455,6 +455,11 @@ def test_mps_cards_start_one_daemon_check_it_and_send_only_their_workers_through
     assert not [line for line in calls.read_text().splitlines() if line.startswith("daemon")]
     assert workers() == ["python 0 none", f"python 1 {pipe}", f"python 1 {pipe}"]
 
+    calls.write_text("")
+    every = start(MPS_CARDS="all", LOGS=str(tmp_path / "l4"))  # every card of the machine
+    assert every.returncode == 0 and "MPS on cards 0,1 (daemon: " in every.stdout, every.stderr
+    assert sorted(line.split(" -c ")[0] for line in calls.read_text().splitlines() if "torch" in line) == [
+        f"python 0 {pipe}", f"python 1 {pipe}"]
     for changes, code, message in (
             ({"MPS_CARDS": "2"}, 2, "MPS_CARDS: card 2: this machine has cards 0 to 1"),
             ({"MPS_CARDS": "x"}, 2, "MPS_CARDS: x is not a card number"),
@@ -468,3 +473,54 @@ def test_mps_cards_start_one_daemon_check_it_and_send_only_their_workers_through
     assert bad.returncode == 1 and "MPS_CARDS: card 0: a CUDA process through MPS failed" in bad.stderr
     assert not (tmp_path / "l3" / "workers.pids").read_text()
     assert not [line for line in calls.read_text().splitlines() if "--methods" in line and "--dry-run" not in line]
+
+
+def test_a_bundle_fills_each_call_and_unbundles_to_the_same_files(tmp_path):
+    """`gpu_stage_study.sh bundle` puts vLLM's staged parts, the wheels' parts and a pack's parts (renamed
+    to the archive they join into) in pieces of at most what a call carries beside the tree; `unbundle`
+    on the other side gives back every file byte for byte, vLLM's parts where unstage.sh reads them."""
+    import random
+
+    script = SCRIPT.parent / "gpu_stage_study.sh"
+    repo = tmp_path / "repo"
+    (repo / ".gpu_stage" / "study").mkdir(parents=True)
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    (repo / ".gitignore").write_text("/.gpu_stage/\n")
+    (repo / "tree.txt").write_bytes(b"t" * 50_000)  # the working tree a call carries beside a piece
+    rng = random.Random(0)
+    files = {".gpu_stage/part.00": 300_000, ".gpu_stage/part.01": 120_000, ".gpu_stage/study/part.00": 90_000}
+    for name, size in files.items():
+        (repo / name).write_bytes(rng.randbytes(size))
+    (repo / ".gpu_stage" / "unstage.sh").write_text("echo unstaged\n")
+    old = tmp_path / "old_pack"
+    old.mkdir()
+    for i, size in enumerate((70_000, 30_000)):
+        (old / f"tune_study.tar.gz.part-0{i}").write_bytes(rng.randbytes(size))
+    wanted = {name: (repo / name).read_bytes() for name in files}
+    wanted |= {f".gpu_stage/tune_study_conciseness.tar.gz.part-0{i}": (old / f"tune_study.tar.gz.part-0{i}").read_bytes()
+               for i in range(2)}
+    env = {**os.environ, "CARRY_BYTES": str(50_000 + 2_000_000 + 150_000), "STAGE_ROOT": str(tmp_path / "root")}
+    made = subprocess.run(["bash", str(script), "bundle", "tune_study_conciseness.tar.gz",
+                           *sorted(str(p) for p in old.iterdir())], cwd=repo, env=env, capture_output=True, text=True)
+    assert made.returncode == 0, made.stderr
+    pieces = sorted((repo / ".gpu_stage" / "bundle").iterdir())
+    assert len(pieces) >= 4 and all(p.stat().st_size <= 150_000 for p in pieces)  # 610 kB of files in 150 kB pieces
+    assert "6 files in" in made.stdout
+
+    # the GPU machine's side: the pieces arrive one a call, in a copy of the tree without .gpu_stage
+    there = tmp_path / "there"
+    there.mkdir()
+    (tmp_path / "root" / "bundle").mkdir(parents=True)
+    for p in pieces:
+        shutil.copy(p, tmp_path / "root" / "bundle" / p.name)
+    back = subprocess.run(["bash", str(script), "unbundle"], cwd=there, env=env, capture_output=True, text=True)
+    assert back.returncode == 0, back.stderr
+    for name, data in wanted.items():
+        where = tmp_path / "root" / "stage" / Path(name).name if Path(name).name.startswith("part.") and "study" not in name \
+            else there / name
+        assert where.read_bytes() == data, name
+    assert (tmp_path / "root" / "unstage.sh").exists() and not (tmp_path / "root" / "bundle").exists()
+
+    no_room = subprocess.run(["bash", str(script), "bundle"], cwd=repo, env={**env, "CARRY_BYTES": "100000"},
+                             capture_output=True, text=True)
+    assert no_room.returncode == 1 and "leaves no room for a piece" in no_room.stderr

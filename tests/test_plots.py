@@ -274,6 +274,7 @@ def test_the_study_curves_name_the_card_only_where_the_methods_ran_on_different_
     mixed = curve_names({"es": h100, "grpo": {"device": "NVIDIA H200", "engines_per_card": "2, 3"}})
     assert mixed == {"es": "es, H100, 5 engines/card", "grpo": "grpo, H200, 2, 3 engines/card"}
     assert curve_names({"es": {"device": "", "engines_per_card": ""}}) == {"es": "es"}  # nothing recorded
+    assert curve_names({"es": {**h100, "mps": "MPS"}}) == {"es": "es, 5 engines/card (MPS)"}
 
 
 def test_time_breakdown_stacks_phases_and_rest():

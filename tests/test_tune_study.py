@@ -270,6 +270,22 @@ def test_where_a_stage_ran_is_told_per_group_of_methods_when_they_differ():
         "The runs at twice the budget ran in 2 places: es and es_full on NVIDIA H100 80GB HBM3, 5 engines a card, "
         "code not recorded (runs from before placement.jsonl recorded it); grpo on NVIDIA H200, 2, 3 engines a card, "
         "code 301acde.")
+    through = table([{"method": "es", **h100, "mps": "MPS"}, {"method": "grpo", **h100, "mps": "MPS in part"}])
+    assert _where("The final seeds", through) == (
+        "The final seeds ran in 2 places: es on NVIDIA H100 80GB HBM3, 5 engines a card (MPS), code not recorded "
+        "(runs from before placement.jsonl recorded it); grpo on NVIDIA H100 80GB HBM3, 5 engines a card (MPS in part), "
+        "code not recorded (runs from before placement.jsonl recorded it).")
+
+
+def test_placements_say_mps_only_where_a_run_shared_its_card_through_it():
+    from evolm_lib.tune.report import placements
+
+    line = {"device": "NVIDIA H200", "engines_per_card": 5, "code_commit": "01a12b3c0", "code_digest": "d"}
+    before = {"placement": [line]}  # lines from before MPS was recorded: no MPS
+    through = {"placement": [{**line, "cuda_mps_pipe_directory": "/tmp/evolm-mps/pipe"}]}
+    without = {"placement": [{**line, "cuda_mps_pipe_directory": None}]}
+    assert placements([before])["mps"] == "" and placements([without])["mps"] == ""
+    assert placements([through])["mps"] == "MPS" and placements([through, before])["mps"] == "MPS in part"
 
 
 def test_the_geometry_tables_average_over_seeds_and_skip_directionless_updates():

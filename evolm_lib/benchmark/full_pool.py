@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import shutil
 import statistics
 import tempfile
@@ -200,7 +201,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     apply_engine_defaults()
     settings = {"model": args.model, "population": args.population, "generations": args.generations,
-                "new_tokens": args.new_tokens, "gpu": gpu, "device": torch.cuda.get_device_name() if gpu else "cpu"}
+                "new_tokens": args.new_tokens, "gpu": gpu, "device": torch.cuda.get_device_name() if gpu else "cpu",
+                # the engines share the card through CUDA MPS where the caller pointed them at a daemon
+                "cuda_mps_pipe_directory": os.environ.get("CUDA_MPS_PIPE_DIRECTORY")}
 
     def report(results: list[dict[str, Any]]) -> dict[str, Any]:
         result = {"settings": settings, "counts": [{k: v for k, v in r.items() if k != "rows"} for r in results]}

@@ -88,7 +88,7 @@ class GRPORun(RunLoop):
 
     def placement(self) -> dict:
         """Where the policy updates and the attention it resolved (``policy_attention: auto``)."""
-        return {"policy_process": "own" if isinstance(self.trainer, PolicyProcess) else "same",
+        return {**super().placement(), "policy_process": "own" if isinstance(self.trainer, PolicyProcess) else "same",
                 "policy_attention": self.trainer.attention}
 
     def sync_engine(self) -> float:

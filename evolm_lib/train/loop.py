@@ -74,8 +74,10 @@ class RunLoop:
         raise NotImplementedError
 
     def placement(self) -> dict:
-        """What this run resolved where it runs, beside its config (``env.record_placement``): none here."""
-        return {}
+        """What this run resolved where it runs, beside its config (``env.record_placement``): here the
+        generation this attempt starts from (0 new, a checkpoint's when resumed), so the rows after
+        it are the ones whose times the line's placement explains."""
+        return {"from_generation": self.generation}
 
     @classmethod
     def create(cls, config, run_dir: str | Path, *, evaluator: Evaluator | None = None, overwrite: bool = False,

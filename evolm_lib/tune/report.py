@@ -23,9 +23,10 @@ from .compact import compact_groups, load_compact
 
 
 def placements(runs: Sequence[dict]) -> dict[str, str]:
-    """The devices, engines per card, compute processes on the card (their range) and code compacted
-    runs ran at, as text ("5", "4, 5", "6-10"; "" when unrecorded): the code as its commit where known,
-    else as its source digest (``env.code_identity``)."""
+    """The devices, engines per card, compute processes on the card (their range), CUDA MPS and code
+    compacted runs ran at, as text ("5", "4, 5", "6-10"; "" when unrecorded): MPS as "MPS" or "MPS
+    in part" where any attempt's processes shared their card through it, else ""; the code as its
+    commit where known, else as its source digest (``env.code_identity``)."""
     lines = [line for run in runs for line in run.get("placement") or []]
     engines = sorted({line["engines_per_card"] for line in lines if line.get("engines_per_card") is not None})
     devices = sorted({line["device"] for line in lines if line.get("device")})
@@ -35,8 +36,10 @@ def placements(runs: Sequence[dict]) -> dict[str, str]:
     # their own processes): engines a card alone understate what a card was shared with
     seen = sorted({line["processes_on_card"] for line in lines if line.get("processes_on_card") is not None})
     processes = "" if not seen else str(seen[0]) if len(seen) == 1 else f"{seen[0]}-{seen[-1]}"
+    through = {bool(line.get("cuda_mps_pipe_directory")) for line in lines}
+    mps = "" if True not in through else "MPS" if through == {True} else "MPS in part"
     return {"engines_per_card": ", ".join(map(str, engines)), "device": ", ".join(devices), "code": ", ".join(code),
-            "processes_on_card": processes}
+            "processes_on_card": processes, "mps": mps}
 
 
 def counted_trials(trials: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
@@ -103,7 +106,7 @@ def _final(groups: Mapping[str, Sequence], runs: Sequence[dict], stage: str, mea
                        "wall_seconds": statistics.fmean(seconds) if seconds else math.nan,
                        "training_seconds": statistics.fmean(training) if training else math.nan, **placements(own)}
     for column in ("generated_tokens", "wall_seconds", "training_seconds", "engines_per_card", "processes_on_card",
-                   "device", "code"):
+                   "mps", "device", "code"):
         table[column] = [extra[name][column] for name in table.index]
     return table
 
@@ -261,6 +264,7 @@ def study_digest(tables: Mapping[str, Any], title: str) -> str:
                  "" if final is None or math.isnan(final["generated_tokens"]) else f"{final['generated_tokens']:,.0f}",
                  "" if final is None or math.isnan(final["training_seconds"])
                  else f"{final['training_seconds']:.0f} ({final['engines_per_card'] or 'n/a'}"
+                      + (f", {final['mps']}" if final.get("mps") else "")
                       + (f"; {final['processes_on_card']})" if final.get("processes_on_card") else ")")]
         lines.append("| " + " | ".join(cells) + " |")
     if tuned is not None:
@@ -317,9 +321,10 @@ def _where(runs: str, table) -> str:
         return ", ".join(sorted({part for cell in rows[column].fillna("") for part in str(cell).split(", ") if part}))
 
     def place(rows) -> tuple[str, str]:
-        code = listed(rows, "code")
+        code, mps = listed(rows, "code"), listed(rows, "mps") if "mps" in rows else ""
         return (f"{listed(rows, 'device') or 'unrecorded devices'}, "
-                f"{listed(rows, 'engines_per_card') or 'an unrecorded number of'} engines a card",
+                f"{listed(rows, 'engines_per_card') or 'an unrecorded number of'} engines a card"
+                + (f" ({mps})" if mps else ""),
                 f"code {code if code else 'not recorded (runs from before placement.jsonl recorded it)'}")
 
     places: dict[tuple[str, str], list[str]] = {}

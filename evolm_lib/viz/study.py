@@ -59,7 +59,7 @@ def curve_names(places: dict[str, dict[str, str]]) -> dict[str, str]:
         if len(devices) > 1 and place.get("device"):
             parts.append(", ".join(d.removeprefix("NVIDIA ").split()[0] for d in place["device"].split(", ")))
         if place.get("engines_per_card"):
-            parts.append(f"{place['engines_per_card']} engines/card")
+            parts.append(f"{place['engines_per_card']} engines/card" + (f" ({place['mps']})" if place.get("mps") else ""))
         names[method] = ", ".join(parts)
     return names
 
