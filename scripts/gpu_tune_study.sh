@@ -374,6 +374,9 @@ pack() {
   status "$LOGS"/*.log > "$dir/tune_study_status.txt" 2>&1
   # where each method stands, runs under way with their generation or step and checkpoint
   python -m evolm_lib.tune.progress "$SPEC" --out "$STUDY" 2>&1 | tee -a "$dir/tune_study_status.txt"
+  # and how fast each attempt went where it ran (this code's, where EVOLM_CODE_COMMIT names it): in the status only
+  { echo; python -m evolm_lib.tune.placement_times "$STUDY" ${EVOLM_CODE_COMMIT:+--commit "$EVOLM_CODE_COMMIT"}; } \
+    >> "$dir/tune_study_status.txt" 2>&1
   echo "$(alive) workers alive" | tee -a "$dir/tune_study_status.txt"
 }
 

@@ -290,7 +290,10 @@ def test_a_pack_goes_back_in_parts_over_several_calls_and_start_joins_them_again
                                                      "tune_study.tar.gz.part-01", "tune_study_status.txt"]
     assert f"this call returns 2 of the pack's {count} parts" in result.stdout
     assert "| es_lora | 1 of 16 | 0 of 10: waits for the trials |" in result.stdout  # the progress, also in the status
-    assert "| es_lora | 1 of 16 |" in (out / "tune_study_status.txt").read_text()
+    status = (out / "tune_study_status.txt").read_text()
+    assert "| es_lora | 1 of 16 |" in status
+    # the attempts' speeds, by placement (this run folder records none: the tables' headers alone)
+    assert "| method | size | engines a card | MPS | attempts |" in status
 
     one = tmp_path / "one"
     result = subprocess.run(["bash", str(SCRIPT), "parts", "2", str(one), "1"], env=env, capture_output=True,
