@@ -4,8 +4,14 @@ on_card() {  # on_card TOTAL GPUS I: how many of TOTAL processes, dealt round-ro
   echo $(($1 / $2 + (($3 % $2) < ($1 % $2) ? 1 : 0)))
 }
 
-mps_daemon() {  # mps_daemon DIR: CUDA's MPS control daemon, its pipe and log under DIR, started unless one answers there
-  mkdir -p "$1/pipe" "$1/log"
-  echo get_server_list | CUDA_MPS_PIPE_DIRECTORY=$1/pipe nvidia-cuda-mps-control > /dev/null 2>&1 && return 0
-  CUDA_MPS_PIPE_DIRECTORY=$1/pipe CUDA_MPS_LOG_DIRECTORY=$1/log setsid nvidia-cuda-mps-control -d
+MPS_DIR=${MPS_DIR:-/tmp/evolm-mps}  # CUDA MPS's control daemon: its pipe and log folders (a socket path is short)
+
+mps_vars() {  # the variables that send a process to the daemon under MPS_DIR
+  echo "CUDA_MPS_PIPE_DIRECTORY=$MPS_DIR/pipe CUDA_MPS_LOG_DIRECTORY=$MPS_DIR/log"
+}
+
+mps_daemon() {  # CUDA's MPS control daemon under MPS_DIR, started unless one answers there
+  mkdir -p "$MPS_DIR/pipe" "$MPS_DIR/log"
+  echo get_server_list | env $(mps_vars) nvidia-cuda-mps-control > /dev/null 2>&1 && return 0
+  env $(mps_vars) setsid nvidia-cuda-mps-control -d
 }

@@ -40,7 +40,7 @@
 # EVOLM_CACHE_DIR=/root/cache set. LIMIT (default 560) is the whole part's deadline in seconds: each
 # measurement is stopped when it is reached, and its JSON keeps what it had written.
 set -u
-. "$(dirname "${BASH_SOURCE[0]}")/gpu_cards.sh"  # mps_daemon
+. "$(dirname "${BASH_SOURCE[0]}")/gpu_cards.sh"  # mps_daemon, mps_vars
 PART=${1:?cards or ray}
 OUT=${2:?OUT folder}
 LIMIT=${LIMIT:-560}
@@ -134,10 +134,10 @@ swap)
     done; } & pids="$pids $!"
   ;;
 mps)
-  mps_daemon /tmp/evolm-mps || { echo "the MPS control daemon did not start" >&2; exit 1; }
+  mps_daemon || { echo "the MPS control daemon did not start" >&2; exit 1; }
   bench full_pool_1_4 0 full-pool --engines 1,4 --generations 5 --kv-cache-gb 2 --workdir "$RES/pool_runs" & pids="$pids $!"
-  CUDA_MPS_PIPE_DIRECTORY=/tmp/evolm-mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/evolm-mps/log \
-    bench full_pool_1_4_mps 1 full-pool --engines 1,4 --generations 5 --kv-cache-gb 2 --workdir "$RES/pool_runs_mps" & pids="$pids $!"
+  ( export $(mps_vars)
+    bench full_pool_1_4_mps 1 full-pool --engines 1,4 --generations 5 --kv-cache-gb 2 --workdir "$RES/pool_runs_mps" ) & pids="$pids $!"
   ;;
 *) echo "unknown part $PART: cards, ray, starts, pool8, misses, left, next, eggroll, loose, swap or mps" >&2; exit 2 ;;
 esac

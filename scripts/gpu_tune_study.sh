@@ -54,7 +54,7 @@
 # default one), and each run's placement.jsonl names the pipe it used. SPEC and STUDY name another study, e.g.
 #   SPEC=papermill_runs/tune_study_conciseness_gpu.yaml STUDY=runs/tune_study_conciseness bash scripts/gpu_tune_study.sh start
 set -u
-. "$(dirname "${BASH_SOURCE[0]}")/gpu_cards.sh"  # on_card, mps_daemon
+. "$(dirname "${BASH_SOURCE[0]}")/gpu_cards.sh"  # on_card, MPS_DIR, mps_vars, mps_daemon
 SPEC=${SPEC:-papermill_runs/tune_study_addition_gpu.yaml}
 STUDY=${STUDY:-runs/tune_study_addition}
 LOGS=${LOGS:-runs/tune_study_logs}
@@ -71,7 +71,6 @@ RETURN_BYTES=${RETURN_BYTES:-67108864}  # what one device call brings back, its 
 FIRST_PARTS=${FIRST_PARTS:-4}     # the parts a pack puts in its DIR, fewer where they would pass RETURN_BYTES
 export VLLM_LOGGING_LEVEL=WARNING TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 export OMP_NUM_THREADS=2  # many processes share the machine's cores
-MPS_DIR=${MPS_DIR:-/tmp/evolm-mps}  # MPS_CARDS' daemon: its pipe and log folders (a socket path is short)
 
 cards() {  # the machine's GPUs (a CPU machine: one "card")
   local n
@@ -105,8 +104,7 @@ claim_for() {
 }
 
 mps_env() {  # mps_env CARD: the variables that send CARD's processes through the MPS daemon (MPS_CARDS)
-  grep -qx "$1" "$LOGS/mps_cards.txt" 2>/dev/null \
-    && echo "CUDA_MPS_PIPE_DIRECTORY=$MPS_DIR/pipe CUDA_MPS_LOG_DIRECTORY=$MPS_DIR/log"
+  grep -qx "$1" "$LOGS/mps_cards.txt" 2>/dev/null && mps_vars
 }
 
 start_mps() {
@@ -116,7 +114,7 @@ start_mps() {
   local card
   : > "$LOGS/mps_cards.txt"
   [ -n "${MPS_CARDS:-}" ] || return 0
-  mps_daemon "$MPS_DIR" || { echo "MPS_CARDS: the MPS control daemon did not start" >&2; exit 1; }
+  mps_daemon || { echo "MPS_CARDS: the MPS control daemon did not start" >&2; exit 1; }
   for card in $MPS_CARDS; do
     echo "$card" >> "$LOGS/mps_cards.txt"
     env $(mps_env "$card") CUDA_VISIBLE_DEVICES="$card" python -c 'import torch; torch.ones(1, device="cuda").sum().item()' \

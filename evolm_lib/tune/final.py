@@ -23,7 +23,7 @@ from typing import Any, Callable
 from ..runs import LOCK_FILE, RunFolderBusy, list_checkpoints, lock_holder, read_jsonl
 from ..sweep import HELDOUT, PlannedRun, run_one
 from .spec import BEST, TuneSpec, trial_config
-from .study import always, best_trial, finished, load_study, study_lock, study_trials, tune
+from .study import always, best_trial, ended, finished, load_study, study_lock, study_trials, tune
 
 POLL_S = 5.0
 """How often a worker with nothing to claim looks again at what other workers hold (at most the
@@ -153,6 +153,16 @@ def continue_rerun(spec: TuneSpec, planned: PlannedRun, rerun: PlannedRun, evalu
     return run_unfinished(planned, spec.out / "long", evaluator, may_claim)
 
 
+def _finished_unless_busy(run: Callable[[], bool], label: str, log: Callable[[str], None]) -> bool:
+    """``run()`` (whether the run it starts or finds is finished), False where another worker writes
+    its folder, which is left to that writer and logged under ``label``."""
+    try:
+        return run()
+    except RunFolderBusy as busy:
+        log(f"  {label}: busy, left to its writer ({busy})")
+        return False
+
+
 def run_extras(spec: TuneSpec, evaluator, log: Callable[[str], None] = print,
                may_claim: Callable[[], bool] = always) -> dict[str, list[str]]:
     """The declared later stages for this worker's methods: each finished rerun continued to
@@ -162,13 +172,8 @@ def run_extras(spec: TuneSpec, evaluator, log: Callable[[str], None] = print,
     done: dict[str, list[str]] = {}
 
     def run(planned: PlannedRun, stage: str, start: Callable[[], bool]) -> None:
-        try:
-            if not start():
-                return
-        except RunFolderBusy as busy:
-            log(f"  {stage}/{planned.name}: busy, left to its writer ({busy})")
-            return
-        done.setdefault(f"{stage}/{planned.method.split('/')[0]}", []).append(str(spec.out / stage / planned.name))
+        if _finished_unless_busy(start, f"{stage}/{planned.name}", log):
+            done.setdefault(f"{stage}/{planned.method.split('/')[0]}", []).append(str(spec.out / stage / planned.name))
 
     if spec.settings.long > 1:
         for method in spec.methods:
@@ -206,26 +211,18 @@ def run_finals(spec: TuneSpec, evaluator, log: Callable[[str], None] = print,
             if finished_rerun(folder, planned.length):  # here already: its continuation is run_extras'
                 done[method].append(str(folder))
                 continue
-            try:
-                if not run_unfinished(planned, spec.out / "final", evaluator, may_claim):
-                    continue
-            except RunFolderBusy as busy:
-                log(f"  {planned.name}: busy, left to its writer ({busy})")
+            if not _finished_unless_busy(lambda: run_unfinished(planned, spec.out / "final", evaluator, may_claim),
+                                         planned.name, log):
                 continue
             done[method].append(str(folder))
             if spec.settings.long > 1:
-                try:
-                    continue_rerun(spec, long_run(spec, planned), planned, evaluator, log, may_claim)
-                except RunFolderBusy as busy:
-                    log(f"  long/{planned.name}: busy, left to its writer ({busy})")
+                _finished_unless_busy(lambda: continue_rerun(spec, long_run(spec, planned), planned, evaluator, log,
+                                                             may_claim), f"long/{planned.name}", log)
     return done
 
 
 def _running_trials(spec: TuneSpec, method: str) -> int:
-    from optuna.trial import TrialState
-
-    return sum(t.state in (TrialState.RUNNING, TrialState.WAITING)
-               for t in load_study(spec, method).get_trials(deepcopy=False))
+    return sum(not ended(t) for t in load_study(spec, method).get_trials(deepcopy=False))
 
 
 def outstanding(spec: TuneSpec, finals: bool = True) -> list[str]:

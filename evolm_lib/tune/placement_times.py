@@ -26,6 +26,7 @@ from typing import Sequence
 
 from ..env import PLACEMENT
 from ..runs import list_checkpoints, read_config_file, read_jsonl, read_metrics, row_generation
+from .compact import locate
 
 ENGINE_KEYS = ("time/generate_s", "time/rollout_s")
 """Seconds in the engine: an ES generation's members, a GRPO step's rollouts."""
@@ -60,8 +61,7 @@ def attempts(study: str | Path, commit: str | None = None, before: str | Path | 
         lines = read_jsonl(placement)
         rows = [row for row in read_metrics(run) if "time/generation_s" in row]
         config = read_config_file(run)
-        parts = run.relative_to(study).parts
-        method = parts[1] if parts[0] in ("trials", "final", "long", "control") and len(parts) > 2 else parts[0]
+        method = locate(study, run)["method"]
         for index, line in enumerate(lines):
             if commit and not str(line.get("code_commit") or "").startswith(commit):
                 continue

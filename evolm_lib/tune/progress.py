@@ -21,7 +21,7 @@ from ..runs import list_checkpoints, read_config_file, read_metrics, row_generat
 from ..sweep import PlannedRun
 from .final import control_plan, final_plan, finished_rerun, long_run, resolve_best
 from .spec import TuneSpec, load_tune_spec
-from .study import STORAGE, counted, finished, load_study, trial_folder
+from .study import STORAGE, all_trials_done, ended, load_study, trial_folder, trials_done
 
 
 def run_position(folder: Path) -> str:
@@ -38,17 +38,12 @@ def run_position(folder: Path) -> str:
     return f"at {max(row_generation(rows[-1]), 0) if rows else 0}/{length} ({resumes})"
 
 
-def trials_cell(spec: TuneSpec, method: str) -> str:
-    """``k of N``, and each trial under way (running or waiting) with its runs' positions."""
-    from optuna.trial import TrialState
-
-    study = load_study(spec, method)
-    trials = study.get_trials(deepcopy=False)
-    open_states = (TrialState.RUNNING, TrialState.WAITING)
-    done = sum(counted(t) and t.state not in open_states for t in trials)
-    cell = f"{done} of {spec.settings.trials}"
+def trials_cell(spec: TuneSpec, method: str, study, trials) -> str:
+    """``k of N``, and each trial under way (running or waiting) with its runs' positions, from the
+    method's ``study`` and its ``trials``."""
+    cell = f"{trials_done(trials)} of {spec.settings.trials}"
     under_way = []
-    for trial in (t for t in trials if t.state in open_states):
+    for trial in (t for t in trials if not ended(t)):
         folder = trial_folder(spec, method, study, trial)
         positions = [run_position(folder / f"seed{planned.config.seed}") for planned in spec.tuning_runs[method]]
         under_way.append(f"{folder.name} {', '.join(positions)}")
@@ -73,14 +68,16 @@ def progress_table(spec: TuneSpec) -> str:
     long = spec.settings.long
     lines = [f"| method | trials | reruns on the final seeds | continued to {long}x |", "| --- | --- | --- | --- |"]
     for method in spec.methods:
-        if finished(spec, method):
+        study = load_study(spec, method)
+        trials = study.get_trials(deepcopy=False)
+        if all_trials_done(trials, spec.settings.trials):
             plans = final_plan(spec, method)
             reruns = runs_cell(spec.out / "final", plans)
             longer = (runs_cell(spec.out / "long", [long_run(spec, rerun) for rerun in plans]) if long > 1
                       else "none declared")
         else:
             reruns = longer = f"0 of {seeds}: waits for the trials"
-        lines.append(f"| {method} | {trials_cell(spec, method)} | {reruns} | {longer} |")
+        lines.append(f"| {method} | {trials_cell(spec, method, study, trials)} | {reruns} | {longer} |")
     control = spec.settings.control
     if control != "none":
         method = resolve_best(spec, control)

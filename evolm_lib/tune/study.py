@@ -118,15 +118,26 @@ def trials_left(study, trials: int) -> int:
     return max(trials - sum(counted(t) for t in all_trials), 0) + waiting
 
 
-def finished(spec: TuneSpec, method: str, storage=None) -> bool:
-    """Whether a method's study holds all its trials, none running or waiting."""
+def ended(trial) -> bool:
+    """Whether a trial has ended: neither running nor waiting (a retry queued)."""
     from optuna.trial import TrialState
 
-    study = load_study(spec, method, storage)
-    all_trials = study.get_trials(deepcopy=False)
-    done = sum(counted(t) and t.state not in (TrialState.RUNNING, TrialState.WAITING) for t in all_trials)
-    return done >= spec.settings.trials and not any(t.state in (TrialState.RUNNING, TrialState.WAITING)
-                                                    for t in all_trials)
+    return trial.state not in (TrialState.RUNNING, TrialState.WAITING)
+
+
+def trials_done(trials) -> int:
+    """How many of a method's trials count against its ``trials`` and have ended."""
+    return sum(counted(t) and ended(t) for t in trials)
+
+
+def all_trials_done(trials, wanted: int) -> bool:
+    """Whether these trials (a method's study's) hold ``wanted`` done ones, none running or waiting."""
+    return trials_done(trials) >= wanted and all(ended(t) for t in trials)
+
+
+def finished(spec: TuneSpec, method: str, storage=None) -> bool:
+    """Whether a method's study holds all its trials, none running or waiting."""
+    return all_trials_done(load_study(spec, method, storage).get_trials(deepcopy=False), spec.settings.trials)
 
 
 def always() -> bool:
