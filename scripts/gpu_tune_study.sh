@@ -44,7 +44,8 @@
 # `start` also starts `rebuild` detached beside the workers (it rebuilds finished reruns only), so
 # the rebuilds run while the workers do rather than after them. PLACE="grpo_full@0 grpo_full@0
 # es_lora@1 ...": one worker per METHOD@CARD instead of METHODS x WORKERS_PER_METHOD dealt round-robin
-# (a method kept to cards of its own, several workers on one card). CLAIM_UNTIL="grpo_full=EPOCH ...":
+# (a method kept to cards of its own, several workers on one card; a method given more workers than
+# tune.parallel lets run trials at once is named at the start, with how many wait). CLAIM_UNTIL="grpo_full=EPOCH ...":
 # a worker of that method starts no trial or run after that time (`evolm tune --claim-for`), for runs
 # whose checkpoints never travel (full GRPO's) and so must end within the lease that starts them; its
 # worker then ends and its card is refilled. MPS_CARDS="0 1" (or all): CUDA's Multi-Process Service on those
@@ -206,6 +207,16 @@ start() {
   python -c "from evolm_lib.models import resolve_model; resolve_model('smollm2-135m-instruct')" >/dev/null 2>&1
   python -m evolm_lib.cli tune "$SPEC" --dry-run --no-figures --methods "$names" > "$LOGS/dry_run.txt" 2>&1 \
     || { cat "$LOGS/dry_run.txt" >&2; exit 1; }
+  # tune.parallel caps a method's trials at once: its workers past that hold an engine and wait
+  python -c '
+import collections, sys
+from evolm_lib.tune.spec import load_tune_spec
+limit = load_tune_spec(sys.argv[1]).settings.parallel
+for method, n in collections.Counter(entry.split("@")[0] for entry in sys.argv[2:]).items():
+    if limit and n > limit:
+        print(f"{method}: {n} workers, but tune.parallel runs {limit} of its trials at once: {n - limit} wait"
+              " (an engine each) until its trials are done, then take its reruns")
+' "$SPEC" $entries
   start_mps
   local total
   local -A workers  # each method's workers so far: their logs' numbers

@@ -405,6 +405,25 @@ launch grpo_full 1 2 {tmp_path / 'logs' / 'late.log'}
     assert bad.returncode == 2 and "CLAIM_UNTIL: grpo_full=soon is not METHOD=EPOCH_SECONDS" in bad.stderr
 
 
+def test_start_says_which_workers_wait_because_tune_parallel_caps_their_trials(tmp_path):
+    """A method given more workers than tune.parallel lets run trials at once is named at the start,
+    with how many of its workers wait; a spec without the cap, or a method within it, says nothing.
+    The spec is read by the real evolm_lib (the stand-in python hands that one call on)."""
+    env = _stand_ins(tmp_path, tmp_path / "study", gpus=2, python=(
+        f'case "$2" in *tune.parallel*) exec {sys.executable} "$@" ;; esac\nexit 0\n'))
+    place = "grpo_full@0 grpo_full@0 grpo_full@0 grpo_full@1 grpo_full@1 grpo_full@1 es_lora@0 es_lora@1"
+    said = {}
+    for spec in ("tune_study_conciseness_gpu.yaml", "tune_study_addition_gpu.yaml"):
+        result = subprocess.run(["bash", str(SCRIPT), "start"], capture_output=True, text=True, timeout=120,
+                                env={**env, "PLACE": place, "SPEC": f"papermill_runs/{spec}",
+                                     "LOGS": str(tmp_path / spec)}, cwd=SCRIPT.parents[1])
+        assert result.returncode == 0, result.stderr
+        said[spec] = [line for line in result.stdout.splitlines() if "tune.parallel" in line]
+    assert said == {"tune_study_conciseness_gpu.yaml": [
+        "grpo_full: 6 workers, but tune.parallel runs 4 of its trials at once: 2 wait (an engine each) until its"
+        " trials are done, then take its reruns"], "tune_study_addition_gpu.yaml": []}
+
+
 def test_mps_cards_start_one_daemon_check_it_and_send_only_their_workers_through_it(tmp_path):
     """MPS_CARDS starts the MPS control daemon once (not again while it answers), checks each of its
     cards with a CUDA process through it before any worker starts, and points only the workers of those
