@@ -252,6 +252,25 @@ def test_a_protocols_sweep_is_digested_at_its_own_budgets_and_at_the_common_one(
                                "seeds: smallest p 0.1; Welch's t p ") for line in digest) == 2
 
 
+def test_negative_rewards_read_as_intervals_from_one_bound_to_the_other():
+    """Conciseness rewards are negative: an interval reads "low to high", never "-2.5--1.5"; one of
+    success rates keeps its short form (the previous test)."""
+    from evolm_lib.tune.report import study_digest, study_tables
+
+    def run(seed, rewards):
+        return {"stage": "sweep", "method": "a", "seed": seed, "trial": None, "path": f"a_seed{seed}",
+                "config": {"seed": seed}, "rows": [{"generation": 0, "samples/completions": 0, "eval/reward": -3.0}],
+                "placement": [], "heldout": {"generation": 0, "index": [0, 1], "reward": rewards,
+                                             "success": [False, False]}}
+
+    runs = [run(0, [-2.0, -3.0]), run(1, [-1.0, -2.0]), run(2, [-2.0, -2.0])]  # means -2.5, -1.5, -2
+    digest = study_digest(study_tables({"runs": runs, "trials": [], "summary": None, "geometry": None},
+                                       measure="reward"), "conciseness").splitlines()
+    row = next(line.split(" | ") for line in digest if line.startswith("| a |"))
+    assert row[5].startswith("-2 (-2.5 to ") and row[5].endswith(")") and "--" not in row[5]
+    assert row[6] == "-3.24 to -0.758"  # t interval: -2 -+ 4.303 * 0.5 / sqrt(3)
+
+
 def test_where_a_stage_ran_is_told_per_group_of_methods_when_they_differ():
     import pandas as pd
 

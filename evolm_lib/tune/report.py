@@ -207,6 +207,10 @@ def _value(value: float, measure: str) -> str:
 
 
 def _interval(low: float, high: float, measure: str) -> str:
+    """An interval's bounds, "43.8-45.3 %"; "-2.46 to -1.74" where a bound is negative, since a
+    hyphen before a minus would read as one."""
+    if any(isinstance(bound, (int, float)) and bound < 0 for bound in (low, high)):
+        return f"{_value(low, measure)} to {_value(high, measure)}"
     return f"{_value(low, measure).removesuffix(' %')}-{_value(high, measure)}"
 
 
