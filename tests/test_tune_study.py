@@ -271,6 +271,44 @@ def test_negative_rewards_read_as_intervals_from_one_bound_to_the_other():
     assert row[6] == "-3.24 to -0.758"  # t interval: -2 -+ 4.303 * 0.5 / sqrt(3)
 
 
+def test_empty_held_out_answers_are_kept_by_compact_and_their_share_reported(tmp_path):
+    """Compact keeps whether each held-out completion was empty or whitespace (not the completions);
+    the held-out table gains each method's mean share over its seeds and the digest names it
+    (hand-computed: 2 of 3, 1 of 3 and 0 of 3 empty: 1/3); runs whose lines carry no completion (an
+    older study) give no such column."""
+    from evolm_lib.tune.compact import compact_study, load_compact
+    from evolm_lib.tune.report import study_digest, study_tables
+
+    study = tmp_path / "study"
+    answers = {0: ["", " \n", "Paris"], 1: ["", "84", "True"], 2: ["x", "84", "True"]}
+    for seed, completions in answers.items():
+        folder = study / "final" / "es_lora" / f"seed{seed}"
+        folder.mkdir(parents=True)
+        (folder / "config.yaml").write_text(f"seed: {seed}\n")
+        (folder / "metrics.jsonl").write_text(json.dumps({"generation": 0, "samples/completions": 0}) + "\n")
+        (folder / "heldout.jsonl").write_text("".join(
+            json.dumps({"index": i, "generation": 0, "completion": c, "reward": -float(abs(len(c) - 2)),
+                        "success": len(c) == 2}) + "\n" for i, c in enumerate(completions)))
+    compact_study(study, tmp_path / "compact")
+    loaded = load_compact(tmp_path / "compact")
+    assert sorted(run["heldout"]["empty"] for run in loaded["runs"]) == [
+        [False, False, False], [True, False, False], [True, True, False]]
+    assert "Paris" not in json.dumps(loaded["runs"])  # the answers themselves stay out
+    tables = study_tables(loaded, measure="reward")
+    assert tables["heldout"].loc["es_lora", "empty_answers"] == pytest.approx(1 / 3)
+    assert ("Empty held-out answers (nothing but whitespace; where the reward is minus the length gap, such an answer "
+            "scores minus the target's length), the mean share over the seeds: es_lora 33 %.") in study_digest(
+        tables, "t").splitlines()
+
+    for folder in (study / "final" / "es_lora").iterdir():  # an older study's lines: no completion
+        lines = [json.loads(line) for line in (folder / "heldout.jsonl").read_text().splitlines()]
+        (folder / "heldout.jsonl").write_text("".join(json.dumps({k: v for k, v in line.items() if k != "completion"})
+                                                      + "\n" for line in lines))
+    compact_study(study, tmp_path / "older")
+    tables = study_tables(load_compact(tmp_path / "older"), measure="reward")
+    assert "empty_answers" not in tables["heldout"] and "Empty held-out" not in study_digest(tables, "t")
+
+
 def test_where_a_stage_ran_is_told_per_group_of_methods_when_they_differ():
     import pandas as pd
 

@@ -7,7 +7,8 @@ method, trial, seed, path), its settings (config.yaml), its metrics rows with th
 (completions, prompts and per-member lists left out; floats to 6 significant digits, times of parts
 of a generation to 3; stored by column; a continued run without the rows it shares with the rerun
 it was copied from), its held-out
-scores (heldout.jsonl's index, reward and success per problem, without the completions), where it
+scores (heldout.jsonl's index, reward and success per problem, and whether each completion was empty
+or nothing but whitespace: the completions themselves are left out), where it
 ran (placement.jsonl: device, engines per card) and the KL of its checkpoints where measured. The
 Optuna trials of every study go to OUT_DIR/trials.jsonl.gz, tune_summary.json is copied, and
 manifest.json counts what went in. The gzip files carry no timestamp: the same study compacts to the
@@ -127,7 +128,11 @@ def compact_run(study: Path, folder: Path) -> dict[str, Any]:
         "rows_from": {"path": str(source.relative_to(study)), "rows": shared} if shared else None,
         "heldout": {"generation": heldout[0].get("generation"), "index": [line["index"] for line in heldout],
                     "reward": [_scalar(float(line["reward"]))[1] for line in heldout],
-                    "success": [bool(line["success"]) for line in heldout]} if heldout else None,
+                    "success": [bool(line["success"]) for line in heldout],
+                    # a length reward (conciseness) pays an empty answer -len(target): kept to show it
+                    **({"empty": [not line["completion"].strip() for line in heldout]}
+                       if all(isinstance(line.get("completion"), str) for line in heldout) else {})}
+        if heldout else None,
         "placement": read_jsonl(folder / PLACEMENT),
         "kl": [scalar_row(row) for row in read_jsonl(folder / "kl.jsonl")],
         "continued_from": json.loads(continued.read_text()) if continued.is_file() else None,

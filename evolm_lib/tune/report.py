@@ -88,9 +88,18 @@ def winners_table(trials: Sequence[dict], runs: Sequence[dict]):
     return pd.DataFrame(lines).set_index("method") if lines else pd.DataFrame()
 
 
+def empty_share(runs: Sequence[dict]) -> float:
+    """The share of held-out completions that were empty (or nothing but whitespace), the mean over
+    compacted runs of each run's share; NaN where no run recorded it (compacted before it was kept)."""
+    shares = [statistics.fmean(run["heldout"]["empty"]) for run in runs
+              if (run.get("heldout") or {}).get("empty")]
+    return statistics.fmean(shares) if shares else math.nan
+
+
 def _final(groups: Mapping[str, Sequence], runs: Sequence[dict], stage: str, measure: str, label: str = "{method}"):
     """``analysis.study_table`` of a stage with the generated tokens, wall and training seconds
-    (``metrics.with_training_seconds``) and placement of its runs."""
+    (``metrics.with_training_seconds``) and placement of its runs, and the share of their held-out
+    answers that were empty where the compacted runs recorded it (``empty_answers``)."""
     from ..analysis import study_table
     from ..metrics import TRAINING_SECONDS, final_value, with_training_seconds
 
@@ -104,10 +113,13 @@ def _final(groups: Mapping[str, Sequence], runs: Sequence[dict], stage: str, mea
         training = [with_training_seconds(r.rows)[-1][TRAINING_SECONDS] for r in records if r.rows]
         extra[name] = {"generated_tokens": statistics.fmean(tokens) if tokens else math.nan,
                        "wall_seconds": statistics.fmean(seconds) if seconds else math.nan,
-                       "training_seconds": statistics.fmean(training) if training else math.nan, **placements(own)}
+                       "training_seconds": statistics.fmean(training) if training else math.nan,
+                       "empty_answers": empty_share(own), **placements(own)}
     for column in ("generated_tokens", "wall_seconds", "training_seconds", "engines_per_card", "processes_on_card",
                    "mps", "device", "code"):
         table[column] = [extra[name][column] for name in table.index]
+    if not all(math.isnan(extra[name]["empty_answers"]) for name in table.index):  # older compactions lack it
+        table["empty_answers"] = [extra[name]["empty_answers"] for name in table.index]
     return table
 
 
@@ -282,6 +294,7 @@ def study_digest(tables: Mapping[str, Any], title: str) -> str:
                 [f"{method} on {completions:,.0f}" for method, completions in sweep["training_completions"].items()])
                 + " (means over the seeds)."]
     lines += equal_budget_digest(tables.get("sweep_equal_budget"))
+    lines += empty_digest(heldout, long)
     in_measure = measure == "success"  # differences in percentage points; the evaluation reward's as they are
     for name, heading, points in (
             ("comparisons", "Comparisons at the budget", in_measure),
@@ -370,6 +383,21 @@ def too_few_seeds(table) -> list[str]:
     pairs = [f"{row['method_a']} - {row['method_b']} ({int(row['seeds_a'])} and {int(row['seeds_b'])} seeds: "
              f"smallest p {row['smallest_p']:.2g}; Welch's t p {_p(row['welch_p'])})" for _, row in short.iterrows()]
     return ["", f"Too few seeds to call beyond seed noise at {alpha:g}, whatever the difference: " + _and(pairs) + "."]
+
+
+def empty_digest(heldout, long) -> list[str]:
+    """A line naming each method's share of empty held-out answers (``empty_answers``), at the budget
+    and at twice it, where the tables have it."""
+    shares = []
+    for table, where in ((heldout, ""), (long, " at twice the budget")):
+        if table is None or "empty_answers" not in table:
+            continue
+        shares += [f"{method}{where} {100 * share:.0f} %" for method, share in table["empty_answers"].items()
+                   if not math.isnan(share)]
+    if not shares:
+        return []
+    return ["", "Empty held-out answers (nothing but whitespace; where the reward is minus the length gap, "
+                "such an answer scores minus the target's length), the mean share over the seeds: " + _and(shares) + "."]
 
 
 def _and(words: Sequence[str]) -> str:
