@@ -535,6 +535,23 @@ def heldout_scores(record: RunRecord, measure: str = "success") -> list[float] |
     return [float(bool(row[field_name])) if field_name == "success" else float(row[field_name]) for row in rows]
 
 
+def empty_answer(row: Mapping[str, Any]) -> bool | None:
+    """Whether a held-out row's answer was empty or nothing but whitespace (where the reward is minus
+    the length gap, as on conciseness, such an answer scores minus the target's length): its
+    ``completion``, or the ``empty`` flag a compacted run keeps instead; None where the row has neither."""
+    if "empty" in row:
+        return bool(row["empty"])
+    return not row["completion"].strip() if isinstance(row.get("completion"), str) else None
+
+
+def empty_answers(record: RunRecord) -> float | None:
+    """The share of a run's held-out answers that were empty (``empty_answer``); None where its rows
+    do not say (a compacted run from before ``compact`` kept the flag)."""
+    rows = record.heldout if record.heldout is not None else read_heldout(record.path)
+    flags = [empty_answer(row) for row in rows or []]
+    return None if not flags or None in flags else statistics.fmean(flags)
+
+
 def _runs_with_scores(groups: Groups, measure: str) -> tuple[dict[str, list[tuple[RunRecord, list[float]]]], list[str]]:
     """{label: [(run, its held-out scores), ...]} of the runs that have any, and the names of those left out."""
     kept: dict[str, list[tuple[RunRecord, list[float]]]] = {}
@@ -594,8 +611,10 @@ def study_table(groups: Groups, measure: str = "success", level: float = 0.95, n
     ``seed_std`` (n - 1), ``min``, ``max``; ``per_seed``: each seed's score and its bootstrap interval
     over problems, as text; ``kl_mean``, ``kl_std``: final KL to the base model across seeds;
     ``seconds_per_step``: median `time/generation_s` over every generation or step of every seed;
-    ``training_completions``: mean final `samples/completions`. Runs without heldout.jsonl are left
-    out, named in ``.attrs["note"]``; ``.attrs`` also holds measure, key (the axis label key) and level.
+    ``training_completions``: mean final `samples/completions`; ``empty_answers``: the mean across
+    seeds of the share of held-out answers that were empty (``empty_answers``), a column only where
+    some run's rows say. Runs without heldout.jsonl are left out, named in ``.attrs["note"]``;
+    ``.attrs`` also holds measure, key (the axis label key) and level.
     """
     import pandas as pd
 
@@ -613,6 +632,7 @@ def study_table(groups: Groups, measure: str = "success", level: float = 0.95, n
         kls = [kl for kl in (final_value(record.rows, "policy/kl") for record, _ in pairs) if kl is not None]
         seconds = [s for record, _ in pairs for s in _seconds_per_step(record.rows)]
         completions = [c for c in (final_value(record.rows, "samples/completions") for record, _ in pairs) if c is not None]
+        empty = [e for e in (empty_answers(record) for record, _ in pairs) if e is not None]
         lines.append({
             "method": label, "seeds": len(values), "problems": min(len(scores) for _, scores in pairs),
             "mean": mean, "ci_low": low, "ci_high": high, "t_low": t_low, "t_high": t_high,
@@ -621,10 +641,13 @@ def study_table(groups: Groups, measure: str = "success", level: float = 0.95, n
             "kl_mean": sum(kls) / len(kls) if kls else math.nan, "kl_std": _std(kls),
             "seconds_per_step": statistics.median(seconds) if seconds else math.nan,
             "training_completions": sum(completions) / len(completions) if completions else math.nan,
+            "empty_answers": statistics.fmean(empty) if empty else math.nan,
         })
     columns = ["method", "seeds", "problems", "mean", "ci_low", "ci_high", "t_low", "t_high", "iqm", "seed_std",
                "min", "max", "per_seed",
                "kl_mean", "kl_std", "seconds_per_step", "training_completions"]
+    if any(not math.isnan(line["empty_answers"]) for line in lines):  # runs that kept no completions: no column
+        columns.append("empty_answers")
     table = pd.DataFrame(lines, columns=columns).set_index("method")
     table.attrs.update(measure=measure, key=HELDOUT_MEASURES[measure][1], level=level, note=_left_out_note(left_out))
     return table

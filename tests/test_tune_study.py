@@ -272,10 +272,11 @@ def test_negative_rewards_read_as_intervals_from_one_bound_to_the_other():
 
 
 def test_empty_held_out_answers_are_kept_by_compact_and_their_share_reported(tmp_path):
-    """Compact keeps whether each held-out completion was empty or whitespace (not the completions);
-    the held-out table gains each method's mean share over its seeds and the digest names it
-    (hand-computed: 2 of 3, 1 of 3 and 0 of 3 empty: 1/3); runs whose lines carry no completion (an
-    older study) give no such column."""
+    """The held-out table gains each method's mean share of empty or whitespace answers over its
+    seeds, read from the run folders (hand-computed: 2 of 3, 1 of 3 and 0 of 3 empty: 1/3); compact
+    keeps the flags (not the answers), so the study's tables give the same share and the digest names
+    it; runs whose lines carry no completion (an older study) give no such column."""
+    from evolm_lib.analysis import load_runs, study_table
     from evolm_lib.tune.compact import compact_study, load_compact
     from evolm_lib.tune.report import study_digest, study_tables
 
@@ -289,6 +290,8 @@ def test_empty_held_out_answers_are_kept_by_compact_and_their_share_reported(tmp
         (folder / "heldout.jsonl").write_text("".join(
             json.dumps({"index": i, "generation": 0, "completion": c, "reward": -float(abs(len(c) - 2)),
                         "success": len(c) == 2}) + "\n" for i, c in enumerate(completions)))
+    from_folders = study_table(load_runs({"es_lora": str(study / "final" / "es_lora" / "seed*")}), measure="reward")
+    assert from_folders.loc["es_lora", "empty_answers"] == pytest.approx(1 / 3)  # notebook 04's table, from the runs
     compact_study(study, tmp_path / "compact")
     loaded = load_compact(tmp_path / "compact")
     assert sorted(run["heldout"]["empty"] for run in loaded["runs"]) == [

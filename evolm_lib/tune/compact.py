@@ -111,9 +111,12 @@ def compact_run(study: Path, folder: Path) -> dict[str, Any]:
     """One run folder as one line of runs.jsonl.gz (see the module docstring)."""
     import yaml
 
+    from ..analysis import empty_answer
+
     config = yaml.safe_load((folder / "config.yaml").read_text()) or {}
     rows = [scalar_row(row) for row in read_metrics(folder)]
     heldout = read_jsonl(folder / "heldout.jsonl")
+    empty = [empty_answer(line) for line in heldout]  # kept without the answers themselves
     continued = folder / CONTINUED_FROM
     place = locate(study, folder)
     shared = 0  # a continued run's first rows are its rerun's: stored once, with the rerun
@@ -129,9 +132,7 @@ def compact_run(study: Path, folder: Path) -> dict[str, Any]:
         "heldout": {"generation": heldout[0].get("generation"), "index": [line["index"] for line in heldout],
                     "reward": [_scalar(float(line["reward"]))[1] for line in heldout],
                     "success": [bool(line["success"]) for line in heldout],
-                    # a length reward (conciseness) pays an empty answer -len(target): kept to show it
-                    **({"empty": [not line["completion"].strip() for line in heldout]}
-                       if all(isinstance(line.get("completion"), str) for line in heldout) else {})}
+                    **({"empty": empty} if None not in empty else {})}
         if heldout else None,
         "placement": read_jsonl(folder / PLACEMENT),
         "kl": [scalar_row(row) for row in read_jsonl(folder / "kl.jsonl")],
@@ -223,12 +224,16 @@ def load_compact(folder: str | Path) -> dict[str, Any]:
 
 
 def heldout_lines(run: dict) -> list[dict] | None:
-    """A compacted run's held-out scores as heldout.jsonl's lines (index, reward, success, generation)."""
+    """A compacted run's held-out scores as heldout.jsonl's lines (index, reward, success, generation,
+    and ``empty`` where it was kept: whether the answer was empty, ``analysis.empty_answer``)."""
     held = run.get("heldout")
     if not held:
         return None
-    return [{"index": i, "reward": r, "success": s, "generation": held.get("generation")}
-            for i, r, s in zip(held["index"], held["reward"], held["success"])]
+    lines = [{"index": i, "reward": r, "success": s, "generation": held.get("generation")}
+             for i, r, s in zip(held["index"], held["reward"], held["success"])]
+    for line, empty in zip(lines, held.get("empty") or []):
+        line["empty"] = empty
+    return lines
 
 
 def compact_groups(runs: Sequence[dict], stage: str, label: str = "{method}") -> dict:

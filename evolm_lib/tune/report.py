@@ -88,18 +88,9 @@ def winners_table(trials: Sequence[dict], runs: Sequence[dict]):
     return pd.DataFrame(lines).set_index("method") if lines else pd.DataFrame()
 
 
-def empty_share(runs: Sequence[dict]) -> float:
-    """The share of held-out completions that were empty (or nothing but whitespace), the mean over
-    compacted runs of each run's share; NaN where no run recorded it (compacted before it was kept)."""
-    shares = [statistics.fmean(run["heldout"]["empty"]) for run in runs
-              if (run.get("heldout") or {}).get("empty")]
-    return statistics.fmean(shares) if shares else math.nan
-
-
 def _final(groups: Mapping[str, Sequence], runs: Sequence[dict], stage: str, measure: str, label: str = "{method}"):
     """``analysis.study_table`` of a stage with the generated tokens, wall and training seconds
-    (``metrics.with_training_seconds``) and placement of its runs, and the share of their held-out
-    answers that were empty where the compacted runs recorded it (``empty_answers``)."""
+    (``metrics.with_training_seconds``) and placement of its runs."""
     from ..analysis import study_table
     from ..metrics import TRAINING_SECONDS, final_value, with_training_seconds
 
@@ -113,13 +104,10 @@ def _final(groups: Mapping[str, Sequence], runs: Sequence[dict], stage: str, mea
         training = [with_training_seconds(r.rows)[-1][TRAINING_SECONDS] for r in records if r.rows]
         extra[name] = {"generated_tokens": statistics.fmean(tokens) if tokens else math.nan,
                        "wall_seconds": statistics.fmean(seconds) if seconds else math.nan,
-                       "training_seconds": statistics.fmean(training) if training else math.nan,
-                       "empty_answers": empty_share(own), **placements(own)}
+                       "training_seconds": statistics.fmean(training) if training else math.nan, **placements(own)}
     for column in ("generated_tokens", "wall_seconds", "training_seconds", "engines_per_card", "processes_on_card",
                    "mps", "device", "code"):
         table[column] = [extra[name][column] for name in table.index]
-    if not all(math.isnan(extra[name]["empty_answers"]) for name in table.index):  # older compactions lack it
-        table["empty_answers"] = [extra[name]["empty_answers"] for name in table.index]
     return table
 
 
