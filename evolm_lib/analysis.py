@@ -537,7 +537,7 @@ def heldout_scores(record: RunRecord, measure: str = "success") -> list[float] |
 
 def empty_answer(row: Mapping[str, Any]) -> bool | None:
     """Whether a held-out row's answer was empty or nothing but whitespace (where the reward is minus
-    the length gap, as on conciseness, such an answer scores minus the target's length): its
+    the length gap, as on conciseness, an empty one scores minus the target's length): its
     ``completion``, or the ``empty`` flag a compacted run keeps instead; None where the row has neither."""
     if "empty" in row:
         return bool(row["empty"])

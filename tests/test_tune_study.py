@@ -299,7 +299,7 @@ def test_empty_held_out_answers_are_kept_by_compact_and_their_share_reported(tmp
     assert "Paris" not in json.dumps(loaded["runs"])  # the answers themselves stay out
     tables = study_tables(loaded, measure="reward")
     assert tables["heldout"].loc["es_lora", "empty_answers"] == pytest.approx(1 / 3)
-    assert ("Empty held-out answers (nothing but whitespace; where the reward is minus the length gap, such an answer "
+    assert ("Empty held-out answers (nothing but whitespace; where the reward is minus the length gap, an empty one "
             "scores minus the target's length), the mean share over the seeds: es_lora 33 %.") in study_digest(
         tables, "t").splitlines()
 

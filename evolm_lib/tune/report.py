@@ -385,7 +385,7 @@ def empty_digest(heldout, long) -> list[str]:
     if not shares:
         return []
     return ["", "Empty held-out answers (nothing but whitespace; where the reward is minus the length gap, "
-                "such an answer scores minus the target's length), the mean share over the seeds: " + _and(shares) + "."]
+                "an empty one scores minus the target's length), the mean share over the seeds: " + _and(shares) + "."]
 
 
 def _and(words: Sequence[str]) -> str:
