@@ -15,6 +15,7 @@ it writes no file; the summaries that hold its results are written by `evolm_lib
 """
 from __future__ import annotations
 
+import dataclasses
 import glob
 import itertools
 import json
@@ -525,11 +526,16 @@ def default_measure(groups: Groups) -> str:
     return task.heldout_measure
 
 
+def heldout_rows(record: RunRecord) -> list[dict] | None:
+    """A run's held-out rows: those it carries (a compacted study's), else its heldout.jsonl's."""
+    return record.heldout if record.heldout is not None else read_heldout(record.path)
+
+
 def heldout_scores(record: RunRecord, measure: str = "success") -> list[float] | None:
     """One number per held-out problem of a run: 1.0 or 0.0 for ``measure="success"``, the task's
     reward for ``"reward"``; None when the run has no heldout.jsonl."""
     field_name, _ = _measure(measure)
-    rows = record.heldout if record.heldout is not None else read_heldout(record.path)
+    rows = heldout_rows(record)
     if rows is None:
         return None
     return [float(bool(row[field_name])) if field_name == "success" else float(row[field_name]) for row in rows]
@@ -547,17 +553,18 @@ def empty_answer(row: Mapping[str, Any]) -> bool | None:
 def empty_answers(record: RunRecord) -> float | None:
     """The share of a run's held-out answers that were empty (``empty_answer``); None where its rows
     do not say (a compacted run from before ``compact`` kept the flag)."""
-    rows = record.heldout if record.heldout is not None else read_heldout(record.path)
-    flags = [empty_answer(row) for row in rows or []]
+    flags = [empty_answer(row) for row in heldout_rows(record) or []]
     return None if not flags or None in flags else statistics.fmean(flags)
 
 
 def _runs_with_scores(groups: Groups, measure: str) -> tuple[dict[str, list[tuple[RunRecord, list[float]]]], list[str]]:
-    """{label: [(run, its held-out scores), ...]} of the runs that have any, and the names of those left out."""
+    """{label: [(run, its held-out scores), ...]} of the runs that have any, and the names of those left out.
+    Each run comes back carrying its held-out rows, so what reads them next reads no file again."""
     kept: dict[str, list[tuple[RunRecord, list[float]]]] = {}
     left_out = []
     for label, runs in groups.items():
         for record in runs:
+            record = dataclasses.replace(record, heldout=heldout_rows(record))
             scores = heldout_scores(record, measure)
             if scores:
                 kept.setdefault(label, []).append((record, scores))

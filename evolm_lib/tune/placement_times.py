@@ -59,6 +59,8 @@ def attempts(study: str | Path, commit: str | None = None, before: str | Path | 
     for placement in sorted(study.rglob(PLACEMENT)):
         run = placement.parent
         lines = read_jsonl(placement)
+        if commit and not any(str(line.get("code_commit") or "").startswith(commit) for line in lines):
+            continue  # an earlier lease's run: its rows are not read
         rows = [row for row in read_metrics(run) if "time/generation_s" in row]
         config = read_config_file(run)
         method = locate(study, run)["method"]
