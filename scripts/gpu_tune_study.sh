@@ -46,7 +46,7 @@
 # es_lora@1 ...": one worker per METHOD@CARD instead of METHODS x WORKERS_PER_METHOD dealt round-robin
 # (a method kept to cards of its own, several workers on one card; a method given more workers than
 # tune.parallel lets run trials at once is named at the start, with how many wait). CLAIM_UNTIL="grpo_full=EPOCH ...":
-# a worker of that method starts no trial or run after that time (`evolm tune --claim-for`), for runs
+# a worker of that method starts no trial or run after that time (`evolm tune --claim-until`), for runs
 # whose checkpoints never travel (full GRPO's) and so must end within the lease that starts them; its
 # worker then ends and its card is refilled. MPS_CARDS="0 1" (or all): CUDA's Multi-Process Service on those
 # cards (a control daemon under MPS_DIR, started once a lease and checked with one CUDA process a card
@@ -91,15 +91,13 @@ alive() {  # workers of the last start still running
   echo $n
 }
 
-claim_for() {
-  # claim_for METHOD: the seconds a new worker of METHOD may start runs for, by the deadline `start`
-  # recorded from CLAIM_UNTIL ("METHOD=EPOCH_SECONDS ..."): nothing when METHOD has none, "past" once
-  # it has passed
-  local entry now
-  now=$(date +%s)
+claim_until() {
+  # claim_until METHOD: the deadline `start` recorded from CLAIM_UNTIL ("METHOD=EPOCH_SECONDS ...")
+  # for METHOD's new workers to start runs by: nothing when METHOD has none, "past" once it has passed
+  local entry
   for entry in $(cat "$LOGS/claim_until.txt" 2>/dev/null); do
     [ "${entry%%=*}" = "$1" ] || continue
-    if [ "${entry#*=}" -gt "$now" ]; then echo $((${entry#*=} - now)); else echo past; fi
+    if [ "${entry#*=}" -gt "$(date +%s)" ]; then echo "${entry#*=}"; else echo past; fi
     return 0
   done
 }
@@ -126,11 +124,11 @@ start_mps() {
 
 launch() {  # launch METHOD CARD ENGINES LOG: one detached worker, recorded in workers.pids and workers.tsv
   local offset=0 claim
-  claim=$(claim_for "$1")
+  claim=$(claim_until "$1")
   [ "$claim" = past ] && { echo "card $2: no worker of $1, whose deadline for starting runs has passed"; return 0; }
   [ -f "$4" ] && offset=$(wc -c < "$4")  # logs are appended to: this worker's part starts here
   env $(mps_env "$2") EVOLM_ENGINES_PER_CARD=$3 CUDA_VISIBLE_DEVICES=$2 \
-    setsid python -m evolm_lib.cli tune "$SPEC" --methods "$1" --no-figures ${claim:+--claim-for "$claim"} \
+    setsid python -m evolm_lib.cli tune "$SPEC" --methods "$1" --no-figures ${claim:+--claim-until "$claim"} \
     >> "$4" 2>&1 < /dev/null &
   echo $! >> "$LOGS/workers.pids"
   printf '%s\t%s\t%s\t%s\t%s\t%s\n' $! "$2" "$3" "$1" "$4" "$offset" >> "$LOGS/workers.tsv"
@@ -155,7 +153,7 @@ refill() {
     target=""; best=""
     for m in $METHODS; do
       case "$done_methods" in *" $m "*) continue ;; esac
-      [ "$(claim_for "$m")" = past ] && continue  # it may start nothing more here
+      [ "$(claim_until "$m")" = past ] && continue  # it may start nothing more here
       n=0
       while IFS=$'\t' read -r p _ _ mm _ _; do [ "$mm" = "$m" ] && kill -0 "$p" 2>/dev/null && n=$((n + 1)); done < "$LOGS/workers.tsv"
       [ "$n" -gt 0 ] || continue

@@ -42,7 +42,8 @@ def untuned(folder: str, measure: str, prefix: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv and not (Path(argv[0]) / RUNS).is_file() and len(argv) == 3 and not argv[1].startswith("-"):
+    # FOLDER MEASURE PREFIX has no options; a compacted study's folder holds runs.jsonl.gz
+    if len(argv) == 3 and not any(arg.startswith("-") for arg in argv) and not (Path(argv[0]) / RUNS).is_file():
         untuned(*argv)
         return 0
     parser = argparse.ArgumentParser(prog="scripts/study_tables.py", description=__doc__.split("\n\n")[0])

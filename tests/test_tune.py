@@ -127,6 +127,27 @@ def test_a_worker_that_may_claim_no_more_finishes_its_run_and_leaves_the_rest(tm
     assert [row["generation"] for row in read_metrics(spec.out / "final" / "es" / "seed1")] == [0, 1, 2]
     assert main(["tune", str(tmp_path / "spec.yaml"), "--claim-for", "-5"]) == 2
     assert "--claim-for: a number of seconds >= 0, not -5.0" in capsys.readouterr().err
+    assert main(["tune", str(tmp_path / "spec.yaml"), "--claim-until", "0"]) == 2
+    assert "--claim-until: seconds since the epoch (date +%s), not 0.0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # one deadline or the other
+        main(["tune", str(tmp_path / "spec.yaml"), "--claim-for", "5", "--claim-until", "1"])
+    assert "not allowed with argument" in capsys.readouterr().err
+
+
+def test_a_deadline_for_claiming_is_a_span_from_now_or_a_time_on_the_clock(monkeypatch):
+    """``--claim-for`` counts from the worker's own start; ``--claim-until`` is the clock's time, the
+    same for every worker given it however long each took to start; neither: no deadline."""
+    from evolm_lib.cli.tune import claim_rule
+
+    now = {"monotonic": 100.0, "time": 1_800_000_000.0}
+    monkeypatch.setattr(time, "monotonic", lambda: now["monotonic"])
+    monkeypatch.setattr(time, "time", lambda: now["time"])
+    within, until, always = claim_rule(claim_for=30), claim_rule(claim_until=1_800_000_020), claim_rule()
+    assert within() and until() and always()
+    now["monotonic"], now["time"] = 129.9, 1_800_000_019.9
+    assert within() and until()
+    now["monotonic"], now["time"] = 130.0, 1_800_000_020.0
+    assert not within() and not until() and always()
 
 
 def _worker(spec: Path, *extra: str) -> subprocess.Popen:

@@ -6,6 +6,7 @@ import argparse
 import signal
 import sys
 import time
+from collections.abc import Callable
 
 from .. import tune
 from ..env import apply_engine_defaults
@@ -49,10 +50,14 @@ def build_parser() -> argparse.ArgumentParser:
                                                          "(default: the spec's)")
     parser.add_argument("--model", help="override the model, e.g. tiny-random for a quick check (default: the spec's)")
     parser.add_argument("--no-finals", action="store_true", help="tune only; rerun no winner")
-    parser.add_argument("--claim-for", type=float, metavar="SECONDS",
-                        help="start trials and runs only within SECONDS of this worker's start; it finishes what it "
-                             "runs then, and ends leaving the rest (on a lent machine, for runs whose checkpoints "
-                             "cannot travel to the next one; default: no limit)")
+    deadline = parser.add_mutually_exclusive_group()
+    deadline.add_argument("--claim-for", type=float, metavar="SECONDS",
+                          help="start trials and runs only within SECONDS of this worker's start; it finishes what it "
+                               "runs then, and ends leaving the rest (on a lent machine, for runs whose checkpoints "
+                               "cannot travel to the next one; default: no limit)")
+    deadline.add_argument("--claim-until", type=float, metavar="EPOCH_SECONDS",
+                          help="the same, until a time on the clock (seconds since the epoch, as `date +%%s` prints "
+                               "it): workers started one after another share one deadline, whatever their imports took")
     parser.add_argument("--no-figures", action="store_true", help="write no figures")
     parser.add_argument("--dry-run", action="store_true", help="check the spec and print the plan only")
     return parser
@@ -71,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
             spec = tune.with_trials(spec, args.trials)
         if args.claim_for is not None and not (args.claim_for >= 0):
             raise ValueError(f"--claim-for: a number of seconds >= 0, not {args.claim_for}")
+        if args.claim_until is not None and not (args.claim_until > 0):
+            raise ValueError(f"--claim-until: seconds since the epoch (date +%s), not {args.claim_until}")
     except (ValueError, FileNotFoundError) as error:  # a bad spec or option: one line naming it
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -108,18 +115,24 @@ def missing_libraries(names) -> list[str]:
     return [name for name in names if importlib.util.find_spec(name) is None]
 
 
+def claim_rule(claim_for: float | None = None, claim_until: float | None = None) -> Callable[[], bool]:
+    """Whether this worker may start another trial or run: always, or while within ``claim_for``
+    seconds of now (a monotonic clock), or before the wall-clock time ``claim_until``."""
+    if claim_for is not None:
+        deadline = time.monotonic() + claim_for
+        return lambda: time.monotonic() < deadline
+    if claim_until is not None:
+        return lambda: time.time() < claim_until
+    return tune.always
+
+
 def _run(spec, args) -> int:
     """Tune, rerun the winners whose studies are finished, summarise, draw."""
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # a line per study opened says nothing here
     started = time.perf_counter()
-    may_claim = tune.always
-    if args.claim_for is not None:
-        claim_until = time.monotonic() + args.claim_for
-
-        def may_claim() -> bool:
-            return time.monotonic() < claim_until
+    may_claim = claim_rule(args.claim_for, args.claim_until)
     if tune.outstanding(spec, finals=not args.no_finals):
         evaluator = tune.make_tuning_evaluator(spec)
         try:
