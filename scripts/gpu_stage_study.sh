@@ -9,7 +9,8 @@
 #
 #   bash scripts/gpu_stage_study.sh bundle [ARCHIVE PART...]   # here: vLLM's staged parts (.gpu_stage/part.NN,
 #                                              # unstage.sh), these wheels' parts and a study's pack (its PARTs copied
-#                                              # in as .gpu_stage/ARCHIVE.part-NN) in one tar, split into
+#                                              # in as .gpu_stage/ARCHIVE.part-NN; the engines' compile caches
+#                                              # too, where put there as compile_cache.tar.gz.part-NN) in one tar, split into
 #                                              # .gpu_stage/bundle/piece.NN that fill a call's carry beside the tree
 #   bash scripts/gpu_stage_study.sh unbundle   # there, once every piece is in /root/bundle/ (one call each:
 #                                              # mkdir -p /root/bundle && cp .gpu_stage/bundle/piece.NN /root/bundle/):
@@ -73,5 +74,5 @@ unbundle)
   rm -rf "$ROOT/bundle"
   echo "vLLM's $(ls "$ROOT/stage" | wc -l) parts in $ROOT/stage, $(ls "$STAGE" | wc -l) wheel parts in $STAGE, packs: $(ls .gpu_stage | grep -c '\.part-' || true) parts"
   ;;
-*) sed -n 2,19p "$0"; exit 2 ;;
+*) sed -n '2,/^set -euo pipefail$/{/^set -euo pipefail$/!p}' "$0"; exit 2 ;;  # the header above
 esac

@@ -12,6 +12,9 @@
 #   bash scripts/gpu_tune_study.sh stage SECONDS DIR [ARCHIVE]   # start (unless running), wait, pack: one device call
 #                                                                # that ends within SECONDS (give the call a limit above it)
 #   bash scripts/gpu_tune_study.sh compact DIR       # the study's rows and scores in DIR/compact (to commit)
+#   bash scripts/gpu_tune_study.sh compile-cache DIR [N]   # the engines' compile caches in parts, N to N+3 into DIR:
+#                                                    # staged as .gpu_stage/compile_cache.tar.gz.part-NN, the next
+#                                                    # machine's `start` unpacks them and its engines start warm
 #   bash scripts/gpu_tune_study.sh rebuild           # the geometry's reruns whose weights a pack left behind, run again
 #                                                    # side by side (one process per method and seed), rows checked
 #   bash scripts/gpu_tune_study.sh geometry DIR      # the winners' geometry in DIR/compact/geometry.json (needs the reruns'
@@ -70,6 +73,11 @@ PACK_SECONDS=${PACK_SECONDS:-60}  # what a stage keeps for its pack
 PACKS=${PACKS:-runs/tune_study_pack}  # the last pack's parts, kept on the machine for `parts`
 RETURN_BYTES=${RETURN_BYTES:-67108864}  # what one device call brings back, its files together
 FIRST_PARTS=${FIRST_PARTS:-4}     # the parts a pack puts in its DIR, fewer where they would pass RETURN_BYTES
+# the compile caches vLLM, Inductor and Triton write (where the environment puts them, else their
+# defaults), carried from one lease to the next so that a new machine's engines start warm
+home=${HOME:-$(getent passwd "$(id -u)" | cut -d : -f 6)}
+COMPILE_CACHES=${COMPILE_CACHES:-"${VLLM_CACHE_ROOT:-$home/.cache/vllm} ${TORCHINDUCTOR_CACHE_DIR:-/tmp/torchinductor_$(id -un)} ${TRITON_CACHE_DIR:-$home/.triton/cache}"}
+CACHE_ARCHIVE=${CACHE_ARCHIVE:-.gpu_stage/compile_cache.tar.gz}  # its parts, staged (gpu_stage_study.sh bundle)
 export VLLM_LOGGING_LEVEL=WARNING TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 export OMP_NUM_THREADS=2  # many processes share the machine's cores
 
@@ -215,7 +223,9 @@ for method, n in collections.Counter(entry.split("@")[0] for entry in sys.argv[2
         print(f"{method}: {n} workers, but tune.parallel runs {limit} of its trials at once: {n - limit} wait"
               " (an engine each) until its trials are done, then take its reruns")
 ' "$SPEC" $entries
+  restore_compile_cache
   start_mps
+  date +%s > "$LOGS/launched_at.txt"  # the status compares the first runs' start with it
   local total
   local -A workers  # each method's workers so far: their logs' numbers
   total=$(echo $entries | wc -w)
@@ -347,6 +357,36 @@ geometry() {  # geometry DIR: the winners' geometry into DIR/compact/geometry.js
   python -m evolm_lib.tune.geometry "$STUDY" "$1/compact" ${DRIFT_SPEC:+--drift-spec "$DRIFT_SPEC"} ${GEOMETRY_ARGS:-}
 }
 
+compile_cache() {
+  # compile_cache DIR [N]: the compile caches (COMPILE_CACHES) packed once into PACKS, in parts of
+  # PART_BYTES (absolute paths, unpacked at / again), and their parts N to N+3 copied into DIR
+  local dir=$1 first=${2:-0} paths="" path
+  if [ ! -f "$PACKS/compile_cache.tar.gz.part-00" ]; then
+    for path in $COMPILE_CACHES; do [ -d "$path" ] && paths="$paths ${path#/}"; done
+    [ -n "$paths" ] || { echo "no compile cache here (COMPILE_CACHES: $COMPILE_CACHES)" >&2; return 1; }
+    mkdir -p "$PACKS"
+    tar -czf - -C / $paths | split -b "${PART_BYTES:-15728640}" -d -a 2 - "$PACKS/compile_cache.tar.gz.part-"
+    for path in $paths; do echo "/$path: $(du -sh "/$path" | cut -f 1)"; done
+  fi
+  mkdir -p "$dir"
+  local i file copied=""
+  for i in $(seq "$first" $((first + RETURN_BYTES / ${PART_BYTES:-15728640} - 1))); do
+    file=$(printf '%s/compile_cache.tar.gz.part-%02d' "$PACKS" "$i")
+    [ -f "$file" ] && cp "$file" "$dir/" && copied="$copied $(printf %02d "$i")"
+  done
+  echo "compile cache parts${copied:- none} of $(ls "$PACKS"/compile_cache.tar.gz.part-* | wc -l) in $dir" \
+    "($(cat "$PACKS"/compile_cache.tar.gz.part-* | wc -c) bytes): stage them as $CACHE_ARCHIVE.part-NN"
+}
+
+restore_compile_cache() {  # the compile caches an earlier machine packed, where staged: engines start warm
+  [ -f "$CACHE_ARCHIVE.part-00" ] || return 0
+  if cat "$CACHE_ARCHIVE".part-* | tar -xz -C /; then
+    echo "compile caches restored from $CACHE_ARCHIVE.part-*"
+  else
+    echo "cannot unpack $CACHE_ARCHIVE.part-*: the engines start from a cold compile cache" >&2
+  fi
+}
+
 unpack() {  # unpack ARCHIVE: a pack, or the parts pack split it into (ARCHIVE.part-00, -01, ...)
   local archive=$1
   if [ -f "$archive" ]; then
@@ -384,6 +424,8 @@ pack() {
   # and how fast each attempt went where it ran (this code's, where EVOLM_CODE_COMMIT names it): in the status only
   { echo; python -m evolm_lib.tune.placement_times "$STUDY" ${EVOLM_CODE_COMMIT:+--commit "$EVOLM_CODE_COMMIT"}; } \
     >> "$dir/tune_study_status.txt" 2>&1
+  [ -f "$LOGS/launched_at.txt" ] && echo "workers launched at $(cat "$LOGS/launched_at.txt") (seconds since the epoch)" \
+    >> "$dir/tune_study_status.txt"
   echo "$(alive) workers alive" | tee -a "$dir/tune_study_status.txt"
 }
 
@@ -403,6 +445,7 @@ start) start "${2:-}" ;;
 pack) pack "${2:?pack DIR}" ;;
 parts) parts "${2:?parts N DIR [COUNT]}" "${3:?parts N DIR [COUNT]}" ${4:+"$4"} ;;
 compact) python -m evolm_lib.tune.compact "$STUDY" "${2:?compact DIR}/compact" ;;
+compile-cache) compile_cache "${2:?compile-cache DIR [N]}" "${3:-0}" ;;
 rebuild) rebuild ;;
 finish) finish "${2:?finish DIR [SECONDS]}" "${3:-3600}" ;;
 last-steps) last_steps "${2:?last-steps DIR [SECONDS]}" $((SECONDS + ${3:-3600})) ;;
@@ -422,5 +465,5 @@ stage)
   # every worker ended: the study may be done, and its weights are still here
   [ "$(alive)" -eq 0 ] && [ "${FINISH:-1}" = 1 ] && finish "$dir" $((end - SECONDS))
   pack "$dir" ;;
-*) sed -n 2,45p "$0"; exit 2 ;;
+*) sed -n '2,/^set -u$/{/^set -u$/!p}' "$0"; exit 2 ;;  # the header above
 esac

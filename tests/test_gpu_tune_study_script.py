@@ -252,6 +252,56 @@ def test_the_geometry_stage_runs_finish_steps_detached_across_calls_without_aski
     assert (study / "rebuilt").is_dir()  # the study was not unpacked over
 
 
+def test_the_compile_caches_go_back_in_parts_and_a_new_machine_restores_them_before_its_engines(tmp_path):
+    """`compile-cache DIR [N]` packs the caches once (absolute paths) in parts of PART_BYTES kept on
+    the machine, parts N to N+3 into DIR; staged as CACHE_ARCHIVE's parts, `restore_compile_cache`
+    (what start runs before the engines) puts every file back where it was; damaged parts are said
+    and leave the engines cold, not the start stopped; no caches at all is an error naming where it looked."""
+    caches = [tmp_path / "machine" / "vllm", tmp_path / "machine" / "triton"]
+    files = {caches[0] / "torch_compile_cache" / "abc" / "model.bin": os.urandom(300_000),
+             caches[1] / "k1" / "kernel.cubin": os.urandom(200_000), caches[1] / "k1" / "kernel.json": b"{}"}
+    for path, data in files.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+    env = {**os.environ, "COMPILE_CACHES": f"{caches[0]} {caches[1]} {tmp_path / 'absent'}",
+           "PACKS": str(tmp_path / "packs"), "PART_BYTES": "100000", "RETURN_BYTES": "400000",
+           "CACHE_ARCHIVE": str(tmp_path / "stage" / "compile_cache.tar.gz")}
+    first, second = tmp_path / "out1", tmp_path / "out2"
+    result = subprocess.run(["bash", str(SCRIPT), "compile-cache", str(first)], env=env, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    count = len(list((tmp_path / "packs").glob("compile_cache.tar.gz.part-*")))
+    assert count >= 6  # random bytes do not compress: 500 kB in parts of 100 kB
+    assert sorted(p.name for p in first.iterdir()) == [f"compile_cache.tar.gz.part-{i:02d}" for i in range(4)]
+    assert f"compile cache parts 00 01 02 03 of {count} in {first}" in result.stdout
+    result = subprocess.run(["bash", str(SCRIPT), "compile-cache", str(second), "4"], env=env, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert sorted(p.name for p in second.iterdir()) == [f"compile_cache.tar.gz.part-{i:02d}" for i in range(4, count)]
+
+    shutil.rmtree(tmp_path / "machine")  # the next machine: nothing compiled yet
+    (tmp_path / "stage").mkdir()
+    for part in [*first.iterdir(), *second.iterdir()]:
+        shutil.copy(part, tmp_path / "stage" / part.name)
+    script = f"""set -u
+CACHE_ARCHIVE={env['CACHE_ARCHIVE']}
+{_functions('restore_compile_cache')}
+restore_compile_cache
+"""
+    result = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and "compile caches restored from" in result.stdout, result.stderr
+    assert {path: path.read_bytes() for path in files} == files
+
+    (tmp_path / "stage" / "compile_cache.tar.gz.part-01").write_bytes(b"damaged")
+    result = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and "the engines start from a cold compile cache" in result.stderr
+    shutil.rmtree(tmp_path / "packs")
+    shutil.rmtree(tmp_path / "machine")
+    result = subprocess.run(["bash", str(SCRIPT), "compile-cache", str(first)], env=env, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 1 and f"no compile cache here (COMPILE_CACHES: {caches[0]}" in result.stderr
+
+
 def test_a_pack_goes_back_in_parts_over_several_calls_and_start_joins_them_again(tmp_path):
     """`pack` with the real packer: the archive in parts of at most PART_BYTES kept on the machine,
     the first in DIR, as many as fit in what a call returns beside what DIR holds (an earlier pack's
