@@ -422,10 +422,10 @@ pack() {
   # where each method stands, runs under way with their generation or step and checkpoint
   python -m evolm_lib.tune.progress "$SPEC" --out "$STUDY" 2>&1 | tee -a "$dir/tune_study_status.txt"
   # and how fast each attempt went where it ran (this code's, where EVOLM_CODE_COMMIT names it): in the status only
-  { echo; python -m evolm_lib.tune.placement_times "$STUDY" ${EVOLM_CODE_COMMIT:+--commit "$EVOLM_CODE_COMMIT"}; } \
+  # and, from the time start launched the workers, how long their engines took to start
+  { echo; python -m evolm_lib.tune.placement_times "$STUDY" ${EVOLM_CODE_COMMIT:+--commit "$EVOLM_CODE_COMMIT"} \
+      $([ -f "$LOGS/launched_at.txt" ] && echo --launched-at "$(cat "$LOGS/launched_at.txt")"); } \
     >> "$dir/tune_study_status.txt" 2>&1
-  [ -f "$LOGS/launched_at.txt" ] && echo "workers launched at $(cat "$LOGS/launched_at.txt") (seconds since the epoch)" \
-    >> "$dir/tune_study_status.txt"
   echo "$(alive) workers alive" | tee -a "$dir/tune_study_status.txt"
 }
 

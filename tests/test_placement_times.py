@@ -63,3 +63,20 @@ def test_each_attempt_gets_the_rows_after_its_start_and_legacy_lines_their_earli
     out = capsys.readouterr().out
     assert "| trials/es_full/trial_0000/seed100 (from 3) | 0 | yes | 5 | 30 | 3 | 6 | 5 | 0.2 |" in out
     assert "| grpo_lora | 4 | 5 | no | 2 | 2 | 1.5 | 0.5 |" in out  # the medians of the two attempts' medians
+
+
+def test_each_workers_first_run_is_timed_from_the_launch(tmp_path, capsys):
+    """``--launched-at``: per process id, its first placement line at or after the launch, minus the
+    launch; lines from before it (an earlier machine's) are not counted."""
+    study = tmp_path / "study"
+    _run(study / "trials" / "es_full" / "trial_0000" / "seed100", {"population_size": 30},
+         [{"pid": 7, "time": 50.0}, {"pid": 11, "time": 1290.0}], [(1.0, 0.5, 0.1)])
+    _run(study / "final" / "es_full" / "seed0", {"population_size": 30},
+         [{"pid": 11, "time": 1500.0}, {"pid": 12, "time": 1310.5}], [(1.0, 0.5, 0.1)])
+    _run(study / "long" / "es_full" / "seed0", {"population_size": 30}, [{"pid": 12, "time": 1400.0}],
+         [(1.0, 0.5, 0.1)])
+    assert placement_times.first_run_delays(study, 1000.0) == [290.0, 310.5]
+    assert placement_times.first_run_delays(study, 2000.0) == []
+    assert placement_times.main([str(study), "--launched-at", "1000"]) == 0
+    assert ("Each worker's first run began, in seconds after the workers were launched (2 workers; one that "
+            "waited for work, or was refilled, began later): 290, 310") in capsys.readouterr().out

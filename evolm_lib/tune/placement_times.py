@@ -9,7 +9,9 @@ are those after that generation, up to the next attempt's. For each attempt (tho
 ``--commit`` names, where given) the table gives the medians of its rows' seconds a generation or
 step (``time/generation_s``), in the engine (``time/generate_s``, GRPO's ``time/rollout_s``) and in
 the update, with the population or group size, since a setting changes the work as much as a card.
-A second table groups the attempts by method, engines a card and MPS.
+A second table groups the attempts by method, engines a card and MPS. ``--launched-at EPOCH`` (the
+time ``gpu_tune_study.sh start`` launched its workers, in its status file) adds how long after it each
+worker's first run began: its engine's start, from the compile cache that machine had.
 
 Lines written before attempts recorded their start carry no ``from_generation``: a run's only
 attempt starts at 0; a later one starts at the newest checkpoint the same run had in
@@ -90,6 +92,19 @@ def attempts(study: str | Path, commit: str | None = None, before: str | Path | 
     return found, unknown
 
 
+def first_run_delays(study: str | Path, launched_at: float) -> list[float]:
+    """Seconds from ``launched_at`` to each worker's first run begun after it (a worker: a process id
+    on the runs' placement lines), the shortest first. A worker refilled later counts from the same
+    time, and one that waited for work (tune.parallel) from its launch too: their delays include the wait."""
+    first: dict[int, float] = {}
+    for placement in Path(study).rglob(PLACEMENT):
+        for line in read_jsonl(placement):
+            when, pid = line.get("time"), line.get("pid")
+            if isinstance(when, (int, float)) and when >= launched_at and pid is not None:
+                first[pid] = min(first.get(pid, when), when)
+    return sorted(when - launched_at for when in first.values())
+
+
 def _seconds(value: float | None) -> str:
     return "" if value is None else f"{value:.3g}"
 
@@ -124,11 +139,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("study", help="a study folder (or any folder of run folders)")
     parser.add_argument("--commit", help="only attempts of this code commit (a prefix will do)")
     parser.add_argument("--before", help="the unpacked pack these attempts started from (for lines without from_generation)")
+    parser.add_argument("--launched-at", type=float, metavar="EPOCH",
+                        help="when the workers were launched: say how long after it each one's first run began")
     args = parser.parse_args(argv)
     if not Path(args.study).is_dir():
         parser.error(f"{args.study}: no such folder")
     found, unknown = attempts(args.study, args.commit, args.before)
     print(table(found) + "\n\n" + grouped(found))
+    if args.launched_at is not None:
+        delays = first_run_delays(args.study, args.launched_at)
+        print(f"\nEach worker's first run began, in seconds after the workers were launched ({len(delays)} workers; "
+              "one that waited for work, or was refilled, began later): " + (", ".join(f"{d:.0f}" for d in delays) or "none yet"))
     if unknown:
         print(f"\n{len(unknown)} attempts left out, their start unknown (give --before): {', '.join(unknown[:5])}"
               + (" ..." if len(unknown) > 5 else ""))
