@@ -201,6 +201,15 @@ def test_a_long_legend_makes_the_paper_figure_taller_not_the_plot_smaller():
     assert styled.layout.legend.orientation == "h" and styled.layout.legend.entrywidth == 1
     assert figures.paper_height(many, 900) == 630 + 5 * 45
     assert styled.layout.margin.t == 5 * 45 + 30  # the legend's rows above the plot: the plot keeps its 0.7 x width
+    # a name wider than the plot (41 characters fit at 900 px) is broken into lines at its spaces, and
+    # the legend is as many lines tall: here 2 + 1
+    wide = go.Figure([go.Scatter(x=[0, 1], y=[0, 1], name=name)
+                      for name in ("es_eggroll, 2, 4, 5 engines/card (MPS in part) (n=10)", "es_full, 4 engines/card (n=8)")])
+    styled = figures.paper_style(wide)
+    assert [t.name for t in styled.data] == ["es_eggroll, 2, 4, 5 engines/card (MPS in<br>part) (n=10)",
+                                             "es_full, 4 engines/card (n=8)"]
+    assert wide.data[0].name == "es_eggroll, 2, 4, 5 engines/card (MPS in part) (n=10)"  # the notebook's figure keeps it
+    assert figures.paper_height(wide, 900) == 630 + 3 * 45 and styled.layout.margin.t == 3 * 45 + 30
 
 
 def test_best_so_far_draws_one_legend_entry_a_method():
@@ -264,6 +273,26 @@ def test_the_study_curves_come_from_one_stage_for_every_method():
     assert curve_stage(final + runs("long", "es", [0]) + runs("long", "grpo", [0, 1])) == "final"
     assert curve_stage(runs("sweep", "es", [0]) + runs("trial", "es", [0])) == "sweep"
     assert curve_stage(runs("trial", "es", [0])) is None
+
+
+def test_the_study_curves_draw_the_runs_the_tables_read_those_with_held_out_scores():
+    """A rerun a lease cut short (no held-out scores, rows that stop early) is left out of the curves,
+    as the held-out table leaves it out: the continued reruns of the finished seeds are drawn, n=2."""
+    from evolm_lib.viz.study import curve_figures
+
+    def run(stage, seed, generations, heldout=True):
+        rows = [{"generation": g, "eval/reward": -10.0 + g, "samples/completions": 10 * g, "samples/tokens": 40 * g,
+                 "time/generation_s": 1.0, "time/wall_s": float(g)} for g in range(generations + 1)]
+        return {"stage": stage, "method": "es_full", "seed": seed, "path": f"{stage}/es_full/seed{seed}",
+                "config": {"population_size": 4}, "rows": rows, "placement": [],
+                "heldout": {"index": [0], "reward": [-1.0], "success": [0.0], "generation": generations} if heldout else None}
+
+    compact = {"runs": [run("final", 0, 3), run("final", 1, 3), run("final", 2, 1, heldout=False),
+                        run("long", 0, 6), run("long", 1, 6)], "trials": [], "summary": None}
+    figure = curve_figures(compact)["heldout_vs_completions"]
+    means = [t for t in figure.data if t.showlegend is not False]
+    assert [t.name for t in means] == ["es_full (n=2)"]
+    assert list(means[0].x) == [0, 10, 20, 30, 40, 50, 60]  # the continuations, to twice the budget
 
 
 def test_the_study_curves_name_the_card_only_where_the_methods_ran_on_different_ones():

@@ -19,7 +19,8 @@ HELDOUT_KEY = "eval/reward"
 
 def curve_figures(compact: dict) -> dict[str, Any]:
     """{name: plotly figure}: best_vs_trials, and heldout_vs_completions / _tokens / _seconds: mean and
-    min-max band over the final seeds per method, from one stage for all (``curve_stage``)."""
+    min-max band over the final seeds per method, from one stage for all (``curve_stage``), of the
+    runs with held-out scores."""
     from ..analysis import reward_label
     from ..metrics import with_training_seconds
     from ..tune.compact import compact_groups
@@ -27,7 +28,9 @@ def curve_figures(compact: dict) -> dict[str, Any]:
     from .plots import plot_runs_curve
     from .tuning import plot_best_so_far
 
-    runs = compact["runs"]
+    # the runs the held-out tables read: those that finished (a run cut short by a lease has no
+    # held-out scores, and its rows stop early)
+    runs = [run for run in compact["runs"] if run.get("heldout")]
     figures: dict[str, Any] = {}
     if compact["trials"]:
         by_method: dict[str, list] = {}
