@@ -358,8 +358,9 @@ geometry() {  # geometry DIR: the winners' geometry into DIR/compact/geometry.js
 }
 
 compile_cache() {
-  # compile_cache DIR [N]: the compile caches (COMPILE_CACHES) packed once into PACKS, in parts of
-  # PART_BYTES (absolute paths, unpacked at / again), and their parts N to N+3 copied into DIR
+  # compile_cache DIR [N]: the compile caches (COMPILE_CACHES) packed into PACKS once a machine (remove
+  # PACKS/compile_cache.tar.gz.part-* to pack them again), in parts of PART_BYTES (absolute paths,
+  # unpacked at / again), and their parts N to N+3 copied into DIR
   local dir=$1 first=${2:-0} paths="" path
   if [ ! -f "$PACKS/compile_cache.tar.gz.part-00" ]; then
     for path in $COMPILE_CACHES; do [ -d "$path" ] && paths="$paths ${path#/}"; done
@@ -368,13 +369,7 @@ compile_cache() {
     tar -czf - -C / $paths | split -b "${PART_BYTES:-15728640}" -d -a 2 - "$PACKS/compile_cache.tar.gz.part-"
     for path in $paths; do echo "/$path: $(du -sh "/$path" | cut -f 1)"; done
   fi
-  mkdir -p "$dir"
-  local i file copied=""
-  for i in $(seq "$first" $((first + RETURN_BYTES / ${PART_BYTES:-15728640} - 1))); do
-    file=$(printf '%s/compile_cache.tar.gz.part-%02d' "$PACKS" "$i")
-    [ -f "$file" ] && cp "$file" "$dir/" && copied="$copied $(printf %02d "$i")"
-  done
-  echo "compile cache parts${copied:- none} of $(ls "$PACKS"/compile_cache.tar.gz.part-* | wc -l) in $dir" \
+  echo "compile cache parts$(copy_parts compile_cache.tar.gz "$first" "$dir") of $(ls "$PACKS"/compile_cache.tar.gz.part-* | wc -l) in $dir" \
     "($(cat "$PACKS"/compile_cache.tar.gz.part-* | wc -c) bytes): stage them as $CACHE_ARCHIVE.part-NN"
 }
 
@@ -431,13 +426,17 @@ pack() {
 
 parts() {  # parts N DIR [COUNT]: the last pack's parts N, N+1, ... (COUNT of them, by default as many as a
   # call returns) copied into DIR
-  local first=$1 dir=$2 count=${3:-$((RETURN_BYTES / ${PART_BYTES:-15728640}))} i file copied=""
+  echo "parts$(copy_parts tune_study.tar.gz "$@") of $(ls "$PACKS"/tune_study.tar.gz.part-* 2>/dev/null | wc -l) in $2"
+}
+
+copy_parts() {  # copy_parts ARCHIVE N DIR [COUNT]: PACKS/ARCHIVE.part-N, N+1, ... into DIR; says which
+  local first=$2 dir=$3 count=${4:-$((RETURN_BYTES / ${PART_BYTES:-15728640}))} i file copied=""
   mkdir -p "$dir"
   for i in $(seq "$first" $((first + count - 1))); do
-    file=$(printf '%s/tune_study.tar.gz.part-%02d' "$PACKS" "$i")
+    file=$(printf '%s/%s.part-%02d' "$PACKS" "$1" "$i")
     [ -f "$file" ] && cp "$file" "$dir/" && copied="$copied $(printf %02d "$i")"
   done
-  echo "parts${copied:- none} of $(ls "$PACKS"/tune_study.tar.gz.part-* 2>/dev/null | wc -l) in $dir"
+  echo "${copied:- none}"
 }
 
 case "${1:-}" in
