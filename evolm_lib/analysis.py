@@ -21,6 +21,7 @@ import itertools
 import json
 import math
 import os
+import re
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -550,10 +551,30 @@ def empty_answer(row: Mapping[str, Any]) -> bool | None:
     return not row["completion"].strip() if isinstance(row.get("completion"), str) else None
 
 
-def empty_answers(record: RunRecord) -> float | None:
-    """The share of a run's held-out answers that were empty (``empty_answer``); None where its rows
-    do not say (a compacted run from before ``compact`` kept the flag)."""
-    flags = [empty_answer(row) for row in heldout_rows(record) or []]
+def target_in_answer(row: Mapping[str, Any]) -> bool | None:
+    """Whether a held-out row's answer holds its target as a word of its own, in any case ("Paris" in
+    "The capital is Paris."; "10" not in "100"): whether it is right, where the reward does not check
+    (conciseness scores the length only). Its ``completion`` and ``target``, or the ``has_target``
+    flag a compacted run keeps instead; None where the row has neither."""
+    if "has_target" in row:
+        return bool(row["has_target"])
+    completion, target = row.get("completion"), row.get("target")
+    if not isinstance(completion, str) or not isinstance(target, str) or not target.strip():
+        return None
+    return re.search(rf"(?<!\w){re.escape(target.strip())}(?!\w)", completion, re.IGNORECASE) is not None
+
+
+ANSWER_FLAGS = {"empty": empty_answer, "has_target": target_in_answer}
+"""What each held-out answer is judged by, under the name of the flag ``compact`` keeps in its place."""
+
+ANSWER_SHARES = {"empty_answers": "empty", "target_answers": "has_target"}
+"""The held-out table's columns of answer shares, and the flag each counts."""
+
+
+def answer_share(record: RunRecord, flag: str) -> float | None:
+    """The share of a run's held-out answers ``ANSWER_FLAGS[flag]`` says yes to; None where its rows
+    do not say (a compacted run from before ``compact`` kept the flag, or lines without the answers)."""
+    flags = [ANSWER_FLAGS[flag](row) for row in heldout_rows(record) or []]
     return None if not flags or None in flags else statistics.fmean(flags)
 
 
@@ -618,9 +639,9 @@ def study_table(groups: Groups, measure: str = "success", level: float = 0.95, n
     ``seed_std`` (n - 1), ``min``, ``max``; ``per_seed``: each seed's score and its bootstrap interval
     over problems, as text; ``kl_mean``, ``kl_std``: final KL to the base model across seeds;
     ``seconds_per_step``: median `time/generation_s` over every generation or step of every seed;
-    ``training_completions``: mean final `samples/completions`; ``empty_answers``: the mean across
-    seeds of the share of held-out answers that were empty (``empty_answers``), a column only where
-    some run's rows say. Runs without heldout.jsonl are left out, named in ``.attrs["note"]``;
+    ``training_completions``: mean final `samples/completions`; ``empty_answers`` and
+    ``target_answers``: the mean across seeds of the share of held-out answers that were empty and that
+    held their target (``answer_share``), each a column only where some run's rows say. Runs without heldout.jsonl are left out, named in ``.attrs["note"]``;
     ``.attrs`` also holds measure, key (the axis label key) and level.
     """
     import pandas as pd
@@ -639,7 +660,8 @@ def study_table(groups: Groups, measure: str = "success", level: float = 0.95, n
         kls = [kl for kl in (final_value(record.rows, "policy/kl") for record, _ in pairs) if kl is not None]
         seconds = [s for record, _ in pairs for s in _seconds_per_step(record.rows)]
         completions = [c for c in (final_value(record.rows, "samples/completions") for record, _ in pairs) if c is not None]
-        empty = [e for e in (empty_answers(record) for record, _ in pairs) if e is not None]
+        shares = {column: [share for share in (answer_share(record, flag) for record, _ in pairs) if share is not None]
+                  for column, flag in ANSWER_SHARES.items()}
         lines.append({
             "method": label, "seeds": len(values), "problems": min(len(scores) for _, scores in pairs),
             "mean": mean, "ci_low": low, "ci_high": high, "t_low": t_low, "t_high": t_high,
@@ -648,13 +670,13 @@ def study_table(groups: Groups, measure: str = "success", level: float = 0.95, n
             "kl_mean": sum(kls) / len(kls) if kls else math.nan, "kl_std": _std(kls),
             "seconds_per_step": statistics.median(seconds) if seconds else math.nan,
             "training_completions": sum(completions) / len(completions) if completions else math.nan,
-            "empty_answers": statistics.fmean(empty) if empty else math.nan,
+            **{column: statistics.fmean(found) if found else math.nan for column, found in shares.items()},
         })
     columns = ["method", "seeds", "problems", "mean", "ci_low", "ci_high", "t_low", "t_high", "iqm", "seed_std",
                "min", "max", "per_seed",
                "kl_mean", "kl_std", "seconds_per_step", "training_completions"]
-    if any(not math.isnan(line["empty_answers"]) for line in lines):  # runs that kept no completions: no column
-        columns.append("empty_answers")
+    # runs that kept no answers, or no flags for them: no such column
+    columns += [column for column in ANSWER_SHARES if any(not math.isnan(line[column]) for line in lines)]
     table = pd.DataFrame(lines, columns=columns).set_index("method")
     table.attrs.update(measure=measure, key=HELDOUT_MEASURES[measure][1], level=level, note=_left_out_note(left_out))
     return table

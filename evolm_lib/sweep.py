@@ -462,6 +462,15 @@ def checkpoint_kls(evaluator, run, kl_settings: dict) -> list[dict]:
     return rows
 
 
+def held_out_lines(examples, result: dict, generation: int) -> list[dict]:
+    """heldout.jsonl's lines from ``evaluate_adapter``'s greedy result on ``examples``: index, prompt,
+    target, the generation or step scored, completion, reward and success."""
+    threshold = result["success_threshold"]
+    return [{"index": i, "prompt": example.prompt, "target": example.target, "generation": generation,
+             "completion": completion, "reward": reward, "success": success(reward, threshold)}
+            for i, (example, completion, reward) in enumerate(zip(examples, result["completions"], result["rewards"]))]
+
+
 def score_held_out(evaluator, run) -> list[dict]:
     """The run's final adapter (or mean weights) scored greedily on every held-out problem, one JSON
     line per problem in run_dir/heldout.jsonl (index, prompt, target, completion, reward, success, and
@@ -474,11 +483,7 @@ def score_held_out(evaluator, run) -> list[dict]:
             return kept
     result = evaluate_adapter(evaluator, run.task, run.adapter, run.eval_examples,
                               max_new_tokens=run.config.max_new_tokens)
-    threshold = result["success_threshold"]
-    lines = [{"index": i, "prompt": example.prompt, "target": example.target, "generation": run.generation,
-              "completion": completion, "reward": reward, "success": success(reward, threshold)}
-             for i, (example, completion, reward) in enumerate(zip(run.eval_examples, result["completions"],
-                                                                   result["rewards"]))]
+    lines = held_out_lines(run.eval_examples, result, run.generation)
     temporary = path.with_suffix(".jsonl.tmp")
     temporary.write_text("".join(json.dumps(line) + "\n" for line in lines))
     os.replace(temporary, path)

@@ -271,37 +271,82 @@ def test_negative_rewards_read_as_intervals_from_one_bound_to_the_other():
     assert row[6] == "-3.24 to -0.758"  # t interval: -2 -+ 4.303 * 0.5 / sqrt(3)
 
 
+def test_an_answer_holds_its_target_as_a_word_of_its_own_in_any_case():
+    from evolm_lib.analysis import target_in_answer
+
+    def holds(completion, target):
+        return target_in_answer({"completion": completion, "target": target})
+
+    assert holds("The capital of France is Paris.", "Paris") and holds("paris", "Paris") and holds("10.", "10")
+    assert not holds("100", "10") and not holds("Parisian", "Paris") and not holds("", "Paris")
+    assert holds("x = 2.5", "2.5") and not holds("x = 285", "2.5")  # the target is matched as text, not a pattern
+    assert target_in_answer({"completion": "Paris"}) is None and target_in_answer({"target": "Paris"}) is None
+    assert target_in_answer({"has_target": 1, "completion": ""}) is True  # a compacted run's flag stands
+
+
+def test_the_base_model_answers_the_studys_held_out_problems_for_reference(tmp_path, tiny_vllm, capsys):
+    """`evolm_lib.tune.base`: the spec's task and token limit, no adapter, every held-out problem
+    once, lines as a run's heldout.jsonl (rewards the task's own), and means that are those of the lines."""
+    import statistics
+
+    from evolm_lib.analysis import target_in_answer
+    from evolm_lib.tasks.conciseness import length_reward
+    from evolm_lib.tune.base import base_answers, main as base_main
+    from evolm_lib.tune.spec import load_tune_spec
+
+    spec_path = REPO / "papermill_runs" / "tune_study_conciseness_gpu.yaml"
+    found = base_answers(load_tune_spec(spec_path, overrides={"model": "tiny-random", "max_new_tokens": 8}), tiny_vllm)
+    lines, summary = found["lines"], found["summary"]
+    assert [line["index"] for line in lines] == list(range(108)) and {line["generation"] for line in lines} == {0}
+    assert lines[0]["prompt"] == "What is the capital of France?" and lines[0]["target"] == "Paris"
+    assert all(line["reward"] == length_reward(line["completion"], line["target"]).value for line in lines)
+    assert summary["problems"] == 108 and summary["reward"] == statistics.fmean(line["reward"] for line in lines)
+    assert summary["has_target"] == statistics.fmean(float(target_in_answer(line)) for line in lines)
+    assert 0 <= summary["empty"] <= 1 and summary["success"] == statistics.fmean(float(l["success"]) for l in lines)
+    assert base_main([str(tmp_path / "no_such_spec.yaml")]) == 2 and "error:" in capsys.readouterr().err
+
+
 def test_empty_held_out_answers_are_kept_by_compact_and_their_share_reported(tmp_path):
     """The held-out table gains each method's mean share of empty or whitespace answers over its
-    seeds, read from the run folders (hand-computed: 2 of 3, 1 of 3 and 0 of 3 empty: 1/3); compact
-    keeps the flags (not the answers), so the study's tables give the same share and the digest names
-    it; runs whose lines carry no completion (an older study) give no such column."""
-    from evolm_lib.analysis import load_runs, study_table
+    seeds, read from the run folders (hand-computed: 2 of 3, 1 of 3 and 0 of 3 empty: 1/3), and of
+    answers that hold their target (1 of 3, 2 of 3 and 2 of 3, since "840" does not hold "84": 5/9); compact keeps the flags (not the
+    answers), so the study's tables give the same shares and the digest names them; runs whose lines
+    carry no completion (an older study) give no such columns."""
+    from evolm_lib.analysis import ANSWER_SHARES, load_runs, study_table
     from evolm_lib.tune.compact import compact_study, load_compact
-    from evolm_lib.tune.report import study_digest, study_tables
+    from evolm_lib.tune.report import ANSWER_LINES, study_digest, study_tables
 
+    assert set(ANSWER_LINES) == set(ANSWER_SHARES)  # a digest line for each share the table can have
     study = tmp_path / "study"
-    answers = {0: ["", " \n", "Paris"], 1: ["", "84", "True"], 2: ["x", "84", "True"]}
+    answers = {0: ["", " \n", "It is true."], 1: ["", "84", "True"], 2: ["The capital is paris.", "840", "True"]}
+    targets = ["Paris", "84", "True"]
     for seed, completions in answers.items():
         folder = study / "final" / "es_lora" / f"seed{seed}"
         folder.mkdir(parents=True)
         (folder / "config.yaml").write_text(f"seed: {seed}\n")
         (folder / "metrics.jsonl").write_text(json.dumps({"generation": 0, "samples/completions": 0}) + "\n")
         (folder / "heldout.jsonl").write_text("".join(
-            json.dumps({"index": i, "generation": 0, "completion": c, "reward": -float(abs(len(c) - 2)),
-                        "success": len(c) == 2}) + "\n" for i, c in enumerate(completions)))
+            json.dumps({"index": i, "generation": 0, "completion": c, "target": targets[i],
+                        "reward": -float(abs(len(c) - 2)), "success": len(c) == 2}) + "\n"
+            for i, c in enumerate(completions)))
     from_folders = study_table(load_runs({"es_lora": str(study / "final" / "es_lora" / "seed*")}), measure="reward")
     assert from_folders.loc["es_lora", "empty_answers"] == pytest.approx(1 / 3)  # notebook 04's table, from the runs
+    assert from_folders.loc["es_lora", "target_answers"] == pytest.approx(5 / 9)
     compact_study(study, tmp_path / "compact")
     loaded = load_compact(tmp_path / "compact")
     assert sorted(run["heldout"]["empty"] for run in loaded["runs"]) == [
         [False, False, False], [True, False, False], [True, True, False]]
-    assert "Paris" not in json.dumps(loaded["runs"])  # the answers themselves stay out
+    assert sorted(run["heldout"]["has_target"] for run in loaded["runs"]) == [
+        [False, False, True], [False, True, True], [True, False, True]]
+    assert "paris" not in json.dumps(loaded["runs"]).lower()  # the answers and targets themselves stay out
     tables = study_tables(loaded, measure="reward")
     assert tables["heldout"].loc["es_lora", "empty_answers"] == pytest.approx(1 / 3)
+    assert tables["heldout"].loc["es_lora", "target_answers"] == pytest.approx(5 / 9)
+    digest = study_digest(tables, "t").splitlines()
     assert ("Empty held-out answers (nothing but whitespace; where the reward is minus the length gap, an empty one "
-            "scores minus the target's length), the mean share over the seeds: es_lora 33 %.") in study_digest(
-        tables, "t").splitlines()
+            "scores minus the target's length), the mean share over the seeds: es_lora 33 %.") in digest
+    assert ("Held-out answers that hold their target as a word, in any case (whether they are right, which a length "
+            "reward does not check), the mean share over the seeds: es_lora 56 %.") in digest
 
     for folder in (study / "final" / "es_lora").iterdir():  # an older study's lines: no completion
         lines = [json.loads(line) for line in (folder / "heldout.jsonl").read_text().splitlines()]
@@ -309,7 +354,8 @@ def test_empty_held_out_answers_are_kept_by_compact_and_their_share_reported(tmp
                                                       + "\n" for line in lines))
     compact_study(study, tmp_path / "older")
     tables = study_tables(load_compact(tmp_path / "older"), measure="reward")
-    assert "empty_answers" not in tables["heldout"] and "Empty held-out" not in study_digest(tables, "t")
+    assert "empty_answers" not in tables["heldout"] and "target_answers" not in tables["heldout"]
+    assert "Empty held-out" not in study_digest(tables, "t") and "hold their target" not in study_digest(tables, "t")
 
 
 def test_where_a_stage_ran_is_told_per_group_of_methods_when_they_differ():

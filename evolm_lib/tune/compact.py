@@ -8,7 +8,8 @@ method, trial, seed, path), its settings (config.yaml), its metrics rows with th
 of a generation to 3; stored by column; a continued run without the rows it shares with the rerun
 it was copied from), its held-out
 scores (heldout.jsonl's index, reward and success per problem, and whether each completion was empty
-or nothing but whitespace: the completions themselves are left out), where it
+or nothing but whitespace and whether it held its target, ``analysis.ANSWER_FLAGS``: the completions
+themselves are left out), where it
 ran (placement.jsonl: device, engines per card) and the KL of its checkpoints where measured. The
 Optuna trials of every study go to OUT_DIR/trials.jsonl.gz, tune_summary.json is copied, and
 manifest.json counts what went in. The gzip files carry no timestamp: the same study compacts to the
@@ -111,12 +112,13 @@ def compact_run(study: Path, folder: Path) -> dict[str, Any]:
     """One run folder as one line of runs.jsonl.gz (see the module docstring)."""
     import yaml
 
-    from ..analysis import empty_answer
+    from ..analysis import ANSWER_FLAGS
 
     config = yaml.safe_load((folder / "config.yaml").read_text()) or {}
     rows = [scalar_row(row) for row in read_metrics(folder)]
     heldout = read_jsonl(folder / "heldout.jsonl")
-    empty = [empty_answer(line) for line in heldout]  # kept without the answers themselves
+    # what each answer was, kept without the answers themselves
+    flags = {flag: [judge(line) for line in heldout] for flag, judge in ANSWER_FLAGS.items()}
     continued = folder / CONTINUED_FROM
     place = locate(study, folder)
     shared = 0  # a continued run's first rows are its rerun's: stored once, with the rerun
@@ -132,7 +134,7 @@ def compact_run(study: Path, folder: Path) -> dict[str, Any]:
         "heldout": {"generation": heldout[0].get("generation"), "index": [line["index"] for line in heldout],
                     "reward": [_scalar(float(line["reward"]))[1] for line in heldout],
                     "success": [bool(line["success"]) for line in heldout],
-                    **({"empty": empty} if None not in empty else {})}
+                    **{flag: judged for flag, judged in flags.items() if None not in judged}}
         if heldout else None,
         "placement": read_jsonl(folder / PLACEMENT),
         "kl": [scalar_row(row) for row in read_jsonl(folder / "kl.jsonl")],
@@ -225,14 +227,17 @@ def load_compact(folder: str | Path) -> dict[str, Any]:
 
 def heldout_lines(run: dict) -> list[dict] | None:
     """A compacted run's held-out scores as heldout.jsonl's lines (index, reward, success, generation,
-    and ``empty`` where it was kept: whether the answer was empty, ``analysis.empty_answer``)."""
+    and the answer's flags where they were kept: ``analysis.ANSWER_FLAGS``)."""
+    from ..analysis import ANSWER_FLAGS
+
     held = run.get("heldout")
     if not held:
         return None
     lines = [{"index": i, "reward": r, "success": s, "generation": held.get("generation")}
              for i, r, s in zip(held["index"], held["reward"], held["success"])]
-    for line, empty in zip(lines, held.get("empty") or []):
-        line["empty"] = empty
+    for flag in ANSWER_FLAGS:
+        for line, value in zip(lines, held.get(flag) or []):
+            line[flag] = value
     return lines
 
 

@@ -282,7 +282,7 @@ def study_digest(tables: Mapping[str, Any], title: str) -> str:
                 [f"{method} on {completions:,.0f}" for method, completions in sweep["training_completions"].items()])
                 + " (means over the seeds)."]
     lines += equal_budget_digest(tables.get("sweep_equal_budget"))
-    lines += empty_digest(heldout, long)
+    lines += answers_digest(heldout, long)
     in_measure = measure == "success"  # differences in percentage points; the evaluation reward's as they are
     for name, heading, points in (
             ("comparisons", "Comparisons at the budget", in_measure),
@@ -373,19 +373,29 @@ def too_few_seeds(table) -> list[str]:
     return ["", f"Too few seeds to call beyond seed noise at {alpha:g}, whatever the difference: " + _and(pairs) + "."]
 
 
-def empty_digest(heldout, long) -> list[str]:
-    """A line naming each method's share of empty held-out answers (``empty_answers``), at the budget
-    and at twice it, where the tables have it."""
-    shares = []
-    for table, where in ((heldout, ""), (long, " at twice the budget")):
-        if table is None or "empty_answers" not in table:
-            continue
-        shares += [f"{method}{where} {100 * share:.0f} %" for method, share in table["empty_answers"].items()
-                   if not math.isnan(share)]
-    if not shares:
-        return []
-    return ["", "Empty held-out answers (nothing but whitespace; where the reward is minus the length gap, "
-                "an empty one scores minus the target's length), the mean share over the seeds: " + _and(shares) + "."]
+ANSWER_LINES = {
+    "empty_answers": "Empty held-out answers (nothing but whitespace; where the reward is minus the length gap, "
+                     "an empty one scores minus the target's length)",
+    "target_answers": "Held-out answers that hold their target as a word, in any case (whether they are right, "
+                      "which a length reward does not check)",
+}
+"""The digest's line for each of the held-out table's answer shares (``analysis.ANSWER_SHARES``)."""
+
+
+def answers_digest(heldout, long) -> list[str]:
+    """A line for each share of held-out answers the tables have (``ANSWER_LINES``: empty ones, ones
+    that hold their target), naming each method's at the budget and at twice it."""
+    lines = []
+    for column, opening in ANSWER_LINES.items():
+        shares = []
+        for table, where in ((heldout, ""), (long, " at twice the budget")):
+            if table is None or column not in table:
+                continue
+            shares += [f"{method}{where} {100 * share:.0f} %" for method, share in table[column].items()
+                       if not math.isnan(share)]
+        if shares:
+            lines += ["", f"{opening}, the mean share over the seeds: " + _and(shares) + "."]
+    return lines
 
 
 def _and(words: Sequence[str]) -> str:

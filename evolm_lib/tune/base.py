@@ -1,0 +1,68 @@
+"""The base model on a study's held-out problems, the reference beside its tuned methods:
+
+    python -m evolm_lib.tune.base SPEC [--model MODEL] [--out FILE]
+
+The spec's task, model and ``max_new_tokens`` (its first method's, which every method shares); the
+base model, without adapter, answers each held-out problem greedily. Prints the mean reward and
+success, and the shares of empty answers and of answers that hold their target
+(``analysis.ANSWER_FLAGS``); ``--out`` writes the lines as a run's heldout.jsonl.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from ..analysis import ANSWER_FLAGS
+from ..evaluation import evaluate_adapter
+from ..sweep import held_out_lines, make_shared_evaluator
+from ..tasks import get_task
+from .spec import TuneSpec, load_tune_spec
+
+
+def _first_run(spec: TuneSpec):
+    return next(iter(spec.tuning_runs.values()))[0]
+
+
+def base_answers(spec: TuneSpec, evaluator) -> dict[str, Any]:
+    """{"lines": heldout.jsonl's lines of the base model (generation 0), "summary": problems, reward
+    and success means, and the share of each of ``ANSWER_FLAGS``}."""
+    config = _first_run(spec).config
+    task = get_task(config.task, **config.task_options)
+    examples = task.eval_examples()
+    result = evaluate_adapter(evaluator, task, None, examples, max_new_tokens=config.max_new_tokens)
+    lines = held_out_lines(examples, result, 0)
+    summary = {"problems": len(lines), "reward": statistics.fmean(line["reward"] for line in lines),
+               "success": statistics.fmean(float(line["success"]) for line in lines),
+               **{flag: statistics.fmean(float(judge(line)) for line in lines) for flag, judge in ANSWER_FLAGS.items()}}
+    return {"lines": lines, "summary": summary}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m evolm_lib.tune.base", description=__doc__.split("\n\n")[0])
+    parser.add_argument("spec", help="a tune spec (papermill_runs/tune_study_*_gpu.yaml)")
+    parser.add_argument("--model", help="another model than the spec's (tiny-random for a quick check)")
+    parser.add_argument("--out", type=Path, help="write the lines here, as a run's heldout.jsonl")
+    args = parser.parse_args(argv)
+    try:
+        spec = load_tune_spec(args.spec, overrides={"model": args.model} if args.model else None)
+    except (ValueError, FileNotFoundError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    evaluator = make_shared_evaluator([_first_run(spec)])
+    try:
+        found = base_answers(spec, evaluator)
+    finally:
+        evaluator.close()
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text("".join(json.dumps(line) + "\n" for line in found["lines"]))
+    print(json.dumps(found["summary"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
