@@ -641,8 +641,9 @@ def study_table(groups: Groups, measure: str = "success", level: float = 0.95, n
     ``seconds_per_step``: median `time/generation_s` over every generation or step of every seed;
     ``training_completions``: mean final `samples/completions`; ``empty_answers`` and
     ``target_answers``: the mean across seeds of the share of held-out answers that were empty and that
-    held their target (``answer_share``), each a column only where some run's rows say. Runs without heldout.jsonl are left out, named in ``.attrs["note"]``;
-    ``.attrs`` also holds measure, key (the axis label key) and level.
+    held their target (``answer_share``), each a column only where some run's rows say. Runs without
+    heldout.jsonl are left out, named in ``.attrs["note"]``; ``.attrs`` also holds measure, key (the
+    axis label key) and level.
     """
     import pandas as pd
 

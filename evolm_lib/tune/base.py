@@ -5,7 +5,8 @@
 The spec's task, model and ``max_new_tokens`` (its first method's, which every method shares); the
 base model, without adapter, answers each held-out problem greedily. Prints the mean reward and
 success, and the shares of empty answers and of answers that hold their target
-(``analysis.ANSWER_FLAGS``); ``--out`` writes the lines as a run's heldout.jsonl.
+(``analysis.ANSWER_FLAGS``, where it can judge every answer); ``--out`` writes the lines as a run's
+heldout.jsonl.
 """
 from __future__ import annotations
 
@@ -35,9 +36,11 @@ def base_answers(spec: TuneSpec, evaluator) -> dict[str, Any]:
     examples = task.eval_examples()
     result = evaluate_adapter(evaluator, task, None, examples, max_new_tokens=config.max_new_tokens)
     lines = held_out_lines(examples, result, 0)
+    judged = {flag: [judge(line) for line in lines] for flag, judge in ANSWER_FLAGS.items()}
     summary = {"problems": len(lines), "reward": statistics.fmean(line["reward"] for line in lines),
                "success": statistics.fmean(float(line["success"]) for line in lines),
-               **{flag: statistics.fmean(float(judge(line)) for line in lines) for flag, judge in ANSWER_FLAGS.items()}}
+               # a flag its judge cannot give for every line (a target that is no text) is left out
+               **{flag: statistics.fmean(map(float, flags)) for flag, flags in judged.items() if None not in flags}}
     return {"lines": lines, "summary": summary}
 
 
