@@ -462,7 +462,7 @@ def checkpoint_kls(evaluator, run, kl_settings: dict) -> list[dict]:
     return rows
 
 
-def held_out_lines(examples, result: dict, generation: int) -> list[dict]:
+def evaluation_lines(examples, result: dict, generation: int) -> list[dict]:
     """heldout.jsonl's lines from ``evaluate_adapter``'s greedy result on ``examples``: index, prompt,
     target, the generation or step scored, completion, reward and success."""
     threshold = result["success_threshold"]
@@ -483,7 +483,7 @@ def score_held_out(evaluator, run) -> list[dict]:
             return kept
     result = evaluate_adapter(evaluator, run.task, run.adapter, run.eval_examples,
                               max_new_tokens=run.config.max_new_tokens)
-    lines = held_out_lines(run.eval_examples, result, run.generation)
+    lines = evaluation_lines(run.eval_examples, result, run.generation)
     temporary = path.with_suffix(".jsonl.tmp")
     temporary.write_text("".join(json.dumps(line) + "\n" for line in lines))
     os.replace(temporary, path)

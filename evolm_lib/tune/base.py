@@ -19,7 +19,7 @@ from typing import Any, Sequence
 
 from ..analysis import ANSWER_FLAGS
 from ..evaluation import evaluate_adapter
-from ..sweep import held_out_lines, make_shared_evaluator
+from ..sweep import evaluation_lines, make_shared_evaluator
 from ..tasks import get_task
 from .spec import TuneSpec, load_tune_spec
 
@@ -35,7 +35,7 @@ def base_answers(spec: TuneSpec, evaluator) -> dict[str, Any]:
     task = get_task(config.task, **config.task_options)
     examples = task.eval_examples()
     result = evaluate_adapter(evaluator, task, None, examples, max_new_tokens=config.max_new_tokens)
-    lines = held_out_lines(examples, result, 0)
+    lines = evaluation_lines(examples, result, 0)
     judged = {flag: [judge(line) for line in lines] for flag, judge in ANSWER_FLAGS.items()}
     summary = {"problems": len(lines), "reward": statistics.fmean(line["reward"] for line in lines),
                "success": statistics.fmean(float(line["success"]) for line in lines),

@@ -81,11 +81,11 @@ def _paper_sizes(width: int) -> tuple[float, int, int]:
     return pixel, round(FONT_PT * pixel), round((FONT_PT + 1) * pixel)
 
 
-def _legend_names(fig: go.Figure, width: int) -> list[str] | None:
-    """The names of the paper style's legend entries, in order, each broken into lines ("<br>") where
-    it is wider than the plot; None where no legend is shown (a character is about 0.5 em, the line
-    sample before it 1.5 em; the legend starts where the plot does, after the y axis's title and
-    ticks, about 7 title sizes in)."""
+def _legend_entries(fig: go.Figure, width: int) -> list[tuple[object, str]] | None:
+    """The paper style's legend entries, in order: (each trace shown, its name broken into lines
+    ("<br>") where it is wider than the plot); None where no legend is shown (a character is about
+    0.5 em, the line sample before it 1.5 em; the legend starts where the plot does, after the y
+    axis's title and ticks, about 7 title sizes in)."""
     _, tick, title = _paper_sizes(width)
     shown = [t for t in fig.data if t.showlegend is not False and t.name]
     # plotly shows a one-entry legend only when asked to (layout or trace showlegend set true)
@@ -93,7 +93,7 @@ def _legend_names(fig: go.Figure, width: int) -> list[str] | None:
     if fig.layout.showlegend is False or not shown or (len(shown) == 1 and not asked):
         return None
     fits = max(8, int((width - 7 * title - 1.5 * tick) / (0.5 * tick)))
-    return ["<br>".join(textwrap.wrap(t.name, fits, break_on_hyphens=False)) if len(t.name) > fits else t.name
+    return [(t, "<br>".join(textwrap.wrap(t.name, fits, break_on_hyphens=False)) if len(t.name) > fits else t.name)
             for t in shown]
 
 
@@ -102,12 +102,12 @@ def _legend_layout(fig: go.Figure, width: int) -> tuple[int, int]:
     As many entries a row (up to 3) as the longest line of a name leaves room for; a row is as many
     lines tall as its tallest entry."""
     _, tick, title = _paper_sizes(width)
-    names = _legend_names(fig, width)
-    if names is None:
+    entries = _legend_entries(fig, width)
+    if entries is None:
         return 0, 0
-    lines = [name.split("<br>") for name in names]
+    lines = [name.split("<br>") for _, name in entries]
     entry = 0.5 * tick * max(len(line) for entry_lines in lines for line in entry_lines) + 1.5 * tick
-    per_row = max(1, min(3, len(names), int((width - 4.5 * title) // entry)))
+    per_row = max(1, min(3, len(entries), int((width - 4.5 * title) // entry)))
     rows = [lines[i:i + per_row] for i in range(0, len(lines), per_row)]
     return sum(max(len(entry_lines) for entry_lines in row) for row in rows), per_row
 
@@ -126,8 +126,7 @@ def paper_style(fig: go.Figure, width: int = 900) -> go.Figure:
     styled = go.Figure(fig)  # a copy (of a FigureWidget too): the notebook's figure keeps its look
     pixel, tick, title = _paper_sizes(width)
     legend_rows, per_row = _legend_layout(styled, width)
-    names = _legend_names(styled, width) or []
-    for trace, name in zip([t for t in styled.data if t.showlegend is not False and t.name], names):
+    for trace, name in _legend_entries(styled, width) or []:
         trace.name = name
     if legend_rows:
         styled.update_layout(legend=dict(orientation="h", x=0, xanchor="left", y=1.02, yanchor="bottom",
