@@ -295,6 +295,46 @@ def test_the_study_curves_draw_the_runs_the_tables_read_those_with_held_out_scor
     assert list(means[0].x) == [0, 10, 20, 30, 40, 50, 60]  # the continuations, to twice the budget
 
 
+def test_the_answers_figure_puts_each_run_where_its_held_out_answers_are_empty_or_hold_their_target():
+    """One point a finished run: x the share of its answers that are empty, y the share holding their
+    target (the flags compact keeps), a marker per stage; a run cut short, or compacted before the
+    flags were kept, is left out; no flags at all, no figure."""
+    from evolm_lib.viz.study import answer_figure, answer_points
+
+    def run(stage, method, seed, empty=None, target=None, reward=(-1.0, -2.0, -3.0, -6.0)):
+        heldout = {"index": [0, 1, 2, 3], "reward": list(reward), "success": [0.0] * 4}
+        if empty is not None:
+            heldout.update(empty=list(empty), has_target=list(target))
+        return {"stage": stage, "method": method, "seed": seed, "path": f"{stage}/{method}/seed{seed}",
+                "config": {}, "rows": [], "placement": [], "heldout": heldout}
+
+    quiet, talks = (True, True, True, False), (False, False, False, False)
+    compact = {"summary": {"measure": "reward"}, "trials": [], "runs": [
+        run("final", "es_lora", 0, quiet, (False, False, False, True)),  # 3 of 4 empty, 1 of 4 right
+        run("final", "es_lora", 1, talks, (True, True, False, False), reward=(-4.0, -4.0, -4.0, -4.0)),
+        run("final", "es_lora", 2),  # compacted before the flags: left out
+        {**run("final", "es_lora", 3, quiet, talks), "heldout": None},  # cut short by a lease: left out
+        run("long", "es_lora", 0, talks, talks),
+        run("control", "es_lora", 0, talks, (False, True, False, False)),
+        run("final", "grpo_full", 0, quiet, talks)]}
+    points = answer_points(compact)
+    assert points == {
+        "es_lora": [{"seed": 0, "empty": 0.75, "target": 0.25, "score": -3.0},
+                    {"seed": 1, "empty": 0.0, "target": 0.5, "score": -4.0}],
+        "grpo_full": [{"seed": 0, "empty": 0.75, "target": 0.0, "score": -3.0}],
+        "es_lora, 2x budget": [{"seed": 0, "empty": 0.0, "target": 0.0, "score": -3.0}],
+        "es_lora, shuffled fitness": [{"seed": 0, "empty": 0.0, "target": 0.25, "score": -3.0}]}
+    figure = answer_figure(compact)
+    traces = {t.name: t for t in figure.data}
+    assert list(traces) == ["es_lora (n=2)", "grpo_full (n=1)", "es_lora, 2x budget (n=1)", "es_lora, shuffled fitness (n=1)"]
+    assert list(traces["es_lora (n=2)"].x) == [75.0, 0.0] and list(traces["es_lora (n=2)"].y) == [25.0, 50.0]
+    assert [t.marker.symbol for t in figure.data] == ["circle", "circle", "diamond", "x"]
+    assert traces["es_lora (n=2)"].marker.color == traces["es_lora, 2x budget (n=1)"].marker.color  # one colour a method
+    assert traces["es_lora (n=2)"].marker.color != traces["grpo_full (n=1)"].marker.color
+    assert list(traces["es_lora (n=2)"].text) == ["seed 0: held out -3", "seed 1: held out -4"]
+    assert answer_figure({**compact, "runs": [run("final", "es_lora", 2)]}) is None
+
+
 def test_the_study_curves_name_the_card_only_where_the_methods_ran_on_different_ones():
     from evolm_lib.viz.study import curve_names
 

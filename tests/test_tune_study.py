@@ -661,7 +661,7 @@ def test_the_study_end_to_end_then_compacted_tabled_drawn_and_measured(tmp_path,
     assert f"The final seeds ran on cpu, an unrecorded number of engines a card; code {named}." in digest
     if chromium_available():
         for name in ("best_vs_trials", "heldout_vs_completions", "heldout_vs_tokens", "heldout_vs_seconds",
-                     "geometry_update_norms", "geometry_path_es_grpo"):
+                     "heldout_answers", "geometry_update_norms", "geometry_path_es_grpo"):
             assert _png(tables / f"{name}.png") and (tables / f"{name}.svg").read_text().lstrip().startswith("<svg")
 
 

@@ -2,7 +2,9 @@
 the best validation score so far against the trials counted; the held-out score against training
 completions, generated tokens and wall-clock seconds (each method labelled with the engines per card
 its runs had); and, where ``geometry.json`` lies beside the files (``python -m
-evolm_lib.tune.geometry``), the winners' update norms per layer and the straight paths between them."""
+evolm_lib.tune.geometry``), the winners' update norms per layer and the straight paths between them;
+and where the compacted runs kept their answers' flags, what each run's held-out answers became
+(empty, or holding their target), one point a run."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -15,6 +17,9 @@ between ES's generations and GRPO's steps, left out)."""
 WORDS = {"completions": "training completions", "tokens": "generated tokens", "seconds": "training seconds"}
 HELDOUT_KEY = "eval/reward"
 """The rows' greedy held-out score, drawn against each of ``CURVES``."""
+ANSWER_STAGES = {"final": ("", "circle"), "long": (", 2x budget", "diamond"), "control": (", shuffled fitness", "x")}
+"""The stages whose runs the answers' figure draws, each with what its legend adds to the method's
+name and its marker: the reruns, their continuations to twice the budget, the control."""
 
 
 def curve_figures(compact: dict) -> dict[str, Any]:
@@ -95,15 +100,71 @@ def geometry_figures(geometry: dict) -> dict[str, Any]:
     return figures
 
 
+def answer_points(compact: dict) -> dict[str, list[dict[str, Any]]]:
+    """{legend name: [{"seed", "empty", "target", "score"}, ...]} per method and stage of ``ANSWER_STAGES``
+    (the runs with held-out scores): the shares of a run's held-out answers that are empty and that
+    hold their target (``analysis.ANSWER_FLAGS``) and its mean held-out score in the study's measure.
+    A run whose lines do not say both is left out (a study compacted before ``compact`` kept them)."""
+    from ..analysis import answer_share, default_measure, heldout_scores
+    from ..tune.compact import compact_groups
+
+    runs = [run for run in compact["runs"] if run.get("heldout")]
+    measure = (compact["summary"] or {}).get("measure") or default_measure(compact_groups(runs, "final"))
+    points: dict[str, list[dict[str, Any]]] = {}
+    for stage, (suffix, _) in ANSWER_STAGES.items():
+        for method, records in compact_groups(runs, stage).items():
+            for record in records:
+                empty, target = answer_share(record, "empty"), answer_share(record, "has_target")
+                if empty is None or target is None:
+                    continue
+                scores = heldout_scores(record, measure)
+                points.setdefault(f"{method}{suffix}", []).append(
+                    {"seed": record.seed, "empty": empty, "target": target, "score": sum(scores) / len(scores)})
+    return points
+
+
+def answer_figure(compact: dict) -> Any | None:
+    """What the held-out answers became: for each run of ``answer_points``, the share of its answers
+    that are empty (x) against the share that hold their target (y), a method's colour, a stage's
+    marker (``ANSWER_STAGES``), the seed and mean score on hover; None where no run kept the flags.
+    A run at the right answers nothing, one at the top answers right, whatever the reward paid."""
+    import plotly.graph_objects as go
+
+    from .plots import method_color
+
+    points = answer_points(compact)
+    if not points:
+        return None
+    symbols = {suffix: symbol for suffix, symbol in ANSWER_STAGES.values()}
+    fig = go.Figure()
+    for index, (name, group) in enumerate(points.items()):
+        method, _, suffix = name.partition(",")
+        fig.add_trace(go.Scatter(
+            x=[100 * p["empty"] for p in group], y=[100 * p["target"] for p in group], mode="markers",
+            name=f"{name} (n={len(group)})",
+            marker={"color": method_color(method, index), "symbol": symbols[f",{suffix}" if suffix else ""],
+                    "size": 10, "opacity": 0.7},
+            text=[f"seed {p['seed']}: held out {p['score']:.3g}" for p in group], hoverinfo="text+name"))
+    fig.update_layout(title="What the held-out answers became, one point a run", template="plotly_white",
+                      xaxis_title="empty answers (%)", yaxis_title="answers holding the target (%)")
+    fig.update_xaxes(range=[-3, 103])
+    fig.update_yaxes(range=[-3, 103])
+    return fig
+
+
 def export_study_figures(compact_dir: str | Path, out_dir: str | Path,
                          formats: Sequence[str] = ("png", "svg")) -> list[Path]:
-    """Every figure of ``curve_figures`` (and ``geometry_figures`` where COMPACT_DIR/geometry.json
-    exists) as OUT/<name>.{png,svg}; returns the paths."""
+    """Every figure of ``curve_figures`` (with ``answer_figure`` where the runs kept their answers'
+    flags, and ``geometry_figures`` where COMPACT_DIR/geometry.json exists) as OUT/<name>.{png,svg};
+    returns the paths."""
     from ..tune.compact import load_compact
     from .figures import export_figure
 
     compact = load_compact(compact_dir)
     figures = curve_figures(compact)
+    answers = answer_figure(compact)
+    if answers is not None:
+        figures["heldout_answers"] = answers
     if compact["geometry"]:
         figures.update(geometry_figures(compact["geometry"]))
     return [path for name, figure in figures.items() for path in export_figure(figure, name, out_dir, formats=formats)]
