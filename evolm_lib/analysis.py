@@ -578,6 +578,15 @@ def answer_share(record: RunRecord, flag: str) -> float | None:
     return None if not flags or None in flags else statistics.fmean(flags)
 
 
+def heldout_summary(lines: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """problems, the reward and success means of held-out lines, and the share of each of
+    ``ANSWER_FLAGS`` (a flag its judge cannot give for every line, a target that is no text, left out)."""
+    judged = {flag: [judge(line) for line in lines] for flag, judge in ANSWER_FLAGS.items()}
+    return {"problems": len(lines), "reward": statistics.fmean(float(line["reward"]) for line in lines),
+            "success": statistics.fmean(float(line["success"]) for line in lines),
+            **{flag: statistics.fmean(map(float, flags)) for flag, flags in judged.items() if None not in flags}}
+
+
 def _runs_with_scores(groups: Groups, measure: str) -> tuple[dict[str, list[tuple[RunRecord, list[float]]]], list[str]]:
     """{label: [(run, its held-out scores), ...]} of the runs that have any, and the names of those left out.
     Each run comes back carrying its held-out rows, so what reads them next reads no file again."""

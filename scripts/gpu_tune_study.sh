@@ -19,8 +19,9 @@
 #                                                    # side by side (one process per method and seed), rows checked
 #   bash scripts/gpu_tune_study.sh geometry DIR      # the winners' geometry in DIR/compact/geometry.json (needs the reruns'
 #                                                    # weights: here, or rebuilt)
-#   bash scripts/gpu_tune_study.sh finish DIR [SECONDS]   # once nothing is outstanding: rebuild, geometry and compact
-#                                                    # into DIR/compact.tar.gz, each stopped at the deadline; a stage whose
+#   bash scripts/gpu_tune_study.sh finish DIR [SECONDS]   # once nothing is outstanding: rebuild, geometry, the base
+#                                                    # model's held-out answers (tune.base, once) and compact into
+#                                                    # DIR/compact.tar.gz, each stopped at the deadline; a stage whose
 #                                                    # workers have all ended runs it before its pack (FINISH=0: not;
 #                                                    # GEOMETRY=0: no rebuilds and geometry, measured before)
 #   bash scripts/gpu_tune_study.sh geometry-stage SECONDS DIR [ARCHIVE]   # finish's steps for the reruns at the budget
@@ -303,8 +304,8 @@ sys.exit(1 if left else 0)' "$SPEC" "$STUDY"; then
 }
 
 last_steps() {
-  # last_steps DIR UNTIL: the rebuilds, the geometry and the compacted files into DIR/compact.tar.gz,
-  # each step stopped at UNTIL (bash's SECONDS)
+  # last_steps DIR UNTIL: the rebuilds, the geometry, the base model's held-out answers and the
+  # compacted files into DIR/compact.tar.gz, each step stopped at UNTIL (bash's SECONDS)
   local dir=$1 until=$2
   mkdir -p "$dir/compact"
   local early
@@ -317,6 +318,9 @@ last_steps() {
   # compacted copy; no run is started (--no-finals, every trial done)
   python -m evolm_lib.cli tune "$SPEC" --out "$STUDY" --no-finals --no-figures > "$dir/summary.txt" 2>&1
   [ "${GEOMETRY:-1}" = 1 ] && [ $((until - SECONDS)) -gt 30 ] && timeout --kill-after=10 $((until - SECONDS)) bash "$0" geometry "$dir"
+  # the base model on the same held-out problems, the tables' reference, once, on the runs' machine
+  [ -f "$STUDY/base/heldout.jsonl" ] || { [ $((until - SECONDS)) -gt 30 ] && timeout --kill-after=10 $((until - SECONDS)) \
+    python -m evolm_lib.tune.base "$SPEC" --out "$STUDY/base/heldout.jsonl" > "$dir/base.txt" 2>&1; }
   python -m evolm_lib.tune.compact "$STUDY" "$dir/compact"
   # one file: the pack's parts beside it are as many as the call can still return (pack)
   tar -czf "$dir/compact.tar.gz" -C "$dir" compact && rm -rf "$dir/compact"

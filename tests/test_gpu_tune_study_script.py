@@ -158,7 +158,7 @@ def test_finish_rebuilds_measures_and_compacts_only_a_finished_study(tmp_path, d
     if done:
         expected += ([f"evolm_lib.tune.rebuild {study} --methods"] if geometry == "1" else []) + [
             "evolm_lib.cli tune spec.yaml"] + ([f"evolm_lib.tune.geometry {study} {out}/compact"] if geometry == "1" else []) + [
-            f"evolm_lib.tune.compact {study} {out}/compact"]
+            "evolm_lib.tune.base spec.yaml --out", f"evolm_lib.tune.compact {study} {out}/compact"]
     assert calls.read_text().splitlines() == expected
     assert (out / "compact.tar.gz").is_file() == done and not (out / "compact").exists()
     if done:
@@ -192,7 +192,7 @@ def test_rebuilds_started_beside_the_workers_end_before_finish_goes_on(tmp_path)
     assert lines[0] == "worker es_lora" and lines[1:3] == ["rebuild starts es_lora", "rebuild ends es_lora"]
     # finish's own rebuild (here a stand-in, which runs again; the real one finds the work done), then on
     assert lines[3:] == ["rebuild starts es_lora", "rebuild ends es_lora", "summary", "evolm_lib.tune.geometry",
-                         "evolm_lib.tune.compact"]
+                         "evolm_lib.tune.base", "evolm_lib.tune.compact"]
 
 
 def test_the_geometry_stage_runs_finish_steps_detached_across_calls_without_asking_whether_the_study_is_done(
@@ -229,7 +229,8 @@ def test_the_geometry_stage_runs_finish_steps_detached_across_calls_without_aski
     assert "unpacked" not in second.stdout and f"done: {out2}/compact.tar.gz" in second.stdout
     work = tmp_path / "logs" / "geometry_stage"
     assert calls.read_text().splitlines() == [
-        "resolve_model", "rebuild es_lora", "evolm_lib.cli", "evolm_lib.tune.geometry", "evolm_lib.tune.compact"]
+        "resolve_model", "rebuild es_lora", "evolm_lib.cli", "evolm_lib.tune.geometry", "evolm_lib.tune.base",
+        "evolm_lib.tune.compact"]
     with tarfile.open(out2 / "compact.tar.gz") as tar:
         assert sorted(tar.getnames()) == ["compact", "compact/rows.csv"]
     assert (out2 / "geometry_stage_status.txt").is_file() and not (work / "compact").exists()
@@ -247,8 +248,8 @@ def test_the_geometry_stage_runs_finish_steps_detached_across_calls_without_aski
     assert all(run.returncode == 0 for run in runs), [run.stderr for run in runs]
     assert "ended without compact.tar.gz" in runs[0].stdout and "unpacked" not in runs[0].stdout
     assert "the last start ended without compact.tar.gz" in runs[1].stdout and "done:" in runs[1].stdout
-    assert calls.read_text().splitlines()[-5:] == ["conversion fails", "evolm_lib.tune.rebuild", "evolm_lib.cli",
-                                                  "evolm_lib.tune.geometry", "evolm_lib.tune.compact"]
+    assert calls.read_text().splitlines()[-6:] == ["conversion fails", "evolm_lib.tune.rebuild", "evolm_lib.cli",
+                                                  "evolm_lib.tune.geometry", "evolm_lib.tune.base", "evolm_lib.tune.compact"]
     assert (study / "rebuilt").is_dir()  # the study was not unpacked over
 
 

@@ -358,6 +358,53 @@ def test_empty_held_out_answers_are_kept_by_compact_and_their_share_reported(tmp
     assert "Empty held-out" not in study_digest(tables, "t") and "hold their target" not in study_digest(tables, "t")
 
 
+def test_the_base_model_s_lines_travel_in_the_pack_and_become_the_tables_and_figures_reference(tmp_path, capsys):
+    """STUDY/base/heldout.jsonl (tune.base --out, never written over) goes into a pack, and compact keeps
+    its summary (hand-computed: rewards -5, 0, -14 and 0 of four answers, one empty, three holding their
+    target), which the tables give as a row, the digest as a line and the answers figure as a star."""
+    import tarfile
+
+    from evolm_lib.tune.base import main as base_main
+    from evolm_lib.tune.compact import compact_study, load_compact
+    from evolm_lib.tune.final import BASE_HELDOUT
+    from evolm_lib.tune.pack import pack_study
+    from evolm_lib.tune.report import study_digest, study_tables
+    from evolm_lib.viz.study import answer_figure
+
+    study = tmp_path / "study"
+    (study / "base").mkdir(parents=True)
+    base = [("", "Paris", -5.0), ("Paris", "Paris", 0.0), ("The answer is 84", "84", -14.0), ("No", "No", 0.0)]
+    (study / BASE_HELDOUT).write_text("".join(json.dumps(
+        {"index": i, "generation": 0, "completion": c, "target": target, "reward": r, "success": r == 0.0}) + "\n"
+        for i, (c, target, r) in enumerate(base)))
+    run = study / "final" / "es_lora" / "seed0"
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text("seed: 0\n")
+    (run / "metrics.jsonl").write_text(json.dumps({"generation": 0, "samples/completions": 0}) + "\n")
+    (run / "heldout.jsonl").write_text(json.dumps({"index": 0, "generation": 0, "completion": "", "target": "Paris",
+                                                   "reward": -5.0, "success": False}) + "\n")
+    assert base_main(["no_spec_read.yaml", "--out", str(study / BASE_HELDOUT)]) == 2  # refused before any work
+    assert f"--out {study / BASE_HELDOUT} exists" in capsys.readouterr().err
+
+    import optuna
+
+    optuna.create_study(storage=f"sqlite:///{study / 'optuna.db'}", study_name="es_lora")  # what a pack copies
+    pack_study(study, tmp_path / "pack.tar.gz")
+    with tarfile.open(tmp_path / "pack.tar.gz") as tar:
+        assert tar.extractfile(f"study/{BASE_HELDOUT}").read() == (study / BASE_HELDOUT).read_bytes()
+
+    compact_study(study, tmp_path / "compact")
+    loaded = load_compact(tmp_path / "compact")
+    assert loaded["base"] == {"problems": 4, "reward": -4.75, "success": 0.5, "empty": 0.25, "has_target": 0.75}
+    tables = study_tables(loaded, measure="reward")
+    assert tables["base"].loc["base model", "reward"] == -4.75
+    assert ("The base model, untrained, on the same 4 held-out problems (`python -m evolm_lib.tune.base`): -4.75, "
+            "25 % of its answers empty and 75 % holding their target.") in study_digest(tables, "t").splitlines()
+    star = [trace for trace in answer_figure(loaded).data if trace.name == "base model"]
+    assert len(star) == 1 and list(star[0].x) == [25.0] and list(star[0].y) == [75.0]
+    assert star[0].marker.symbol == "star"
+
+
 def test_where_a_stage_ran_is_told_per_group_of_methods_when_they_differ():
     import pandas as pd
 
@@ -455,6 +502,7 @@ def test_a_later_compaction_keeps_what_an_earlier_one_of_the_study_holds_and_it_
     _write_gzip_lines(earlier / RUNS, [line("final/es/seed0", "final", rows=1), line("rebuilt/final/es/seed0", "rebuilt",
                                                                                      heldout={"index": [0]})])
     (earlier / "geometry.json").write_text('{"seeds": [0]}\n')
+    (earlier / "base.json").write_text('{"reward": -1.0}\n')
     _write_gzip_lines(later / RUNS, [line("final/es/seed0", "final", rows=2), line("long/es/seed0", "long")])
     (later / MANIFEST).write_text(json.dumps({"bytes": {}, "runs": {"final": 1, "long": 1}, "source": "study"}))
     assert compact_main(["merge", str(later), str(earlier)]) == 0
@@ -464,7 +512,9 @@ def test_a_later_compaction_keeps_what_an_earlier_one_of_the_study_holds_and_it_
     assert (later / "geometry.json").read_text() == '{"seeds": [0]}\n'
     manifest = json.loads((later / MANIFEST).read_text())
     assert manifest["runs"] == {"final": 1, "long": 1, "rebuilt": 1} and manifest["with_heldout"] == 1
-    assert manifest["kept"] == {"from": str(earlier), "runs": 1, "geometry": True} and manifest["source"] == "study"
+    assert (later / "base.json").read_text() == '{"reward": -1.0}\n'
+    assert manifest["kept"] == {"from": str(earlier), "runs": 1, "geometry": True, "base": True}
+    assert manifest["source"] == "study"
     assert compact_main(["merge", str(later), str(earlier)]) == 0
     assert len(_read_gzip_lines(later / RUNS)) == 3 and json.loads((later / MANIFEST).read_text())["kept"]["runs"] == 0
     assert compact_main(["merge", str(later), str(tmp_path / "missing")]) == 1  # named, nothing written

@@ -6,21 +6,23 @@ The spec's task, model and ``max_new_tokens`` (its first method's, which every m
 base model, without adapter, answers each held-out problem greedily. Prints the mean reward and
 success, and the shares of empty answers and of answers that hold their target
 (``analysis.ANSWER_FLAGS``, where it can judge every answer); ``--out`` writes the lines as a run's
-heldout.jsonl.
+heldout.jsonl, never over an earlier file. Written as the study's ``BASE_HELDOUT`` (the study
+script's ``finish`` does, on the machine of the runs), they travel in its packs, and ``compact``
+keeps their summary: the tables' and the answers figure's reference.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from ..analysis import ANSWER_FLAGS
+from ..analysis import heldout_summary
 from ..evaluation import evaluate_adapter
 from ..sweep import evaluation_lines, make_shared_evaluator
 from ..tasks import get_task
+from .final import BASE_HELDOUT
 from .spec import TuneSpec, load_tune_spec
 
 
@@ -29,27 +31,26 @@ def _first_run(spec: TuneSpec):
 
 
 def base_answers(spec: TuneSpec, evaluator) -> dict[str, Any]:
-    """{"lines": heldout.jsonl's lines of the base model (generation 0), "summary": problems, reward
-    and success means, and the share of each of ``ANSWER_FLAGS``}."""
+    """{"lines": heldout.jsonl's lines of the base model (generation 0), "summary": their
+    ``analysis.heldout_summary``}."""
     config = _first_run(spec).config
     task = get_task(config.task, **config.task_options)
     examples = task.eval_examples()
     result = evaluate_adapter(evaluator, task, None, examples, max_new_tokens=config.max_new_tokens)
     lines = evaluation_lines(examples, result, 0)
-    judged = {flag: [judge(line) for line in lines] for flag, judge in ANSWER_FLAGS.items()}
-    summary = {"problems": len(lines), "reward": statistics.fmean(line["reward"] for line in lines),
-               "success": statistics.fmean(float(line["success"]) for line in lines),
-               # a flag its judge cannot give for every line (a target that is no text) is left out
-               **{flag: statistics.fmean(map(float, flags)) for flag, flags in judged.items() if None not in flags}}
-    return {"lines": lines, "summary": summary}
+    return {"lines": lines, "summary": heldout_summary(lines)}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m evolm_lib.tune.base", description=__doc__.split("\n\n")[0])
     parser.add_argument("spec", help="a tune spec (papermill_runs/tune_study_*_gpu.yaml)")
     parser.add_argument("--model", help="another model than the spec's (tiny-random for a quick check)")
-    parser.add_argument("--out", type=Path, help="write the lines here, as a run's heldout.jsonl")
+    parser.add_argument("--out", type=Path,
+                        help=f"write the lines here, as a run's heldout.jsonl (a study's: STUDY/{BASE_HELDOUT})")
     args = parser.parse_args(argv)
+    if args.out and args.out.exists():
+        print(f"error: --out {args.out} exists: move it aside to score the base model again", file=sys.stderr)
+        return 2
     try:
         spec = load_tune_spec(args.spec, overrides={"model": args.model} if args.model else None)
     except (ValueError, FileNotFoundError) as error:

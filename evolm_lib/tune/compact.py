@@ -11,9 +11,10 @@ scores (heldout.jsonl's index, reward and success per problem, and whether each 
 or nothing but whitespace and whether it held its target, ``analysis.ANSWER_FLAGS``: the completions
 themselves are left out), where it
 ran (placement.jsonl: device, engines per card) and the KL of its checkpoints where measured. The
-Optuna trials of every study go to OUT_DIR/trials.jsonl.gz, tune_summary.json is copied, and
-manifest.json counts what went in. The gzip files carry no timestamp: the same study compacts to the
-same bytes. ``load_compact`` and ``compact_groups`` read them back as ``analysis.RunRecord`` groups.
+Optuna trials of every study go to OUT_DIR/trials.jsonl.gz, tune_summary.json is copied, the base
+model's held-out lines (``tune.base``, STUDY_DIR/base/heldout.jsonl) become their summary in
+OUT_DIR/base.json (``analysis.heldout_summary``), and manifest.json counts what went in. The gzip
+files carry no timestamp: the same study compacts to the same bytes. ``load_compact`` and ``compact_groups`` read them back as ``analysis.RunRecord`` groups.
 ``python -m evolm_lib.tune.compact merge INTO FROM`` keeps in a later compaction what an earlier one
 of the same study holds and it lacks (``merge_compact``).
 """
@@ -30,13 +31,15 @@ from typing import Any, Iterator, Sequence
 
 from ..env import PLACEMENT
 from ..runs import read_jsonl, read_metrics
-from .final import CONTINUED_FROM, STAGES, SUMMARY
+from .final import BASE_HELDOUT, CONTINUED_FROM, STAGES, SUMMARY
 from .rebuild import REBUILT
 from .study import STORAGE
 
 RUNS = "runs.jsonl.gz"
 TRIALS = "trials.jsonl.gz"
 MANIFEST = "manifest.json"
+BASE = "base.json"
+"""The base model's held-out summary: the reference beside the methods' (``load_compact``'s "base")."""
 DIGITS = 6
 """Significant digits kept of a float in the rows (the figures and tables need far fewer)."""
 TIME_DIGITS = 3
@@ -179,6 +182,8 @@ def _write_manifest(folder: Path, manifest: dict[str, Any]) -> dict[str, Any]:
 
 def compact_study(study: str | Path, out: str | Path) -> dict[str, Any]:
     """Write STUDY's runs, trials and summary into OUT (see the module docstring); returns the manifest."""
+    from ..analysis import heldout_summary, read_heldout
+
     study, out = Path(study), Path(out)
     if not study.is_dir():
         raise FileNotFoundError(f"{study}: no such folder (a study's or sweep's `out`)")
@@ -192,7 +197,10 @@ def compact_study(study: str | Path, out: str | Path) -> dict[str, Any]:
         _write_gzip_lines(out / TRIALS, trials)
     if (study / SUMMARY).is_file():
         shutil.copyfile(study / SUMMARY, out / SUMMARY)
-    files = [p for p in (out / RUNS, out / TRIALS, out / SUMMARY) if p.is_file()]
+    base = read_heldout((study / BASE_HELDOUT).parent)
+    if base:
+        (out / BASE).write_text(json.dumps(heldout_summary(base), indent=1) + "\n")
+    files = [p for p in (out / RUNS, out / TRIALS, out / SUMMARY, out / BASE) if p.is_file()]
     return _write_manifest(out, {"source": str(study), **_counts(runs), "trials": len(trials),
                                  "bytes": {p.name: p.stat().st_size for p in files}})
 
@@ -203,9 +211,10 @@ def _read_gzip_lines(path: Path) -> list[dict]:
 
 
 def load_compact(folder: str | Path) -> dict[str, Any]:
-    """{"runs": [...], "trials": [...], "summary": {...} or None, "geometry": {...} or None} from a
-    compacted study's folder (geometry.json where ``tune.geometry`` wrote it beside the files); each
-    run with its ``rows`` whole again (a continued run's first rows taken from its rerun)."""
+    """{"runs": [...], "trials": [...], "summary": {...} or None, "geometry": {...} or None, "base": {...}
+    or None} from a compacted study's folder (geometry.json where ``tune.geometry`` wrote it beside the
+    files, base.json where the study held the base model's lines); each run with its ``rows`` whole
+    again (a continued run's first rows taken from its rerun)."""
     from .geometry import GEOMETRY
 
     folder = Path(folder)
@@ -222,7 +231,8 @@ def load_compact(folder: str | Path) -> dict[str, Any]:
     return {"runs": runs,
             "trials": _read_gzip_lines(folder / TRIALS) if (folder / TRIALS).is_file() else [],
             "summary": json.loads(summary.read_text()) if summary.is_file() else None,
-            "geometry": json.loads((folder / GEOMETRY).read_text()) if (folder / GEOMETRY).is_file() else None}
+            "geometry": json.loads((folder / GEOMETRY).read_text()) if (folder / GEOMETRY).is_file() else None,
+            "base": json.loads((folder / BASE).read_text()) if (folder / BASE).is_file() else None}
 
 
 def heldout_lines(run: dict) -> list[dict] | None:
@@ -263,7 +273,8 @@ def compact_groups(runs: Sequence[dict], stage: str, label: str = "{method}") ->
 def merge_compact(into: str | Path, source: str | Path) -> dict[str, Any]:
     """Keep what an earlier compaction of the same study holds and a later one lacks: ``source``'s runs
     that ``into`` has no line for (a stage run on another machine, such as the geometry's rebuilds) and
-    its geometry.json where ``into`` has none, added to ``into``, whose manifest counts them ("kept").
+    its geometry.json and base.json where ``into`` has none, added to ``into``, whose manifest counts
+    them ("kept").
     A run in both stays as ``into`` has it (the later study's). Returns the manifest."""
     from .geometry import GEOMETRY
 
@@ -275,11 +286,14 @@ def merge_compact(into: str | Path, source: str | Path) -> dict[str, Any]:
     have = {line["path"] for line in lines}
     kept = [line for line in _read_gzip_lines(source / RUNS) if line["path"] not in have]
     _write_gzip_lines(into / RUNS, lines + kept)
-    geometry = not (into / GEOMETRY).is_file() and (source / GEOMETRY).is_file()
-    if geometry:
-        shutil.copyfile(source / GEOMETRY, into / GEOMETRY)
+    copied = {}
+    for name in (GEOMETRY, BASE):
+        copied[name] = not (into / name).is_file() and (source / name).is_file()
+        if copied[name]:
+            shutil.copyfile(source / name, into / name)
     manifest = json.loads((into / MANIFEST).read_text()) if (into / MANIFEST).is_file() else {"bytes": {}}
-    manifest.update(**_counts(lines + kept), kept={"from": str(source), "runs": len(kept), "geometry": geometry})
+    manifest.update(**_counts(lines + kept), kept={"from": str(source), "runs": len(kept), "geometry": copied[GEOMETRY],
+                                                     "base": copied[BASE]})
     manifest["bytes"][RUNS] = (into / RUNS).stat().st_size
     return _write_manifest(into, manifest)
 
@@ -297,7 +311,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"compact merge: {error}", file=sys.stderr)
             return 1
         kept = manifest["kept"]
-        print(f"kept {kept['runs']} runs{' and geometry.json' if kept['geometry'] else ''} of {args.source} in {args.into}")
+        also = "".join(f" and {name}.json" for name in ("geometry", "base") if kept[name])
+        print(f"kept {kept['runs']} runs{also} of {args.source} in {args.into}")
         return 0
     parser = argparse.ArgumentParser(prog="python -m evolm_lib.tune.compact", description=__doc__.split("\n\n")[0])
     parser.add_argument("study", type=Path, help="the study's folder (tune.out or sweep.out), on the machine that ran it")

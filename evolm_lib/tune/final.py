@@ -34,6 +34,9 @@ STAGES = ("final", "long", "control")
 """The folders of the winners' runs under OUT: reruns, continued reruns, shuffled-fitness controls."""
 CONTINUED_FROM = "continued_from.json"
 """In a continued rerun's folder: the rerun it was copied from, and at which generation or step."""
+BASE_HELDOUT = Path("base") / HELDOUT
+"""Under OUT: the base model's held-out lines (``tune.base --out``), the reference ``pack`` carries
+and ``compact`` summarises."""
 
 
 def final_plan(spec: TuneSpec, method: str) -> list[PlannedRun]:

@@ -2,7 +2,8 @@
 ``python -m evolm_lib.tune.pack OUT ARCHIVE [--checkpoint-mib N]``.
 
 The archive holds a consistent copy of the study's SQLite storage (taken with SQLite's backup API,
-so a worker writing at that moment cannot tear it), the summary and logs, and:
+so a worker writing at that moment cannot tear it), the summary and logs, the base model's held-out
+lines where ``tune.base`` wrote them (``final.BASE_HELDOUT``), and:
 
 - the text files (rows, seed logs, settings, held-out scores) of every finished run: each trial the
   storage lists as complete or pruned, and each rerun, continued rerun and control (``final/``,
@@ -40,7 +41,7 @@ from typing import Any, Sequence
 
 from ..runs import CHECKPOINTS, list_checkpoints, read_checkpoint_files
 from ..sweep import HELDOUT
-from .final import STAGES, SUMMARY
+from .final import BASE_HELDOUT, STAGES, SUMMARY
 from .study import STORAGE
 
 TEXT_SUFFIXES = (".jsonl", ".json", ".yaml", ".yml", ".txt", ".log", ".csv")
@@ -165,8 +166,8 @@ def pack_study(out: str | Path, archive: str | Path, checkpoint_bytes: int = CHE
                 at = f"{run.relative_to(out)} at {int(checkpoint.folder.name.split('.')[0])}"
                 report["resumed" if run in unfinished else "continued"].append(at)
             folders = [out / folder for folder in finished] + reruns + [run for run in unfinished if run in chosen]
-            files = [out / SUMMARY, *out.glob("*.log")] + [p for folder in folders if folder.is_dir()
-                                                           for p in sorted(folder.rglob("*")) if _keep(p, folder)]
+            files = [out / SUMMARY, out / BASE_HELDOUT, *out.glob("*.log")] + [
+                p for folder in folders if folder.is_dir() for p in sorted(folder.rglob("*")) if _keep(p, folder)]
             for path in files:
                 if path.is_file():
                     tar.add(path, arcname=f"{out.name}/{path.relative_to(out)}")

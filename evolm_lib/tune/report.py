@@ -8,7 +8,8 @@ engines per card they ran at), the comparisons (the declared family Holm-correct
 exploratory), and where present the continued reruns, the shuffled-fitness control and a plain
 sweep's runs (Qiu et al.'s protocol; where its methods trained on different budgets, also each one's
 evaluation reward at the common budget, and the comparisons there); the winners' geometry where
-geometry.json lies beside the compacted files; and their digest in Markdown (``summary.md``), the
+geometry.json lies beside the compacted files; the base model's held-out summary where base.json
+does (``tune.base``); and their digest in Markdown (``summary.md``), the
 numbers a findings section quotes.
 """
 from __future__ import annotations
@@ -154,6 +155,8 @@ def reach_table(groups: Mapping[str, Sequence], pairs: Sequence[tuple[str, str]]
 def study_tables(compact: dict, measure: str | None = None) -> dict[str, Any]:
     """{name: DataFrame} of a compacted study (see the module docstring); ``measure``: success or
     reward (default: the summary's, else the task's)."""
+    import pandas as pd
+
     from ..analysis import default_measure, equal_budget_comparisons, equal_budget_table, method_comparisons
 
     runs, summary = compact["runs"], compact["summary"]
@@ -194,6 +197,8 @@ def study_tables(compact: dict, measure: str | None = None) -> dict[str, Any]:
                 tables["sweep_equal_budget_tests"] = equal_budget_comparisons(sweep)
     if compact.get("geometry"):
         tables.update(geometry_tables(compact["geometry"]))
+    if compact.get("base"):  # the untrained model on the same problems (tune.base), one row
+        tables["base"] = pd.DataFrame([{"method": "base model", **compact["base"]}]).set_index("method")
     for table in tables.values():
         table.attrs["measure"] = measure
     return tables
@@ -283,6 +288,8 @@ def study_digest(tables: Mapping[str, Any], title: str) -> str:
                 + " (means over the seeds)."]
     lines += equal_budget_digest(tables.get("sweep_equal_budget"))
     lines += answers_digest(heldout, long)
+    if tables.get("base") is not None:
+        lines += ["", base_line(tables["base"].iloc[0], measure)]
     in_measure = measure == "success"  # differences in percentage points; the evaluation reward's as they are
     for name, heading, points in (
             ("comparisons", "Comparisons at the budget", in_measure),
@@ -396,6 +403,19 @@ def answers_digest(heldout, long) -> list[str]:
         if shares:
             lines += ["", f"{opening}, the mean share over the seeds: " + _and(shares) + "."]
     return lines
+
+
+def base_line(base: Mapping[str, Any], measure: str) -> str:
+    """The digest's line for the base model's held-out summary (``analysis.heldout_summary``, from
+    ``tune.base``): its mean in ``measure`` and its answers' shares, where judged."""
+    from ..analysis import HELDOUT_MEASURES
+
+    key = HELDOUT_MEASURES.get(measure, ("success",))[0]
+    shares = [f"{100 * base[flag]:.0f} % {words}" for flag, words in (("empty", "of its answers empty"),
+                                                                       ("has_target", "holding their target"))
+              if flag in base and not math.isnan(base[flag])]
+    return (f"The base model, untrained, on the same {int(base['problems'])} held-out problems (`python -m "
+            f"evolm_lib.tune.base`): {_value(base[key], measure)}" + (f", {_and(shares)}" if shares else "") + ".")
 
 
 def _and(words: Sequence[str]) -> str:

@@ -126,14 +126,17 @@ def answer_points(compact: dict) -> dict[str, list[dict[str, Any]]]:
 def answer_figure(compact: dict) -> Any | None:
     """What the held-out answers became: for each run of ``answer_points``, the share of its answers
     that are empty (x) against the share that hold their target (y), a method's colour, a stage's
-    marker (``ANSWER_STAGES``), the seed and mean score on hover; None where no run kept the flags.
-    A run at the right answers nothing, one at the top answers right, whatever the reward paid."""
+    marker (``ANSWER_STAGES``), the seed and mean score on hover, and the base model as a star where
+    the compacted study holds its summary (``load_compact``'s "base"); None where nothing kept the
+    flags. A run at the right answers nothing, one at the top answers right, whatever the reward paid."""
     import plotly.graph_objects as go
 
     from .plots import method_color
 
     points = answer_points(compact)
-    if not points:
+    base = compact.get("base") or {}
+    judged = "empty" in base and "has_target" in base
+    if not points and not judged:
         return None
     symbols = {suffix: symbol for suffix, symbol in ANSWER_STAGES.values()}
     fig = go.Figure()
@@ -145,6 +148,11 @@ def answer_figure(compact: dict) -> Any | None:
             marker={"color": method_color(method, index), "symbol": symbols[f",{suffix}" if suffix else ""],
                     "size": 10, "opacity": 0.7},
             text=[f"seed {p['seed']}: held out {p['score']:.3g}" for p in group], hoverinfo="text+name"))
+    if judged:  # where every method started: the untrained model on the same problems (tune.base)
+        fig.add_trace(go.Scatter(x=[100 * base["empty"]], y=[100 * base["has_target"]], mode="markers",
+                                 name="base model", marker={"color": "black", "symbol": "star", "size": 14},
+                                 text=[f"held out: reward {base['reward']:.3g}, success {100 * base['success']:.0f} %"],
+                                 hoverinfo="text+name"))
     fig.update_layout(title="What the held-out answers became, one point a run", template="plotly_white",
                       xaxis_title="empty answers (%)", yaxis_title="answers holding the target (%)")
     fig.update_xaxes(range=[-3, 103])
