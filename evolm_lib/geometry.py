@@ -74,6 +74,29 @@ def merged_lora_delta(adapter: AdapterWeights) -> dict[str, torch.Tensor]:
     return delta
 
 
+def checkpoint_holds_weights(run_dir: str | Path) -> bool:
+    """Whether a run's newest checkpoint holds its solution's weights itself (``load_solution`` reads
+    them there): a LoRA run's adapter, or GRPO's float32 weights; ES on the model's own weights keeps
+    them in its snapshots instead, its checkpoints holding no tensors."""
+    found = list_checkpoints(run_dir)
+    return bool(found) and ((found[-1] / "adapter").exists() or read_config_kind(run_dir) == "grpo")
+
+
+def solution_on_disk(run_dir: str | Path) -> bool:
+    """Whether ``load_solution`` finds a run's solution in its folder: a checkpoint holding the weights
+    (``checkpoint_holds_weights``), or for ES on the model's own weights a checkpoint beside the snapshot
+    of its generation, or final_model/."""
+    from .train.model_weights import SNAPSHOTS
+
+    run_dir = Path(run_dir)
+    found = list_checkpoints(run_dir) if run_dir.is_dir() else []
+    if not found:
+        return False
+    snapshot = run_dir / SNAPSHOTS / f"{int(found[-1].name.split('.')[0]):06d}.safetensors"
+    return (checkpoint_holds_weights(run_dir) or snapshot.is_file()
+            or (run_dir / "final_model" / "model.safetensors").is_file())
+
+
 def load_solution(run_dir: str | Path) -> Solution:
     """The run's weights at its latest checkpoint: a LoRA run's adapter merged into the base weights;
     GRPO with policy_weights full from the checkpoint's float32 weights; ES with es_mode full or

@@ -370,6 +370,68 @@ def test_a_study_packed_mid_run_keeps_finished_trials_rows_and_leaves_weights_an
     assert missing.returncode == 1 and "no optuna.db here" in missing.stderr
 
 
+def test_a_pack_carries_the_geometry_s_solutions_in_what_the_budget_leaves_so_they_need_no_rebuild(tmp_path):
+    """After the checkpoints a run goes on from (an unfinished control run's), a pack carries the last
+    checkpoint of each finished rerun the geometry reads (the first three final seeds) where it holds
+    the weights, smallest first within the budget: GRPO's seeds 0 and 1 fit, seed 2 and full GRPO's
+    large one are named over it, seed 3 is no geometry seed, and full ES's checkpoint (no tensors: its
+    weights are in snapshots, which stay behind) is not a solution. Unpacked, only the ones left
+    behind are to rebuild; a full ES folder holds its solution only beside its snapshot."""
+    import tarfile
+
+    import optuna
+    import torch
+
+    from evolm_lib.runs.checkpoints import write_checkpoint
+    from evolm_lib.tune.pack import pack_study
+    from evolm_lib.tune.rebuild import has_weights, to_rebuild
+
+    out = tmp_path / "study"
+    out.mkdir()
+    optuna.create_study(storage=f"sqlite:///{out / 'optuna.db'}", study_name="es_lora")
+
+    def run(stage, method, seed, values, finished=True):
+        folder = out / stage / method / f"seed{seed}"
+        folder.mkdir(parents=True)
+        kind = "grpo" if method.startswith("grpo") else "es"
+        (folder / "config.yaml").write_text(f"kind: {kind}\nseed: {seed}\n")
+        (folder / "metrics.jsonl").write_text(json.dumps({"generation": 0}) + "\n")
+        if finished:
+            (folder / "heldout.jsonl").write_text(json.dumps({"index": 0, "reward": -1.0, "success": False}) + "\n")
+        if values is not None:
+            tensors = {"m": torch.arange(values, dtype=torch.float32)} if values else {}
+            write_checkpoint(folder, 8, None, tensors, {}, "tiny-random", rows=[])
+        return folder
+
+    def size(folder):
+        (checkpoint,) = list((folder / "checkpoints").iterdir())
+        return sum(p.stat().st_size for p in checkpoint.rglob("*") if p.is_file())
+
+    control = run("control", "es_lora", 0, 3000, finished=False)
+    solutions = [run("final", "grpo_lora", seed, 1000 + seed) for seed in range(4)]
+    large = run("final", "grpo_full", 0, 200_000)
+    es_full = run("final", "es_full", 0, 0)  # a checkpoint without tensors
+    for method, seed in [("grpo_lora", s) for s in range(4)] + [("grpo_full", 0), ("es_full", 0)]:
+        run("long", method, seed, None)  # continued: no checkpoint is wanted for a continuation
+    budget = size(control) + size(solutions[0]) + size(solutions[1])
+    report = pack_study(out, tmp_path / "pack.tar.gz", checkpoint_bytes=budget)
+    assert report["resumed"] == ["control/es_lora/seed0 at 8"] and report["continued"] == []
+    assert report["solutions"] == ["final/grpo_lora/seed0 at 8", "final/grpo_lora/seed1 at 8"]
+    assert report["checkpoint_bytes"] == budget
+    assert sorted(report["over_budget"]) == [("final/grpo_full/seed0", size(large)),
+                                             ("final/grpo_lora/seed2", size(solutions[2]))]
+    unpacked = tmp_path / "unpacked"
+    with tarfile.open(tmp_path / "pack.tar.gz") as tar:
+        tar.extractall(unpacked, filter="data")
+    left = to_rebuild(unpacked / "study", None)
+    assert [(source.parent.name, source.name) for source, _, _ in left] == [
+        ("es_full", "seed0"), ("grpo_full", "seed0"), ("grpo_lora", "seed2")]
+    assert not has_weights(es_full)  # its checkpoint alone: no weights to read
+    (es_full / "snapshots").mkdir()
+    (es_full / "snapshots" / "000008.safetensors").write_bytes(b"")
+    assert has_weights(es_full) and has_weights(solutions[3]) and not has_weights(out / "long" / "es_full" / "seed0")
+
+
 def test_a_retry_packs_into_its_first_attempts_folder_and_a_failed_trial_s_folder_is_its_retry_s(tmp_path):
     """tune.pack.trial_folders: finished trials by their run_dir, trials still to run (running, or a
     retry waiting) by their first attempt's folder, which a retry resumes; a failed trial with a

@@ -11,7 +11,10 @@ lines where ``tune.base`` wrote them (``final.BASE_HELDOUT``), and:
 - every unfinished run's text files with its newest intact checkpoint, so that a new machine
   resumes it from there (a trial's retry resumes its first attempt's folders, a rerun its own), and
   the newest checkpoint of each finished rerun in ``final/`` whose continuation in ``long/`` is not
-  finished, for it to start from.
+  finished, for it to start from;
+- within what the budget leaves after those, the last checkpoint of each finished rerun the
+  geometry reads (``rebuild.chosen_seeds``: the first three final seeds), so that the machine that
+  measures the geometry need not rebuild it.
 
 A checkpoint of ES on the model's own weights (``es_mode`` full or eggroll) holds no tensors: the
 mean is the model's weights with the seed log's updates replayed, as a resume on the same machine
@@ -39,9 +42,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from ..geometry import checkpoint_holds_weights
 from ..runs import CHECKPOINTS, list_checkpoints, read_checkpoint_files
 from ..sweep import HELDOUT
 from .final import BASE_HELDOUT, STAGES, SUMMARY
+from .rebuild import chosen_seeds, stage_methods
 from .study import STORAGE
 
 TEXT_SUFFIXES = (".jsonl", ".json", ".yaml", ".yml", ".txt", ".log", ".csv")
@@ -106,6 +111,12 @@ def _newest_checkpoint(run_folder: Path) -> _Checkpoint | None:
     return None
 
 
+def _checkpoint_size(run_folder: Path) -> int | None:
+    """The bytes on disk of a run folder's newest checkpoint (its files, not read), or None without one."""
+    found = list_checkpoints(run_folder)
+    return sum(p.stat().st_size for p in found[-1].rglob("*") if p.is_file()) if found else None
+
+
 def _run_folders(folder: Path) -> list[Path]:
     """The run folders at or under ``folder`` (a trial's are its seed folders): those with a config,
     not inside a checkpoint, and not a hidden folder (a continuation's copy being made)."""
@@ -126,8 +137,8 @@ def pack_study(out: str | Path, archive: str | Path, checkpoint_bytes: int = CHE
     storage = out / STORAGE
     if not storage.is_file():
         raise FileNotFoundError(f"{out}: no {STORAGE} here; is this the `out` folder of a tune spec?")
-    report: dict[str, Any] = {"finished": [], "failed": [], "resumed": [], "continued": [], "left_out": [],
-                              "over_budget": [], "files": 0, "checkpoint_bytes": 0}
+    report: dict[str, Any] = {"finished": [], "failed": [], "resumed": [], "continued": [], "solutions": [],
+                              "left_out": [], "over_budget": [], "files": 0, "checkpoint_bytes": 0}
     with tempfile.TemporaryDirectory() as tmp:
         copy = Path(tmp) / STORAGE
         with sqlite3.connect(f"file:{storage}?mode=ro", uri=True) as source, sqlite3.connect(copy) as target:
@@ -140,16 +151,37 @@ def pack_study(out: str | Path, archive: str | Path, checkpoint_bytes: int = CHE
         unfinished += [run for stage in STAGES for run in _run_folders(out / stage) if run not in reruns]
         continued = [run for run in reruns if run.parent.parent == out / "final"
                      and out / "long" / run.relative_to(out / "final") not in reruns]
-        # checkpoints smallest first (the model-weight ES ones hold no tensors), the budget kept
-        candidates = [(checkpoint, run) for run in unfinished + continued
-                      if (checkpoint := _newest_checkpoint(run)) is not None]
         chosen: dict[Path, _Checkpoint] = {}
-        for checkpoint, run in sorted(candidates, key=lambda pair: (pair[0].bytes, str(pair[1]))):
-            if report["checkpoint_bytes"] + checkpoint.bytes <= checkpoint_bytes:
-                chosen[run] = checkpoint
-                report["checkpoint_bytes"] += checkpoint.bytes
-            else:  # named with its size, so whoever packs can tell what a larger budget would carry
-                report["over_budget"].append((str(run.relative_to(out)), checkpoint.bytes))
+
+        def take(candidates: list[tuple[_Checkpoint, Path]]) -> None:
+            """Checkpoints smallest first (the model-weight ES ones hold no tensors), the budget kept."""
+            for checkpoint, run in sorted(candidates, key=lambda pair: (pair[0].bytes, str(pair[1]))):
+                if report["checkpoint_bytes"] + checkpoint.bytes <= checkpoint_bytes:
+                    chosen[run] = checkpoint
+                    report["checkpoint_bytes"] += checkpoint.bytes
+                else:  # named with its size, so whoever packs can tell what a larger budget would carry
+                    report["over_budget"].append((str(run.relative_to(out)), checkpoint.bytes))
+
+        # first what a run goes on from: the unfinished runs', and the finished reruns' to be continued
+        take([(checkpoint, run) for run in unfinished + continued if (checkpoint := _newest_checkpoint(run)) is not None])
+        # then, within what is left, the solutions the geometry reads (rebuild.chosen_seeds: the first
+        # three final seeds), each a finished rerun's last checkpoint where that holds the weights (a
+        # LoRA's or GRPO's; ES on the model's own weights keeps them in snapshots, which stay behind):
+        # carried, it need not be rebuilt where the geometry is measured (one over what is left is not read)
+        seeds = set(chosen_seeds(out, "final", stage_methods(out, "final"), None))
+        solutions = [run for run in reruns if run.parent.parent == out / "final" and run not in continued
+                     and run.name.removeprefix("seed").isdigit() and int(run.name.removeprefix("seed")) in seeds
+                     and checkpoint_holds_weights(run)]
+        fitting = []
+        for run in solutions:
+            size = _checkpoint_size(run)
+            if size is None:
+                continue
+            if report["checkpoint_bytes"] + size > checkpoint_bytes:
+                report["over_budget"].append((str(run.relative_to(out)), size))
+            elif (checkpoint := _newest_checkpoint(run)) is not None:
+                fitting.append((checkpoint, run))
+        take(fitting)
         archive.parent.mkdir(parents=True, exist_ok=True)
         with tarfile.open(archive, "w:gz") as tar:
             tar.add(copy, arcname=f"{out.name}/{STORAGE}")
@@ -164,7 +196,7 @@ def pack_study(out: str | Path, archive: str | Path, checkpoint_bytes: int = CHE
                 for name, data in sorted(checkpoint.files.items()):
                     add_bytes(checkpoint.folder.relative_to(out) / name, data)
                 at = f"{run.relative_to(out)} at {int(checkpoint.folder.name.split('.')[0])}"
-                report["resumed" if run in unfinished else "continued"].append(at)
+                report["resumed" if run in unfinished else "continued" if run in continued else "solutions"].append(at)
             folders = [out / folder for folder in finished] + reruns + [run for run in unfinished if run in chosen]
             files = [out / SUMMARY, out / BASE_HELDOUT, *out.glob("*.log")] + [
                 p for folder in folders if folder.is_dir() for p in sorted(folder.rglob("*")) if _keep(p, folder)]
@@ -196,6 +228,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"checkpoints {report['checkpoint_bytes'] / 2**20:.1f} MiB of them before compression); "
           f"{len(report['resumed'])} unfinished runs go on from their checkpoints: {', '.join(report['resumed']) or 'none'}; "
           f"{len(report['continued'])} finished reruns' checkpoints for their continuations; "
+          f"{len(report['solutions'])} for the geometry: {', '.join(report['solutions']) or 'none'}; "
           f"left out {len(report['left_out'])} unfinished runs, to run from their start: "
           f"{', '.join(report['left_out']) or 'none'}; failed trials left out: {', '.join(report['failed']) or 'none'}")
     if report["over_budget"]:

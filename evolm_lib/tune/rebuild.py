@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from ..metrics import without_times
-from ..runs import list_checkpoints, load_run_config, read_config_kind, read_jsonl, read_metrics
+from ..runs import load_run_config, read_config_kind, read_jsonl, read_metrics
 from ..sweep import HELDOUT, PlannedRun, make_shared_evaluator, run_budget, run_one
 from .final import STAGES
 
@@ -29,8 +29,11 @@ RECORD = "rebuilt.jsonl"
 
 
 def has_weights(folder: Path) -> bool:
-    """Whether a run folder holds a checkpoint to read its solution from."""
-    return folder.is_dir() and bool(list_checkpoints(folder))
+    """Whether a run folder holds what the geometry reads its solution from (``geometry.solution_on_disk``:
+    a packed ES checkpoint on the model's own weights, without its snapshots, does not)."""
+    from ..geometry import solution_on_disk
+
+    return solution_on_disk(folder)
 
 
 def rebuilt_folder(study: Path, stage: str, method: str, seed: int) -> Path:
