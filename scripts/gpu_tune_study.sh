@@ -71,6 +71,7 @@ case "$SPEC" in
 *) DRIFT_SPEC=${DRIFT_SPEC-papermill_runs/tune_study_conciseness_gpu.yaml} ;;
 esac
 PACK_SECONDS=${PACK_SECONDS:-60}  # what a stage keeps for its pack
+POLL_S=${POLL_S:-5}  # how often a waiting stage looks at its workers (and refills their cards)
 PACKS=${PACKS:-runs/tune_study_pack}  # the last pack's parts, kept on the machine for `parts`
 RETURN_BYTES=${RETURN_BYTES:-67108864}  # what one device call brings back, its files together
 FIRST_PARTS=${FIRST_PARTS:-4}     # the parts a pack puts in its DIR, fewer where they would pass RETURN_BYTES
@@ -310,7 +311,7 @@ last_steps() {
   mkdir -p "$dir/compact"
   local early
   early=$(cat "$LOGS/rebuild.pid" 2>/dev/null)  # rebuilds started beside the workers (REBUILD_AT_START)
-  while [ -n "$early" ] && kill -0 "$early" 2>/dev/null && [ $((until - SECONDS)) -gt 30 ]; do sleep 5; done
+  while [ -n "$early" ] && kill -0 "$early" 2>/dev/null && [ $((until - SECONDS)) -gt 30 ]; do sleep "$POLL_S"; done
   # GEOMETRY=0: the geometry was measured already (geometry-stage): the rows and summary alone
   [ "${GEOMETRY:-1}" = 1 ] && [ $((until - SECONDS)) -gt 30 ] && timeout --kill-after=10 $((until - SECONDS)) bash "$0" rebuild
   # the summary a worker last wrote may predate reruns finished since (a lease's end kills workers
@@ -319,8 +320,11 @@ last_steps() {
   python -m evolm_lib.cli tune "$SPEC" --out "$STUDY" --no-finals --no-figures > "$dir/summary.txt" 2>&1
   [ "${GEOMETRY:-1}" = 1 ] && [ $((until - SECONDS)) -gt 30 ] && timeout --kill-after=10 $((until - SECONDS)) bash "$0" geometry "$dir"
   # the base model on the same held-out problems, the tables' reference, once, on the runs' machine
-  [ -f "$STUDY/base/heldout.jsonl" ] || { [ $((until - SECONDS)) -gt 30 ] && timeout --kill-after=10 $((until - SECONDS)) \
-    python -m evolm_lib.tune.base "$SPEC" --out "$STUDY/base/heldout.jsonl" > "$dir/base.txt" 2>&1; }
+  if [ ! -f "$STUDY/base/heldout.jsonl" ] && [ $((until - SECONDS)) -gt 30 ]; then
+    mkdir -p "$LOGS"
+    timeout --kill-after=10 $((until - SECONDS)) python -m evolm_lib.tune.base "$SPEC" \
+      --out "$STUDY/base/heldout.jsonl" > "$LOGS/base.txt" 2>&1
+  fi
   python -m evolm_lib.tune.compact "$STUDY" "$dir/compact"
   # one file: the pack's parts beside it are as many as the call can still return (pack)
   tar -czf "$dir/compact.tar.gz" -C "$dir" compact && rm -rf "$dir/compact"
@@ -346,7 +350,7 @@ geometry_stage() {
     echo "the rebuilds, the geometry and compact started (log: $LOGS/geometry_stage.out)"
   fi
   pid=$(cat "$LOGS/geometry_stage.pid")
-  while kill -0 "$pid" 2>/dev/null && [ $SECONDS -lt $end ]; do sleep 5; done
+  while kill -0 "$pid" 2>/dev/null && [ $SECONDS -lt $end ]; do sleep "$POLL_S"; done
   if kill -0 "$pid" 2>/dev/null; then
     echo "still running: the next call waits for them"
   elif [ -f "$work/compact.tar.gz" ]; then
@@ -463,7 +467,7 @@ stage)
   # stop waiting when no worker is left: the study is done, or the workers died (their logs say why)
   while [ $SECONDS -lt $end ] && [ "$(alive)" -gt 0 ]; do
     [ "${REFILL:-1}" = 1 ] && refill
-    sleep 5
+    sleep "$POLL_S"
   done
   # every worker ended: the study may be done, and its weights are still here
   [ "$(alive)" -eq 0 ] && [ "${FINISH:-1}" = 1 ] && finish "$dir" $((end - SECONDS))

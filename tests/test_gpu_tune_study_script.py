@@ -103,7 +103,8 @@ def _stand_ins(tmp_path: Path, study: Path, gpus: int, python: str) -> dict:
         (bin_dir / tool).write_text("#!/bin/sh\n" + body)
         (bin_dir / tool).chmod(0o755)
     return {"PATH": f"{bin_dir}:/usr/bin:/bin", "STUDY": str(study), "LOGS": str(tmp_path / "logs"),
-            "REBUILD_WAVE_S": "0", "WAVE_S": "0"}
+            "REBUILD_WAVE_S": "0", "WAVE_S": "0", "POLL_S": "0.2",
+            "CACHE_ARCHIVE": str(tmp_path / "no_compile_cache" / "compile_cache.tar.gz")}
 
 
 def test_rebuild_runs_the_first_three_final_seeds_of_each_method_one_process_each_round_robin(tmp_path):

@@ -14,7 +14,8 @@ ran (placement.jsonl: device, engines per card) and the KL of its checkpoints wh
 Optuna trials of every study go to OUT_DIR/trials.jsonl.gz, tune_summary.json is copied, the base
 model's held-out lines (``tune.base``, STUDY_DIR/base/heldout.jsonl) become their summary in
 OUT_DIR/base.json (``analysis.heldout_summary``), and manifest.json counts what went in. The gzip
-files carry no timestamp: the same study compacts to the same bytes. ``load_compact`` and ``compact_groups`` read them back as ``analysis.RunRecord`` groups.
+files carry no timestamp: the same study compacts to the same bytes. ``load_compact`` and
+``compact_groups`` read them back as ``analysis.RunRecord`` groups.
 ``python -m evolm_lib.tune.compact merge INTO FROM`` keeps in a later compaction what an earlier one
 of the same study holds and it lacks (``merge_compact``).
 """

@@ -163,7 +163,8 @@ def pack_study(out: str | Path, archive: str | Path, checkpoint_bytes: int = CHE
                     report["over_budget"].append((str(run.relative_to(out)), checkpoint.bytes))
 
         # first what a run goes on from: the unfinished runs', and the finished reruns' to be continued
-        take([(checkpoint, run) for run in unfinished + continued if (checkpoint := _newest_checkpoint(run)) is not None])
+        take([(checkpoint, run) for run in unfinished + continued
+              if (checkpoint := _newest_checkpoint(run)) is not None])
         # then, within what is left, the solutions the geometry reads (rebuild.chosen_seeds: the first
         # three final seeds), each a finished rerun's last checkpoint where that holds the weights (a
         # LoRA's or GRPO's; ES on the model's own weights keeps them in snapshots, which stay behind):
