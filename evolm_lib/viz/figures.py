@@ -97,12 +97,11 @@ def _legend_entries(fig: go.Figure, width: int) -> list[tuple[object, str]] | No
             for t in shown]
 
 
-def _legend_layout(fig: go.Figure, width: int) -> tuple[int, int]:
-    """(lines, entries a row) of the paper style's legend above the plot; (0, 0) where none is shown.
-    As many entries a row (up to 3) as the longest line of a name leaves room for; a row is as many
-    lines tall as its tallest entry."""
+def _legend_layout(entries: list[tuple[object, str]] | None, width: int) -> tuple[int, int]:
+    """(lines, entries a row) of the paper style's legend of ``entries`` (``_legend_entries``) above
+    the plot; (0, 0) where none is shown. As many entries a row (up to 3) as the longest line of a
+    name leaves room for; a row is as many lines tall as its tallest entry."""
     _, tick, title = _paper_sizes(width)
-    entries = _legend_entries(fig, width)
     if entries is None:
         return 0, 0
     lines = [name.split("<br>") for _, name in entries]
@@ -116,7 +115,7 @@ def paper_height(fig: go.Figure, width: int) -> int:
     """The paper style's height: 0.7 x ``width`` for the plot (a column figure), and the rows of the
     legend above it on top, so that a long legend does not squeeze the plot."""
     _, tick, _ = _paper_sizes(width)
-    return round(0.7 * width + 1.5 * tick * _legend_layout(fig, width)[0])
+    return round(0.7 * width + 1.5 * tick * _legend_layout(_legend_entries(fig, width), width)[0])
 
 
 def paper_style(fig: go.Figure, width: int = 900) -> go.Figure:
@@ -125,8 +124,9 @@ def paper_style(fig: go.Figure, width: int = 900) -> go.Figure:
     legend above the plot in rows of at most three entries."""
     styled = go.Figure(fig)  # a copy (of a FigureWidget too): the notebook's figure keeps its look
     pixel, tick, title = _paper_sizes(width)
-    legend_rows, per_row = _legend_layout(styled, width)
-    for trace, name in _legend_entries(styled, width) or []:
+    entries = _legend_entries(styled, width)
+    legend_rows, per_row = _legend_layout(entries, width)
+    for trace, name in entries or []:
         trace.name = name
     if legend_rows:
         styled.update_layout(legend=dict(orientation="h", x=0, xanchor="left", y=1.02, yanchor="bottom",

@@ -138,15 +138,14 @@ def answer_figure(compact: dict) -> Any | None:
     judged = "empty" in base and "has_target" in base
     if not points and not judged:
         return None
-    symbols = {suffix: symbol for suffix, symbol in ANSWER_STAGES.values()}
     fig = go.Figure()
-    for index, (name, group) in enumerate(points.items()):
-        method, _, suffix = name.partition(",")
+    for index, (name, group) in enumerate(points.items()):  # a name is its method's and its stage's suffix
+        symbol = next((symbol for suffix, symbol in ANSWER_STAGES.values() if suffix and name.endswith(suffix)),
+                      ANSWER_STAGES["final"][1])
         fig.add_trace(go.Scatter(
             x=[100 * p["empty"] for p in group], y=[100 * p["target"] for p in group], mode="markers",
             name=f"{name} (n={len(group)})",
-            marker={"color": method_color(method, index), "symbol": symbols[f",{suffix}" if suffix else ""],
-                    "size": 10, "opacity": 0.7},
+            marker={"color": method_color(name, index), "symbol": symbol, "size": 10, "opacity": 0.7},
             text=[f"seed {p['seed']}: held out {p['score']:.3g}" for p in group], hoverinfo="text+name"))
     if judged:  # where every method started: the untrained model on the same problems (tune.base)
         fig.add_trace(go.Scatter(x=[100 * base["empty"]], y=[100 * base["has_target"]], mode="markers",
