@@ -106,6 +106,10 @@ def test_two_methods_four_trials_each_then_the_winners_on_final_seeds_only(tmp_p
     assert [row["seeds"] for row in summary["final"]] == [2, 2]
     (comparison,) = summary["comparisons"]  # one primary pair: Holm leaves a family of one as it is
     assert comparison["family"] == "primary" and comparison["holm_p"] == comparison["permutation_p"]
+    # a worker of one method writes the study's one summary all the same: both methods, the declared pair
+    worker = tune.summarize(tune.load_tune_spec(tmp_path / "spec.yaml", methods=["grpo"]))
+    assert list(worker["methods"]) == ["es", "grpo"] and [row["seeds"] for row in worker["final"]] == [2, 2]
+    assert worker["primary"]["family"] == [["es", "grpo"]] and worker["comparisons"] == summary["comparisons"]
 
 
 def test_a_worker_that_may_claim_no_more_finishes_its_run_and_leaves_the_rest(tmp_path, tiny_vllm, capsys):

@@ -153,7 +153,7 @@ def _run(spec, args) -> int:
 
         if chromium_available():
             trials = {m: entry["trial_list"] for m, entry in summary["methods"].items()}
-            studies = {m: tune.load_study(spec, m) for m in spec.methods}
+            studies = {m: tune.load_study(spec, m) for m, listed in trials.items() if listed}
             paths = export_tuning_figures(trials, studies, spec.out / "figures", spec.settings.select)
             print(f"figures: {len(paths)} files in {spec.out / 'figures'}")
         else:

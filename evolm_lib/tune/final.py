@@ -316,7 +316,7 @@ def _extras_summary(spec: TuneSpec, groups, measure: str) -> dict[str, Any]:
 
     extras: dict[str, Any] = {}
     if spec.settings.long > 1:
-        long_groups = final_groups(spec, stage="long")
+        long_groups = final_groups(spec, spec.study_methods, stage="long")
         extras["long"] = {"factor": spec.settings.long, "budget": spec.budget * spec.settings.long,
                           "final": _records(study_table(long_groups, measure=measure)) if long_groups else [],
                           "comparisons": _records(method_comparisons(long_groups, measure=measure))
@@ -335,14 +335,15 @@ def _extras_summary(spec: TuneSpec, groups, measure: str) -> dict[str, Any]:
 
 
 def summarize(spec: TuneSpec) -> dict[str, Any]:
-    """OUT/tune_summary.json: per method its trials (complete, pruned, failed, retried), the winning
-    setting and its selection score; the reruns' held-out table (t and BCa intervals across final
-    seeds, interquartile mean) and the comparisons (primary ones Holm-corrected). Returns it."""
+    """OUT/tune_summary.json, the study's one summary (every tuned method, whichever worker writes
+    it): per method its trials (complete, pruned, failed, retried), the winning setting and its
+    selection score; the reruns' held-out table (t and BCa intervals across final seeds,
+    interquartile mean) and the comparisons (primary ones Holm-corrected). Returns it."""
     from ..analysis import method_comparisons, study_table
 
     measure = spec.settings.measure
     methods = {}
-    for method in spec.methods:
+    for method in spec.study_methods:
         trials = study_trials(spec, method)
         states = [t["state"] for t in trials]
         try:
@@ -359,7 +360,7 @@ def summarize(spec: TuneSpec) -> dict[str, Any]:
             "killed_and_retried": sum(t["retries"] is not None for t in trials),
             "winner": winner, "trial_list": trials,
         }
-    groups = final_groups(spec)
+    groups = final_groups(spec, spec.study_methods)
     declared, resolved, notes = resolved_primary(spec)
     primary = [pair for pair in declared if all(m in groups for m in pair)]
     table = study_table(groups, measure=measure) if groups else None

@@ -176,8 +176,14 @@ class TuneSpec:
 
     @property
     def methods(self) -> list[str]:
-        """The tuned methods, in the sweep's order."""
+        """This worker's tuned methods (``--methods``), in the sweep's order."""
         return list(self.tuning_runs)
+
+    @property
+    def study_methods(self) -> list[str]:
+        """Every tuned method of the study, this worker's or not, in the sweep's order: what its one
+        summary covers, whichever worker writes it."""
+        return list(self.kinds) or self.methods
 
     @property
     def budget(self) -> int:
