@@ -436,6 +436,52 @@ def test_a_pack_carries_the_geometry_s_solutions_in_what_the_budget_leaves_so_th
     assert has_weights(es_full) and has_weights(solutions[3]) and not has_weights(out / "long" / "es_full" / "seed0")
 
 
+def test_a_pack_spends_its_budget_on_checkpoints_that_save_work_before_the_geometry_s(tmp_path):
+    """A run whose newest checkpoint is at its start (generation 0) is left out to start again, its
+    checkpoint spending none of the budget though it is the smallest; a finished rerun whose
+    continuation goes on from a checkpoint of its own is no continuation's start, so its checkpoint
+    waits with the geometry's solutions, after a rerun's whose continuation has none."""
+    import optuna
+    import torch
+
+    from evolm_lib.runs.checkpoints import write_checkpoint
+    from evolm_lib.tune.pack import pack_study
+
+    out = tmp_path / "study"
+    out.mkdir()
+    optuna.create_study(storage=f"sqlite:///{out / 'optuna.db'}", study_name="grpo_lora")
+
+    def run(stage, seed, generation, values, finished):
+        folder = out / stage / "grpo_lora" / f"seed{seed}"
+        folder.mkdir(parents=True)
+        (folder / "config.yaml").write_text(f"kind: grpo\nseed: {seed}\n")
+        (folder / "metrics.jsonl").write_text(json.dumps({"generation": generation}) + "\n")
+        if finished:
+            (folder / "heldout.jsonl").write_text(json.dumps({"index": 0, "reward": -1.0, "success": False}) + "\n")
+        write_checkpoint(folder, generation, None, {"m": torch.arange(values, dtype=torch.float32)}, {},
+                         "tiny-random", rows=[])
+        return folder
+
+    def size(folder):
+        (checkpoint,) = list((folder / "checkpoints").iterdir())
+        return sum(p.stat().st_size for p in checkpoint.rglob("*") if p.is_file())
+
+    going_on = run("long", 0, 16, 3000, finished=False)  # seed 0's continuation, under way
+    run("final", 0, 8, 3000, finished=True)
+    seed1 = run("final", 1, 8, 3000, finished=True)  # its continuation not begun
+    seed2 = run("final", 2, 8, 3000, finished=False)
+    run("final", 3, 0, 10, finished=False)  # just begun: the smallest checkpoint of all
+    budget = size(going_on) + size(seed1) + size(seed2)
+    report = pack_study(out, tmp_path / "pack.tar.gz", checkpoint_bytes=budget)
+    assert report["resumed"] == ["final/grpo_lora/seed2 at 8", "long/grpo_lora/seed0 at 16"]
+    assert report["continued"] == ["final/grpo_lora/seed1 at 8"] and report["solutions"] == []
+    assert report["left_out"] == ["final/grpo_lora/seed3"] and report["checkpoint_bytes"] == budget
+    assert report["over_budget"] == [("final/grpo_lora/seed0", size(out / "final" / "grpo_lora" / "seed0"))]
+    # with room for it, seed 0's last checkpoint goes in as a solution the geometry reads
+    report = pack_study(out, tmp_path / "pack.tar.gz", checkpoint_bytes=2 * budget)
+    assert report["solutions"] == ["final/grpo_lora/seed0 at 8"] and report["left_out"] == ["final/grpo_lora/seed3"]
+
+
 def test_a_retry_packs_into_its_first_attempts_folder_and_a_failed_trial_s_folder_is_its_retry_s(tmp_path):
     """tune.pack.trial_folders: finished trials by their run_dir, trials still to run (running, or a
     retry waiting) by their first attempt's folder, which a retry resumes; a failed trial with a

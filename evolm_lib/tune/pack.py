@@ -8,10 +8,11 @@ lines where ``tune.base`` wrote them (``final.BASE_HELDOUT``), and:
 - the text files (rows, seed logs, settings, held-out scores) of every finished run: each trial the
   storage lists as complete or pruned, and each rerun, continued rerun and control (``final/``,
   ``long/``, ``control/``) whose held-out scores are written;
-- every unfinished run's text files with its newest intact checkpoint, so that a new machine
-  resumes it from there (a trial's retry resumes its first attempt's folders, a rerun its own), and
-  the newest checkpoint of each finished rerun in ``final/`` whose continuation in ``long/`` is not
-  finished, for it to start from;
+- every unfinished run's text files with its newest intact checkpoint past its start, so that a new
+  machine resumes it from there (a trial's retry resumes its first attempt's folders, a rerun its
+  own; a checkpoint at generation 0 holds nothing a fresh start lacks, so it never takes the budget
+  from one that does), then the newest checkpoint of each finished rerun in ``final/`` whose
+  continuation in ``long/`` is not finished and carries no checkpoint of its own, for it to start from;
 - within what the budget leaves after those, the last checkpoint of each finished rerun the
   geometry reads (``rebuild.chosen_seeds``: the first three final seeds), so that the machine that
   measures the geometry need not rebuild it.
@@ -101,6 +102,11 @@ class _Checkpoint:
     def bytes(self) -> int:
         return sum(len(data) for data in self.files.values())
 
+    @property
+    def generation(self) -> int:
+        """The generation (or step) it was written at, from its folder's name."""
+        return int(self.folder.name.split(".")[0])
+
 
 def _newest_checkpoint(run_folder: Path) -> _Checkpoint | None:
     """The newest checkpoint of a run folder that reads whole, or None."""
@@ -162,9 +168,12 @@ def pack_study(out: str | Path, archive: str | Path, checkpoint_bytes: int = CHE
                 else:  # named with its size, so whoever packs can tell what a larger budget would carry
                     report["over_budget"].append((str(run.relative_to(out)), checkpoint.bytes))
 
-        # first what a run goes on from: the unfinished runs', and the finished reruns' to be continued
-        take([(checkpoint, run) for run in unfinished + continued
-              if (checkpoint := _newest_checkpoint(run)) is not None])
+        # first what a run goes on from: the unfinished runs' checkpoints past their start, then the
+        # finished reruns' whose continuation is not under way from a checkpoint of its own
+        take([(checkpoint, run) for run in unfinished
+              if (checkpoint := _newest_checkpoint(run)) is not None and checkpoint.generation > 0])
+        continued = [run for run in continued if out / "long" / run.relative_to(out / "final") not in chosen]
+        take([(checkpoint, run) for run in continued if (checkpoint := _newest_checkpoint(run)) is not None])
         # then, within what is left, the solutions the geometry reads (rebuild.chosen_seeds: the first
         # three final seeds), each a finished rerun's last checkpoint where that holds the weights (a
         # LoRA's or GRPO's; ES on the model's own weights keeps them in snapshots, which stay behind):
@@ -196,7 +205,7 @@ def pack_study(out: str | Path, archive: str | Path, checkpoint_bytes: int = CHE
             for run, checkpoint in sorted(chosen.items()):  # the checkpoint first: rows read after it reach it
                 for name, data in sorted(checkpoint.files.items()):
                     add_bytes(checkpoint.folder.relative_to(out) / name, data)
-                at = f"{run.relative_to(out)} at {int(checkpoint.folder.name.split('.')[0])}"
+                at = f"{run.relative_to(out)} at {checkpoint.generation}"
                 report["resumed" if run in unfinished else "continued" if run in continued else "solutions"].append(at)
             folders = [out / folder for folder in finished] + reruns + [run for run in unfinished if run in chosen]
             files = [out / SUMMARY, out / BASE_HELDOUT, *out.glob("*.log")] + [
