@@ -74,12 +74,16 @@ def merged_lora_delta(adapter: AdapterWeights) -> dict[str, torch.Tensor]:
     return delta
 
 
+def _holds_weights(run_dir: Path, newest: Path) -> bool:
+    return (newest / "adapter").exists() or read_config_kind(run_dir) == "grpo"
+
+
 def checkpoint_holds_weights(run_dir: str | Path) -> bool:
     """Whether a run's newest checkpoint holds its solution's weights itself (``load_solution`` reads
     them there): a LoRA run's adapter, or GRPO's float32 weights; ES on the model's own weights keeps
     them in its snapshots instead, its checkpoints holding no tensors."""
     found = list_checkpoints(run_dir)
-    return bool(found) and ((found[-1] / "adapter").exists() or read_config_kind(run_dir) == "grpo")
+    return bool(found) and _holds_weights(Path(run_dir), found[-1])
 
 
 def solution_on_disk(run_dir: str | Path) -> bool:
@@ -89,11 +93,11 @@ def solution_on_disk(run_dir: str | Path) -> bool:
     from .train.model_weights import SNAPSHOTS
 
     run_dir = Path(run_dir)
-    found = list_checkpoints(run_dir) if run_dir.is_dir() else []
+    found = list_checkpoints(run_dir)
     if not found:
         return False
     snapshot = run_dir / SNAPSHOTS / f"{int(found[-1].name.split('.')[0]):06d}.safetensors"
-    return (checkpoint_holds_weights(run_dir) or snapshot.is_file()
+    return (_holds_weights(run_dir, found[-1]) or snapshot.is_file()
             or (run_dir / "final_model" / "model.safetensors").is_file())
 
 

@@ -104,8 +104,12 @@ class _Checkpoint:
 
     @property
     def generation(self) -> int:
-        """The generation (or step) it was written at, from its folder's name."""
-        return int(self.folder.name.split(".")[0])
+        return _generation(self.folder)
+
+
+def _generation(checkpoint_folder: Path) -> int:
+    """The generation (or step) a checkpoint was written at, from its folder's name."""
+    return int(checkpoint_folder.name.split(".")[0])
 
 
 def _newest_checkpoint(run_folder: Path) -> _Checkpoint | None:
@@ -117,10 +121,12 @@ def _newest_checkpoint(run_folder: Path) -> _Checkpoint | None:
     return None
 
 
-def _checkpoint_size(run_folder: Path) -> int | None:
-    """The bytes on disk of a run folder's newest checkpoint (its files, not read), or None without one."""
+def _newest_on_disk(run_folder: Path) -> tuple[int, int] | None:
+    """(generation, bytes on disk) of a run folder's newest checkpoint, its files not read; None without one."""
     found = list_checkpoints(run_folder)
-    return sum(p.stat().st_size for p in found[-1].rglob("*") if p.is_file()) if found else None
+    if not found:
+        return None
+    return _generation(found[-1]), sum(p.stat().st_size for p in found[-1].rglob("*") if p.is_file())
 
 
 def _run_folders(folder: Path) -> list[Path]:
@@ -159,39 +165,39 @@ def pack_study(out: str | Path, archive: str | Path, checkpoint_bytes: int = CHE
                      and out / "long" / run.relative_to(out / "final") not in reruns]
         chosen: dict[Path, _Checkpoint] = {}
 
-        def take(candidates: list[tuple[_Checkpoint, Path]]) -> None:
-            """Checkpoints smallest first (the model-weight ES ones hold no tensors), the budget kept."""
-            for checkpoint, run in sorted(candidates, key=lambda pair: (pair[0].bytes, str(pair[1]))):
-                if report["checkpoint_bytes"] + checkpoint.bytes <= checkpoint_bytes:
+        def take(runs: list[Path], past_start: bool = False) -> None:
+            """The runs' newest intact checkpoints, smallest first while they stay within the budget (the
+            model-weight ES ones hold no tensors). One over what is left is named with its size, so
+            whoever packs can tell what a larger budget would carry, and never read (a full-weight GRPO
+            checkpoint is gigabytes). ``past_start``: a run whose newest checkpoint is at generation 0
+            is passed over, as it holds nothing a fresh start lacks."""
+            on_disk = {run: found for run in runs if (found := _newest_on_disk(run)) is not None}
+            for size, _, run in sorted((size, str(run), run) for run, (generation, size) in on_disk.items()
+                                       if generation > 0 or not past_start):
+                left = checkpoint_bytes - report["checkpoint_bytes"]
+                checkpoint = _newest_checkpoint(run) if size <= left else None
+                if checkpoint is None:
+                    if size > left:
+                        report["over_budget"].append((str(run.relative_to(out)), size))
+                elif checkpoint.bytes <= left:
                     chosen[run] = checkpoint
                     report["checkpoint_bytes"] += checkpoint.bytes
-                else:  # named with its size, so whoever packs can tell what a larger budget would carry
+                else:  # its newest was torn, and the older one it falls back to is larger
                     report["over_budget"].append((str(run.relative_to(out)), checkpoint.bytes))
 
         # first what a run goes on from: the unfinished runs' checkpoints past their start, then the
         # finished reruns' whose continuation is not under way from a checkpoint of its own
-        take([(checkpoint, run) for run in unfinished
-              if (checkpoint := _newest_checkpoint(run)) is not None and checkpoint.generation > 0])
+        take(unfinished, past_start=True)
         continued = [run for run in continued if out / "long" / run.relative_to(out / "final") not in chosen]
-        take([(checkpoint, run) for run in continued if (checkpoint := _newest_checkpoint(run)) is not None])
+        take(continued)
         # then, within what is left, the solutions the geometry reads (rebuild.chosen_seeds: the first
         # three final seeds), each a finished rerun's last checkpoint where that holds the weights (a
         # LoRA's or GRPO's; ES on the model's own weights keeps them in snapshots, which stay behind):
-        # carried, it need not be rebuilt where the geometry is measured (one over what is left is not read)
+        # carried, it need not be rebuilt where the geometry is measured
         seeds = set(chosen_seeds(out, "final", stage_methods(out, "final"), None))
-        solutions = [run for run in reruns if run.parent.parent == out / "final" and run not in continued
-                     and run.name.removeprefix("seed").isdigit() and int(run.name.removeprefix("seed")) in seeds
-                     and checkpoint_holds_weights(run)]
-        fitting = []
-        for run in solutions:
-            size = _checkpoint_size(run)
-            if size is None:
-                continue
-            if report["checkpoint_bytes"] + size > checkpoint_bytes:
-                report["over_budget"].append((str(run.relative_to(out)), size))
-            elif (checkpoint := _newest_checkpoint(run)) is not None:
-                fitting.append((checkpoint, run))
-        take(fitting)
+        take([run for run in reruns if run.parent.parent == out / "final" and run not in continued
+              and run.name.removeprefix("seed").isdigit() and int(run.name.removeprefix("seed")) in seeds
+              and checkpoint_holds_weights(run)])
         archive.parent.mkdir(parents=True, exist_ok=True)
         with tarfile.open(archive, "w:gz") as tar:
             tar.add(copy, arcname=f"{out.name}/{STORAGE}")
