@@ -6,10 +6,21 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from pathlib import Path
 
 # evolm_lib.runs.NOTEBOOK_RUNS_ENV (tests/test_run_lock.py checks they agree); not imported here:
 # torch must not load before tests/conftest.py has set the engine's thread settings
 NOTEBOOK_RUNS_ENV = "EVOLM_NOTEBOOK_RUNS"
+
+# jsonschema imports its optional IRI-format checker, rfc3987_syntax (the notebook stack installs it),
+# in every process that imports Ray or vLLM, and that module builds dozens of Earley parsers at import:
+# seconds of CPU in each process the suite starts (kernels, CLI workers, Ray's processes, policy
+# processes). No test checks an IRI, so the suite hides that one module from the processes the tests
+# start, through PYTHONPATH (a test that sets its own keeps this folder on it). pytest's own processes
+# have it already: nbval imports nbformat, and with it jsonschema, before this file is read.
+HIDDEN_MODULES = Path(__file__).parent / "tests" / "hidden_modules"
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [str(HIDDEN_MODULES)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(HIDDEN_MODULES)])
 
 # The files that take about 25 s or more in `make test`, heaviest first (seconds on the 2-core machine,
 # 2026-11-27: each file alone, or its slowest tests in the suite). pytest-xdist (--dist loadfile) hands

@@ -224,40 +224,31 @@ def test_more_engines_than_the_population_is_refused_before_ray():
 # ----------------------------------------------------------------------------- a local Ray cluster
 
 
-def start_local_ray(ray, stub_dir: Path, attempts: int = 3) -> None:
+def start_local_ray(ray, attempts: int = 3) -> None:
     """ray.init of a 2-CPU local cluster, robust to a busy 2-core machine.
 
     Ray 2.60's raylet aborts when its dashboard agent has not written its ports within 15 s, and
-    `import ray` in each of Ray's helper processes spends 3-4 s of CPU in jsonschema's optional
-    `rfc3987_syntax` (it builds dozens of Earley parsers at import; the notebook stack installs it).
-    With other jobs on both cores that missed the 15 s (3 of 3 starts failed, load 8-12); hiding that
-    optional module from Ray's processes made the start pass (17 s at load 7). Retries cover the rest.
+    `import ray` in each of Ray's helper processes spent 3-4 s of CPU in jsonschema's optional
+    `rfc3987_syntax`. With other jobs on both cores that missed the 15 s (3 of 3 starts failed, load
+    8-12); hiding that module from the suite's processes (the root conftest.py) made the start pass
+    (17 s at load 7). Retries cover the rest.
     """
-    (stub_dir / "rfc3987_syntax.py").write_text('raise ImportError("hidden from Ray processes by tests/test_ray_engine.py")\n')
-    saved = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(stub_dir)] + ([saved] if saved else []))
-    try:
-        for attempt in range(1, attempts + 1):
-            try:
-                ray.init(address="local", num_cpus=2, num_gpus=0, include_dashboard=False, log_to_driver=False)
-                return
-            except Exception:
-                ray.shutdown()
-                if attempt == attempts:
-                    raise
-    finally:
-        if saved is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = saved
+    for attempt in range(1, attempts + 1):
+        try:
+            ray.init(address="local", num_cpus=2, num_gpus=0, include_dashboard=False, log_to_driver=False)
+            return
+        except Exception:
+            ray.shutdown()
+            if attempt == attempts:
+                raise
 
 
 @pytest.fixture(scope="module")
-def ray_cluster(tmp_path_factory):
+def ray_cluster():
     ray = pytest.importorskip("ray")
     if ray.is_initialized():
         ray.shutdown()
-    start_local_ray(ray, tmp_path_factory.mktemp("ray_stub"))
+    start_local_ray(ray)
     yield ray
     ray.shutdown()
 
@@ -477,13 +468,9 @@ def test_a_two_node_cluster_runs_the_batch_cli(tmp_path):
     import subprocess
 
     pytest.importorskip("ray")
-    stub = tmp_path / "stub"
-    stub.mkdir()
-    (stub / "rfc3987_syntax.py").write_text('raise ImportError("hidden from Ray processes (see start_local_ray)")\n')
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(stub)] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
     script = Path(__file__).parents[1] / "scripts" / "ray_two_nodes.py"
     result = subprocess.run([sys.executable, str(script), "--out", str(tmp_path / "out")],
-                            env=env, capture_output=True, text=True, timeout=900)
+                            capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-3000:])
     nodes = next(line for line in result.stdout.splitlines() if line.startswith("engines on nodes"))
     assert len(set(json.loads(nodes.removeprefix("engines on nodes ")))) == 2
