@@ -227,11 +227,10 @@ def test_more_engines_than_the_population_is_refused_before_ray():
 def start_local_ray(ray, attempts: int = 3) -> None:
     """ray.init of a 2-CPU local cluster, robust to a busy 2-core machine.
 
-    Ray 2.60's raylet aborts when its dashboard agent has not written its ports within 15 s, and
-    `import ray` in each of Ray's helper processes spent 3-4 s of CPU in jsonschema's optional
-    `rfc3987_syntax`. With other jobs on both cores that missed the 15 s (3 of 3 starts failed, load
-    8-12); hiding that module from the suite's processes (the root conftest.py) made the start pass
-    (17 s at load 7). Retries cover the rest.
+    Ray's raylet aborts when its dashboard agent has not written its ports in time, and each of Ray's
+    helper processes imports jsonschema. With other jobs on both cores, the seconds that jsonschema's
+    optional `rfc3987_syntax` spent at import missed that deadline; the root conftest.py hides that
+    module from the suite's processes. Retries cover the rest.
     """
     for attempt in range(1, attempts + 1):
         try:
