@@ -12,15 +12,17 @@ from pathlib import Path
 # torch must not load before tests/conftest.py has set the engine's thread settings
 NOTEBOOK_RUNS_ENV = "EVOLM_NOTEBOOK_RUNS"
 
-# jsonschema imports its optional IRI-format checker, rfc3987_syntax (the notebook stack installs it),
-# in every process that imports Ray or vLLM, and that module builds dozens of Earley parsers at import:
-# seconds of CPU in each process the suite starts (kernels, CLI workers, Ray's processes, policy
-# processes). No test checks an IRI, so the suite hides that one module from the processes the tests
-# start, through PYTHONPATH (a test that sets its own keeps this folder on it). pytest's own processes
-# have it already: nbval imports nbformat, and with it jsonschema, before this file is read.
-HIDDEN_MODULES = Path(__file__).parent / "tests" / "hidden_modules"
+# Every process the tests start imports this checkout, and does not import jsonschema's optional
+# IRI-format checker, rfc3987_syntax (the notebook stack installs it): jsonschema is imported by every
+# process that imports Ray or vLLM, and that module builds dozens of Earley parsers at import, seconds
+# of CPU in each process the suite starts (kernels, CLI workers, Ray's processes, policy processes).
+# No test checks an IRI. Both go on PYTHONPATH here, which those processes inherit; pytest's own
+# processes have the module already (nbval imports nbformat, and with it jsonschema, before this file).
+ROOT = Path(__file__).parent
+HIDDEN_MODULES = ROOT / "tests" / "hidden_modules"
+_ours = [str(HIDDEN_MODULES), str(ROOT)]
 os.environ["PYTHONPATH"] = os.pathsep.join(
-    [str(HIDDEN_MODULES)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(HIDDEN_MODULES)])
+    _ours + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p not in _ours])
 
 # The files that take about 25 s or more in `make test`, heaviest first (seconds on the 2-core machine,
 # 2026-11-27: each file alone, or its slowest tests in the suite). pytest-xdist (--dist loadfile) hands

@@ -3,9 +3,7 @@ settings: the structure of what they print and write, and ratios made from what 
 from __future__ import annotations
 
 import json
-import os
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -86,14 +84,12 @@ def test_the_ray_benchmark_profiles_where_k_engines_lose_on_cpu(tmp_path):
     import subprocess
 
     pytest.importorskip("ray")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1])]
-                                                       + [p for p in [os.environ.get("PYTHONPATH")] if p])}
     out = tmp_path / "bench.json"
     result = subprocess.run(
         [sys.executable, "-m", "evolm_lib.benchmark", "ray", "--model", "tiny-random", "--population", "4", "--prompts", "2",
          "--new-tokens", "4", "--engines", "2,512", "--repeats", "2", "--kv-cache-gb", "0.25", "--max-model-len", "256",
          "--json", str(out)],
-        env=env, capture_output=True, text=True, timeout=900, cwd=tmp_path,
+        capture_output=True, text=True, timeout=900, cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(out.read_text())

@@ -242,10 +242,9 @@ def test_ctrl_c_in_a_batch_prints_one_line_and_the_same_command_continues(tmp_pa
     from evolm_lib.cli.interrupt import child_processes
 
     spec, out = REPO / "papermill_runs" / "grpo_tiny.yaml", tmp_path / "out"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     stdout, stderr = open(tmp_path / "stdout", "w+"), open(tmp_path / "stderr", "w+")
     process = subprocess.Popen([sys.executable, "-m", "evolm_lib.cli", "batch", str(spec), "--out", str(out)],
-                               cwd=REPO, env=env, stdout=stdout, stderr=stderr)
+                               cwd=REPO, stdout=stdout, stderr=stderr)
     first, second = out / "grpo_tiny__seed-0", out / "grpo_tiny__seed-1"
     kernels = []
 
@@ -279,14 +278,13 @@ def test_ctrl_c_in_a_sweep_prints_one_line_and_exits_130(tmp_path):
     """SIGINT while the first run of a tiny sweep trains: exit 130 and one line saying what was kept and
     how to continue, no traceback."""
     out = tmp_path / "out"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     stdout, stderr = open(tmp_path / "stdout", "w+"), open(tmp_path / "stderr", "w+")
     process = subprocess.Popen([sys.executable, "-m", "evolm_lib.cli", "sweep", "--model", "tiny-random",
                                 # generations enough that the first run cannot end between the poll that
                                 # sees generation 1 and the signal (4 did once, on a loaded machine)
                                 "--generations", "50", "--seeds", "0,1", "--max-new-tokens", "8", "--methods", "es",
                                 "--no-kl", "--no-notebook", "--out", str(out)],
-                               cwd=REPO, env=env, stdout=stdout, stderr=stderr)
+                               cwd=REPO, stdout=stdout, stderr=stderr)
     before = _interrupt_when(process, tmp_path, lambda: "es_seed0    1/50" in (tmp_path / "stdout").read_text(),
                              "the sweep did not reach its first generation", timeout=300)
     stderr.seek(0)

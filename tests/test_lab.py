@@ -152,8 +152,7 @@ def test_evolm_lab_serves_the_project_to_a_remote_user_and_saves_cleanly(tmp_pat
     tracked_ipynb, tracked_py = notebook.read_bytes(), source.read_bytes()
     port, token = _free_port(), secrets.token_hex(16)
     env = {**os.environ, "JUPYTER_CONFIG_DIR": str(tmp_path / "config"), "JUPYTER_DATA_DIR": str(tmp_path / "data"),
-           "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime"),
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+           "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime")}
     log = open(tmp_path / "lab.log", "w")
     process = subprocess.Popen(
         [sys.executable, "-m", "evolm_lib.cli", "lab", "--port", str(port), "--no-browser",
@@ -285,8 +284,7 @@ def test_a_signal_to_evolm_lab_stops_its_server(tmp_path, signum):
     project = _project_copy(tmp_path)
     port = _free_port()
     env = {**os.environ, "JUPYTER_CONFIG_DIR": str(tmp_path / "config"), "JUPYTER_DATA_DIR": str(tmp_path / "data"),
-           "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime"),
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+           "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime")}
     log = open(tmp_path / "lab.log", "w")
     process = subprocess.Popen(
         [sys.executable, "-m", "evolm_lib.cli", "lab", "--no-browser", "--port", str(port), "--ip", "127.0.0.1",

@@ -154,15 +154,14 @@ def test_a_deadline_for_claiming_is_a_span_from_now_or_a_time_on_the_clock(monke
     assert not within() and not until() and always()
 
 
-def _worker_env() -> dict:
-    """A worker process's environment: this checkout first on its path, the engine in-process."""
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-            "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+# the engine in the worker's process, whatever the caller's environment asks (the checkout is on the
+# PYTHONPATH the root conftest.py sets)
+WORKER_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 def _worker(spec: Path, *extra: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "evolm_lib.cli", "tune", str(spec), "--methods", "es", "--no-finals",
-                             "--no-figures", *extra], cwd=REPO, env=_worker_env(), stdout=subprocess.PIPE,
+                             "--no-figures", *extra], cwd=REPO, env={**os.environ, **WORKER_ENV}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
 
 
@@ -240,7 +239,7 @@ def test_two_workers_one_trial_at_a_time_then_each_ends_with_every_rerun(tmp_pat
     spec = tune.load_tune_spec(path, methods=["es"])
     tune.load_study(spec, "es")
     workers = [subprocess.Popen([sys.executable, "-m", "evolm_lib.cli", "tune", str(path), "--methods", "es",
-                                 "--no-figures"], cwd=REPO, env=_worker_env(), stdout=subprocess.PIPE,
+                                 "--no-figures"], cwd=REPO, env={**os.environ, **WORKER_ENV}, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True) for _ in range(2)]
     outputs = [w.communicate(timeout=600)[0] for w in workers]
     assert [w.returncode for w in workers] == [0, 0], outputs
