@@ -35,6 +35,7 @@
 #       side with not deterministic, then again with the two cards swapped, so a card's own speed cancels
 #   bash scripts/gpu_speed.sh mps OUT     # full-pool, 1 engine against 4 on a card, side by side: card 0 as the card
 #       comes, card 1 through CUDA's MPS (a control daemon for its processes, so their kernels run side by side)
+#   bash scripts/gpu_speed.sh mps1 OUT    # the same through MPS on a one-card machine: card 0, 1 engine against 4
 #
 # Run from the repository root with PYTHONPATH=/root/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0
 # EVOLM_CACHE_DIR=/root/cache set. LIMIT (default 560) is the whole part's deadline in seconds: each
@@ -139,7 +140,12 @@ mps)
   ( export $(mps_vars)
     bench full_pool_1_4_mps 1 full-pool --engines 1,4 --generations 5 --kv-cache-gb 2 --workdir "$RES/pool_runs_mps" ) & pids="$pids $!"
   ;;
-*) echo "unknown part $PART: cards, ray, starts, pool8, misses, left, next, eggroll, loose, swap or mps" >&2; exit 2 ;;
+mps1)
+  mps_daemon || { echo "the MPS control daemon did not start" >&2; exit 1; }
+  ( export $(mps_vars)
+    bench full_pool_1_4_mps 0 full-pool --engines 1,4 --generations 5 --kv-cache-gb 2 --workdir "$RES/pool_runs_mps" ) & pids="$pids $!"
+  ;;
+*) echo "unknown part $PART: cards, ray, starts, pool8, misses, left, next, eggroll, loose, swap, mps or mps1" >&2; exit 2 ;;
 esac
 for pid in $pids; do wait "$pid"; done
 find "$RES" -type f -size +5M > "$RES/left_out.txt"  # checkpoints of kept run folders: not worth the transfer

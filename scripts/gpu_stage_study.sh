@@ -62,7 +62,8 @@ bundle)
     rm -f ".gpu_stage/$archive".part-*
     for part in "$@"; do cp "$part" ".gpu_stage/$archive.part-${part##*.part-}"; done
   fi
-  files=$(cd .gpu_stage && ls -d part.[0-9]* unstage.sh study/part.[0-9]* *.part-[0-9]* 2>/dev/null)
+  # a pack and the compile caches are optional (a study's first lease has neither)
+  files=$(cd .gpu_stage && shopt -s nullglob && echo part.[0-9]* unstage.sh study/part.[0-9]* *.part-[0-9]*)
   rm -rf .gpu_stage/bundle; mkdir -p .gpu_stage/bundle
   (cd .gpu_stage && tar -cf - $files) | split -b "$piece" -d - .gpu_stage/bundle/piece.
   echo "$(echo $files | wc -w) files in $(ls .gpu_stage/bundle | wc -l) pieces of at most $piece bytes under .gpu_stage/bundle/"

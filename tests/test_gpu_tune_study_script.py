@@ -598,3 +598,10 @@ def test_a_bundle_fills_each_call_and_unbundles_to_the_same_files(tmp_path):
     no_room = subprocess.run(["bash", str(script), "bundle"], cwd=repo, env={**env, "CARRY_BYTES": "100000"},
                              capture_output=True, text=True)
     assert no_room.returncode == 1 and "leaves no room for a piece" in no_room.stderr
+
+    # a study's first lease: no pack and no compile caches to carry, only vLLM's parts and the wheels
+    for part in (repo / ".gpu_stage").glob("*.part-*"):
+        part.unlink()
+    first = subprocess.run(["bash", str(script), "bundle"], cwd=repo, env=env, capture_output=True, text=True)
+    assert first.returncode == 0, first.stderr
+    assert "4 files in" in first.stdout
