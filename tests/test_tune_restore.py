@@ -103,6 +103,7 @@ def test_a_study_cut_short_asks_again_only_the_trial_under_way(study, tmp_path, 
     rows[1].update(state="running", value=None, seconds=None, run_dir=None)  # killed mid-trial with the lease
     _write_gzip_lines(cut / TRIALS, rows)
     restored = tmp_path / "restored"
+    restored.mkdir()  # an empty folder is taken
     spec = _load(path, restored)
     record = restore_study(cut, spec, log=print)
     assert "trials under way when compacted, restored as failed" in capsys.readouterr().out

@@ -114,10 +114,10 @@ def frozen_trial(row: dict, rows: Sequence[dict], spec: TuneSpec, study_dir: Pat
 
 
 def trial_outcomes(trials: Sequence[dict]) -> dict[tuple[str, int], str]:
-    """{(method, first attempt's number): finished, under way or killed} per trial folder: a retry
-    resumes the folder of the trial it retries, so the folder is finished where any attempt
-    finished (complete, pruned, or failed with an error), under way where one runs or waits, and
-    killed where every attempt's worker died and none is retried."""
+    """{(method, first attempt's number): what became of the trial} per trial folder. A retry resumes
+    the folder of the trial it retries, so the folder is "finished" where any attempt finished
+    (complete, pruned, or failed with an error), "under way" where one runs or waits, and "killed and
+    not retried" where every attempt's worker died and no retry is left (``max_retries``)."""
     attempts: dict[tuple[str, int], list[dict]] = {}
     for row in trials:
         first = row["number"] if row.get("retries") is None else row["retries"]
@@ -129,7 +129,7 @@ def trial_outcomes(trials: Sequence[dict]) -> dict[tuple[str, int], str]:
         elif any(r["state"] in UNDER_WAY_STATES for r in rows):
             outcomes[key] = "under way"
         else:
-            outcomes[key] = "killed"
+            outcomes[key] = "killed and not retried"
     return outcomes
 
 
@@ -176,15 +176,24 @@ def write_run(folder: Path, run: dict) -> None:
         (folder / CONTINUED_FROM).write_text(json.dumps(run["continued_from"]) + "\n")
 
 
-def restore_trials(trials: Sequence[dict], spec: TuneSpec, folder: Path, study_dir: Path) -> dict[str, int]:
-    """Each method's study in FOLDER/optuna.db (created as ``study.load_study`` creates it), its trials
-    added in number order; returns {method: trials restored}."""
-    frozen = {row["method"]: [] for row in trials}
-    for method in frozen:
+def frozen_trials(trials: Sequence[dict], spec: TuneSpec, study_dir: Path) -> dict[str, list]:
+    """{method: its trials as Optuna trials, in number order} (``frozen_trial``); ValueError, before
+    anything is written, where a setting lies outside the spec's space."""
+    frozen = {}
+    for method in dict.fromkeys(row["method"] for row in trials):
         rows = sorted((r for r in trials if r["method"] == method), key=lambda r: r["number"])
         frozen[method] = [frozen_trial(row, rows, spec, study_dir) for row in rows]
+    return frozen
+
+
+def restore_trials(frozen: dict[str, list], spec: TuneSpec, folder: Path) -> dict[str, int]:
+    """Each method's study in FOLDER/optuna.db (created as ``study.load_study`` creates it), its trials
+    (``frozen_trials``) added in number order, so each keeps its number; returns {method: trials restored}."""
+    import optuna
+
     if not frozen:
         return {}
+    optuna.logging.set_verbosity(optuna.logging.WARNING)  # a line per study created says nothing the summary does not
     writing = replace(spec, out=folder)
     storage = open_storage(writing)
     try:
@@ -212,10 +221,7 @@ def restore_study(compact_dir: str | Path, spec: TuneSpec, out: str | Path | Non
     compacted = load_compact(compact_dir)
     trials = compacted["trials"]
     check_trials(trials, spec)
-    for method in {row["method"] for row in trials}:  # every setting inside the space, before any file
-        rows = [r for r in trials if r["method"] == method]
-        for row in rows:
-            frozen_trial(row, rows, spec, study)
+    frozen = frozen_trials(trials, spec, study)
     outcomes = trial_outcomes(trials)
     runs, left_out = [], {}
     for run in compacted["runs"]:
@@ -229,7 +235,7 @@ def restore_study(compact_dir: str | Path, spec: TuneSpec, out: str | Path | Non
     if partial.exists():
         shutil.rmtree(partial)  # a restore cut short by a kill
     partial.mkdir(parents=True)
-    restored_trials = restore_trials(trials, spec, partial, study)
+    restored_trials = restore_trials(frozen, spec, partial)
     for run in runs:
         write_run(partial / run["path"], run)
     if (compact_dir / SUMMARY).is_file():
