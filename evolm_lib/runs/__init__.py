@@ -69,6 +69,7 @@ from .config_io import (
     read_config_file,
     read_config_kind,
     restore_run_config,
+    write_config_data,
     write_run_config,
 )
 from .folder import NOTEBOOK_RUNS_ENV, RunFolderExists, notebook_run_dir, prepare_run_dir
@@ -95,7 +96,7 @@ __all__ = [
     "CHECKPOINT_FORMAT", "CHECKPOINTS", "CONFIG_COPY", "DAMAGED", "MANIFEST", "CheckpointDamaged", "CheckpointFallback",
     "latest_intact_checkpoint", "list_checkpoints", "load_checkpoint", "read_checkpoint_files", "verify_checkpoint", "write_checkpoint",
     "DAMAGED_CONFIG", "EXTENDABLE", "RunFolderDamaged", "RunState", "extended_settings", "load_latest",
-    "load_run_config", "read_config_file", "read_config_kind", "restore_run_config", "write_run_config", "NOTEBOOK_RUNS_ENV", "NotARunFolder", "RunFolderExists", "notebook_run_dir",
+    "load_run_config", "read_config_file", "read_config_kind", "restore_run_config", "write_config_data", "write_run_config", "NOTEBOOK_RUNS_ENV", "NotARunFolder", "RunFolderExists", "notebook_run_dir",
     "prepare_run_dir", "LOCK_FILE", "RunFolderBusy", "WriterLock", "describe_holder", "lock_holder",
     "DAMAGED_METRICS", "MISSING", "DamagedLines", "checkpoint_rows", "keep_damaged_lines", "place_damaged", "row_generation", "scan_jsonl",
     "append_metrics", "read_checkpoint_kls", "read_jsonl", "read_metrics", "record_final_metrics",

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import yaml
 
-from ..config import ConfigError, config_class
+from ..config import CONFIG_CLASSES, ConfigError, config_class
 from ..lora import AdapterWeights
 from .checkpoints import CONFIG_COPY, free_name, latest_intact_checkpoint, list_checkpoints, load_checkpoint, verify_checkpoint
 from .durable import fsync_dir
@@ -37,7 +37,18 @@ EXTENDABLE = frozenset({"num_generations", "num_steps", "eval_every", "checkpoin
 
 def write_run_config(run_dir: str | Path, config, kind: str) -> None:
     """config.yaml: the resolved settings plus the run's kind (es | grpo)."""
-    (Path(run_dir) / "config.yaml").write_text(yaml.safe_dump({"kind": kind, **config.to_dict()}, sort_keys=False))
+    write_config_data(run_dir, {"kind": kind, **config.to_dict()})
+
+
+def write_config_data(run_dir: str | Path, data: dict) -> None:
+    """config.yaml from settings as plain data (the kind first, then the settings in their config
+    class's order, any others after them): how a run writes it, for settings read back from elsewhere
+    (a compacted study's run lines, ``tune.restore``) without validating them again."""
+    cls = CONFIG_CLASSES.get(data.get("kind", "es"))
+    order = ["kind", *(cls.model_fields if cls is not None else ())]
+    ordered = {key: data[key] for key in order if key in data}
+    ordered.update((key, value) for key, value in data.items() if key not in ordered)
+    (Path(run_dir) / CONFIG).write_text(yaml.safe_dump(ordered, sort_keys=False))
 
 
 def _what_to_do(run_dir: Path) -> str:

@@ -42,13 +42,27 @@ class Parameter:
     high: float | None = None
     choices: tuple = ()
 
-    def suggest(self, trial) -> Any:
-        """The value an Optuna trial draws for this setting."""
+    def distribution(self):
+        """The Optuna distribution this setting is drawn from: what ``suggest`` asks a trial for, and
+        what a trial restored from a compacted study (``tune.restore``) is recorded under."""
+        from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
+
         if self.kind == "choice":
-            return trial.suggest_categorical(self.name, list(self.choices))
+            return CategoricalDistribution(list(self.choices))
         if self.kind == "int":
-            return trial.suggest_int(self.name, int(self.low), int(self.high))
-        return trial.suggest_float(self.name, self.low, self.high, log=self.kind == "log")
+            return IntDistribution(int(self.low), int(self.high))
+        return FloatDistribution(self.low, self.high, log=self.kind == "log")
+
+    def suggest(self, trial) -> Any:
+        """The value an Optuna trial draws for this setting (from ``distribution``)."""
+        from optuna.distributions import CategoricalDistribution, IntDistribution
+
+        drawn = self.distribution()
+        if isinstance(drawn, CategoricalDistribution):
+            return trial.suggest_categorical(self.name, list(drawn.choices))
+        if isinstance(drawn, IntDistribution):
+            return trial.suggest_int(self.name, drawn.low, drawn.high, log=drawn.log)
+        return trial.suggest_float(self.name, drawn.low, drawn.high, log=drawn.log)
 
     def probes(self) -> list:
         """The values a dry run builds a config with: both ends of a range, every choice."""

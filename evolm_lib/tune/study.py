@@ -306,7 +306,8 @@ def tune(spec: TuneSpec, evaluator=None, log: Callable[[str], None] = print,
 
 def trial_rows(study, method: str) -> list[dict[str, Any]]:
     """Every trial of an Optuna study as plain data: number, state, value, params, config, seconds,
-    error, worker, run folder, and the trial it retries."""
+    error, worker, run folder, the trial it retries, and the values it reported by step (what a
+    pruner compares; ``tune.restore`` puts them back)."""
     import optuna
 
     rows = []
@@ -318,7 +319,7 @@ def trial_rows(study, method: str) -> list[dict[str, Any]]:
                      "params": dict(t.params), "config": t.user_attrs.get("config"),
                      "seconds": t.user_attrs.get("seconds"), "error": t.user_attrs.get("error"),
                      "worker": t.user_attrs.get("worker"), "run_dir": t.user_attrs.get("run_dir"),
-                     "retries": retry_of})
+                     "retries": retry_of, "intermediate_values": dict(t.intermediate_values)})
     return rows
 
 

@@ -1,0 +1,305 @@
+"""A study continued from its compacted files: ``python -m evolm_lib.tune.restore COMPACT SPEC [--out STUDY]``.
+
+Only git survives between sessions, and git holds a study's compacted files (``tune.compact``), not
+its pack: a pack kept in a git-ignored folder is lost with its checkout. From COMPACT this writes a
+study folder (STUDY, by default the spec's ``tune`` out) from which ``evolm tune`` and every module
+of this package go on as they would have from the study itself:
+
+- STUDY/optuna.db: each method's study with every trial of trials.jsonl.gz under its own number,
+  state, value, settings (under the distributions of the spec's space), user attributes, the trial
+  it retries and the values it reported (where the compaction kept them). A trial that was running
+  or waiting when the study was compacted is restored as failed, without an ``error``, and marked
+  ``under_way_when_compacted``: it is not one of the method's trials (``study.counted``), so the
+  method asks a new trial in its place.
+- each finished run of runs.jsonl.gz as a run folder at its path: config.yaml, metrics.jsonl (the
+  compacted scalar rows), heldout.jsonl (the scores and answer flags, not the answers), placement.jsonl,
+  kl.jsonl and continued_from.json where the run had them. A trial's runs are finished where their
+  trial (or its retry) is complete, pruned or failed with an error; a rerun, continued rerun,
+  control, rebuilt rerun or sweep run where it holds held-out scores at its last generation or step
+  (``final.finished_rerun``). The others were under way: they are left out and begin again, from
+  their start (no checkpoint travels in the compacted files; a continued rerun of a restored rerun
+  runs from its start too, ``final.continue_copy``).
+- tune_summary.json as compacted; STUDY/restored.json records what was restored and what was left
+  out, and why. The base model's held-out lines are not in the compacted files (only their summary,
+  base.json): ``python -m evolm_lib.tune.base SPEC`` writes them again.
+
+Nothing is written where STUDY exists and is not empty, where COMPACT holds no runs.jsonl.gz, or
+where its trials name a method or a setting the spec has not; the folder is built beside STUDY as
+``.NAME.restoring`` and renamed into place at the end, so a kill leaves no half-restored study.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from ..env import PLACEMENT
+from ..runs import rewrite_metrics, write_config_data
+from ..sweep import HELDOUT
+from .compact import MANIFEST, RUNS, TRIALS, heldout_lines, load_compact
+from .final import CONTINUED_FROM, SUMMARY
+from .spec import TuneSpec, load_tune_spec
+from .study import load_study, open_storage
+
+RESTORED = "restored.json"
+"""In a restored study: the compacted folder it came from, its manifest, what was restored and what
+was left out (and why)."""
+UNDER_WAY = "under_way_when_compacted"
+"""The user attribute of a trial that was running or waiting when its study was compacted (restored
+as failed, not counted: the method asks a new trial in its place)."""
+FINISHED_STATES = ("complete", "pruned")
+UNDER_WAY_STATES = ("running", "waiting")
+KL = "kl.jsonl"
+
+
+def check_trials(trials: Sequence[dict], spec: TuneSpec) -> None:
+    """ValueError naming the first trial whose method the spec does not tune or whose setting its
+    space does not search, or a method whose trial numbers are not 0, 1, 2, ... (a storage gives
+    them in that order, and a restored trial keeps its number)."""
+    space = spec.settings.space
+    numbers: dict[str, list[int]] = {}
+    for row in trials:
+        method = row["method"]
+        if method not in space:
+            raise ValueError(f"{TRIALS}: trial {row['number']} is of method {method!r}, which the spec "
+                             f"{spec.path} does not tune (tune.space has {list(space)})")
+        searched = [parameter.name for parameter in space[method]]
+        for name in row.get("params") or {}:
+            if name not in searched:
+                raise ValueError(f"{TRIALS}: {method} trial {row['number']} has parameter {name!r}, which the spec "
+                                 f"does not search (tune.space.{method} has {searched})")
+        numbers.setdefault(method, []).append(row["number"])
+    for method, found in numbers.items():
+        if sorted(found) != list(range(len(found))):
+            raise ValueError(f"{TRIALS}: {method}'s trial numbers are not 0 to {len(found) - 1} each once: {sorted(found)}")
+
+
+def retry_history(row: dict, rows: Sequence[dict]) -> list[int]:
+    """The trials a retry follows, first to last (Optuna's ``retry_history``): the trial it retries and
+    that trial's earlier retries, each of which names the same first trial."""
+    first = row["retries"]
+    return [first] + sorted(r["number"] for r in rows if r.get("retries") == first and r["number"] < row["number"])
+
+
+def frozen_trial(row: dict, rows: Sequence[dict], spec: TuneSpec, study_dir: Path):
+    """One row of trials.jsonl.gz as an Optuna trial to add to its method's study (``rows``: the
+    method's; ``study_dir``: where the study is restored, which its trial folder's ``run_dir`` names);
+    ValueError where a setting lies outside the spec's space."""
+    import optuna
+    from optuna.trial import TrialState
+
+    distributions = {p.name: p.distribution() for p in spec.settings.space[row["method"]]}
+    params = row.get("params") or {}
+    attrs = {key: row[key] for key in ("config", "seconds", "error", "worker") if row.get(key) is not None}
+    if row.get("run_dir"):
+        attrs["run_dir"] = str(study_dir / "trials" / row["method"] / Path(row["run_dir"]).name)
+    state = row["state"]
+    if state in UNDER_WAY_STATES:
+        attrs.pop("error", None)
+        attrs[UNDER_WAY] = True
+    system = ({"failed_trial": row["retries"], "retry_history": retry_history(row, rows)}
+              if row.get("retries") is not None else {})
+    try:
+        return optuna.trial.create_trial(
+            state=TrialState.FAIL if state in UNDER_WAY_STATES else TrialState[state.upper()],
+            value=None if state not in FINISHED_STATES else row.get("value"), params=params,
+            distributions={name: distributions[name] for name in params}, user_attrs=attrs, system_attrs=system,
+            intermediate_values={int(step): value for step, value in (row.get("intermediate_values") or {}).items()})
+    except ValueError as error:
+        raise ValueError(f"{TRIALS}: {row['method']} trial {row['number']}: {error} (tune.space.{row['method']})") from None
+
+
+def trial_outcomes(trials: Sequence[dict]) -> dict[tuple[str, int], str]:
+    """{(method, first attempt's number): what became of the trial} per trial folder. A retry resumes
+    the folder of the trial it retries, so the folder is "finished" where any attempt finished
+    (complete, pruned, or failed with an error), "under way" where one runs or waits, and "killed and
+    not retried" where every attempt's worker died and no retry is left (``max_retries``)."""
+    attempts: dict[tuple[str, int], list[dict]] = {}
+    for row in trials:
+        first = row["number"] if row.get("retries") is None else row["retries"]
+        attempts.setdefault((row["method"], first), []).append(row)
+    outcomes = {}
+    for key, rows in attempts.items():
+        if any(r["state"] in FINISHED_STATES or (r["state"] == "fail" and r.get("error") is not None) for r in rows):
+            outcomes[key] = "finished"
+        elif any(r["state"] in UNDER_WAY_STATES for r in rows):
+            outcomes[key] = "under way"
+        else:
+            outcomes[key] = "killed and not retried"
+    return outcomes
+
+
+def run_length(config: dict) -> int | None:
+    """A run's last generation (ES) or step (GRPO), from its settings."""
+    return config.get("num_steps" if config.get("kind") == "grpo" else "num_generations")
+
+
+def left_out_reason(run: dict, outcomes: dict[tuple[str, int], str]) -> str | None:
+    """Why a compacted run is not written (it was under way), or None for a finished one."""
+    if run["stage"] == "trial":
+        outcome = outcomes.get((run["method"], run["trial"]))
+        if outcome is None:
+            return f"no trial {run['trial']} of {run['method']} in {TRIALS}"
+        return None if outcome == "finished" else f"its trial was {outcome} when compacted"
+    held = run.get("heldout")
+    if not held:
+        return "no held-out scores: under way when compacted"
+    length = run_length(run["config"])
+    if length is not None and held.get("generation") != length:
+        return f"held-out scores at {held.get('generation')}, not at its last generation or step {length}"
+    return None
+
+
+def _write_lines(path: Path, lines: Sequence[dict]) -> None:
+    """A JSON-lines file of a run folder (heldout.jsonl, placement.jsonl, kl.jsonl), as the runs write them."""
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+
+
+def write_run(folder: Path, run: dict) -> None:
+    """A compacted run's folder again: its settings, rows, held-out scores, placement, KL and the
+    rerun it continued, where the compacted line has them."""
+    folder.mkdir(parents=True)
+    write_config_data(folder, run["config"])
+    rewrite_metrics(folder, run["rows"])
+    held = heldout_lines(run)
+    if held:
+        _write_lines(folder / HELDOUT, held)
+    if run.get("placement"):
+        _write_lines(folder / PLACEMENT, run["placement"])
+    if run.get("kl"):
+        _write_lines(folder / KL, run["kl"])
+    if run.get("continued_from") is not None:
+        (folder / CONTINUED_FROM).write_text(json.dumps(run["continued_from"]) + "\n")
+
+
+def frozen_trials(trials: Sequence[dict], spec: TuneSpec, study_dir: Path) -> dict[str, list]:
+    """{method: its trials as Optuna trials, in number order} (``frozen_trial``); ValueError, before
+    anything is written, where a setting lies outside the spec's space."""
+    frozen = {}
+    for method in dict.fromkeys(row["method"] for row in trials):
+        rows = sorted((r for r in trials if r["method"] == method), key=lambda r: r["number"])
+        frozen[method] = [frozen_trial(row, rows, spec, study_dir) for row in rows]
+    return frozen
+
+
+def restore_trials(frozen: dict[str, list], spec: TuneSpec, folder: Path) -> dict[str, int]:
+    """Each method's study in FOLDER/optuna.db (created as ``study.load_study`` creates it), its trials
+    (``frozen_trials``) added in number order, so each keeps its number; returns {method: trials restored}."""
+    import optuna
+
+    if not frozen:
+        return {}
+    optuna.logging.set_verbosity(optuna.logging.WARNING)  # a line per study created says nothing the summary does not
+    writing = replace(spec, out=folder)
+    storage = open_storage(writing)
+    try:
+        for method, method_trials in frozen.items():
+            study = load_study(writing, method, storage)
+            for trial in method_trials:
+                study.add_trial(trial)
+    finally:
+        storage.remove_session()
+        storage.engine.dispose()  # the database file is renamed with its folder next
+    return {method: len(method_trials) for method, method_trials in frozen.items()}
+
+
+def restore_study(compact_dir: str | Path, spec: TuneSpec, out: str | Path | None = None,
+                  log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Write the study of the compacted folder ``compact_dir`` into ``out`` (default ``spec.out``) so
+    that it continues from there (see the module docstring); returns what STUDY/restored.json records.
+    FileExistsError where ``out`` holds anything, FileNotFoundError where ``compact_dir`` holds no
+    compacted runs, ValueError where its trials do not fit the spec: each before anything is written."""
+    compact_dir = Path(compact_dir)
+    study = Path(out) if out is not None else spec.out
+    if study.exists() and (not study.is_dir() or any(study.iterdir())):
+        raise FileExistsError(f"{study}: exists and is not empty; a study folder is never written over "
+                              "(restore into a new folder with --out)")
+    compacted = load_compact(compact_dir)
+    trials = compacted["trials"]
+    check_trials(trials, spec)
+    frozen = frozen_trials(trials, spec, study)
+    outcomes = trial_outcomes(trials)
+    runs, left_out = [], {}
+    for run in compacted["runs"]:
+        reason = left_out_reason(run, outcomes)
+        if reason is None:
+            runs.append(run)
+        else:
+            left_out[run["path"]] = reason
+
+    partial = study.with_name(f".{study.name}.restoring")
+    if partial.exists():
+        shutil.rmtree(partial)  # a restore cut short by a kill
+    partial.mkdir(parents=True)
+    restored_trials = restore_trials(frozen, spec, partial)
+    for run in runs:
+        write_run(partial / run["path"], run)
+    if (compact_dir / SUMMARY).is_file():
+        shutil.copyfile(compact_dir / SUMMARY, partial / SUMMARY)
+    stages: dict[str, int] = {}
+    for run in runs:
+        stages[run["stage"]] = stages.get(run["stage"], 0) + 1
+    manifest = compact_dir / MANIFEST
+    record = {
+        "compact": str(compact_dir), "manifest": json.loads(manifest.read_text()) if manifest.is_file() else None,
+        "trials": restored_trials,
+        "under_way_trials": {m: [r["number"] for r in trials if r["method"] == m and r["state"] in UNDER_WAY_STATES]
+                             for m in restored_trials},
+        "runs": stages, "left_out": left_out,
+        "base": "summary only: python -m evolm_lib.tune.base SPEC writes the lines again" if compacted["base"] else None,
+    }
+    (partial / RESTORED).write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+    if study.exists():
+        study.rmdir()  # empty (checked above): the restored folder takes its place
+    partial.replace(study)
+    for line in restore_lines(record, study):
+        log(line)
+    return record
+
+
+def restore_lines(record: dict[str, Any], study: Path) -> list[str]:
+    """What a restore printed: one line per kind of thing restored or left out."""
+    def counts(mapping: dict[str, int]) -> str:
+        return ", ".join(f"{key} {value}" for key, value in mapping.items()) or "none"
+
+    lines = [f"restored {sum(record['trials'].values())} trials ({counts(record['trials'])}) and "
+             f"{sum(record['runs'].values())} runs ({counts(record['runs'])}) into {study}"]
+    under_way = {m: numbers for m, numbers in record["under_way_trials"].items() if numbers}
+    if under_way:
+        lines.append("trials under way when compacted, restored as failed (each method asks new trials in their place): "
+                     + "; ".join(f"{m} {', '.join(map(str, numbers))}" for m, numbers in under_way.items()))
+    if record["left_out"]:
+        lines.append(f"left out {len(record['left_out'])} unfinished runs, which begin again from their start: "
+                     + "; ".join(f"{path} ({why})" for path, why in record["left_out"].items()))
+    if record["base"]:
+        lines.append("the base model's held-out lines are not in the compacted files (only their summary, base.json): "
+                     "python -m evolm_lib.tune.base SPEC writes them again")
+    return lines
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m evolm_lib.tune.restore", description=__doc__.split("\n\n")[0])
+    parser.add_argument("compact", type=Path, help="the compacted study's folder (runs.jsonl.gz, trials.jsonl.gz, ...)")
+    parser.add_argument("spec", type=Path, help="the study's spec (its tune: section)")
+    parser.add_argument("--out", type=Path, default=None, help="the study folder to write (default: the spec's tune out); "
+                                                                 "must not exist or be empty")
+    parser.add_argument("--methods", help="comma-separated methods to load the spec with, as `evolm tune --methods` "
+                                          "(where it searches some of its sweep's methods only); every method's "
+                                          "trials in the compacted files are restored")
+    args = parser.parse_args(argv)
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods else None
+    try:
+        spec = load_tune_spec(args.spec, methods=methods)
+        restore_study(args.compact, spec, args.out)
+    except (FileExistsError, FileNotFoundError, ValueError) as error:
+        print(f"restore: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
