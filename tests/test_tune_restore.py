@@ -1,6 +1,7 @@
 """A study continued from its compacted files (``tune.restore``): a small study run for real on
 tiny-random, compacted, restored and compacted again gives the same lines and trials, and nothing
-is left to run; a trial under way when compacted is asked again, the others kept; a folder in the
+is left to run; a trial under way when compacted runs again with its setting, to the rows an
+uninterrupted study wrote, the others kept; a folder in the
 way or a compact that does not fit the spec is refused before anything is written."""
 from __future__ import annotations
 
@@ -95,7 +96,7 @@ def test_a_restored_study_compacts_to_the_same_lines_and_has_nothing_left_to_run
             assert [row[column] for row in rows] == pytest.approx([row[column] for row in want], rel=1e-5, nan_ok=True)
 
 
-def test_a_study_cut_short_asks_again_only_the_trial_under_way(study, tmp_path, tiny_vllm, capsys):
+def test_a_trial_under_way_when_compacted_runs_again_with_its_setting_to_the_same_rows(study, tmp_path, tiny_vllm, capsys):
     path, original, compact, _ = study
     cut = tmp_path / "cut"
     shutil.copytree(compact, cut)
@@ -106,22 +107,29 @@ def test_a_study_cut_short_asks_again_only_the_trial_under_way(study, tmp_path, 
     restored.mkdir()  # an empty folder is taken
     spec = _load(path, restored)
     record = restore_study(cut, spec, log=print)
-    assert "trials under way when compacted, restored as failed" in capsys.readouterr().out
+    assert "trials under way when compacted, restored as failed and queued again" in capsys.readouterr().out
     assert record["under_way_trials"] == {"es": [1]}
     assert record["left_out"] == {"trials/es/trial_0001/seed100": "its trial was under way when compacted"}
     assert not (restored / "trials" / "es" / "trial_0001").exists()
     first = (restored / "trials" / "es" / "trial_0000" / "seed100" / "metrics.jsonl").read_bytes()
-    (failed,) = [t for t in tune.load_study(spec, "es").get_trials() if t.number == 1]
+    failed, queued = tune.load_study(spec, "es").get_trials()[1:]
     assert failed.state.name == "FAIL" and failed.user_attrs[UNDER_WAY] and "error" not in failed.user_attrs
-    assert tune.outstanding(spec) == ["trials of es"]
+    assert queued.state.name == "WAITING" and queued.params == rows[1]["params"] and UNDER_WAY not in queued.user_attrs
+    assert queued.system_attrs["failed_trial"] == 1
 
-    assert tune.tune(spec, tiny_vllm, log=lambda line: None) == {"es": 1}  # exactly the missing trial
+    assert tune.tune(spec, tiny_vllm, log=lambda line: None) == {"es": 1}  # exactly the trial under way, again
     trials = tune.study_trials(spec, "es")
-    assert [(t["number"], t["state"]) for t in trials] == [(0, "complete"), (1, "fail"), (2, "complete")]
+    assert [(t["number"], t["state"], t["retries"]) for t in trials] == [(0, "complete", None), (1, "fail", None),
+                                                                         (2, "complete", 1)]
     assert trials[0]["value"] == rows[0]["value"] and trials[0]["params"] == rows[0]["params"]  # kept, not run again
     assert (restored / "trials" / "es" / "trial_0000" / "seed100" / "metrics.jsonl").read_bytes() == first
-    assert read_metrics(restored / "trials" / "es" / "trial_0002" / "seed100")  # the new trial's own folder
-    assert not (restored / "trials" / "es" / "trial_0001").exists()
+    # the retry ran in the first attempt's folder, from the start, to the rows the uninterrupted study wrote
+    untimed = lambda folder: [{k: v for k, v in row.items() if not k.startswith("time/")}  # noqa: E731
+                              for row in read_metrics(folder)]
+    folder = Path("trials") / "es" / "trial_0001" / "seed100"
+    assert untimed(restored / folder) == untimed(original / folder)
+    assert trials[2]["value"] == _read_gzip_lines(compact / TRIALS)[1]["value"]
+    assert not (restored / "trials" / "es" / "trial_0002").exists()
 
 
 def test_a_folder_in_the_way_or_a_compact_the_spec_does_not_fit_is_refused_before_any_file(study, tmp_path, capsys):

@@ -8,9 +8,11 @@ of this package go on as they would have from the study itself:
 - STUDY/optuna.db: each method's study with every trial of trials.jsonl.gz under its own number,
   state, value, settings (under the distributions of the spec's space), user attributes, the trial
   it retries and the values it reported (where the compaction kept them). A trial that was running
-  or waiting when the study was compacted is restored as failed, without an ``error``, and marked
-  ``under_way_when_compacted``: it is not one of the method's trials (``study.counted``), so the
-  method asks a new trial in its place.
+  when the study was compacted is restored as a trial whose worker died: failed, without an
+  ``error`` (so not one of the method's trials, ``study.counted``), marked
+  ``under_way_when_compacted``, and followed by its retry with the same setting, waiting, as Optuna's
+  heartbeat callback queues it (``tune.max_retries`` retries at most); a retry that was waiting
+  when compacted waits again.
 - each finished run of runs.jsonl.gz as a run folder at its path: config.yaml, metrics.jsonl (the
   compacted scalar rows), heldout.jsonl (the scores and answer flags, not the answers), placement.jsonl,
   kl.jsonl and continued_from.json where the run had them. A trial's runs are finished where their
@@ -49,10 +51,11 @@ RESTORED = "restored.json"
 """In a restored study: the compacted folder it came from, its manifest, what was restored and what
 was left out (and why)."""
 UNDER_WAY = "under_way_when_compacted"
-"""The user attribute of a trial that was running or waiting when its study was compacted (restored
-as failed, not counted: the method asks a new trial in its place)."""
+"""The user attribute of a trial that was running when its study was compacted (restored as failed,
+not counted, and retried with its setting)."""
 FINISHED_STATES = ("complete", "pruned")
 UNDER_WAY_STATES = ("running", "waiting")
+"""The states of a trial whose folder a worker writes into again (a waiting trial is a queued retry)."""
 KL = "kl.jsonl"
 
 
@@ -98,14 +101,14 @@ def frozen_trial(row: dict, rows: Sequence[dict], spec: TuneSpec, study_dir: Pat
     if row.get("run_dir"):
         attrs["run_dir"] = str(study_dir / "trials" / row["method"] / Path(row["run_dir"]).name)
     state = row["state"]
-    if state in UNDER_WAY_STATES:
+    if state == "running":
         attrs.pop("error", None)
         attrs[UNDER_WAY] = True
     system = ({"failed_trial": row["retries"], "retry_history": retry_history(row, rows)}
               if row.get("retries") is not None else {})
     try:
         return optuna.trial.create_trial(
-            state=TrialState.FAIL if state in UNDER_WAY_STATES else TrialState[state.upper()],
+            state=TrialState.FAIL if state == "running" else TrialState[state.upper()],
             value=None if state not in FINISHED_STATES else row.get("value"), params=params,
             distributions={name: distributions[name] for name in params}, user_attrs=attrs, system_attrs=system,
             intermediate_values={int(step): value for step, value in (row.get("intermediate_values") or {}).items()})
@@ -186,9 +189,25 @@ def frozen_trials(trials: Sequence[dict], spec: TuneSpec, study_dir: Path) -> di
     return frozen
 
 
+def retry(study, trial, max_retries: int) -> None:
+    """Queue the retry of ``trial`` (restored as failed: it was under way) with its setting, as Optuna's
+    heartbeat callback does for a trial whose worker died, without the mark of its failed attempt."""
+    import copy
+    import warnings
+
+    import optuna
+
+    failed = copy.deepcopy(trial)
+    failed.user_attrs = {key: value for key, value in trial.user_attrs.items() if key != UNDER_WAY}
+    with warnings.catch_warnings():  # the callback is marked experimental; the workers use it too (study.open_storage)
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=max_retries)(study, failed)
+
+
 def restore_trials(frozen: dict[str, list], spec: TuneSpec, folder: Path) -> dict[str, int]:
     """Each method's study in FOLDER/optuna.db (created as ``study.load_study`` creates it), its trials
-    (``frozen_trials``) added in number order, so each keeps its number; returns {method: trials restored}."""
+    (``frozen_trials``) added in number order, so each keeps its number, then the retries of those that
+    were under way (``retry``); returns {method: trials restored}."""
     import optuna
 
     if not frozen:
@@ -201,6 +220,9 @@ def restore_trials(frozen: dict[str, list], spec: TuneSpec, folder: Path) -> dic
             study = load_study(writing, method, storage)
             for trial in method_trials:
                 study.add_trial(trial)
+            for trial in study.get_trials(deepcopy=False):
+                if trial.user_attrs.get(UNDER_WAY):
+                    retry(study, trial, spec.settings.max_retries)
     finally:
         storage.remove_session()
         storage.engine.dispose()  # the database file is renamed with its folder next
@@ -247,7 +269,7 @@ def restore_study(compact_dir: str | Path, spec: TuneSpec, out: str | Path | Non
     record = {
         "compact": str(compact_dir), "manifest": json.loads(manifest.read_text()) if manifest.is_file() else None,
         "trials": restored_trials,
-        "under_way_trials": {m: [r["number"] for r in trials if r["method"] == m and r["state"] in UNDER_WAY_STATES]
+        "under_way_trials": {m: [r["number"] for r in trials if r["method"] == m and r["state"] == "running"]
                              for m in restored_trials},
         "runs": stages, "left_out": left_out,
         "base": "summary only: python -m evolm_lib.tune.base SPEC writes the lines again" if compacted["base"] else None,
@@ -270,7 +292,7 @@ def restore_lines(record: dict[str, Any], study: Path) -> list[str]:
              f"{sum(record['runs'].values())} runs ({counts(record['runs'])}) into {study}"]
     under_way = {m: numbers for m, numbers in record["under_way_trials"].items() if numbers}
     if under_way:
-        lines.append("trials under way when compacted, restored as failed (each method asks new trials in their place): "
+        lines.append("trials under way when compacted, restored as failed and queued again with their settings: "
                      + "; ".join(f"{m} {', '.join(map(str, numbers))}" for m, numbers in under_way.items()))
     if record["left_out"]:
         lines.append(f"left out {len(record['left_out'])} unfinished runs, which begin again from their start: "
