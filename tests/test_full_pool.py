@@ -1,12 +1,17 @@
 """``python -m evolm_lib.benchmark full-pool`` on the CPU: es_mode full on one Ray engine, then on two
 (CPU slices of a local 2-CPU cluster), with tiny-random and a population of 4. It checks what the
-command reports: the JSON's structure, speed-ups computed from the measured generation times, and
-the two engines' metrics rows equal to the one engine's. Starting the engines (one, then two) takes
+command reports: the JSON's structure, speed-ups computed from the measured generation times, the
+two engines' metrics rows equal to the one engine's, and a count stopped by SIGTERM reported from
+the rows it wrote. Starting the engines (one, then two) takes
 a minute or more on this shared 2-core machine: the test is ``slow``."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import statistics
+import threading
+import time
 
 import pytest
 
@@ -36,22 +41,41 @@ def test_bad_engine_counts_are_refused_before_any_engine():
 
 
 @pytest.mark.slow
-def test_full_pool_measures_one_engine_then_two_on_the_cpu(ray_cluster, tmp_path, capsys):
-    out = tmp_path / "full_pool.json"
-    result = full_pool.main(["--model", "tiny-random", "--engines", "1,2", "--generations", "2", "--population", "4",
-                             "--json", str(out), "--workdir", str(tmp_path / "kept")])
-    assert json.loads(out.read_text()) == json.loads(json.dumps(result))
-    kept = sorted(part for path in (tmp_path / "kept").rglob("metrics.jsonl") for part in path.parts
-                  if part.startswith("engines_"))
-    assert kept == ["engines_1", "engines_2"], "--workdir keeps each count's run folder and its metrics rows"
+def test_full_pool_measures_one_engine_then_two_and_keeps_a_count_cut_short(ray_cluster, tmp_path, capsys):
+    """One engine's count runs to its end; the two engines' count is stopped by SIGTERM (what a device
+    call's time limit sends) after a few generations: the JSON and the table keep what it measured."""
+    out, kept = tmp_path / "full_pool.json", tmp_path / "kept"
+
+    def stop_the_second_count():  # SIGTERM once the two engines have written two generations' rows
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            rows = list(kept.rglob("engines_2/metrics.jsonl"))
+            if rows and len(rows[0].read_text().splitlines()) >= 3:
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=stop_the_second_count, daemon=True)
+    watcher.start()
+    previous = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as stopped:
+        full_pool.main(["--model", "tiny-random", "--engines", "1,2", "--generations", "10", "--population", "4",
+                        "--json", str(out), "--workdir", str(kept)])
+    watcher.join()
+    assert stopped.value.code == 128 + signal.SIGTERM and signal.getsignal(signal.SIGTERM) is previous
+    result = json.loads(out.read_text())
+    folders = sorted(part for path in kept.rglob("metrics.jsonl") for part in path.parts if part.startswith("engines_"))
+    assert folders == ["engines_1", "engines_2"], "--workdir keeps each count's run folder and its metrics rows"
     assert result["settings"]["population"] == 4 and result["settings"]["device"] == "cpu"
     one, two = result["counts"]
     assert (one["engines"], two["engines"]) == (1, 2) and two["engines_per_gpu"] == 2
+    assert "cut_short" not in one and len(one["generation_s_each"]) == 9  # generations 2-10
+    assert two["cut_short"] is True and 2 <= two["generations_done"] < 10
+    assert len(two["generation_s_each"]) == two["generations_done"] - 1  # from generation 2 to the last written
     for count in (one, two):
-        assert len(count["generation_s_each"]) == 1 and count["generation_s_each"][0] > 0  # generation 2
-        assert count["generation_s"] == statistics.median(count["generation_s_each"])
+        assert count["generation_s"] == statistics.median(count["generation_s_each"]) and count["generation_s"] > 0
         assert 0 < count["engine_share"] <= 1 and count["start_s"] > 0 and count["cards"] == 0  # CPU slices
-        assert count["rows_identical"] is True
+        assert count["rows_identical"] is True  # the cut count's rows are the first rows of one engine's
     assert two["speedup"] == one["generation_s"] / two["generation_s"] and one["speedup"] == 1.0
     printed = capsys.readouterr().out
-    assert "same rows" in printed and "(reference)" in printed and f"2: {two['speedup']:.2f}x" in printed
+    assert "(reference)" in printed and f"(cut short after {two['generations_done']} generations)" in printed

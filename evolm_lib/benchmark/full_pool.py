@@ -11,7 +11,10 @@ every engine as seeds and shaped fitness.
 Per count it prints the median generation time (after the first), the engine's share of it (member
 writes and decoding), the speed-up over one engine, and whether the metrics rows (every key but the
 ``time/`` ones) are those of the one-engine run. A count whose engines do not fit the card is
-skipped with the pre-run check's reason.
+skipped with the pre-run check's reason. A count stopped before its last generation (SIGTERM, as
+a device call's time limit sends it, or Ctrl-C) is reported from the rows its run wrote: its
+generations so far, their times, and whether its rows are the first rows of one engine's
+(``cut_short``); then the command exits.
 
 Examples::
 
@@ -29,6 +32,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import statistics
 import tempfile
 import time
@@ -68,19 +72,39 @@ def summarize(rows: list[dict]) -> dict[str, Any]:
             "update_s": statistics.median(row.get("time/update_s", 0.0) for row in timed)}
 
 
+def measured(result: dict[str, Any]) -> bool:
+    """Whether a count has a generation time: not skipped, and not cut short before its second generation."""
+    return "generation_s" in result
+
+
 def speedups(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each measured count with its speed-up over the first (one engine) and whether its rows are the first's."""
+    """Each measured count with its speed-up over the first (one engine) and whether its rows are the
+    first's (a count cut short: whether they are the first rows of the first's)."""
     reference = results[0]
     for result in results:
-        if "skipped" in result:
+        if not (measured(result) and measured(reference)):
             continue
         result["speedup"] = reference["generation_s"] / result["generation_s"]
-        result["rows_identical"] = result["rows"] == reference["rows"]
+        result["rows_identical"] = result["rows"] == reference["rows"][:len(result["rows"])]
     return results
 
 
-def measure_count(config, folder: Path) -> dict[str, Any]:
-    """One run of ``config`` (it starts and closes its own engines): what it measured, or why it was skipped."""
+def count_result(config, evaluator, rows: list[dict]) -> dict[str, Any]:
+    """A count's measurements from its run's rows (row 0 the first scoring, then one per generation)."""
+    info = list(evaluator.engine_info)
+    result = {"engines": config.num_engines, "engines_per_gpu": config.engines_per_gpu,
+              "cards": len({i.get("card") for i in info if i.get("card") is not None}), "start_s": evaluator.start_seconds,
+              "engine_start_s": [i.get("start_s") for i in info], "rows": without_times(rows)}
+    if len(rows) >= 2:  # a generation to time
+        result.update(summarize(rows))
+    return result
+
+
+def measure_count(config, folder: Path, on_cut: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """One run of ``config`` (it starts and closes its own engines): what it measured, or why it was
+    skipped. Stopped before its last generation (KeyboardInterrupt, SystemExit), it gives ``on_cut``
+    what its rows measured so far, before its engines close (a second signal may not wait for
+    that), and lets the stop go on."""
     from ..config import ConfigError
     from ..runs import read_metrics
     from ..train.es import ESRun
@@ -91,15 +115,16 @@ def measure_count(config, folder: Path) -> dict[str, Any]:
         return {"engines": config.num_engines, "skipped": str(error)}
     try:
         evaluator = run.evaluator
-        run.run()
-        rows = read_metrics(run.run_dir)
-        info = list(evaluator.engine_info)
-        start_s = evaluator.start_seconds
+        try:
+            run.run()
+        except (KeyboardInterrupt, SystemExit):
+            if on_cut is not None:
+                rows = read_metrics(run.run_dir)
+                on_cut({**count_result(config, evaluator, rows), "cut_short": True, "generations_done": max(len(rows) - 1, 0)})
+            raise
+        return count_result(config, evaluator, read_metrics(run.run_dir))
     finally:
         run.close()
-    return {"engines": config.num_engines, "engines_per_gpu": config.engines_per_gpu,
-            "cards": len({i.get("card") for i in info if i.get("card") is not None}), "start_s": start_s,
-            "engine_start_s": [i.get("start_s") for i in info], **summarize(rows), "rows": without_times(rows)}
 
 
 def _free_card_memory() -> int:
@@ -135,13 +160,20 @@ def full_pool(model: str, engine_counts: Sequence[int], population: int, generat
     folder = Path(tempfile.mkdtemp(prefix="evolm-full-pool-", dir=workdir))
     results = []
     free_at_start = _free_card_memory() if gpu else None
+
+    def keep(cut: dict[str, Any]) -> None:  # a count stopped before its end: what it measured, then the stop goes on
+        results.append(cut)
+        print(format_row(cut, results[0]), flush=True)
+        if on_count is not None:
+            on_count(speedups(results))
+
     try:
         for engines in engine_counts:
             if free_at_start is not None:  # the last count's engines end with their actors, after close returns
                 _wait_for_card(free_at_start - 2 * 2**30)
             config = pool_config(model, engines, population, generations, new_tokens, gpu, kv_cache_gb,
                                  gpu_memory_utilization=gpu_memory_utilization)
-            results.append(measure_count(config, folder / f"engines_{engines}"))
+            results.append(measure_count(config, folder / f"engines_{engines}", on_cut=keep))
             if "skipped" in results[0]:
                 raise SystemExit(f"full-pool: one engine does not fit, nothing to compare with: {results[0]['skipped']}")
             print(format_row(results[-1], results[0]), flush=True)
@@ -159,10 +191,15 @@ def format_row(result: dict[str, Any], reference: dict[str, Any]) -> str:
     """One count as a line of the table (its speed-up and rows against ``reference``)."""
     if "skipped" in result:
         return f"{result['engines']:>7}  skipped: {result['skipped']}"
+    cut = f"  (cut short after {result['generations_done']} generations)" if result.get("cut_short") else ""
+    start = f"{result['start_s']:>9.1f}" if result.get("start_s") is not None else f"{'-':>9}"
+    if not (measured(result) and measured(reference)):
+        return f"{result['engines']:>7}{result['cards']:>6}{start}  no generation to time{cut}"
     speedup = reference["generation_s"] / result["generation_s"]
-    same = "(reference)" if result is reference else ("yes" if result["rows"] == reference["rows"] else "NO")
-    return (f"{result['engines']:>7}{result['cards']:>6}{result['start_s']:>9.1f}{result['generation_s']:>13.3f}"
-            f"{100 * (result['engine_share'] or 0):>12.1f}%{speedup:>9.2f}x  {same}")
+    same = "(reference)" if result is reference else (
+        "yes" if result["rows"] == reference["rows"][:len(result["rows"])] else "NO")
+    return (f"{result['engines']:>7}{result['cards']:>6}{start}{result['generation_s']:>13.3f}"
+            f"{100 * (result['engine_share'] or 0):>12.1f}%{speedup:>9.2f}x  {same}{cut}")
 
 
 HEADER = (f"{'engines':>7}{'cards':>6}{'start s':>9}{'generation s':>13}{'engine share':>13}{'speed-up':>9}  same rows\n"
@@ -212,9 +249,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             args.json.write_text(json.dumps(result, indent=1))
         return result
 
+    def stop(signum, frame):  # a device call's time limit sends SIGTERM: stop as Ctrl-C would, keeping the rows
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
     print(HEADER, flush=True)
-    results = full_pool(args.model, counts, args.population, args.generations, args.new_tokens, gpu, args.kv_cache_gb,
-                        args.gpu_memory_utilization, workdir=args.workdir, on_count=report)
-    measured = [r for r in results if "skipped" not in r]
-    print("speed-ups over 1 engine: " + ", ".join(f"{r['engines']}: {r['speedup']:.2f}x" for r in measured))
+    try:
+        results = full_pool(args.model, counts, args.population, args.generations, args.new_tokens, gpu,
+                            args.kv_cache_gb, args.gpu_memory_utilization, workdir=args.workdir, on_count=report)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    print("speed-ups over 1 engine: " + ", ".join(f"{r['engines']}: {r['speedup']:.2f}x" for r in results if "speedup" in r))
     return report(results)
