@@ -158,3 +158,56 @@ def test_a_folder_in_the_way_or_a_compact_the_spec_does_not_fit_is_refused_befor
         assert not out.exists() and not (tmp_path / ".never.restoring").exists()
     assert restore_main([str(tmp_path / "busy"), str(path), "--out", str(tmp_path / "never"), "--methods", "es"]) == 1  # no runs.jsonl.gz
     assert "no runs.jsonl.gz" in capsys.readouterr().err and not (tmp_path / "never").exists()
+
+
+def test_full_es_under_way_goes_on_from_its_compacted_checkpoint_to_the_rows_of_an_unbroken_run(study, tmp_path, tiny_vllm,
+                                                                                                 capsys):
+    """ES on the model's own weights keeps no tensors in its checkpoints (its mean is the seed log
+    replayed), so a compacted line carries what such a run under way goes on from; a LoRA run's
+    checkpoint holds the adapter, so that run begins again."""
+    import optuna
+
+    from evolm_lib.config import ESConfig
+    from evolm_lib.tune.compact import scalar_row
+
+    path = study[0]
+    common = dict(model="tiny-random", task="conciseness", population_size=4, sigma=0.1, learning_rate=0.05,
+                  lora_rank=1, target_modules=["q_proj", "v_proj"], max_new_tokens=6, max_model_len=256,
+                  kv_cache_gb=0.0625, eval_every=1, num_generations=3, checkpoint_every=1, optimizer="adam")
+    full, lora = ESConfig(**common, es_mode="full"), ESConfig(**common)
+    from evolm_lib.train.es import ESRun
+
+    whole = ESRun.open(full, tmp_path / "whole", evaluator=tiny_vllm)
+    whole.run()
+    whole.close()
+    out = tmp_path / "study"
+    out.mkdir()
+    optuna.create_study(storage=f"sqlite:///{out / 'optuna.db'}", study_name="es")  # a study with no trial yet
+    for config, method in ((full, "es_full"), (lora, "es_lora")):
+        cut = ESRun.open(config, out / "final" / method / "seed0", evaluator=tiny_vllm)
+        cut.run(2)  # the machine goes back after generation 2, and its pack with the checkout
+        cut.close()
+
+    compacted = tmp_path / "compact"
+    manifest = compact_study(out, compacted)
+    lines = {line["path"]: line for line in _read_gzip_lines(compacted / RUNS)}
+    carried = lines["final/es_full/seed0"]["resume"]
+    assert carried["checkpoint"] == "000002" and set(carried["files"]) == {"state.json", "manifest.json"}
+    assert carried["text"]["seed_log.jsonl"] == (out / "final" / "es_full" / "seed0" / "seed_log.jsonl").read_text()
+    assert lines["final/es_lora/seed0"]["resume"] is None and manifest["resumable"] == 1
+
+    restored = tmp_path / "restored"
+    record = restore_study(compacted, _load(path, restored), log=print)
+    assert record["resumed"] == {"final/es_full/seed0": 2}
+    assert record["left_out"] == {"final/es_lora/seed0": "no held-out scores: under way when compacted"}
+    assert "1 runs under way go on from their checkpoints: final/es_full/seed0 at 2" in capsys.readouterr().out
+    folder = restored / "final" / "es_full" / "seed0"
+    run = ESRun.open(full, folder, evaluator=tiny_vllm)
+    assert run.generation == 2  # from the carried checkpoint, the weights replayed from the seed log
+    run.run()
+    run.close()
+    # the rows before the checkpoint were kept to 6 significant digits; compacted, every row is the unbroken run's
+    untimed = lambda folder: [scalar_row({k: v for k, v in row.items() if not k.startswith("time/")})  # noqa: E731
+                              for row in read_metrics(folder)]
+    assert untimed(folder) == untimed(tmp_path / "whole")
+    assert (folder / "seed_log.jsonl").read_text() == (tmp_path / "whole" / "seed_log.jsonl").read_text()

@@ -10,7 +10,10 @@ it was copied from), its held-out
 scores (heldout.jsonl's index, reward and success per problem, and whether each completion was empty
 or nothing but whitespace and whether it held its target, ``analysis.ANSWER_FLAGS``: the completions
 themselves are left out), where it
-ran (placement.jsonl: device, engines per card) and the KL of its checkpoints where measured. The
+ran (placement.jsonl: device, engines per card) and the KL of its checkpoints where measured; a
+run under way whose newest checkpoint holds no tensors (ES on the model's own weights, whose mean is
+its seed log replayed) keeps what it goes on from (``resume_state``: that checkpoint's files and the
+folder's other text files, such as the seed log), for ``tune.restore``. The
 Optuna trials of every study go to OUT_DIR/trials.jsonl.gz, tune_summary.json is copied, the base
 model's held-out lines (``tune.base``, STUDY_DIR/base/heldout.jsonl) become their summary in
 OUT_DIR/base.json (``analysis.heldout_summary``), and manifest.json counts what went in. The gzip
@@ -31,8 +34,11 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from ..env import PLACEMENT
-from ..runs import read_jsonl, read_metrics
+from ..geometry import checkpoint_holds_weights
+from ..runs import read_jsonl, read_metrics, row_generation
+from ..sweep import HELDOUT
 from .final import BASE_HELDOUT, CONTINUED_FROM, STAGES, SUMMARY
+from .pack import TEXT_SUFFIXES, newest_checkpoint
 from .rebuild import REBUILT
 from .study import STORAGE
 
@@ -112,6 +118,37 @@ def locate(study: Path, folder: Path) -> dict[str, Any]:
     return {"stage": "sweep", "method": folder.name.rsplit("_seed", 1)[0], "trial": None}
 
 
+KL = "kl.jsonl"
+COMPACTED_FILES = ("config.yaml", "metrics.jsonl", HELDOUT, PLACEMENT, KL, CONTINUED_FROM)
+"""A run folder's files a compacted line holds in its own fields (``resume_state`` leaves them out)."""
+
+
+def run_length(config: dict) -> int | None:
+    """A run's last generation (ES) or step (GRPO), from its settings."""
+    return config.get("num_steps" if config.get("kind") == "grpo" else "num_generations")
+
+
+def resume_state(folder: Path, config: dict, rows: Sequence[dict]) -> dict[str, Any] | None:
+    """What a run under way goes on from on another machine, where its newest intact checkpoint is past
+    its start and holds no tensors (ES on the model's own weights): {"checkpoint": its folder's name,
+    "files": its files, "text": the run folder's other text files (the seed log), each as text}. None
+    for a finished run (rows at its last generation), or one without such a checkpoint: a LoRA's or
+    GRPO's checkpoint holds tensors, which a compacted line does not carry."""
+    length = run_length(config)
+    if length is None or (rows and row_generation(rows[-1]) >= length) or checkpoint_holds_weights(folder):
+        return None
+    checkpoint = newest_checkpoint(folder)
+    if checkpoint is None or checkpoint.generation == 0:
+        return None
+    try:
+        files = {name: data.decode() for name, data in checkpoint.files.items()}
+        text = {p.name: p.read_bytes().decode() for p in sorted(folder.iterdir())
+                if p.is_file() and p.suffix in TEXT_SUFFIXES and p.name not in COMPACTED_FILES}
+    except UnicodeDecodeError:  # not text after all: the run starts again where restored
+        return None
+    return {"checkpoint": checkpoint.folder.name, "files": files, "text": text}
+
+
 def compact_run(study: Path, folder: Path) -> dict[str, Any]:
     """One run folder as one line of runs.jsonl.gz (see the module docstring)."""
     import yaml
@@ -120,7 +157,7 @@ def compact_run(study: Path, folder: Path) -> dict[str, Any]:
 
     config = yaml.safe_load((folder / "config.yaml").read_text()) or {}
     rows = [scalar_row(row) for row in read_metrics(folder)]
-    heldout = read_jsonl(folder / "heldout.jsonl")
+    heldout = read_jsonl(folder / HELDOUT)
     # what each answer was, kept without the answers themselves
     flags = {flag: [judge(line) for line in heldout] for flag, judge in ANSWER_FLAGS.items()}
     continued = folder / CONTINUED_FROM
@@ -141,8 +178,9 @@ def compact_run(study: Path, folder: Path) -> dict[str, Any]:
                     **{flag: judged for flag, judged in flags.items() if None not in judged}}
         if heldout else None,
         "placement": read_jsonl(folder / PLACEMENT),
-        "kl": [scalar_row(row) for row in read_jsonl(folder / "kl.jsonl")],
+        "kl": [scalar_row(row) for row in read_jsonl(folder / KL)],
         "continued_from": json.loads(continued.read_text()) if continued.is_file() else None,
+        "resume": resume_state(folder, config, rows),
     }
 
 
@@ -168,11 +206,13 @@ def _write_gzip_lines(path: Path, lines: Sequence[dict]) -> None:
 
 
 def _counts(runs: Sequence[dict]) -> dict[str, Any]:
-    """The manifest's counts of compacted runs: per stage, and those with held-out scores."""
+    """The manifest's counts of compacted runs: per stage, those with held-out scores, and those under
+    way that carry what they go on from (``resume_state``)."""
     stages: dict[str, int] = {}
     for run in runs:
         stages[run["stage"]] = stages.get(run["stage"], 0) + 1
-    return {"runs": stages, "with_heldout": sum(run["heldout"] is not None for run in runs)}
+    return {"runs": stages, "with_heldout": sum(run["heldout"] is not None for run in runs),
+            "resumable": sum(run.get("resume") is not None for run in runs)}
 
 
 def _write_manifest(folder: Path, manifest: dict[str, Any]) -> dict[str, Any]:

@@ -112,8 +112,9 @@ def _generation(checkpoint_folder: Path) -> int:
     return int(checkpoint_folder.name.split(".")[0])
 
 
-def _newest_checkpoint(run_folder: Path) -> _Checkpoint | None:
-    """The newest checkpoint of a run folder that reads whole, or None."""
+def newest_checkpoint(run_folder: Path) -> _Checkpoint | None:
+    """The newest checkpoint of a run folder that reads whole (its files as bytes, each matching its
+    manifest), or None."""
     for folder in reversed(list_checkpoints(run_folder)):
         files = read_checkpoint_files(folder)  # one being pruned or rewritten, or damaged, is not carried
         if files is not None:
@@ -175,7 +176,7 @@ def pack_study(out: str | Path, archive: str | Path, checkpoint_bytes: int = CHE
             for size, _, run in sorted((size, str(run), run) for run, (generation, size) in on_disk.items()
                                        if generation > 0 or not past_start):
                 left = checkpoint_bytes - report["checkpoint_bytes"]
-                checkpoint = _newest_checkpoint(run) if size <= left else None
+                checkpoint = newest_checkpoint(run) if size <= left else None
                 if checkpoint is None:
                     if size > left:
                         report["over_budget"].append((str(run.relative_to(out)), size))

@@ -18,9 +18,12 @@ of this package go on as they would have from the study itself:
   kl.jsonl and continued_from.json where the run had them. A trial's runs are finished where their
   trial (or its retry) is complete, pruned or failed with an error; a rerun, continued rerun,
   control, rebuilt rerun or sweep run where it holds held-out scores at its last generation or step
-  (``final.finished_rerun``). The others were under way: they are left out and begin again, from
-  their start (no checkpoint travels in the compacted files; a continued rerun of a restored rerun
-  runs from its start too, ``final.continue_copy``).
+  (``final.finished_rerun``). The others were under way: one whose line carries what it goes on
+  from (``compact.resume_state``: ES on the model's own weights, its newest checkpoint and seed log)
+  is written with them, and its run (or its trial's retry) goes on from that checkpoint; the others
+  are left out and begin again from their start (a LoRA's or GRPO's checkpoint holds tensors, which
+  the compacted files do not carry; a continued rerun of a restored rerun runs from its start too,
+  ``final.continue_copy``).
 - tune_summary.json as compacted; STUDY/restored.json records what was restored and what was left
   out, and why. The base model's held-out lines are not in the compacted files (only their summary,
   base.json): ``python -m evolm_lib.tune.base SPEC`` writes them again.
@@ -40,9 +43,9 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ..env import PLACEMENT
-from ..runs import rewrite_metrics, write_config_data
+from ..runs import CHECKPOINTS, rewrite_metrics, write_config_data
 from ..sweep import HELDOUT
-from .compact import MANIFEST, RUNS, TRIALS, heldout_lines, load_compact
+from .compact import KL, MANIFEST, RUNS, TRIALS, heldout_lines, load_compact, run_length
 from .final import CONTINUED_FROM, SUMMARY
 from .spec import TuneSpec, load_tune_spec
 from .study import load_study, open_storage
@@ -56,7 +59,6 @@ not counted, and retried with its setting)."""
 FINISHED_STATES = ("complete", "pruned")
 UNDER_WAY_STATES = ("running", "waiting")
 """The states of a trial whose folder a worker writes into again (a waiting trial is a queued retry)."""
-KL = "kl.jsonl"
 
 
 def check_trials(trials: Sequence[dict], spec: TuneSpec) -> None:
@@ -136,21 +138,20 @@ def trial_outcomes(trials: Sequence[dict]) -> dict[tuple[str, int], str]:
     return outcomes
 
 
-def run_length(config: dict) -> int | None:
-    """A run's last generation (ES) or step (GRPO), from its settings."""
-    return config.get("num_steps" if config.get("kind") == "grpo" else "num_generations")
-
-
 def left_out_reason(run: dict, outcomes: dict[tuple[str, int], str]) -> str | None:
-    """Why a compacted run is not written (it was under way), or None for a finished one."""
+    """Why a compacted run is not written (it was under way, and carries nothing to go on from), or
+    None for one that is: finished, or under way with its ``resume`` state."""
+    resumable = run.get("resume") is not None
     if run["stage"] == "trial":
         outcome = outcomes.get((run["method"], run["trial"]))
         if outcome is None:
             return f"no trial {run['trial']} of {run['method']} in {TRIALS}"
-        return None if outcome == "finished" else f"its trial was {outcome} when compacted"
+        if outcome == "finished" or (outcome == "under way" and resumable):
+            return None
+        return f"its trial was {outcome} when compacted"
     held = run.get("heldout")
     if not held:
-        return "no held-out scores: under way when compacted"
+        return None if resumable else "no held-out scores: under way when compacted"
     length = run_length(run["config"])
     if length is not None and held.get("generation") != length:
         return f"held-out scores at {held.get('generation')}, not at its last generation or step {length}"
@@ -164,8 +165,17 @@ def _write_lines(path: Path, lines: Sequence[dict]) -> None:
 
 def write_run(folder: Path, run: dict) -> None:
     """A compacted run's folder again: its settings, rows, held-out scores, placement, KL and the
-    rerun it continued, where the compacted line has them."""
+    rerun it continued, where the compacted line has them, and for a run under way what it goes on
+    from (its checkpoint's files and seed log: ``compact.resume_state``)."""
     folder.mkdir(parents=True)
+    resume = run.get("resume")
+    if resume is not None:  # the checkpoint first: a run folder whose rows pass it is resumed to it
+        checkpoint = folder / CHECKPOINTS / resume["checkpoint"]
+        checkpoint.mkdir(parents=True)
+        for name, text in resume["files"].items():  # byte for byte: the checkpoint's manifest checks them
+            (checkpoint / name).write_bytes(text.encode())
+        for name, text in resume["text"].items():
+            (folder / name).write_bytes(text.encode())
     write_config_data(folder, run["config"])
     rewrite_metrics(folder, run["rows"])
     held = heldout_lines(run)
@@ -265,13 +275,14 @@ def restore_study(compact_dir: str | Path, spec: TuneSpec, out: str | Path | Non
     stages: dict[str, int] = {}
     for run in runs:
         stages[run["stage"]] = stages.get(run["stage"], 0) + 1
+    resumed = {run["path"]: int(run["resume"]["checkpoint"].split(".")[0]) for run in runs if run.get("resume")}
     manifest = compact_dir / MANIFEST
     record = {
         "compact": str(compact_dir), "manifest": json.loads(manifest.read_text()) if manifest.is_file() else None,
         "trials": restored_trials,
         "under_way_trials": {m: [r["number"] for r in trials if r["method"] == m and r["state"] == "running"]
                              for m in restored_trials},
-        "runs": stages, "left_out": left_out,
+        "runs": stages, "resumed": resumed, "left_out": left_out,
         "base": "summary only: python -m evolm_lib.tune.base SPEC writes the lines again" if compacted["base"] else None,
     }
     (partial / RESTORED).write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
@@ -294,6 +305,9 @@ def restore_lines(record: dict[str, Any], study: Path) -> list[str]:
     if under_way:
         lines.append("trials under way when compacted, restored as failed and queued again with their settings: "
                      + "; ".join(f"{m} {', '.join(map(str, numbers))}" for m, numbers in under_way.items()))
+    if record.get("resumed"):
+        lines.append(f"{len(record['resumed'])} runs under way go on from their checkpoints: "
+                     + "; ".join(f"{path} at {at}" for path, at in record["resumed"].items()))
     if record["left_out"]:
         lines.append(f"left out {len(record['left_out'])} unfinished runs, which begin again from their start: "
                      + "; ".join(f"{path} ({why})" for path, why in record["left_out"].items()))
