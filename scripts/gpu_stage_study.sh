@@ -12,6 +12,10 @@
 #                                              # in as .gpu_stage/ARCHIVE.part-NN; the engines' compile caches
 #                                              # too, where put there as compile_cache.tar.gz.part-NN) in one tar, split into
 #                                              # .gpu_stage/bundle/piece.NN that fill a call's carry beside the tree
+#   STUDY=runs/NAME bash scripts/gpu_stage_study.sh restore SPEC COMPACT ARCHIVE   # here, where the study's last
+#                                              # pack is lost: the study written again from its committed compacted
+#                                              # files (python -m evolm_lib.tune.restore), packed, and split into
+#                                              # .gpu_stage/ARCHIVE.part-NN, which `bundle` then carries
 #   bash scripts/gpu_stage_study.sh unbundle   # there, once every piece is in /root/bundle/ (one call each:
 #                                              # mkdir -p /root/bundle && cp .gpu_stage/bundle/piece.NN /root/bundle/):
 #                                              # the files back in .gpu_stage/, vLLM's parts in /root/stage/ for
@@ -67,6 +71,17 @@ bundle)
   rm -rf .gpu_stage/bundle; mkdir -p .gpu_stage/bundle
   (cd .gpu_stage && tar -cf - $files) | split -b "$piece" -d - .gpu_stage/bundle/piece.
   echo "$(echo $files | wc -w) files in $(ls .gpu_stage/bundle | wc -l) pieces of at most $piece bytes under .gpu_stage/bundle/"
+  ;;
+restore)
+  spec=${2:?restore SPEC COMPACT ARCHIVE}; compact=${3:?restore SPEC COMPACT ARCHIVE}; archive=${4:?restore SPEC COMPACT ARCHIVE}
+  # the pack's top folder is the study's name: the GPU machine's `start` unpacks it beside STUDY
+  name=$(basename "${STUDY:?STUDY: the study folder the GPU machine runs, e.g. runs/tune_study_conciseness}")
+  tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
+  "${PYTHON:-python3}" -m evolm_lib.tune.restore "$compact" "$spec" --out "$tmp/$name"
+  "${PYTHON:-python3}" -m evolm_lib.tune.pack "$tmp/$name" "$tmp/pack.tar.gz" --checkpoint-mib "${CHECKPOINT_MIB:-240}"
+  mkdir -p .gpu_stage && rm -f ".gpu_stage/$archive".part-*
+  split -b "${PART_BYTES:-15728640}" -d "$tmp/pack.tar.gz" ".gpu_stage/$archive.part-"
+  echo "$(ls .gpu_stage/"$archive".part-* | wc -l) parts of the restored study's pack in .gpu_stage/$archive.part-NN"
   ;;
 unbundle)
   mkdir -p .gpu_stage "$ROOT/stage"

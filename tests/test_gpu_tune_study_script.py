@@ -6,6 +6,7 @@ split into parts a device call can return, which start joins again; and ``script
 job set for Qiu et al.'s protocol."""
 from __future__ import annotations
 
+import io
 import os
 import shutil
 import subprocess
@@ -605,3 +606,33 @@ def test_a_bundle_fills_each_call_and_unbundles_to_the_same_files(tmp_path):
     first = subprocess.run(["bash", str(script), "bundle"], cwd=repo, env=env, capture_output=True, text=True)
     assert first.returncode == 0, first.stderr
     assert "4 files in" in first.stdout
+
+
+def test_a_study_whose_pack_is_lost_is_restored_from_its_committed_files_and_packed_for_the_bundle(tmp_path):
+    """`gpu_stage_study.sh restore` on the conciseness study's committed compacted files: its pack again,
+    in parts under .gpu_stage/ named for the bundle, the study's name its top folder (what `start`
+    unpacks beside STUDY), with the full ES runs under way and their checkpoints."""
+    script = SCRIPT.parent / "gpu_stage_study.sh"
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    root = SCRIPT.parents[1]
+    env = {**os.environ, "STUDY": "runs/tune_study_conciseness", "PYTHON": sys.executable}
+    made = subprocess.run(["bash", str(script), "restore", str(root / "papermill_runs" / "tune_study_conciseness_gpu.yaml"),
+                           str(root / "figures" / "study" / "summaries" / "tune_study_conciseness"), "tune_study_conciseness.tar.gz"],
+                          cwd=repo, env=env, capture_output=True, text=True)
+    assert made.returncode == 0, made.stderr
+    parts = sorted((repo / ".gpu_stage").glob("tune_study_conciseness.tar.gz.part-*"))
+    assert parts and parts[0].name == "tune_study_conciseness.tar.gz.part-00"
+    with tarfile.open(fileobj=io.BytesIO(b"".join(p.read_bytes() for p in parts))) as tar:
+        names = tar.getnames()
+    assert "tune_study_conciseness/optuna.db" in names
+    # every run the compacted files carry under way goes on from its checkpoint, its seed log beside it
+    from evolm_lib.tune.compact import load_compact
+
+    under_way = [run for run in load_compact(root / "figures" / "study" / "summaries" / "tune_study_conciseness")["runs"]
+                 if run.get("resume")]
+    for run in under_way:
+        folder = f"tune_study_conciseness/{run['path']}"
+        assert f"{folder}/checkpoints/{run['resume']['checkpoint']}/state.json" in names, folder
+        assert all(f"{folder}/{name}" in names for name in run["resume"]["text"]), folder
+    assert ("runs under way go on from their checkpoints" in made.stdout) == bool(under_way)
