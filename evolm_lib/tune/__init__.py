@@ -7,8 +7,8 @@ space.py: a searched setting (log, uniform or int range, or a choice); study.py:
 OUT/optuna.db and the worker that runs trials on one engine (heartbeats, retries of killed trials);
 final.py: the winners' reruns on `final_seeds`, continued (`long`) and controlled (`control`), and the
 summary with its statistics; compact.py: a finished study's rows and scores in a few gzipped files
-to commit; restore.py: a study folder written again from them, to continue (runs under way begin
-again); geometry.py: the winners' solutions compared (run where their weights are); rebuild.py:
+to commit; restore.py: a study folder written again from them, to continue (full ES's and EGGROLL's
+runs under way from their checkpoints, the others from their start); geometry.py: the winners' solutions compared (run where their weights are); rebuild.py:
 reruns whose weights a pack left behind run again, their rows checked against the rerun's;
 progress.py: where a study stands, as a Markdown table (runs under way with their positions).
 """

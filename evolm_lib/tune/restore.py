@@ -173,6 +173,7 @@ def write_run(folder: Path, run: dict) -> None:
         checkpoint = folder / CHECKPOINTS / resume["checkpoint"]
         checkpoint.mkdir(parents=True)
         for name, text in resume["files"].items():  # byte for byte: the checkpoint's manifest checks them
+            (checkpoint / name).parent.mkdir(parents=True, exist_ok=True)
             (checkpoint / name).write_bytes(text.encode())
         for name, text in resume["text"].items():
             (folder / name).write_bytes(text.encode())
