@@ -18,6 +18,7 @@ machine: every test that needs engines is ``slow``.
 from __future__ import annotations
 
 import sys
+import time
 
 import pytest
 import torch
@@ -234,7 +235,7 @@ def test_an_engine_lost_with_the_mean_is_given_it_back_and_the_run_ends_as_unint
 
 @pytest.mark.slow
 def test_an_engine_that_stays_lost_past_its_attempts_ends_the_run_and_it_resumes_to_the_same_rows(
-        two_engines, two_engine_runs, tmp_path):
+        ray_cluster, two_engines, two_engine_runs, tmp_path):
     config = config_for("full", 2)
     run = ESRun.create(config, tmp_path / "run", evaluator=two_engines)
     run.step()
@@ -251,6 +252,17 @@ def test_an_engine_that_stays_lost_past_its_attempts_ends_the_run_and_it_resumes
         two_engines.pool.on_submitted = None
         two_engines.pool.policy = policy
     assert [r["generation"] for r in read_metrics(run.run_dir)] == [0, 1]
+    # Ray restarts the lost engine on its own; the pool gave up on it, so nobody counted that restart:
+    # wait until it answers, restarted and holding no mean, so that closing always meets it so
+    key = run.parameters.weights.key
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            assert ray_cluster.get(two_engines.pool.actors[1].weights_held.remote(key), timeout=10) is False
+            break
+        except (ray_cluster.exceptions.RayActorError, ray_cluster.exceptions.GetTimeoutError):
+            assert time.monotonic() < deadline, "the lost engine did not come back"
+            time.sleep(0.5)
     run.close()  # hands the engines back serving the model folder's weights: engine 1 set up again for that
     resumed = ESRun.open(config, tmp_path / "run", evaluator=two_engines)
     assert resumed.generation == 1

@@ -143,8 +143,14 @@ class RayWeights:
 
     def load(self, snapshot: Mapping[str, Any]) -> None:
         """Every engine serves the mean of ``snapshot``; an engine that restarted since (and lost its
-        master) gets its weights set up again first."""
-        lost = self.lost_engines()
+        master) gets its weights set up again first: one whose restart the evaluator counted, and one
+        that lost a call and says it holds none (Ray restarted it after a loss the pool gave up on,
+        which nobody counted: the run that lost it then closes through here). An engine that never
+        lost a call is not asked (GRPO on the model's weights loads every step)."""
+        pool = self.evaluator.pool
+        faulted = sorted({fault["engine"] for fault in pool.faults})
+        held = pool.run([(e, "weights_held", (self.key,)) for e in faulted]) if faulted else []
+        lost = sorted(set(self.lost_engines()) | {e for e, holds in zip(faulted, held) if not holds})
         if lost:
             self._open(lost)
         ray = import_ray()
