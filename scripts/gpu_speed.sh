@@ -42,8 +42,13 @@
 # measurement is stopped when it is reached, and its JSON keeps what it had written.
 set -u
 . "$(dirname "${BASH_SOURCE[0]}")/gpu_cards.sh"  # mps_daemon, mps_vars
-PART=${1:?cards or ray}
+PARTS="cards ray starts pool8 misses left next eggroll loose swap mps mps1"  # each a case below
+PART=${1:?a part: $PARTS}
 OUT=${2:?OUT folder}
+case " $PARTS " in  # before anything is converted, built or started
+*" $PART "*) ;;
+*) echo "unknown part $PART: one of $PARTS" >&2; exit 2 ;;
+esac
 LIMIT=${LIMIT:-560}
 RES=runs/speed_$PART
 mkdir -p "$RES" "$OUT"
@@ -54,7 +59,7 @@ nvidia-smi -L | tee "$RES/cards.txt"
 echo "${EVOLM_CODE_COMMIT:-$(git log -1 --format=%H 2>/dev/null)}" > "$RES/commit.txt"
 python -c "from evolm_lib.models import resolve_model; resolve_model('smollm2-135m-instruct')" > /dev/null
 case "$PART" in  # before any engine: the parts that measure on the Qwen2.5-1.5B shapes build them
-pool8|loose|swap) QWEN="" ;;
+pool8|loose|swap|mps|mps1) QWEN="" ;;
 *) QWEN=$(python scripts/qwen_shape.py | tail -n 1) ;;
 esac
 measure() {  # measure NAME CARDS COMMAND...: COMMAND --json RES/NAME.json on some cards, stopped at the deadline
@@ -145,7 +150,7 @@ mps1)
   ( export $(mps_vars)
     bench full_pool_1_4_mps 0 full-pool --engines 1,4 --generations 5 --kv-cache-gb 2 --workdir "$RES/pool_runs_mps" ) & pids="$pids $!"
   ;;
-*) echo "unknown part $PART: cards, ray, starts, pool8, misses, left, next, eggroll, loose, swap, mps or mps1" >&2; exit 2 ;;
+*) echo "unknown part $PART: one of $PARTS" >&2; exit 2 ;;
 esac
 for pid in $pids; do wait "$pid"; done
 find "$RES" -type f -size +5M > "$RES/left_out.txt"  # checkpoints of kept run folders: not worth the transfer

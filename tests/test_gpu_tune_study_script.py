@@ -636,3 +636,22 @@ def test_a_study_whose_pack_is_lost_is_restored_from_its_committed_files_and_pac
         assert f"{folder}/checkpoints/{run['resume']['checkpoint']}/state.json" in names, folder
         assert all(f"{folder}/{name}" in names for name in run["resume"]["text"]), folder
     assert ("runs under way go on from their checkpoints" in made.stdout) == bool(under_way)
+
+
+def test_the_speed_script_refuses_an_unknown_part_before_any_work_and_knows_each_part_it_runs(tmp_path):
+    """`gpu_speed.sh` spends device time: a mistyped part is refused at once, before the model's
+    conversion or any engine, and the parts it accepts are the parts its case runs and its header
+    documents."""
+    import re
+
+    script = SCRIPT.parent / "gpu_speed.sh"
+    text = script.read_text()
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0  # the whole script parses
+    refused = subprocess.run(["bash", str(script), "mps2", str(tmp_path / "out")], cwd=tmp_path,
+                             capture_output=True, text=True, timeout=30)
+    assert refused.returncode == 2 and "unknown part mps2: one of cards ray" in refused.stderr
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "out").exists()  # nothing made before the check
+    accepted = set(re.search(r'^PARTS="([^"]+)"', text, re.M).group(1).split())
+    run = text[text.index('case "$PART" in\ncards)'):]
+    assert set(re.findall(r"^([a-z0-9]+)\)(?:\s|$)", run, re.M)) == accepted
+    assert set(re.findall(r"^#   bash scripts/gpu_speed.sh (\w+) OUT", text, re.M)) == accepted
