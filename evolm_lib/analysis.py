@@ -416,6 +416,11 @@ def reward_label(groups: Groups) -> str | None:
         return None
 
 
+def run_length(config: Mapping[str, Any]) -> int | None:
+    """A run's last generation (ES) or step (GRPO), from its settings (config.yaml's, with its kind)."""
+    return config.get("num_steps" if config.get("kind") == "grpo" else "num_generations")
+
+
 def run_results(run_dir: str | os.PathLike) -> dict[str, Any]:
     """A run folder's results, for batch summaries: kind, budget, `metrics.run_summary` and the
     final eval accuracy where the task has a success threshold. {} for a folder that holds no run."""
@@ -423,9 +428,7 @@ def run_results(run_dir: str | os.PathLike) -> dict[str, Any]:
         record = read_run(run_dir)
     except (NotARunFolder, OSError):
         return {}
-    config = record.config
-    budget = config.get("num_generations") if record.kind == "es" else config.get("num_steps")
-    return {"kind": record.kind, "budget": budget, **run_summary(record.rows),
+    return {"kind": record.kind, "budget": run_length({**record.config, "kind": record.kind}), **run_summary(record.rows),
             "eval_accuracy_final": final_accuracy(record)}
 
 

@@ -57,7 +57,6 @@ Usage::
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import time
 from collections.abc import Collection
@@ -75,7 +74,7 @@ from .evaluation import evaluate_adapter, mean_kl_to_base, success
 from .train.grpo import GRPORun
 from .train.model_weights import ModelWeights
 from .runs import (RunFolderBusy, describe_holder, list_checkpoints, load_checkpoint, lock_holder, read_checkpoint_kls,
-                   read_jsonl, read_metrics, record_final_metrics)
+                   read_jsonl, read_metrics, record_final_metrics, write_jsonl)
 from .tasks import get_task
 
 DEFAULT_SPEC = "papermill_runs/es_vs_grpo_conciseness_cpu.yaml"  # relative to the project folder
@@ -484,9 +483,7 @@ def score_held_out(evaluator, run) -> list[dict]:
     result = evaluate_adapter(evaluator, run.task, run.adapter, run.eval_examples,
                               max_new_tokens=run.config.max_new_tokens)
     lines = evaluation_lines(run.eval_examples, result, run.generation)
-    temporary = path.with_suffix(".jsonl.tmp")
-    temporary.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    os.replace(temporary, path)
+    write_jsonl(path, lines)
     return lines
 
 

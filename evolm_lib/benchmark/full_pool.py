@@ -77,6 +77,11 @@ def measured(result: dict[str, Any]) -> bool:
     return "generation_s" in result
 
 
+def same_rows(result: dict[str, Any], reference: dict[str, Any]) -> bool:
+    """Whether a count's rows are the reference's (a count cut short: the first rows of the reference's)."""
+    return result["rows"] == reference["rows"][:len(result["rows"])]
+
+
 def speedups(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each measured count with its speed-up over the first (one engine) and whether its rows are the
     first's (a count cut short: whether they are the first rows of the first's)."""
@@ -85,7 +90,7 @@ def speedups(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if not (measured(result) and measured(reference)):
             continue
         result["speedup"] = reference["generation_s"] / result["generation_s"]
-        result["rows_identical"] = result["rows"] == reference["rows"][:len(result["rows"])]
+        result["rows_identical"] = same_rows(result, reference)
     return results
 
 
@@ -196,8 +201,7 @@ def format_row(result: dict[str, Any], reference: dict[str, Any]) -> str:
     if not (measured(result) and measured(reference)):
         return f"{result['engines']:>7}{result['cards']:>6}{start}  no generation to time{cut}"
     speedup = reference["generation_s"] / result["generation_s"]
-    same = "(reference)" if result is reference else (
-        "yes" if result["rows"] == reference["rows"][:len(result["rows"])] else "NO")
+    same = "(reference)" if result is reference else ("yes" if same_rows(result, reference) else "NO")
     return (f"{result['engines']:>7}{result['cards']:>6}{start}{result['generation_s']:>13.3f}"
             f"{100 * (result['engine_share'] or 0):>12.1f}%{speedup:>9.2f}x  {same}{cut}")
 

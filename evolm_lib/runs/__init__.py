@@ -85,6 +85,7 @@ from .metrics_file import (
     place_damaged,
     read_checkpoint_kls,
     read_jsonl,
+    write_jsonl,
     read_metrics,
     record_final_metrics,
     rewrite_metrics,
@@ -99,6 +100,6 @@ __all__ = [
     "load_run_config", "read_config_file", "read_config_kind", "restore_run_config", "write_config_data", "write_run_config", "NOTEBOOK_RUNS_ENV", "NotARunFolder", "RunFolderExists", "notebook_run_dir",
     "prepare_run_dir", "LOCK_FILE", "RunFolderBusy", "WriterLock", "describe_holder", "lock_holder",
     "DAMAGED_METRICS", "MISSING", "DamagedLines", "checkpoint_rows", "keep_damaged_lines", "place_damaged", "row_generation", "scan_jsonl",
-    "append_metrics", "read_checkpoint_kls", "read_jsonl", "read_metrics", "record_final_metrics",
+    "append_metrics", "read_checkpoint_kls", "read_jsonl", "write_jsonl", "read_metrics", "record_final_metrics",
     "rewrite_metrics", "timed",
 ]

@@ -16,7 +16,7 @@ import re
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from ..types import NotARunFolder
 from .durable import fsync_dir, json_safe
@@ -214,6 +214,15 @@ def read_jsonl(path: str | Path) -> list[dict]:
                       f"{', '.join(str(d.line) for d in scanned.damaged)} do not parse and are left out",
                       DamagedLines, stacklevel=2)
     return [row for _, row in scanned.rows]
+
+
+def write_jsonl(path: str | Path, lines: Sequence[Mapping[str, Any]]) -> None:
+    """Write a JSON-lines file whole, atomically (a temporary file beside it, then renamed): a kill
+    leaves the old file or the new one, never part of it."""
+    path = Path(path)
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    os.replace(temporary, path)
 
 
 def read_checkpoint_kls(run_dir: str | Path) -> list[dict]:

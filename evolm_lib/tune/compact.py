@@ -123,17 +123,14 @@ COMPACTED_FILES = ("config.yaml", "metrics.jsonl", HELDOUT, PLACEMENT, KL, CONTI
 """A run folder's files a compacted line holds in its own fields (``resume_state`` leaves them out)."""
 
 
-def run_length(config: dict) -> int | None:
-    """A run's last generation (ES) or step (GRPO), from its settings."""
-    return config.get("num_steps" if config.get("kind") == "grpo" else "num_generations")
-
-
 def resume_state(folder: Path, config: dict, rows: Sequence[dict]) -> dict[str, Any] | None:
     """What a run under way goes on from on another machine, where its newest intact checkpoint is past
     its start and holds no tensors (ES on the model's own weights): {"checkpoint": its folder's name,
     "files": its files, "text": the run folder's other text files (the seed log), each as text}. None
     for a finished run (rows at its last generation), or one without such a checkpoint: a LoRA's or
     GRPO's checkpoint holds tensors, which a compacted line does not carry."""
+    from ..analysis import run_length
+
     length = run_length(config)
     if length is None or (rows and row_generation(rows[-1]) >= length) or checkpoint_holds_weights(folder):
         return None
@@ -205,7 +202,7 @@ def _write_gzip_lines(path: Path, lines: Sequence[dict]) -> None:
             zipped.write((json.dumps(line, separators=(",", ":"), sort_keys=True) + "\n").encode())
 
 
-def _counts(runs: Sequence[dict]) -> dict[str, Any]:
+def run_counts(runs: Sequence[dict]) -> dict[str, Any]:
     """The manifest's counts of compacted runs: per stage, those with held-out scores, and those under
     way that carry what they go on from (``resume_state``)."""
     stages: dict[str, int] = {}
@@ -242,7 +239,7 @@ def compact_study(study: str | Path, out: str | Path) -> dict[str, Any]:
     if base:
         (out / BASE).write_text(json.dumps(heldout_summary(base), indent=1) + "\n")
     files = [p for p in (out / RUNS, out / TRIALS, out / SUMMARY, out / BASE) if p.is_file()]
-    return _write_manifest(out, {"source": str(study), **_counts(runs), "trials": len(trials),
+    return _write_manifest(out, {"source": str(study), **run_counts(runs), "trials": len(trials),
                                  "bytes": {p.name: p.stat().st_size for p in files}})
 
 
@@ -333,7 +330,7 @@ def merge_compact(into: str | Path, source: str | Path) -> dict[str, Any]:
         if copied[name]:
             shutil.copyfile(source / name, into / name)
     manifest = json.loads((into / MANIFEST).read_text()) if (into / MANIFEST).is_file() else {"bytes": {}}
-    manifest.update(**_counts(lines + kept), kept={"from": str(source), "runs": len(kept), "geometry": copied[GEOMETRY],
+    manifest.update(**run_counts(lines + kept), kept={"from": str(source), "runs": len(kept), "geometry": copied[GEOMETRY],
                                                      "base": copied[BASE]})
     manifest["bytes"][RUNS] = (into / RUNS).stat().st_size
     return _write_manifest(into, manifest)

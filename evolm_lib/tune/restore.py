@@ -43,9 +43,10 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ..env import PLACEMENT
-from ..runs import CHECKPOINTS, rewrite_metrics, write_config_data
+from ..runs import CHECKPOINTS, rewrite_metrics, write_config_data, write_jsonl
 from ..sweep import HELDOUT
-from .compact import KL, MANIFEST, RUNS, TRIALS, heldout_lines, load_compact, run_length
+from ..analysis import run_length
+from .compact import KL, MANIFEST, RUNS, TRIALS, heldout_lines, load_compact, run_counts
 from .final import CONTINUED_FROM, SUMMARY
 from .spec import TuneSpec, load_tune_spec
 from .study import load_study, open_storage
@@ -158,11 +159,6 @@ def left_out_reason(run: dict, outcomes: dict[tuple[str, int], str]) -> str | No
     return None
 
 
-def _write_lines(path: Path, lines: Sequence[dict]) -> None:
-    """A JSON-lines file of a run folder (heldout.jsonl, placement.jsonl, kl.jsonl), as the runs write them."""
-    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
-
-
 def write_run(folder: Path, run: dict) -> None:
     """A compacted run's folder again: its settings, rows, held-out scores, placement, KL and the
     rerun it continued, where the compacted line has them, and for a run under way what it goes on
@@ -181,11 +177,11 @@ def write_run(folder: Path, run: dict) -> None:
     rewrite_metrics(folder, run["rows"])
     held = heldout_lines(run)
     if held:
-        _write_lines(folder / HELDOUT, held)
+        write_jsonl(folder / HELDOUT, held)
     if run.get("placement"):
-        _write_lines(folder / PLACEMENT, run["placement"])
+        write_jsonl(folder / PLACEMENT, run["placement"])
     if run.get("kl"):
-        _write_lines(folder / KL, run["kl"])
+        write_jsonl(folder / KL, run["kl"])
     if run.get("continued_from") is not None:
         (folder / CONTINUED_FROM).write_text(json.dumps(run["continued_from"]) + "\n")
 
@@ -273,9 +269,7 @@ def restore_study(compact_dir: str | Path, spec: TuneSpec, out: str | Path | Non
         write_run(partial / run["path"], run)
     if (compact_dir / SUMMARY).is_file():
         shutil.copyfile(compact_dir / SUMMARY, partial / SUMMARY)
-    stages: dict[str, int] = {}
-    for run in runs:
-        stages[run["stage"]] = stages.get(run["stage"], 0) + 1
+    stages = run_counts(runs)["runs"]
     resumed = {run["path"]: int(run["resume"]["checkpoint"].split(".")[0]) for run in runs if run.get("resume")}
     manifest = compact_dir / MANIFEST
     record = {
