@@ -77,6 +77,8 @@ class CommonConfig(BaseModel):
     "evaluator ray: engines (Ray actors, one CPU or a share of a GPU each) a population is sharded over, all of them counted"
     engines_per_gpu: int = Field(1, ge=1)
     "evaluator ray: engines that share one GPU, each with its own copy of the weights, taking 1/engines_per_gpu of the card (num_engines <= GPUs x engines_per_gpu) and, unless gpu_memory_utilization is set, GPU_MEMORY_SHARE / engines_per_gpu of its memory; on a CPU cluster it is recorded and places nothing (each engine takes its CPU)"
+    mps_thread_percentage: Optional[int] = Field(None, ge=1, le=100)
+    "evaluator ray on a card shared through CUDA's MPS: each engine's CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, the share of the card's SMs its kernels may take (for example 100 / engines_per_gpu, so that kernels that claim every SM, as deterministic's batch-invariant ones do, leave room for the other engines'); None: unset (each engine may take the whole card). Outside MPS it has no effect"
     ray_address: Optional[str] = None
     "evaluator ray: a running cluster's address (host:port of `ray start --head`, ray://host:port, or auto); None: as ray.init(), the cluster `ray start` left on this machine, else a new local one"
 
@@ -174,6 +176,9 @@ class CommonConfig(BaseModel):
             raise ValueError(f"num_engines: {self.num_engines} engines need evaluator: ray (evaluator is 'local': one engine in this process)")
         if self.evaluator == "local" and self.engines_per_gpu > 1:
             raise ValueError(f"engines_per_gpu: {self.engines_per_gpu} engines on one GPU need evaluator: ray (evaluator is 'local': one engine in this process)")
+        if self.evaluator == "local" and self.mps_thread_percentage is not None:
+            raise ValueError(f"mps_thread_percentage: {self.mps_thread_percentage} applies to engines in Ray actors, each "
+                             "starting CUDA in its own process; use evaluator: ray (evaluator is 'local': one engine in this process)")
         if self.evaluator == "local" and self.ray_address is not None:
             raise ValueError("ray_address: set, but evaluator is 'local'; use evaluator: ray to run engines on a Ray cluster")
         if self.evaluator == "ray" and self.engine != "vllm":

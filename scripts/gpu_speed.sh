@@ -36,13 +36,15 @@
 #   bash scripts/gpu_speed.sh mps OUT     # full-pool, 1 engine against 4 on a card, side by side: card 0 as the card
 #       comes, card 1 through CUDA's MPS (a control daemon for its processes, so their kernels run side by side)
 #   bash scripts/gpu_speed.sh mps1 OUT    # the same through MPS on a one-card machine: card 0, 1 engine against 4
+#   bash scripts/gpu_speed.sh mpsshare OUT   # through MPS on card 0, 1 engine against 4 and 8, each of those
+#       limited to its share of the card's SMs (--mps-thread-percentage auto: 100 / engines)
 #
 # Run from the repository root with PYTHONPATH=/root/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0
 # EVOLM_CACHE_DIR=/root/cache set. LIMIT (default 560) is the whole part's deadline in seconds: each
 # measurement is stopped when it is reached, and its JSON keeps what it had written.
 set -u
 . "$(dirname "${BASH_SOURCE[0]}")/gpu_cards.sh"  # mps_daemon, mps_vars
-PARTS="cards ray starts pool8 misses left next eggroll loose swap mps mps1"  # each a case below
+PARTS="cards ray starts pool8 misses left next eggroll loose swap mps mps1 mpsshare"  # each a case below
 PART=${1:?a part: $PARTS}
 OUT=${2:?OUT folder}
 case " $PARTS " in  # before anything is converted, built or started
@@ -59,7 +61,7 @@ nvidia-smi -L | tee "$RES/cards.txt"
 echo "${EVOLM_CODE_COMMIT:-$(git log -1 --format=%H 2>/dev/null)}" > "$RES/commit.txt"
 python -c "from evolm_lib.models import resolve_model; resolve_model('smollm2-135m-instruct')" > /dev/null
 case "$PART" in  # before any engine: the parts that measure on the Qwen2.5-1.5B shapes build them
-pool8|loose|swap|mps|mps1) QWEN="" ;;
+pool8|loose|swap|mps|mps1|mpsshare) QWEN="" ;;
 *) QWEN=$(python scripts/qwen_shape.py | tail -n 1) ;;
 esac
 measure() {  # measure NAME CARDS COMMAND...: COMMAND --json RES/NAME.json on some cards, stopped at the deadline
@@ -149,6 +151,12 @@ mps1)
   mps_daemon || { echo "the MPS control daemon did not start" >&2; exit 1; }
   ( export $(mps_vars)
     bench full_pool_1_4_mps 0 full-pool --engines 1,4 --generations 5 --kv-cache-gb 2 --workdir "$RES/pool_runs_mps" ) & pids="$pids $!"
+  ;;
+mpsshare)
+  mps_daemon || { echo "the MPS control daemon did not start" >&2; exit 1; }
+  ( export $(mps_vars)
+    bench full_pool_1_4_8_share 0 full-pool --engines 1,4,8 --generations 4 --kv-cache-gb 2 --mps-thread-percentage auto \
+      --workdir "$RES/pool_runs_share" ) & pids="$pids $!"
   ;;
 *) echo "unknown part $PART: one of $PARTS" >&2; exit 2 ;;
 esac

@@ -32,12 +32,24 @@ def test_the_settings_are_qiu_et_al_s_in_es_mode_full():
     assert gpu.deterministic and gpu.dtype == "bfloat16" and gpu.noise_device == "cuda"
 
 
+def test_each_engine_of_a_count_above_one_gets_its_share_of_the_card_under_mps():
+    assert [full_pool.thread_percentage("auto", n) for n in (1, 2, 3, 4, 8)] == [None, 50, 34, 25, 13]
+    assert [full_pool.thread_percentage("40", n) for n in (1, 4)] == [None, 40]  # the reference has the whole card
+    assert full_pool.thread_percentage("none", 4) is None
+    config = full_pool.pool_config("tiny-random", 4, population=30, generations=3, new_tokens=100, gpu=False,
+                                   kv_cache_gb=0.0625, mps_thread_percentage=25)
+    assert config.mps_thread_percentage == 25
+
+
 def test_bad_engine_counts_are_refused_before_any_engine():
     for engines in ("2,4", "1,x", "1,0"):
         with pytest.raises(SystemExit):
             full_pool.main(["--model", "tiny-random", "--engines", engines])
     with pytest.raises(SystemExit):
         full_pool.main(["--model", "tiny-random", "--engines", "1,2", "--population", "3"])
+    for share in ("0", "101", "half"):
+        with pytest.raises(SystemExit):
+            full_pool.main(["--model", "tiny-random", "--engines", "1,2", "--mps-thread-percentage", share])
 
 
 @pytest.mark.slow
@@ -60,7 +72,7 @@ def test_full_pool_measures_one_engine_then_two_and_keeps_a_count_cut_short(ray_
     previous = signal.getsignal(signal.SIGTERM)
     with pytest.raises(SystemExit) as stopped:
         full_pool.main(["--model", "tiny-random", "--engines", "1,2", "--generations", "10", "--population", "4",
-                        "--json", str(out), "--workdir", str(kept)])
+                        "--json", str(out), "--workdir", str(kept), "--mps-thread-percentage", "auto"])
     watcher.join()
     assert stopped.value.code == 128 + signal.SIGTERM and signal.getsignal(signal.SIGTERM) is previous
     result = json.loads(out.read_text())
@@ -69,6 +81,9 @@ def test_full_pool_measures_one_engine_then_two_and_keeps_a_count_cut_short(ray_
     assert result["settings"]["population"] == 4 and result["settings"]["device"] == "cpu"
     one, two = result["counts"]
     assert (one["engines"], two["engines"]) == (1, 2) and two["engines_per_gpu"] == 2
+    # on a CPU the share reaches the engines (as CUDA_MPS_ACTIVE_THREAD_PERCENTAGE) and changes nothing
+    assert (one["mps_thread_percentage"], two["mps_thread_percentage"]) == (None, 50)
+    assert result["settings"]["mps_thread_percentage"] == "auto" and two["engine_sm_count"] == [None, None]
     assert "cut_short" not in one and len(one["generation_s_each"]) == 9  # generations 2-10
     assert two["cut_short"] is True and 2 <= two["generations_done"] < 10
     assert len(two["generation_s_each"]) == two["generations_done"] - 1  # from generation 2 to the last written

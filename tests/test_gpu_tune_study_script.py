@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import io
 import os
+import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
+import time
 from pathlib import Path
 
 import pytest
@@ -106,6 +109,49 @@ def _stand_ins(tmp_path: Path, study: Path, gpus: int, python: str) -> dict:
     return {"PATH": f"{bin_dir}:/usr/bin:/bin", "STUDY": str(study), "LOGS": str(tmp_path / "logs"),
             "REBUILD_WAVE_S": "0", "WAVE_S": "0", "POLL_S": "0.2",
             "CACHE_ARCHIVE": str(tmp_path / "no_compile_cache" / "compile_cache.tar.gz")}
+
+
+def _detached(command: str) -> int:
+    """A stand-in worker as `launch` starts one: its own process group (setsid), its parent gone."""
+    started = subprocess.run(["bash", "-c", f"setsid bash -c {shlex.quote(command)} > /dev/null 2>&1 < /dev/null & echo $!"],
+                             capture_output=True, text=True, check=True)
+    return int(started.stdout)
+
+
+def _group_alive(pid: int) -> bool:
+    try:
+        os.killpg(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def test_stop_ends_every_worker_s_process_group_and_kills_one_that_ignores_term(tmp_path):
+    """`stop` sends TERM to each recorded worker's process group (its children too), waits, and kills
+    a group still there after its SECONDS; a worker already ended is left alone."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    child = tmp_path / "child.pid"
+    polite = _detached(f"sleep 120 & echo $! > {child}; wait")
+    stubborn = _detached("trap '' TERM; while :; do sleep 0.2; done")
+    try:
+        deadline = time.monotonic() + 10
+        while not child.exists() or not child.read_text().strip():  # the polite worker's child has started
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        (logs / "workers.pids").write_text(f"{polite}\n{_ended()}\n{stubborn}\n")
+        script = f"set -u\nLOGS={logs}\n{_functions('stop')}\nstop 2\n"
+        result = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.splitlines() == [f"process group {stubborn}: killed after 2 s", f"stopped: {polite} {stubborn}"]
+        deadline = time.monotonic() + 10
+        while (_group_alive(polite) or _group_alive(stubborn)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _group_alive(polite) and not _group_alive(stubborn), "both groups, the worker's child too, ended"
+    finally:
+        for pid in (polite, stubborn):
+            if _group_alive(pid):
+                os.killpg(pid, signal.SIGKILL)
 
 
 def test_rebuild_runs_the_first_three_final_seeds_of_each_method_one_process_each_round_robin(tmp_path):

@@ -78,6 +78,18 @@ def test_bad_ray_settings_name_the_field(changes, message):
         ESConfig(model="tiny-random", **changes)
 
 
+def test_mps_thread_percentage_is_a_ray_setting_from_1_to_100():
+    config = ESConfig(model="tiny-random", evaluator="ray", num_engines=4, engines_per_gpu=4, mps_thread_percentage=25)
+    assert ESConfig.from_dict(config.to_dict()) == config and ESConfig(model="tiny-random").mps_thread_percentage is None
+    for changes, message in (({"mps_thread_percentage": 25}, "mps_thread_percentage: 25 applies to engines in Ray actors"),
+                             ({"evaluator": "ray", "mps_thread_percentage": 0}, "mps_thread_percentage"),
+                             ({"evaluator": "ray", "mps_thread_percentage": 101}, "mps_thread_percentage")):
+        with pytest.raises(ConfigError, match=message):
+            ESConfig(model="tiny-random", **changes)
+    with pytest.raises(ValueError, match="mps_thread_percentage must be an integer from 1 to 100, got 0"):
+        RayEvaluator("tiny-random", num_engines=2, mps_thread_percentage=0)  # refused before Ray is joined
+
+
 def test_engines_per_gpu_is_a_ray_setting_and_splits_the_default_share_of_the_card():
     config = ESConfig(model="tiny-random", evaluator="ray", num_engines=4, engines_per_gpu=4)
     assert ESConfig.from_dict(config.to_dict()) == config and ESConfig(model="tiny-random").engines_per_gpu == 1
@@ -254,7 +266,9 @@ def ray_cluster():
 
 @pytest.fixture(scope="module")
 def es_config():
-    return ESConfig(**ES_SETTINGS, evaluator="ray", num_engines=2)
+    # each engine's share of the card under CUDA's MPS travels to its actor's environment; outside MPS
+    # (here a CPU) it changes nothing, so the rows are still the local engine's
+    return ESConfig(**ES_SETTINGS, evaluator="ray", num_engines=2, mps_thread_percentage=50)
 
 
 @pytest.fixture(scope="module")
@@ -275,8 +289,8 @@ def ray_engines(ray_cluster, es_config):
 @pytest.fixture(scope="module")
 def reference_rows(es_config, local_engine, tmp_path_factory):
     """Metrics rows of the ES run with the engine in this process."""
-    run = ESRun.create(es_config.replace(evaluator="local", num_engines=1), tmp_path_factory.mktemp("es_local") / "run",
-                       evaluator=local_engine)
+    run = ESRun.create(es_config.replace(evaluator="local", num_engines=1, mps_thread_percentage=None),
+                       tmp_path_factory.mktemp("es_local") / "run", evaluator=local_engine)
     run.run()
     return without_times(read_metrics(run.run_dir))
 
@@ -293,6 +307,7 @@ def population_around_init(seed: int, size: int) -> Population:
 def test_two_engines_give_what_one_engine_gives(ray_engines, local_engine):
     assert len(ray_engines.engine_info) == 2 and len({i["pid"] for i in ray_engines.engine_info}) == 2
     assert all(i["device"] == "cpu" and i["torch_threads"] == 1 for i in ray_engines.engine_info)
+    assert [(i["mps_thread_percentage"], i["sm_count"]) for i in ray_engines.engine_info] == [("50", None)] * 2
     population = population_around_init(3, 4)
     members = population.adapters()
     # a population: split by members, each engine making its members from the seeds

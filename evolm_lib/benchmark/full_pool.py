@@ -16,10 +16,16 @@ a device call's time limit sends it, or Ctrl-C) is reported from the rows its ru
 generations so far, their times, and whether its rows are the first rows of one engine's
 (``cut_short``); then the command exits.
 
+Under CUDA's MPS (the caller points the process at a control daemon), ``--mps-thread-percentage``
+gives each engine of a count above 1 a share of the card's SMs (``mps_thread_percentage``; ``auto``:
+100 / N, rounded up), so that kernels that claim every SM (``deterministic``'s batch-invariant ones)
+leave room for the other engines'; the one engine of the reference always has the whole card.
+
 Examples::
 
     python -m evolm_lib.benchmark full-pool                          # SmolLM2, --engines 1,2,4,8 on a GPU
     python -m evolm_lib.benchmark full-pool --model tiny-random --engines 1,2 --generations 2 --population 4
+    python -m evolm_lib.benchmark full-pool --engines 1,4,8 --mps-thread-percentage auto   # under MPS
 
 On a CPU the engines are Ray CPU slices (one core each) and ``engines_per_gpu`` places nothing.
 Speed targets are read from these ratios on a named machine (``docs/measurements.md``), never
@@ -50,14 +56,23 @@ es_modes.full); the task's 2 training prompts are every member's (prompts_per_st
 
 def pool_config(model: str, engines: int, population: int, generations: int, new_tokens: int, gpu: bool,
                 kv_cache_gb: float | None, max_model_len: int = 512, eval_every: int = 0,
-                gpu_memory_utilization: float | None = None):
+                gpu_memory_utilization: float | None = None, mps_thread_percentage: int | None = None):
     """The run's settings on ``engines`` Ray engines sharing one card (a CPU slice each on a CPU)."""
     from ..config import ESConfig
 
     return ESConfig(model=model, **QIU_CONCISENESS, population_size=population, max_new_tokens=new_tokens,
                     max_model_len=max_model_len, num_generations=generations, eval_every=eval_every,
                     dtype="bfloat16" if gpu else "float32", deterministic=gpu, noise_device="cuda" if gpu else "cpu",
-                    kv_cache_gb=kv_cache_gb, gpu_memory_utilization=gpu_memory_utilization, evaluator="ray", num_engines=engines, engines_per_gpu=engines)
+                    kv_cache_gb=kv_cache_gb, gpu_memory_utilization=gpu_memory_utilization, evaluator="ray", num_engines=engines, engines_per_gpu=engines,
+                    mps_thread_percentage=mps_thread_percentage)
+
+
+def thread_percentage(option: str, engines: int) -> int | None:
+    """Each engine's share of the card's SMs under MPS for a count of ``engines``: ``none``, ``auto``
+    (100 / engines, rounded up) or a percentage; the one engine of the reference is never limited."""
+    if engines == 1 or option == "none":
+        return None
+    return -(-100 // engines) if option == "auto" else int(option)
 
 
 def summarize(rows: list[dict]) -> dict[str, Any]:
@@ -99,7 +114,9 @@ def count_result(config, evaluator, rows: list[dict]) -> dict[str, Any]:
     info = list(evaluator.engine_info)
     result = {"engines": config.num_engines, "engines_per_gpu": config.engines_per_gpu,
               "cards": len({i.get("card") for i in info if i.get("card") is not None}), "start_s": evaluator.start_seconds,
-              "engine_start_s": [i.get("start_s") for i in info], "rows": without_times(rows)}
+              "engine_start_s": [i.get("start_s") for i in info], "rows": without_times(rows),
+              # what each engine's CUDA context reports under MPS: its SMs and its thread percentage
+              "mps_thread_percentage": config.mps_thread_percentage, "engine_sm_count": [i.get("sm_count") for i in info]}
     if len(rows) >= 2:  # a generation to time
         result.update(summarize(rows))
     return result
@@ -149,11 +166,12 @@ def _wait_for_card(free_bytes: int, timeout_s: float = 120.0) -> None:
 
 def full_pool(model: str, engine_counts: Sequence[int], population: int, generations: int, new_tokens: int,
               gpu: bool, kv_cache_gb: float | None, gpu_memory_utilization: float | None = None,
-              workdir: str | Path | None = None,
+              workdir: str | Path | None = None, mps_thread_percentage: str = "none",
               on_count: Callable[[list[dict[str, Any]]], None] | None = None) -> list[dict[str, Any]]:
     """Every count's measurements in turn, the first count (1) the reference (see the module docstring);
-    ``on_count`` is given the results so far after each count (a run cut short keeps them). The run
-    folders go to a temporary folder, removed at the end, or under ``workdir``, where they are kept."""
+    ``mps_thread_percentage``: ``thread_percentage``'s option; ``on_count`` is given the results so
+    far after each count (a run cut short keeps them). The run folders go to a temporary folder,
+    removed at the end, or under ``workdir``, where they are kept."""
     from ..engines.ray.cluster import import_ray
 
     ray = import_ray()
@@ -177,7 +195,8 @@ def full_pool(model: str, engine_counts: Sequence[int], population: int, generat
             if free_at_start is not None:  # the last count's engines end with their actors, after close returns
                 _wait_for_card(free_at_start - 2 * 2**30)
             config = pool_config(model, engines, population, generations, new_tokens, gpu, kv_cache_gb,
-                                 gpu_memory_utilization=gpu_memory_utilization)
+                                 gpu_memory_utilization=gpu_memory_utilization,
+                                 mps_thread_percentage=thread_percentage(mps_thread_percentage, engines))
             results.append(measure_count(config, folder / f"engines_{engines}", on_cut=keep))
             if "skipped" in results[0]:
                 raise SystemExit(f"full-pool: one engine does not fit, nothing to compare with: {results[0]['skipped']}")
@@ -227,6 +246,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                         help="fixed KV cache per engine (default: from each engine's memory share on a GPU)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=None,
                         help="each engine's share of the card (default: 0.6 / engines on the card)")
+    parser.add_argument("--mps-thread-percentage", default="none",
+                        help="under CUDA's MPS, each engine's share of the card's SMs for counts above 1: none, auto "
+                             "(100 / engines) or a percentage from 1 to 100")
     parser.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")
     parser.add_argument("--workdir", type=Path, default=None,
                         help="keep each count's run folder under this folder (a count cut short keeps its metrics rows)")
@@ -234,6 +256,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     counts = int_list(parser, args.engines, "engines")
     if counts[0] != 1:
         parser.error(f"--engines must start with 1 (the reference), got {args.engines!r}")
+    share = args.mps_thread_percentage
+    if share not in ("none", "auto") and not (share.isdigit() and 1 <= int(share) <= 100):
+        parser.error(f"--mps-thread-percentage must be none, auto or a percentage from 1 to 100, got {share!r}")
     if args.generations < 2:
         parser.error("--generations must be >= 2 (the first warms the engines up)")
     if args.population < max(counts) or args.population % 2:
@@ -243,6 +268,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     apply_engine_defaults()
     settings = {"model": args.model, "population": args.population, "generations": args.generations,
                 "new_tokens": args.new_tokens, "gpu": gpu, "device": torch.cuda.get_device_name() if gpu else "cpu",
+                "mps_thread_percentage": share,
                 # the engines share the card through CUDA MPS where the caller pointed them at a daemon
                 "cuda_mps_pipe_directory": os.environ.get("CUDA_MPS_PIPE_DIRECTORY")}
 
@@ -260,7 +286,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     print(HEADER, flush=True)
     try:
         results = full_pool(args.model, counts, args.population, args.generations, args.new_tokens, gpu,
-                            args.kv_cache_gb, args.gpu_memory_utilization, workdir=args.workdir, on_count=report)
+                            args.kv_cache_gb, args.gpu_memory_utilization, workdir=args.workdir,
+                            mps_thread_percentage=share, on_count=report)
     finally:
         signal.signal(signal.SIGTERM, previous)
     print("speed-ups over 1 engine: " + ", ".join(f"{r['engines']}: {r['speedup']:.2f}x" for r in results if "speedup" in r))

@@ -27,7 +27,8 @@ def make_evaluator(config, max_loras: int | None = None, sizing: EngineSizing | 
         from .ray.evaluator import RayEvaluator  # imports Ray only when asked for
 
         return RayEvaluator(config.model, sizing, num_engines=config.num_engines,
-                            engines_per_gpu=config.engines_per_gpu, ray_address=config.ray_address)
+                            engines_per_gpu=config.engines_per_gpu, ray_address=config.ray_address,
+                            mps_thread_percentage=config.mps_thread_percentage)
     from .vllm.engine import VLLMEvaluator
 
     return VLLMEvaluator(config.model, sizing)

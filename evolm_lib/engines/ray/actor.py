@@ -21,6 +21,9 @@ ACTOR_DEFAULT_ENV = {"VLLM_LOGGING_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": 
 # Set in the driver, these travel to the engines (model cache, vLLM switches such as
 # VLLM_USE_FLASHINFER_SAMPLER=0 on the lent GPU machine, hub caches).
 FORWARDED_ENV_PREFIXES = ("EVOLM_", "VLLM_", "HF_")
+# CUDA's MPS reads it as a process's CUDA context is made: the share of the card's SMs that process's
+# kernels may take (``mps_thread_percentage``).
+MPS_THREAD_PERCENTAGE_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
 
 
 def actor_env(placement: dict[str, float]) -> dict[str, str]:
@@ -98,6 +101,9 @@ class EngineActor:
             "node": _node_id(),
             "pid": os.getpid(),
             "device": torch.cuda.get_device_name() if on_gpu else "cpu",
+            # under MPS with a thread percentage the card reports the SMs this process may take
+            "sm_count": torch.cuda.get_device_properties(0).multi_processor_count if on_gpu else None,
+            "mps_thread_percentage": os.environ.get(MPS_THREAD_PERCENTAGE_ENV),
             "card": self.card(),
             "cpu_affinity": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
             "torch_threads": torch.get_num_threads(),

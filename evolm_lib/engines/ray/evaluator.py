@@ -12,6 +12,7 @@ from ...lora import AdapterWeights
 from ...types import PromptLike
 from ..base import AdapterList, CompletionTable, GridsInOneCall, SamplingSettings, balanced_blocks
 from ..sizing import EngineSizing
+from .actor import MPS_THREAD_PERCENTAGE_ENV
 from .cluster import check_cluster_resources, check_ray_address, import_ray
 from .pool import EngineLostError, EnginePool, FaultPolicy, Recovered
 from .sharding import ShardPlan, plan_members, shard_sampling
@@ -27,15 +28,19 @@ class RayEvaluator(GridsInOneCall):
 
     def __init__(self, model: str, sizing: EngineSizing | None = None, *, num_engines: int = 2,
                  engines_per_gpu: int | None = None, ray_address: str | None = None, cpus_per_engine: float = 1.0,
-                 policy: FaultPolicy = FaultPolicy(), vllm_options: dict | None = None, **sizes: Any):
+                 policy: FaultPolicy = FaultPolicy(), vllm_options: dict | None = None,
+                 mps_thread_percentage: int | None = None, **sizes: Any):
         """Engine sizes are ``VLLMEvaluator``'s (``sizing``, or keyword ``sizes``), ``max_loras`` for
         the whole call: each engine holds its share; ``engines_per_gpu`` (None: the sizing's) engines
         share each GPU, each with its own copy of the weights (on a CPU cluster each engine takes a
-        CPU slice whatever it says); ``vllm_options``: ``VLLMEvaluator``'s other keyword arguments.
+        CPU slice whatever it says); ``vllm_options``: ``VLLMEvaluator``'s other keyword arguments;
+        ``mps_thread_percentage``: each engine's share of its card's SMs under CUDA's MPS (None: unset).
         Every engine resolves ``model`` by itself, so a model name or a folder present on every machine."""
         # Everything that can be refused is refused before a cluster is joined or an actor created.
         if not isinstance(num_engines, int) or num_engines < 1:
             raise ValueError(f"num_engines must be an integer >= 1, got {num_engines!r}")
+        if mps_thread_percentage is not None and not (isinstance(mps_thread_percentage, int) and 1 <= mps_thread_percentage <= 100):
+            raise ValueError(f"mps_thread_percentage must be an integer from 1 to 100, got {mps_thread_percentage!r}")
         if engines_per_gpu is not None:
             sizes["engines_per_gpu"] = engines_per_gpu
         self.sizing = (sizing or EngineSizing()).replace(**sizes)
@@ -55,8 +60,9 @@ class RayEvaluator(GridsInOneCall):
         try:
             placement = check_cluster_resources(num_engines, ray.cluster_resources(), cpus_per_engine,
                                                 self.engines_per_gpu)
+            env = {} if mps_thread_percentage is None else {MPS_THREAD_PERCENTAGE_ENV: str(mps_thread_percentage)}
             self.pool = EnginePool.start(str(model), self.engine_sizing, dict(vllm_options or {}), num_engines, placement,
-                                         policy)
+                                         policy, env=env)
         except BaseException:
             self._shutdown_ray()
             raise

@@ -74,19 +74,21 @@ class EnginePool:
 
     @classmethod
     def start(cls, model: str, sizing: EngineSizing, options: dict, num_engines: int, placement: dict[str, float],
-              policy: FaultPolicy = FaultPolicy()) -> "EnginePool":
+              policy: FaultPolicy = FaultPolicy(), env: dict[str, str] | None = None) -> "EnginePool":
         """``num_engines`` actors, each a ``VLLMEvaluator(model, sizing, **options)`` on ``placement``
         (a GPU, a share of one, or a CPU slice). Engines that share a card start one after another
         (vLLM's memory profiling at start would count a neighbour's allocations as its own) unless
         their KV cache is fixed (``kv_cache_gb``: vLLM then profiles no memory); engines on different
-        cards or CPU slices start together (``start_waves``)."""
+        cards or CPU slices start together (``start_waves``). ``env``: settings added to every actor's
+        environment (``actor_env``), a restarted actor's too."""
         ray = import_ray()
         from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
         start_timeout_s = policy.start_timeout_s
         deadline = time.monotonic() + start_timeout_s
         remote = ray.remote(EngineActor).options(max_restarts=policy.max_restarts, max_task_retries=0,
-                                                 runtime_env={"env_vars": actor_env(placement)}, **placement)
+                                                 runtime_env={"env_vars": {**actor_env(placement), **(env or {})}},
+                                                 **placement)
         actors = [remote.remote(index, model, sizing, options) for index in range(num_engines)]
         info: list[dict] = [{} for _ in actors]
         try:
