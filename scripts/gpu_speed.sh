@@ -36,8 +36,8 @@
 #   bash scripts/gpu_speed.sh mps OUT     # full-pool, 1 engine against 4 on a card, side by side: card 0 as the card
 #       comes, card 1 through CUDA's MPS (a control daemon for its processes, so their kernels run side by side)
 #   bash scripts/gpu_speed.sh mps1 OUT    # the same through MPS on a one-card machine: card 0, 1 engine against 4
-#   bash scripts/gpu_speed.sh mpsshare OUT   # through MPS on card 0, 1 engine against 8 and then 4, each of those
-#       limited to its share of the card's SMs (--mps-thread-percentage auto: 100 / engines)
+#   bash scripts/gpu_speed.sh mpsshare OUT   # through MPS on card 0, 1 engine against 8 with the whole card, then
+#       8 each limited to its share of the card's SMs (--mps-thread-percentage auto: 100 / engines)
 #
 # Run from the repository root with PYTHONPATH=/root/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0
 # EVOLM_CACHE_DIR=/root/cache set. LIMIT (default 560) is the whole part's deadline in seconds: each
@@ -155,7 +155,7 @@ mps1)
 mpsshare)
   mps_daemon || { echo "the MPS control daemon did not start" >&2; exit 1; }
   ( export $(mps_vars)
-    bench full_pool_1_8_4_share 0 full-pool --engines 1,8,4 --generations 4 --kv-cache-gb 2 --mps-thread-percentage auto \
+    bench full_pool_1_8_8_share 0 full-pool --engines 1,8,8 --generations 4 --kv-cache-gb 2 --mps-thread-percentage none,none,auto \
       --workdir "$RES/pool_runs_share" ) & pids="$pids $!"
   ;;
 *) echo "unknown part $PART: one of $PARTS" >&2; exit 2 ;;

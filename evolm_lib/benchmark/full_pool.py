@@ -18,14 +18,17 @@ generations so far, their times, and whether its rows are the first rows of one 
 
 Under CUDA's MPS (the caller points the process at a control daemon), ``--mps-thread-percentage``
 gives each engine of a count above 1 a share of the card's SMs (``mps_thread_percentage``; ``auto``:
-100 / N, rounded up), so that kernels that claim every SM (``deterministic``'s batch-invariant ones)
-leave room for the other engines'; the one engine of the reference always has the whole card.
+100 / N, rounded up), one option for every count or one per count (``--engines 1,8,8
+--mps-thread-percentage none,none,auto``: eight engines with the whole card, then limited); the one
+engine of the reference always has the whole card. A limited engine draws other noise from the same
+seeds (torch's CUDA random kernels size their grid from the SMs a process sees), so its rows are
+not one engine's: the table says so.
 
 Examples::
 
     python -m evolm_lib.benchmark full-pool                          # SmolLM2, --engines 1,2,4,8 on a GPU
     python -m evolm_lib.benchmark full-pool --model tiny-random --engines 1,2 --generations 2 --population 4
-    python -m evolm_lib.benchmark full-pool --engines 1,4,8 --mps-thread-percentage auto   # under MPS
+    python -m evolm_lib.benchmark full-pool --engines 1,8,8 --mps-thread-percentage none,none,auto   # under MPS
 
 On a CPU the engines are Ray CPU slices (one core each) and ``engines_per_gpu`` places nothing.
 Speed targets are read from these ratios on a named machine (``docs/measurements.md``), never
@@ -166,12 +169,16 @@ def _wait_for_card(free_bytes: int, timeout_s: float = 120.0) -> None:
 
 def full_pool(model: str, engine_counts: Sequence[int], population: int, generations: int, new_tokens: int,
               gpu: bool, kv_cache_gb: float | None, gpu_memory_utilization: float | None = None,
-              workdir: str | Path | None = None, mps_thread_percentage: str = "none",
+              workdir: str | Path | None = None, mps_thread_percentage: str | Sequence[str] = "none",
               on_count: Callable[[list[dict[str, Any]]], None] | None = None) -> list[dict[str, Any]]:
     """Every count's measurements in turn, the first count (1) the reference (see the module docstring);
-    ``mps_thread_percentage``: ``thread_percentage``'s option; ``on_count`` is given the results so
-    far after each count (a run cut short keeps them). The run folders go to a temporary folder,
-    removed at the end, or under ``workdir``, where they are kept."""
+    ``mps_thread_percentage``: ``thread_percentage``'s option, or one per count; ``on_count`` is
+    given the results so far after each count (a run cut short keeps them). The run folders go to a
+    temporary folder, removed at the end, or under ``workdir``, where they are kept."""
+    options = [mps_thread_percentage] * len(engine_counts) if isinstance(mps_thread_percentage, str) \
+        else list(mps_thread_percentage)
+    if len(options) != len(engine_counts):
+        raise ValueError(f"mps_thread_percentage: {len(options)} options for {len(engine_counts)} engine counts")
     from ..engines.ray.cluster import import_ray
 
     ray = import_ray()
@@ -191,13 +198,14 @@ def full_pool(model: str, engine_counts: Sequence[int], population: int, generat
             on_count(speedups(results))
 
     try:
-        for engines in engine_counts:
+        for engines, option in zip(engine_counts, options):
             if free_at_start is not None:  # the last count's engines end with their actors, after close returns
                 _wait_for_card(free_at_start - 2 * 2**30)
             config = pool_config(model, engines, population, generations, new_tokens, gpu, kv_cache_gb,
                                  gpu_memory_utilization=gpu_memory_utilization,
-                                 mps_thread_percentage=thread_percentage(mps_thread_percentage, engines))
-            results.append(measure_count(config, folder / f"engines_{engines}", on_cut=keep))
+                                 mps_thread_percentage=thread_percentage(option, engines))
+            share = config.mps_thread_percentage
+            results.append(measure_count(config, folder / f"engines_{engines}{f'_sm{share}' if share else ''}", on_cut=keep))
             if "skipped" in results[0]:
                 raise SystemExit(f"full-pool: one engine does not fit, nothing to compare with: {results[0]['skipped']}")
             print(format_row(results[-1], results[0]), flush=True)
@@ -221,8 +229,9 @@ def format_row(result: dict[str, Any], reference: dict[str, Any]) -> str:
         return f"{result['engines']:>7}{result['cards']:>6}{start}  no generation to time{cut}"
     speedup = reference["generation_s"] / result["generation_s"]
     same = "(reference)" if result is reference else ("yes" if same_rows(result, reference) else "NO")
+    share = f"  ({result['mps_thread_percentage']} % of the SMs each)" if result.get("mps_thread_percentage") else ""
     return (f"{result['engines']:>7}{result['cards']:>6}{start}{result['generation_s']:>13.3f}"
-            f"{100 * (result['engine_share'] or 0):>12.1f}%{speedup:>9.2f}x  {same}{cut}")
+            f"{100 * (result['engine_share'] or 0):>12.1f}%{speedup:>9.2f}x  {same}{share}{cut}")
 
 
 HEADER = (f"{'engines':>7}{'cards':>6}{'start s':>9}{'generation s':>13}{'engine share':>13}{'speed-up':>9}  same rows\n"
@@ -248,7 +257,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                         help="each engine's share of the card (default: 0.6 / engines on the card)")
     parser.add_argument("--mps-thread-percentage", default="none",
                         help="under CUDA's MPS, each engine's share of the card's SMs for counts above 1: none, auto "
-                             "(100 / engines) or a percentage from 1 to 100")
+                             "(100 / engines) or a percentage from 1 to 100; one for every count, or one per count")
     parser.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")
     parser.add_argument("--workdir", type=Path, default=None,
                         help="keep each count's run folder under this folder (a count cut short keeps its metrics rows)")
@@ -256,9 +265,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     counts = int_list(parser, args.engines, "engines")
     if counts[0] != 1:
         parser.error(f"--engines must start with 1 (the reference), got {args.engines!r}")
-    share = args.mps_thread_percentage
-    if share not in ("none", "auto") and not (share.isdigit() and 1 <= int(share) <= 100):
-        parser.error(f"--mps-thread-percentage must be none, auto or a percentage from 1 to 100, got {share!r}")
+    shares = args.mps_thread_percentage.split(",")
+    for share in shares:
+        if share not in ("none", "auto") and not (share.isdigit() and 1 <= int(share) <= 100):
+            parser.error(f"--mps-thread-percentage must be none, auto or a percentage from 1 to 100, got {share!r}")
+    if len(shares) not in (1, len(counts)):
+        parser.error(f"--mps-thread-percentage: one option, or one per engine count ({len(counts)}), got {len(shares)}")
     if args.generations < 2:
         parser.error("--generations must be >= 2 (the first warms the engines up)")
     if args.population < max(counts) or args.population % 2:
@@ -268,7 +280,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     apply_engine_defaults()
     settings = {"model": args.model, "population": args.population, "generations": args.generations,
                 "new_tokens": args.new_tokens, "gpu": gpu, "device": torch.cuda.get_device_name() if gpu else "cpu",
-                "mps_thread_percentage": share,
+                "mps_thread_percentage": args.mps_thread_percentage,
                 # the engines share the card through CUDA MPS where the caller pointed them at a daemon
                 "cuda_mps_pipe_directory": os.environ.get("CUDA_MPS_PIPE_DIRECTORY")}
 
@@ -287,7 +299,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     try:
         results = full_pool(args.model, counts, args.population, args.generations, args.new_tokens, gpu,
                             args.kv_cache_gb, args.gpu_memory_utilization, workdir=args.workdir,
-                            mps_thread_percentage=share, on_count=report)
+                            mps_thread_percentage=shares[0] if len(shares) == 1 else shares, on_count=report)
     finally:
         signal.signal(signal.SIGTERM, previous)
     print("speed-ups over 1 engine: " + ", ".join(f"{r['engines']}: {r['speedup']:.2f}x" for r in results if "speedup" in r))
