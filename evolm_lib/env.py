@@ -152,8 +152,8 @@ def code_identity() -> dict:
 
 
 def placement() -> dict:
-    """Where this process runs its engine: host, device, the visible cards, the engines declared to
-    share a card (``EVOLM_ENGINES_PER_CARD``), the CUDA MPS daemon's pipe it was pointed at
+    """Where this process runs its engine: host, device (and the SMs it sees), the visible cards, the
+    engines declared to share a card (``EVOLM_ENGINES_PER_CARD``), the CUDA MPS daemon's pipe it was pointed at
     (``CUDA_MPS_PIPE_DIRECTORY``: the processes sharing the card ran their kernels side by side) and
     the compute processes seen on it now (under MPS nvidia-smi lists the MPS server, not its
     clients); and with what code (``code_identity``)."""
@@ -165,11 +165,14 @@ def placement() -> dict:
               "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
               "engines_per_card": int(declared) if declared and declared.isdigit() else None,
               "cuda_mps_pipe_directory": os.environ.get("CUDA_MPS_PIPE_DIRECTORY"),
-              "device": "cpu", "processes_on_card": None, **code_identity()}
+              "device": "cpu", "sm_count": None, "processes_on_card": None, **code_identity()}
     if has_cuda():
         import torch
 
-        record.update(device=torch.cuda.get_device_name(0), processes_on_card=_processes_on_card())
+        # the SMs this process sees (fewer under an MPS thread percentage): torch's CUDA random
+        # kernels size their grid from it, so noise drawn on the card follows it
+        record.update(device=torch.cuda.get_device_name(0), processes_on_card=_processes_on_card(),
+                      sm_count=torch.cuda.get_device_properties(0).multi_processor_count)
     return record
 
 

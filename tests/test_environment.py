@@ -95,3 +95,5 @@ def test_a_runs_placement_names_its_code_and_libraries(monkeypatch):
     assert line["cuda_mps_pipe_directory"] is None
     monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", "/tmp/evolm-mps/pipe")
     assert placement()["cuda_mps_pipe_directory"] == "/tmp/evolm-mps/pipe"
+    # the SMs the process sees, which the noise drawn on a card follows: none on a CPU
+    assert line["device"] == "cpu" and line["sm_count"] is None
