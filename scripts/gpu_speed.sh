@@ -36,6 +36,8 @@
 #   bash scripts/gpu_speed.sh mps OUT     # full-pool, 1 engine against 4 on a card, side by side: card 0 as the card
 #       comes, card 1 through CUDA's MPS (a control daemon for its processes, so their kernels run side by side)
 #   bash scripts/gpu_speed.sh mps1 OUT    # the same through MPS on a one-card machine: card 0, 1 engine against 4
+#   bash scripts/gpu_speed.sh grpo1 OUT   # the LoRA GRPO update on a one-card machine: not deterministic, then
+#       deterministic with the policy in its own process, twice (rows must repeat), micro-batches of 64 and 8
 #   bash scripts/gpu_speed.sh mpsshare OUT   # through MPS on card 0, 1 engine against 8 with the whole card, then
 #       8 each limited to its share of the card's SMs (--mps-thread-percentage auto: 100 / engines)
 #
@@ -44,7 +46,7 @@
 # measurement is stopped when it is reached, and its JSON keeps what it had written.
 set -u
 . "$(dirname "${BASH_SOURCE[0]}")/gpu_cards.sh"  # mps_daemon, mps_vars
-PARTS="cards ray starts pool8 misses left next eggroll loose swap mps mps1 mpsshare"  # each a case below
+PARTS="cards ray starts pool8 misses left next eggroll loose swap grpo1 mps mps1 mpsshare"  # each a case below
 PART=${1:?a part: $PARTS}
 OUT=${2:?OUT folder}
 case " $PARTS " in  # before anything is converted, built or started
@@ -61,7 +63,7 @@ nvidia-smi -L | tee "$RES/cards.txt"
 echo "${EVOLM_CODE_COMMIT:-$(git log -1 --format=%H 2>/dev/null)}" > "$RES/commit.txt"
 python -c "from evolm_lib.models import resolve_model; resolve_model('smollm2-135m-instruct')" > /dev/null
 case "$PART" in  # before any engine: the parts that measure on the Qwen2.5-1.5B shapes build them
-pool8|loose|swap|mps|mps1|mpsshare) QWEN="" ;;
+pool8|loose|swap|grpo1|mps|mps1|mpsshare) QWEN="" ;;
 *) QWEN=$(python scripts/qwen_shape.py | tail -n 1) ;;
 esac
 measure() {  # measure NAME CARDS COMMAND...: COMMAND --json RES/NAME.json on some cards, stopped at the deadline
@@ -140,6 +142,10 @@ swap)
           --policy-weights lora --configurations "$order"
       done
     done; } & pids="$pids $!"
+  ;;
+grpo1)
+  bench grpo_update_one_card 0 grpo-update --micro-batch-sizes 64,8 --steps 8 --policy-weights lora \
+    --configurations not_deterministic,deterministic_own,deterministic_own_rerun & pids="$pids $!"
   ;;
 mps)
   mps_daemon || { echo "the MPS control daemon did not start" >&2; exit 1; }

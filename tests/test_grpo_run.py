@@ -11,7 +11,8 @@ from evolm_lib.config import ConfigError
 from evolm_lib.engines import SamplingSettings
 from evolm_lib.config import GRPOConfig
 from evolm_lib.train.grpo import GRPORun
-from evolm_lib.train.policy import PolicyTrainer, optimizer_state_from_tensors, optimizer_state_to_tensors, rollout_batch
+from evolm_lib.train.policy import (PolicyTrainer, optimizer_state_from_tensors, optimizer_state_to_tensors, response_spans,
+                                    rollout_batch)
 from evolm_lib.runs import RunFolderExists, list_checkpoints, read_config_kind, read_metrics
 from evolm_lib.engines.synthetic import SyntheticEvaluator
 from evolm_lib.types import Completion
@@ -80,6 +81,18 @@ def test_rollout_batch_shifts_pads_and_masks_token_ids():
     assert batch["response_mask"].tolist() == [[False, True, True], [True, False, False]]
     with pytest.raises(ValueError):
         rollout_batch([[1]], [], 0)
+
+
+def test_each_micro_batch_spans_its_response_columns_read_on_the_host():
+    # rows: prompt [5, 6] + [8, 9]; [7] + [10]; [1, 2, 3] + [4]; [3] + [] (no response)
+    batch = rollout_batch([[5, 6], [7], [1, 2, 3], [3]], [[8, 9], [10], [4], []], pad_token_id=0)
+    mask = batch["response_mask"]  # columns with a response token: rows 0 1-2, row 1 0, row 2 2
+    assert response_spans(mask, [slice(0, 2), slice(2, 3)]) == [(0, 3), (2, 3)]
+    assert response_spans(mask, [slice(0, 4)], "token_mean") == [(0, 3)]  # an empty row is allowed there
+    with pytest.raises(ValueError, match=r"rollout rows \[3\] have no response tokens"):
+        response_spans(mask, [slice(0, 2), slice(2, 4)])  # sequence_mean: the empty row named by its place
+    with pytest.raises(ValueError, match="a micro-batch has no response tokens"):
+        response_spans(mask, [slice(3, 4)], "constant")
 
 
 def test_adamw_state_round_trips_through_named_tensors():
@@ -220,7 +233,8 @@ def test_trainer_log_probs_match_the_cs336_primitive(tiny_model_dir):
     adapter = init_adapter(spec, adapter_shapes(tiny_model_dir, spec), "random_ab", 0, {k: 1.0 for k in adapter_shapes(tiny_model_dir, spec)}, 0.2)
     trainer = PolicyTrainer(tiny_model_dir, adapter, config)
     batch = rollout_batch([[1, 2, 3, 4], [5, 6]], [[7, 8], [9, 10, 11]], trainer.pad_token_id)
-    fast, mask = trainer._log_probs(batch, slice(0, 2), grad=False)
+    (span,) = response_spans(batch["response_mask"], [slice(0, 2)])
+    fast, mask = trainer._log_probs(batch, slice(0, 2), span, grad=False)
 
     class Tempered(torch.nn.Module):
         def forward(self, input_ids):

@@ -291,6 +291,7 @@ def grpo_microbatch_train_step(
     normalize_constant: float | None = None,
     beta: float = 0.0,
     ref_log_probs: Tensor | None = None,
+    mask_checked: bool = False,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Policy-gradient micro-batch step: per-token loss (+ beta * k3), length-normalised, / accumulation; backward().
 
@@ -302,6 +303,8 @@ def grpo_microbatch_train_step(
       - "token_mean" (DAPO): sum over all response tokens of the micro-batch / their count; with
         gradient accumulation this weights micro-batches equally, not tokens.
     With `ref_log_probs`, the k3 KL is reported in metadata["kl"]; `beta > 0` adds beta * k3 to the loss.
+    `mask_checked`: the caller has checked the mask's rows where it was made (no response without
+    tokens under "sequence_mean"), so the check, which reads the mask back from the device, is skipped.
     """
     _check_train_step(policy_log_probs, response_mask, gradient_accumulation_steps)
     if length_normalization not in LENGTH_NORMALIZATIONS:
@@ -333,7 +336,7 @@ def grpo_microbatch_train_step(
         metadata["clip_fraction"] = (metadata["clipped"] & mask).sum() / token_count
 
     if length_normalization == "sequence_mean":
-        empty_rows = (~mask.any(dim=-1)).nonzero().flatten().tolist()
+        empty_rows = [] if mask_checked else (~mask.any(dim=-1)).nonzero().flatten().tolist()
         if empty_rows:
             raise ValueError(
                 f"response_mask rows {empty_rows} have no response tokens, so their sequence mean is undefined; "

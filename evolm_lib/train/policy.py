@@ -45,6 +45,26 @@ def rollout_batch(
     return {"input_ids": full[:, :-1], "labels": full[:, 1:], "response_mask": mask[:, 1:]}
 
 
+def response_spans(response_mask: torch.Tensor, slices: Sequence[slice],
+                   length_normalization: str = "sequence_mean") -> list[tuple[int, int]]:
+    """Each micro-batch's (first, end) columns, from its first response token to past its last, read
+    from the rollout batch's mask; raises ValueError for a micro-batch without response tokens, or
+    (``sequence_mean``, whose per-response mean needs a token) for a response without any."""
+    spans = []
+    for rows in slices:
+        mask = response_mask[rows]
+        columns = mask.any(dim=0).nonzero().flatten()
+        if columns.numel() == 0:
+            raise ValueError("a micro-batch has no response tokens")
+        if length_normalization == "sequence_mean":
+            empty_rows = [rows.start + int(r) for r in (~mask.any(dim=-1)).nonzero().flatten()]
+            if empty_rows:
+                raise ValueError(f"rollout rows {empty_rows} have no response tokens, so their sequence mean is "
+                                 "undefined; use length_normalization 'constant' or 'token_mean'")
+        spans.append((int(columns[0]), int(columns[-1]) + 1))
+    return spans
+
+
 def optimizer_state_to_tensors(optimizer: torch.optim.Optimizer, names: dict[torch.nn.Parameter, str]) -> dict[str, torch.Tensor]:
     """AdamW's per-parameter state as flat named tensors ('<param name>/exp_avg', ...) for safetensors."""
     tensors = {}
@@ -214,18 +234,17 @@ class PolicyTrainer:
         """Prompt token ids, for evaluators that do not tokenise (the synthetic one)."""
         return PromptEncoder(self.tokenizer).encode(prompt)
 
-    def _log_probs(self, batch: dict, rows: slice, *, grad: bool, base: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """(log-probs, mask) of one micro-batch over the columns from its first to its last response token.
+    def _log_probs(self, batch: dict, rows: slice, span: tuple[int, int], *, grad: bool,
+                   base: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log-probs, mask) of one micro-batch over ``span``, the columns from its first response
+        token to its last (``response_spans``).
 
         As `get_response_log_probs` with logits / temperature (the policy that sampled), but the
         vocabulary projection runs on response positions only: prompt logits are never needed.
         """
-        mask = batch["response_mask"][rows]
-        columns = mask.any(dim=0).nonzero().flatten()
-        if columns.numel() == 0:
-            raise ValueError("a micro-batch has no response tokens")
-        first, width = int(columns[0]), int(columns[-1]) + 1
-        input_ids, labels, mask = batch["input_ids"][rows, :width], batch["labels"][rows, first:width], mask[:, first:width]
+        first, width = span
+        mask = batch["response_mask"][rows, first:width]
+        input_ids, labels = batch["input_ids"][rows, :width], batch["labels"][rows, first:width]
         model = self.reference if base and self.full else self.model
         adapter_off = self.model.disable_adapter() if base and not self.full else contextlib.nullcontext()
         with torch.set_grad_enabled(grad), adapter_off:
@@ -237,26 +256,34 @@ class PolicyTrainer:
         return log_probs, mask  # (micro, kept) each
 
     def train(self, batch: dict, raw_rewards: torch.Tensor, advantages: torch.Tensor) -> dict:
-        """Epochs of micro-batched, gradient-accumulated updates on one rollout batch; returns stats."""
+        """Epochs of micro-batched, gradient-accumulated updates on one rollout batch; returns stats.
+
+        Everything read back from the device (losses, clip fractions, KLs, gradient norms) is read
+        once, after the last optimizer step is queued: the host queues the next kernels while the
+        card runs the last ones, instead of waiting for each micro-batch."""
         config = self.config
-        batch = {k: v.to(self.device) for k, v in batch.items()}
-        raw_rewards, advantages = raw_rewards.to(self.device), advantages.to(self.device)
         n = batch["input_ids"].shape[0]
         micro = config.micro_batch_size or config.group_size
         if n % micro:
             raise ValueError(f"micro_batch_size {micro} does not divide the rollout batch of {n}")
         slices = [slice(s, s + micro) for s in range(0, n, micro)]
+        # the rollout batch's mask is read where it was made (the host), before the batch moves
+        spans = response_spans(batch["response_mask"], slices, config.length_normalization)
+        batch = {k: v.to(self.device) for k, v in batch.items()}
+        raw_rewards, advantages = raw_rewards.to(self.device), advantages.to(self.device)
         accumulation = len(slices)
         # the batch's policy before any update: pi_old of the ratio, and the reference for KL
-        old = [self._log_probs(batch, s, grad=False)[0] for s in slices] if config.loss_type == "grpo_clip" and config.epochs_per_batch > 1 else None
-        ref = [self._log_probs(batch, s, grad=False, base=True)[0] for s in slices] if config.beta > 0 else None
+        old = [self._log_probs(batch, s, span, grad=False)[0] for s, span in zip(slices, spans)] \
+            if config.loss_type == "grpo_clip" and config.epochs_per_batch > 1 else None
+        ref = [self._log_probs(batch, s, span, grad=False, base=True)[0] for s, span in zip(slices, spans)] \
+            if config.beta > 0 else None
         first_pass: list[tuple[torch.Tensor, torch.Tensor]] = []
-        losses, clip_fractions, kls, grad_norms = [], [], [], []
+        losses, clip_fractions, kls, grad_norms = [], [], [], []  # per epoch, tensors on the device
         for epoch in range(config.epochs_per_batch):
             self.optimizer.zero_grad(set_to_none=True)
-            epoch_loss = 0.0
-            for i, rows in enumerate(slices):
-                log_probs, mask = self._log_probs(batch, rows, grad=True)
+            epoch_losses = []
+            for i, (rows, span) in enumerate(zip(slices, spans)):
+                log_probs, mask = self._log_probs(batch, rows, span, grad=True)
                 if epoch == 0:
                     first_pass.append((log_probs.detach(), mask))
                 old_log_probs = None
@@ -270,19 +297,22 @@ class PolicyTrainer:
                     length_normalization=config.length_normalization,
                     normalize_constant=float(config.max_new_tokens) if config.length_normalization == "constant" else None,
                     beta=config.beta, ref_log_probs=ref[i] if ref is not None else None,
+                    mask_checked=True,
                 )
-                epoch_loss += float(loss)
+                epoch_losses.append(loss)
                 if "clip_fraction" in meta:
-                    clip_fractions.append(float(meta["clip_fraction"]))
+                    clip_fractions.append(meta["clip_fraction"])
                 if "kl" in meta:
-                    kls.append(float(meta["kl"]))
-            norm = torch.nn.utils.clip_grad_norm_(self.parameters, config.max_grad_norm or math.inf)
-            grad_norms.append(float(norm))
+                    kls.append(meta["kl"])
+            grad_norms.append(torch.nn.utils.clip_grad_norm_(self.parameters, config.max_grad_norm or math.inf))
             self.optimizer.step()
-            losses.append(epoch_loss)
+            losses.append(epoch_losses)
+        # read back once; summed in Python in the order a per-micro-batch read would have summed them
+        epoch_sums = [sum((float(loss) for loss in epoch_losses), 0.0) for epoch_losses in losses]
+        norms, clip_fractions, kls = [float(v) for v in grad_norms], [float(v) for v in clip_fractions], [float(v) for v in kls]
         stats = {
-            "grpo/loss": sum(losses) / len(losses),
-            "grpo/grad_norm": sum(grad_norms) / len(grad_norms),
+            "grpo/loss": sum(epoch_sums) / len(epoch_sums),
+            "grpo/grad_norm": sum(norms) / len(norms),
             "grpo/clip_fraction": sum(clip_fractions) / len(clip_fractions) if clip_fractions else 0.0,
         }
         if kls:
