@@ -78,7 +78,7 @@ class CommonConfig(BaseModel):
     engines_per_gpu: int = Field(1, ge=1)
     "evaluator ray: engines that share one GPU, each with its own copy of the weights, taking 1/engines_per_gpu of the card (num_engines <= GPUs x engines_per_gpu) and, unless gpu_memory_utilization is set, GPU_MEMORY_SHARE / engines_per_gpu of its memory; on a CPU cluster it is recorded and places nothing (each engine takes its CPU)"
     mps_thread_percentage: Optional[int] = Field(None, ge=1, le=100)
-    "evaluator ray on a card shared through CUDA's MPS: each engine's CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, the share of the card's SMs its kernels may take (for example 100 / engines_per_gpu); None: unset (each engine may take the whole card). Outside MPS it has no effect. Under it the engines see fewer SMs, and torch's CUDA random kernels size their grid from that count, so noise_device cuda draws other noise from the same seeds: the rows are those of runs at the same percentage on the same card, not those of engines with the whole card"
+    "evaluator ray on a card shared through CUDA's MPS: each engine's CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, the share of the card's SMs its kernels may take (for example 100 / engines_per_gpu); None: unset (each engine may take the whole card). Outside MPS it has no effect. Under it the engines see fewer SMs, and torch's CUDA random kernels size their grid from that count, so noise_device cuda draws other noise from the same seeds: the rows are those of runs at the same percentage on the same card, not those of engines with the whole card (refused with es_mode lora, whose update draws its noise in this process)"
     ray_address: Optional[str] = None
     "evaluator ray: a running cluster's address (host:port of `ray start --head`, ray://host:port, or auto); None: as ray.init(), the cluster `ray start` left on this machine, else a new local one"
 
@@ -401,6 +401,17 @@ class ESConfig(CommonConfig):
             raise ValueError(f"noise_mode: es_mode {mode} takes one sigma for every weight ('uniform')")
         if mode == "eggroll" and self.noise_rank > 512:
             raise ValueError(f"noise_rank: vLLM serves LoRA ranks up to 512, got {self.noise_rank}")
+        return self
+
+    @model_validator(mode="after")
+    def _update_draws_the_members_noise(self):
+        # es_mode lora draws the update's noise in this process, the members' in the engines: an
+        # engine limited to fewer SMs draws other noise from the same seeds (torch sizes its random
+        # kernels' grid from the SM count), so the update would not be the one the members earned
+        if self.mps_thread_percentage is not None and self.es_mode == "lora" and self.noise_device == "cuda":
+            raise ValueError(f"mps_thread_percentage: {self.mps_thread_percentage} % of the SMs gives the engines other "
+                             "noise than this process draws for the LoRA mean's update (es_mode lora); use it with "
+                             "es_mode full or eggroll, whose engines draw both, or noise_device: cpu")
         return self
 
     @model_validator(mode="after")

@@ -16,7 +16,7 @@ import torch
 from evolm_lib import es
 from evolm_lib.config import ConfigError, ESConfig
 from evolm_lib.lora import load_adapter
-from evolm_lib.train.es import ESRun
+from evolm_lib.train.es import ESRun, noise_cards_problem
 from evolm_lib.runs import load_run_config
 from evolm_lib.runs import RunFolderExists, list_checkpoints, read_metrics
 from evolm_lib.engines.synthetic import SyntheticEvaluator
@@ -467,6 +467,37 @@ def test_a_run_made_before_noise_scheme_resumes_with_per_tensor_noise(tmp_path):
     # and the two schemes are different draws: a flat run moves elsewhere
     flat = run_to_end(config.replace(noise_scheme="flat"), tmp_path / "flat")
     assert not torch.equal(next(iter(flat.mean.tensors.values())), next(iter(reference.mean.tensors.values())))
+
+
+def test_noise_drawn_on_cards_of_other_sm_counts_is_refused():
+    """torch sizes its CUDA random kernels from the SM count: every engine must see one count, and
+    with es_mode lora this process too (it draws the update's noise, the engines the members')."""
+    assert noise_cards_problem("lora", 132, []) is None  # the engine in this process
+    assert noise_cards_problem("lora", 132, [132, 132]) is None and noise_cards_problem("full", 132, [16, 16]) is None
+    assert "the engines see 16, 132 SMs" in noise_cards_problem("full", 132, [132, 16])
+    assert "the engines see 16 SMs and this process 132" in noise_cards_problem("lora", 132, [16, 16])
+    assert noise_cards_problem("eggroll", 132, [108, 108]) is None  # its engines draw members and update alike
+
+
+def test_a_run_whose_engines_see_other_sm_counts_stops_before_its_first_generation(tmp_path, monkeypatch):
+    import evolm_lib.train.es as es_run
+
+    class TwoKindsOfCards(SyntheticEvaluator):  # as Ray engines report themselves, on two kinds of card
+        engine_info = [{"sm_count": 132}, {"sm_count": 108}]
+
+    monkeypatch.setattr(es_run, "resolve_noise_device", lambda requested: "cuda")  # as on a GPU machine
+    monkeypatch.setattr(es_run, "_sm_count", lambda: 132)
+    with pytest.raises(RuntimeError, match="the engines see 108, 132 SMs"):
+        ESRun.create(small_config(noise_device="cuda"), tmp_path / "run", evaluator=TwoKindsOfCards())
+    assert not list_checkpoints(tmp_path / "run")
+
+
+def test_mps_thread_percentage_is_refused_where_the_update_draws_its_noise_in_this_process():
+    with pytest.raises(ConfigError, match="mps_thread_percentage: 50 % of the SMs gives the engines other noise"):
+        small_config(evaluator="ray", num_engines=2, mps_thread_percentage=50, noise_device="cuda")
+    for changes in ({"es_mode": "full", "es_weights": "all"}, {"noise_device": "cpu"}):
+        settings = {"evaluator": "ray", "num_engines": 2, "mps_thread_percentage": 50, "noise_device": "cuda", **changes}
+        assert small_config(**settings).mps_thread_percentage == 50
 
 
 def test_bad_lora_targets_fail_before_any_engine_or_folder(tmp_path):

@@ -43,6 +43,30 @@ class GenerationResult:
         return self.completions.num_tokens
 
 
+def noise_cards_problem(es_mode: str, here_sms: int | None, engine_sms: Sequence[int | None]) -> str | None:
+    """Why noise drawn on these cards would not be one run's noise, or None. torch's CUDA random
+    kernels size their grid from the SMs a process sees, and an element's value follows its place in
+    the grid, so one seed gives other noise on another count: every engine must see the same count
+    (each draws its members, and in es_mode full or eggroll its update), and with es_mode lora this
+    process too (it draws the mean's update). ``here_sms``: this process's count; ``engine_sms``: the
+    Ray engines' (none for an engine in this process)."""
+    counts = sorted({c for c in engine_sms if c is not None})
+    if len(counts) > 1:
+        return (f"the engines see {', '.join(map(str, counts))} SMs: each draws other noise from the same seeds "
+                "(torch sizes its CUDA random kernels from the SM count); run the engines on cards of one kind, "
+                "none of them limited (mps_thread_percentage), or set noise_device: cpu")
+    if es_mode == "lora" and counts and here_sms is not None and counts[0] != here_sms:
+        return (f"the engines see {counts[0]} SMs and this process {here_sms}: the members' noise (drawn on the "
+                "engines) would not be the LoRA mean's update's (drawn here); run this process on a card of the "
+                "engines' kind, or set noise_device: cpu")
+    return None
+
+
+def _sm_count() -> int | None:
+    """The SMs this process's card shows it (None without a GPU)."""
+    return torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else None
+
+
 class ESRun(RunLoop):
     """One ES run bound to a run folder: ask -> evaluate -> tell -> commit, one generation at a time.
     What it moves (a LoRA mean, or the model's own weights) is ``parameters``."""
@@ -57,6 +81,11 @@ class ESRun(RunLoop):
         config = self.config
         # Resolved once (cuda falls back to cpu without a GPU): members, update and slots draw the same bits.
         self.noise_device = resolve_noise_device(config.noise_device)
+        if self.noise_device == "cuda":
+            engine_sms = [info.get("sm_count") for info in getattr(evaluator, "engine_info", [])]  # Ray engines
+            problem = noise_cards_problem(config.es_mode, _sm_count(), engine_sms)
+            if problem:
+                raise RuntimeError(problem)
         if config.es_mode == "lora":
             self.parameters = LoraMean(config, evaluator, state.adapter, state.optimizer_tensors, state.saved,
                                        model_dir, self.noise_device)
@@ -66,8 +95,14 @@ class ESRun(RunLoop):
     @classmethod
     def _build(cls, state: RunState, *, run_dir: Path, evaluator: Evaluator | None, task: Task,
                model_dir: Path) -> "ESRun":
-        return cls(state, run_dir=run_dir, evaluator=evaluator or make_evaluator(state.config), task=task,
-                   model_dir=model_dir)
+        if evaluator is not None:
+            return cls(state, run_dir=run_dir, evaluator=evaluator, task=task, model_dir=model_dir)
+        evaluator = make_evaluator(state.config)
+        try:
+            return cls(state, run_dir=run_dir, evaluator=evaluator, task=task, model_dir=model_dir)
+        except BaseException:
+            evaluator.close()  # the engines this run started end with its failed start
+            raise
 
     @staticmethod
     def _moves_adapter(config: ESConfig) -> bool:
