@@ -72,6 +72,17 @@ def has_cuda() -> bool:
         return False
 
 
+def sm_count() -> int | None:
+    """The SMs this process's card shows it (None without a GPU): fewer than the card has under an
+    MPS thread percentage. torch's CUDA random kernels size their grid from it, so noise drawn on the
+    card follows it."""
+    if not has_cuda():
+        return None
+    import torch
+
+    return torch.cuda.get_device_properties(0).multi_processor_count
+
+
 ENGINES_PER_CARD = "EVOLM_ENGINES_PER_CARD"
 """Set by whoever starts engines side by side (scripts/gpu_tune_study.sh): how many share this card."""
 PLACEMENT = "placement.jsonl"
@@ -169,10 +180,7 @@ def placement() -> dict:
     if has_cuda():
         import torch
 
-        # the SMs this process sees (fewer under an MPS thread percentage): torch's CUDA random
-        # kernels size their grid from it, so noise drawn on the card follows it
-        record.update(device=torch.cuda.get_device_name(0), processes_on_card=_processes_on_card(),
-                      sm_count=torch.cuda.get_device_properties(0).multi_processor_count)
+        record.update(device=torch.cuda.get_device_name(0), processes_on_card=_processes_on_card(), sm_count=sm_count())
     return record
 
 

@@ -486,7 +486,7 @@ def test_a_run_whose_engines_see_other_sm_counts_stops_before_its_first_generati
         engine_info = [{"sm_count": 132}, {"sm_count": 108}]
 
     monkeypatch.setattr(es_run, "resolve_noise_device", lambda requested: "cuda")  # as on a GPU machine
-    monkeypatch.setattr(es_run, "_sm_count", lambda: 132)
+    monkeypatch.setattr(es_run, "sm_count", lambda: 132)
     with pytest.raises(RuntimeError, match="the engines see 108, 132 SMs"):
         ESRun.create(small_config(noise_device="cuda"), tmp_path / "run", evaluator=TwoKindsOfCards())
     assert not list_checkpoints(tmp_path / "run")

@@ -15,6 +15,7 @@ import torch
 
 from ..config import ESConfig
 from ..engines import CompletionTable, Evaluator, SamplingSettings, make_evaluator, resolve_noise_device
+from ..env import sm_count
 from ..evaluation import scoring_grid, scores_of
 from ..lora import AdapterWeights
 from ..clock import timed
@@ -62,11 +63,6 @@ def noise_cards_problem(es_mode: str, here_sms: int | None, engine_sms: Sequence
     return None
 
 
-def _sm_count() -> int | None:
-    """The SMs this process's card shows it (None without a GPU)."""
-    return torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else None
-
-
 class ESRun(RunLoop):
     """One ES run bound to a run folder: ask -> evaluate -> tell -> commit, one generation at a time.
     What it moves (a LoRA mean, or the model's own weights) is ``parameters``."""
@@ -83,7 +79,7 @@ class ESRun(RunLoop):
         self.noise_device = resolve_noise_device(config.noise_device)
         if self.noise_device == "cuda":
             engine_sms = [info.get("sm_count") for info in getattr(evaluator, "engine_info", [])]  # Ray engines
-            problem = noise_cards_problem(config.es_mode, _sm_count(), engine_sms)
+            problem = noise_cards_problem(config.es_mode, sm_count(), engine_sms)
             if problem:
                 raise RuntimeError(problem)
         if config.es_mode == "lora":

@@ -85,7 +85,7 @@ class EngineActor:
         """The engine, started now where it has not been."""
         if self.engine is not None:
             return self.engine
-        from ...env import apply_engine_defaults
+        from ...env import apply_engine_defaults, sm_count
 
         apply_engine_defaults()
         from ..vllm.engine import VLLMEvaluator
@@ -101,8 +101,7 @@ class EngineActor:
             "node": _node_id(),
             "pid": os.getpid(),
             "device": torch.cuda.get_device_name() if on_gpu else "cpu",
-            # under MPS with a thread percentage the card reports the SMs this process may take
-            "sm_count": torch.cuda.get_device_properties(0).multi_processor_count if on_gpu else None,
+            "sm_count": sm_count(),  # fewer than the card has under an MPS thread percentage
             "mps_thread_percentage": os.environ.get(MPS_THREAD_PERCENTAGE_ENV),
             "card": self.card(),
             "cpu_affinity": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
