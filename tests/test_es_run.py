@@ -492,6 +492,39 @@ def test_a_run_whose_engines_see_other_sm_counts_stops_before_its_first_generati
     assert not list_checkpoints(tmp_path / "run")
 
 
+def test_a_lora_run_resumed_where_its_noise_is_drawn_otherwise_warns_and_goes_on(tmp_path, monkeypatch):
+    """The SMs that drew the noise are kept in each checkpoint; a LoRA mean is in the checkpoint, so a
+    resume on cards of another count warns (its members from there on are not an unbroken run's)."""
+    import evolm_lib.train.es as es_run
+
+    config = small_config(num_generations=2, checkpoint_every=1)
+    monkeypatch.setattr(es_run, "noise_sm_count", lambda *args: 132)  # as if drawn on an H200
+    run = ESRun.create(config, tmp_path / "run", evaluator=SyntheticEvaluator())
+    run.run(1)
+    run.close()
+    state = json.loads((list_checkpoints(tmp_path / "run")[-1] / "state.json").read_text())
+    assert state["noise_sm_count"] == 132
+    resumed = ESRun.resume(tmp_path / "run", evaluator=SyntheticEvaluator())  # the same count: silent
+    resumed.close()
+    monkeypatch.setattr(es_run, "noise_sm_count", lambda *args: 108)  # an A100
+    with pytest.warns(RuntimeWarning, match="drew its noise on cards showing 132 SMs and would now draw it on cards "
+                                            "showing 108 SMs.*not those of an unbroken run"):
+        resumed = ESRun.resume(tmp_path / "run", evaluator=SyntheticEvaluator())
+    resumed.run()
+    resumed.close()
+
+
+def test_weights_rebuilt_from_the_seed_log_are_refused_where_the_noise_would_differ():
+    from evolm_lib.train.es import resumed_noise_problem
+
+    resumed_noise_problem("full", 132, 132)  # the same cards: nothing to say
+    for before, now, where in ((132, 108, "on cards showing 108 SMs"), (132, None, "on the CPU"), (None, 132, "on cards showing 132 SMs")):
+        with pytest.raises(RuntimeError, match=f"would now draw it {where}.*es_mode full rebuilds its mean"):
+            resumed_noise_problem("full", before, now)
+    with pytest.raises(RuntimeError, match="es_mode eggroll rebuilds its mean"):
+        resumed_noise_problem("eggroll", 132, 16)
+
+
 def test_mps_thread_percentage_is_refused_where_the_update_draws_its_noise_in_this_process():
     with pytest.raises(ConfigError, match="mps_thread_percentage: 50 % of the SMs gives the engines other noise"):
         small_config(evaluator="ray", num_engines=2, mps_thread_percentage=50, noise_device="cuda")

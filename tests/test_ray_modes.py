@@ -17,7 +17,8 @@ machine: every test that needs engines is ``slow``.
 """
 from __future__ import annotations
 
-import sys
+import os
+import signal
 import time
 
 import pytest
@@ -183,7 +184,9 @@ def test_each_engine_serves_its_block_of_members_in_one_concurrent_call(mode, tw
 
 
 def kill_at_call(*engines: int, call: int = 1):
-    """A hook that kills ``engines``' actors (Ray restarts them) right after the ``call``-th submission from now."""
+    """A hook that kills ``engines``' actors (Ray restarts them) right after the ``call``-th submission
+    from now. Their processes get SIGKILL, which lands before the call can run: ``ray.kill`` is
+    asynchronous, and on a loaded machine a short call (the update) could end before it took effect."""
     state = {"calls": 0}
 
     def hook(pool, submitted: list[int]) -> None:
@@ -191,7 +194,7 @@ def kill_at_call(*engines: int, call: int = 1):
         if state["calls"] == call:
             pool.on_submitted = None
             for engine in engines:
-                sys.modules["ray"].kill(pool.actors[engine], no_restart=False)
+                os.kill(pool.engine_info[engine]["pid"], signal.SIGKILL)  # the local cluster's actors: this host
 
     return hook
 

@@ -7,6 +7,7 @@ Qiu et al. 2025, "Evolution Strategies at Scale" (arXiv 2509.24372).
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -63,6 +64,40 @@ def noise_cards_problem(es_mode: str, here_sms: int | None, engine_sms: Sequence
     return None
 
 
+NOISE_SM_COUNT = "noise_sm_count"  # in a checkpoint's state.json: the SMs of the cards that drew the noise (None: the CPU)
+
+
+def noise_sm_count(noise_device: str, es_mode: str, evaluator) -> int | None:
+    """The SMs of the cards a run draws its noise on (None: it draws on the CPU): the Ray engines'
+    (``engine_info``), else this process's. Raises RuntimeError where they would not draw one run's
+    noise (``noise_cards_problem``)."""
+    if noise_device != "cuda":
+        return None
+    engine_sms = [info.get("sm_count") for info in getattr(evaluator, "engine_info", [])]  # Ray engines
+    here = sm_count()
+    problem = noise_cards_problem(es_mode, here, engine_sms)
+    if problem:
+        raise RuntimeError(problem)
+    return next((count for count in engine_sms if count is not None), here)
+
+
+def resumed_noise_problem(es_mode: str, before: int | None, now: int | None) -> None:
+    """A run resumed where its noise is drawn on cards of another SM count (or on the CPU after a
+    card, or the reverse): with the model's own weights (es_mode full, eggroll) the mean is rebuilt
+    by replaying the seed log's noise, which would give another mean, so RuntimeError; a LoRA mean is
+    in the checkpoint itself, so a warning that the members from here on are not an unbroken run's."""
+    if before == now:
+        return
+    then, here = ("on the CPU" if count is None else f"on cards showing {count} SMs" for count in (before, now))
+    said = (f"this run drew its noise {then} and would now draw it {here}: the same seeds give other noise there "
+            "(torch sizes its CUDA random kernels from the SM count)")
+    if es_mode != "lora":
+        raise RuntimeError(f"{said}, and es_mode {es_mode} rebuilds its mean by replaying the seed log's noise, which "
+                           "would rebuild another mean; resume it where it ran (or on cards of its SM count)")
+    warnings.warn(f"{said}: the LoRA mean is the checkpoint's, but its members from here on are not those of an "
+                  "unbroken run", RuntimeWarning, stacklevel=3)
+
+
 class ESRun(RunLoop):
     """One ES run bound to a run folder: ask -> evaluate -> tell -> commit, one generation at a time.
     What it moves (a LoRA mean, or the model's own weights) is ``parameters``."""
@@ -77,11 +112,9 @@ class ESRun(RunLoop):
         config = self.config
         # Resolved once (cuda falls back to cpu without a GPU): members, update and slots draw the same bits.
         self.noise_device = resolve_noise_device(config.noise_device)
-        if self.noise_device == "cuda":
-            engine_sms = [info.get("sm_count") for info in getattr(evaluator, "engine_info", [])]  # Ray engines
-            problem = noise_cards_problem(config.es_mode, sm_count(), engine_sms)
-            if problem:
-                raise RuntimeError(problem)
+        self.noise_sm_count = noise_sm_count(self.noise_device, config.es_mode, evaluator)
+        if NOISE_SM_COUNT in state.saved:  # resumed: the noise must be drawn as it was before the checkpoint
+            resumed_noise_problem(config.es_mode, state.saved[NOISE_SM_COUNT], self.noise_sm_count)
         if config.es_mode == "lora":
             self.parameters = LoraMean(config, evaluator, state.adapter, state.optimizer_tensors, state.saved,
                                        model_dir, self.noise_device)
@@ -204,7 +237,7 @@ class ESRun(RunLoop):
     def save_checkpoint(self, row: dict | None = None) -> Path:
         """Write a checkpoint of the current generation now (with a snapshot of the model's own
         weights when one is due)."""
-        state = self._checkpoint_state(row)
+        state = {**self._checkpoint_state(row), NOISE_SM_COUNT: self.noise_sm_count}
         snapshot_due = self.generation % self.config.checkpoint_every == 0 or self.generation >= self._budget()
         kept = self.parameters.checkpoint(self.generation, snapshot_due)
         state.update(kept.state)
