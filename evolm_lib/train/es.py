@@ -124,13 +124,13 @@ class ESRun(RunLoop):
     @classmethod
     def _build(cls, state: RunState, *, run_dir: Path, evaluator: Evaluator | None, task: Task,
                model_dir: Path) -> "ESRun":
-        if evaluator is not None:
-            return cls(state, run_dir=run_dir, evaluator=evaluator, task=task, model_dir=model_dir)
-        evaluator = make_evaluator(state.config)
+        owned = evaluator is None
+        evaluator = evaluator or make_evaluator(state.config)
         try:
             return cls(state, run_dir=run_dir, evaluator=evaluator, task=task, model_dir=model_dir)
         except BaseException:
-            evaluator.close()  # the engines this run started end with its failed start
+            if owned:  # the engines this run started end with its failed start
+                evaluator.close()
             raise
 
     @staticmethod

@@ -104,10 +104,10 @@ class _Checkpoint:
 
     @property
     def generation(self) -> int:
-        return _generation(self.folder)
+        return checkpoint_generation(self.folder)
 
 
-def _generation(checkpoint_folder: Path) -> int:
+def checkpoint_generation(checkpoint_folder: Path) -> int:
     """The generation (or step) a checkpoint was written at, from its folder's name."""
     return int(checkpoint_folder.name.split(".")[0])
 
@@ -127,7 +127,7 @@ def _newest_on_disk(run_folder: Path) -> tuple[int, int] | None:
     found = list_checkpoints(run_folder)
     if not found:
         return None
-    return _generation(found[-1]), sum(p.stat().st_size for p in found[-1].rglob("*") if p.is_file())
+    return checkpoint_generation(found[-1]), sum(p.stat().st_size for p in found[-1].rglob("*") if p.is_file())
 
 
 def _run_folders(folder: Path) -> list[Path]:

@@ -48,6 +48,7 @@ from ..sweep import HELDOUT
 from ..analysis import run_length
 from .compact import KL, MANIFEST, RUNS, TRIALS, heldout_lines, load_compact, run_counts
 from .final import CONTINUED_FROM, SUMMARY
+from .pack import checkpoint_generation
 from .spec import TuneSpec, load_tune_spec
 from .study import load_study, open_storage
 
@@ -270,7 +271,7 @@ def restore_study(compact_dir: str | Path, spec: TuneSpec, out: str | Path | Non
     if (compact_dir / SUMMARY).is_file():
         shutil.copyfile(compact_dir / SUMMARY, partial / SUMMARY)
     stages = run_counts(runs)["runs"]
-    resumed = {run["path"]: int(run["resume"]["checkpoint"].split(".")[0]) for run in runs if run.get("resume")}
+    resumed = {run["path"]: checkpoint_generation(Path(run["resume"]["checkpoint"])) for run in runs if run.get("resume")}
     manifest = compact_dir / MANIFEST
     record = {
         "compact": str(compact_dir), "manifest": json.loads(manifest.read_text()) if manifest.is_file() else None,

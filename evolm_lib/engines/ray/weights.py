@@ -39,6 +39,7 @@ class RayWeights:
         self._in_flight: str | None = None  # "step" or "load" while one runs (a lost engine's call may be it)
         self.replay_source: ReplaySource | None = None  # set by the run that owns the mean (ModelWeights)
         self.rebuilds: list[dict] = []  # one record per engine given the mean back: engine, source, checksum
+        self._faults_seen = len(evaluator.pool.faults)  # the pool's lost calls ``load`` has looked at
         results = self._open(range(evaluator.num_engines))
         self.shapes: dict[str, tuple[int, ...]] = {name: tuple(shape) for name, shape in results[0]["shapes"].items()}
         self.info = [r["info"] for r in results]
@@ -145,10 +146,11 @@ class RayWeights:
         """Every engine serves the mean of ``snapshot``; an engine that restarted since (and lost its
         master) gets its weights set up again first: one whose restart the evaluator counted, and one
         that lost a call and says it holds none (Ray restarted it after a loss the pool gave up on,
-        which nobody counted: the run that lost it then closes through here). An engine that never
-        lost a call is not asked (GRPO on the model's weights loads every step)."""
+        which nobody counted: the run that lost it then closes through here). Only an engine that lost
+        a call since the last load is asked (GRPO on the model's weights loads every step)."""
         pool = self.evaluator.pool
-        faulted = sorted({fault["engine"] for fault in pool.faults})
+        faulted = sorted({fault["engine"] for fault in pool.faults[self._faults_seen:]})
+        self._faults_seen = len(pool.faults)
         held = pool.run([(e, "weights_held", (self.key,)) for e in faulted]) if faulted else []
         lost = sorted(set(self.lost_engines()) | {e for e, holds in zip(faulted, held) if not holds})
         if lost:
