@@ -19,7 +19,8 @@
 #   bash scripts/gpu_stage_study.sh unbundle   # there, once every piece is in /root/bundle/ (one call each:
 #                                              # mkdir -p /root/bundle && cp .gpu_stage/bundle/piece.NN /root/bundle/):
 #                                              # the files back in .gpu_stage/, vLLM's parts in /root/stage/ for
-#                                              # unstage.sh; then `bash /root/unstage.sh` and `install`
+#                                              # unstage.sh; then `bash /root/unstage.sh` and `install`. Run again in a
+#                                              # later call whose copy of the tree lacks .gpu_stage/, it copies them back
 #
 # `evolm tune SPEC --dry-run` then says whether the machine has what a worker needs.
 set -euo pipefail
@@ -84,10 +85,18 @@ restore)
   echo "$(ls .gpu_stage/"$archive".part-* | wc -l) parts of the restored study's pack in .gpu_stage/$archive.part-NN"
   ;;
 unbundle)
-  mkdir -p .gpu_stage "$ROOT/stage"
-  cat "$ROOT"/bundle/piece.* | tar -xf - -C .gpu_stage
-  mv .gpu_stage/part.[0-9]* "$ROOT/stage/" && cp .gpu_stage/unstage.sh "$ROOT/"
-  rm -rf "$ROOT/bundle"
+  # The pieces are unpacked outside the checkout ($ROOT/unbundled), which a later call's copy of the tree
+  # does not replace, and copied into .gpu_stage/ from there; so a later call whose copy no longer has
+  # .gpu_stage/ runs `unbundle` again to get the wheels and packs back without carrying the pieces again.
+  if compgen -G "$ROOT/bundle/piece.*" > /dev/null; then
+    rm -rf "$ROOT/unbundled"; mkdir -p "$ROOT/unbundled" "$ROOT/stage"
+    cat "$ROOT"/bundle/piece.* | tar -xf - -C "$ROOT/unbundled"
+    mv "$ROOT"/unbundled/part.[0-9]* "$ROOT/stage/" && cp "$ROOT/unbundled/unstage.sh" "$ROOT/"
+    rm -rf "$ROOT/bundle"
+  elif [ ! -d "$ROOT/unbundled" ]; then
+    echo "nothing to unbundle: no pieces in $ROOT/bundle/ and nothing unbundled before in $ROOT/unbundled/" >&2; exit 1
+  fi
+  mkdir -p .gpu_stage && cp -a "$ROOT/unbundled/." .gpu_stage/
   echo "vLLM's $(ls "$ROOT/stage" | wc -l) parts in $ROOT/stage, $(ls "$STAGE" | wc -l) wheel parts in $STAGE, packs: $(ls .gpu_stage | grep -c '\.part-' || true) parts"
   ;;
 *) sed -n '2,/^set -euo pipefail$/{/^set -euo pipefail$/!p}' "$0"; exit 2 ;;  # the header above

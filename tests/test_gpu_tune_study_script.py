@@ -642,6 +642,17 @@ def test_a_bundle_fills_each_call_and_unbundles_to_the_same_files(tmp_path):
         assert where.read_bytes() == data, name
     assert (tmp_path / "root" / "unstage.sh").exists() and not (tmp_path / "root" / "bundle").exists()
 
+    # a later call's copy of the tree has no .gpu_stage/: `unbundle` again copies the wheels and packs back
+    shutil.rmtree(there / ".gpu_stage")
+    again = subprocess.run(["bash", str(script), "unbundle"], cwd=there, env=env, capture_output=True, text=True)
+    assert again.returncode == 0, again.stderr
+    for name, data in wanted.items():
+        if "study" in name or ".part-" in name:
+            assert (there / name).read_bytes() == data, name
+    shutil.rmtree(tmp_path / "root" / "unbundled")
+    nothing = subprocess.run(["bash", str(script), "unbundle"], cwd=there, env=env, capture_output=True, text=True)
+    assert nothing.returncode == 1 and "nothing to unbundle" in nothing.stderr
+
     no_room = subprocess.run(["bash", str(script), "bundle"], cwd=repo, env={**env, "CARRY_BYTES": "100000"},
                              capture_output=True, text=True)
     assert no_room.returncode == 1 and "leaves no room for a piece" in no_room.stderr
