@@ -11,14 +11,17 @@ from evolm_lib.tune import placement_times
 
 
 def _run(folder: Path, config: dict, lines: list[dict], seconds: list[tuple[float, float, float]],
-         checkpoints: tuple[int, ...] = ()) -> None:
+         checkpoints: tuple[int, ...] = (), tokens: list[int] | None = None) -> None:
     """A run folder: config, placement lines, a row per generation 1.. of (generation, engine, update)
-    seconds after a row 0 without times, and empty checkpoint folders of these generations."""
+    seconds after a row 0 without times, and empty checkpoint folders of these generations; ``tokens``:
+    the cumulative ``samples/tokens`` of rows 0, 1, ..."""
     folder.mkdir(parents=True)
     (folder / "config.yaml").write_text(yaml.safe_dump(config))
     (folder / "placement.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     rows = [{"generation": 0}] + [{"generation": g, "time/generation_s": total, "time/generate_s": engine,
                                    "time/update_s": update} for g, (total, engine, update) in enumerate(seconds, 1)]
+    for row, count in zip(rows, tokens or []):
+        row["samples/tokens"] = count
     (folder / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     for generation in checkpoints:
         (folder / "checkpoints" / f"{generation:06d}").mkdir(parents=True)
@@ -61,8 +64,28 @@ def test_each_attempt_gets_the_rows_after_its_start_and_legacy_lines_their_earli
 
     assert placement_times.main([str(study), "--commit", "abc", "--before", str(before)]) == 0
     out = capsys.readouterr().out
-    assert "| trials/es_full/trial_0000/seed100 (from 3) | 0 | yes | 5 | 30 | 3 | 6 | 5 | 0.2 |" in out
-    assert "| grpo_lora | 4 | 5 | no | 2 | 2 | 1.5 | 0.5 |" in out  # the medians of the two attempts' medians
+    assert "| trials/es_full/trial_0000/seed100 (from 3) | 0 | yes | 5 | 30 | 3 | 6 | 5 | 0.2 |  |  |" in out
+    assert "| grpo_lora | 4 | 5 | no | 2 | 2 | 1.5 | 0.5 |  |  |" in out  # the medians of the two attempts' medians
+
+
+def test_tokens_a_generation_come_from_the_cumulative_counter_and_the_engine_time_is_per_1k_of_them(tmp_path, capsys):
+    """A conciseness run whose answers shrink: generations 1-4 decode 4,000, 4,000, 1,000 and 500 tokens
+    (the counter's steps) in 8, 8, 2 and 1.5 s of engine, so 2,000, 2,000, 2,000 and 3,000 ms per 1,000;
+    an attempt resumed from generation 2 gets the steps of 3 and 4 only, the first of them against
+    the row of generation 2 it did not write."""
+    study = tmp_path / "study"
+    line = {"code_commit": "abc", "engines_per_card": 8, "cuda_visible_devices": "0"}
+    _run(study / "trials" / "es_full" / "trial_0000" / "seed100", {"population_size": 60},
+         [{**line, "from_generation": 0, "pid": 1, "time": 1.0}, {**line, "from_generation": 2, "pid": 2, "time": 2.0}],
+         [(9.0, 8.0, 0.1), (9.0, 8.0, 0.1), (3.0, 2.0, 0.1), (2.5, 1.5, 0.1)], tokens=[0, 4000, 8000, 9000, 9500])
+    found, _ = placement_times.attempts(study)
+    by_start = {a["from"]: a for a in found}
+    assert (by_start[0]["tokens"], by_start[0]["engine_ms_per_1k_tokens"]) == (4000, 2000)
+    assert (by_start[2]["tokens"], by_start[2]["engine_ms_per_1k_tokens"]) == (750, 2500)
+    assert placement_times.main([str(study)]) == 0
+    out = capsys.readouterr().out
+    assert "| trials/es_full/trial_0000/seed100 (from 2) | 0 | no | 8 | 60 | 2 | 2.75 | 1.75 | 0.1 | 750 | 2500 |" in out
+    assert "| es_full | 60 | 8 | no | 2 | 5.88 | 4.88 | 0.1 | 2375 | 2250 |" in out
 
 
 def test_each_workers_first_run_is_timed_from_the_launch(tmp_path, capsys):

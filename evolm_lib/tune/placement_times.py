@@ -9,6 +9,10 @@ are those after that generation, up to the next attempt's. For each attempt (tho
 ``--commit`` names, where given) the table gives the medians of its rows' seconds a generation or
 step (``time/generation_s``), in the engine (``time/generate_s``, GRPO's ``time/rollout_s``) and in
 the update, with the population or group size, since a setting changes the work as much as a card.
+It gives the training tokens a generation or step decoded (the step in ``samples/tokens``) and the
+engine's milliseconds per 1,000 of them as well: decoding time follows the completions' length,
+which training changes (a conciseness run whose answers shrink to a word decodes ten times faster),
+so the time per token is what compares placements.
 A second table groups the attempts by method, engines a card and MPS. ``--launched-at EPOCH`` (the
 time ``gpu_tune_study.sh start`` launched its workers, in its status file) adds how long after it each
 worker's first run began: its engine's start, from the compile cache that machine had.
@@ -39,6 +43,30 @@ def _median(rows: list[dict], keys: Sequence[str]) -> float | None:
     return statistics.median(values) if values else None
 
 
+def _token_steps(rows: list[dict]) -> dict[int, float]:
+    """Training tokens decoded in each row's generation or step: its ``samples/tokens`` less the row
+    before it's (the counter is cumulative), keyed by the row's generation; rows without the counter
+    or their predecessor's are left out."""
+    steps, previous = {}, None
+    for row in sorted(rows, key=row_generation):
+        tokens = row.get("samples/tokens")
+        if isinstance(tokens, (int, float)) and previous is not None:
+            steps[row_generation(row)] = tokens - previous
+        previous = tokens if isinstance(tokens, (int, float)) else None
+    return steps
+
+
+def _engine_ms_per_1k(rows: list[dict], tokens: dict[int, float]) -> float | None:
+    """Median over the rows of the engine's milliseconds per 1,000 training tokens decoded."""
+    values = []
+    for row in rows:
+        engine = next((row[key] for key in ENGINE_KEYS if isinstance(row.get(key), (int, float))), None)
+        decoded = tokens.get(row_generation(row))
+        if engine is not None and decoded:
+            values.append(1e6 * engine / decoded)
+    return statistics.median(values) if values else None
+
+
 def _start(lines: list[dict], index: int, run: Path, study: Path, before: Path | None) -> int | None:
     """The generation attempt ``index`` of the run's placement lines started from (None: unknown)."""
     recorded = lines[index].get("from_generation")
@@ -63,7 +91,9 @@ def attempts(study: str | Path, commit: str | None = None, before: str | Path | 
         lines = read_jsonl(placement)
         if commit and not any(str(line.get("code_commit") or "").startswith(commit) for line in lines):
             continue  # an earlier lease's run: its rows are not read
-        rows = [row for row in read_metrics(run) if "time/generation_s" in row]
+        every_row = read_metrics(run)
+        tokens = _token_steps(every_row)
+        rows = [row for row in every_row if "time/generation_s" in row]
         config = read_config_file(run)
         method = locate(study, run)["method"]
         for index, line in enumerate(lines):
@@ -88,6 +118,8 @@ def attempts(study: str | Path, commit: str | None = None, before: str | Path | 
                 "rows": len(mine), "from": start,
                 "generation_s": _median(mine, ("time/generation_s",)),
                 "engine_s": _median(mine, ENGINE_KEYS), "update_s": _median(mine, ("time/update_s",)),
+                "tokens": statistics.median(t) if (t := [tokens[g] for g in map(row_generation, mine) if g in tokens]) else None,
+                "engine_ms_per_1k_tokens": _engine_ms_per_1k(mine, tokens),
             })
     return found, unknown
 
@@ -109,14 +141,20 @@ def _seconds(value: float | None) -> str:
     return "" if value is None else f"{value:.3g}"
 
 
+def _whole(value: float | None) -> str:
+    return "" if value is None else f"{value:.0f}"
+
+
 def table(found: list[dict]) -> str:
     """The attempts as a Markdown table, by method, MPS and card."""
-    lines = ["| run | card | MPS | engines a card | size | rows | s a generation or step | engine s | update s |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| run | card | MPS | engines a card | size | rows | s a generation or step | engine s | update s "
+             "| tokens a generation or step | engine ms per 1k tokens |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for a in sorted(found, key=lambda a: (a["method"], not a["mps"], str(a["card"]), a["run"])):
         lines.append(f"| {a['run']} (from {a['from']}) | {a['card']} | {'yes' if a['mps'] else 'no'} | "
                      f"{a['engines_per_card']} | {a['size']} | {a['rows']} | {_seconds(a['generation_s'])} | "
-                     f"{_seconds(a['engine_s'])} | {_seconds(a['update_s'])} |")
+                     f"{_seconds(a['engine_s'])} | {_seconds(a['update_s'])} | {_whole(a['tokens'])} | "
+                     f"{_whole(a['engine_ms_per_1k_tokens'])} |")
     return "\n".join(lines)
 
 
@@ -125,12 +163,15 @@ def grouped(found: list[dict]) -> str:
     groups: dict[tuple, list[dict]] = {}
     for a in found:
         groups.setdefault((a["method"], a["size"], a["engines_per_card"], a["mps"]), []).append(a)
-    lines = ["| method | size | engines a card | MPS | attempts | s a generation or step | engine s | update s |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| method | size | engines a card | MPS | attempts | s a generation or step | engine s | update s "
+             "| tokens a generation or step | engine ms per 1k tokens |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for (method, size, engines, mps), members in sorted(groups.items(), key=lambda g: tuple(str(k) for k in g[0])):
-        medians = [_median(members, (key,)) for key in ("generation_s", "engine_s", "update_s")]
+        medians = [_median(members, (key,)) for key in ("generation_s", "engine_s", "update_s", "tokens",
+                                                        "engine_ms_per_1k_tokens")]
         lines.append(f"| {method} | {size} | {engines} | {'yes' if mps else 'no'} | {len(members)} | "
-                     + " | ".join(_seconds(m) for m in medians) + " |")
+                     + " | ".join(_seconds(m) for m in medians[:3]) + " | "
+                     + " | ".join(_whole(m) for m in medians[3:]) + " |")
     return "\n".join(lines)
 
 
