@@ -21,6 +21,8 @@
 #                                              # the files back in .gpu_stage/, vLLM's parts in /root/stage/ for
 #                                              # unstage.sh; then `bash /root/unstage.sh` and `install`. Run again in a
 #                                              # later call whose copy of the tree lacks .gpu_stage/, it copies them back
+#   bash scripts/gpu_stage_study.sh ready      # there: unbundle, unstage.sh and install, each where not done yet;
+#                                              # what each call of a lease begins with
 #
 # `evolm tune SPEC --dry-run` then says whether the machine has what a worker needs.
 set -euo pipefail
@@ -98,6 +100,13 @@ unbundle)
   fi
   mkdir -p .gpu_stage && cp -a "$ROOT/unbundled/." .gpu_stage/
   echo "vLLM's $(ls "$ROOT/stage" | wc -l) parts in $ROOT/stage, $(ls "$STAGE" | wc -l) wheel parts in $STAGE, packs: $(ls .gpu_stage | grep -c '\.part-' || true) parts"
+  ;;
+ready)
+  # unbundle, then vLLM's wheels (unstage.sh) and these (install) where not yet in SITE: the command every
+  # call of a lease can begin with, the first (which carries the last piece) and each one after it
+  bash "$0" unbundle
+  if [ -d "$SITE/vllm" ]; then echo "vLLM already in $SITE"; else bash "$ROOT/unstage.sh" | tail -n 1; fi
+  if [ -d "$SITE/optuna" ]; then echo "the study's wheels already in $SITE"; else bash "$0" install | tail -n 1; fi
   ;;
 *) sed -n '2,/^set -euo pipefail$/{/^set -euo pipefail$/!p}' "$0"; exit 2 ;;  # the header above
 esac

@@ -665,6 +665,56 @@ def test_a_bundle_fills_each_call_and_unbundles_to_the_same_files(tmp_path):
     assert "4 files in" in first.stdout
 
 
+def test_ready_sets_a_machine_up_once_and_gives_a_later_calls_tree_its_files_back(tmp_path):
+    """`gpu_stage_study.sh ready` on the GPU machine's side: the pieces unbundled, vLLM's wheels unstaged
+    and the study's wheels installed into SITE the first time; in a later call, whose copy of the tree
+    has no .gpu_stage/ and whose pieces are gone, the wheels' and packs' parts come back and nothing
+    is installed again."""
+    import io
+    import tarfile
+    import zipfile
+
+    script = SCRIPT.parent / "gpu_stage_study.sh"
+    repo, root, site = tmp_path / "repo", tmp_path / "root", tmp_path / "site"
+    (repo / ".gpu_stage" / "study").mkdir(parents=True)
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    (repo / ".gitignore").write_text("/.gpu_stage/\n")
+    (repo / ".gpu_stage" / "part.00").write_bytes(b"vllm" * 1000)
+    (repo / ".gpu_stage" / "unstage.sh").write_text('mkdir -p "$SITE/vllm" && echo "staged: vLLM"\n')
+    wheel = io.BytesIO()
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr("optuna/__init__.py", "VERSION = 'test'\n")
+    wheels = io.BytesIO()
+    with tarfile.open(fileobj=wheels, mode="w") as tar:
+        info = tarfile.TarInfo("optuna-0-py3-none-any.whl")
+        info.size = len(wheel.getvalue())
+        tar.addfile(info, io.BytesIO(wheel.getvalue()))
+    (repo / ".gpu_stage" / "study" / "part.00").write_bytes(wheels.getvalue())
+    (repo / ".gpu_stage" / "tune_study_conciseness.tar.gz.part-00").write_bytes(b"pack")
+    env = {**os.environ, "CARRY_BYTES": str(4_000_000), "STAGE_ROOT": str(root), "SITE": str(site)}
+    made = subprocess.run(["bash", str(script), "bundle"], cwd=repo, env=env, capture_output=True, text=True)
+    assert made.returncode == 0, made.stderr
+
+    there = tmp_path / "there"
+    there.mkdir()
+    (root / "bundle").mkdir(parents=True)
+    for piece in (repo / ".gpu_stage" / "bundle").iterdir():
+        shutil.copy(piece, root / "bundle" / piece.name)
+    first = subprocess.run(["bash", str(script), "ready"], cwd=there, env=env, capture_output=True, text=True)
+    assert first.returncode == 0, first.stderr
+    assert "staged: vLLM" in first.stdout and "installed 1 wheels" in first.stdout
+    assert (site / "vllm").is_dir() and (site / "optuna" / "__init__.py").read_text() == "VERSION = 'test'\n"
+
+    shutil.rmtree(there / ".gpu_stage")
+    (site / "optuna" / "__init__.py").write_text("kept\n")  # installed again would overwrite it
+    later = subprocess.run(["bash", str(script), "ready"], cwd=there, env=env, capture_output=True, text=True)
+    assert later.returncode == 0, later.stderr
+    assert "vLLM already in" in later.stdout and "the study's wheels already in" in later.stdout
+    assert (site / "optuna" / "__init__.py").read_text() == "kept\n"
+    assert (there / ".gpu_stage" / "tune_study_conciseness.tar.gz.part-00").read_bytes() == b"pack"
+    assert (there / ".gpu_stage" / "study" / "part.00").read_bytes() == wheels.getvalue()
+
+
 def test_a_study_whose_pack_is_lost_is_restored_from_its_committed_files_and_packed_for_the_bundle(tmp_path):
     """`gpu_stage_study.sh restore` on the conciseness study's committed compacted files: its pack again,
     in parts under .gpu_stage/ named for the bundle, the study's name its top folder (what `start`
