@@ -37,7 +37,7 @@ import time
 import weakref
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from .engines import Evaluator, Population, SamplingSettings
 from .types import Prompt
@@ -234,9 +234,12 @@ def _call(evaluator: Evaluator, spec: ThroughputSpec, path: str, prompts: list[P
 
 
 def measure_throughput(evaluator: Evaluator, spec: ThroughputSpec, paths: Sequence[str] = PATHS,
-                       engine: str = "vllm") -> list[dict[str, Any]]:
+                       engine: str = "vllm", profile: Callable[[Callable[[], Any]], dict] | None = None
+                       ) -> list[dict[str, Any]]:
     """One row per path (see the module docstring), measured on ``evaluator`` in the order given;
-    ``engine`` names the rows ("vllm base", ...); a line per row goes to stderr as it is measured."""
+    ``engine`` names the rows ("vllm base", ...); a line per row goes to stderr as it is measured.
+    ``profile`` (``benchmark.kernels.profile``): one more call of each path, after the timed ones, run
+    through it; what it returns is the row's ``profile``."""
     unknown = [p for p in paths if p not in KNOWN_PATHS]
     if unknown:
         raise ValueError(f"unknown throughput paths {unknown}; choose from {list(KNOWN_PATHS)}")
@@ -264,6 +267,8 @@ def measure_throughput(evaluator: Evaluator, spec: ThroughputSpec, paths: Sequen
                "best_tokens_per_s": max(c["tokens_per_s"] for c in calls),
                "timing": {key: statistics.median(c["timing"][key] for c in calls) for key in sorted(shared)},
                "calls": calls}
+        if profile is not None:
+            row["profile"] = profile(lambda: _call(evaluator, spec, path, prompts, mean, spec.repeats + 1, sampling))
         print(f"  {row['name']}: {row['tokens']} tokens a call, {row['tokens_per_s']:.1f} tok/s "
               f"(median of {len(calls)})", file=sys.stderr, flush=True)
         rows.append(row)

