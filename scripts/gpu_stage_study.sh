@@ -21,6 +21,7 @@
 #                                              # the files back in .gpu_stage/, vLLM's parts in /root/stage/ for
 #                                              # unstage.sh; then `bash /root/unstage.sh` and `install`. Run again in a
 #                                              # later call whose copy of the tree lacks .gpu_stage/, it copies them back
+#                                              # (a file that call carried into .gpu_stage/ is kept)
 #   bash scripts/gpu_stage_study.sh ready      # there: unbundle, unstage.sh and install, each where not done yet;
 #                                              # what each call of a lease begins with
 #
@@ -98,7 +99,11 @@ unbundle)
   elif [ ! -d "$ROOT/unbundled" ]; then
     echo "nothing to unbundle: no pieces in $ROOT/bundle/ and nothing unbundled before in $ROOT/unbundled/" >&2; exit 1
   fi
-  mkdir -p .gpu_stage && cp -a "$ROOT/unbundled/." .gpu_stage/
+  # a file this call carried into .gpu_stage/ (a newer part) is kept: only what is missing is copied
+  mkdir -p .gpu_stage
+  (cd "$ROOT/unbundled" && find . -type f) | while IFS= read -r f; do
+    [ -e ".gpu_stage/$f" ] || { mkdir -p ".gpu_stage/$(dirname "$f")" && cp -p "$ROOT/unbundled/$f" ".gpu_stage/$f"; }
+  done
   echo "vLLM's $(ls "$ROOT/stage" | wc -l) parts in $ROOT/stage, $(ls "$STAGE" | wc -l) wheel parts in $STAGE, packs: $(ls .gpu_stage | grep -c '\.part-' || true) parts"
   ;;
 ready)

@@ -642,13 +642,18 @@ def test_a_bundle_fills_each_call_and_unbundles_to_the_same_files(tmp_path):
         assert where.read_bytes() == data, name
     assert (tmp_path / "root" / "unstage.sh").exists() and not (tmp_path / "root" / "bundle").exists()
 
-    # a later call's copy of the tree has no .gpu_stage/: `unbundle` again copies the wheels and packs back
+    # a later call's copy of the tree has no .gpu_stage/: `unbundle` again copies the wheels and packs back,
+    # but a part that call carried (a newer one) is kept
     shutil.rmtree(there / ".gpu_stage")
+    carried = there / ".gpu_stage" / "tune_study_conciseness.tar.gz.part-01"
+    carried.parent.mkdir()
+    carried.write_bytes(b"newer")
     again = subprocess.run(["bash", str(script), "unbundle"], cwd=there, env=env, capture_output=True, text=True)
     assert again.returncode == 0, again.stderr
     for name, data in wanted.items():
-        if "study" in name or ".part-" in name:
+        if ("study" in name or ".part-" in name) and not name.endswith("part-01"):
             assert (there / name).read_bytes() == data, name
+    assert carried.read_bytes() == b"newer"
     shutil.rmtree(tmp_path / "root" / "unbundled")
     nothing = subprocess.run(["bash", str(script), "unbundle"], cwd=there, env=env, capture_output=True, text=True)
     assert nothing.returncode == 1 and "nothing to unbundle" in nothing.stderr
