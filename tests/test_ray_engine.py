@@ -194,6 +194,25 @@ def test_engines_sharing_a_gpu_ask_for_their_part_of_it():
     assert check_cluster_resources(2, {"CPU": 2.0}, engines_per_gpu=4) == {"num_cpus": 1.0}
 
 
+def test_engines_sharing_a_gpu_without_an_mps_daemon_are_warned(tmp_path):
+    """A warning only where engines share GPUs and no control pipe is in the MPS pipe directory (the
+    variable's, else NVIDIA's default); a directory with the daemon's control pipe (a real FIFO, as the
+    daemon makes it) quiets it."""
+    from evolm_lib.engines.ray.cluster import MPS_DEFAULT_PIPE, shared_card_warning
+
+    shared = check_cluster_resources(8, {"CPU": 16.0, "GPU": 1.0}, engines_per_gpu=8)
+    pipe = tmp_path / "pipe"
+    pipe.mkdir()
+    warning = shared_card_warning(8, shared, {"CUDA_MPS_PIPE_DIRECTORY": str(pipe)})
+    assert warning.startswith(f"engines_per_gpu: 8 engines share each GPU, but no CUDA MPS control daemon was found at {pipe}")
+    os.mkfifo(pipe / "control")
+    assert shared_card_warning(8, shared, {"CUDA_MPS_PIPE_DIRECTORY": str(pipe)}) is None
+    if not os.path.exists(os.path.join(MPS_DEFAULT_PIPE, "control")):
+        assert f"found at {MPS_DEFAULT_PIPE}:" in shared_card_warning(8, shared, {})
+    assert shared_card_warning(1, check_cluster_resources(4, {"CPU": 64.0, "GPU": 4.0}), {}) is None  # one a card
+    assert shared_card_warning(4, check_cluster_resources(2, {"CPU": 2.0}, engines_per_gpu=4), {}) is None  # no GPU
+
+
 def test_engines_of_one_card_start_one_after_another_and_cards_side_by_side():
     assert start_waves(["a", "a", "b", None, "b"]) == [[0, 2, 3], [1, 4]]
     assert start_waves(["gpu0"] * 4) == [[0], [1], [2], [3]]  # four engines on one card: one at a time

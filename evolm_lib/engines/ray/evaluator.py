@@ -13,7 +13,7 @@ from ...types import PromptLike
 from ..base import AdapterList, CompletionTable, GridsInOneCall, SamplingSettings, balanced_blocks
 from ..sizing import EngineSizing
 from .actor import MPS_THREAD_PERCENTAGE_ENV
-from .cluster import check_cluster_resources, check_ray_address, import_ray
+from .cluster import check_cluster_resources, check_ray_address, import_ray, shared_card_warning
 from .pool import EngineLostError, EnginePool, FaultPolicy, Recovered
 from .sharding import ShardPlan, plan_members, shard_sampling
 from .weights import RaySlots, RayWeights
@@ -60,6 +60,9 @@ class RayEvaluator(GridsInOneCall):
         try:
             placement = check_cluster_resources(num_engines, ray.cluster_resources(), cpus_per_engine,
                                                 self.engines_per_gpu)
+            warning = shared_card_warning(self.engines_per_gpu, placement) if self._owns_ray and ray_address is None else None
+            if warning:  # a local cluster: its engines meet MPS (or not) where this process would
+                logger.warning(warning)
             env = {} if mps_thread_percentage is None else {MPS_THREAD_PERCENTAGE_ENV: str(mps_thread_percentage)}
             self.pool = EnginePool.start(str(model), self.engine_sizing, dict(vllm_options or {}), num_engines, placement,
                                          policy, env=env)
