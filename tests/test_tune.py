@@ -619,7 +619,7 @@ def test_the_progress_table_counts_each_stage_and_places_each_run_under_way(tmp_
         (folder / "config.yaml").write_text(f"{key}: {length}\n")
         (folder / "metrics.jsonl").write_text("".join(json.dumps({"generation": g}) + "\n" for g in range(generations)))
 
-    for value in (0.5, 0.7):  # es tuned: its reruns and their continuations are planned
+    for value in (0.7, 0.7):  # es tuned (two trials level at the best): its reruns and continuations are planned
         trial("es", value)
     trial("grpo", 0.1)
     study, running = trial("grpo", None)  # a trial under way, checkpointed at step 1
@@ -633,11 +633,12 @@ def test_the_progress_table_counts_each_stage_and_places_each_run_under_way(tmp_
     rows(spec.out / "long" / "es" / "seed0", 2, 4)
     assert progress([str(path)]) == 0
     assert capsys.readouterr().out.splitlines() == [
-        "| method | trials | reruns on the final seeds | continued to 2x |",
-        "| --- | --- | --- | --- |",
-        "| es | 2 of 2 | 1 of 2; under way: seed1 at 0/2 (no checkpoint) | 0 of 2; under way: seed0 at 1/4 (no checkpoint) |",
+        "| method | trials | reruns on the final seeds | continued to 2x | best validation score |",
+        "| --- | --- | --- | --- | --- |",
+        "| es | 2 of 2 | 1 of 2; under way: seed1 at 0/2 (no checkpoint) | 0 of 2; under way: seed0 at 1/4 (no checkpoint) "
+        "| 0.7 (trial 0 and 1 other) |",
         "| grpo | 1 of 2; under way: trial_0001 at 2/2 (checkpoint 1) | 0 of 2: waits for the trials "
-        "| 0 of 2: waits for the trials |",
+        "| 0 of 2: waits for the trials | 0.1 (trial 0) |",
         "",
         "Control (best_es): es, 0 of 2",
     ]

@@ -1,6 +1,6 @@
 """Where a tuned study stands, per method: trials finished of ``tune.trials`` and those under way,
-reruns on the final seeds, continued reruns (``tune.long``) and the control (``tune.control``), each
-run under way with its generation or step. It starts no engine and changes no trial (a method
+reruns on the final seeds, continued reruns (``tune.long``), the best validation score so far and the
+control (``tune.control``), each run under way with its generation or step. It starts no engine and changes no trial (a method
 with no study yet gets an empty one, as a worker's first look would make), so it runs wherever a
 pack was unpacked:
 
@@ -50,6 +50,20 @@ def trials_cell(spec: TuneSpec, method: str, study, trials) -> str:
     return cell + (f"; under way: {'; '.join(under_way)}" if under_way else "")
 
 
+def best_cell(trials) -> str:
+    """The best validation score among the completed trials (the study maximises it) and the trial
+    that reached it first, with how many others reached the same; empty before any completed."""
+    from optuna.trial import TrialState
+
+    scored = [t for t in trials if t.state == TrialState.COMPLETE and t.value is not None]
+    if not scored:
+        return ""
+    best = max(t.value for t in scored)
+    at_best = sorted(t.number for t in scored if t.value == best)
+    others = f" and {len(at_best) - 1} other{'s' if len(at_best) > 2 else ''}" if len(at_best) > 1 else ""
+    return f"{best:.3g} (trial {at_best[0]}{others})"
+
+
 def runs_cell(out: Path, plans: Sequence[PlannedRun]) -> str:
     """``k of N`` finished runs of a stage, and those begun with their positions."""
     done, under_way = 0, []
@@ -66,7 +80,8 @@ def progress_table(spec: TuneSpec) -> str:
     """The study's progress as Markdown: a row per method, then the control's line."""
     seeds = len(next(iter(spec.final_runs.values())))
     long = spec.settings.long
-    lines = [f"| method | trials | reruns on the final seeds | continued to {long}x |", "| --- | --- | --- | --- |"]
+    lines = [f"| method | trials | reruns on the final seeds | continued to {long}x | best validation score |",
+             "| --- | --- | --- | --- | --- |"]
     for method in spec.methods:
         study = load_study(spec, method)
         trials = study.get_trials(deepcopy=False)
@@ -77,7 +92,7 @@ def progress_table(spec: TuneSpec) -> str:
                       else "none declared")
         else:
             reruns = longer = f"0 of {seeds}: waits for the trials"
-        lines.append(f"| {method} | {trials_cell(spec, method, study, trials)} | {reruns} | {longer} |")
+        lines.append(f"| {method} | {trials_cell(spec, method, study, trials)} | {reruns} | {longer} | {best_cell(trials)} |")
     control = spec.settings.control
     if control != "none":
         method = resolve_best(spec, control)
