@@ -1,8 +1,8 @@
 """Where a tuned study stands, per method: trials finished of ``tune.trials`` and those under way,
 reruns on the final seeds, continued reruns (``tune.long``), the best validation score so far and the
-control (``tune.control``), each run under way with its generation or step. It starts no engine and changes no trial (a method
-with no study yet gets an empty one, as a worker's first look would make), so it runs wherever a
-pack was unpacked:
+control (``tune.control``), each run under way with its generation or step. It starts no engine and
+changes no trial (a method with no study yet gets an empty one, as a worker's first look would
+make), so it runs wherever a pack was unpacked:
 
     python -m evolm_lib.tune.progress papermill_runs/tune_study_conciseness_gpu.yaml --out runs/tune_study_conciseness
 

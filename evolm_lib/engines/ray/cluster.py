@@ -60,9 +60,9 @@ def shared_card_warning(engines_per_gpu: int, placement: dict[str, float],
     if os.path.exists(os.path.join(pipe, "control")):
         return None
     return (f"engines_per_gpu: {engines_per_gpu} engines share each GPU, but no CUDA MPS control daemon was found "
-            f"at {pipe}: without MPS a card runs one engine's kernels at a time, so sharing it buys little (measured: "
-            "4 full-mode engines 1.28x one engine without MPS, 8 engines 4.50x through MPS). Start the daemon and run "
-            "with its CUDA_MPS_PIPE_DIRECTORY (docs/engines.md shows how), or use one engine per GPU.")
+            f"at {pipe}: without MPS a card runs one engine's kernels at a time, so sharing it buys little. Start the "
+            "daemon and run with its CUDA_MPS_PIPE_DIRECTORY (docs/engines.md shows how and what it gains), or use one "
+            "engine per GPU.")
 
 
 def check_ray_address(address: str, timeout_s: float = 5.0) -> None:
