@@ -131,12 +131,14 @@ def test_stop_ends_every_worker_s_process_group_and_kills_one_that_ignores_term(
     a group still there after its SECONDS; a worker already ended is left alone."""
     logs = tmp_path / "logs"
     logs.mkdir()
-    child = tmp_path / "child.pid"
+    child, trapped = tmp_path / "child.pid", tmp_path / "trapped"
     polite = _detached(f"sleep 120 & echo $! > {child}; wait")
-    stubborn = _detached("trap '' TERM; while :; do sleep 0.2; done")
+    stubborn = _detached(f"trap '' TERM; echo yes > {trapped}; while :; do sleep 0.2; done")
     try:
         deadline = time.monotonic() + 10
-        while not child.exists() or not child.read_text().strip():  # the polite worker's child has started
+        # the polite worker's child has started, and the stubborn one ignores TERM (a TERM sent before its
+        # trap, on a busy machine, would end it like the polite one)
+        while not all(f.exists() and f.read_text().strip() for f in (child, trapped)):
             assert time.monotonic() < deadline
             time.sleep(0.05)
         (logs / "workers.pids").write_text(f"{polite}\n{_ended()}\n{stubborn}\n")
