@@ -176,11 +176,11 @@ def placement() -> dict:
               "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
               "engines_per_card": int(declared) if declared and declared.isdigit() else None,
               "cuda_mps_pipe_directory": os.environ.get("CUDA_MPS_PIPE_DIRECTORY"),
-              "device": "cpu", "sm_count": None, "processes_on_card": None, **code_identity()}
+              "device": "cpu", "sm_count": sm_count(), "processes_on_card": None, **code_identity()}
     if has_cuda():
         import torch
 
-        record.update(device=torch.cuda.get_device_name(0), processes_on_card=_processes_on_card(), sm_count=sm_count())
+        record.update(device=torch.cuda.get_device_name(0), processes_on_card=_processes_on_card())
     return record
 
 

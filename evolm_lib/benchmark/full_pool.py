@@ -172,11 +172,12 @@ def full_pool(model: str, engine_counts: Sequence[int], population: int, generat
               workdir: str | Path | None = None, mps_thread_percentage: str | Sequence[str] = "none",
               on_count: Callable[[list[dict[str, Any]]], None] | None = None) -> list[dict[str, Any]]:
     """Every count's measurements in turn, the first count (1) the reference (see the module docstring);
-    ``mps_thread_percentage``: ``thread_percentage``'s option, or one per count; ``on_count`` is
-    given the results so far after each count (a run cut short keeps them). The run folders go to a
-    temporary folder, removed at the end, or under ``workdir``, where they are kept."""
-    options = [mps_thread_percentage] * len(engine_counts) if isinstance(mps_thread_percentage, str) \
-        else list(mps_thread_percentage)
+    ``mps_thread_percentage``: ``thread_percentage``'s option for every count, or one per count;
+    ``on_count`` is given the results so far after each count (a run cut short keeps them). The run
+    folders go to a temporary folder, removed at the end, or under ``workdir``, where they are kept."""
+    options = [mps_thread_percentage] if isinstance(mps_thread_percentage, str) else list(mps_thread_percentage)
+    if len(options) == 1:
+        options *= len(engine_counts)
     if len(options) != len(engine_counts):
         raise ValueError(f"mps_thread_percentage: {len(options)} options for {len(engine_counts)} engine counts")
     from ..engines.ray.cluster import import_ray
@@ -299,7 +300,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     try:
         results = full_pool(args.model, counts, args.population, args.generations, args.new_tokens, gpu,
                             args.kv_cache_gb, args.gpu_memory_utilization, workdir=args.workdir,
-                            mps_thread_percentage=shares[0] if len(shares) == 1 else shares, on_count=report)
+                            mps_thread_percentage=shares, on_count=report)
     finally:
         signal.signal(signal.SIGTERM, previous)
     print("speed-ups over 1 engine: " + ", ".join(f"{r['engines']}: {r['speedup']:.2f}x" for r in results if "speedup" in r))

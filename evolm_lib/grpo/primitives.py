@@ -256,6 +256,11 @@ def _check_same_shape(tensor: Tensor, reference: Tensor, name: str, reference_na
         raise ValueError(f"{name} {tuple(tensor.shape)} and {reference_name} {tuple(reference.shape)} differ in shape")
 
 
+def empty_response_rows(response_mask: Tensor) -> list[int]:
+    """The rows of a mask without a response token (their sequence mean is undefined)."""
+    return (~response_mask.any(dim=-1)).nonzero().flatten().tolist()
+
+
 def _check_train_step(policy_log_probs: Tensor, response_mask: Tensor, gradient_accumulation_steps: int) -> None:
     _check_log_probs(policy_log_probs)
     _check_same_shape(response_mask, policy_log_probs, "response_mask", "policy_log_probs")
@@ -336,7 +341,7 @@ def grpo_microbatch_train_step(
         metadata["clip_fraction"] = (metadata["clipped"] & mask).sum() / token_count
 
     if length_normalization == "sequence_mean":
-        empty_rows = [] if mask_checked else (~mask.any(dim=-1)).nonzero().flatten().tolist()
+        empty_rows = [] if mask_checked else empty_response_rows(mask)
         if empty_rows:
             raise ValueError(
                 f"response_mask rows {empty_rows} have no response tokens, so their sequence mean is undefined; "

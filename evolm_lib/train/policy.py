@@ -19,7 +19,7 @@ from ..config import GRPOConfig
 from ..engines.base import PromptEncoder
 from ..lora import AdapterWeights
 from ..types import Completion
-from ..grpo.primitives import grpo_microbatch_train_step
+from ..grpo.primitives import empty_response_rows, grpo_microbatch_train_step
 
 
 # ---------------------------------------------------------------------------- batches and AdamW state
@@ -57,7 +57,7 @@ def response_spans(response_mask: torch.Tensor, slices: Sequence[slice],
         if columns.numel() == 0:
             raise ValueError("a micro-batch has no response tokens")
         if length_normalization == "sequence_mean":
-            empty_rows = [rows.start + int(r) for r in (~mask.any(dim=-1)).nonzero().flatten()]
+            empty_rows = [rows.start + r for r in empty_response_rows(mask)]
             if empty_rows:
                 raise ValueError(f"rollout rows {empty_rows} have no response tokens, so their sequence mean is "
                                  "undefined; use length_normalization 'constant' or 'token_mean'")
