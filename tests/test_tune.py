@@ -626,6 +626,7 @@ def test_the_progress_table_counts_each_stage_and_places_each_run_under_way(tmp_
     folder = tune.study.trial_folder(spec, "grpo", study, running) / "seed100"
     rows(folder, 3, 2, kind="grpo")
     write_checkpoint(folder, 1, None, {}, {}, base_model="tiny-random")
+    study.enqueue_trial(running.params)  # queued, as a restored trial's retry waits: no folder yet
     final = spec.out / "final" / "es"
     rows(final / "seed0", 3, 2)
     (final / "seed0" / "heldout.jsonl").write_text(json.dumps({"generation": 2, "reward": 1.0}) + "\n")
@@ -637,7 +638,8 @@ def test_the_progress_table_counts_each_stage_and_places_each_run_under_way(tmp_
         "| --- | --- | --- | --- | --- |",
         "| es | 2 of 2 | 1 of 2; under way: seed1 at 0/2 (no checkpoint) | 0 of 2; under way: seed0 at 1/4 (no checkpoint) "
         "| 0.7 (trial 0 and 1 other) |",
-        "| grpo | 1 of 2; under way: trial_0001 at 2/2 (checkpoint 1) | 0 of 2: waits for the trials "
+        "| grpo | 1 of 2; under way: trial_0001 at 2/2 (checkpoint 1); queued: trial_0002 from its start "
+        "| 0 of 2: waits for the trials "
         "| 0 of 2: waits for the trials | 0.1 (trial 0) |",
         "",
         "Control (best_es): es, 0 of 2",

@@ -7,8 +7,9 @@ make), so it runs wherever a pack was unpacked:
     python -m evolm_lib.tune.progress papermill_runs/tune_study_conciseness_gpu.yaml --out runs/tune_study_conciseness
 
 prints the Markdown table that the docs' progress sections show. A trial "under way" is one the
-storage holds as running or waiting: on a machine that unpacked a pack, a trial that was running
-when the last machine went back is listed this way until a worker retries it.
+storage holds as running: on a machine that unpacked a pack, a trial that was running when the last
+machine went back is listed this way until a worker retries it. A "queued" one is waiting: the
+retry of a killed or restored trial, with its setting, that no worker has taken yet.
 """
 from __future__ import annotations
 
@@ -39,15 +40,18 @@ def run_position(folder: Path) -> str:
 
 
 def trials_cell(spec: TuneSpec, method: str, study, trials) -> str:
-    """``k of N``, and each trial under way (running or waiting) with its runs' positions, from the
-    method's ``study`` and its ``trials``."""
+    """``k of N``, then each trial under way (running) and each queued (waiting: a retry of a killed
+    or restored trial, which no worker has taken yet) with its runs' positions, from the method's
+    ``study`` and its ``trials``."""
+    from optuna.trial import TrialState
+
     cell = f"{trials_done(trials)} of {spec.settings.trials}"
-    under_way = []
+    listed: dict[str, list[str]] = {"under way": [], "queued": []}
     for trial in (t for t in trials if not ended(t)):
         folder = trial_folder(spec, method, study, trial)
         positions = [run_position(folder / f"seed{planned.config.seed}") for planned in spec.tuning_runs[method]]
-        under_way.append(f"{folder.name} {', '.join(positions)}")
-    return cell + (f"; under way: {'; '.join(under_way)}" if under_way else "")
+        listed["queued" if trial.state == TrialState.WAITING else "under way"].append(f"{folder.name} {', '.join(positions)}")
+    return cell + "".join(f"; {label}: {'; '.join(entries)}" for label, entries in listed.items() if entries)
 
 
 def best_cell(trials) -> str:
