@@ -271,6 +271,42 @@ def test_negative_rewards_read_as_intervals_from_one_bound_to_the_other():
     assert row[6] == "-3.24 to -0.758"  # t interval: -2 -+ 4.303 * 0.5 / sqrt(3)
 
 
+def test_a_study_short_of_its_trials_or_seeds_is_digested_as_interim():
+    """The digest of a study under way opens by naming each method short of its trials (the
+    summary's tune.trials), of final seeds with held-out scores, or of continued reruns (hand-counted:
+    b has 1 of 2 trials, 1 of 2 final seeds and no continued one); a finished study's digest does not.
+    A summary that predates trials_per_method is checked on its seeds alone."""
+    from evolm_lib.tune.report import study_digest, study_tables
+
+    def trial(method, number):
+        return {"method": method, "number": number, "state": "complete", "value": -1.0, "params": {"sigma": 0.1},
+                "config": {}, "retries": None, "error": None, "seconds": 1.0}
+
+    def run(stage, method, seed):
+        return {"stage": stage, "method": method, "seed": seed, "trial": None, "path": f"{stage}/{method}/seed{seed}",
+                "config": {"seed": seed}, "rows": [{"generation": 0, "samples/completions": 0}], "placement": [],
+                "heldout": {"generation": 0, "index": [0, 1], "reward": [-1.0, -2.0], "success": [False, False]}}
+
+    summary = {"final_seeds": [0, 1], "trials_per_method": 2, "long": {"factor": 2}, "measure": "reward"}
+    trials = [trial("a", 0), trial("a", 1), trial("b", 0)]
+    runs = [run(stage, "a", seed) for stage in ("final", "long") for seed in (0, 1)] + [run("final", "b", 0)]
+    tables = study_tables({"runs": runs, "trials": trials, "summary": summary, "geometry": None})
+    completeness = tables["completeness"]
+    assert completeness.loc["a"].to_dict() == {"trials": 2, "trials_planned": 2, "final_seeds": 2, "final_seeds_planned": 2,
+                                               "long_seeds": 2, "long_seeds_planned": 2, "complete": True}
+    assert completeness.loc["b", ["trials", "final_seeds", "long_seeds", "complete"]].tolist() == [1, 1, 0, False]
+    assert ("**Interim: the study is not finished.** Read nothing here as its result: b (1 of 2 trials, 1 of 2 final "
+            "seeds, 0 of 2 continued reruns).") in study_digest(tables, "t").splitlines()
+
+    finished = trials + [trial("b", 1)]
+    runs += [run("final", "b", 1)] + [run("long", "b", seed) for seed in (0, 1)]
+    tables = study_tables({"runs": runs, "trials": finished, "summary": summary, "geometry": None})
+    assert tables["completeness"]["complete"].all() and "Interim" not in study_digest(tables, "t")
+    older = {k: v for k, v in summary.items() if k != "trials_per_method"}  # tune.trials unrecorded: not checked
+    tables = study_tables({"runs": runs, "trials": trials, "summary": older, "geometry": None})
+    assert tables["completeness"]["complete"].all()
+
+
 def test_an_answer_holds_its_target_as_a_word_of_its_own_in_any_case():
     from evolm_lib.analysis import target_in_answer
 

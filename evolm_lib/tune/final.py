@@ -368,7 +368,7 @@ def summarize(spec: TuneSpec) -> dict[str, Any]:
     summary = {
         "spec": str(spec.path), "select": spec.settings.select, "budget": spec.budget,
         "tuning_seeds": list(spec.settings.seeds), "final_seeds": list(spec.settings.final_seeds),
-        "methods": methods,
+        "trials_per_method": spec.settings.trials, "methods": methods,
         "final": [] if table is None else json.loads(table.reset_index().to_json(orient="records")),
         "comparisons": [] if comparisons is None else json.loads(comparisons.to_json(orient="records")),
         "measure": measure,

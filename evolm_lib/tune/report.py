@@ -199,9 +199,57 @@ def study_tables(compact: dict, measure: str | None = None) -> dict[str, Any]:
         tables.update(geometry_tables(compact["geometry"]))
     if compact.get("base"):  # the untrained model on the same problems (tune.base), one row
         tables["base"] = pd.DataFrame([{"method": "base model", **compact["base"]}]).set_index("method")
+    if "winners" in tables:
+        tables["completeness"] = completeness_table(summary, tables["winners"], tables.get("heldout"), tables.get("long"))
     for table in tables.values():
         table.attrs["measure"] = measure
     return tables
+
+
+def completeness_table(summary: Mapping[str, Any] | None, winners, heldout=None, long=None):
+    """One row per tuned method: its trials and the spec's ``tune.trials`` (``trials_per_method`` in
+    the summary; unknown, NaN, in a summary written before it was recorded, and then not checked),
+    and its reruns and continued reruns with held-out scores against the final seeds planned;
+    ``complete`` says whether it has them all. A study still under way reads as such from this
+    table, not from its counts alone."""
+    import pandas as pd
+
+    summary = summary or {}
+    planned_trials = summary.get("trials_per_method", math.nan)
+    planned_seeds = len(summary.get("final_seeds") or ()) or math.nan
+    long_info = summary.get("long")
+    continued = isinstance(long_info, dict) and long_info.get("factor", 1) > 1
+
+    def seeds(table, method: str) -> int:
+        return int(table.loc[method, "seeds"]) if table is not None and method in table.index else 0
+
+    lines = []
+    for method, row in winners.iterrows():
+        line = {"method": method, "trials": int(row["trials"]), "trials_planned": planned_trials,
+                "final_seeds": seeds(heldout, method), "final_seeds_planned": planned_seeds}
+        if continued:
+            line.update({"long_seeds": seeds(long, method), "long_seeds_planned": planned_seeds})
+        # what the summary does not record (an older one's tune.trials) is not counted against it
+        line["complete"] = all(math.isnan(line[f"{k}_planned"]) or line[k] >= line[f"{k}_planned"]
+                               for k in ("trials", "final_seeds", "long_seeds") if k in line)
+        lines.append(line)
+    return pd.DataFrame(lines).set_index("method")
+
+
+def interim_lines(completeness) -> list[str]:
+    """The digest's warning where a method lacks trials or final seeds (``completeness_table``)."""
+    if completeness is None or completeness["complete"].all():
+        return []
+    short = []
+    for method, row in completeness[~completeness["complete"]].iterrows():
+        parts = []
+        for key, label in (("trials", "trials"), ("final_seeds", "final seeds"), ("long_seeds", "continued reruns")):
+            if key not in row or math.isnan(row[f"{key}_planned"]):
+                continue
+            if row[key] < row[f"{key}_planned"]:
+                parts.append(f"{int(row[key])} of {int(row[f'{key}_planned'])} {label}")
+        short.append(f"{method} ({', '.join(parts)})")
+    return ["**Interim: the study is not finished.** Read nothing here as its result: " + _and(short) + ".", ""]
 
 
 def _value(value: float, measure: str) -> str:
@@ -246,6 +294,7 @@ def study_digest(tables: Mapping[str, Any], title: str) -> str:
     lines = [f"# {title}", "", f"Held-out {measure} over the final seeds: mean (BCa interval), t interval, "
              "seed standard deviation; the winner's validation score in brackets." if winners is not None else
              f"Held-out {measure} over each method's seeds: mean (BCa interval), t interval, seed standard deviation.", ""]
+    lines += interim_lines(tables.get("completeness"))
     parts = [table for table in (tables.get("heldout"), tables.get("control")) if table is not None]
     tuned = pd.concat(parts) if parts else None  # the control's rows under their own names
     finals = [table for table in (tuned, sweep) if table is not None]
