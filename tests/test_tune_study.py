@@ -274,8 +274,9 @@ def test_negative_rewards_read_as_intervals_from_one_bound_to_the_other():
 def test_a_study_short_of_its_trials_or_seeds_is_digested_as_interim():
     """The digest of a study under way opens by naming each method short of its trials (the
     summary's tune.trials), of final seeds with held-out scores, or of continued reruns (hand-counted:
-    b has 1 of 2 trials, 1 of 2 final seeds and no continued one); a finished study's digest does not.
-    A summary that predates trials_per_method is checked on its seeds alone."""
+    b has 1 of 2 trials, 1 of 2 final seeds and no continued one), and the control while it is
+    undecided or short of seeds; a finished study's digest does not. A summary that predates
+    trials_per_method is checked on its seeds alone."""
     from evolm_lib.tune.report import study_digest, study_tables
 
     def trial(method, number):
@@ -287,7 +288,8 @@ def test_a_study_short_of_its_trials_or_seeds_is_digested_as_interim():
                 "config": {"seed": seed}, "rows": [{"generation": 0, "samples/completions": 0}], "placement": [],
                 "heldout": {"generation": 0, "index": [0, 1], "reward": [-1.0, -2.0], "success": [False, False]}}
 
-    summary = {"final_seeds": [0, 1], "trials_per_method": 2, "long": {"factor": 2}, "measure": "reward"}
+    summary = {"final_seeds": [0, 1], "trials_per_method": 2, "long": {"factor": 2}, "measure": "reward",
+               "control": {"declared": "best_es", "method": None}}
     trials = [trial("a", 0), trial("a", 1), trial("b", 0)]
     runs = [run(stage, "a", seed) for stage in ("final", "long") for seed in (0, 1)] + [run("final", "b", 0)]
     tables = study_tables({"runs": runs, "trials": trials, "summary": summary, "geometry": None})
@@ -296,11 +298,14 @@ def test_a_study_short_of_its_trials_or_seeds_is_digested_as_interim():
                                                "long_seeds": 2, "long_seeds_planned": 2, "complete": True}
     assert completeness.loc["b", ["trials", "final_seeds", "long_seeds", "complete"]].tolist() == [1, 1, 0, False]
     assert ("**Interim: the study is not finished.** Read nothing here as its result: b (1 of 2 trials, 1 of 2 final "
-            "seeds, 0 of 2 continued reruns).") in study_digest(tables, "t").splitlines()
+            "seeds, 0 of 2 continued reruns) and control (best_es: undecided) (0 of 2 final seeds).") \
+        in study_digest(tables, "t").splitlines()
 
     finished = trials + [trial("b", 1)]
-    runs += [run("final", "b", 1)] + [run("long", "b", seed) for seed in (0, 1)]
+    runs += [run("final", "b", 1)] + [run(stage, "b", seed) for stage in ("long", "control") for seed in (0, 1)]
+    summary["control"]["method"] = "b"
     tables = study_tables({"runs": runs, "trials": finished, "summary": summary, "geometry": None})
+    assert tables["completeness"].loc["control (best_es: b)", "final_seeds"] == 2
     assert tables["completeness"]["complete"].all() and "Interim" not in study_digest(tables, "t")
     older = {k: v for k, v in summary.items() if k != "trials_per_method"}  # tune.trials unrecorded: not checked
     tables = study_tables({"runs": runs, "trials": trials, "summary": older, "geometry": None})

@@ -200,55 +200,63 @@ def study_tables(compact: dict, measure: str | None = None) -> dict[str, Any]:
     if compact.get("base"):  # the untrained model on the same problems (tune.base), one row
         tables["base"] = pd.DataFrame([{"method": "base model", **compact["base"]}]).set_index("method")
     if "winners" in tables:
-        tables["completeness"] = completeness_table(summary, tables["winners"], tables.get("heldout"), tables.get("long"))
+        tables["completeness"] = completeness_table(summary, tables["winners"], tables.get("heldout"), tables.get("long"),
+                                                    tables.get("control"))
     for table in tables.values():
         table.attrs["measure"] = measure
     return tables
 
 
-def completeness_table(summary: Mapping[str, Any] | None, winners, heldout=None, long=None):
-    """One row per tuned method: its trials and the spec's ``tune.trials`` (``trials_per_method`` in
-    the summary; unknown, NaN, in a summary written before it was recorded, and then not checked),
-    and its reruns and continued reruns with held-out scores against the final seeds planned;
-    ``complete`` says whether it has them all. A study still under way reads as such from this
-    table, not from its counts alone."""
+COUNTS = (("trials", "trials"), ("final_seeds", "final seeds"), ("long_seeds", "continued reruns"))
+"""What ``completeness_table`` counts against its plan (``<name>_planned``), with the digest's words."""
+
+
+def _short(line: Mapping[str, Any]) -> list[str]:
+    """What a completeness line lacks, as "k of N <words>"; a count the summary does not plan (an
+    older one's tune.trials: NaN) is not counted against it."""
+    return [f"{int(line[key])} of {int(line[f'{key}_planned'])} {words}" for key, words in COUNTS
+            if key in line and not math.isnan(line[f"{key}_planned"]) and line[key] < line[f"{key}_planned"]]
+
+
+def completeness_table(summary: Mapping[str, Any] | None, winners, heldout=None, long=None, control=None):
+    """One row per tuned method: its trials against the spec's ``tune.trials`` (``trials_per_method``
+    in the summary; NaN, and not checked, in a summary written before it was recorded), its reruns
+    and continued reruns with held-out scores against the final seeds; then, where the spec declares
+    one, the shuffled-fitness control's runs against the final seeds (none while it is undecided).
+    ``complete`` says whether a row has all it plans: a study under way reads as such from this table,
+    not from its counts alone."""
     import pandas as pd
 
     summary = summary or {}
-    planned_trials = summary.get("trials_per_method", math.nan)
     planned_seeds = len(summary.get("final_seeds") or ()) or math.nan
-    long_info = summary.get("long")
+    long_info, control_info = summary.get("long"), summary.get("control")
     continued = isinstance(long_info, dict) and long_info.get("factor", 1) > 1
 
-    def seeds(table, method: str) -> int:
-        return int(table.loc[method, "seeds"]) if table is not None and method in table.index else 0
+    def seeds(table, name: str) -> int:
+        return int(table.loc[name, "seeds"]) if table is not None and name in table.index else 0
 
     lines = []
     for method, row in winners.iterrows():
-        line = {"method": method, "trials": int(row["trials"]), "trials_planned": planned_trials,
+        line = {"method": method, "trials": int(row["trials"]), "trials_planned": summary.get("trials_per_method", math.nan),
                 "final_seeds": seeds(heldout, method), "final_seeds_planned": planned_seeds}
         if continued:
             line.update({"long_seeds": seeds(long, method), "long_seeds_planned": planned_seeds})
-        # what the summary does not record (an older one's tune.trials) is not counted against it
-        line["complete"] = all(math.isnan(line[f"{k}_planned"]) or line[k] >= line[f"{k}_planned"]
-                               for k in ("trials", "final_seeds", "long_seeds") if k in line)
         lines.append(line)
+    if isinstance(control_info, dict) and control_info.get("declared") not in (None, "none"):
+        method = control_info.get("method")
+        lines.append({"method": f"control ({control_info['declared']}: {method or 'undecided'})",
+                      "final_seeds": seeds(control, f"{method} shuffled") if method else 0,
+                      "final_seeds_planned": planned_seeds})
+    for line in lines:
+        line["complete"] = not _short(line)
     return pd.DataFrame(lines).set_index("method")
 
 
 def interim_lines(completeness) -> list[str]:
-    """The digest's warning where a method lacks trials or final seeds (``completeness_table``)."""
+    """The digest's warning, naming what each row lacks, where a row of ``completeness_table`` is short."""
     if completeness is None or completeness["complete"].all():
         return []
-    short = []
-    for method, row in completeness[~completeness["complete"]].iterrows():
-        parts = []
-        for key, label in (("trials", "trials"), ("final_seeds", "final seeds"), ("long_seeds", "continued reruns")):
-            if key not in row or math.isnan(row[f"{key}_planned"]):
-                continue
-            if row[key] < row[f"{key}_planned"]:
-                parts.append(f"{int(row[key])} of {int(row[f'{key}_planned'])} {label}")
-        short.append(f"{method} ({', '.join(parts)})")
+    short = [f"{name} ({', '.join(_short(row))})" for name, row in completeness[~completeness["complete"]].iterrows()]
     return ["**Interim: the study is not finished.** Read nothing here as its result: " + _and(short) + ".", ""]
 
 
