@@ -312,6 +312,26 @@ def test_a_study_short_of_its_trials_or_seeds_is_digested_as_interim():
     assert tables["completeness"]["complete"].all()
 
 
+def test_a_trials_seconds_count_its_runs_own_clock_across_a_resume():
+    """The winners table's tuning seconds: a trial finished by the retry of a killed attempt, which
+    resumed its run from a checkpoint, counts its run's wall clock at the last row (25 s, the run's
+    folder carrying the first attempt's number) where that is more than the retry's own seconds
+    (10); a trial that ran whole counts its seconds (30, more than its rows' 20): 55 in all."""
+    from evolm_lib.tune.report import winners_table
+
+    def trial(number, state, seconds, retries=None):
+        return {"method": "es", "number": number, "state": state, "value": -1.0 if state == "complete" else None,
+                "params": {"sigma": 0.1}, "config": {}, "retries": retries, "error": None, "seconds": seconds}
+
+    def run(number, wall):
+        return {"stage": "trial", "method": "es", "trial": number, "seed": 100, "placement": [],
+                "rows": [{"generation": 0, "time/wall_s": wall / 2}, {"generation": 1, "time/wall_s": wall}]}
+
+    trials = [trial(0, "fail", None), trial(1, "complete", 10.0, retries=0), trial(2, "complete", 30.0)]
+    table = winners_table(trials, [run(0, 25.0), run(2, 20.0)])
+    assert table.loc["es", "trials"] == 2 and table.loc["es", "tuning_seconds"] == pytest.approx(55.0)
+
+
 def test_an_answer_holds_its_target_as_a_word_of_its_own_in_any_case():
     from evolm_lib.analysis import target_in_answer
 

@@ -43,23 +43,43 @@ def placements(runs: Sequence[dict]) -> dict[str, str]:
             "processes_on_card": processes, "mps": mps}
 
 
+def first_attempt(trial: Mapping[str, Any], by_number: Mapping[int, Mapping[str, Any]]) -> int:
+    """The number of the trial's first attempt, followed back through Optuna's retries of killed
+    trials: the number its folder (trials/<method>/trial_NNNN) and its runs' compacted lines carry."""
+    number, seen = trial["number"], set()
+    while by_number.get(number, {}).get("retries") is not None and number not in seen:
+        seen.add(number)
+        number = by_number[number]["retries"]
+    return number
+
+
 def counted_trials(trials: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
     """A method's trials as they count against its trial budget, in order: complete, pruned, and failed
     with an error. A killed trial that Optuna retried (the retry is asked later, with the same
     setting) is not counted; its retry takes its place in the order."""
     by_number = {t["number"]: t for t in trials}
     retried = {t["retries"] for t in trials if t.get("retries") is not None}
-
-    def place(trial: Mapping[str, Any]) -> tuple[int, int]:
-        number, seen = trial["number"], set()
-        while by_number.get(number, {}).get("retries") is not None and number not in seen:
-            seen.add(number)
-            number = by_number[number]["retries"]
-        return number, trial["number"]
-
     counted = [t for t in trials if t["number"] not in retried and (
         t["state"] in ("complete", "pruned") or (t["state"] == "fail" and t.get("error") is not None))]
-    return sorted(counted, key=place)
+    return sorted(counted, key=lambda t: (first_attempt(t, by_number), t["number"]))
+
+
+def trial_seconds(trial: Mapping[str, Any], by_number: Mapping[int, Mapping[str, Any]], runs: Sequence[dict]) -> float:
+    """What a trial took: its last attempt's seconds, or, where more, its runs' own wall clocks at
+    their last rows (``time/wall_s``, which goes on across a resume from a checkpoint, where the
+    attempt's seconds count only the attempt that finished it). Work begun again from the start
+    is in neither."""
+    number = first_attempt(trial, by_number)
+    walls = [rows_wall(run) for run in runs if run["stage"] == "trial" and run["method"] == trial["method"]
+             and run["trial"] == number]
+    return max(trial.get("seconds") or 0.0, sum(w for w in walls if w is not None))
+
+
+def rows_wall(run: Mapping[str, Any]) -> float | None:
+    """A compacted run's wall clock at its last row (``time/wall_s``), None where its rows hold none."""
+    from ..metrics import final_value
+
+    return final_value(run.get("rows") or [], "time/wall_s")
 
 
 def winners_table(trials: Sequence[dict], runs: Sequence[dict]):
@@ -83,7 +103,7 @@ def winners_table(trials: Sequence[dict], runs: Sequence[dict]):
             "setting": json.dumps(best["params"], sort_keys=True) if best else "",
             "derived": json.dumps({k: v for k, v in (best.get("config") or {}).items() if k not in best["params"]},
                                   sort_keys=True) if best else "",
-            "tuning_seconds": sum(t.get("seconds") or 0.0 for t in own),
+            "tuning_seconds": sum(trial_seconds(t, {u["number"]: u for u in own}, runs) for t in counted),
             **placements([r for r in runs if r["stage"] == "trial" and r["method"] == method]),
         })
     return pd.DataFrame(lines).set_index("method") if lines else pd.DataFrame()
