@@ -11,9 +11,11 @@
 #                                                    # returns 8 files of 16 MiB, 64 MiB together (RETURN_BYTES)
 #   bash scripts/gpu_tune_study.sh stage SECONDS DIR [ARCHIVE]   # start (unless running), wait, pack: one device call
 #                                                                # that ends within SECONDS (give the call a limit above it)
-#   bash scripts/gpu_tune_study.sh stop [SECONDS]   # end the workers (and rebuilds) of the last start, each
-#                                                    # process group sent TERM, then KILL after SECONDS (30): the card
-#                                                    # freed for other work once the last pack is taken
+#   bash scripts/gpu_tune_study.sh stop [SECONDS [METHOD...]]   # end the workers (and rebuilds) of the last start,
+#                                                    # each process group sent TERM, then KILL after SECONDS (30): the card
+#                                                    # freed for other work once the last pack is taken; with METHODs only
+#                                                    # those methods' workers, not refilled (a lease's last call leaves the
+#                                                    # card to the runs that must end in it)
 #   bash scripts/gpu_tune_study.sh compact DIR       # the study's rows and scores in DIR/compact (to commit)
 #   bash scripts/gpu_tune_study.sh compile-cache DIR [N]   # the engines' compile caches in parts, N to N+3 into DIR:
 #                                                    # staged as .gpu_stage/compile_cache.tar.gz.part-NN, the next
@@ -135,18 +137,34 @@ start_mps() {
   echo "MPS on cards $(paste -sd, "$LOGS/mps_cards.txt") (daemon: $MPS_DIR)"
 }
 
-stop() {  # stop SECONDS: TERM to each worker's process group (setsid made each a leader), KILL after SECONDS
-  local pid groups="" waited=0
-  for pid in $(cat "$LOGS/workers.pids" "$LOGS/rebuild.pid" "$LOGS/geometry_stage.pid" 2>/dev/null); do
+stop() {
+  # stop SECONDS [METHOD...]: TERM to each worker's process group (setsid made each a leader), KILL
+  # after SECONDS; with METHODs, only the workers of those methods (the rebuilds and the others run
+  # on, and a stopped worker is not refilled: it did not end cleanly), a method no worker was
+  # started for refused before anything is stopped
+  local seconds=$1 pid pids method groups="" waited=0
+  shift
+  if [ $# -gt 0 ]; then
+    for method in "$@"; do
+      cut -f 4 "$LOGS/workers.tsv" 2>/dev/null | grep -qx "$method" \
+        || { echo "stop: no worker of $method was started (workers: $(cut -f 4 "$LOGS/workers.tsv" 2>/dev/null | sort -u | paste -sd ' ' -))" >&2; return 2; }
+    done
+    pids=$(while IFS=$'\t' read -r pid _ _ method _ _; do
+      case " $* " in *" $method "*) echo "$pid" ;; esac
+    done < "$LOGS/workers.tsv")
+  else
+    pids=$(cat "$LOGS/workers.pids" "$LOGS/rebuild.pid" "$LOGS/geometry_stage.pid" 2>/dev/null)
+  fi
+  for pid in $pids; do
     kill -0 "$pid" 2>/dev/null && groups="$groups $pid" && kill -TERM -- "-$pid" 2>/dev/null
   done
-  while [ "$waited" -lt "$1" ]; do
+  while [ "$waited" -lt "$seconds" ]; do
     local left=0
     for pid in $groups; do kill -0 -- "-$pid" 2>/dev/null && left=$((left + 1)); done
     [ "$left" -eq 0 ] && break
     sleep 1; waited=$((waited + 1))
   done
-  for pid in $groups; do kill -KILL -- "-$pid" 2>/dev/null && echo "process group $pid: killed after ${1} s"; done
+  for pid in $groups; do kill -KILL -- "-$pid" 2>/dev/null && echo "process group $pid: killed after ${seconds} s"; done
   echo "stopped:${groups:- none running}"
 }
 
@@ -469,7 +487,7 @@ case "${1:-}" in
 start) start "${2:-}" ;;
 pack) pack "${2:?pack DIR}" ;;
 parts) parts "${2:?parts N DIR [COUNT]}" "${3:?parts N DIR [COUNT]}" ${4:+"$4"} ;;
-stop) stop "${2:-30}" ;;
+stop) stop "${2:-30}" "${@:3}" ;;
 compact) python -m evolm_lib.tune.compact "$STUDY" "${2:?compact DIR}/compact" ;;
 compile-cache) compile_cache "${2:?compile-cache DIR [N]}" "${3:-0}" ;;
 rebuild) rebuild ;;

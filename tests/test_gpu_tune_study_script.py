@@ -156,6 +156,38 @@ def test_stop_ends_every_worker_s_process_group_and_kills_one_that_ignores_term(
                 os.killpg(pid, signal.SIGKILL)
 
 
+def test_stop_with_methods_ends_only_their_workers_and_refuses_a_method_never_started(tmp_path):
+    """`stop SECONDS METHOD...` ends the process groups of those methods' workers (workers.tsv) and
+    leaves the others and the rebuilds running; a method with no worker recorded is refused, naming
+    the methods there are, before any worker is stopped."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    lora, eggroll, grpo, rebuild = (_detached("while :; do sleep 0.2; done") for _ in range(4))
+    try:
+        (logs / "workers.tsv").write_text("".join(f"{pid}\t0\t4\t{method}\t{logs}/{method}.log\t0\n" for pid, method in (
+            (lora, "es_lora"), (eggroll, "es_eggroll"), (grpo, "grpo_lora"))))
+        (logs / "workers.pids").write_text(f"{lora}\n{eggroll}\n{grpo}\n")
+        (logs / "rebuild.pid").write_text(f"{rebuild}\n")
+        script = f"set -u\nLOGS={logs}\n{_functions('stop')}\nstop 5 \"$@\"\n"
+        refused = subprocess.run(["bash", "-c", script, "stop", "es_lora", "es_ful"], capture_output=True, text=True, timeout=60)
+        assert refused.returncode == 2
+        assert refused.stderr.strip() == "stop: no worker of es_ful was started (workers: es_eggroll es_lora grpo_lora)"
+        assert all(_group_alive(pid) for pid in (lora, eggroll, grpo, rebuild))
+        result = subprocess.run(["bash", "-c", script, "stop", "es_lora", "es_eggroll"], capture_output=True, text=True,
+                                timeout=60)
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.splitlines() == [f"stopped: {lora} {eggroll}"]
+        deadline = time.monotonic() + 10
+        while (_group_alive(lora) or _group_alive(eggroll)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _group_alive(lora) and not _group_alive(eggroll)
+        assert _group_alive(grpo) and _group_alive(rebuild), "the other method's worker and the rebuilds run on"
+    finally:
+        for pid in (lora, eggroll, grpo, rebuild):
+            if _group_alive(pid):
+                os.killpg(pid, signal.SIGKILL)
+
+
 def test_rebuild_runs_the_first_three_final_seeds_of_each_method_one_process_each_round_robin(tmp_path):
     """`rebuild` starts `python -m evolm_lib.tune.rebuild` per method and seed (the geometry's first
     three seeds, numerically: seed10 after seed2) over the cards, waits for all, and counts failures."""
