@@ -69,17 +69,12 @@ def trial_seconds(trial: Mapping[str, Any], by_number: Mapping[int, Mapping[str,
     their last rows (``time/wall_s``, which goes on across a resume from a checkpoint, where the
     attempt's seconds count only the attempt that finished it). Work begun again from the start
     is in neither."""
-    number = first_attempt(trial, by_number)
-    walls = [rows_wall(run) for run in runs if run["stage"] == "trial" and run["method"] == trial["method"]
-             and run["trial"] == number]
-    return max(trial.get("seconds") or 0.0, sum(w for w in walls if w is not None))
-
-
-def rows_wall(run: Mapping[str, Any]) -> float | None:
-    """A compacted run's wall clock at its last row (``time/wall_s``), None where its rows hold none."""
     from ..metrics import final_value
 
-    return final_value(run.get("rows") or [], "time/wall_s")
+    number = first_attempt(trial, by_number)
+    walls = [final_value(run.get("rows") or [], "time/wall_s") for run in runs
+             if run["stage"] == "trial" and run["method"] == trial["method"] and run["trial"] == number]
+    return max(trial.get("seconds") or 0.0, sum(w for w in walls if w is not None))
 
 
 def winners_table(trials: Sequence[dict], runs: Sequence[dict]):
@@ -91,6 +86,7 @@ def winners_table(trials: Sequence[dict], runs: Sequence[dict]):
     lines = []
     for method in dict.fromkeys(t["method"] for t in trials):
         own = [t for t in trials if t["method"] == method]
+        by_number = {t["number"]: t for t in own}
         counted = counted_trials(own)
         complete = [t for t in counted if t["state"] == "complete" and t["value"] is not None]
         failed = [t for t in counted if t["state"] == "fail"]
@@ -103,7 +99,7 @@ def winners_table(trials: Sequence[dict], runs: Sequence[dict]):
             "setting": json.dumps(best["params"], sort_keys=True) if best else "",
             "derived": json.dumps({k: v for k, v in (best.get("config") or {}).items() if k not in best["params"]},
                                   sort_keys=True) if best else "",
-            "tuning_seconds": sum(trial_seconds(t, {u["number"]: u for u in own}, runs) for t in counted),
+            "tuning_seconds": sum(trial_seconds(t, by_number, runs) for t in counted),
             **placements([r for r in runs if r["stage"] == "trial" and r["method"] == method]),
         })
     return pd.DataFrame(lines).set_index("method") if lines else pd.DataFrame()
