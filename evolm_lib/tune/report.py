@@ -64,16 +64,15 @@ def counted_trials(trials: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any
     return sorted(counted, key=lambda t: (first_attempt(t, by_number), t["number"]))
 
 
-def trial_seconds(trial: Mapping[str, Any], by_number: Mapping[int, Mapping[str, Any]], runs: Sequence[dict]) -> float:
+def trial_seconds(trial: Mapping[str, Any], by_number: Mapping[int, Mapping[str, Any]], trial_runs: Sequence[dict]) -> float:
     """What a trial took: its last attempt's seconds, or, where more, its runs' own wall clocks at
     their last rows (``time/wall_s``, which goes on across a resume from a checkpoint, where the
-    attempt's seconds count only the attempt that finished it). Work begun again from the start
-    is in neither."""
+    attempt's seconds count only the attempt that finished it), ``trial_runs`` being its method's
+    tuning runs. Work begun again from the start is in neither."""
     from ..metrics import final_value
 
     number = first_attempt(trial, by_number)
-    walls = [final_value(run.get("rows") or [], "time/wall_s") for run in runs
-             if run["stage"] == "trial" and run["method"] == trial["method"] and run["trial"] == number]
+    walls = [final_value(run.get("rows") or [], "time/wall_s") for run in trial_runs if run["trial"] == number]
     return max(trial.get("seconds") or 0.0, sum(w for w in walls if w is not None))
 
 
@@ -87,6 +86,7 @@ def winners_table(trials: Sequence[dict], runs: Sequence[dict]):
     for method in dict.fromkeys(t["method"] for t in trials):
         own = [t for t in trials if t["method"] == method]
         by_number = {t["number"]: t for t in own}
+        trial_runs = [r for r in runs if r["stage"] == "trial" and r["method"] == method]
         counted = counted_trials(own)
         complete = [t for t in counted if t["state"] == "complete" and t["value"] is not None]
         failed = [t for t in counted if t["state"] == "fail"]
@@ -99,8 +99,8 @@ def winners_table(trials: Sequence[dict], runs: Sequence[dict]):
             "setting": json.dumps(best["params"], sort_keys=True) if best else "",
             "derived": json.dumps({k: v for k, v in (best.get("config") or {}).items() if k not in best["params"]},
                                   sort_keys=True) if best else "",
-            "tuning_seconds": sum(trial_seconds(t, by_number, runs) for t in counted),
-            **placements([r for r in runs if r["stage"] == "trial" and r["method"] == method]),
+            "tuning_seconds": sum(trial_seconds(t, by_number, trial_runs) for t in counted),
+            **placements(trial_runs),
         })
     return pd.DataFrame(lines).set_index("method") if lines else pd.DataFrame()
 
