@@ -28,6 +28,11 @@
 #       card 2, the train step profiled again, the cuBLAS workspace setting's cost told from the algorithms'
 #   bash scripts/gpu_speed.sh eggroll OUT # modes, EGGROLL against the base model, alone on the host (card 0), then one
 #       more call of each under torch.profiler: the kernels by category and how busy the card was (--profile)
+#   bash scripts/gpu_speed.sh tiles OUT   # card 0, alone on the host: vLLM's LoRA tiles tuned on this GPU for EGGROLL's
+#       calls (scripts/tune_lora_kernels.py: rank 1, 32 of the engine's 68 slots busy, as a population of 32 and its
+#       mean sizes it), then modes eggroll,lora with vLLM's default tiles (from a cold compile cache: the engines after
+#       it start warm), with the tiles tuned here, and with the defaults again, each under torch.profiler too; the
+#       tuned folder comes back in the pack (RES/lora_kernel_configs), to ship where it wins
 #   bash scripts/gpu_speed.sh loose OUT   # grpo-update on every card of the machine, side by side: deterministic in
 #       its own process with and without torch's deterministic algorithms, the latter twice (do its rows repeat?),
 #       against not deterministic; LoRA and full policies (each configuration's progress in grpo_update_loose_logs/)
@@ -47,7 +52,7 @@
 # measurement is stopped when it is reached, and its JSON keeps what it had written.
 set -u
 . "$(dirname "${BASH_SOURCE[0]}")/gpu_cards.sh"  # mps_daemon, mps_vars
-PARTS="cards ray starts pool8 misses left next eggroll loose swap grpo1 mps mps1 mpsshare"  # each a case below
+PARTS="cards ray starts pool8 misses left next eggroll tiles loose swap grpo1 mps mps1 mpsshare"  # each a case below
 PART=${1:?a part: $PARTS}
 OUT=${2:?OUT folder}
 case " $PARTS " in  # before anything is converted, built or started
@@ -130,6 +135,17 @@ next)
   ;;
 eggroll)
   bench modes_eggroll 0 modes --model "$QWEN" --modes eggroll --tiles auto --repeats 5 --no-update --profile & pids="$pids $!"
+  ;;
+tiles)
+  { measure tune_tiles 0 python scripts/tune_lora_kernels.py --model-dir "$QWEN" --ranks 1 --num-tokens 256,2048 \
+      --num-loras 32 --max-loras 68 --out "$RES/lora_kernel_configs"
+    bench modes_default_cold 0 modes --model "$QWEN" --modes eggroll,lora --tiles default --repeats 2 --no-update
+    if [ -d "$RES/lora_kernel_configs" ]; then  # a user's folder: what --tiles auto picks for every mode
+      VLLM_TUNED_CONFIG_FOLDER=$PWD/$RES/lora_kernel_configs \
+        bench modes_tuned 0 modes --model "$QWEN" --modes eggroll,lora --tiles auto --repeats 5 --no-update --profile
+    fi
+    bench modes_default 0 modes --model "$QWEN" --modes eggroll,lora --tiles default --repeats 5 --no-update --profile
+  } & pids="$pids $!"
   ;;
 loose)
   all=$(awk '{print NR - 1}' "$RES/cards.txt" | paste -sd, -)  # every card listed above: 0,1,...,N-1

@@ -350,7 +350,7 @@ def test_tuned_lora_kernel_configs_are_picked_per_gpu_for_lora_population_engine
     assert lora_kernel_folder("auto", h100, population) == str(LORA_KERNEL_CONFIGS)
     assert lora_kernel_folder("auto", h100, population.replace(max_lora_rank=4)) == str(LORA_KERNEL_CONFIGS)  # slots of rank 8
     assert lora_kernel_folder("auto", h100, population.replace(max_lora_rank=16)) is None  # a rank the tuning left out
-    # EGGROLL's rank-1 noise ran faster on vLLM's defaults; es_mode full serves no adapter
+    # EGGROLL's rank-1 noise ran faster on vLLM's defaults (modes.json lists lora only); es_mode full serves no adapter
     assert lora_kernel_folder("auto", h100, population.replace(es_mode="eggroll")) is None
     assert lora_kernel_folder("auto", h100, population.replace(es_mode="full")) is None
     assert lora_kernel_folder("auto", h100, population.replace(max_loras=1)) is None  # GRPO: tuned for busy slots
@@ -364,6 +364,34 @@ def test_tuned_lora_kernel_configs_are_picked_per_gpu_for_lora_population_engine
     assert lora_kernel_folder("auto", h100, population.replace(max_loras=1)) is None
     monkeypatch.setenv("VLLM_TUNED_CONFIG_FOLDER", str(tmp_path))  # the user's own choice wins
     assert lora_kernel_folder("auto", h100, population.replace(es_mode="eggroll")) == str(tmp_path)
+
+
+def test_shipped_tiles_serve_the_modes_measured_faster_with_them_on_each_gpu(tmp_path, monkeypatch):
+    import json
+    import shutil
+
+    from evolm_lib.engines import EngineSizing
+    from evolm_lib.engines.vllm import startup
+
+    h100, h200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"
+    monkeypatch.delenv("VLLM_TUNED_CONFIG_FOLDER", raising=False)
+    assert startup.tuned_modes(startup.LORA_KERNEL_CONFIGS, h100) == {"lora"}
+    assert startup.tuned_modes(startup.LORA_KERNEL_CONFIGS, "NVIDIA A100-SXM4-80GB") == set()
+    # a folder of tiles for the H200 (the H100's files under its name) where EGGROLL was measured faster
+    shipped = tmp_path / "shipped"
+    shipped.mkdir()
+    for kind in ("SHRINK", "EXPAND_TRUE"):
+        shutil.copy(startup.LORA_KERNEL_CONFIGS / f"NVIDIA_H100_80GB_HBM3_{kind}.json", shipped / f"NVIDIA_H200_{kind}.json")
+    (shipped / startup.TUNED_MODES_FILE).write_text(json.dumps({h200: ["eggroll"]}))
+    monkeypatch.setattr(startup, "LORA_KERNEL_CONFIGS", shipped)
+    population = EngineSizing(max_loras=33, max_lora_rank=1)
+    assert startup.lora_kernel_folder("auto", h200, population.replace(es_mode="eggroll")) == str(shipped)
+    assert startup.lora_kernel_folder("auto", h200, population) is None  # LoRA populations not measured there
+    assert startup.lora_kernel_folder("auto", h100, population) is None  # no H100 files, nor modes, in this folder
+    # a GPU listed without its files is refused, naming the file that is missing
+    (shipped / startup.TUNED_MODES_FILE).write_text(json.dumps({h200: ["eggroll"], h100: ["lora"]}))
+    with pytest.raises(ValueError, match="NVIDIA_H100_80GB_HBM3_SHRINK.json"):
+        startup.lora_kernel_folder("auto", h100, population)
 
 
 def test_a_process_keeps_the_lora_kernel_tiles_of_its_first_gpu_engine(monkeypatch):
@@ -450,10 +478,12 @@ def test_llm_arguments_capture_cuda_graphs_for_the_runs_calls_on_a_gpu_only(tmp_
 def test_shipped_lora_kernel_configs_are_laid_out_as_vllm_reads_them():
     import json
 
-    from evolm_lib.engines.vllm.startup import LORA_KERNEL_CONFIGS
+    from evolm_lib.engines.vllm.startup import LORA_KERNEL_CONFIGS, TUNED_MODES_FILE, tuned_modes
 
     keys = {"block_m", "block_n", "block_k", "num_warps", "num_stages"}
-    for path in LORA_KERNEL_CONFIGS.glob("*.json"):
+    listed = json.loads((LORA_KERNEL_CONFIGS / TUNED_MODES_FILE).read_text())
+    assert listed and all(tuned_modes(LORA_KERNEL_CONFIGS, gpu) <= {"lora", "eggroll"} for gpu in listed)
+    for path in sorted(set(LORA_KERNEL_CONFIGS.glob("*.json")) - {LORA_KERNEL_CONFIGS / TUNED_MODES_FILE}):
         tree = json.loads(path.read_text())
         # config[max_loras + 1][num_slices][m][k][n] = tile settings (vllm/lora/ops/triton_ops/utils.py)
         leaves = [leaf for by_slices in tree.values() for by_m in by_slices.values() for by_k in by_m.values()

@@ -20,11 +20,18 @@ LORA_KERNEL_CONFIGS = Path(__file__).resolve().parents[1] / "lora_kernel_configs
 
 
 POPULATION_TILES_MIN_LORAS = 16  # "auto" gives the shipped tiles to engines with at least this many adapter slots
-TUNED_MODES = ("lora",)
-"""The ES modes the shipped tiles were tuned for: LoRA populations (scripts/tune_lora_kernels.py builds
-its calls as a population's forward pass, tokens spread over 33 of 67 busy slots). EGGROLL's rank-1
-noise ran at 0.70 of the base model with them and at 0.87 with vLLM's defaults on Qwen2.5-1.5B's
-shapes (docs/measurements.md); es_mode full serves no adapter, and the tuned tiles slow such calls."""
+TUNED_MODES_FILE = "modes.json"
+"""Beside the tiles: for each GPU (as ``torch.cuda.get_device_name`` names it), the ES modes whose
+populations were measured faster with that GPU's tiles than with vLLM's defaults
+(docs/measurements.md). A GPU's tiles are tuned once, by scripts/tune_lora_kernels.py, for every
+projection's shapes, but whether they pay off depends on what the engine serves: on the H100
+EGGROLL's rank-1 noise ran at 0.70 of the base model with them and at 0.87 with vLLM's defaults,
+and es_mode full serves no adapter at all, so a mode is listed only once measured."""
+
+
+def _gpu_file_stem(device_name: str) -> str:
+    """vLLM's name for a GPU's tile files: the device name with spaces and dashes made underscores."""
+    return device_name.replace(" ", "_").replace("-", "_")
 
 
 def tuned_ranks(folder: str | Path, device_name: str) -> frozenset[int]:
@@ -33,8 +40,7 @@ def tuned_ranks(folder: str | Path, device_name: str) -> frozenset[int]:
     GPU has no file."""
     import json
 
-    gpu = device_name.replace(" ", "_").replace("-", "_")
-    path = Path(folder) / f"{gpu}_SHRINK.json"
+    path = Path(folder) / f"{_gpu_file_stem(device_name)}_SHRINK.json"
     if not path.is_file():
         return frozenset()
     tree = json.loads(path.read_text())
@@ -42,15 +48,29 @@ def tuned_ranks(folder: str | Path, device_name: str) -> frozenset[int]:
                      for by_k in by_m.values() for by_n in by_k.values() for n in by_n)
 
 
+def tuned_modes(folder: str | Path, device_name: str) -> frozenset[str]:
+    """The ES modes that run on a folder's tiles on this GPU (``TUNED_MODES_FILE``); empty where the
+    folder lists none for it. A listed GPU without its tile files is refused: the list would claim
+    tiles that are not there."""
+    import json
+
+    path = Path(folder) / TUNED_MODES_FILE
+    listed = json.loads(path.read_text()).get(device_name, []) if path.is_file() else []
+    if listed and not tuned_ranks(folder, device_name):
+        raise ValueError(f"{path}: lists modes {listed} for {device_name}, but {folder} has no "
+                         f"{_gpu_file_stem(device_name)}_SHRINK.json")
+    return frozenset(listed)
+
+
 def lora_kernel_folder(choice: str | Path | None, device_name: str | None, sizing: EngineSizing) -> str | None:
     """The folder vLLM should read tuned LoRA kernel configs from (``VLLM_TUNED_CONFIG_FOLDER``) for
     an engine of ``sizing``.
 
     "auto": a folder the user named in the environment; else the configs shipped here where they
-    were tuned for what the engine serves: a LoRA population (``es_mode`` lora, ``max_loras`` >=
-    POPULATION_TILES_MIN_LORAS) at a slot rank the files cover, on a GPU they include (``device_name``,
-    e.g. "NVIDIA H100 80GB HBM3"); else None, vLLM's defaults: for EGGROLL's noise and es_mode full,
-    for engines of one or two adapters (GRPO) and for ranks the tuning left out.
+    suit what the engine serves: a population (``max_loras`` >= POPULATION_TILES_MIN_LORAS) of a mode
+    measured faster with this GPU's tiles (``tuned_modes``, e.g. "NVIDIA H100 80GB HBM3": lora), at a
+    slot rank the files cover; else None, vLLM's defaults: for modes not measured on the GPU, for
+    engines of one or two adapters (GRPO) and for ranks the tuning left out.
     None: vLLM's defaults. A path: that folder, which must exist."""
     if choice is None:
         return None
@@ -61,7 +81,9 @@ def lora_kernel_folder(choice: str | Path | None, device_name: str | None, sizin
     named = os.environ.get("VLLM_TUNED_CONFIG_FOLDER")
     if named and named != str(LORA_KERNEL_CONFIGS):  # the user's own (ours may be left from an earlier engine)
         return named
-    if device_name is None or sizing.es_mode not in TUNED_MODES or sizing.max_loras < POPULATION_TILES_MIN_LORAS:
+    if device_name is None or sizing.max_loras < POPULATION_TILES_MIN_LORAS:
+        return None
+    if sizing.es_mode not in tuned_modes(LORA_KERNEL_CONFIGS, device_name):
         return None
     return str(LORA_KERNEL_CONFIGS) if sizing.engine_lora_rank in tuned_ranks(LORA_KERNEL_CONFIGS, device_name) else None
 
