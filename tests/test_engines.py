@@ -392,6 +392,9 @@ def test_shipped_tiles_serve_the_modes_measured_faster_with_them_on_each_gpu(tmp
     (shipped / startup.TUNED_MODES_FILE).write_text(json.dumps({h200: ["eggroll"], h100: ["lora"]}))
     with pytest.raises(ValueError, match="NVIDIA_H100_80GB_HBM3_SHRINK.json"):
         startup.lora_kernel_folder("auto", h100, population)
+    (shipped / startup.TUNED_MODES_FILE).write_text(json.dumps({h200: ["egroll"]}))  # mistyped
+    with pytest.raises(ValueError, match=r"\['egroll'\] are not ES modes"):
+        startup.lora_kernel_folder("auto", h200, population.replace(es_mode="eggroll"))
 
 
 def test_a_process_keeps_the_lora_kernel_tiles_of_its_first_gpu_engine(monkeypatch):

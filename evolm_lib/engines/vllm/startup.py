@@ -12,7 +12,7 @@ from typing import Any
 
 from ...env import apply_engine_defaults
 from ...quiet import engine_load_options
-from ..sizing import EngineSizing, cudagraph_capture_sizes
+from ..sizing import ES_MODES, EngineSizing, cudagraph_capture_sizes
 from .worker import EXTENSION
 
 # vLLM's multi-LoRA Triton kernel tiles tuned by scripts/tune_lora_kernels.py, one file pair per GPU model
@@ -50,12 +50,15 @@ def tuned_ranks(folder: str | Path, device_name: str) -> frozenset[int]:
 
 def tuned_modes(folder: str | Path, device_name: str) -> frozenset[str]:
     """The ES modes that run on a folder's tiles on this GPU (``TUNED_MODES_FILE``); empty where the
-    folder lists none for it. A listed GPU without its tile files is refused: the list would claim
-    tiles that are not there."""
+    folder lists none for it. A listed GPU without its tile files, or a name that is no ES mode, is
+    refused: the list would claim tiles that are not there, or name a mode no engine asks for."""
     import json
 
     path = Path(folder) / TUNED_MODES_FILE
     listed = json.loads(path.read_text()).get(device_name, []) if path.is_file() else []
+    unknown = sorted(set(listed) - set(ES_MODES))
+    if unknown:
+        raise ValueError(f"{path}: {device_name}: {unknown} are not ES modes ({', '.join(ES_MODES)})")
     if listed and not tuned_ranks(folder, device_name):
         raise ValueError(f"{path}: lists modes {listed} for {device_name}, but {folder} has no "
                          f"{_gpu_file_stem(device_name)}_SHRINK.json")
