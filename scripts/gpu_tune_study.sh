@@ -16,7 +16,7 @@
 #                                                    # freed for other work once the last pack is taken; with METHODs only
 #                                                    # those methods' workers, not refilled (a lease's last call leaves the
 #                                                    # card to the runs that must end in it)
-#   bash scripts/gpu_tune_study.sh compact DIR       # the study's rows and scores in DIR/compact (to commit)
+#   bash scripts/gpu_tune_study.sh compact DIR       # the study's rows and scores, its summary written afresh, in DIR/compact (to commit)
 #   bash scripts/gpu_tune_study.sh compile-cache DIR [N]   # the engines' compile caches in parts, N to N+3 into DIR:
 #                                                    # staged as .gpu_stage/compile_cache.tar.gz.part-NN, the next
 #                                                    # machine's `start` unpacks them and its engines start warm
@@ -488,7 +488,7 @@ start) start "${2:-}" ;;
 pack) pack "${2:?pack DIR}" ;;
 parts) parts "${2:?parts N DIR [COUNT]}" "${3:?parts N DIR [COUNT]}" ${4:+"$4"} ;;
 stop) stop "${2:-30}" "${@:3}" ;;
-compact) python -m evolm_lib.tune.compact "$STUDY" "${2:?compact DIR}/compact" ;;
+compact) python -m evolm_lib.tune.compact "$STUDY" "${2:?compact DIR}/compact" --spec "$SPEC" ;;
 compile-cache) compile_cache "${2:?compile-cache DIR [N]}" "${3:-0}" ;;
 rebuild) rebuild ;;
 finish) finish "${2:?finish DIR [SECONDS]}" "${3:-3600}" ;;

@@ -312,6 +312,50 @@ def test_a_study_short_of_its_trials_or_seeds_is_digested_as_interim():
     assert tables["completeness"]["complete"].all()
 
 
+def test_what_a_study_under_way_has_left_is_paced_by_its_own_finished_runs():
+    """left.csv, hand-computed. es: trials of 100 and 300 s pace it at their median, 200; of its 4
+    trials 2 are left, one under way at 5 of 10 generations from a checkpoint (half kept): 1.5 x 200;
+    its reruns at that pace too, its trials not being done: seed 0 at 4 of 10 from a checkpoint,
+    1.6 x 200; two continuations, 2 x 200; 1,020 s. grpo, its trials done: a rerun at its winner's
+    80 s; seed 1 under way but beginning again (no checkpoint), 1 x 80; a continuation at 15 of 20
+    from a checkpoint (half of its own length kept), 1.5 x 80; 200 s. The control, undecided: the
+    ES form ahead so far (es), 2 reruns x 200 = 400 s."""
+    from evolm_lib.tune.report import study_digest, study_tables
+
+    def trial(method, number, seconds, value=-1.0, state="complete"):
+        return {"method": method, "number": number, "state": state, "value": value if state == "complete" else None,
+                "params": {}, "config": {}, "retries": None, "error": None, "seconds": seconds}
+
+    def run(stage, method, seed, at, length, resume, trial_number=None, finished=False):
+        kind = method
+        return {"stage": stage, "method": method, "seed": seed, "trial": trial_number, "path": f"{stage}/{method}/{seed}",
+                "config": {"seed": seed, "num_generations": length}, "placement": [],
+                "rows": [{"generation": g, "method": kind, "samples/completions": g} for g in range(at + 1)],
+                "resume": {"generation": at} if resume else None,
+                "heldout": {"generation": at, "index": [0], "reward": [-1.0], "success": [False]} if finished else None}
+
+    summary = {"final_seeds": [0, 1], "trials_per_method": 4, "long": {"factor": 2}, "measure": "reward",
+               "control": {"declared": "best_es", "method": None}}
+    trials = [trial("es", 0, 100.0), trial("es", 1, 300.0), trial("es", 2, None, state="running"),
+              trial("grpo", 0, 50.0, -1.0), trial("grpo", 1, 80.0, -0.5), trial("grpo", 2, 60.0, -2.0),
+              trial("grpo", 3, 70.0, -3.0)]
+    runs = [run("trial", "es", 100, 5, 10, True, trial_number=2), run("final", "es", 0, 4, 10, True),
+            run("final", "grpo", 0, 10, 10, True, finished=True), run("final", "grpo", 1, 7, 10, False),
+            run("long", "grpo", 0, 15, 20, True)]
+    tables = study_tables({"runs": runs, "trials": trials, "summary": summary, "geometry": None})
+    left = tables["left"]
+    assert left.loc["es", ["trials_left", "reruns_left", "continuations_left", "trial_pace_seconds", "rerun_seconds"]
+                    ].tolist() == [2, 2, 2, 200.0, 200.0]
+    assert left.loc["es", "seconds_left"] == pytest.approx(1.5 * 200 + 1.6 * 200 + 2 * 200)
+    assert left.loc["grpo", ["trials_left", "reruns_left", "continuations_left", "trial_pace_seconds", "rerun_seconds"]
+                    ].tolist() == [0, 1, 2, 65.0, 80.0]
+    assert left.loc["grpo", "seconds_left"] == pytest.approx(1 * 80 + 1.5 * 80)
+    assert left.loc["control (best_es: es so far)", "seconds_left"] == pytest.approx(400)
+    assert any(line.startswith(f"Left, in one worker's hours at the pace of each method's own finished runs "
+                               f"(`left.csv`; a floor, the engines a card as they ran): about {1620 / 3600:.1f} in all (es 0.3, ")
+               for line in study_digest(tables, "t").splitlines())
+
+
 def test_a_trials_seconds_count_its_runs_own_clock_across_a_resume():
     """The winners table's tuning seconds: a trial finished by the retry of a killed attempt, which
     resumed its run from a checkpoint, counts its run's wall clock at the last row (25 s, the run's
@@ -655,9 +699,14 @@ def test_the_study_end_to_end_then_compacted_tabled_drawn_and_measured(tmp_path,
         row["method_b"] for row in summary["control"]["comparison"]} == {"es", "es shuffled"}
 
     compact = tmp_path / "compact"
-    result = subprocess.run([sys.executable, "-m", "evolm_lib.tune.compact", str(spec.out), str(compact)],
-                            capture_output=True, text=True, cwd=REPO)
+    # the study's summary as an older worker left it (no plan); --spec writes it afresh, starting no run
+    stale = {k: v for k, v in summary.items() if k not in ("trials_per_method", "methods")}
+    (spec.out / tune.SUMMARY).write_text(json.dumps(stale))
+    result = subprocess.run([sys.executable, "-m", "evolm_lib.tune.compact", str(spec.out), str(compact),
+                             "--spec", str(spec.path)], capture_output=True, text=True, cwd=REPO)
     assert result.returncode == 0, result.stderr
+    fresh = json.loads((compact / tune.SUMMARY).read_text())
+    assert fresh["trials_per_method"] == spec.settings.trials and fresh["final"] == summary["final"]
     manifest = json.loads((compact / "manifest.json").read_text())
     assert manifest["runs"] == {"control": 2, "final": 4, "long": 4, "trial": 4} and manifest["trials"] == 4
     assert sum(manifest["bytes"].values()) < 100_000

@@ -218,13 +218,23 @@ def _write_manifest(folder: Path, manifest: dict[str, Any]) -> dict[str, Any]:
     return manifest
 
 
-def compact_study(study: str | Path, out: str | Path) -> dict[str, Any]:
-    """Write STUDY's runs, trials and summary into OUT (see the module docstring); returns the manifest."""
+def compact_study(study: str | Path, out: str | Path, spec: str | Path | None = None) -> dict[str, Any]:
+    """Write STUDY's runs, trials and summary into OUT (see the module docstring); returns the manifest.
+
+    ``spec``: the study's tune spec, from which its summary is written afresh first (``tune.summarize``:
+    no run is started). A worker writes the summary only as it ends, and in a study under way few
+    end cleanly, so the summary a study folder holds can be several leases old: without its plan
+    (``trials_per_method``) the tables cannot tell how many trials are missing."""
     from ..analysis import heldout_summary, read_heldout
 
     study, out = Path(study), Path(out)
     if not study.is_dir():
         raise FileNotFoundError(f"{study}: no such folder (a study's or sweep's `out`)")
+    if spec is not None:
+        from .final import summarize
+        from .spec import load_tune_spec
+
+        summarize(load_tune_spec(spec, out=study))
     runs = [compact_run(study, folder) for folder in run_folders(study)]
     if not runs:
         raise FileNotFoundError(f"{study}: no run folder (config.yaml and metrics.jsonl) under it")
@@ -356,10 +366,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("study", type=Path, help="the study's folder (tune.out or sweep.out), on the machine that ran it")
     parser.add_argument("out", type=Path, help="the folder to write runs.jsonl.gz, trials.jsonl.gz, "
                                                "tune_summary.json and manifest.json into")
+    parser.add_argument("--spec", type=Path, help="the study's tune spec: its summary written afresh before it is copied")
     args = parser.parse_args(argv)
+    if args.spec is not None:
+        import optuna
+
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
     try:
-        manifest = compact_study(args.study, args.out)
-    except FileNotFoundError as error:
+        manifest = compact_study(args.study, args.out, spec=args.spec)
+    except (FileNotFoundError, ValueError) as error:
         print(f"compact: {error}", file=sys.stderr)
         return 1
     size = sum(manifest["bytes"].values())

@@ -218,6 +218,8 @@ def study_tables(compact: dict, measure: str | None = None) -> dict[str, Any]:
     if "winners" in tables:
         tables["completeness"] = completeness_table(summary, tables["winners"], tables.get("heldout"), tables.get("long"),
                                                     tables.get("control"))
+        if not tables["completeness"]["complete"].all():
+            tables["left"] = left_table(compact["trials"], runs, summary, tables["winners"])
     for table in tables.values():
         table.attrs["measure"] = measure
     return tables
@@ -266,6 +268,94 @@ def completeness_table(summary: Mapping[str, Any] | None, winners, heldout=None,
     for line in lines:
         line["complete"] = not _short(line)
     return pd.DataFrame(lines).set_index("method")
+
+
+def _share_done(run: Mapping[str, Any]) -> float:
+    """How much of a compacted run under way a restored study keeps: its last row's generation over its
+    length where it goes on from a checkpoint (``resume``), else none (it begins again)."""
+    from ..runs import row_generation
+
+    length = run["config"].get("num_generations", run["config"].get("num_steps"))
+    if not run.get("resume") or not run.get("rows") or not length:
+        return 0.0
+    return min(max(row_generation(run["rows"][-1]), 0) / length, 1.0)
+
+
+def left_table(trials: Sequence[Mapping[str, Any]], runs: Sequence[dict], summary: Mapping[str, Any] | None, winners):
+    """What a study under way has left, per method, in runs and in one worker's seconds at the pace of
+    its own finished work: a trial at the median seconds its method's complete trials took
+    (``trial_seconds``: their wall clocks, at the engines a card they ran at), a rerun on a final seed
+    at its winner's trial seconds once the trials are done (the same setting and length; the median
+    before), a continuation at ``tune.long - 1`` times that, and the control's runs at its method's
+    rerun (the ES form of the best validation score so far while it is undecided). A run under way
+    that goes on from a checkpoint counts what it has done; one that begins again counts nothing.
+    A continuation whose rerun's last checkpoint is lost runs from the start instead, which this
+    does not know: a floor, not a promise. NaN where a method has no complete trial to pace it."""
+    import pandas as pd
+
+    summary = summary or {}
+    planned = summary.get("trials_per_method", math.nan)
+    seeds = len(summary.get("final_seeds") or ())
+    long_info, control_info = summary.get("long"), summary.get("control")
+    factor = long_info.get("factor", 1) if isinstance(long_info, dict) else 1
+    lines, rerun_pace = [], {}
+    for method, row in winners.iterrows():
+        own = [t for t in trials if t["method"] == method]
+        by_number = {t["number"]: t for t in own}
+        trial_runs = [r for r in runs if r["stage"] == "trial" and r["method"] == method]
+        counted = counted_trials(own)
+        complete = [t for t in counted if t["state"] == "complete" and t["value"] is not None]
+        pace = statistics.median(trial_seconds(t, by_number, trial_runs) for t in complete) if complete else math.nan
+        trials_left = max(planned - len(counted), 0) if not math.isnan(planned) else math.nan
+        # the trials under way, each as the share its runs keep (a retry's runs are its first attempt's)
+        open_shares = sorted((statistics.fmean([_share_done(r) for r in trial_runs if r["trial"] == first_attempt(t, by_number)]
+                                               or [0.0])
+                              for t in own if t["state"] in ("running", "waiting")), reverse=True)
+        trial_units = math.nan if math.isnan(trials_left) else trials_left - sum(open_shares[:int(trials_left)])
+        winner = by_number.get(row["winner_trial"]) if trials_left == 0 else None
+        rerun = trial_seconds(winner, by_number, trial_runs) if winner else pace
+        rerun_pace[method] = rerun
+        stage_units = {}
+        for stage, length in (("final", 1), ("long", factor - 1)):
+            done = [r for r in runs if r["stage"] == stage and r["method"] == method]
+            finished = sum(bool(r.get("heldout")) for r in done)
+            # a continuation's share counts from its rerun's end: of factor x the budget, (factor - 1) is its own
+            kept = sum(max(_share_done(r) * (length + 1 if stage == "long" else 1) - (1 if stage == "long" else 0), 0.0)
+                       for r in done if not r.get("heldout"))
+            stage_units[stage] = max(seeds - finished, 0) * length - kept if length else 0.0
+        lines.append({"method": method, "trials_left": trials_left,
+                      "reruns_left": seeds - sum(bool(r.get("heldout")) for r in runs if r["stage"] == "final" and r["method"] == method),
+                      "continuations_left": (seeds - sum(bool(r.get("heldout")) for r in runs
+                                                         if r["stage"] == "long" and r["method"] == method)) if factor > 1 else 0,
+                      "trial_pace_seconds": pace, "paced_by_trials": len(complete), "rerun_seconds": rerun,
+                      "seconds_left": trial_units * pace + (stage_units["final"] + stage_units["long"]) * rerun,
+                      **{k: v for k, v in placements(trial_runs).items() if k in ("engines_per_card", "device")}})
+    if isinstance(control_info, dict) and control_info.get("declared") not in (None, "none"):
+        declared, method = control_info["declared"], control_info.get("method")
+        if method is None:  # undecided: of its kind (best_es: the ES forms), the one ahead so far
+            kinds = {r["method"]: r["rows"][0].get("method") for r in runs if r["stage"] == "trial" and r.get("rows")}
+            scores = {m: winners.loc[m, "validation_score"] for m in winners.index
+                      if kinds.get(m) == declared.removeprefix("best_") and not math.isnan(winners.loc[m, "validation_score"])}
+            method = max(scores, key=lambda m: scores[m]) if scores else declared
+        done = sum(bool(r.get("heldout")) for r in runs if r["stage"] == "control")
+        lines.append({"method": f"control ({declared}: {control_info.get('method') or f'{method} so far'})",
+                      "reruns_left": seeds - done,
+                      "rerun_seconds": rerun_pace.get(method, math.nan),
+                      "seconds_left": (seeds - done) * rerun_pace.get(method, math.nan)})
+    return pd.DataFrame(lines).set_index("method")
+
+
+def left_lines(left) -> list[str]:
+    """The digest's line on what is left, in worker-hours at each method's own pace (``left_table``)."""
+    if left is None or left.empty:
+        return []
+    known = left[~left["seconds_left"].isna()]
+    unpaced = [name for name in left.index if name not in known.index]
+    parts = [f"{name} {seconds / 3600:.1f}" for name, seconds in known["seconds_left"].items() if seconds > 0]
+    return [f"Left, in one worker's hours at the pace of each method's own finished runs (`left.csv`; a floor, the "
+            f"engines a card as they ran): about {known['seconds_left'].sum() / 3600:.1f} in all"
+            + (f" ({', '.join(parts)})" if parts else "")
+            + (f"; not paced yet: {_and(unpaced)}" if unpaced else "") + ".", ""]
 
 
 def interim_lines(completeness) -> list[str]:
@@ -319,6 +409,7 @@ def study_digest(tables: Mapping[str, Any], title: str) -> str:
              "seed standard deviation; the winner's validation score in brackets." if winners is not None else
              f"Held-out {measure} over each method's seeds: mean (BCa interval), t interval, seed standard deviation.", ""]
     lines += interim_lines(tables.get("completeness"))
+    lines += left_lines(tables.get("left"))
     parts = [table for table in (tables.get("heldout"), tables.get("control")) if table is not None]
     tuned = pd.concat(parts) if parts else None  # the control's rows under their own names
     finals = [table for table in (tuned, sweep) if table is not None]
