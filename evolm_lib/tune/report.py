@@ -307,28 +307,26 @@ def left_table(trials: Sequence[Mapping[str, Any]], runs: Sequence[dict], summar
         complete = [t for t in counted if t["state"] == "complete" and t["value"] is not None]
         pace = statistics.median(trial_seconds(t, by_number, trial_runs) for t in complete) if complete else math.nan
         trials_left = max(planned - len(counted), 0) if not math.isnan(planned) else math.nan
-        # the trials under way, each as the share its runs keep (a retry's runs are its first attempt's)
-        open_shares = sorted((statistics.fmean([_share_done(r) for r in trial_runs if r["trial"] == first_attempt(t, by_number)]
-                                               or [0.0])
-                              for t in own if t["state"] in ("running", "waiting")), reverse=True)
+
+        def kept(trial) -> float:  # a trial under way: the mean share its runs keep (a retry's are its first attempt's)
+            shares = [_share_done(r) for r in trial_runs if r["trial"] == first_attempt(trial, by_number)]
+            return statistics.fmean(shares) if shares else 0.0
+
+        open_shares = sorted((kept(t) for t in own if t["state"] in ("running", "waiting")), reverse=True)
         trial_units = math.nan if math.isnan(trials_left) else trials_left - sum(open_shares[:int(trials_left)])
         winner = by_number.get(row["winner_trial"]) if trials_left == 0 else None
-        rerun = trial_seconds(winner, by_number, trial_runs) if winner else pace
-        rerun_pace[method] = rerun
-        stage_units = {}
-        for stage, length in (("final", 1), ("long", factor - 1)):
-            done = [r for r in runs if r["stage"] == stage and r["method"] == method]
-            finished = sum(bool(r.get("heldout")) for r in done)
-            # a continuation's share counts from its rerun's end: of factor x the budget, (factor - 1) is its own
-            kept = sum(max(_share_done(r) * (length + 1 if stage == "long" else 1) - (1 if stage == "long" else 0), 0.0)
-                       for r in done if not r.get("heldout"))
-            stage_units[stage] = max(seeds - finished, 0) * length - kept if length else 0.0
-        lines.append({"method": method, "trials_left": trials_left,
-                      "reruns_left": seeds - sum(bool(r.get("heldout")) for r in runs if r["stage"] == "final" and r["method"] == method),
-                      "continuations_left": (seeds - sum(bool(r.get("heldout")) for r in runs
-                                                         if r["stage"] == "long" and r["method"] == method)) if factor > 1 else 0,
-                      "trial_pace_seconds": pace, "paced_by_trials": len(complete), "rerun_seconds": rerun,
-                      "seconds_left": trial_units * pace + (stage_units["final"] + stage_units["long"]) * rerun,
+        rerun_pace[method] = rerun = trial_seconds(winner, by_number, trial_runs) if winner else pace
+        left_runs, units = {}, 0.0
+        # a rerun is one budget long; a continuation (factor - 1) budgets of its own, past its rerun's
+        for stage, before, own_units in (("final", 0, 1), ("long", 1, factor - 1)):
+            stage_runs = [r for r in runs if r["stage"] == stage and r["method"] == method]
+            left_runs[stage] = seeds - sum(bool(r.get("heldout")) for r in stage_runs) if own_units else 0
+            done = sum(max(_share_done(r) * (before + own_units) - before, 0.0) for r in stage_runs if not r.get("heldout"))
+            units += left_runs[stage] * own_units - done
+        lines.append({"method": method, "trials_left": trials_left, "reruns_left": left_runs["final"],
+                      "continuations_left": left_runs["long"], "trial_pace_seconds": pace,
+                      "paced_by_trials": len(complete), "rerun_seconds": rerun,
+                      "seconds_left": trial_units * pace + units * rerun,
                       **{k: v for k, v in placements(trial_runs).items() if k in ("engines_per_card", "device")}})
     if isinstance(control_info, dict) and control_info.get("declared") not in (None, "none"):
         declared, method = control_info["declared"], control_info.get("method")
