@@ -76,6 +76,15 @@ def trial_seconds(trial: Mapping[str, Any], by_number: Mapping[int, Mapping[str,
     return max(trial.get("seconds") or 0.0, sum(w for w in walls if w is not None))
 
 
+def method_trials(method: str, trials: Sequence[Mapping[str, Any]], runs: Sequence[dict]):
+    """A method's view of the compacted study: (its trials, them by number, its tuning runs, the
+    trials that count against its budget (``counted_trials``), the complete ones among those)."""
+    own = [t for t in trials if t["method"] == method]
+    counted = counted_trials(own)
+    return (own, {t["number"]: t for t in own}, [r for r in runs if r["stage"] == "trial" and r["method"] == method],
+            counted, [t for t in counted if t["state"] == "complete" and t["value"] is not None])
+
+
 def winners_table(trials: Sequence[dict], runs: Sequence[dict]):
     """One row per method: its trials by state, the winner (the complete trial of the highest score),
     its setting and what that setting derived (generations, split), the seconds the trials took and
@@ -84,11 +93,7 @@ def winners_table(trials: Sequence[dict], runs: Sequence[dict]):
 
     lines = []
     for method in dict.fromkeys(t["method"] for t in trials):
-        own = [t for t in trials if t["method"] == method]
-        by_number = {t["number"]: t for t in own}
-        trial_runs = [r for r in runs if r["stage"] == "trial" and r["method"] == method]
-        counted = counted_trials(own)
-        complete = [t for t in counted if t["state"] == "complete" and t["value"] is not None]
+        own, by_number, trial_runs, counted, complete = method_trials(method, trials, runs)
         failed = [t for t in counted if t["state"] == "fail"]
         pruned = [t for t in counted if t["state"] == "pruned"]
         best = max(complete, key=lambda t: t["value"]) if complete else None
@@ -219,7 +224,7 @@ def study_tables(compact: dict, measure: str | None = None) -> dict[str, Any]:
         tables["completeness"] = completeness_table(summary, tables["winners"], tables.get("heldout"), tables.get("long"),
                                                     tables.get("control"))
         if not tables["completeness"]["complete"].all():
-            tables["left"] = left_table(compact["trials"], runs, summary, tables["winners"])
+            tables["left"] = left_table(compact["trials"], runs, summary, tables["winners"], tables["completeness"])
     for table in tables.values():
         table.attrs["measure"] = measure
     return tables
@@ -281,32 +286,36 @@ def _share_done(run: Mapping[str, Any]) -> float:
     return min(max(row_generation(run["rows"][-1]), 0) / length, 1.0)
 
 
-def left_table(trials: Sequence[Mapping[str, Any]], runs: Sequence[dict], summary: Mapping[str, Any] | None, winners):
-    """What a study under way has left, per method, in runs and in one worker's seconds at the pace of
-    its own finished work: a trial at the median seconds its method's complete trials took
-    (``trial_seconds``: their wall clocks, at the engines a card they ran at), a rerun on a final seed
-    at its winner's trial seconds once the trials are done (the same setting and length; the median
-    before), a continuation at ``tune.long - 1`` times that, and the control's runs at its method's
-    rerun (the ES form of the best validation score so far while it is undecided). A run under way
-    that goes on from a checkpoint counts what it has done; one that begins again counts nothing.
-    A continuation whose rerun's last checkpoint is lost runs from the start instead, which this
-    does not know: a floor, not a promise. NaN where a method has no complete trial to pace it."""
+def left_table(trials: Sequence[Mapping[str, Any]], runs: Sequence[dict], summary: Mapping[str, Any] | None, winners,
+               completeness):
+    """What a study under way has left, per method, in runs (``completeness_table``'s counts against
+    their plan) and in one worker's seconds at the pace of its own finished work: a trial at the
+    median seconds its method's complete trials took (``trial_seconds``: their wall clocks, at the
+    engines a card they ran at), a rerun on a final seed at its winner's trial seconds once the
+    trials are done (the same setting and length; the median before), a continuation at
+    ``tune.long - 1`` times that, and the control's runs at its method's rerun (the ES form of the
+    best validation score so far while it is undecided). A run under way that goes on from a
+    checkpoint counts what it has done; one that begins again counts nothing. A continuation whose
+    rerun's last checkpoint is lost runs from the start instead, which this does not know: a floor,
+    not a promise. NaN where a method has no complete trial to pace it."""
     import pandas as pd
 
     summary = summary or {}
-    planned = summary.get("trials_per_method", math.nan)
-    seeds = len(summary.get("final_seeds") or ())
     long_info, control_info = summary.get("long"), summary.get("control")
     factor = long_info.get("factor", 1) if isinstance(long_info, dict) else 1
+
+    def missing(line, key: str) -> float:  # what a completeness line lacks of a count (0 where it plans none)
+        if key not in line or math.isnan(line[key]):
+            return 0
+        planned = line[f"{key}_planned"]
+        return math.nan if math.isnan(planned) else max(planned - line[key], 0)
+
     lines, rerun_pace = [], {}
     for method, row in winners.iterrows():
-        own = [t for t in trials if t["method"] == method]
-        by_number = {t["number"]: t for t in own}
-        trial_runs = [r for r in runs if r["stage"] == "trial" and r["method"] == method]
-        counted = counted_trials(own)
-        complete = [t for t in counted if t["state"] == "complete" and t["value"] is not None]
+        own, by_number, trial_runs, counted, complete = method_trials(method, trials, runs)
+        line = completeness.loc[method]
         pace = statistics.median(trial_seconds(t, by_number, trial_runs) for t in complete) if complete else math.nan
-        trials_left = max(planned - len(counted), 0) if not math.isnan(planned) else math.nan
+        trials_left = missing(line, "trials")
 
         def kept(trial) -> float:  # a trial under way: the mean share its runs keep (a retry's are its first attempt's)
             shares = [_share_done(r) for r in trial_runs if r["trial"] == first_attempt(trial, by_number)]
@@ -316,30 +325,30 @@ def left_table(trials: Sequence[Mapping[str, Any]], runs: Sequence[dict], summar
         trial_units = math.nan if math.isnan(trials_left) else trials_left - sum(open_shares[:int(trials_left)])
         winner = by_number.get(row["winner_trial"]) if trials_left == 0 else None
         rerun_pace[method] = rerun = trial_seconds(winner, by_number, trial_runs) if winner else pace
-        left_runs, units = {}, 0.0
-        # a rerun is one budget long; a continuation (factor - 1) budgets of its own, past its rerun's
+        reruns_left, continuations_left = missing(line, "final_seeds"), missing(line, "long_seeds")
+        units = reruns_left + continuations_left * (factor - 1)
+        # what the runs under way keep: a rerun is one budget long; a continuation (factor - 1) budgets
+        # of its own, past its rerun's
         for stage, before, own_units in (("final", 0, 1), ("long", 1, factor - 1)):
-            stage_runs = [r for r in runs if r["stage"] == stage and r["method"] == method]
-            left_runs[stage] = seeds - sum(bool(r.get("heldout")) for r in stage_runs) if own_units else 0
-            done = sum(max(_share_done(r) * (before + own_units) - before, 0.0) for r in stage_runs if not r.get("heldout"))
-            units += left_runs[stage] * own_units - done
-        lines.append({"method": method, "trials_left": trials_left, "reruns_left": left_runs["final"],
-                      "continuations_left": left_runs["long"], "trial_pace_seconds": pace,
+            units -= sum(max(_share_done(r) * (before + own_units) - before, 0.0) for r in runs
+                         if r["stage"] == stage and r["method"] == method and not r.get("heldout"))
+        lines.append({"method": method, "trials_left": trials_left, "reruns_left": reruns_left,
+                      "continuations_left": continuations_left, "trial_pace_seconds": pace,
                       "paced_by_trials": len(complete), "rerun_seconds": rerun,
                       "seconds_left": trial_units * pace + units * rerun,
                       **{k: v for k, v in placements(trial_runs).items() if k in ("engines_per_card", "device")}})
-    if isinstance(control_info, dict) and control_info.get("declared") not in (None, "none"):
+    controls = [name for name in completeness.index if name.startswith("control (")]
+    if controls:
         declared, method = control_info["declared"], control_info.get("method")
         if method is None:  # undecided: of its kind (best_es: the ES forms), the one ahead so far
             kinds = {r["method"]: r["rows"][0].get("method") for r in runs if r["stage"] == "trial" and r.get("rows")}
             scores = {m: winners.loc[m, "validation_score"] for m in winners.index
                       if kinds.get(m) == declared.removeprefix("best_") and not math.isnan(winners.loc[m, "validation_score"])}
             method = max(scores, key=lambda m: scores[m]) if scores else declared
-        done = sum(bool(r.get("heldout")) for r in runs if r["stage"] == "control")
+        runs_left = missing(completeness.loc[controls[0]], "final_seeds")
         lines.append({"method": f"control ({declared}: {control_info.get('method') or f'{method} so far'})",
-                      "reruns_left": seeds - done,
-                      "rerun_seconds": rerun_pace.get(method, math.nan),
-                      "seconds_left": (seeds - done) * rerun_pace.get(method, math.nan)})
+                      "reruns_left": runs_left, "rerun_seconds": rerun_pace.get(method, math.nan),
+                      "seconds_left": runs_left * rerun_pace.get(method, math.nan)})
     return pd.DataFrame(lines).set_index("method")
 
 
