@@ -16,7 +16,8 @@
 #                                                    # freed for other work once the last pack is taken; with METHODs only
 #                                                    # those methods' workers, not refilled (a lease's last call leaves the
 #                                                    # card to the runs that must end in it)
-#   bash scripts/gpu_tune_study.sh compact DIR       # the study's rows and scores, its summary written afresh, in DIR/compact (to commit)
+#   bash scripts/gpu_tune_study.sh compact DIR       # the study's rows and scores, its summary written afresh, as
+#                                                    # DIR/compact.tar.gz (to commit); every pack writes it too (COMPACT=0: not)
 #   bash scripts/gpu_tune_study.sh compile-cache DIR [N]   # the engines' compile caches in parts, N to N+3 into DIR:
 #                                                    # staged as .gpu_stage/compile_cache.tar.gz.part-NN, the next
 #                                                    # machine's `start` unpacks them and its engines start warm
@@ -448,6 +449,12 @@ pack() {
   local dir=$1 part=${PART_BYTES:-15728640} count first room
   mkdir -p "$dir" "$PACKS"
   rm -f "$PACKS"/tune_study.tar.gz* "$dir"/tune_study.tar.gz.part-*
+  # the compacted study first, in every call: a few MiB, and the form that outlives the session (it is
+  # what gets committed), so a machine lost before the pack's later parts are fetched loses only the
+  # checkpoints of LoRA and GRPO runs under way. One finish wrote already (geometry, base) is kept.
+  if [ "${COMPACT:-1}" = 1 ] && [ ! -f "$dir/compact.tar.gz" ]; then
+    compact_archive "$dir" || echo "pack: the compacted study failed (above); the pack goes on without it" >&2
+  fi
   python -m evolm_lib.tune.pack "$STUDY" "$PACKS/tune_study.tar.gz" --checkpoint-mib "${CHECKPOINT_MIB:-24}"
   split -b "$part" -d -a 2 "$PACKS/tune_study.tar.gz" "$PACKS/tune_study.tar.gz.part-" && rm "$PACKS/tune_study.tar.gz"
   count=$(ls "$PACKS"/tune_study.tar.gz.part-* | wc -l)
@@ -466,6 +473,16 @@ pack() {
       $([ -f "$LOGS/launched_at.txt" ] && echo --launched-at "$(cat "$LOGS/launched_at.txt")"); } \
     >> "$dir/tune_study_status.txt" 2>&1
   echo "$(alive) workers alive" | tee -a "$dir/tune_study_status.txt"
+}
+
+compact_archive() {  # compact_archive DIR: the study's rows and scores, its summary written afresh, as DIR/compact.tar.gz
+  local work="$PACKS/compact_work"
+  rm -rf "$work" && mkdir -p "$work" "$1" \
+    && python -m evolm_lib.tune.compact "$STUDY" "$work/compact" --spec "$SPEC" \
+    && tar -czf "$1/compact.tar.gz" -C "$work" compact
+  local rc=$?
+  rm -rf "$work"
+  return $rc
 }
 
 parts() {  # parts N DIR [COUNT]: the last pack's parts N, N+1, ... (COUNT of them, by default as many as a
@@ -488,7 +505,7 @@ start) start "${2:-}" ;;
 pack) pack "${2:?pack DIR}" ;;
 parts) parts "${2:?parts N DIR [COUNT]}" "${3:?parts N DIR [COUNT]}" ${4:+"$4"} ;;
 stop) stop "${2:-30}" "${@:3}" ;;
-compact) python -m evolm_lib.tune.compact "$STUDY" "${2:?compact DIR}/compact" --spec "$SPEC" ;;
+compact) compact_archive "${2:?compact DIR}" ;;
 compile-cache) compile_cache "${2:?compile-cache DIR [N]}" "${3:-0}" ;;
 rebuild) rebuild ;;
 finish) finish "${2:?finish DIR [SECONDS]}" "${3:-3600}" ;;

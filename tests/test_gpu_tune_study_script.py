@@ -411,10 +411,12 @@ def test_a_pack_goes_back_in_parts_over_several_calls_and_start_joins_them_again
     out = tmp_path / "out"
     out.mkdir()
     (out / "tune_study.tar.gz.part-07").write_text("an earlier pack's part")  # not mistaken for this pack's
-    (out / "compact.tar.gz").write_bytes(os.urandom(150_000))
+    finished = os.urandom(150_000)  # finish's compacted study, with the geometry: kept, not written over
+    (out / "compact.tar.gz").write_bytes(finished)
     result = subprocess.run(["bash", str(SCRIPT), "pack", str(out)], env=env, capture_output=True, text=True,
                             timeout=120, cwd=SCRIPT.parents[1])
     assert result.returncode == 0, result.stderr
+    assert (out / "compact.tar.gz").read_bytes() == finished
     kept = sorted((tmp_path / "packs").iterdir())
     count = -(-sum(p.stat().st_size for p in kept) // 100_000)
     assert count >= 3 and [p.name for p in kept] == [f"tune_study.tar.gz.part-{i:02d}" for i in range(count)]
@@ -451,6 +453,41 @@ def test_a_pack_goes_back_in_parts_over_several_calls_and_start_joins_them_again
     script = f"set -u\nSTUDY={again}\n{_functions('unpack')}\nunpack {tmp_path}/none.tar.gz\n"
     result = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60)
     assert result.returncode == 1 and f"no pack at {tmp_path}/none.tar.gz" in result.stderr
+
+
+def test_every_pack_brings_the_compacted_study_back_beside_its_first_parts(tmp_path):
+    """`pack` writes DIR/compact.tar.gz, the form a session commits, beside the first parts: a machine
+    lost before the pack's later parts are fetched then loses no finished run's rows. The archive holds
+    the study's runs with their rows (load_compact reads it back). One already in DIR (finish's, with
+    the geometry) is kept: the test above."""
+    import optuna
+
+    from evolm_lib.tune.compact import load_compact
+
+    study = tmp_path / "run" / "study"
+    run = study / "trials" / "es_lora" / "trial_0000" / "seed100"
+    run.mkdir(parents=True)
+    storage = optuna.create_study(storage=f"sqlite:///{study / 'optuna.db'}", study_name="es_lora",
+                                  direction="maximize")
+    trial = storage.ask()
+    trial.set_user_attr("run_dir", str(run.parent))
+    storage.tell(trial, 0.5)
+    (run / "config.yaml").write_text("seed: 100\n")
+    (run / "metrics.jsonl").write_text("".join(f'{{"generation": {g}, "train_reward": {g / 4}}}\n' for g in range(3)))
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "STUDY": str(study),
+           "LOGS": str(tmp_path / "logs"), "PACKS": str(tmp_path / "packs")}
+    out = tmp_path / "out"
+    result = subprocess.run(["bash", str(SCRIPT), "pack", str(out)], env=env, capture_output=True, text=True,
+                            timeout=120, cwd=SCRIPT.parents[1])
+    assert result.returncode == 0, result.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["compact.tar.gz", "tune_study.tar.gz.part-00",
+                                                     "tune_study_status.txt"]
+    with tarfile.open(out / "compact.tar.gz") as tar:
+        tar.extractall(tmp_path / "back", filter="data")
+    runs = load_compact(tmp_path / "back" / "compact")["runs"]
+    assert [(r["path"], [row["train_reward"] for row in r["rows"]]) for r in runs] == [
+        ("trials/es_lora/trial_0000/seed100", [0.0, 0.25, 0.5])]
+    assert not (tmp_path / "packs" / "compact_work").exists()  # its working copy gone
 
 
 def test_the_qiu_protocol_runs_a_process_per_run_round_robin_over_the_cards(tmp_path):
