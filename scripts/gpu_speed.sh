@@ -31,8 +31,9 @@
 #   bash scripts/gpu_speed.sh tiles OUT   # card 0, alone on the host: vLLM's LoRA tiles tuned on this GPU for EGGROLL's
 #       calls (scripts/tune_lora_kernels.py: rank 1, 32 of the engine's 68 slots busy, as a population of 32 and its
 #       mean sizes it), then modes eggroll,lora with vLLM's default tiles (from a cold compile cache: the engines after
-#       it start warm), with the tiles tuned here, and with the defaults again, each under torch.profiler too; the
-#       tuned folder comes back in the pack (RES/lora_kernel_configs), to ship where it wins
+#       it start warm), with the tiles tuned here (under torch.profiler too), and with the defaults again, warm; the
+#       tuned folder comes back in the pack (RES/lora_kernel_configs), to ship where it wins. About 10 minutes on an
+#       H200 (tuning 216 s, 147 s and 134 s for the first two modes runs): give it a call of its own
 #   bash scripts/gpu_speed.sh loose OUT   # grpo-update on every card of the machine, side by side: deterministic in
 #       its own process with and without torch's deterministic algorithms, the latter twice (do its rows repeat?),
 #       against not deterministic; LoRA and full policies (each configuration's progress in grpo_update_loose_logs/)
@@ -144,7 +145,7 @@ tiles)
       VLLM_TUNED_CONFIG_FOLDER=$PWD/$RES/lora_kernel_configs \
         bench modes_tuned 0 modes --model "$QWEN" --modes eggroll,lora --tiles auto --repeats 5 --no-update --profile
     fi
-    bench modes_default 0 modes --model "$QWEN" --modes eggroll,lora --tiles default --repeats 5 --no-update --profile
+    bench modes_default 0 modes --model "$QWEN" --modes eggroll,lora --tiles default --repeats 3 --no-update
   } & pids="$pids $!"
   ;;
 loose)

@@ -345,7 +345,9 @@ def test_tuned_lora_kernel_configs_are_picked_per_gpu_for_lora_population_engine
     assert (LORA_KERNEL_CONFIGS / "NVIDIA_H100_80GB_HBM3_SHRINK.json").is_file()
     assert (LORA_KERNEL_CONFIGS / "NVIDIA_H100_80GB_HBM3_EXPAND_TRUE.json").is_file()
     assert tuned_ranks(LORA_KERNEL_CONFIGS, h100) == {1, 8}  # scripts/tune_lora_kernels.py --ranks 1,8
-    assert tuned_ranks(LORA_KERNEL_CONFIGS, "NVIDIA H200") == set()
+    # and for the H200 (gpu_speed.sh tiles: --ranks 1, for EGGROLL's rank-1 noise)
+    assert tuned_ranks(LORA_KERNEL_CONFIGS, "NVIDIA H200") == {1}
+    assert tuned_ranks(LORA_KERNEL_CONFIGS, "NVIDIA A100-SXM4-80GB") == set()
     population = EngineSizing(max_loras=33, max_lora_rank=1)  # a LoRA population of 32 and its mean
     assert lora_kernel_folder("auto", h100, population) == str(LORA_KERNEL_CONFIGS)
     assert lora_kernel_folder("auto", h100, population.replace(max_lora_rank=4)) == str(LORA_KERNEL_CONFIGS)  # slots of rank 8
@@ -354,7 +356,9 @@ def test_tuned_lora_kernel_configs_are_picked_per_gpu_for_lora_population_engine
     assert lora_kernel_folder("auto", h100, population.replace(es_mode="eggroll")) is None
     assert lora_kernel_folder("auto", h100, population.replace(es_mode="full")) is None
     assert lora_kernel_folder("auto", h100, population.replace(max_loras=1)) is None  # GRPO: tuned for busy slots
-    assert lora_kernel_folder("auto", "NVIDIA H200", population) is None  # not tuned there: vLLM's defaults
+    assert lora_kernel_folder("auto", "NVIDIA H200", population.replace(es_mode="eggroll")) == str(LORA_KERNEL_CONFIGS)
+    assert lora_kernel_folder("auto", "NVIDIA H200", population.replace(max_lora_rank=4)) is None  # rank 8: not tuned there
+    assert lora_kernel_folder("auto", "NVIDIA A100-SXM4-80GB", population) is None  # not tuned there: vLLM's defaults
     assert lora_kernel_folder("auto", None, population) is None
     assert lora_kernel_folder(None, h100, population) is None
     assert lora_kernel_folder(tmp_path, "NVIDIA H200", population.replace(es_mode="eggroll")) == str(tmp_path)
@@ -376,6 +380,7 @@ def test_shipped_tiles_serve_the_modes_measured_faster_with_them_on_each_gpu(tmp
     h100, h200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"
     monkeypatch.delenv("VLLM_TUNED_CONFIG_FOLDER", raising=False)
     assert startup.tuned_modes(startup.LORA_KERNEL_CONFIGS, h100) == {"lora"}
+    assert startup.tuned_modes(startup.LORA_KERNEL_CONFIGS, h200) == {"eggroll", "lora"}
     assert startup.tuned_modes(startup.LORA_KERNEL_CONFIGS, "NVIDIA A100-SXM4-80GB") == set()
     # a folder of tiles for the H200 (the H100's files under its name) where EGGROLL was measured faster
     shipped = tmp_path / "shipped"
@@ -395,6 +400,23 @@ def test_shipped_tiles_serve_the_modes_measured_faster_with_them_on_each_gpu(tmp
     (shipped / startup.TUNED_MODES_FILE).write_text(json.dumps({h200: ["egroll"]}))  # mistyped
     with pytest.raises(ValueError, match=r"\['egroll'\] are not ES modes"):
         startup.lora_kernel_folder("auto", h200, population.replace(es_mode="eggroll"))
+
+
+def test_batch_invariant_engines_report_vllm_s_default_tiles_and_warn_of_a_named_folder(tmp_path):
+    """vLLM 0.26 reads no tuned LoRA tiles under batch invariance: a deterministic engine's tiles are
+    its defaults whatever was picked, and a folder the caller named is said to go unused."""
+    import warnings
+
+    from evolm_lib.engines.vllm.startup import LORA_KERNEL_CONFIGS, tiles_in_effect
+
+    shipped = str(LORA_KERNEL_CONFIGS)
+    assert tiles_in_effect(shipped, False, "auto") == shipped
+    assert tiles_in_effect(None, True, "auto") is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "auto" picked them: nothing to warn of
+        assert tiles_in_effect(shipped, True, "auto") is None
+    with pytest.warns(UserWarning, match=f"{tmp_path} goes unused"):
+        assert tiles_in_effect(str(tmp_path), True, tmp_path) is None
 
 
 def test_a_process_keeps_the_lora_kernel_tiles_of_its_first_gpu_engine(monkeypatch):

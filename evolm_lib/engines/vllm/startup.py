@@ -140,6 +140,20 @@ def lora_kernel_tiles(choice: str | Path | None, device_name: str, sizing: Engin
     return first
 
 
+def tiles_in_effect(folder: str | None, batch_invariant: bool, choice: str | Path | None) -> str | None:
+    """The tiles an engine's LoRA kernels run with, given the ``folder`` picked for it: none, vLLM's
+    defaults, under batch invariance, since vLLM 0.26 then reads no tuned file
+    (``load_lora_op_config``) and runs its defaults with split_k 1, a sum in one order. So a
+    ``deterministic`` run repeats its rows whatever tiles a checkout ships, at the defaults' speed.
+    A folder the caller named (``choice``) is warned about, since it goes unused."""
+    if not batch_invariant or folder is None:
+        return folder
+    if choice not in (None, "auto"):
+        warnings.warn(f"lora_kernel_configs: {choice} goes unused: vLLM runs its default LoRA tiles under batch "
+                      f"invariance (deterministic)", stacklevel=3)
+    return None
+
+
 # ----------------------------------------------------------------------------- starting an engine
 
 BATCH_INVARIANT_ENV = "VLLM_BATCH_INVARIANT"
@@ -252,6 +266,7 @@ def start_llm(model_dir: str | Path, sizing: EngineSizing, *, enforce_eager: boo
     on_gpu = torch.cuda.is_available()
     deterministic = batch_invariance(sizing.deterministic, on_gpu)
     folder = lora_kernel_tiles(lora_kernel_configs, torch.cuda.get_device_name(), sizing) if on_gpu else None
+    folder = tiles_in_effect(folder, deterministic and on_gpu, lora_kernel_configs)
     arguments = llm_arguments(model_dir, sizing, on_gpu, enforce_eager=enforce_eager, max_num_seqs=max_num_seqs,
                               engine_kwargs=engine_kwargs)
     started = time.perf_counter()
