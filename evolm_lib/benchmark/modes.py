@@ -17,6 +17,9 @@
    against in place (``es.apply_update_in_place``), and the bfloat16 rewrite; then the whole update on
    the engine as a run makes it (factors, gradient, SGD on the float32 master, weights rewritten:
    ``throughput.measure_weight_modes``).
+   ``--interleave``: one call of each path a round instead of each path's calls together, and each
+   mode's ratio to the base model of its own round (``throughput.paired_ratios``), for a base model
+   bound by the host, whose speed moved by a factor of 1.6 between runs on one H200.
 3. ``--profile``: one more call of each path under ``torch.profiler``, its kernels by category
    (LoRA kernels, attention, matmuls, sampling, other) and the share of the call the card was busy
    (``benchmark.kernels``): where a mode loses against the base model.
@@ -41,7 +44,8 @@ from typing import Any, Sequence
 
 from ..env import apply_engine_defaults
 from . import add_population_options, check_population_options, kernels
-from ..throughput import ThroughputSpec, machine_info, measure_throughput, measure_weight_modes, release_eggroll, start_engine
+from ..throughput import (ThroughputSpec, machine_info, measure_throughput, measure_weight_modes, paired_ratios,
+                          release_eggroll, start_engine)
 
 MODE_PATHS = {"lora": "in_place", "eggroll": "eggroll", "full": "full"}
 """ES mode -> the throughput path that serves its population."""
@@ -160,16 +164,21 @@ def time_optimizer(gradient, layout, repeats: int, sync, learning_rate: float = 
 
 
 def measure_modes(evaluator, spec: ThroughputSpec, modes: Sequence[str], weight_modes: bool = True,
-                  profile: bool = False) -> dict[str, Any]:
+                  profile: bool = False, interleave: bool = False) -> dict[str, Any]:
     """Rows of the base model and each mode's population on ``evaluator``, their ratios to the base
     model, and (``weight_modes``) the engine's EGGROLL update and full mode's write and restore;
-    ``profile``: each row with one more call's kernels by category (``kernels.profile``)."""
+    ``profile``: each row with one more call's kernels by category (``kernels.profile``);
+    ``interleave``: the paths' calls in rounds (``measure_throughput``), and each mode's ratio to the
+    base model of its round, every round's and their median (``paired_ratios``)."""
     rows = measure_throughput(evaluator, spec, ["base", *(MODE_PATHS[m] for m in modes)],
-                              profile=kernels.profile if profile else None)
+                              profile=kernels.profile if profile else None, interleave=interleave)
     release_eggroll(evaluator)
     by_path = {row["path"]: row for row in rows}
     ratios = {mode: by_path[MODE_PATHS[mode]]["tokens_per_s"] / by_path["base"]["tokens_per_s"] for mode in modes}
     out = {"rows": [{k: v for k, v in row.items() if k != "calls"} for row in rows], "ratios": ratios}
+    if interleave:
+        rounds = {mode: paired_ratios(by_path[MODE_PATHS[mode]]["calls"], by_path["base"]["calls"]) for mode in modes}
+        out["paired_ratios"] = {mode: {"median": statistics.median(r), "rounds": r} for mode, r in rounds.items()}
     if weight_modes:
         out["engine_update"] = measure_weight_modes(evaluator, spec, repeats=spec.repeats)
     return out
@@ -200,6 +209,9 @@ def format_modes(result: dict[str, Any]) -> str:
         ratio = "" if mode == "base" else f"{result['ratios'][mode]:8.2f}"
         lines.append(f"{mode:<10}{rate:>10.1f}{ratio:>8}  {tiles(entry['tiles_used']):<20}"
                      f"{'' if mode == 'base' else tiles(entry['tiles_picked']):<18}{entry['engine_start_s']:.1f} s")
+    for mode, paired in result.get("paired_ratios", {}).items():
+        lines.append(f"{mode}: {paired['median']:.2f} of the base model of its own round, median of "
+                     f"{len(paired['rounds'])} (rounds {min(paired['rounds']):.2f}-{max(paired['rounds']):.2f}; --interleave)")
     update = result.get("update")
     if update:
         lines += ["", f"EGGROLL gradient, {update['weights_values']:,} values in {update['matrices']} matrices "
@@ -242,6 +254,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--modes", default=",".join(MODE_PATHS), help=f"ES modes, from {list(MODE_PATHS)}")
     parser.add_argument("--tiles", choices=TILES, default="auto", help="LoRA kernel tiles of this process (see above)")
     parser.add_argument("--no-update", action="store_true", help="leave EGGROLL's update timings out")
+    parser.add_argument("--interleave", action="store_true",
+                        help="one call of each path a round, --repeats rounds, and each mode's ratio to the base "
+                             "model of its own round: for a base model whose speed moves with the host")
     parser.add_argument("--profile", action="store_true",
                         help="one more call of each path under torch.profiler: its kernels by category (lora, "
                              "attention, matmul, sampling, other) and the share of the call the card was busy")
@@ -280,7 +295,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     engine = start_engine(spec, max_model_len=512, lora_kernel_configs=folder, largest_batch=spec.requests)
     try:
         measured = measure_modes(engine, spec, groups[0], weight_modes=not args.no_update and "eggroll" in modes,
-                                 profile=args.profile)
+                                 profile=args.profile, interleave=args.interleave)
         used, start_s = engine.lora_kernel_configs, engine.start_seconds
         result["cudagraph_capture_sizes"] = engine.cudagraph_capture_sizes
     finally:
@@ -293,11 +308,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                                  "tiles_picked": picks[mode], "engine_start_s": start_s,
                                  "base_tokens_per_s": rows["base"]["tokens_per_s"]}
     result["ratios"].update(measured["ratios"])
+    if "paired_ratios" in measured:
+        result.setdefault("paired_ratios", {}).update(measured["paired_ratios"])
     result["rows"] = measured["rows"]
     for group, child in children:
         for mode in group:
             result["modes"][mode] = child["modes"][mode]
             result["ratios"][mode] = child["ratios"][mode]
+            if mode in child.get("paired_ratios", {}):
+                result.setdefault("paired_ratios", {})[mode] = child["paired_ratios"][mode]
         result["rows"] += child["rows"]
     if "engine_update" in measured:
         result["engine_update"] = measured["engine_update"]
