@@ -19,7 +19,7 @@
    ``throughput.measure_weight_modes``).
    ``--interleave``: one call of each path a round instead of each path's calls together, and each
    mode's ratio to the base model of its own round (``throughput.paired_ratios``), for a base model
-   bound by the host, whose speed moved by a factor of 1.6 between runs on one H200.
+   bound by the host, whose speed drifts with it (docs: Measurements).
 3. ``--profile``: one more call of each path under ``torch.profiler``, its kernels by category
    (LoRA kernels, attention, matmuls, sampling, other) and the share of the call the card was busy
    (``benchmark.kernels``): where a mode loses against the base model.
