@@ -106,7 +106,9 @@ def make_problems(layers: dict[str, tuple[int, tuple[int, ...]]], ranks: list[in
 
 def write_configs(out: Path, gpu_name: str, max_loras: int, chosen: list[tuple[Problem, dict]]) -> list[Path]:
     """Write the files vLLM 0.26's load_lora_op_config opens, laid out as get_lora_op_configs reads them."""
-    gpu, trees = gpu_name.replace(" ", "_").replace("-", "_"), {}
+    from evolm_lib.engines.vllm.startup import gpu_file_stem
+
+    gpu, trees = gpu_file_stem(gpu_name), {}
     for problem, config in chosen:
         name = f"{gpu}_SHRINK.json" if problem.op == "shrink" else f"{gpu}_EXPAND_TRUE.json"
         node = trees.setdefault(name, {}).setdefault(str(max_loras + 1), {})

@@ -29,7 +29,7 @@ EGGROLL's rank-1 noise ran at 0.70 of the base model with them and at 0.87 with 
 and es_mode full serves no adapter at all, so a mode is listed only once measured."""
 
 
-def _gpu_file_stem(device_name: str) -> str:
+def gpu_file_stem(device_name: str) -> str:
     """vLLM's name for a GPU's tile files: the device name with spaces and dashes made underscores."""
     return device_name.replace(" ", "_").replace("-", "_")
 
@@ -40,7 +40,7 @@ def tuned_ranks(folder: str | Path, device_name: str) -> frozenset[int]:
     GPU has no file."""
     import json
 
-    path = Path(folder) / f"{_gpu_file_stem(device_name)}_SHRINK.json"
+    path = Path(folder) / f"{gpu_file_stem(device_name)}_SHRINK.json"
     if not path.is_file():
         return frozenset()
     tree = json.loads(path.read_text())
@@ -61,7 +61,7 @@ def tuned_modes(folder: str | Path, device_name: str) -> frozenset[str]:
         raise ValueError(f"{path}: {device_name}: {unknown} are not ES modes ({', '.join(ES_MODES)})")
     if listed and not tuned_ranks(folder, device_name):
         raise ValueError(f"{path}: lists modes {listed} for {device_name}, but {folder} has no "
-                         f"{_gpu_file_stem(device_name)}_SHRINK.json")
+                         f"{gpu_file_stem(device_name)}_SHRINK.json")
     return frozenset(listed)
 
 
@@ -266,7 +266,7 @@ def start_llm(model_dir: str | Path, sizing: EngineSizing, *, enforce_eager: boo
     on_gpu = torch.cuda.is_available()
     deterministic = batch_invariance(sizing.deterministic, on_gpu)
     folder = lora_kernel_tiles(lora_kernel_configs, torch.cuda.get_device_name(), sizing) if on_gpu else None
-    folder = tiles_in_effect(folder, deterministic and on_gpu, lora_kernel_configs)
+    folder = tiles_in_effect(folder, deterministic, lora_kernel_configs)  # None off the GPU either way
     arguments = llm_arguments(model_dir, sizing, on_gpu, enforce_eager=enforce_eager, max_num_seqs=max_num_seqs,
                               engine_kwargs=engine_kwargs)
     started = time.perf_counter()
