@@ -257,7 +257,7 @@ from evolm_lib.config import GRPOConfig
 from evolm_lib.train.grpo import GRPORun
 
 evaluator = VLLMEvaluator(sys.argv[2], max_loras=1, max_lora_rank=1, max_model_len=512, kv_cache_gb=0.25)
-config = GRPOConfig.from_dict(dict(task="conciseness", lora_rank=1, lora_alpha=1.0, group_size=8, max_new_tokens=48,
+config = GRPOConfig.from_dict(dict(task="conciseness", lora_rank=1, lora_alpha=1.0, group_size=4, max_new_tokens=32,
                                    learning_rate=1e-2, num_steps=2, eval_every=0, seed=0))
 run = GRPORun.create(config, sys.argv[1], evaluator=evaluator)
 run.run()
@@ -267,10 +267,12 @@ evaluator.close()
 
 @pytest.mark.slow
 def test_grpo_raises_conciseness_reward_on_smollm2(tmp_path, smollm2_dir):
-    """Measured: greedy train reward -196.5 -> -86.5 (eval -87.5 -> -66.8) in 2 steps at learning rate 1e-2,
-    about 19 s a step on a quiet machine (4 steps at 5e-3 went -196.5 -> -72.0 in twice the steps; 2 steps at
-    5e-3 had not moved yet: -208.5). Its own process: closing an in-process vLLM engine tears down the distributed state
-    every other in-process engine of the session (tiny_vllm) relies on."""
+    """Measured: greedy train reward -140.5 -> -74.5 in 2 steps at learning rate 1e-2 with groups of 4 and
+    32 new tokens, about 12 s a step on a quiet machine (40 s for the whole process alone); groups of 8 and
+    48 tokens went -196.5 -> -86.5 at 19-24 s a step (66 s alone), groups of 4 and 48 tokens -196.5 -> -123.0,
+    groups of 8 and 32 tokens -140.5 -> -124.5 (4 steps at 5e-3 went -196.5 -> -72.0 in twice the steps; 2
+    steps at 5e-3 had not moved yet: -208.5). Its own process: closing an in-process vLLM engine tears down
+    the distributed state every other in-process engine of the session (tiny_vllm) relies on."""
     import os
     import subprocess
     import sys
