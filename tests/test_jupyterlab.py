@@ -81,7 +81,8 @@ def _wait_for_server(url: str, process: subprocess.Popen, timeout: float = 60) -
 
 @contextlib.contextmanager
 def _lab(tmp_path: Path, root: Path, notebook: Path):
-    """A JupyterLab server on 127.0.0.1 serving ``root``; yields the URL that opens ``notebook``."""
+    """A JupyterLab server on 127.0.0.1 serving ``root``; yields the URL that opens ``notebook`` (and,
+    with ``/workspaces/<name>`` after ``/lab``, opens it in a workspace of its own: ``_in_workspace``)."""
     port, token = _free_port(), secrets.token_hex(16)
     env = child_environment({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING",
            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),  # see tests/test_notebooks.py
@@ -199,12 +200,22 @@ def _click_step_and_see_a_new_point(page, tmp_path: Path) -> None:
     cell.screenshot(path=str(tmp_path / "stepper.png"))  # for a look when debugging
 
 
-def test_the_stepper_runs_all_steps_and_runs_all_again_in_one_kernel_and_with_a_changed_setting(tmp_path, monkeypatch):
+def _in_workspace(url: str, notebook: Path, workspace: str) -> str:
+    """The lab's URL that opens ``notebook`` in a fresh workspace of its own (none of the notebooks
+    opened before in the default workspace come back in that page)."""
+    base, query = url.split("/lab/tree/", 1)
+    return f"{base}/lab/workspaces/{workspace}/tree/{notebook.name}?{query.split('?', 1)[1]}"
+
+
+def test_the_stepper_runs_all_steps_and_runs_all_again_in_one_kernel_and_with_a_changed_setting_then_04_runs(
+        tmp_path, monkeypatch):
     """Run All (no traceback, no engine notice in the outputs), click Step and see the live fitness
     plot gain a point, Run All again in the same kernel (the run opened before is closed and resumed
     where the Step left it), then a changed sigma typed into the parameters and Run All once more (a
     new run in a folder of its own): no traceback at any point. One server, kernel and first Run All
-    for what were two tests (the Step button's, and Run All twice), which each paid for them."""
+    for what were two tests (the Step button's, and Run All twice), which each paid for them. Then, on
+    the same server and browser (what a third test paid for again), notebook 04 in a page of its own
+    runs to the end without an error or an engine notice in its outputs."""
     from playwright.sync_api import sync_playwright
 
     runs = tmp_path / "runs"
@@ -214,66 +225,57 @@ def test_the_stepper_runs_all_steps_and_runs_all_again_in_one_kernel_and_with_a_
     parameters = {**_ci_parameters(), "num_generations": 1, "run_dir": "", "figures_dir": str(tmp_path / "figures")}
     parameters["sigma"] = 0.05  # last: the line the test retypes
     notebook = _parameterized_copy(STEPPER, root, parameters)
+    comparison = _parameterized_copy(REPO / "notebooks" / "04_es_vs_grpo.ipynb", root, {
+        "es_runs": str(FIXTURE_RUNS / "es_*"), "grpo_runs": str(FIXTURE_RUNS / "grpo_*"),
+        "figures_dir": str(tmp_path / "figures_04")})
     with _lab(tmp_path, root, notebook) as url, sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        failed = page.locator(".jp-OutputArea-output", has_text="Traceback (most recent call last)")
         try:
-            page.goto(url)
-            _run_all_cells(page, timeout_ms=240_000)
-            assert failed.count() == 0, failed.first.inner_text()
-            assert not _engine_lines(page), _engine_lines(page)  # the engine started in this notebook
-            [(first, generation)] = _opened_runs(page)
-            assert generation == 0 and sorted(p.name for p in runs.iterdir()) == [Path(first).name]
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            failed = page.locator(".jp-OutputArea-output", has_text="Traceback (most recent call last)")
+            try:
+                page.goto(url)
+                _run_all_cells(page, timeout_ms=240_000)
+                assert failed.count() == 0, failed.first.inner_text()
+                assert not _engine_lines(page), _engine_lines(page)  # the engine started in this notebook
+                [(first, generation)] = _opened_runs(page)
+                assert generation == 0 and sorted(p.name for p in runs.iterdir()) == [Path(first).name]
 
-            _click_step_and_see_a_new_point(page, tmp_path)
-            assert failed.count() == 0, failed.first.inner_text()
+                _click_step_and_see_a_new_point(page, tmp_path)
+                assert failed.count() == 0, failed.first.inner_text()
 
-            _run_all_cells(page, timeout_ms=240_000, after=_execution_count(page))
-            assert failed.count() == 0, failed.first.inner_text()
-            assert _opened_runs(page) == [(first, 2)]  # the same run, resumed where the Step left it
+                _run_all_cells(page, timeout_ms=240_000, after=_execution_count(page))
+                assert failed.count() == 0, failed.first.inner_text()
+                assert _opened_runs(page) == [(first, 2)]  # the same run, resumed where the Step left it
 
-            injected = page.locator(".jp-CodeCell", has=page.locator(".cm-content", has_text="sigma = 0.05")).first
-            injected.locator(".cm-content").click()
-            page.keyboard.press("Control+End")
-            page.keyboard.press("Shift+Home")
-            page.keyboard.type("sigma = 0.1")
-            page.keyboard.press("Escape")
-            _run_all_cells(page, timeout_ms=240_000, after=_execution_count(page))
-            assert failed.count() == 0, failed.first.inner_text()
-            [(second, generation)] = _opened_runs(page)
-            assert second != first and generation == 0  # changed settings: a new run beside the first
-            assert sorted(p.name for p in runs.iterdir()) == sorted([Path(first).name, Path(second).name])
-        except Exception:
-            page.screenshot(path=str(tmp_path / "failure.png"))
-            raise
-        finally:
-            browser.close()
-
-
-def test_the_comparison_notebook_runs_in_the_browser_without_error_output(tmp_path):
-    from playwright.sync_api import sync_playwright
-
-    root = tmp_path / "lab"
-    root.mkdir()
-    parameters = {"es_runs": str(FIXTURE_RUNS / "es_*"), "grpo_runs": str(FIXTURE_RUNS / "grpo_*"),
-                  "figures_dir": str(tmp_path / "figures")}
-    notebook = _parameterized_copy(REPO / "notebooks" / "04_es_vs_grpo.ipynb", root, parameters)
-    with _lab(tmp_path, root, notebook) as url, sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        try:
-            page.goto(url)
-            _run_all_cells(page, timeout_ms=240_000)
-            outputs = page.locator(".jp-OutputArea-output")
-            texts = [outputs.nth(i).inner_text() for i in range(outputs.count())]
-            assert not [t for t in texts if "Traceback (most recent call last)" in t], texts
-            assert not _engine_lines(page), _engine_lines(page)  # no engine notices either, on either stream
-            assert page.locator(".jp-CodeCell").count() >= 8 and outputs.count() >= 5
-            page.screenshot(path=str(tmp_path / "04_es_vs_grpo.png"), full_page=True)  # for a look when debugging
-        except Exception:
-            page.screenshot(path=str(tmp_path / "failure.png"))
-            raise
+                injected = page.locator(".jp-CodeCell", has=page.locator(".cm-content", has_text="sigma = 0.05")).first
+                injected.locator(".cm-content").click()
+                page.keyboard.press("Control+End")
+                page.keyboard.press("Shift+Home")
+                page.keyboard.type("sigma = 0.1")
+                page.keyboard.press("Escape")
+                _run_all_cells(page, timeout_ms=240_000, after=_execution_count(page))
+                assert failed.count() == 0, failed.first.inner_text()
+                [(second, generation)] = _opened_runs(page)
+                assert second != first and generation == 0  # changed settings: a new run beside the first
+                assert sorted(p.name for p in runs.iterdir()) == sorted([Path(first).name, Path(second).name])
+            except Exception:
+                page.screenshot(path=str(tmp_path / "failure.png"))
+                raise
+            try:  # the comparison notebook, in a page and workspace of its own: only its cells in that page
+                page.close()
+                page = browser.new_page(viewport={"width": 1400, "height": 1000})
+                page.goto(_in_workspace(url, comparison, "comparison"))
+                _run_all_cells(page, timeout_ms=240_000)
+                outputs = page.locator(".jp-OutputArea-output")
+                texts = [outputs.nth(i).inner_text() for i in range(outputs.count())]
+                assert not [t for t in texts if "Traceback (most recent call last)" in t], texts
+                assert not _engine_lines(page), _engine_lines(page)  # no engine notices either, on either stream
+                assert page.locator(".jp-CodeCell").count() >= 8 and outputs.count() >= 5
+                page.screenshot(path=str(tmp_path / "04_es_vs_grpo.png"), full_page=True)  # for a look when debugging
+            except Exception:
+                page.screenshot(path=str(tmp_path / "failure_04.png"))
+                raise
         finally:
             browser.close()
 
