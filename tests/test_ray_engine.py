@@ -9,6 +9,7 @@ them; ``make test-fast`` keeps the settings, planning, error and cluster-only fa
 """
 from __future__ import annotations
 
+import json
 import os
 import socket
 import sys
@@ -22,6 +23,7 @@ from evolm_lib import es
 from evolm_lib.config import ConfigError, ESConfig, GRPOConfig
 from evolm_lib.engines import Population, SamplingSettings, make_evaluator
 from evolm_lib.engines.base import balanced_blocks
+from evolm_lib.env import record_placement
 from evolm_lib.engines.sizing import EngineSizing
 from evolm_lib.engines.ray.cluster import RayUnavailableError, check_cluster_resources
 from evolm_lib.engines.ray.evaluator import RayEvaluator
@@ -362,6 +364,12 @@ def test_es_run_on_two_engines_equals_one_engine(ray_engines, es_config, referen
     run.run()
     assert [r["generation"] for r in reference_rows] == [0, 1, 2]
     assert without_times(read_metrics(run.run_dir)) == reference_rows
+    # the run's placement line says where each Ray engine ran, not only where the driver did
+    line = record_placement(run.run_dir, es_config, run.placement())
+    engines = json.loads((run.run_dir / "placement.jsonl").read_text().splitlines()[-1])["engines"]
+    assert engines == line["engines"] and [e["engine"] for e in engines] == [0, 1]
+    assert len({e["pid"] for e in engines}) == 2 and os.getpid() not in {e["pid"] for e in engines}
+    assert all(e["device"] == "cpu" and e["host"] == socket.gethostname() for e in engines)
 
 
 def test_more_engines_than_the_cluster_holds_is_refused_before_any_starts(ray_cluster):

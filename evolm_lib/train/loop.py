@@ -76,8 +76,13 @@ class RunLoop:
     def placement(self) -> dict:
         """What this run resolved where it runs, beside its config (``env.record_placement``): here the
         generation this attempt starts from (0 new, a checkpoint's when resumed), so the rows after
-        it are the ones whose times the line's placement explains."""
-        return {"from_generation": self.generation}
+        it are the ones whose times the line's placement explains; and, for Ray engines, where each one
+        runs (``engine_info``: host, node, card, SMs, tiles), which this process's own line cannot say."""
+        line = {"from_generation": self.generation}
+        engines = getattr(self.evaluator, "engine_info", None)
+        if engines:
+            line["engines"] = [dict(info) for info in engines]
+        return line
 
     @classmethod
     def create(cls, config, run_dir: str | Path, *, evaluator: Evaluator | None = None, overwrite: bool = False,
