@@ -16,6 +16,15 @@
 #                                              # pack is lost: the study written again from its committed compacted
 #                                              # files (python -m evolm_lib.tune.restore), packed, and split into
 #                                              # .gpu_stage/ARCHIVE.part-NN, which `bundle` then carries
+#   bash scripts/gpu_stage_study.sh keep NAME PATH...   # here, after a lease's last call: its reply (PATHs: the
+#                                              # folders its files came back to, or the files: compact.tar.gz,
+#                                              # tune_study.tar.gz.part-NN, tune_study_status.txt) kept in
+#                                              # .gpu_stage/packs/NAME/, git-ignored; a pack whose parts do not
+#                                              # join is kept all the same, named DAMAGED, and never restored
+#                                              # from. `restore` takes a kept pack whose compact.tar.gz is
+#                                              # COMPACT's files, byte for byte, in place of a restore, so LoRA
+#                                              # and GRPO runs under way go on from its checkpoints where this
+#                                              # checkout outlives the session (KEPT_PACKS=0: not)
 #   bash scripts/gpu_stage_study.sh unbundle   # there, once every piece is in /root/bundle/ (one call each:
 #                                              # mkdir -p /root/bundle && cp .gpu_stage/bundle/piece.NN /root/bundle/):
 #                                              # the files back in .gpu_stage/, vLLM's parts in /root/stage/ for
@@ -31,6 +40,7 @@ STAGE=.gpu_stage/study
 SITE=${SITE:-/root/site}
 ROOT=${STAGE_ROOT:-/root}  # where the pieces arrive and vLLM's parts go, on the GPU machine
 CARRY_BYTES=${CARRY_BYTES:-67108864}  # what one device call carries, the working tree included
+PACKS_KEPT=${PACKS_KEPT:-.gpu_stage/packs}  # here: the lease replies `keep` stores, git-ignored
 case "${1:-}" in
 download)
   tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
@@ -76,14 +86,76 @@ bundle)
   (cd .gpu_stage && tar -cf - $files) | split -b "$piece" -d - .gpu_stage/bundle/piece.
   echo "$(echo $files | wc -w) files in $(ls .gpu_stage/bundle | wc -l) pieces of at most $piece bytes under .gpu_stage/bundle/"
   ;;
+keep)
+  name=${2:?keep NAME PATH...}; shift 2
+  [ $# -gt 0 ] || { echo "keep NAME PATH...: no reply folder or file given" >&2; exit 2; }
+  [[ $name =~ ^[A-Za-z0-9._-]+$ ]] || { echo "keep: NAME $name: letters, digits, '.', '_' and '-' only" >&2; exit 2; }
+  kept=$PACKS_KEPT/$name
+  [ -e "$kept" ] && { echo "$kept exists: a kept pack is never overwritten (choose another NAME)" >&2; exit 1; }
+  files=()
+  for path in "$@"; do
+    if [ -d "$path" ]; then
+      for f in "$path"/compact.tar.gz "$path"/tune_study.tar.gz.part-* "$path"/tune_study_status.txt; do
+        [ -f "$f" ] && files+=("$f")
+      done
+    elif [ -f "$path" ]; then files+=("$path")
+    else echo "keep: no such file or folder: $path" >&2; exit 1
+    fi
+  done
+  mkdir -p "$kept"
+  for f in "${files[@]}"; do
+    [ -e "$kept/$(basename "$f")" ] && { echo "keep: two files named $(basename "$f") ($f): give each part once" >&2; rm -rf "$kept"; exit 1; }
+    cp -p "$f" "$kept/"
+  done
+  # a pack kept whole or named as damaged: the parts must run from 00 without a gap and join into a
+  # readable archive, beside the compacted study they were packed with
+  why=""
+  count=$(find "$kept" -maxdepth 1 -name 'tune_study.tar.gz.part-*' | wc -l)
+  [ -f "$kept/compact.tar.gz" ] || why="no compact.tar.gz"
+  [ "$count" -gt 0 ] || why="${why:+$why; }no tune_study.tar.gz.part-NN"
+  for ((i = 0; i < count; i++)); do
+    [ -f "$kept/tune_study.tar.gz.part-$(printf %02d "$i")" ] || { why="${why:+$why; }part $(printf %02d "$i") of $count missing"; break; }
+  done
+  if [ -z "$why" ] && ! cat "$kept"/tune_study.tar.gz.part-* | tar -tzf - > /dev/null 2>&1; then
+    why="its $count parts do not join into a readable archive (a part not fetched, or cut short)"
+  fi
+  if [ -z "$why" ] && ! tar -tzf "$kept/compact.tar.gz" > /dev/null 2>&1; then why="compact.tar.gz is not readable"; fi
+  if [ -n "$why" ]; then
+    echo "$why" > "$kept/DAMAGED"
+    echo "kept in $kept, DAMAGED ($why): restore never takes it" >&2; exit 1
+  fi
+  echo "kept in $kept: compact.tar.gz and the pack's $count parts ($(cat "$kept"/tune_study.tar.gz.part-* | wc -c) bytes)"
+  ;;
 restore)
   spec=${2:?restore SPEC COMPACT ARCHIVE}; compact=${3:?restore SPEC COMPACT ARCHIVE}; archive=${4:?restore SPEC COMPACT ARCHIVE}
   # the pack's top folder is the study's name: the GPU machine's `start` unpacks it beside STUDY
   name=$(basename "${STUDY:?STUDY: the study folder the GPU machine runs, e.g. runs/tune_study_conciseness}")
   tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
+  # an earlier restore's parts go first: a restore that fails leaves none for `bundle` to carry
+  mkdir -p .gpu_stage && rm -f ".gpu_stage/$archive".part-*
+  # A pack kept from the lease that wrote COMPACT holds what the compacted files cannot, the LoRA and
+  # GRPO runs under way with their checkpoints: it is taken as it is, where its compacted study is
+  # COMPACT's files byte for byte (a later lease's or an earlier one's is not the committed state).
+  if [ "${KEPT_PACKS:-1}" = 1 ] && [ -d "$PACKS_KEPT" ]; then
+    others=""
+    for kept in $(ls -dt "$PACKS_KEPT"/*/ 2>/dev/null); do
+      kept=${kept%/}
+      if [ -f "$kept/DAMAGED" ]; then others="$others $(basename "$kept") (DAMAGED)"; continue; fi
+      rm -rf "$tmp/kept" && mkdir -p "$tmp/kept"
+      if tar -xzf "$kept/compact.tar.gz" -C "$tmp/kept" 2>/dev/null && [ -d "$tmp/kept/compact" ] \
+          && diff -rq "$tmp/kept/compact" "$compact" > /dev/null 2>&1 \
+          && [ "$(cat "$kept"/tune_study.tar.gz.part-* | tar -tzf - 2>/dev/null | head -n 1 | cut -d / -f 1)" = "$name" ]; then
+        for part in "$kept"/tune_study.tar.gz.part-*; do cp "$part" ".gpu_stage/$archive.part-${part##*.part-}"; done
+        echo "the pack kept in $kept holds $compact's state: its $(ls "$kept"/tune_study.tar.gz.part-* | wc -l) parts in" \
+             ".gpu_stage/$archive.part-NN, its runs under way (LoRA and GRPO ones too) going on from its checkpoints"
+        exit 0
+      fi
+      others="$others $(basename "$kept")"
+    done
+    [ -n "$others" ] && echo "kept packs that do not hold $compact's state, left as they are:$others"
+  fi
   "${PYTHON:-python3}" -m evolm_lib.tune.restore "$compact" "$spec" --out "$tmp/$name"
   "${PYTHON:-python3}" -m evolm_lib.tune.pack "$tmp/$name" "$tmp/pack.tar.gz" --checkpoint-mib "${CHECKPOINT_MIB:-240}"
-  mkdir -p .gpu_stage && rm -f ".gpu_stage/$archive".part-*
   split -b "${PART_BYTES:-15728640}" -d "$tmp/pack.tar.gz" ".gpu_stage/$archive.part-"
   echo "$(ls .gpu_stage/"$archive".part-* | wc -l) parts of the restored study's pack in .gpu_stage/$archive.part-NN"
   ;;

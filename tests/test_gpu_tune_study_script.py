@@ -821,6 +821,79 @@ def test_a_study_whose_pack_is_lost_is_restored_from_its_committed_files_and_pac
     assert ("runs under way go on from their checkpoints" in made.stdout) == bool(under_way)
 
 
+def _reply(folder: Path, compact: Path, study: str, parts: int) -> Path:
+    """A lease's last reply as the device tool leaves it: compact.tar.gz (COMPACT's files under compact/),
+    a pack of STUDY's files split into PARTS parts, and the status."""
+    folder.mkdir(parents=True)
+    with tarfile.open(folder / "compact.tar.gz", "w:gz") as tar:
+        tar.add(compact, arcname="compact")
+    payload = io.BytesIO()
+    with tarfile.open(fileobj=payload, mode="w:gz") as tar:
+        for name, data in ((f"{study}/optuna.db", b"storage"),
+                           (f"{study}/trials/grpo_lora/trial_0012/seed100/checkpoints/000900/adapter.safetensors", os.urandom(4096))):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    data = payload.getvalue()
+    size = -(-len(data) // parts)
+    for i in range(parts):
+        (folder / f"tune_study.tar.gz.part-{i:02d}").write_bytes(data[i * size:(i + 1) * size])
+    (folder / "tune_study_status.txt").write_text("5 workers alive\n")
+    return folder
+
+
+def test_a_kept_lease_reply_is_restored_from_where_it_is_the_committed_state_and_a_damaged_one_never(tmp_path):
+    """`gpu_stage_study.sh keep` stores a lease's reply under .gpu_stage/packs/NAME/ and never over one
+    kept before; a pack whose parts do not join is kept all the same, named DAMAGED. `restore` then takes
+    the kept pack whose compact.tar.gz is the committed files, byte for byte, its parts as they came
+    back (so a LoRA GRPO run's checkpoint goes on), passing over a newer damaged one; with the committed
+    files changed, no kept pack is taken."""
+    script = SCRIPT.parent / "gpu_stage_study.sh"
+    repo, compact = tmp_path / "repo", tmp_path / "committed"
+    repo.mkdir()
+    compact.mkdir()
+    (compact / "manifest.json").write_text('{"trials": 57}')
+    (compact / "runs.jsonl.gz").write_bytes(os.urandom(256))
+    study = "tune_study_conciseness"
+    whole = _reply(tmp_path / "device" / "15", compact, study, parts=3)
+    env = {**os.environ, "STUDY": f"runs/{study}", "PYTHON": sys.executable}
+
+    def run(*args):
+        return subprocess.run(["bash", str(script), *args], cwd=repo, env=env, capture_output=True, text=True)
+
+    kept = run("keep", "lease8", str(whole))
+    assert kept.returncode == 0, kept.stderr
+    assert sorted(p.name for p in (repo / ".gpu_stage" / "packs" / "lease8").iterdir()) == [
+        "compact.tar.gz", "tune_study.tar.gz.part-00", "tune_study.tar.gz.part-01", "tune_study.tar.gz.part-02",
+        "tune_study_status.txt"]
+    again = run("keep", "lease8", str(whole))
+    assert again.returncode == 1 and "never overwritten" in again.stderr
+    assert run("keep", "lease 8", str(whole)).returncode == 2
+
+    # a reply whose second part never came back, kept later than the whole one
+    time.sleep(1.1)
+    cut = _reply(tmp_path / "device" / "16", compact, study, parts=3)
+    (cut / "tune_study.tar.gz.part-01").unlink()
+    damaged = run("keep", "lease8b", str(cut))
+    assert damaged.returncode == 1 and "DAMAGED" in damaged.stderr
+    assert "part 01 of 2 missing" in (repo / ".gpu_stage" / "packs" / "lease8b" / "DAMAGED").read_text()
+    assert (repo / ".gpu_stage" / "packs" / "lease8b" / "tune_study.tar.gz.part-02").exists()  # kept, not dropped
+
+    restored = run("restore", "unused.yaml", str(compact), f"{study}.tar.gz")
+    assert restored.returncode == 0, restored.stderr
+    assert "lease8" in restored.stdout and "going on from its checkpoints" in restored.stdout
+    parts = sorted((repo / ".gpu_stage").glob(f"{study}.tar.gz.part-*"))
+    assert [p.read_bytes() for p in parts] == [(whole / f"tune_study.tar.gz.part-{i:02d}").read_bytes() for i in range(3)]
+
+    # the committed files moved on (a later lease's compact committed): the kept pack is stale; the
+    # compacted files are then restored as ever (here a spec that does not exist says so)
+    (compact / "manifest.json").write_text('{"trials": 60}')
+    stale = run("restore", str(tmp_path / "missing.yaml"), str(compact), f"{study}.tar.gz")
+    assert stale.returncode != 0
+    assert "do not hold" in stale.stdout and stale.stdout.split(":")[-1].split() == ["lease8b", "(DAMAGED)", "lease8"]
+    assert not list((repo / ".gpu_stage").glob(f"{study}.tar.gz.part-*"))  # nothing stale left for the bundle
+
+
 def test_the_speed_script_refuses_an_unknown_part_before_any_work_and_knows_each_part_it_runs(tmp_path):
     """`gpu_speed.sh` spends device time: a mistyped part is refused at once, before the model's
     conversion or any engine, and the parts it accepts are the parts its case runs and its header
