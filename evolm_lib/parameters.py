@@ -131,7 +131,10 @@ def open_notebook_run(run_class: type, config, name: str, run_dir: str = "", **o
     the folder of these settings (`evolm_lib.runs.notebook_run_dir(name, config)`: changed settings start
     a new run, the same settings resume it). The run this kernel opened before for ``name`` is closed
     first, so Run All twice in one kernel resumes instead of finding the folder busy; a run that
-    another process holds is still refused (RunFolderBusy)."""
+    another process holds is still refused (RunFolderBusy). Each opening appends where it runs to the
+    run's placement.jsonl (``env.record_placement``), as sweep and tune runs do: the times in the rows
+    that follow are read with it."""
+    from .env import record_placement
     from .runs import notebook_run_dir
 
     previous = _OPEN_RUNS.pop(name, None)
@@ -139,4 +142,5 @@ def open_notebook_run(run_class: type, config, name: str, run_dir: str = "", **o
         previous.close()
     run = run_class.open(config, run_dir or notebook_run_dir(name, config), **options)
     _OPEN_RUNS[name] = run
+    record_placement(run.run_dir, config, run.placement())
     return run

@@ -2,6 +2,8 @@
 and `evolm batch --dry-run` share."""
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from evolm_lib.config import ConfigError, ESConfig, GRPOConfig
@@ -92,3 +94,11 @@ def test_a_notebook_run_opened_again_in_one_kernel_resumes_and_other_settings_ge
     with WriterLock.acquire(first.run_dir):  # a writer other than this notebook's run is still refused
         with pytest.raises(RunFolderBusy):
             open_notebook_run(ESRun, config, "stepper", evaluator=SyntheticEvaluator())
+    # each opening said where it ran and from which generation its rows go on; the refused one wrote nothing
+    from evolm_lib.env import PLACEMENT
+    from evolm_lib.runs import read_jsonl
+
+    lines = read_jsonl(first.run_dir / PLACEMENT)
+    assert [line["from_generation"] for line in lines] == [0, 1, 1]
+    assert {line["device"] for line in lines} == {"cpu"} and all(line["pid"] == os.getpid() for line in lines)
+    assert [line["from_generation"] for line in read_jsonl(other.run_dir / PLACEMENT)] == [0]

@@ -504,7 +504,8 @@ def test_grpo_run_on_two_engines_equals_one_engine(ray_engines, local_engine, tm
 @pytest.mark.slow
 def test_a_two_node_cluster_runs_the_batch_cli(tmp_path):
     """scripts/ray_two_nodes.py: the README's several-machines commands rehearsed on two Ray nodes of
-    this host; one engine lands on each node and `evolm batch` with ray_address finishes its run."""
+    this host; `evolm batch` with ray_address finishes its run, and the run's placement.jsonl puts one
+    of its engines on each node."""
     import json
     import subprocess
 
@@ -517,5 +518,9 @@ def test_a_two_node_cluster_runs_the_batch_cli(tmp_path):
     assert len(set(json.loads(nodes.removeprefix("engines on nodes ")))) == 2
     summary = json.loads((tmp_path / "out" / "batch" / "summary.json").read_text())
     assert [run["status"] for run in summary["runs"]] == ["ok"]
-    metrics = [json.loads(line) for line in (tmp_path / "out" / "batch" / "two_nodes" / "run" / "metrics.jsonl").read_text().splitlines()]
+    run = tmp_path / "out" / "batch" / "two_nodes" / "run"
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [row["generation"] for row in metrics] == [0, 1, 2]
+    placement = [json.loads(line) for line in (run / "placement.jsonl").read_text().splitlines()]
+    assert len(placement) == 1 and placement[0]["from_generation"] == 0
+    assert sorted(info["node"] for info in placement[0]["engines"]) == sorted(json.loads(nodes.removeprefix("engines on nodes ")))
