@@ -613,11 +613,14 @@ def test_the_progress_table_counts_each_stage_and_places_each_run_under_way(tmp_
             study.tell(asked, value)
         return study, asked
 
-    def rows(folder: Path, generations: int, length: int, kind: str = "es") -> None:
+    def rows(folder: Path, generations: int, length: int, kind: str = "es", seconds: Sequence[float] = ()) -> None:
         folder.mkdir(parents=True)
         key = "num_generations" if kind == "es" else "num_steps"
         (folder / "config.yaml").write_text(f"{key}: {length}\n")
-        (folder / "metrics.jsonl").write_text("".join(json.dumps({"generation": g}) + "\n" for g in range(generations)))
+        timed = dict(enumerate(seconds, start=1))  # generation 0 scores the start: not a step's pace
+        (folder / "metrics.jsonl").write_text("".join(
+            json.dumps({"generation": g, **({"time/generation_s": timed[g]} if g in timed else {})}) + "\n"
+            for g in range(generations)))
 
     for value in (0.7, 0.7):  # es tuned (two trials level at the best): its reruns and continuations are planned
         trial("es", value)
@@ -626,19 +629,22 @@ def test_the_progress_table_counts_each_stage_and_places_each_run_under_way(tmp_
     folder = tune.study.trial_folder(spec, "grpo", study, running) / "seed100"
     rows(folder, 3, 2, kind="grpo")
     write_checkpoint(folder, 1, None, {}, {}, base_model="tiny-random")
+    far = trial("grpo", None)[1]  # a second trial under way, far from its end
+    rows(tune.study.trial_folder(spec, "grpo", study, far) / "seed100", 11, 900, kind="grpo", seconds=[0.5] * 10)
     study.enqueue_trial(running.params)  # queued, as a restored trial's retry waits: no folder yet
     final = spec.out / "final" / "es"
     rows(final / "seed0", 3, 2)
     (final / "seed0" / "heldout.jsonl").write_text(json.dumps({"generation": 2, "reward": 1.0}) + "\n")
     rows(final / "seed1", 1, 2)  # begun, no checkpoint
-    rows(spec.out / "long" / "es" / "seed0", 2, 4)
+    rows(spec.out / "long" / "es" / "seed0", 3, 4, seconds=(3.0, 1.0))  # at 2 of 4, a median 2 s a generation
     assert progress([str(path)]) == 0
     assert capsys.readouterr().out.splitlines() == [
         "| method | trials | reruns on the final seeds | continued to 2x | best validation score |",
         "| --- | --- | --- | --- | --- |",
-        "| es | 2 of 2 | 1 of 2; under way: seed1 at 0/2 (no checkpoint) | 0 of 2; under way: seed0 at 1/4 (no checkpoint) "
-        "| 0.7 (trial 0 and 1 other) |",
-        "| grpo | 1 of 2; under way: trial_0001 at 2/2 (checkpoint 1); queued: trial_0002 from its start "
+        "| es | 2 of 2 | 1 of 2; under way: seed1 at 0/2 (no checkpoint) | 0 of 2; under way: seed0 at 2/4 (no checkpoint), "
+        "about 4 s left at 2 s a generation | 0.7 (trial 0 and 1 other) |",
+        "| grpo | 1 of 2; under way: trial_0001 at 2/2 (checkpoint 1); trial_0002 at 10/900 (no checkpoint), about 7 min left "
+        "at 0.5 s a step; queued: trial_0003 from its start "
         "| 0 of 2: waits for the trials "
         "| 0 of 2: waits for the trials | 0.1 (trial 0) |",
         "",

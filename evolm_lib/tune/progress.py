@@ -14,6 +14,7 @@ retry of a killed or restored trial, with its setting, that no worker has taken 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -25,18 +26,34 @@ from .spec import TuneSpec, load_tune_spec
 from .study import STORAGE, all_trials_done, ended, load_study, trial_folder, trials_done
 
 
+PACE_ROWS = 20
+"""How many of a run's last rows its pace is the median of (``run_position``)."""
+
+
 def run_position(folder: Path) -> str:
     """Where a run folder stands: ``at G/LENGTH`` (its last row's generation or step) and where it would
     resume (its newest checkpoint, or from its start), or ``from its start`` where it holds no config
-    (a pack left it out)."""
+    (a pack left it out); for a run short of its length whose rows time their generations or steps,
+    how long the rest takes at its pace (the median of its last ``PACE_ROWS`` rows' ``time/generation_s``):
+    what decides, within a lease, whether a run that cannot go on in a later one will end in this."""
     if not (folder / "config.yaml").exists():
         return "from its start"
     config = read_config_file(folder)
-    length = config.get("num_generations", config.get("num_steps"))
+    steps = "num_steps" in config
+    length = config.get("num_steps" if steps else "num_generations")
     rows = read_metrics(folder) if (folder / "metrics.jsonl").exists() else []
     checkpoints = list_checkpoints(folder)
     resumes = f"checkpoint {int(checkpoints[-1].name)}" if checkpoints else "no checkpoint"
-    return f"at {max(row_generation(rows[-1]), 0) if rows else 0}/{length} ({resumes})"
+    at = max(row_generation(rows[-1]), 0) if rows else 0
+    position = f"at {at}/{length} ({resumes})"
+    paces = [row["time/generation_s"] for row in rows[-PACE_ROWS:]
+             if row_generation(row) > 0 and isinstance(row.get("time/generation_s"), (int, float))]
+    if length is not None and at < length and paces:
+        pace = statistics.median(paces)
+        left = (length - at) * pace
+        position += (f", about {round(left)} s" if left < 120 else f", about {left / 60:.0f} min") + \
+            f" left at {pace:.2g} s a {'step' if steps else 'generation'}"
+    return position
 
 
 def trials_cell(spec: TuneSpec, method: str, study, trials) -> str:
@@ -77,7 +94,7 @@ def runs_cell(out: Path, plans: Sequence[PlannedRun]) -> str:
             done += 1
         elif folder.exists():
             under_way.append(f"{folder.name} {run_position(folder)}")
-    return f"{done} of {len(plans)}" + (f"; under way: {', '.join(under_way)}" if under_way else "")
+    return f"{done} of {len(plans)}" + (f"; under way: {'; '.join(under_way)}" if under_way else "")
 
 
 def progress_table(spec: TuneSpec) -> str:
