@@ -41,6 +41,13 @@ SITE=${SITE:-/root/site}
 ROOT=${STAGE_ROOT:-/root}  # where the pieces arrive and vLLM's parts go, on the GPU machine
 CARRY_BYTES=${CARRY_BYTES:-67108864}  # what one device call carries, the working tree included
 PACKS_KEPT=${PACKS_KEPT:-.gpu_stage/packs}  # here: the lease replies `keep` stores, git-ignored
+
+stage_parts() {  # stage_parts ARCHIVE PART...: the parts of a pack as .gpu_stage/ARCHIVE.part-NN, for `bundle`
+  local archive=$1 part; shift
+  mkdir -p .gpu_stage && rm -f ".gpu_stage/$archive".part-*
+  for part in "$@"; do cp "$part" ".gpu_stage/$archive.part-${part##*.part-}"; done
+}
+
 case "${1:-}" in
 download)
   tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
@@ -77,8 +84,7 @@ bundle)
   [ "$piece" -gt 0 ] || { echo "the working tree ($tree bytes) leaves no room for a piece" >&2; exit 1; }
   if [ $# -ge 2 ]; then
     archive=$2; shift 2
-    rm -f ".gpu_stage/$archive".part-*
-    for part in "$@"; do cp "$part" ".gpu_stage/$archive.part-${part##*.part-}"; done
+    stage_parts "$archive" "$@"
   fi
   # a pack and the compile caches are optional (a study's first lease has neither)
   files=$(cd .gpu_stage && shopt -s nullglob && echo part.[0-9]* unstage.sh study/part.[0-9]* *.part-[0-9]*)
@@ -132,7 +138,7 @@ restore)
   name=$(basename "${STUDY:?STUDY: the study folder the GPU machine runs, e.g. runs/tune_study_conciseness}")
   tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
   # an earlier restore's parts go first: a restore that fails leaves none for `bundle` to carry
-  mkdir -p .gpu_stage && rm -f ".gpu_stage/$archive".part-*
+  stage_parts "$archive"
   # A pack kept from the lease that wrote COMPACT holds what the compacted files cannot, the LoRA and
   # GRPO runs under way with their checkpoints: it is taken as it is, where its compacted study is
   # COMPACT's files byte for byte (a later lease's or an earlier one's is not the committed state).
@@ -145,7 +151,7 @@ restore)
       if tar -xzf "$kept/compact.tar.gz" -C "$tmp/kept" 2>/dev/null && [ -d "$tmp/kept/compact" ] \
           && diff -rq "$tmp/kept/compact" "$compact" > /dev/null 2>&1 \
           && [ "$(cat "$kept"/tune_study.tar.gz.part-* | tar -tzf - 2>/dev/null | head -n 1 | cut -d / -f 1)" = "$name" ]; then
-        for part in "$kept"/tune_study.tar.gz.part-*; do cp "$part" ".gpu_stage/$archive.part-${part##*.part-}"; done
+        stage_parts "$archive" "$kept"/tune_study.tar.gz.part-*
         echo "the pack kept in $kept holds $compact's state: its $(ls "$kept"/tune_study.tar.gz.part-* | wc -l) parts in" \
              ".gpu_stage/$archive.part-NN, its runs under way (LoRA and GRPO ones too) going on from its checkpoints"
         exit 0
