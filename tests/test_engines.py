@@ -439,6 +439,49 @@ def test_a_process_keeps_the_lora_kernel_tiles_of_its_first_gpu_engine(monkeypat
         startup.lora_kernel_tiles(None, h100, population)  # asked for by name: refused
 
 
+def test_an_engine_starts_with_the_garbage_before_it_collected_and_the_rest_set_aside_then_back():
+    """vLLM's own collections while it starts skip the objects alive before it (gc's frozen
+    generation); garbage from before, such as a closed engine's cycle, is collected first, not set
+    aside; afterwards (an error in the start too) the collector is as it was."""
+    import gc
+    import weakref
+
+    from evolm_lib.engines.vllm import startup
+
+    class Cycle:
+        pass
+
+    garbage = Cycle()
+    garbage.me = garbage
+    gone = weakref.ref(garbage)
+    del garbage
+    frozen_before = gc.get_freeze_count()
+    with startup._objects_before_set_aside():
+        assert gone() is None
+        assert gc.get_freeze_count() > frozen_before
+        made_inside = Cycle()
+        made_inside.me = made_inside
+        inside = weakref.ref(made_inside)
+        del made_inside
+        gc.collect()
+        assert inside() is None  # what the start makes and drops is still collected
+    assert gc.get_freeze_count() == frozen_before
+    with pytest.raises(RuntimeError), startup._objects_before_set_aside():
+        raise RuntimeError("the engine failed to start")
+    assert gc.get_freeze_count() == frozen_before
+
+    with startup._collector_paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with startup._collector_paused():
+            pass
+        assert not gc.isenabled()  # left off by whoever turned it off
+    finally:
+        gc.enable()
+
+
 def test_cuda_graph_sizes_are_the_powers_of_two_below_the_largest_call_and_the_call():
     from evolm_lib.engines.sizing import cudagraph_capture_sizes
 
