@@ -439,10 +439,11 @@ def test_a_process_keeps_the_lora_kernel_tiles_of_its_first_gpu_engine(monkeypat
         startup.lora_kernel_tiles(None, h100, population)  # asked for by name: refused
 
 
-def test_an_engine_starts_with_the_garbage_before_it_collected_and_the_rest_set_aside_then_back():
+def test_an_engine_starts_with_the_garbage_before_it_collected_and_the_rest_set_aside():
     """vLLM's own collections while it starts skip the objects alive before it (gc's frozen
-    generation); garbage from before, such as a closed engine's cycle, is collected first, not set
-    aside; afterwards (an error in the start too) the collector is as it was."""
+    generation, where vLLM's engine core puts the whole heap once it is up); garbage from before,
+    such as a closed engine's cycle, is collected first, not set aside; a start that fails puts them
+    back; the import's collector pause leaves the collector as it was."""
     import gc
     import weakref
 
@@ -451,24 +452,28 @@ def test_an_engine_starts_with_the_garbage_before_it_collected_and_the_rest_set_
     class Cycle:
         pass
 
-    garbage = Cycle()
-    garbage.me = garbage
-    gone = weakref.ref(garbage)
-    del garbage
-    frozen_before = gc.get_freeze_count()
-    with startup._objects_before_set_aside():
-        assert gone() is None
-        assert gc.get_freeze_count() > frozen_before
-        made_inside = Cycle()
-        made_inside.me = made_inside
-        inside = weakref.ref(made_inside)
-        del made_inside
-        gc.collect()
-        assert inside() is None  # what the start makes and drops is still collected
-    assert gc.get_freeze_count() == frozen_before
-    with pytest.raises(RuntimeError), startup._objects_before_set_aside():
-        raise RuntimeError("the engine failed to start")
-    assert gc.get_freeze_count() == frozen_before
+    def dropped_cycle():
+        cycle = Cycle()
+        cycle.me = cycle
+        return weakref.ref(cycle)
+
+    gone = dropped_cycle()
+    frozen_before = gc.get_freeze_count() > 0  # by an engine this process started
+    gc.unfreeze()
+    try:
+        with startup._objects_before_set_aside():
+            assert gone() is None
+            assert gc.get_freeze_count() > 0
+            inside = dropped_cycle()
+            gc.collect()
+            assert inside() is None  # what the start makes and drops is still collected
+        assert gc.get_freeze_count() > 0  # vLLM's shutdown puts them back
+        gc.unfreeze()
+        with pytest.raises(RuntimeError), startup._objects_before_set_aside():
+            raise RuntimeError("the engine failed to start")
+        assert gc.get_freeze_count() == 0
+    finally:
+        gc.freeze() if frozen_before else gc.unfreeze()
 
     with startup._collector_paused():
         assert not gc.isenabled()

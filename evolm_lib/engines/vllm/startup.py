@@ -272,17 +272,20 @@ def _collector_paused():
 
 @contextlib.contextmanager
 def _objects_before_set_aside():
-    """The objects alive before an engine starts, set aside from the collections vLLM runs while it
-    starts (five full ones, each walking every module's objects again: 0.3 s apiece over a test
-    process's heap on the CPU), and put back after. One collection first, so no garbage from before
+    """The objects alive before an engine starts, set aside (gc's frozen generation) from the full
+    collections vLLM runs while it starts, each of which walked every module's objects again (0.3 s
+    apiece over a test process's heap on the CPU). One collection first, so no garbage from before
     (an engine closed but not collected, holding its memory) is set aside with them: the memory vLLM
-    measures while it starts is what a collection leaves, as without this."""
+    measures while it starts is what a collection leaves, as without this. vLLM's engine core
+    freezes the whole heap itself once it is up, and its shutdown puts it all back
+    (``freeze_gc_heap``, ``EngineCore.shutdown``), so only a start that fails puts them back here."""
     gc.collect()
     gc.freeze()
     try:
         yield
-    finally:
+    except BaseException:
         gc.unfreeze()
+        raise
 
 
 def start_llm(model_dir: str | Path, sizing: EngineSizing, *, enforce_eager: bool | None = None,
