@@ -443,7 +443,7 @@ def test_an_engine_starts_with_the_garbage_before_it_collected_and_the_rest_set_
     """vLLM's own collections while it starts skip the objects alive before it (gc's frozen
     generation, where vLLM's engine core puts the whole heap once it is up); garbage from before,
     such as a closed engine's cycle, is collected first, not set aside; a start that fails puts them
-    back; the import's collector pause leaves the collector as it was."""
+    back."""
     import gc
     import weakref
 
@@ -475,16 +475,20 @@ def test_an_engine_starts_with_the_garbage_before_it_collected_and_the_rest_set_
     finally:
         gc.freeze() if frozen_before else gc.unfreeze()
 
-    with startup._collector_paused():
-        assert not gc.isenabled()
-    assert gc.isenabled()
-    gc.disable()
-    try:
-        with startup._collector_paused():
-            pass
-        assert not gc.isenabled()  # left off by whoever turned it off
-    finally:
-        gc.enable()
+
+def test_the_engine_start_benchmark_refuses_what_is_not_a_commit_before_any_process_starts():
+    """scripts/engine_start_times.py checks its arguments before it makes a worktree or a child."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    script = [sys.executable, "scripts/engine_start_times.py"]
+    done = subprocess.run(script + ["--against", "no-such-commit"], cwd=root, capture_output=True, text=True)
+    assert done.returncode == 2 and "--against 'no-such-commit' is not a commit" in done.stderr, done.stderr
+    done = subprocess.run(script + ["--against", "HEAD", "--rounds", "0"], cwd=root, capture_output=True, text=True)
+    assert done.returncode == 2 and "--rounds must be at least 1" in done.stderr, done.stderr
+    assert "round 1" not in done.stdout
 
 
 def test_cuda_graph_sizes_are_the_powers_of_two_below_the_largest_call_and_the_call():

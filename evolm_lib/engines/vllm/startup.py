@@ -256,21 +256,6 @@ class StartedEngine:
 
 
 @contextlib.contextmanager
-def _collector_paused():
-    """Python's cyclic garbage collector off for a block. Importing vLLM (with torch's compiler,
-    transformers and pydantic's models) allocates millions of objects that all stay alive; the
-    collector, run every few hundred allocations, walks them again and again, about a fifth of the
-    import's time (2026-12-02, on the CPU: 10.2-11.2 s against 7.5-8.5 s)."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
-@contextlib.contextmanager
 def _objects_before_set_aside():
     """The objects alive before an engine starts, set aside (gc's frozen generation) from the full
     collections vLLM runs while it starts, each of which walked every module's objects again (0.3 s
@@ -295,9 +280,8 @@ def start_llm(model_dir: str | Path, sizing: EngineSizing, *, enforce_eager: boo
     LoRA kernel tiles are set first (vLLM reads both when it loads its kernels), then the engine
     starts with ``llm_arguments``."""
     apply_engine_defaults()
-    with _collector_paused():
-        import torch
-        from vllm import LLM
+    import torch
+    from vllm import LLM
 
     on_gpu = torch.cuda.is_available()
     deterministic = batch_invariance(sizing.deterministic, on_gpu)
