@@ -1,6 +1,6 @@
 """How long a fresh process takes to import vLLM, start a tiny-random engine, serve calls, close it
-and start and close a second, in this checkout against another commit of it, rounds alternating
-between the two so that the machine's drift falls on both.
+and start and close a second, in this checkout against another commit of it, the two trees
+alternating (and taking turns to go first) so that the machine's drift falls on both.
 
     python scripts/engine_start_times.py --against c83bc08 --rounds 3
 
@@ -85,7 +85,8 @@ def main(argv: list[str] | None = None) -> None:
         subprocess.run(["git", "worktree", "add", "--detach", "--quiet", str(other), commit.stdout.strip()], cwd=REPO, check=True)
         try:
             for round_ in range(args.rounds):
-                for name, tree in (("this tree", REPO), (args.against, other)):
+                order = [("this tree", REPO), (args.against, other)]
+                for name, tree in order if round_ % 2 == 0 else order[::-1]:  # neither tree always first
                     phases = run_child(tree, args.calls)
                     results[name].append(phases)
                     print(f"round {round_ + 1} {name}: " + ", ".join(f"{k} {v:.2f} s" for k, v in phases.items()), flush=True)
