@@ -49,7 +49,12 @@
 # is told how many engines share its card (EVOLM_ENGINES_PER_CARD, recorded in every run's
 # placement.jsonl beside the times). While a stage waits, a worker that ended cleanly (its method had
 # nothing left to claim) is replaced on its card by one of the method still at work with the fewest
-# workers (REFILL=0: not). Workers draw no figures (a lent machine may lack plotly and
+# workers (REFILL=0: not). FILL="es_full es_lora": methods whose runs survive a lost machine (their
+# checkpoints always pack: ES), given a slot no method at work may take (all its work claimed, or its
+# CLAIM_UNTIL passed), the one of them with the fewest workers alive, until each ends cleanly; so the
+# end of a lease whose GRPO trials are done runs ES's reruns, continuations and control instead of
+# leaving the card idle. A method in FILL takes only those slots, and `start` records FILL for the
+# later calls' refills as it does CLAIM_UNTIL. Workers draw no figures (a lent machine may lack plotly and
 # chromium): the figures come from the compacted study (scripts/study_tables.py). REBUILD_AT_START=1:
 # `start` also starts `rebuild` detached beside the workers (it rebuilds finished reruns only), so
 # the rebuilds run while the workers do rather than after them. PLACE="grpo_full@0 grpo_full@0
@@ -185,11 +190,28 @@ ended_cleanly() {  # ended_cleanly LOG OFFSET: the worker that wrote LOG from OF
   tail -c +$(($2 + 1)) "$1" 2>/dev/null | grep -q '^summary: '
 }
 
+fewest_alive() {
+  # fewest_alive DONE SKIP KIND METHOD...: of the METHODs not in DONE or SKIP (" a b " lists) whose
+  # CLAIM_UNTIL has not passed, the one with the fewest workers alive (the first listed of a tie);
+  # KIND at-work takes only a method with a worker alive, fill one with none as well
+  local done=$1 skip=$2 kind=$3 m n p mm target="" best=""
+  shift 3
+  for m in "$@"; do
+    case "$done$skip" in *" $m "*) continue ;; esac
+    [ "$(claim_until "$m")" = past ] && continue  # it may start nothing more here
+    n=0
+    while IFS=$'\t' read -r p _ _ mm _ _; do [ "$mm" = "$m" ] && kill -0 "$p" 2>/dev/null && n=$((n + 1)); done < "$LOGS/workers.tsv"
+    [ "$kind" = fill ] || [ "$n" -gt 0 ] || continue
+    if [ -z "$best" ] || [ "$n" -lt "$best" ]; then target=$m; best=$n; fi
+  done
+  echo "$target"
+}
+
 refill() {
   # A worker that ended cleanly (its summary line) found nothing left to claim in its method: its
   # card slot goes to a new worker of a method still at work (none of whose workers ended so), the
   # one with the fewest workers alive. Methods left with the most work then get more hands.
-  local pid card engines method log offset target best n m done_methods
+  local pid card engines method log offset target m done_methods fill
   while IFS=$'\t' read -r pid card engines method log offset; do
     kill -0 "$pid" 2>/dev/null && continue
     grep -qx "$pid" "$LOGS/replaced.txt" && continue
@@ -197,15 +219,9 @@ refill() {
     ended_cleanly "$log" "$offset" || continue  # died: its log says why; no replacement
     done_methods=" "
     while IFS=$'\t' read -r _ _ _ m l o; do ended_cleanly "$l" "$o" && done_methods="$done_methods$m "; done < "$LOGS/workers.tsv"
-    target=""; best=""
-    for m in $METHODS; do
-      case "$done_methods" in *" $m "*) continue ;; esac
-      [ "$(claim_until "$m")" = past ] && continue  # it may start nothing more here
-      n=0
-      while IFS=$'\t' read -r p _ _ mm _ _; do [ "$mm" = "$m" ] && kill -0 "$p" 2>/dev/null && n=$((n + 1)); done < "$LOGS/workers.tsv"
-      [ "$n" -gt 0 ] || continue
-      if [ -z "$best" ] || [ "$n" -lt "$best" ]; then target=$m; best=$n; fi
-    done
+    fill=" $(cat "$LOGS/fill.txt" 2>/dev/null | paste -sd ' ' -) "
+    target=$(fewest_alive "$done_methods" "$fill" at-work $METHODS)
+    [ -n "$target" ] || target=$(fewest_alive "$done_methods" " " fill $fill)
     [ -n "$target" ] || continue
     launch "$target" "$card" "$engines" "$LOGS/$target.r$(wc -l < "$LOGS/replaced.txt").log"
     echo "card $card: a worker of $method ended; a worker of $target took its place"
@@ -249,8 +265,11 @@ start() {
   mkdir -p "$LOGS"
   : > "$LOGS/workers.pids"; : > "$LOGS/workers.tsv"; : > "$LOGS/replaced.txt"
   printf '%s\n' ${CLAIM_UNTIL:-} > "$LOGS/claim_until.txt"  # read again by later calls' refills
+  printf '%s\n' ${FILL:-} > "$LOGS/fill.txt"
   python -c "from evolm_lib.models import resolve_model; resolve_model('smollm2-135m-instruct')" >/dev/null 2>&1
-  python -m evolm_lib.cli tune "$SPEC" --dry-run --no-figures --methods "$names" > "$LOGS/dry_run.txt" 2>&1 \
+  # the dry run checks FILL's methods too: a name the spec lacks is refused before any worker starts
+  python -m evolm_lib.cli tune "$SPEC" --dry-run --no-figures \
+    --methods "$(printf '%s\n' ${names//,/ } ${FILL:-} | awk '!seen[$0]++' | paste -sd, -)" > "$LOGS/dry_run.txt" 2>&1 \
     || { cat "$LOGS/dry_run.txt" >&2; exit 1; }
   # tune.parallel caps a method's trials at once: its workers past that hold an engine and wait
   python -c '

@@ -25,7 +25,7 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_tune_study.sh"
 def _functions(*names: str) -> str:
     """The script's own functions of these names, by default those refill uses (the rest of it starts
     real workers)."""
-    names = names or ("alive", "claim_until", "mps_env", "launch", "ended_cleanly", "refill")
+    names = names or ("alive", "claim_until", "mps_env", "launch", "ended_cleanly", "fewest_alive", "refill")
     text, taken, keep = SCRIPT.read_text().splitlines(), [], False
     for line in text:
         keep = keep or line.startswith(tuple(f"{name}() {{" for name in names))
@@ -95,6 +95,49 @@ refill  # a second pass replaces nothing twice
     assert added == [["0", "5", "es_eggroll"], ["1", "5", "grpo_lora"]]  # the ended worker's card and engine count
     ended = [row.split("\t")[0] for row in rows[:3]]
     assert sorted((logs / "replaced.txt").read_text().split()) == sorted(ended)
+
+
+def test_fill_methods_take_only_the_slots_no_method_at_work_may_take_the_emptiest_first(tmp_path, sleeper):
+    """FILL (ES, whose runs survive a lost machine): a slot that no method at work may take (its
+    CLAIM_UNTIL passed) goes to the FILL method with the fewest workers alive, never to one that ended
+    cleanly or whose own deadline passed; while a method at work may take a slot, no FILL method gets
+    it, even one with no worker alive."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    rows = []
+    for method, pid, summary in (("grpo_full", _ended(), True),     # a slot: nothing left it may start
+                                 ("grpo_lora", sleeper(), False),   # at work, unless its deadline passed
+                                 ("es_eggroll", _ended(), True),    # a slot, and a FILL method done
+                                 ("es_lora", sleeper(), False)):    # a FILL method with a worker alive
+        log = logs / f"{method}.{len(rows)}.log"
+        log.write_text("summary: out/tune_summary.json (3.0 min in all)\n" if summary else "step 10\n")
+        rows.append(f"{pid}\t0\t6\t{method}\t{log}\t0")
+    script = f"""set -u
+LOGS={logs}; METHODS="es_full grpo_full grpo_lora es_lora es_eggroll"
+{_functions()}
+launch() {{ printf '%s\\t%s\\t%s\\t%s\\t%s\\t0\\n' $$ "$2" "$3" "$1" "$4" >> "$LOGS/workers.tsv"; }}  # stands in, alive
+refill
+"""
+
+    def refill(passed: str, fill: str) -> list[str]:
+        (logs / "workers.tsv").write_text("\n".join(rows) + "\n")
+        (logs / "replaced.txt").write_text("")
+        (logs / "claim_until.txt").write_text("".join(f"{m}={int(time.time()) - 1}\n" for m in passed.split()))
+        (logs / "fill.txt").write_text("".join(f"{m}\n" for m in fill.split()))
+        result = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0, result.stderr
+        return [line.split("; ")[1] for line in result.stdout.splitlines()]
+
+    fill = "es_eggroll es_lora es_full"
+    # es_full has none alive, es_lora one; then one each, the first listed
+    assert refill("grpo_full grpo_lora", fill) == ["a worker of es_full took its place", "a worker of es_lora took its place"]
+    assert refill("grpo_full grpo_lora es_full", fill) == ["a worker of es_lora took its place"] * 2
+    # grpo_lora may still start work: both slots are its, es_full's empty hands notwithstanding
+    assert refill("grpo_full", fill) == ["a worker of grpo_lora took its place"] * 2
+    # without FILL, as before: es_lora is a method at work like any other, and with its deadline
+    # passed too the slots stay empty
+    assert refill("grpo_full grpo_lora", "") == ["a worker of es_lora took its place"] * 2
+    assert refill("grpo_full grpo_lora es_lora", "") == []
 
 
 def _stand_ins(tmp_path: Path, study: Path, gpus: int, python: str) -> dict:
@@ -524,7 +567,8 @@ def test_start_places_workers_as_told_and_passes_each_its_deadline_for_starting_
     env = _stand_ins(tmp_path, tmp_path / "study", gpus=3, python=(
         f'[ "$1" = -c ] && exit 0\necho "$CUDA_VISIBLE_DEVICES $EVOLM_ENGINES_PER_CARD $*" >> {calls}\n'))
     soon = int(time.time()) + 600
-    env.update(PLACE="grpo_full@0 grpo_full@0 es_lora@1 es_full@0 grpo_lora@2", CLAIM_UNTIL=f"grpo_full={soon}")
+    env.update(PLACE="grpo_full@0 grpo_full@0 es_lora@1 es_full@0 grpo_lora@2", CLAIM_UNTIL=f"grpo_full={soon}",
+               FILL="es_full es_eggroll")
     result = subprocess.run(["bash", str(SCRIPT), "start"], env=env, capture_output=True, text=True, timeout=120,
                             cwd=SCRIPT.parents[1])
     assert result.returncode == 0, result.stderr
@@ -536,7 +580,10 @@ def test_start_places_workers_as_told_and_passes_each_its_deadline_for_starting_
         time.sleep(0.1)
     lines.sort(key=lambda line: "--dry-run" not in line)
     spec = "papermill_runs/tune_study_addition_gpu.yaml"
-    assert lines[0].strip() == f"-m evolm_lib.cli tune {spec} --dry-run --no-figures --methods grpo_full,es_lora,es_full,grpo_lora"
+    # the dry run checks FILL's methods beside the placed ones; later calls' refills read FILL back
+    assert lines[0].strip() == (f"-m evolm_lib.cli tune {spec} --dry-run --no-figures --methods "
+                                "grpo_full,es_lora,es_full,grpo_lora,es_eggroll")
+    assert (tmp_path / "logs" / "fill.txt").read_text().split() == ["es_full", "es_eggroll"]
     placed = [row.split("\t")[1:4] for row in (tmp_path / "logs" / "workers.tsv").read_text().splitlines()]
     assert placed == [["0", "3", "grpo_full"], ["1", "1", "es_lora"], ["2", "1", "grpo_lora"],  # wave 1: cards 0-2
                       ["0", "3", "grpo_full"],  # wave 2: card 0
