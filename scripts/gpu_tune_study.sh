@@ -210,7 +210,8 @@ fewest_alive() {
 refill() {
   # A worker that ended cleanly (its summary line) found nothing left to claim in its method: its
   # card slot goes to a new worker of a method still at work (none of whose workers ended so), the
-  # one with the fewest workers alive. Methods left with the most work then get more hands.
+  # one with the fewest workers alive. Methods left with the most work then get more hands. A slot
+  # none of them may take goes to FILL's methods, the one with the fewest workers alive.
   local pid card engines method log offset target m done_methods fill
   while IFS=$'\t' read -r pid card engines method log offset; do
     kill -0 "$pid" 2>/dev/null && continue
