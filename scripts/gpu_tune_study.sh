@@ -63,10 +63,13 @@
 # tune.parallel lets run trials at once is named at the start, with how many wait). CLAIM_UNTIL="grpo_full=EPOCH ...":
 # a worker of that method starts no trial or run after that time (`evolm tune --claim-until`), for runs
 # whose checkpoints never travel (full GRPO's) and so must end within the lease that starts them; its
-# worker then ends and its card is refilled. MPS_CARDS="0 1" (or all): CUDA's Multi-Process Service on those
-# cards (a control daemon under MPS_DIR, started once a lease and checked with one CUDA process a card
-# before any worker starts), so the processes sharing a card run their kernels side by side instead of
-# the card switching between them; workers on other cards never reach the daemon (its pipe is not the
+# worker then ends and its card is refilled. FINISH_BY="grpo_full=EPOCH ...": the lease's end; a worker
+# of that method starts only the trials and runs the study's own finished work says end by then
+# (`evolm tune --finish-by`: a rerun with its continuation, each paced by its winner's trial), and ends
+# once it turns one down, its card refilled; no fixed window to guess.
+# MPS_CARDS="0 1" (or all): CUDA's Multi-Process Service on those cards (a control daemon under
+# MPS_DIR, started once a lease and checked with one CUDA process a card before any worker starts),
+# so the processes sharing a card run their kernels side by side instead of the card switching between them; workers on other cards never reach the daemon (its pipe is not the
 # default one), and each run's placement.jsonl names the pipe it used. SPEC and STUDY name another study, e.g.
 #   SPEC=papermill_runs/tune_study_conciseness_gpu.yaml STUDY=runs/tune_study_conciseness bash scripts/gpu_tune_study.sh start
 set -u
@@ -113,10 +116,11 @@ alive() {  # workers of the last start still running
 }
 
 claim_until() {
-  # claim_until METHOD: the deadline `start` recorded from CLAIM_UNTIL ("METHOD=EPOCH_SECONDS ...")
-  # for METHOD's new workers to start runs by: nothing when METHOD has none, "past" once it has passed
+  # claim_until METHOD [FILE]: the deadline `start` recorded from CLAIM_UNTIL ("METHOD=EPOCH_SECONDS ...";
+  # FINISH_BY's with FILE finish_by.txt) for METHOD's new workers to start runs by (to end them by):
+  # nothing when METHOD has none, "past" once it has passed
   local entry
-  for entry in $(cat "$LOGS/claim_until.txt" 2>/dev/null); do
+  for entry in $(cat "$LOGS/${2:-claim_until.txt}" 2>/dev/null); do
     [ "${entry%%=*}" = "$1" ] || continue
     if [ "${entry#*=}" -gt "$(date +%s)" ]; then echo "${entry#*=}"; else echo past; fi
     return 0
@@ -175,13 +179,15 @@ stop() {
 }
 
 launch() {  # launch METHOD CARD ENGINES LOG: one detached worker, recorded in workers.pids and workers.tsv
-  local offset=0 claim
+  local offset=0 claim finish
   claim=$(claim_until "$1")
+  finish=$(claim_until "$1" finish_by.txt)
   [ "$claim" = past ] && { echo "card $2: no worker of $1, whose deadline for starting runs has passed"; return 0; }
+  [ "$finish" = past ] && { echo "card $2: no worker of $1, whose deadline for ending runs has passed"; return 0; }
   [ -f "$4" ] && offset=$(wc -c < "$4")  # logs are appended to: this worker's part starts here
   env $(mps_env "$2") EVOLM_ENGINES_PER_CARD=$3 CUDA_VISIBLE_DEVICES=$2 \
     setsid python -m evolm_lib.cli tune "$SPEC" --methods "$1" --no-figures ${claim:+--claim-until "$claim"} \
-    >> "$4" 2>&1 < /dev/null &
+    ${finish:+--finish-by "$finish"} >> "$4" 2>&1 < /dev/null &
   echo $! >> "$LOGS/workers.pids"
   printf '%s\t%s\t%s\t%s\t%s\t%s\n' $! "$2" "$3" "$1" "$4" "$offset" >> "$LOGS/workers.tsv"
 }
@@ -199,6 +205,7 @@ fewest_alive() {
   for m in "$@"; do
     case "$done$skip" in *" $m "*) continue ;; esac
     [ "$(claim_until "$m")" = past ] && continue  # it may start nothing more here
+    [ "$(claim_until "$m" finish_by.txt)" = past ] && continue
     n=0
     while IFS=$'\t' read -r p _ _ mm _ _; do [ "$mm" = "$m" ] && kill -0 "$p" 2>/dev/null && n=$((n + 1)); done < "$LOGS/workers.tsv"
     [ "$kind" = fill ] || [ "$n" -gt 0 ] || continue
@@ -261,11 +268,15 @@ start() {
   for entry in ${CLAIM_UNTIL:-}; do
     case "${entry#*=}" in ''|*[!0-9]*) echo "CLAIM_UNTIL: $entry is not METHOD=EPOCH_SECONDS" >&2; exit 2 ;; esac
   done
+  for entry in ${FINISH_BY:-}; do
+    case "${entry#*=}" in ''|*[!0-9]*) echo "FINISH_BY: $entry is not METHOD=EPOCH_SECONDS" >&2; exit 2 ;; esac
+  done
   names=$(for entry in $entries; do echo "${entry%@*}"; done | awk '!seen[$0]++' | paste -sd, -)
   [ -n "$archive" ] && unpack "$archive"
   mkdir -p "$LOGS"
   : > "$LOGS/workers.pids"; : > "$LOGS/workers.tsv"; : > "$LOGS/replaced.txt"
   printf '%s\n' ${CLAIM_UNTIL:-} > "$LOGS/claim_until.txt"  # read again by later calls' refills
+  printf '%s\n' ${FINISH_BY:-} > "$LOGS/finish_by.txt"
   printf '%s\n' ${FILL:-} > "$LOGS/fill.txt"
   python -c "from evolm_lib.models import resolve_model; resolve_model('smollm2-135m-instruct')" >/dev/null 2>&1
   # the dry run checks FILL's methods too: a name the spec lacks is refused before any worker starts

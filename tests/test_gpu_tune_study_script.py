@@ -557,6 +557,18 @@ def test_the_qiu_protocol_runs_a_process_per_run_round_robin_over_the_cards(tmp_
     assert unknown.returncode == 2 and "unknown job set qui: all, grpo, finish or qiu" in unknown.stderr
 
 
+def _launch_past(logs: Path, deadlines: str, method: str, card: int) -> str:
+    """What `launch` says for a worker of ``method`` (a later call's refill) once the deadline the
+    file ``deadlines`` records for it has passed."""
+    (logs / deadlines).write_text(f"{method}={int(time.time()) - 1}\n")
+    script = f"""set -u
+LOGS={logs}
+{_functions('claim_until', 'mps_env', 'launch')}
+launch {method} {card} 2 {logs / 'late.log'}
+"""
+    return subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60).stdout
+
+
 def test_start_places_workers_as_told_and_passes_each_its_deadline_for_starting_runs(tmp_path):
     """PLACE puts each worker on its card, wave by wave (the first worker of every card, then the
     second, ...), each told its card's count; CLAIM_UNTIL gives a method's workers its deadline
@@ -600,14 +612,8 @@ def test_start_places_workers_as_told_and_passes_each_its_deadline_for_starting_
     assert logs == ["es_full.1.log", "es_lora.1.log", "grpo_full.1.log", "grpo_full.2.log", "grpo_lora.1.log"]
 
     # a refill in a later call: the deadline passed, grpo_full takes no card back
-    (tmp_path / "logs" / "claim_until.txt").write_text(f"grpo_full={int(time.time()) - 1}\n")
-    script = f"""set -u
-LOGS={tmp_path / 'logs'}
-{_functions('claim_until', 'mps_env', 'launch')}
-launch grpo_full 1 2 {tmp_path / 'logs' / 'late.log'}
-"""
-    late = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60)
-    assert late.stdout == "card 1: no worker of grpo_full, whose deadline for starting runs has passed\n"
+    late = _launch_past(tmp_path / "logs", "claim_until.txt", "grpo_full", 1)
+    assert late == "card 1: no worker of grpo_full, whose deadline for starting runs has passed\n"
     assert len(calls.read_text().splitlines()) == len(lines)
 
     for place, message in (("grpo_full@3", "PLACE: grpo_full@3: this machine has cards 0 to 2"),
@@ -620,6 +626,38 @@ launch grpo_full 1 2 {tmp_path / 'logs' / 'late.log'}
                                                                   "LOGS": str(tmp_path / "l2")},
                          capture_output=True, text=True, timeout=60, cwd=SCRIPT.parents[1])
     assert bad.returncode == 2 and "CLAIM_UNTIL: grpo_full=soon is not METHOD=EPOCH_SECONDS" in bad.stderr
+
+
+def test_finish_by_gives_a_method_s_workers_the_lease_s_end_and_no_worker_once_it_has_passed(tmp_path):
+    """FINISH_BY hands a method's workers the time their runs must end by (--finish-by, the time
+    itself), beside CLAIM_UNTIL's deadline where both are given; a refill after it launches none of
+    that method, and a FINISH_BY that is no time is refused before any worker starts."""
+    calls = tmp_path / "calls.txt"
+    env = _stand_ins(tmp_path, tmp_path / "study", gpus=1, python=(
+        f'[ "$1" = -c ] && exit 0\necho "$*" >> {calls}\n'))
+    end, soon = int(time.time()) + 1500, int(time.time()) + 700
+    env.update(PLACE="grpo_lora@0 grpo_full@0 es_full@0", FINISH_BY=f"grpo_lora={end} grpo_full={end}",
+               CLAIM_UNTIL=f"grpo_full={soon}")
+    result = subprocess.run(["bash", str(SCRIPT), "start"], env=env, capture_output=True, text=True, timeout=120,
+                            cwd=SCRIPT.parents[1])
+    assert result.returncode == 0, result.stderr
+    for _ in range(100):  # the stand-in workers run detached: wait for the last to write its line
+        lines = [line for line in calls.read_text().splitlines() if "--dry-run" not in line]
+        if len(lines) == 3:
+            break
+        time.sleep(0.1)
+    options = {line.split("--methods ")[1].split()[0]: line.split("--no-figures")[1].split() for line in lines}
+    assert options == {"grpo_lora": ["--finish-by", str(end)],
+                       "grpo_full": ["--claim-until", str(soon), "--finish-by", str(end)], "es_full": []}
+    assert (tmp_path / "logs" / "finish_by.txt").read_text().split() == [f"grpo_lora={end}", f"grpo_full={end}"]
+
+    late = _launch_past(tmp_path / "logs", "finish_by.txt", "grpo_lora", 0)
+    assert late == "card 0: no worker of grpo_lora, whose deadline for ending runs has passed\n"
+    bad = subprocess.run(["bash", str(SCRIPT), "start"], env={**env, "FINISH_BY": "grpo_lora=later",
+                                                                  "LOGS": str(tmp_path / "l2")},
+                         capture_output=True, text=True, timeout=60, cwd=SCRIPT.parents[1])
+    assert bad.returncode == 2 and "FINISH_BY: grpo_lora=later is not METHOD=EPOCH_SECONDS" in bad.stderr
+    assert not (tmp_path / "l2").exists()
 
 
 def test_start_says_which_workers_wait_because_tune_parallel_caps_their_trials(tmp_path):

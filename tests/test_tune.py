@@ -118,12 +118,12 @@ def test_a_worker_that_may_claim_no_more_finishes_its_run_and_leaves_the_rest(tm
     spec = tune.load_tune_spec(write_spec(tmp_path, _set(["tune", "trials"], 2)), methods=["es"])
     lines = []
     one_claim = iter([True])
-    assert tune.work(spec, tiny_vllm, log=lines.append, may_claim=lambda: next(one_claim, False)) == {"es": 1}
+    assert tune.work(spec, tiny_vllm, log=lines.append, may_claim=lambda seconds=0.0: next(one_claim, False)) == {"es": 1}
     assert [t["state"] for t in tune.study_trials(spec, "es")] == ["complete"]
     assert tune.outstanding(spec) == ["trials of es"]
     assert lines[-1] == "claiming no more: 1 unfinished left to other workers or a later start (trials of es)"
     one_claim = iter([True])  # the second trial, then no rerun begun
-    assert tune.work(spec, tiny_vllm, log=lines.append, may_claim=lambda: next(one_claim, False)) == {"es": 1}
+    assert tune.work(spec, tiny_vllm, log=lines.append, may_claim=lambda seconds=0.0: next(one_claim, False)) == {"es": 1}
     assert tune.outstanding(spec) == ["final/es/seed0", "final/es/seed1"]
     assert not (spec.out / "final").exists()
     assert tune.work(spec, tiny_vllm, log=lines.append) == {"es": 0}  # no limit: the reruns
@@ -143,15 +143,83 @@ def test_a_deadline_for_claiming_is_a_span_from_now_or_a_time_on_the_clock(monke
     same for every worker given it however long each took to start; neither: no deadline."""
     from evolm_lib.cli.tune import claim_rule
 
-    now = {"monotonic": 100.0, "time": 1_800_000_000.0}
-    monkeypatch.setattr(time, "monotonic", lambda: now["monotonic"])
+    now = {"time": 1_800_000_000.0}
     monkeypatch.setattr(time, "time", lambda: now["time"])
     within, until, always = claim_rule(claim_for=30), claim_rule(claim_until=1_800_000_020), claim_rule()
     assert within() and until() and always()
-    now["monotonic"], now["time"] = 129.9, 1_800_000_019.9
+    now["time"] = 1_800_000_019.9
     assert within() and until()
-    now["monotonic"], now["time"] = 130.0, 1_800_000_020.0
-    assert not within() and not until() and always()
+    now["time"] = 1_800_000_020.0
+    assert within() and not until() and always()
+    now["time"] = 1_800_000_030.0
+    assert not within() and always(1e9)
+
+
+def test_a_deadline_with_an_end_claims_work_by_its_expected_length_and_counts_what_it_turns_down():
+    """``pace.Deadline``: with ``finish_by`` a claim of ``seconds`` holds while now + 1.2 x seconds is
+    not past it; a claim turned down for its length alone is counted (the worker then ends); the
+    length is read only where an end makes it matter; past ``claim_until`` nothing is claimed."""
+    from evolm_lib.tune.pace import FINISH_MARGIN, Deadline
+
+    assert FINISH_MARGIN == 1.2
+    now = [1000.0]
+    deadline = Deadline(finish_by=1100.0, clock=lambda: now[0])
+    assert deadline(50.0) and deadline(83.33) and deadline.refused == 0  # 1000 + 99.996
+    assert not deadline(83.34) and deadline.refused == 1  # 1000 + 100.008
+    assert deadline(lambda: 10.0) and not deadline(lambda: 90.0) and deadline.refused == 2
+    asked = []
+    open_ended = Deadline(claim_until=1050.0, clock=lambda: now[0])
+    assert open_ended(lambda: asked.append("read") or 1e9) and asked == []
+    now[0] = 1050.0
+    assert not open_ended(0.0) and open_ended.refused == 0
+    now[0] = 1100.0  # the end itself: nothing more, and not counted as too long
+    assert not deadline(0.0) and deadline.refused == 2
+    both = Deadline(claim_until=1200.0, finish_by=2000.0, clock=lambda: now[0])
+    assert both(100.0) and not both(800.0) and both.refused == 1
+    now[0] = 1200.0
+    assert not both(1.0) and both.refused == 1
+
+
+def test_a_worker_given_its_end_starts_only_what_the_study_s_own_pace_says_ends_by_then(tmp_path, tiny_vllm):
+    """A trial is paced by its method's complete trials (the median of their runs' ``time/wall_s``), a
+    rerun and its continuation (``tune.long``) by the winner's seconds a generation times what each has
+    left past its checkpoint; a worker whose end is too near for the rerun starts nothing and ends
+    saying so, and one whose end leaves room runs it, then its continuation."""
+    from evolm_lib.tune.final import long_run
+    from evolm_lib.tune.pace import Deadline, resumes_at, run_seconds, step_seconds
+    from evolm_lib.tune.study import trial_seconds
+
+    def changes(spec):
+        spec["tune"].update(trials=2, long=2)
+        spec["final_seeds"] = [0]
+
+    spec = tune.load_tune_spec(write_spec(tmp_path, changes), methods=["es"])
+    assert trial_seconds(spec, "es") == 0.0 and step_seconds(spec, "es") == 0.0  # nothing to pace by yet
+    assert tune.tune(spec, tiny_vllm, log=lambda line: None) == {"es": 2}
+    walls = {}
+    for trial in tune.study_trials(spec, "es"):
+        row = read_metrics(Path(trial["run_dir"]) / "seed100")[-1]
+        walls[trial["number"]] = (row["time/wall_s"], row["generation"])
+    assert trial_seconds(spec, "es") == pytest.approx((walls[0][0] + walls[1][0]) / 2)
+    wall, generations = walls[tune.best_trial(spec, "es").number]
+    step = wall / generations
+    assert generations == 2 and step_seconds(spec, "es") == pytest.approx(step)
+    (rerun,) = tune.final_plan(spec, "es")
+    folder, continued = spec.out / "final" / rerun.name, spec.out / "long" / rerun.name
+    assert run_seconds(spec, rerun, folder) == pytest.approx(2 * step)
+    assert run_seconds(spec, long_run(spec, rerun), continued, start=2) == pytest.approx(2 * step)  # 2 to 4
+
+    lines = []
+    near = Deadline(finish_by=1000.0 + 0.99 * 1.2 * 2 * step, clock=lambda: 1000.0)
+    assert tune.work(spec, tiny_vllm, log=lines.append, may_claim=near) == {"es": 0}
+    assert near.refused == 1 and not folder.exists()
+    assert lines[-1] == ("claiming no more: what is left would not end by the deadline (2 unfinished left to other "
+                         "workers or a later start: final/es/seed0, long/es/seed0)")
+    room = Deadline(finish_by=1000.0 + 1.01 * 1.2 * 2 * step, clock=lambda: 1000.0)
+    assert tune.work(spec, tiny_vllm, log=lines.append, may_claim=room) == {"es": 0}
+    assert room.refused == 0 and tune.outstanding(spec) == []
+    assert resumes_at(folder) == 2 and run_seconds(spec, rerun, folder) == 0.0  # done: nothing left to pace
+    assert [row["generation"] for row in read_metrics(continued)][-1] == 4
 
 
 # the engine in the worker's process, whatever the caller's environment asks (the checkout is on the

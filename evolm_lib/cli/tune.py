@@ -11,6 +11,7 @@ from collections.abc import Callable
 from .. import tune
 from ..env import apply_engine_defaults
 from ..paths import resolve_in_project
+from ..tune.pace import FINISH_MARGIN, Deadline
 from .help import HelpFormatter
 from .interrupt import report_interrupt
 
@@ -58,6 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
     deadline.add_argument("--claim-until", type=float, metavar="EPOCH_SECONDS",
                           help="the same, until a time on the clock (seconds since the epoch, as `date +%%s` prints "
                                "it): workers started one after another share one deadline, whatever their imports took")
+    parser.add_argument("--finish-by", type=float, metavar="EPOCH_SECONDS",
+                        help="start only trials and runs expected to end by this time on the clock (a lent "
+                             "machine's end): each is paced by the study's own finished work, stretched by "
+                             f"{FINISH_MARGIN:g}, and a worker that turns one down as too long ends, leaving its "
+                             "card to other work (with --claim-for or --claim-until, both hold)")
     parser.add_argument("--no-figures", action="store_true", help="write no figures")
     parser.add_argument("--dry-run", action="store_true", help="check the spec and print the plan only")
     return parser
@@ -76,8 +82,9 @@ def main(argv: list[str] | None = None) -> int:
             spec = tune.with_trials(spec, args.trials)
         if args.claim_for is not None and not (args.claim_for >= 0):
             raise ValueError(f"--claim-for: a number of seconds >= 0, not {args.claim_for}")
-        if args.claim_until is not None and not (args.claim_until > 0):
-            raise ValueError(f"--claim-until: seconds since the epoch (date +%s), not {args.claim_until}")
+        for option, value in (("--claim-until", args.claim_until), ("--finish-by", args.finish_by)):
+            if value is not None and not (value > 0):
+                raise ValueError(f"{option}: seconds since the epoch (date +%s), not {value}")
     except (ValueError, FileNotFoundError) as error:  # a bad spec or option: one line naming it
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -115,15 +122,16 @@ def missing_libraries(names) -> list[str]:
     return [name for name in names if importlib.util.find_spec(name) is None]
 
 
-def claim_rule(claim_for: float | None = None, claim_until: float | None = None) -> Callable[[], bool]:
-    """Whether this worker may start another trial or run: always, or while within ``claim_for``
-    seconds of now (a monotonic clock), or before the wall-clock time ``claim_until``."""
+def claim_rule(claim_for: float | None = None, claim_until: float | None = None,
+               finish_by: float | None = None) -> Callable[..., bool]:
+    """Whether this worker may start another trial or run (``pace.Deadline``): always, or while within
+    ``claim_for`` seconds of now, or before the clock's time ``claim_until``; and with ``finish_by``,
+    only work expected to end by that time."""
     if claim_for is not None:
-        deadline = time.monotonic() + claim_for
-        return lambda: time.monotonic() < deadline
-    if claim_until is not None:
-        return lambda: time.time() < claim_until
-    return tune.always
+        claim_until = time.time() + claim_for
+    if claim_until is None and finish_by is None:
+        return tune.always
+    return Deadline(claim_until=claim_until, finish_by=finish_by)
 
 
 def _run(spec, args) -> int:
@@ -132,7 +140,7 @@ def _run(spec, args) -> int:
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # a line per study opened says nothing here
     started = time.perf_counter()
-    may_claim = claim_rule(args.claim_for, args.claim_until)
+    may_claim = claim_rule(args.claim_for, args.claim_until, args.finish_by)
     if tune.outstanding(spec, finals=not args.no_finals):
         evaluator = tune.make_tuning_evaluator(spec)
         try:

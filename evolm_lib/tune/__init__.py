@@ -10,7 +10,9 @@ summary with its statistics; compact.py: a finished study's rows and scores in a
 to commit; restore.py: a study folder written again from them, to continue (full ES's and EGGROLL's
 runs under way from their checkpoints, the others from their start); geometry.py: the winners' solutions compared (run where their weights are); rebuild.py:
 reruns whose weights a pack left behind run again, their rows checked against the rerun's;
-progress.py: where a study stands, as a Markdown table (runs under way with their positions).
+progress.py: where a study stands, as a Markdown table (runs under way with their positions);
+pace.py: how long a trial or run should take, from the study's own finished work, and the rule a
+worker given a lent machine's end claims by (`Deadline`).
 """
 from .final import (STAGES, SUMMARY, control_plan, final_groups, final_plan, long_plan, outstanding, resolve_best,
                     resolved_primary, run_extras, run_finals, summarize, summary_lines, work)

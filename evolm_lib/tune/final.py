@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 from ..runs import LOCK_FILE, RunFolderBusy, list_checkpoints, lock_holder, read_jsonl
 from ..sweep import HELDOUT, PlannedRun, run_one
+from .pace import run_seconds
 from .spec import BEST, TuneSpec, trial_config
 from .study import always, best_trial, ended, finished, load_study, study_lock, study_trials, tune
 
@@ -106,14 +107,16 @@ def finished_rerun(folder, length: int | None = None) -> bool:
             and lock_holder(folder) is None)
 
 
-def run_unfinished(planned: PlannedRun, out, evaluator, may_claim: Callable[[], bool] = always) -> bool:
+def run_unfinished(planned: PlannedRun, out, evaluator, may_claim: Callable[..., bool] = always,
+                   seconds: float | Callable[[], float] = 0.0) -> bool:
     """``run_one``, unless the run's folder holds a finished rerun already (held-out scores at its last
     generation or step): such a folder may hold no weights (unpacked on another machine from a pack,
     which leaves weights out), and nothing of it is left to run. An unfinished run is left alone
-    when ``may_claim`` says the worker starts nothing more. Returns whether the run is finished."""
+    when ``may_claim`` says the worker starts nothing more, or nothing as long as ``seconds`` (the
+    run's expected length, ``pace.run_seconds``). Returns whether the run is finished."""
     if finished_rerun(out / planned.name, planned.length):
         return True
-    if not may_claim():
+    if not may_claim(seconds):
         return False
     run_one(planned, out, evaluator)
     return True
@@ -138,22 +141,27 @@ def continue_copy(source, folder) -> bool:
 
 
 def continue_rerun(spec: TuneSpec, planned: PlannedRun, rerun: PlannedRun, evaluator,
-                   log: Callable[[str], None] = print, may_claim: Callable[[], bool] = always) -> bool:
+                   log: Callable[[str], None] = print, may_claim: Callable[..., bool] = always) -> bool:
     """The finished rerun ``rerun`` continued as ``planned`` (``tune.long`` x its budget) in a copy of
     its folder, OUT/long/<name>, from its last checkpoint (from the start where this machine holds
     none); one worker copies it, under the study's lock. Returns whether the continuation is
     finished: False while its rerun is not, or once ``may_claim`` says no (``RunFolderBusy`` where
     another worker writes it)."""
     source, folder = spec.out / "final" / planned.name, spec.out / "long" / planned.name
+    # asked outside the study's lock, which pacing takes to open the study's storage
+    if (not folder.exists() and finished_rerun(source, rerun.length)
+            and not may_claim(lambda: run_seconds(spec, planned, folder,
+                                                start=rerun.length if list_checkpoints(source) else 0))):
+        return False
     with study_lock(spec.out):  # one worker copies a rerun; the others find the copy
-        if not folder.exists() and may_claim():
+        if not folder.exists():
             if not finished_rerun(source, rerun.length):
                 log(f"  long/{planned.name}: waits for its rerun final/{planned.name} to finish")
                 return False
             folder.parent.mkdir(parents=True, exist_ok=True)
             if not continue_copy(source, folder):
                 log(f"  long/{planned.name}: final/{planned.name} has no checkpoint here; run from the start")
-    return run_unfinished(planned, spec.out / "long", evaluator, may_claim)
+    return run_unfinished(planned, spec.out / "long", evaluator, may_claim, lambda: run_seconds(spec, planned, folder))
 
 
 def _finished_unless_busy(run: Callable[[], bool], label: str, log: Callable[[str], None]) -> bool:
@@ -167,7 +175,7 @@ def _finished_unless_busy(run: Callable[[], bool], label: str, log: Callable[[st
 
 
 def run_extras(spec: TuneSpec, evaluator, log: Callable[[str], None] = print,
-               may_claim: Callable[[], bool] = always) -> dict[str, list[str]]:
+               may_claim: Callable[..., bool] = always) -> dict[str, list[str]]:
     """The declared later stages for this worker's methods: each finished rerun continued to
     ``tune.long`` x the budget (OUT/long/, ``continue_rerun``), and the shuffled-fitness control of
     ``tune.control`` (OUT/control/) once its method is decided, each started while ``may_claim``;
@@ -191,12 +199,14 @@ def run_extras(spec: TuneSpec, evaluator, log: Callable[[str], None] = print,
             log(f"control ({spec.settings.control}): waits until every ES method has its trials")
         elif method in spec.methods:
             for planned in control_plan(spec, method):
-                run(planned, "control", lambda: run_unfinished(planned, spec.out / "control", evaluator, may_claim))
+                folder = spec.out / "control" / planned.name
+                run(planned, "control", lambda: run_unfinished(planned, spec.out / "control", evaluator, may_claim,
+                                                               lambda: run_seconds(spec, planned, folder)))
     return done
 
 
 def run_finals(spec: TuneSpec, evaluator, log: Callable[[str], None] = print,
-               may_claim: Callable[[], bool] = always) -> dict[str, list[str]]:
+               may_claim: Callable[..., bool] = always) -> dict[str, list[str]]:
     """Rerun every method whose study is finished on the final seeds (a method still being tuned by
     another worker is left for later, a rerun another worker writes is skipped, and none is started
     once ``may_claim`` says no); returns {method: rerun folders written or found finished}. With
@@ -214,7 +224,8 @@ def run_finals(spec: TuneSpec, evaluator, log: Callable[[str], None] = print,
             if finished_rerun(folder, planned.length):  # here already: its continuation is run_extras'
                 done[method].append(str(folder))
                 continue
-            if not _finished_unless_busy(lambda: run_unfinished(planned, spec.out / "final", evaluator, may_claim),
+            if not _finished_unless_busy(lambda: run_unfinished(planned, spec.out / "final", evaluator, may_claim,
+                                                                lambda: run_seconds(spec, planned, folder)),
                                          planned.name, log):
                 continue
             done[method].append(str(folder))
@@ -260,14 +271,15 @@ def outstanding(spec: TuneSpec, finals: bool = True) -> list[str]:
 
 
 def work(spec: TuneSpec, evaluator, finals: bool = True, log: Callable[[str], None] = print,
-         may_claim: Callable[[], bool] = always) -> dict[str, int]:
+         may_claim: Callable[..., bool] = always) -> dict[str, int]:
     """This worker's whole part of the study: trials, then (with ``finals``) the reruns, continued
     reruns and control, again and again until ``outstanding`` is empty. A worker with nothing to
     claim while others still hold trials or runs waits for them instead of ending, so it takes the
     reruns their trials make ready (and a killed worker's trial once its heartbeat goes stale), and
     its summary holds every run. ``may_claim`` is asked before each trial or run is started: once it
     says no, the worker finishes what it runs and returns, leaving the rest to other workers or a
-    later start (a run that cannot resume on another machine is not begun where it could not end).
+    later start (a run that cannot resume on another machine is not begun where it could not end);
+    so it does after a pass in which a ``pace.Deadline`` turned work down as too long for the time left.
     Returns {method: trials run here}."""
     ran = {method: 0 for method in spec.methods}
     said: set[str] = set()
@@ -278,6 +290,7 @@ def work(spec: TuneSpec, evaluator, finals: bool = True, log: Callable[[str], No
             log(line)
 
     while True:
+        refused = getattr(may_claim, "refused", 0)  # a pace.Deadline counts the claims too long for it
         for method, count in tune(spec, evaluator, log, may_claim).items():
             ran[method] += count
         if finals:
@@ -289,6 +302,10 @@ def work(spec: TuneSpec, evaluator, finals: bool = True, log: Callable[[str], No
         shown = ", ".join(left[:3]) + (", ..." if len(left) > 3 else "")
         if not may_claim():
             log(f"claiming no more: {len(left)} unfinished left to other workers or a later start ({shown})")
+            return ran
+        if getattr(may_claim, "refused", 0) > refused:  # the time left only shrinks: this worker's slot goes to other work
+            log(f"claiming no more: what is left would not end by the deadline ({len(left)} unfinished left to "
+                f"other workers or a later start: {shown})")
             return ran
         once(f"waiting for other workers: {len(left)} unfinished ({shown})")
         time.sleep(min(POLL_S, spec.settings.heartbeat_s))

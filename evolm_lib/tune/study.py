@@ -17,6 +17,7 @@ import fcntl
 import math
 import os
 import socket
+import statistics
 import threading
 import time
 import warnings
@@ -26,7 +27,7 @@ from typing import Any, Callable, Iterator
 
 from ..env import record_placement
 from ..metrics import final_value
-from ..runs import RunFolderBusy
+from ..runs import RunFolderBusy, read_metrics, row_generation
 from ..seeds import derive_seed
 from ..sweep import PlannedRun, make_shared_evaluator
 from ..train.es import ESRun
@@ -140,12 +141,13 @@ def finished(spec: TuneSpec, method: str, storage=None) -> bool:
     return all_trials_done(load_study(spec, method, storage).get_trials(deepcopy=False), spec.settings.trials)
 
 
-def always() -> bool:
-    """The default ``may_claim``: a worker claims work for as long as there is some."""
+def always(seconds: float | Callable[[], float] = 0.0) -> bool:
+    """The default ``may_claim``: a worker claims work for as long as there is some, whatever its
+    expected length (``seconds``; ``pace.Deadline`` is the rule that weighs it)."""
     return True
 
 
-def _next_trial(spec: TuneSpec, method: str, storage, may_claim: Callable[[], bool] = always):
+def _next_trial(spec: TuneSpec, method: str, storage, may_claim: Callable[..., bool] = always):
     """(study, trial) for this worker's next trial of ``method``, or (study, None) when none is left,
     ``tune.parallel`` trials already run (a retry, whose setting is fixed, runs regardless) or the
     worker may claim no more (``may_claim``); stale trials (a killed worker's) are failed first, which
@@ -156,7 +158,7 @@ def _next_trial(spec: TuneSpec, method: str, storage, may_claim: Callable[[], bo
     with study_lock(spec.out), _quiet_optuna():
         study = load_study(spec, method, storage)
         optuna.storages.fail_stale_trials(study)
-        if trials_left(study, spec.settings.trials) == 0 or not may_claim():
+        if trials_left(study, spec.settings.trials) == 0 or not may_claim(lambda: trial_seconds(spec, method, study)):
             return study, None
         states = [t.state for t in study.get_trials(deepcopy=False)]
         limit = spec.settings.parallel
@@ -192,6 +194,39 @@ def trial_folder(spec: TuneSpec, method: str, study, trial) -> Path:
     with _quiet_optuna():
         first = optuna.storages.RetryHeartbeatStaleTrialCallback.retried_trial_number(frozen)
     return spec.out / "trials" / method / f"trial_{trial.number if first is None else first:04d}"
+
+
+def run_wall(folder: Path) -> tuple[float, int] | None:
+    """A run folder's wall-clock seconds and the generation or step they reach (its last row's), or
+    None where it has no timed row."""
+    rows = read_metrics(folder) if (folder / "metrics.jsonl").exists() else []
+    wall = final_value(rows, "time/wall_s")
+    generation = max((row_generation(row) for row in rows), default=-1)
+    return (wall, generation) if wall is not None and generation > 0 else None
+
+
+def trial_walls(spec: TuneSpec, method: str, study, trial) -> list[tuple[float, int]]:
+    """(wall-clock seconds, generations or steps) of each of a trial's runs that has timed rows."""
+    folder = trial_folder(spec, method, study, trial)
+    walls = [run_wall(seed) for seed in sorted(folder.glob("seed*"))] if folder.exists() else []
+    return [wall for wall in walls if wall is not None]
+
+
+def trial_seconds(spec: TuneSpec, method: str, study=None) -> float:
+    """What a new trial of ``method`` should take: the median of its complete trials' seconds (their
+    runs' wall clocks together; a trial's ``seconds`` attribute where its folders hold none). 0.0
+    while it has no complete trial. ``study``: the method's, where the caller holds the study's lock
+    (opening the storage takes it)."""
+    from optuna.trial import TrialState
+
+    study = study or load_study(spec, method)
+    seconds = []
+    for trial in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+        walls = trial_walls(spec, method, study, trial)
+        took = sum(wall for wall, _ in walls) if walls else trial.user_attrs.get("seconds")
+        if took:
+            seconds.append(float(took))
+    return statistics.median(seconds) if seconds else 0.0
 
 
 def trial_settings(planned: PlannedRun, params: dict[str, Any], config) -> dict[str, Any]:
@@ -244,7 +279,7 @@ def _run_trial(spec: TuneSpec, method: str, trial, folder: Path, evaluator, log:
 
 
 def tune_method(spec: TuneSpec, method: str, evaluator, log: Callable[[str], None] = print, storage=None,
-                may_claim: Callable[[], bool] = always) -> int:
+                may_claim: Callable[..., bool] = always) -> int:
     """Run trials of ``method`` until its study holds ``trials`` of them, or until ``may_claim`` says
     this worker starts no more; returns how many this worker ran."""
     from optuna.trial import TrialState
@@ -291,7 +326,7 @@ def make_tuning_evaluator(spec: TuneSpec):
 
 
 def tune(spec: TuneSpec, evaluator=None, log: Callable[[str], None] = print,
-         may_claim: Callable[[], bool] = always) -> dict[str, int]:
+         may_claim: Callable[..., bool] = always) -> dict[str, int]:
     """Every method's trials (this worker's share of them, those it claims while ``may_claim``), on one
     engine; returns {method: trials run here}."""
     own = evaluator is None

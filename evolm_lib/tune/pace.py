@@ -1,0 +1,84 @@
+"""How long a study's next trial or run should take, read from the study's own finished work, and the
+rule a worker claims by (``Deadline``): with ``finish_by`` (``evolm tune --finish-by``, a lent
+machine's end) it starts only work expected to end by then, so no run is begun that the machine's
+return would cut short and no slot waits behind a fixed window while work that fits is left.
+
+A trial is expected to take what its method's complete trials took (the median of their runs' wall
+clocks, ``time/wall_s``, which goes on across a resume); a rerun, a continued rerun or a control run
+its winner trial's seconds a generation or step times the generations or steps it has left, counted
+from the checkpoint it would resume from. Work with nothing to pace it by (a method without a complete
+trial) is expected to take no time: only ``finish_by`` itself stops it.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from ..runs import list_checkpoints
+from ..sweep import PlannedRun
+from .spec import TuneSpec
+from .study import load_study, trial_walls
+
+FINISH_MARGIN = 1.2
+"""Expected seconds are stretched by this much before they are held against ``finish_by``: a run's
+pace on a shared card moves with what shares it, and its wall clock leaves out the engine's start and
+the scoring after its last row (docs/tuning.md gives the spread seen on the lent machines)."""
+
+
+@dataclass
+class Deadline:
+    """Whether a worker may start work expected to take ``seconds``: before ``claim_until`` (any work,
+    whatever its length) and, where ``finish_by`` is set, only work that ends by then once stretched
+    by ``margin``. Both are times on ``clock`` (seconds since the epoch for ``time.time``).
+    ``refused`` counts the claims turned down for their length alone: ``tune.work`` ends a worker
+    after a pass that refused one, since the time left only shrinks, and its slot goes to other work."""
+
+    claim_until: float | None = None
+    finish_by: float | None = None
+    margin: float = FINISH_MARGIN
+    clock: Callable[[], float] | None = None  # time.time, looked up at each call
+    refused: int = 0
+
+    def __call__(self, seconds: float | Callable[[], float] = 0.0) -> bool:
+        """``seconds``: the work's expected length, or a function giving it, called only where
+        ``finish_by`` makes the length matter (reading it means reading the study's run folders)."""
+        now = (self.clock or time.time)()
+        if self.claim_until is not None and now >= self.claim_until:
+            return False
+        if self.finish_by is None:
+            return True
+        if now >= self.finish_by:
+            return False
+        if now + (seconds() if callable(seconds) else seconds) * self.margin > self.finish_by:
+            self.refused += 1
+            return False
+        return True
+
+
+def step_seconds(spec: TuneSpec, method: str) -> float:
+    """Seconds a generation or step of ``method``'s winner: its best trial's runs' wall clocks over the
+    generations or steps they ran (the rerun's setting and length are the trial's). 0.0 where the
+    method has no complete trial or its folders no timed rows."""
+    study = load_study(spec, method)
+    try:
+        best = study.best_trial
+    except ValueError:
+        return 0.0
+    walls = trial_walls(spec, method, study, best)
+    return sum(wall for wall, _ in walls) / sum(generation for _, generation in walls) if walls else 0.0
+
+
+def resumes_at(folder: Path) -> int:
+    """The generation or step a run in ``folder`` goes on from: its newest checkpoint's (0 for none)."""
+    found = [int(path.name.split(".")[0]) for path in list_checkpoints(folder) if path.name.split(".")[0].isdigit()]
+    return max(found, default=0)
+
+
+def run_seconds(spec: TuneSpec, planned: PlannedRun, folder: Path, start: int | None = None) -> float:
+    """What ``planned`` (a rerun, a continued rerun or a control run, its winner's setting) should take
+    in ``folder``: its winner's ``step_seconds`` times what is left past ``start`` (where it goes on
+    from; ``resumes_at(folder)`` when None)."""
+    at = resumes_at(folder) if start is None else start
+    return max(planned.length - at, 0) * step_seconds(spec, planned.name.split("/")[0])
