@@ -385,19 +385,6 @@ def test_a_searched_population_size_keeps_the_budget(tmp_path):
         tune.trial_config(spec, planned, {"population_size": 6})
 
 
-def test_the_tuning_notebook_runs_on_the_tiny_spec(tmp_path):
-    from evolm_lib import batch
-
-    out = tmp_path / "tune"
-    executed = batch.execute_notebook(REPO / "notebooks" / "07_tuning.py", tmp_path / "07.ipynb",
-                                      {"spec_path": str(REPO / "papermill_runs" / "tune_tiny.yaml"), "out": str(out),
-                                       "trials": 2, "figures_dir": str(tmp_path / "figures")}, cwd=REPO)
-    assert executed.exists()
-    summary = json.loads((out / tune.SUMMARY).read_text())
-    assert {m: e["trials"] for m, e in summary["methods"].items()} == {"es": 2, "grpo": 2}
-    assert sorted(p.name for p in (out / "final" / "es").iterdir()) == ["seed0", "seed1", "seed2"]
-
-
 def test_a_study_packed_mid_run_keeps_finished_trials_rows_and_leaves_weights_and_running_trials_out(tmp_path):
     """python -m evolm_lib.tune.pack: a consistent copy of the storage, the finished trial's text
     files without its weights, nothing of the trial still running (its retry starts afresh)."""
