@@ -22,6 +22,7 @@ from typing import Sequence
 from ..runs import list_checkpoints, read_config_file, read_metrics, row_generation
 from ..sweep import PlannedRun
 from .final import control_plan, final_plan, finished_rerun, long_run, resolve_best
+from .pace import resumes_at
 from .spec import TuneSpec, load_tune_spec
 from .study import STORAGE, all_trials_done, ended, load_study, trial_folder, trials_done
 
@@ -42,8 +43,7 @@ def run_position(folder: Path) -> str:
     steps = "num_steps" in config
     length = config.get("num_steps" if steps else "num_generations")
     rows = read_metrics(folder) if (folder / "metrics.jsonl").exists() else []
-    checkpoints = list_checkpoints(folder)
-    resumes = f"checkpoint {int(checkpoints[-1].name)}" if checkpoints else "no checkpoint"
+    resumes = f"checkpoint {resumes_at(folder)}" if list_checkpoints(folder) else "no checkpoint"
     at = max(row_generation(rows[-1]), 0) if rows else 0
     position = f"at {at}/{length} ({resumes})"
     paces = [row["time/generation_s"] for row in rows[-PACE_ROWS:]
