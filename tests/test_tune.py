@@ -180,6 +180,19 @@ def test_a_deadline_with_an_end_claims_work_by_its_expected_length_and_counts_wh
     assert not both(1.0) and both.refused == 1
 
 
+def test_a_run_goes_on_from_its_newest_checkpoint_also_one_renamed_aside_mid_write(tmp_path):
+    """``pace.resumes_at``: the newest written checkpoint's generation (a copy renamed aside while its
+    replacement is written stands in for it); 0 for a folder without one."""
+    from evolm_lib.tune.pace import resumes_at
+
+    assert resumes_at(tmp_path) == 0
+    for name in ("000002", "000004.old", "000006"):
+        (tmp_path / "checkpoints" / name).mkdir(parents=True)
+    for name in ("000002", "000004.old"):  # 000006 holds nothing written yet
+        (tmp_path / "checkpoints" / name / "state.json").write_text("{}")
+    assert resumes_at(tmp_path) == 4
+
+
 def test_a_worker_given_its_end_starts_only_what_the_study_s_own_pace_says_ends_by_then(tmp_path, tiny_vllm):
     """A trial is paced by its method's complete trials (the median of their runs' ``time/wall_s``), a
     rerun and its continuation (``tune.long``) by the winner's seconds a generation times what each has
