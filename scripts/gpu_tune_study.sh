@@ -49,7 +49,7 @@
 # is told how many engines share its card (EVOLM_ENGINES_PER_CARD, recorded in every run's
 # placement.jsonl beside the times). While a stage waits, a worker that ended cleanly (its method had
 # nothing left to claim) is replaced on its card by one of the method still at work with the fewest
-# workers (REFILL=0: not). FILL="es_full es_lora": methods whose runs survive a lost machine (their
+# workers, passing over a method one of whose workers waits for the others (REFILL=0: not). FILL="es_full es_lora": methods whose runs survive a lost machine (their
 # checkpoints always pack: ES), given a slot no method at work may take (all its work claimed, or its
 # CLAIM_UNTIL passed), the one of them with the fewest workers alive, until each ends cleanly; so the
 # end of a lease whose GRPO trials are done runs ES's reruns, continuations and control instead of
@@ -196,18 +196,30 @@ ended_cleanly() {  # ended_cleanly LOG OFFSET: the worker that wrote LOG from OF
   tail -c +$(($2 + 1)) "$1" 2>/dev/null | grep -q '^summary: '
 }
 
+waiting() {  # waiting LOG OFFSET: the worker that writes LOG from OFFSET on waits for other workers
+  # (its last line; a waiting worker prints nothing more until work it may start appears)
+  tail -c +$(($2 + 1)) "$1" 2>/dev/null | grep -v '^[[:space:]]*$' | tail -n 1 | grep -q '^waiting for other workers: '
+}
+
 fewest_alive() {
   # fewest_alive DONE SKIP KIND METHOD...: of the METHODs not in DONE or SKIP (" a b " lists) whose
-  # CLAIM_UNTIL has not passed, the one with the fewest workers alive (the first listed of a tie);
-  # KIND at-work takes only a method with a worker alive, fill one with none as well
-  local done=$1 skip=$2 kind=$3 m n p mm target="" best=""
+  # CLAIM_UNTIL has not passed and none of whose workers waits for the others (it has more hands than
+  # work they may start: say, reruns that wait for its last trials), the one with the fewest workers
+  # alive (the first listed of a tie); KIND at-work takes only a method with a worker alive, fill one
+  # with none as well
+  local done=$1 skip=$2 kind=$3 m n idle p mm l o target="" best=""
   shift 3
   for m in "$@"; do
     case "$done$skip" in *" $m "*) continue ;; esac
     [ "$(claim_until "$m")" = past ] && continue  # it may start nothing more here
     [ "$(claim_until "$m" finish_by.txt)" = past ] && continue
-    n=0
-    while IFS=$'\t' read -r p _ _ mm _ _; do [ "$mm" = "$m" ] && kill -0 "$p" 2>/dev/null && n=$((n + 1)); done < "$LOGS/workers.tsv"
+    n=0 idle=0
+    while IFS=$'\t' read -r p _ _ mm l o; do
+      [ "$mm" = "$m" ] && kill -0 "$p" 2>/dev/null || continue
+      n=$((n + 1))
+      waiting "$l" "$o" && idle=1
+    done < "$LOGS/workers.tsv"
+    [ "$idle" = 0 ] || continue
     [ "$kind" = fill ] || [ "$n" -gt 0 ] || continue
     if [ -z "$best" ] || [ "$n" -lt "$best" ]; then target=$m; best=$n; fi
   done
@@ -217,8 +229,8 @@ fewest_alive() {
 refill() {
   # A worker that ended cleanly (its summary line) found nothing left to claim in its method: its
   # card slot goes to a new worker of a method still at work (none of whose workers ended so), the
-  # one with the fewest workers alive. Methods left with the most work then get more hands. A slot
-  # none of them may take goes to FILL's methods, the one with the fewest workers alive.
+  # one with the fewest workers alive and none waiting. Methods left with the most work then get more
+  # hands. A slot none of them may take goes to FILL's methods, the one with the fewest workers alive.
   local pid card engines method log offset target m done_methods fill
   while IFS=$'\t' read -r pid card engines method log offset; do
     kill -0 "$pid" 2>/dev/null && continue

@@ -25,7 +25,7 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_tune_study.sh"
 def _functions(*names: str) -> str:
     """The script's own functions of these names, by default those refill uses (the rest of it starts
     real workers)."""
-    names = names or ("alive", "claim_until", "mps_env", "launch", "ended_cleanly", "fewest_alive", "refill")
+    names = names or ("alive", "claim_until", "mps_env", "launch", "ended_cleanly", "waiting", "fewest_alive", "refill")
     text, taken, keep = SCRIPT.read_text().splitlines(), [], False
     for line in text:
         keep = keep or line.startswith(tuple(f"{name}() {{" for name in names))
@@ -138,6 +138,50 @@ refill
     # passed too the slots stay empty
     assert refill("grpo_full grpo_lora", "") == ["a worker of es_lora took its place"] * 2
     assert refill("grpo_full grpo_lora es_lora", "") == []
+
+
+def test_a_method_whose_worker_waits_for_the_others_takes_no_slot(tmp_path, sleeper):
+    """Lease 13: LoRA GRPO's worker ended, and its slot went to a fourth full GRPO worker while one of
+    full GRPO's three already waited for the other two's trials. A method one of whose workers waits
+    (its last line) has more hands than work: the slot goes to FILL instead. A worker that waited and
+    then took a run (a line after the wait) is at work again."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    rows = []
+
+    def worker(method: str, pid: int, text: str) -> None:
+        log = logs / f"{method}.{len(rows)}.log"
+        earlier = "waiting for other workers: 1 unfinished (an earlier worker's line)\n"  # before this worker's offset
+        log.write_text(earlier + text)
+        rows.append(f"{pid}\t0\t6\t{method}\t{log}\t{len(earlier)}")
+
+    worker("grpo_lora", _ended(), "claiming no more: what is left would not end by the deadline\n"
+                                  "summary: out/tune_summary.json (3.6 min in all)\n")
+    worker("grpo_full", sleeper(), "  grpo_full/trial_0019  450/900\n")
+    worker("grpo_full", sleeper(), "  grpo_full/trial_0020  440/900\n")
+    worker("grpo_full", sleeper(), "grpo_full: tuning not finished; its reruns wait\n"
+                                   "waiting for other workers: 1 unfinished (trials of grpo_full)\n\n")
+    worker("es_full", sleeper(), "  es_full/seed8  170/240\n")
+    worker("es_lora", sleeper(), "  es_lora/seed3  250/600\n")
+    waiting_row = rows[3]
+    script = f"""set -u
+LOGS={logs}; METHODS="es_full grpo_full grpo_lora es_lora"
+{_functions()}
+launch() {{ printf '%s\\t%s\\t%s\\t%s\\t%s\\t0\\n' $$ "$2" "$3" "$1" "$4" >> "$LOGS/workers.tsv"; }}  # stands in, alive
+refill
+"""
+
+    def refill() -> list[str]:
+        (logs / "workers.tsv").write_text("\n".join(rows) + "\n")
+        (logs / "replaced.txt").write_text("")
+        (logs / "fill.txt").write_text("es_full\nes_lora\n")
+        result = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0, result.stderr
+        return [line.split("; ")[1] for line in result.stdout.splitlines()]
+
+    assert refill() == ["a worker of es_full took its place"]
+    Path(waiting_row.split("\t")[4]).open("a").write("  grpo_full/final/seed0  1/900\n")  # its trials ended: a rerun
+    assert refill() == ["a worker of grpo_full took its place"]
 
 
 def _stand_ins(tmp_path: Path, study: Path, gpus: int, python: str) -> dict:
