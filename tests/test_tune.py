@@ -235,6 +235,39 @@ def test_a_worker_given_its_end_starts_only_what_the_study_s_own_pace_says_ends_
     assert [row["generation"] for row in read_metrics(continued)][-1] == 4
 
 
+def test_a_worker_whose_end_leaves_no_trial_room_starts_no_engine(tmp_path, tiny_vllm, monkeypatch, capsys):
+    """Lease 13: LoRA GRPO's worker started its engine (2.7 minutes on an H200) before turning its one
+    trial left down. Where all that is left is trials not started and the next one would not end by
+    the deadline, `evolm tune --finish-by` says so and starts no engine; with room, or with nothing to
+    pace by yet, it goes on to claim as before."""
+    from evolm_lib.tune.pace import Deadline
+    from evolm_lib.tune.study import trial_seconds
+
+    path = write_spec(tmp_path, lambda spec: spec["tune"].update(trials=2))
+    spec = tune.load_tune_spec(path, methods=["es"])
+    assert tune.nothing_fits(spec, Deadline(finish_by=1.0, clock=lambda: 0.5)) is None  # no trial to pace by
+    claims = []
+    assert tune.tune(spec, tiny_vllm, log=lambda line: None,
+                     may_claim=lambda seconds=0.0: claims.append(1) or len(claims) == 1) == {"es": 1}
+    took = trial_seconds(spec, "es")
+    assert took > 0 and tune.outstanding(spec) == ["trials of es"]
+    near = Deadline(finish_by=1000.0 + 0.99 * 1.2 * took, clock=lambda: 1000.0)
+    assert tune.nothing_fits(spec, near) == ("claiming no more: what is left would not end by the deadline "
+                                            "(trials of es): no engine started")
+    assert tune.nothing_fits(spec, Deadline(finish_by=1000.0 + 1.01 * 1.2 * took, clock=lambda: 1000.0)) is None
+
+    def no_engine(spec):
+        raise AssertionError("an engine was started")
+
+    monkeypatch.setattr(tune, "make_tuning_evaluator", no_engine)
+    capsys.readouterr()
+    assert main(["tune", str(path), "--methods", "es", "--no-figures", "--finish-by", str(time.time() + 0.5 * 1.2 * took)]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert "claiming no more: what is left would not end by the deadline (trials of es): no engine started" in printed
+    assert printed[-1].startswith("summary: ")  # a clean end: the stage script's refill hands the slot on
+    assert tune.outstanding(spec) == ["trials of es"]  # nothing claimed
+
+
 # the engine in the worker's process, whatever the caller's environment asks (the checkout is on the
 # PYTHONPATH the root conftest.py sets)
 WORKER_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}

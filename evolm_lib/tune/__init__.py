@@ -14,8 +14,8 @@ progress.py: where a study stands, as a Markdown table (runs under way with thei
 pace.py: how long a trial or run should take, from the study's own finished work, and the rule a
 worker given a lent machine's end claims by (`Deadline`).
 """
-from .final import (STAGES, SUMMARY, control_plan, final_groups, final_plan, long_plan, outstanding, resolve_best,
-                    resolved_primary, run_extras, run_finals, summarize, summary_lines, work)
+from .final import (STAGES, SUMMARY, control_plan, final_groups, final_plan, long_plan, nothing_fits, outstanding,
+                    resolve_best, resolved_primary, run_extras, run_finals, summarize, summary_lines, work)
 from .space import Parameter, parse_parameter, parse_space
 from .spec import TuneSettings, TuneSpec, check_space, describe, load_tune_spec, trial_config, with_trials
 from .study import (STORAGE, always, best_trial, finished, load_study, make_tuning_evaluator, open_storage,
@@ -25,6 +25,7 @@ __all__ = [
     "Parameter", "STAGES", "STORAGE", "SUMMARY", "always", "control_plan", "long_plan", "resolve_best",
     "resolved_primary", "run_extras", "TuneSettings", "TuneSpec", "best_trial", "check_space", "describe",
     "final_groups", "final_plan", "finished", "load_study", "load_tune_spec", "make_tuning_evaluator",
-    "open_storage", "outstanding", "parse_parameter", "parse_space", "run_finals", "storage_url", "study_trials",
-    "summarize", "summary_lines", "trial_config", "tune", "tune_method", "with_methods", "with_trials", "work",
+    "nothing_fits", "open_storage", "outstanding", "parse_parameter", "parse_space", "run_finals", "storage_url",
+    "study_trials", "summarize", "summary_lines", "trial_config", "tune", "tune_method", "with_methods", "with_trials",
+    "work",
 ]

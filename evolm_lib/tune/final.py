@@ -24,7 +24,8 @@ from ..runs import LOCK_FILE, RunFolderBusy, list_checkpoints, lock_holder, read
 from ..sweep import HELDOUT, PlannedRun, run_one
 from .pace import run_seconds
 from .spec import BEST, TuneSpec, trial_config
-from .study import always, best_trial, ended, finished, load_study, study_lock, study_trials, tune
+from .study import (always, best_trial, ended, finished, load_study, study_lock, study_trials, trial_seconds,
+                    trials_left, tune)
 
 POLL_S = 5.0
 """How often a worker with nothing to claim looks again at what other workers hold (at most the
@@ -268,6 +269,24 @@ def outstanding(spec: TuneSpec, finals: bool = True) -> list[str]:
             left += [f"control/{planned.name}" for planned in control_plan(spec, method)
                      if not finished_rerun(spec.out / "control" / planned.name, planned.length)]
     return left
+
+
+def nothing_fits(spec: TuneSpec, may_claim: Callable[..., bool], finals: bool = True) -> str | None:
+    """Where all this worker's outstanding work is trials not started yet and ``may_claim`` turns each
+    method's next one down (too long for a ``pace.Deadline``'s end, or its claim window shut): the
+    line saying so, since nothing it could start would run here, not even the reruns those trials
+    decide; the worker then starts no engine. None where some work may yet be claimed or waited for
+    (a trial another worker runs, a rerun, a control run)."""
+    left = outstanding(spec, finals)
+    methods = [entry.removeprefix("trials of ") for entry in left if entry.startswith("trials of ")]
+    if not left or len(methods) < len(left):
+        return None
+    for method in methods:
+        study = load_study(spec, method)
+        if trials_left(study, spec.settings.trials) == 0 or may_claim(lambda: trial_seconds(spec, method, study)):
+            return None
+    return (f"claiming no more: what is left would not end by the deadline ({', '.join(left)}): "
+            "no engine started")
 
 
 def work(spec: TuneSpec, evaluator, finals: bool = True, log: Callable[[str], None] = print,
