@@ -255,6 +255,9 @@ def test_a_worker_whose_end_leaves_no_trial_room_starts_no_engine(tmp_path, tiny
     assert tune.nothing_fits(spec, near) == ("claiming no more: what is left would not end by the deadline "
                                             "(trials of es): no engine started")
     assert tune.nothing_fits(spec, Deadline(finish_by=1000.0 + 1.01 * 1.2 * took, clock=lambda: 1000.0)) is None
+    shut = Deadline(claim_until=999.0, clock=lambda: 1000.0)  # `--claim-until` passed: no length weighed
+    assert tune.nothing_fits(spec, shut) == ("claiming no more: what is left may not be started now (trials of es): "
+                                             "no engine started")
 
     def no_engine(spec):
         raise AssertionError("an engine was started")

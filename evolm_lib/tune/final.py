@@ -281,12 +281,13 @@ def nothing_fits(spec: TuneSpec, may_claim: Callable[..., bool], finals: bool = 
     methods = [entry.removeprefix("trials of ") for entry in left if entry.startswith("trials of ")]
     if not left or len(methods) < len(left):
         return None
+    refused = getattr(may_claim, "refused", 0)
     for method in methods:
         study = load_study(spec, method)
         if trials_left(study, spec.settings.trials) == 0 or may_claim(lambda: trial_seconds(spec, method, study)):
             return None
-    return (f"claiming no more: what is left would not end by the deadline ({', '.join(left)}): "
-            "no engine started")
+    why = "would not end by the deadline" if getattr(may_claim, "refused", 0) > refused else "may not be started now"
+    return f"claiming no more: what is left {why} ({', '.join(left)}): no engine started"
 
 
 def work(spec: TuneSpec, evaluator, finals: bool = True, log: Callable[[str], None] = print,
