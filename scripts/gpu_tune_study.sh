@@ -49,9 +49,10 @@
 # is told how many engines share its card (EVOLM_ENGINES_PER_CARD, recorded in every run's
 # placement.jsonl beside the times). While a stage waits, a worker that ended cleanly (its method had
 # nothing left to claim) is replaced on its card by one of the method still at work with the fewest
-# workers, passing over a method one of whose workers waits for the others (REFILL=0: not). FILL="es_full es_lora": methods whose runs survive a lost machine (their
-# checkpoints always pack: ES), given a slot no method at work may take (all its work claimed, or its
-# CLAIM_UNTIL passed), the one of them with the fewest workers alive, until each ends cleanly; so the
+# workers, passing over a method one of whose workers waits for the others (REFILL=0: not).
+# FILL="es_full es_lora": methods whose runs survive a lost machine (their checkpoints always pack:
+# ES), given a slot no method at work may take (all its work claimed, one of its workers waiting, or
+# its CLAIM_UNTIL passed), the one of them with the fewest workers alive, until each ends cleanly; so the
 # end of a lease whose GRPO trials are done runs ES's reruns, continuations and control instead of
 # leaving the card idle. A method in FILL takes only those slots, and `start` records FILL for the
 # later calls' refills as it does CLAIM_UNTIL. Workers draw no figures (a lent machine may lack plotly and

@@ -25,7 +25,8 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_tune_study.sh"
 def _functions(*names: str) -> str:
     """The script's own functions of these names, by default those refill uses (the rest of it starts
     real workers)."""
-    names = names or ("alive", "claim_until", "mps_env", "launch", "ended_cleanly", "waiting", "fewest_alive", "refill")
+    names = names or ("alive", "claim_until", "mps_env", "launch", "ended_cleanly", "waiting", "fewest_alive",
+                      "refill")
     text, taken, keep = SCRIPT.read_text().splitlines(), [], False
     for line in text:
         keep = keep or line.startswith(tuple(f"{name}() {{" for name in names))

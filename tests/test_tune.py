@@ -264,7 +264,8 @@ def test_a_worker_whose_end_leaves_no_trial_room_starts_no_engine(tmp_path, tiny
 
     monkeypatch.setattr(tune, "make_tuning_evaluator", no_engine)
     capsys.readouterr()
-    assert main(["tune", str(path), "--methods", "es", "--no-figures", "--finish-by", str(time.time() + 0.5 * 1.2 * took)]) == 0
+    end = time.time() + 0.5 * 1.2 * took
+    assert main(["tune", str(path), "--methods", "es", "--no-figures", "--finish-by", str(end)]) == 0
     printed = capsys.readouterr().out.splitlines()
     assert "claiming no more: what is left would not end by the deadline (trials of es): no engine started" in printed
     assert printed[-1].startswith("summary: ")  # a clean end: the stage script's refill hands the slot on

@@ -141,10 +141,11 @@ def _run(spec, args) -> int:
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # a line per study opened says nothing here
     started = time.perf_counter()
     may_claim = claim_rule(args.claim_for, args.claim_until, args.finish_by)
-    idle = tune.nothing_fits(spec, may_claim, finals=not args.no_finals)
+    left = tune.outstanding(spec, finals=not args.no_finals)
+    idle = tune.nothing_fits(spec, may_claim, left=left)
     if idle:  # a lent machine's end too near for any trial left: the slot goes to other work at once
         print(idle, flush=True)
-    elif tune.outstanding(spec, finals=not args.no_finals):
+    elif left:
         evaluator = tune.make_tuning_evaluator(spec)
         try:
             # trials, then the reruns, their continuations (tune.long) and the control (tune.control);

@@ -240,6 +240,10 @@ def _running_trials(spec: TuneSpec, method: str) -> int:
     return sum(not ended(t) for t in load_study(spec, method).get_trials(deepcopy=False))
 
 
+TRIALS_OF = "trials of "
+"""How ``outstanding`` names a method's unfinished trials (``nothing_fits`` reads the method back)."""
+
+
 def outstanding(spec: TuneSpec, finals: bool = True) -> list[str]:
     """The work of this worker's methods not finished yet that a worker can still finish: trials
     running or queued, and reruns, continued reruns and control runs another worker writes or that
@@ -249,7 +253,7 @@ def outstanding(spec: TuneSpec, finals: bool = True) -> list[str]:
     left = []
     for method in spec.methods:
         if not finished(spec, method):
-            left.append(f"trials of {method}")
+            left.append(TRIALS_OF + method)
             continue
         if not finals:
             continue
@@ -271,14 +275,16 @@ def outstanding(spec: TuneSpec, finals: bool = True) -> list[str]:
     return left
 
 
-def nothing_fits(spec: TuneSpec, may_claim: Callable[..., bool], finals: bool = True) -> str | None:
+def nothing_fits(spec: TuneSpec, may_claim: Callable[..., bool], finals: bool = True,
+                 left: list[str] | None = None) -> str | None:
     """Where all this worker's outstanding work is trials not started yet and ``may_claim`` turns each
     method's next one down (too long for a ``pace.Deadline``'s end, or its claim window shut): the
     line saying so, since nothing it could start would run here, not even the reruns those trials
     decide; the worker then starts no engine. None where some work may yet be claimed or waited for
-    (a trial another worker runs, a rerun, a control run)."""
-    left = outstanding(spec, finals)
-    methods = [entry.removeprefix("trials of ") for entry in left if entry.startswith("trials of ")]
+    (a trial another worker runs, a rerun, a control run). ``left``: ``outstanding``'s list, where
+    the caller has it already."""
+    left = outstanding(spec, finals) if left is None else left
+    methods = [entry.removeprefix(TRIALS_OF) for entry in left if entry.startswith(TRIALS_OF)]
     if not left or len(methods) < len(left):
         return None
     refused = getattr(may_claim, "refused", 0)
