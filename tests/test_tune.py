@@ -272,6 +272,43 @@ def test_a_worker_whose_end_leaves_no_trial_room_starts_no_engine(tmp_path, tiny
     assert tune.outstanding(spec) == ["trials of es"]  # nothing claimed
 
 
+def test_a_worker_whose_end_leaves_no_room_for_any_rerun_or_continuation_starts_no_engine(tmp_path, tiny_vllm):
+    """Lease 14's plan fills a slot late in the lease with a GRPO worker whose work left is reruns and
+    continuations. Each is weighed at the length the worker would weigh it at (a continuation from its
+    rerun's last checkpoint; one whose rerun is not done, through that rerun): where none fits and
+    none is held by another worker, the worker starts no engine; a run another worker writes is left
+    to it, and with every run held elsewhere the worker waits as before."""
+    from evolm_lib.runs.lock import WriterLock
+    from evolm_lib.tune.final import continuation_seconds, long_run, run_unfinished
+    from evolm_lib.tune.pace import Deadline, run_seconds
+
+    spec = tune.load_tune_spec(write_spec(tmp_path, lambda spec: spec["tune"].update(trials=1, long=2)), methods=["es"])
+    assert tune.tune(spec, tiny_vllm, log=lambda line: None) == {"es": 1}
+    seed0, seed1 = tune.final_plan(spec, "es")
+    assert run_unfinished(seed0, spec.out / "final", tiny_vllm)  # its continuation's checkpoint is here
+    assert tune.outstanding(spec) == ["final/es/seed1", "long/es/seed0", "long/es/seed1"]
+    rerun_s = run_seconds(spec, seed1, spec.out / "final" / seed1.name)
+    continued_s = continuation_seconds(spec, long_run(spec, seed0), seed0)
+    assert rerun_s > 0 and continued_s == pytest.approx(rerun_s)  # 2 more generations from its last checkpoint
+
+    def at(fraction):  # a deadline that leaves `fraction` of the longest run's stretched seconds
+        return Deadline(finish_by=1000.0 + fraction * 1.2 * max(rerun_s, continued_s), clock=lambda: 1000.0)
+
+    assert tune.nothing_fits(spec, at(0.99)) == ("claiming no more: what is left would not end by the deadline "
+                                                 "(final/es/seed1, long/es/seed0, long/es/seed1): no engine started")
+    assert tune.nothing_fits(spec, at(1.01)) is None
+    held = [WriterLock.acquire(spec.out / "final" / seed1.name)]  # another worker writes seed1's rerun
+    try:
+        # seed0's continuation turned down, the rest another's: the worker would claim nothing and end
+        assert tune.nothing_fits(spec, at(0.99)).startswith("claiming no more: what is left would not end")
+        assert tune.nothing_fits(spec, at(1.01)) is None  # seed0's continuation fits
+        held.append(WriterLock.acquire(spec.out / "long" / seed0.name))
+        assert tune.nothing_fits(spec, at(0.99)) is None  # all held elsewhere: it waits for them
+    finally:
+        for lock in held:
+            lock.release()
+
+
 # the engine in the worker's process, whatever the caller's environment asks (the checkout is on the
 # PYTHONPATH the root conftest.py sets)
 WORKER_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}

@@ -151,8 +151,7 @@ def continue_rerun(spec: TuneSpec, planned: PlannedRun, rerun: PlannedRun, evalu
     source, folder = spec.out / "final" / planned.name, spec.out / "long" / planned.name
     # asked outside the study's lock, which pacing takes to open the study's storage
     if (not folder.exists() and finished_rerun(source, rerun.length)
-            and not may_claim(lambda: run_seconds(spec, planned, folder,
-                                                start=rerun.length if list_checkpoints(source) else 0))):
+            and not may_claim(lambda: continuation_seconds(spec, planned, rerun))):
         return False
     with study_lock(spec.out):  # one worker copies a rerun; the others find the copy
         if not folder.exists():
@@ -162,7 +161,17 @@ def continue_rerun(spec: TuneSpec, planned: PlannedRun, rerun: PlannedRun, evalu
             folder.parent.mkdir(parents=True, exist_ok=True)
             if not continue_copy(source, folder):
                 log(f"  long/{planned.name}: final/{planned.name} has no checkpoint here; run from the start")
-    return run_unfinished(planned, spec.out / "long", evaluator, may_claim, lambda: run_seconds(spec, planned, folder))
+    return run_unfinished(planned, spec.out / "long", evaluator, may_claim, lambda: continuation_seconds(spec, planned, rerun))
+
+
+def continuation_seconds(spec: TuneSpec, planned: PlannedRun, rerun: PlannedRun) -> float:
+    """What the continuation ``planned`` of the finished ``rerun`` should take (``pace.run_seconds``):
+    from its own folder's newest checkpoint once copied, before that from the rerun's last checkpoint,
+    or from the start where this machine holds none."""
+    source, folder = spec.out / "final" / planned.name, spec.out / "long" / planned.name
+    if folder.exists():
+        return run_seconds(spec, planned, folder)
+    return run_seconds(spec, planned, folder, start=rerun.length if list_checkpoints(source) else 0)
 
 
 def _finished_unless_busy(run: Callable[[], bool], label: str, log: Callable[[str], None]) -> bool:
@@ -277,23 +286,52 @@ def outstanding(spec: TuneSpec, finals: bool = True) -> list[str]:
 
 def nothing_fits(spec: TuneSpec, may_claim: Callable[..., bool], finals: bool = True,
                  left: list[str] | None = None) -> str | None:
-    """Where all this worker's outstanding work is trials not started yet and ``may_claim`` turns each
-    method's next one down (too long for a ``pace.Deadline``'s end, or its claim window shut): the
-    line saying so, since nothing it could start would run here, not even the reruns those trials
-    decide; the worker then starts no engine. None where some work may yet be claimed or waited for
-    (a trial another worker runs, a rerun, a control run). ``left``: ``outstanding``'s list, where
-    the caller has it already."""
+    """Where this worker could start none of its outstanding work and ``may_claim`` turned some of it
+    down (too long for a ``pace.Deadline``'s end, or its claim window shut): the line saying so. The
+    rest is work other workers hold, so ``work`` would claim nothing and end after its first pass;
+    the worker then starts no engine. None where some work may be claimed now, or where all of it is
+    held by other workers (a trial or run they write, a continuation whose rerun they write, a
+    control their trials decide), which the worker waits for. ``left``: ``outstanding``'s list,
+    where the caller has it already."""
     left = outstanding(spec, finals) if left is None else left
-    methods = [entry.removeprefix(TRIALS_OF) for entry in left if entry.startswith(TRIALS_OF)]
-    if not left or len(methods) < len(left):
-        return None
     refused = getattr(may_claim, "refused", 0)
-    for method in methods:
-        study = load_study(spec, method)
-        if trials_left(study, spec.settings.trials) == 0 or may_claim(lambda: trial_seconds(spec, method, study)):
+    turned_down = False
+    for entry in left:
+        answer = _may_start(spec, entry, may_claim)
+        if answer is None:
+            continue
+        if answer:
             return None
+        turned_down = True
+    if not turned_down:
+        return None
     why = "would not end by the deadline" if getattr(may_claim, "refused", 0) > refused else "may not be started now"
-    return f"claiming no more: what is left {why} ({', '.join(left)}): no engine started"
+    shown = ", ".join(left[:3]) + (f", ... ({len(left)} in all)" if len(left) > 3 else "")
+    return f"claiming no more: what is left {why} ({shown}): no engine started"
+
+
+def _may_start(spec: TuneSpec, entry: str, may_claim: Callable[..., bool]) -> bool | None:
+    """Whether this worker may start ``outstanding``'s ``entry`` now, asking ``may_claim`` with the
+    length the worker would ask it with; None where other workers hold it (or, for the control,
+    their trials decide it)."""
+    if entry.startswith(TRIALS_OF):
+        method = entry.removeprefix(TRIALS_OF)
+        study = load_study(spec, method)
+        if trials_left(study, spec.settings.trials) == 0:
+            return None  # every trial claimed, some still running elsewhere
+        return may_claim(lambda: trial_seconds(spec, method, study))
+    stage, _, name = entry.partition("/")
+    if stage not in STAGES or lock_holder(spec.out / stage / name) is not None:
+        return None
+    method = name.split("/")[0]
+    if stage == "long":
+        rerun = next(planned for planned in final_plan(spec, method) if planned.name == name)
+        if not finished_rerun(spec.out / "final" / name, rerun.length):  # reached only through its rerun
+            return _may_start(spec, f"final/{name}", may_claim)
+        return may_claim(lambda: continuation_seconds(spec, long_run(spec, rerun), rerun))
+    plans = final_plan(spec, method) if stage == "final" else control_plan(spec, method)
+    planned = next(planned for planned in plans if planned.name == name)
+    return may_claim(lambda: run_seconds(spec, planned, spec.out / stage / name))
 
 
 def work(spec: TuneSpec, evaluator, finals: bool = True, log: Callable[[str], None] = print,
