@@ -80,6 +80,12 @@ def test_update_fitness_widget_gains_a_point_per_generation():
     assert len(trace(widget, "mean").x) == 3
     assert trace(widget, "mean").y[-1] == pytest.approx(0.2)
     assert list(trace(widget, "eval").x) == [0, 2]
+    # the state a front end draws its views from holds the points too, not only the update message
+    # (which a front end still loading plotly's widget code misses: the JupyterLab stepper test saw an
+    # empty plot under load)
+    synced = {t["name"]: t for t in widget.get_state()["_widget_data"]}
+    assert list(synced["mean"]["x"]) == list(trace(widget, "mean").x) and list(synced["eval"]["x"]) == [0, 2]
+    assert widget.get_state()["_widget_layout"]["xaxis"] == widget.layout.xaxis.to_plotly_json()
 
 
 def test_update_fitness_on_plain_figure():

@@ -6,6 +6,7 @@ say what a reward measures.
 """
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -111,6 +112,11 @@ def update_fitness(fig: go.Figure, rows: Sequence[Row]) -> go.Figure:
     if hasattr(fig, "batch_update"):  # FigureWidget: one message to the front end
         with fig.batch_update():
             apply()
+        # That message reaches only a front end that has loaded plotly's widget code: one still
+        # loading it (seconds on a busy machine, right after the widget is made) loses it, and its
+        # views then draw the empty traces the widget was made with. The widget's synced state, which
+        # every view is drawn from, keeps the points whenever the code arrives.
+        fig._widget_data, fig._widget_layout = copy.deepcopy(fig._data), copy.deepcopy(fig._layout_obj._props)
     else:
         apply()
     return fig
