@@ -273,7 +273,7 @@ def test_a_worker_whose_end_leaves_no_trial_room_starts_no_engine(tmp_path, tiny
 
 
 def test_a_worker_whose_end_leaves_no_room_for_any_rerun_or_continuation_starts_no_engine(tmp_path, tiny_vllm):
-    """Lease 14's plan fills a slot late in the lease with a GRPO worker whose work left is reruns and
+    """The plan after lease 14 fills slots late in a lease with GRPO workers whose work left is reruns and
     continuations. Each is weighed at the length the worker would weigh it at (a continuation from its
     rerun's last checkpoint; one whose rerun is not done, through that rerun): where none fits and
     none is held by another worker, the worker starts no engine; a run another worker writes is left
