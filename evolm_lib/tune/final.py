@@ -12,6 +12,7 @@ once every method of that kind has its trials.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -22,7 +23,7 @@ from typing import Any, Callable
 
 from ..runs import LOCK_FILE, RunFolderBusy, list_checkpoints, lock_holder, read_jsonl
 from ..sweep import HELDOUT, PlannedRun, run_one
-from .pace import run_seconds
+from .pace import run_seconds, step_seconds
 from .spec import BEST, TuneSpec, trial_config
 from .study import (always, best_trial, ended, finished, load_study, study_lock, study_trials, trial_seconds,
                     trials_left, tune)
@@ -164,14 +165,13 @@ def continue_rerun(spec: TuneSpec, planned: PlannedRun, rerun: PlannedRun, evalu
     return run_unfinished(planned, spec.out / "long", evaluator, may_claim, lambda: continuation_seconds(spec, planned, rerun))
 
 
-def continuation_seconds(spec: TuneSpec, planned: PlannedRun, rerun: PlannedRun) -> float:
-    """What the continuation ``planned`` of the finished ``rerun`` should take (``pace.run_seconds``):
-    from its own folder's newest checkpoint once copied, before that from the rerun's last checkpoint,
-    or from the start where this machine holds none."""
+def continuation_seconds(spec: TuneSpec, planned: PlannedRun, rerun: PlannedRun, step: float | None = None) -> float:
+    """What the continuation ``planned`` of the finished ``rerun`` should take (``pace.run_seconds``,
+    with its ``step``): from its own folder's newest checkpoint once copied, before that from the
+    rerun's last checkpoint, or from the start where this machine holds none."""
     source, folder = spec.out / "final" / planned.name, spec.out / "long" / planned.name
-    if folder.exists():
-        return run_seconds(spec, planned, folder)
-    return run_seconds(spec, planned, folder, start=rerun.length if list_checkpoints(source) else 0)
+    start = None if folder.exists() else rerun.length if list_checkpoints(source) else 0
+    return run_seconds(spec, planned, folder, start=start, step=step)
 
 
 def _finished_unless_busy(run: Callable[[], bool], label: str, log: Callable[[str], None]) -> bool:
@@ -295,9 +295,12 @@ def nothing_fits(spec: TuneSpec, may_claim: Callable[..., bool], finals: bool = 
     where the caller has it already."""
     left = outstanding(spec, finals) if left is None else left
     refused = getattr(may_claim, "refused", 0)
+    # each method's plan and pace read once (each opens its study), not once for every seed
+    plans = functools.cache(lambda method: final_plan(spec, method))
+    paces = functools.cache(lambda method: step_seconds(spec, method))
     turned_down = False
     for entry in left:
-        answer = _may_start(spec, entry, may_claim)
+        answer = _may_start(spec, entry, may_claim, plans, paces)
         if answer is None:
             continue
         if answer:
@@ -310,10 +313,11 @@ def nothing_fits(spec: TuneSpec, may_claim: Callable[..., bool], finals: bool = 
     return f"claiming no more: what is left {why} ({shown}): no engine started"
 
 
-def _may_start(spec: TuneSpec, entry: str, may_claim: Callable[..., bool]) -> bool | None:
+def _may_start(spec: TuneSpec, entry: str, may_claim: Callable[..., bool],
+               plans: Callable[[str], list[PlannedRun]], paces: Callable[[str], float]) -> bool | None:
     """Whether this worker may start ``outstanding``'s ``entry`` now, asking ``may_claim`` with the
-    length the worker would ask it with; None where other workers hold it (or, for the control,
-    their trials decide it)."""
+    length the worker would ask it with (``plans``: ``final_plan``, ``paces``: ``pace.step_seconds``,
+    by method); None where other workers hold it (or, for the control, their trials decide it)."""
     if entry.startswith(TRIALS_OF):
         method = entry.removeprefix(TRIALS_OF)
         study = load_study(spec, method)
@@ -324,14 +328,13 @@ def _may_start(spec: TuneSpec, entry: str, may_claim: Callable[..., bool]) -> bo
     if stage not in STAGES or lock_holder(spec.out / stage / name) is not None:
         return None
     method = name.split("/")[0]
+    rerun = next(planned for planned in plans(method) if planned.name == name)
     if stage == "long":
-        rerun = next(planned for planned in final_plan(spec, method) if planned.name == name)
         if not finished_rerun(spec.out / "final" / name, rerun.length):  # reached only through its rerun
-            return _may_start(spec, f"final/{name}", may_claim)
-        return may_claim(lambda: continuation_seconds(spec, long_run(spec, rerun), rerun))
-    plans = final_plan(spec, method) if stage == "final" else control_plan(spec, method)
-    planned = next(planned for planned in plans if planned.name == name)
-    return may_claim(lambda: run_seconds(spec, planned, spec.out / stage / name))
+            return _may_start(spec, f"final/{name}", may_claim, plans, paces)
+        return may_claim(lambda: continuation_seconds(spec, long_run(spec, rerun), rerun, paces(method)))
+    # a control run (control_plan) is its rerun with the rewards shuffled: the same length and pace
+    return may_claim(lambda: run_seconds(spec, rerun, spec.out / stage / name, step=paces(method)))
 
 
 def work(spec: TuneSpec, evaluator, finals: bool = True, log: Callable[[str], None] = print,

@@ -76,9 +76,12 @@ def resumes_at(folder: Path) -> int:
     return max(found, default=0)
 
 
-def run_seconds(spec: TuneSpec, planned: PlannedRun, folder: Path, start: int | None = None) -> float:
+def run_seconds(spec: TuneSpec, planned: PlannedRun, folder: Path, start: int | None = None,
+                step: float | None = None) -> float:
     """What ``planned`` (a rerun, a continued rerun or a control run, its winner's setting) should take
-    in ``folder``: its winner's ``step_seconds`` times what is left past ``start`` (where it goes on
-    from; ``resumes_at(folder)`` when None)."""
+    in ``folder``: its winner's ``step_seconds`` (``step``, where the caller has it) times what is left
+    past ``start`` (where it goes on from; ``resumes_at(folder)`` when None)."""
     at = resumes_at(folder) if start is None else start
-    return max(planned.length - at, 0) * step_seconds(spec, planned.name.split("/")[0])
+    if step is None:
+        step = step_seconds(spec, planned.name.split("/")[0])
+    return max(planned.length - at, 0) * step
