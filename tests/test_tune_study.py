@@ -271,6 +271,28 @@ def test_negative_rewards_read_as_intervals_from_one_bound_to_the_other():
     assert row[6] == "-3.24 to -0.758"  # t interval: -2 -+ 4.303 * 0.5 / sqrt(3)
 
 
+def test_a_comparison_with_one_seed_on_a_side_says_it_has_no_interval():
+    """An interim study whose method has one seed so far: its comparisons have no BCa interval,
+    permutation p nor Welch's t (scipy asks for two values a group), nor has its own row a spread,
+    and the digest says so in words rather than printing "+nan to +nan", "-4 (-4 to -4)" or "nan"."""
+    from evolm_lib.tune.report import study_digest, study_tables
+
+    def run(method, seed, rewards):
+        return {"stage": "sweep", "method": method, "seed": seed, "trial": None, "path": f"{method}_seed{seed}",
+                "config": {"seed": seed}, "rows": [{"generation": 0, "samples/completions": 0, "eval/reward": -3.0}],
+                "placement": [], "heldout": {"generation": 0, "index": [0, 1], "reward": rewards,
+                                             "success": [False, False]}}
+
+    runs = [run("a", 0, [-2.0, -3.0]), run("a", 1, [-1.0, -2.0]), run("a", 2, [-2.0, -2.0]), run("b", 0, [-4.0, -4.0])]
+    digest = study_digest(study_tables({"runs": runs, "trials": [], "summary": None, "geometry": None},
+                                       measure="reward"), "one seed").splitlines()
+    assert "| a | b | exploratory | +2 (no interval: one seed on a side) |  |  | no |" in digest  # -2 - (-4)
+    assert next(line for line in digest if line.startswith("| b |")).split(" | ")[4:8] == ["1", "-4 (one seed)", "", ""]
+    assert not any("nan" in line for line in digest)
+    assert any(line.endswith("a - b (3 and 1 seeds: smallest p 0.5; no Welch's t with one seed on a side).")
+               for line in digest)  # 2 / C(4, 1)
+
+
 def test_a_study_short_of_its_trials_or_seeds_is_digested_as_interim():
     """The digest of a study under way opens by naming each method short of its trials (the
     summary's tune.trials), of final seeds with held-out scores, or of continued reruns (hand-counted:

@@ -395,6 +395,25 @@ def _setting(text: str) -> str:
     return ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in json.loads(text).items())
 
 
+def _mean_and_interval(row, measure: str) -> str:
+    """A method's held-out mean over its seeds with the BCa interval, "-2.34 (-2.47 to -1.83)"; over
+    one seed there is no spread to draw an interval from (the bootstrap gives the value three times),
+    and the cell says so."""
+    if row["seeds"] < 2:
+        return f"{_value(row['mean'], measure)} (one seed)"
+    return f"{_value(row['mean'], measure)} ({_interval(row['ci_low'], row['ci_high'], measure)})"
+
+
+def _difference(row, scale: float, unit: str) -> str:
+    """A comparison's difference with its BCa interval, "+0.133 (+0.0333 to +0.233)"; where there is
+    none to draw (a side with a single seed), the cell says so rather than "+nan to +nan"."""
+    difference = f"{scale * row['difference']:+.3g}{unit}"
+    if any(isinstance(bound, float) and math.isnan(bound) for bound in (row["ci_low"], row["ci_high"])):
+        return f"{difference} (no interval: one seed on a side)" if min(row["seeds_a"], row["seeds_b"]) < 2 \
+            else f"{difference} (no interval)"
+    return f"{difference} ({scale * row['ci_low']:+.3g} to {scale * row['ci_high']:+.3g})"
+
+
 def _p(value) -> str:
     return "" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.2g}"
 
@@ -436,11 +455,11 @@ def study_digest(tables: Mapping[str, Any], title: str) -> str:
                  else f"trial {int(row['winner_trial'])} ({row['validation_score']:.3g})",
                  "" if row is None else _setting(row["setting"]),
                  "" if final is None else f"{int(final['seeds'])}",
-                 "" if final is None else f"{_value(final['mean'], measure)} ({_interval(final['ci_low'], final['ci_high'], measure)})",
-                 "" if final is None else _interval(final["t_low"], final["t_high"], measure),
-                 "" if final is None else (f"{100 * final['seed_std']:.1f} points" if measure == "success"
-                                           else f"{final['seed_std']:.3g}"),
-                 "" if later is None else f"{_value(later['mean'], measure)} ({_interval(later['ci_low'], later['ci_high'], measure)})",
+                 "" if final is None else _mean_and_interval(final, measure),
+                 "" if final is None or final["seeds"] < 2 else _interval(final["t_low"], final["t_high"], measure),
+                 "" if final is None or final["seeds"] < 2 else (f"{100 * final['seed_std']:.1f} points"
+                                                                 if measure == "success" else f"{final['seed_std']:.3g}"),
+                 "" if later is None else _mean_and_interval(later, measure),
                  "" if final is None or math.isnan(final["generated_tokens"]) else f"{final['generated_tokens']:,.0f}",
                  "" if final is None or math.isnan(final["training_seconds"])
                  else f"{final['training_seconds']:.0f} ({final['engines_per_card'] or 'n/a'}"
@@ -477,8 +496,7 @@ def study_digest(tables: Mapping[str, Any], title: str) -> str:
                   "| --- | --- | --- | --- | --- | --- | --- |"]
         scale, unit = (100, " points") if points else (1, "")
         for _, row in table.sort_values(["family", "method_a", "method_b"], ascending=[False, True, True]).iterrows():
-            lines.append(f"| {row['method_a']} | {row['method_b']} | {row['family']} | "
-                         f"{scale * row['difference']:+.3g}{unit} ({scale * row['ci_low']:+.3g} to {scale * row['ci_high']:+.3g}) | "
+            lines.append(f"| {row['method_a']} | {row['method_b']} | {row['family']} | {_difference(row, scale, unit)} | "
                          f"{_p(row['permutation_p'])} | {_p(row.get('holm_p'))} | {row['larger_than_seed_noise']} |")
         lines += too_few_seeds(table)
     reach = tables.get("reach")
@@ -547,8 +565,13 @@ def too_few_seeds(table) -> list[str]:
     if short.empty:
         return []
     pairs = [f"{row['method_a']} - {row['method_b']} ({int(row['seeds_a'])} and {int(row['seeds_b'])} seeds: "
-             f"smallest p {row['smallest_p']:.2g}; Welch's t p {_p(row['welch_p'])})" for _, row in short.iterrows()]
+             f"smallest p {row['smallest_p']:.2g}; {_welch(row['welch_p'])})" for _, row in short.iterrows()]
     return ["", f"Too few seeds to call beyond seed noise at {alpha:g}, whatever the difference: " + _and(pairs) + "."]
+
+
+def _welch(p) -> str:
+    """Welch's t p for the too-few-seeds line; it needs two seeds a side (a variance each)."""
+    return "no Welch's t with one seed on a side" if _p(p) == "" else f"Welch's t p {_p(p)}"
 
 
 ANSWER_LINES = {
