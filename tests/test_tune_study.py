@@ -274,7 +274,8 @@ def test_negative_rewards_read_as_intervals_from_one_bound_to_the_other():
 def test_a_comparison_with_one_seed_on_a_side_says_it_has_no_interval():
     """An interim study whose method has one seed so far: its comparisons have no BCa interval,
     permutation p nor Welch's t (scipy asks for two values a group), nor has its own row a spread,
-    and the digest says so in words rather than printing "+nan to +nan", "-4 (-4 to -4)" or "nan"."""
+    and the digest says so in words rather than printing "+nan to +nan", "-4 (-4 to -4)" or "nan";
+    two seeds a side with no spread in either have no Welch's t either, and it says why."""
     from evolm_lib.tune.report import study_digest, study_tables
 
     def run(method, seed, rewards):
@@ -283,14 +284,17 @@ def test_a_comparison_with_one_seed_on_a_side_says_it_has_no_interval():
                 "placement": [], "heldout": {"generation": 0, "index": [0, 1], "reward": rewards,
                                              "success": [False, False]}}
 
-    runs = [run("a", 0, [-2.0, -3.0]), run("a", 1, [-1.0, -2.0]), run("a", 2, [-2.0, -2.0]), run("b", 0, [-4.0, -4.0])]
+    runs = [run("a", 0, [-2.0, -3.0]), run("a", 1, [-1.0, -2.0]), run("a", 2, [-2.0, -2.0]), run("b", 0, [-4.0, -4.0]),
+            run("c", 0, [-3.0, -3.0]), run("c", 1, [-2.0, -4.0]), run("d", 0, [-5.0, -5.0]), run("d", 1, [-5.0, -5.0])]
     digest = study_digest(study_tables({"runs": runs, "trials": [], "summary": None, "geometry": None},
                                        measure="reward"), "one seed").splitlines()
     assert "| a | b | exploratory | +2 (no interval: one seed on a side) |  |  | no |" in digest  # -2 - (-4)
     assert next(line for line in digest if line.startswith("| b |")).split(" | ")[4:8] == ["1", "-4 (one seed)", "", ""]
     assert not any("nan" in line for line in digest)
-    assert any(line.endswith("a - b (3 and 1 seeds: smallest p 0.5; no Welch's t with one seed on a side).")
-               for line in digest)  # 2 / C(4, 1)
+    short = next(line for line in digest if line.startswith("Too few seeds"))
+    assert "a - b (3 and 1 seeds: smallest p 0.5; no Welch's t with one seed on a side)" in short  # 2 / C(4, 1)
+    # c's seeds both score -3 and d's both -5: two seeds a side, but no variance for Welch's t
+    assert "c - d (2 and 2 seeds: smallest p 0.33; no Welch's t: no spread within either side)" in short  # 2 / C(4, 2)
 
 
 def test_a_study_short_of_its_trials_or_seeds_is_digested_as_interim():

@@ -565,13 +565,17 @@ def too_few_seeds(table) -> list[str]:
     if short.empty:
         return []
     pairs = [f"{row['method_a']} - {row['method_b']} ({int(row['seeds_a'])} and {int(row['seeds_b'])} seeds: "
-             f"smallest p {row['smallest_p']:.2g}; {_welch(row['welch_p'])})" for _, row in short.iterrows()]
+             f"smallest p {row['smallest_p']:.2g}; {_welch(row)})" for _, row in short.iterrows()]
     return ["", f"Too few seeds to call beyond seed noise at {alpha:g}, whatever the difference: " + _and(pairs) + "."]
 
 
-def _welch(p) -> str:
-    """Welch's t p for the too-few-seeds line; it needs two seeds a side (a variance each)."""
-    return "no Welch's t with one seed on a side" if _p(p) == "" else f"Welch's t p {_p(p)}"
+def _welch(row) -> str:
+    """Welch's t p for the too-few-seeds line, or why there is none: it needs two seeds a side (a
+    variance each), and some spread within them."""
+    if _p(row["welch_p"]):
+        return f"Welch's t p {_p(row['welch_p'])}"
+    return "no Welch's t with one seed on a side" if min(row["seeds_a"], row["seeds_b"]) < 2 \
+        else "no Welch's t: no spread within either side"
 
 
 ANSWER_LINES = {
