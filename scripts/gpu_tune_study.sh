@@ -66,7 +66,7 @@
 # whose checkpoints never travel (full GRPO's) and so must end within the lease that starts them; its
 # worker then ends and its card is refilled. FINISH_BY="grpo_full=EPOCH ...": the lease's end; a worker
 # of that method starts only the trials and runs the study's own finished work says end by then
-# (`evolm tune --finish-by`: a rerun with its continuation, each paced by its winner's trial), and ends
+# (`evolm tune --finish-by`: a rerun paced by its winner's trial, its continuation by the rerun), and ends
 # once it turns one down, its card refilled; no fixed window to guess.
 # MPS_CARDS="0 1" (or all): CUDA's Multi-Process Service on those cards (a control daemon under
 # MPS_DIR, started once a lease and checked with one CUDA process a card before any worker starts),

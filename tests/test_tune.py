@@ -228,7 +228,9 @@ def test_a_worker_given_its_end_starts_only_what_the_study_s_own_pace_says_ends_
     assert near.refused == 1 and not folder.exists()
     assert lines[-1] == ("claiming no more: what is left would not end by the deadline (2 unfinished left to other "
                          "workers or a later start: final/es/seed0, long/es/seed0)")
-    room = Deadline(finish_by=1000.0 + 1.01 * 1.2 * 2 * step, clock=lambda: 1000.0)
+    # room for the rerun (at 1.01 it fits: the next test) and for its continuation, which is weighed at
+    # the rerun's own pace once it has run (the test after next)
+    room = Deadline(finish_by=1000.0 + 3600.0, clock=lambda: 1000.0)
     assert tune.work(spec, tiny_vllm, log=lines.append, may_claim=room) == {"es": 0}
     assert room.refused == 0 and tune.outstanding(spec) == []
     assert resumes_at(folder) == 2 and run_seconds(spec, rerun, folder) == 0.0  # done: nothing left to pace
@@ -275,24 +277,36 @@ def test_a_worker_whose_end_leaves_no_trial_room_starts_no_engine(tmp_path, tiny
 def test_a_worker_whose_end_leaves_no_room_for_any_rerun_or_continuation_starts_no_engine(tmp_path, tiny_vllm):
     """The plan after lease 14 fills slots late in a lease with GRPO workers whose work left is reruns and
     continuations. Each is weighed at the length the worker would weigh it at (a continuation from its
-    rerun's last checkpoint; one whose rerun is not done, through that rerun): where none fits and
-    none is held by another worker, the worker starts no engine; a run another worker writes is left
-    to it, and with every run held elsewhere the worker waits as before."""
+    rerun's last checkpoint, at that rerun's own pace; one whose rerun is not done, through that
+    rerun): where none fits and none is held by another worker, the worker starts no engine; a run
+    another worker writes is left to it, and with every run held elsewhere the worker waits as before."""
     from evolm_lib.runs.lock import WriterLock
     from evolm_lib.tune.final import continuation_seconds, long_run, run_unfinished
     from evolm_lib.tune.pace import Deadline, run_seconds
+    from evolm_lib.tune.study import run_wall
 
     spec = tune.load_tune_spec(write_spec(tmp_path, lambda spec: spec["tune"].update(trials=1, long=2)), methods=["es"])
     assert tune.tune(spec, tiny_vllm, log=lambda line: None) == {"es": 1}
     seed0, seed1 = tune.final_plan(spec, "es")
     assert run_unfinished(seed0, spec.out / "final", tiny_vllm)  # its continuation's checkpoint is here
     assert tune.outstanding(spec) == ["final/es/seed1", "long/es/seed0", "long/es/seed1"]
-    rerun_s = run_seconds(spec, seed1, spec.out / "final" / seed1.name)
-    continued_s = continuation_seconds(spec, long_run(spec, seed0), seed0)
-    assert rerun_s > 0 and continued_s == pytest.approx(rerun_s)  # 2 more generations from its last checkpoint
+    rerun_s = run_seconds(spec, seed1, spec.out / "final" / seed1.name)  # 2 generations at the trial's pace
+    rerun0 = spec.out / "final" / seed0.name
+    wall, generations = run_wall(rerun0)
+    assert rerun_s > 0 and generations == 2
+    assert continuation_seconds(spec, long_run(spec, seed0), seed0) == pytest.approx(wall)  # 2 more at its own pace
 
-    def at(fraction):  # a deadline that leaves `fraction` of the longest run's stretched seconds
-        return Deadline(finish_by=1000.0 + fraction * 1.2 * max(rerun_s, continued_s), clock=lambda: 1000.0)
+    def ran_in(seconds):  # seed0's rerun as if its 2 generations had taken `seconds`
+        rows = read_metrics(rerun0)
+        rows[-1]["time/wall_s"] = seconds
+        (rerun0 / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+    ran_in(rerun_s)  # at its trial's pace: every run left weighs rerun_s
+    continued_s = continuation_seconds(spec, long_run(spec, seed0), seed0)
+    assert continued_s == pytest.approx(rerun_s)
+
+    def at(fraction):  # a deadline that leaves `fraction` of a run's stretched seconds
+        return Deadline(finish_by=1000.0 + fraction * 1.2 * rerun_s, clock=lambda: 1000.0)
 
     assert tune.nothing_fits(spec, at(0.99)) == ("claiming no more: what is left would not end by the deadline "
                                                  "(final/es/seed1, long/es/seed0, long/es/seed1): no engine started")
@@ -302,6 +316,11 @@ def test_a_worker_whose_end_leaves_no_room_for_any_rerun_or_continuation_starts_
         # seed0's continuation turned down, the rest another's: the worker would claim nothing and end
         assert tune.nothing_fits(spec, at(0.99)).startswith("claiming no more: what is left would not end")
         assert tune.nothing_fits(spec, at(1.01)) is None  # seed0's continuation fits
+        # seed0's rerun ran three times as slow as its trial (a busier card): so is its continuation weighed
+        ran_in(3 * rerun_s)
+        assert continuation_seconds(spec, long_run(spec, seed0), seed0) == pytest.approx(3 * rerun_s)
+        assert tune.nothing_fits(spec, at(1.01)).startswith("claiming no more: what is left would not end")
+        assert tune.nothing_fits(spec, at(3.03)) is None
         held.append(WriterLock.acquire(spec.out / "long" / seed0.name))
         assert tune.nothing_fits(spec, at(0.99)) is None  # all held elsewhere: it waits for them
     finally:

@@ -25,8 +25,8 @@ from ..runs import LOCK_FILE, RunFolderBusy, list_checkpoints, lock_holder, read
 from ..sweep import HELDOUT, PlannedRun, run_one
 from .pace import run_seconds, step_seconds
 from .spec import BEST, TuneSpec, trial_config
-from .study import (always, best_trial, ended, finished, load_study, study_lock, study_trials, trial_seconds,
-                    trials_left, tune)
+from .study import (always, best_trial, ended, finished, load_study, run_wall, study_lock, study_trials,
+                    trial_seconds, trials_left, tune)
 
 POLL_S = 5.0
 """How often a worker with nothing to claim looks again at what other workers hold (at most the
@@ -166,12 +166,15 @@ def continue_rerun(spec: TuneSpec, planned: PlannedRun, rerun: PlannedRun, evalu
 
 
 def continuation_seconds(spec: TuneSpec, planned: PlannedRun, rerun: PlannedRun, step: float | None = None) -> float:
-    """What the continuation ``planned`` of the finished ``rerun`` should take (``pace.run_seconds``,
-    with its ``step``): from its own folder's newest checkpoint once copied, before that from the
-    rerun's last checkpoint, or from the start where this machine holds none."""
+    """What the continuation ``planned`` of the finished ``rerun`` should take (``pace.run_seconds``):
+    from its own folder's newest checkpoint once copied, before that from the rerun's last checkpoint,
+    or from the start where this machine holds none. Paced by its own timed rows (the copy's once
+    made, else the rerun's: the same setting and seed, timed at the load it ran under, nearer than
+    the winner trial's pace), by ``step`` (or the winner's) only where there are none."""
     source, folder = spec.out / "final" / planned.name, spec.out / "long" / planned.name
     start = None if folder.exists() else rerun.length if list_checkpoints(source) else 0
-    return run_seconds(spec, planned, folder, start=start, step=step)
+    timed = run_wall(folder if folder.exists() else source)
+    return run_seconds(spec, planned, folder, start=start, step=timed[0] / timed[1] if timed else step)
 
 
 def _finished_unless_busy(run: Callable[[], bool], label: str, log: Callable[[str], None]) -> bool:

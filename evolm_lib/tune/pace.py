@@ -4,10 +4,11 @@ machine's end) it starts only work expected to end by then, so no run is begun t
 return would cut short and no slot waits behind a fixed window while work that fits is left.
 
 A trial is expected to take what its method's complete trials took (the median of their runs' wall
-clocks, ``time/wall_s``, which goes on across a resume); a rerun, a continued rerun or a control run
-its winner trial's seconds a generation or step times the generations or steps it has left, counted
-from the checkpoint it would resume from. Work with nothing to pace it by (a method without a complete
-trial) is expected to take no time: only ``finish_by`` itself stops it.
+clocks, ``time/wall_s``, which goes on across a resume); a rerun or a control run its winner trial's
+seconds a generation or step times the generations or steps it has left, counted from the checkpoint
+it would resume from; a continued rerun the same, at its rerun's own pace
+(``final.continuation_seconds``). Work with nothing to pace it by (a method without a complete trial)
+is expected to take no time: only ``finish_by`` itself stops it.
 """
 from __future__ import annotations
 
