@@ -328,6 +328,29 @@ def test_a_worker_whose_end_leaves_no_room_for_any_rerun_or_continuation_starts_
             lock.release()
 
 
+def test_a_continuation_whose_rerun_checkpoint_is_here_goes_before_a_rerun_not_started(tmp_path, tiny_vllm):
+    """Lease 15 packed four LoRA GRPO reruns' checkpoints for their continuations, which a later session
+    has only where it finds the checkout kept; a worker there would have claimed the reruns not yet
+    started first and left the checkpoints unused. Now a finished rerun whose checkpoint is here is
+    continued before any rerun is started (which any machine can run)."""
+    from evolm_lib.tune.final import run_unfinished
+
+    spec = tune.load_tune_spec(write_spec(tmp_path, lambda spec: spec["tune"].update(trials=1, long=2)), methods=["es"])
+    assert tune.tune(spec, tiny_vllm, log=lambda line: None) == {"es": 1}
+    seed0, seed1 = tune.final_plan(spec, "es")
+    assert run_unfinished(seed0, spec.out / "final", tiny_vllm)  # as unpacked from a kept pack: its checkpoint here
+    continued0, rerun1 = spec.out / "long" / seed0.name, spec.out / "final" / seed1.name
+    seen = []  # which of the two exists at each claim the worker asks
+
+    def may_claim(seconds=0.0):
+        seen.append((continued0.exists(), rerun1.exists()))
+        return True
+
+    tune.run_finals(spec, tiny_vllm, log=lambda line: None, may_claim=may_claim)
+    assert tune.outstanding(spec) == []
+    assert next(state for state in seen if any(state)) == (True, False)  # seed0's continuation begun first
+
+
 # the engine in the worker's process, whatever the caller's environment asks (the checkout is on the
 # PYTHONPATH the root conftest.py sets)
 WORKER_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}

@@ -225,13 +225,20 @@ def run_finals(spec: TuneSpec, evaluator, log: Callable[[str], None] = print,
     once ``may_claim`` says no); returns {method: rerun folders written or found finished}. With
     ``tune.long``, a rerun this worker finishes is continued at once (``continue_rerun``), before the
     next rerun: its checkpoint is on this machine now, where a later machine may not get it (a
-    full-weight GRPO checkpoint never travels, and its continuation would start from the first step)."""
+    full-weight GRPO checkpoint never travels, and its continuation would start from the first step).
+    For the same reason the continuations of reruns finished earlier whose checkpoints are here (a
+    kept pack's) go before the reruns not yet started, which can run on any machine."""
     done: dict[str, list[str]] = {}
     for method in spec.methods:
         if not finished(spec, method):
             log(f"{method}: tuning not finished; its reruns wait")
             continue
         done[method] = []
+        for planned in final_plan(spec, method) if spec.settings.long > 1 else ():
+            folder = spec.out / "final" / planned.name
+            if finished_rerun(folder, planned.length) and list_checkpoints(folder):
+                _finished_unless_busy(lambda: continue_rerun(spec, long_run(spec, planned), planned, evaluator, log,
+                                                             may_claim), f"long/{planned.name}", log)
         for planned in final_plan(spec, method):
             folder = spec.out / "final" / planned.name
             if finished_rerun(folder, planned.length):  # here already: its continuation is run_extras'
