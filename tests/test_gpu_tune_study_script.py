@@ -782,6 +782,8 @@ def test_mps_cards_start_one_daemon_check_it_and_send_only_their_workers_through
     assert every.returncode == 0 and "MPS on cards 0,1 (daemon: " in every.stdout, every.stderr
     assert sorted(line.split(" -c ")[0] for line in calls.read_text().splitlines() if "torch" in line) == [
         f"python 0 {pipe}", f"python 1 {pipe}"]
+    # every worker through the pipe; waited for, so that none of them writes its line after the next clear
+    assert workers() == [f"python 0 {pipe}", f"python 1 {pipe}", f"python 1 {pipe}"]
     for changes, code, message in (
             ({"MPS_CARDS": "2"}, 2, "MPS_CARDS: card 2: this machine has cards 0 to 1"),
             ({"MPS_CARDS": "x"}, 2, "MPS_CARDS: x is not a card number"),
