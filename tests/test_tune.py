@@ -228,8 +228,8 @@ def test_a_worker_given_its_end_starts_only_what_the_study_s_own_pace_says_ends_
     assert near.refused == 1 and not folder.exists()
     assert lines[-1] == ("claiming no more: what is left would not end by the deadline (2 unfinished left to other "
                          "workers or a later start: final/es/seed0, long/es/seed0)")
-    # room for the rerun (at 1.01 it fits: the next test) and for its continuation, which is weighed at
-    # the rerun's own pace once it has run (the test after next)
+    # room for the rerun and for its continuation, which is weighed at the rerun's own pace once it has
+    # run; both at the 1.01 boundary: the test after next
     room = Deadline(finish_by=1000.0 + 3600.0, clock=lambda: 1000.0)
     assert tune.work(spec, tiny_vllm, log=lines.append, may_claim=room) == {"es": 0}
     assert room.refused == 0 and tune.outstanding(spec) == []
