@@ -172,8 +172,9 @@ def continuation_seconds(spec: TuneSpec, planned: PlannedRun, rerun: PlannedRun,
     made, else the rerun's: the same setting and seed, timed at the load it ran under, nearer than
     the winner trial's pace), by ``step`` (or the winner's) only where there are none."""
     source, folder = spec.out / "final" / planned.name, spec.out / "long" / planned.name
-    start = None if folder.exists() else rerun.length if list_checkpoints(source) else 0
-    timed = run_wall(folder if folder.exists() else source)
+    copied = folder.exists()
+    start = None if copied else rerun.length if list_checkpoints(source) else 0
+    timed = run_wall(folder if copied else source)
     return run_seconds(spec, planned, folder, start=start, step=timed[0] / timed[1] if timed else step)
 
 
@@ -234,12 +235,18 @@ def run_finals(spec: TuneSpec, evaluator, log: Callable[[str], None] = print,
             log(f"{method}: tuning not finished; its reruns wait")
             continue
         done[method] = []
-        for planned in final_plan(spec, method) if spec.settings.long > 1 else ():
-            folder = spec.out / "final" / planned.name
-            if finished_rerun(folder, planned.length) and list_checkpoints(folder):
+        plan = final_plan(spec, method)
+
+        def continued(planned: PlannedRun) -> None:
+            if spec.settings.long > 1:
                 _finished_unless_busy(lambda: continue_rerun(spec, long_run(spec, planned), planned, evaluator, log,
                                                              may_claim), f"long/{planned.name}", log)
-        for planned in final_plan(spec, method):
+
+        for planned in plan:
+            folder = spec.out / "final" / planned.name
+            if finished_rerun(folder, planned.length) and list_checkpoints(folder):
+                continued(planned)
+        for planned in plan:
             folder = spec.out / "final" / planned.name
             if finished_rerun(folder, planned.length):  # here already: its continuation is run_extras'
                 done[method].append(str(folder))
@@ -249,9 +256,7 @@ def run_finals(spec: TuneSpec, evaluator, log: Callable[[str], None] = print,
                                          planned.name, log):
                 continue
             done[method].append(str(folder))
-            if spec.settings.long > 1:
-                _finished_unless_busy(lambda: continue_rerun(spec, long_run(spec, planned), planned, evaluator, log,
-                                                             may_claim), f"long/{planned.name}", log)
+            continued(planned)
     return done
 
 

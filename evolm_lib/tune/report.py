@@ -373,9 +373,19 @@ def interim_lines(completeness) -> list[str]:
     return ["**Interim: the study is not finished.** Read nothing here as its result: " + _and(short) + ".", ""]
 
 
+def _missing(value) -> bool:
+    """None or NaN: a figure the tables have no value for."""
+    return value is None or (isinstance(value, float) and math.isnan(value))
+
+
+def _one_seed_side(row) -> bool:
+    """Whether a comparison has a side of a single seed (no interval, permutation p or Welch's t)."""
+    return min(row["seeds_a"], row["seeds_b"]) < 2
+
+
 def _value(value: float, measure: str) -> str:
     """A held-out score as the README gives it: a success rate in percent, a reward as it is."""
-    if value is None or (isinstance(value, float) and math.isnan(value)):
+    if _missing(value):
         return "n/a"
     return f"{100 * value:.1f} %" if measure == "success" else f"{value:.3g}"
 
@@ -408,14 +418,13 @@ def _difference(row, scale: float, unit: str) -> str:
     """A comparison's difference with its BCa interval, "+0.133 (+0.0333 to +0.233)"; where there is
     none to draw (a side with a single seed), the cell says so rather than "+nan to +nan"."""
     difference = f"{scale * row['difference']:+.3g}{unit}"
-    if any(isinstance(bound, float) and math.isnan(bound) for bound in (row["ci_low"], row["ci_high"])):
-        return f"{difference} (no interval: one seed on a side)" if min(row["seeds_a"], row["seeds_b"]) < 2 \
-            else f"{difference} (no interval)"
+    if _missing(row["ci_low"]) or _missing(row["ci_high"]):
+        return f"{difference} (no interval: one seed on a side)" if _one_seed_side(row) else f"{difference} (no interval)"
     return f"{difference} ({scale * row['ci_low']:+.3g} to {scale * row['ci_high']:+.3g})"
 
 
 def _p(value) -> str:
-    return "" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.2g}"
+    return "" if _missing(value) else f"{value:.2g}"
 
 
 def study_digest(tables: Mapping[str, Any], title: str) -> str:
@@ -572,10 +581,9 @@ def too_few_seeds(table) -> list[str]:
 def _welch(row) -> str:
     """Welch's t p for the too-few-seeds line, or why there is none: it needs two seeds a side (a
     variance each), and some spread within them."""
-    if _p(row["welch_p"]):
+    if not _missing(row["welch_p"]):
         return f"Welch's t p {_p(row['welch_p'])}"
-    return "no Welch's t with one seed on a side" if min(row["seeds_a"], row["seeds_b"]) < 2 \
-        else "no Welch's t: no spread within either side"
+    return "no Welch's t with one seed on a side" if _one_seed_side(row) else "no Welch's t: no spread within either side"
 
 
 ANSWER_LINES = {
