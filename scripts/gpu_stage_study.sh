@@ -24,7 +24,9 @@
 #                                              # from. `restore` takes a kept pack whose compact.tar.gz is
 #                                              # COMPACT's files, byte for byte, in place of a restore, so LoRA
 #                                              # and GRPO runs under way go on from its checkpoints where this
-#                                              # checkout outlives the session (KEPT_PACKS=0: not)
+#                                              # checkout outlives the session (KEPT_PACKS=0: not); the other
+#                                              # kept packs, DAMAGED ones too, hand on the runs they hold whole
+#                                              # that are further on (python -m evolm_lib.tune.salvage)
 #   bash scripts/gpu_stage_study.sh unbundle   # there, once every piece is in /root/bundle/ (one call each:
 #                                              # mkdir -p /root/bundle && cp .gpu_stage/bundle/piece.NN /root/bundle/):
 #                                              # the files back in .gpu_stage/, vLLM's parts in /root/stage/ for
@@ -142,28 +144,53 @@ restore)
   # A pack kept from the lease that wrote COMPACT holds what the compacted files cannot, the LoRA and
   # GRPO runs under way with their checkpoints: it is taken as it is, where its compacted study is
   # COMPACT's files byte for byte (a later lease's or an earlier one's is not the committed state).
+  # Every other kept pack, whole or DAMAGED (cut short: a machine taken back before its later parts
+  # came), then hands on the runs it holds whole that are further on (python -m evolm_lib.tune.salvage),
+  # newest first, and the study is packed again where any was taken.
+  base="" kept_all=()
   if [ "${KEPT_PACKS:-1}" = 1 ] && [ -d "$PACKS_KEPT" ]; then
     others=""
     for kept in $(ls -dt "$PACKS_KEPT"/*/ 2>/dev/null); do
-      kept=${kept%/}
+      kept=${kept%/}; kept_all+=("$kept")
+      [ -n "$base" ] && continue
       if [ -f "$kept/DAMAGED" ]; then others="$others $(basename "$kept") (DAMAGED)"; continue; fi
       rm -rf "$tmp/kept" && mkdir -p "$tmp/kept"
       if tar -xzf "$kept/compact.tar.gz" -C "$tmp/kept" 2>/dev/null && [ -d "$tmp/kept/compact" ] \
           && diff -rq "$tmp/kept/compact" "$compact" > /dev/null 2>&1 \
           && [ "$(cat "$kept"/tune_study.tar.gz.part-* | tar -tzf - 2>/dev/null | head -n 1 | cut -d / -f 1)" = "$name" ]; then
-        stage_parts "$archive" "$kept"/tune_study.tar.gz.part-*
-        echo "the pack kept in $kept holds $compact's state: its $(ls "$kept"/tune_study.tar.gz.part-* | wc -l) parts in" \
-             ".gpu_stage/$archive.part-NN, its runs under way (LoRA and GRPO ones too) going on from its checkpoints"
-        exit 0
+        base=$kept
+        echo "the pack kept in $kept holds $compact's state: its $(ls "$kept"/tune_study.tar.gz.part-* | wc -l) parts, its runs" \
+             "under way (LoRA and GRPO ones too) going on from its checkpoints"
+        continue
       fi
       others="$others $(basename "$kept")"
     done
-    [ -n "$others" ] && echo "kept packs that do not hold $compact's state, left as they are:$others"
+    [ -n "$others" ] && echo "kept packs that do not hold $compact's state:$others"
   fi
-  "${PYTHON:-python3}" -m evolm_lib.tune.restore "$compact" "$spec" --out "$tmp/$name"
+  salvaged=0
+  salvage() {  # the other kept packs' runs laid over the study folder $tmp/$name; salvaged=1 where any was taken
+    local from=() kept
+    for kept in "${kept_all[@]}"; do [ "$kept" != "$base" ] && from+=("$kept"); done
+    [ ${#from[@]} -gt 0 ] || return 0
+    "${PYTHON:-python3}" -m evolm_lib.tune.salvage "$tmp/$name" "${from[@]}" | tee "$tmp/salvage.log"
+    [[ "$(tail -n 1 "$tmp/salvage.log")" == "salvaged 0 runs"* ]] || salvaged=1
+  }
+  if [ -n "$base" ]; then
+    mkdir -p "$tmp/base" && cat "$base"/tune_study.tar.gz.part-* | tar -xzf - -C "$tmp/base" && mv "$tmp/base/$name" "$tmp/$name"
+    salvage
+    if [ "$salvaged" = 0 ]; then
+      stage_parts "$archive" "$base"/tune_study.tar.gz.part-*
+      echo "its parts in .gpu_stage/$archive.part-NN, as kept"
+      exit 0
+    fi
+  else
+    "${PYTHON:-python3}" -m evolm_lib.tune.restore "$compact" "$spec" --out "$tmp/$name"
+    salvage
+  fi
   "${PYTHON:-python3}" -m evolm_lib.tune.pack "$tmp/$name" "$tmp/pack.tar.gz" --checkpoint-mib "${CHECKPOINT_MIB:-240}"
   split -b "${PART_BYTES:-15728640}" -d "$tmp/pack.tar.gz" ".gpu_stage/$archive.part-"
-  echo "$(ls .gpu_stage/"$archive".part-* | wc -l) parts of the restored study's pack in .gpu_stage/$archive.part-NN"
+  echo "$(ls .gpu_stage/"$archive".part-* | wc -l) parts of the $([ -n "$base" ] && echo "kept" || echo "restored") study's pack" \
+       "$([ "$salvaged" = 1 ] && echo "with the runs salvaged above ")in .gpu_stage/$archive.part-NN"
   ;;
 unbundle)
   # The pieces are unpacked outside the checkout ($ROOT/unbundled), which a later call's copy of the tree

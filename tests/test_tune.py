@@ -553,7 +553,8 @@ def test_a_study_packed_mid_run_keeps_finished_trials_rows_and_leaves_weights_an
         names = sorted(tar.getnames())
         tar.extractall(tmp_path / "unpacked", filter="data")
     assert names == ["study/final/es_full/seed0/config.yaml", "study/final/es_full/seed0/heldout.jsonl",
-                     "study/final/es_full/seed0/metrics.jsonl", "study/optuna.db", "study/trials/es_full/trial_0000/seed100/config.yaml",
+                     "study/final/es_full/seed0/metrics.jsonl", "study/optuna.db", "study/pack_index.json",
+                     "study/trials/es_full/trial_0000/seed100/config.yaml",
                      "study/trials/es_full/trial_0000/seed100/metrics.jsonl", "study/tune_summary.json"]
     copy = optuna.load_study(study_name="es_full", storage=f"sqlite:///{tmp_path / 'unpacked' / 'study' / 'optuna.db'}")
     assert [t.state.name for t in copy.trials] == ["COMPLETE", "RUNNING"] and copy.best_value == 0.5

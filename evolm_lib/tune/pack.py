@@ -28,6 +28,10 @@ makes Optuna retry it with the same setting). A checkpoint's files are read once
 against its manifest as they go in, so a checkpoint pruned or rewritten while the pack reads it is
 never carried torn: the run falls back to its previous checkpoint, or is left out.
 
+The archive begins with an index of the runs it carries (``PACK_INDEX``), then the unfinished runs
+that go on from a checkpoint, furthest first, each whole (its checkpoint, then its text files), then
+the storage and the rest: a pack cut short still hands its first runs on (``tune.salvage``).
+
 Unpack with ``tar -xzf ARCHIVE -C PARENT`` (the archive's top folder is OUT's name), then run the
 same ``evolm tune`` commands: each study continues where it stopped.
 """
@@ -35,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import json
 import sqlite3
 import sys
 import tarfile
@@ -58,6 +63,10 @@ FINISHED = ("COMPLETE", "PRUNED")
 """Trial states whose folders are finished: no retry will write into them again."""
 TO_RUN = ("RUNNING", "WAITING")
 """Trial states whose folders a worker will write into again (a retry waits as WAITING)."""
+PACK_INDEX = "pack_index.json"
+"""A pack's first member: each run folder under ``final/``, ``long/`` and ``control/`` it carries,
+with its files in the order they follow, so that a pack cut short tells which runs came whole
+(``tune.salvage``)."""
 CHECKPOINT_BYTES = 24 * 2**20
 """The checkpoints' bytes a pack carries at most (before compression)."""
 
@@ -199,28 +208,60 @@ def pack_study(out: str | Path, archive: str | Path, checkpoint_bytes: int = CHE
         take([run for run in reruns if run.parent.parent == out / "final" and run not in continued
               and run.name.removeprefix("seed").isdigit() and int(run.name.removeprefix("seed")) in seeds
               and checkpoint_holds_weights(run)])
+        # The archive's order makes each of its first parts worth the most it can be (a call returns
+        # only a few parts, and a machine taken back before the rest are fetched leaves a pack cut
+        # short, which `tune.salvage` reads as far as it goes): the index, then each unfinished run
+        # that goes on from a checkpoint, furthest first, its checkpoint then its text files (rows
+        # read after the checkpoint reach it), then the storage, and then every other folder, a
+        # rerun's checkpoint just before its text files.
+        going_on = sorted((run for run in unfinished if run in chosen), key=lambda run: (-chosen[run].generation, str(run)))
+        folders = going_on + [out / folder for folder in finished] + [run for run in reruns if run not in going_on]
+        members = {folder: [p for p in sorted(folder.rglob("*")) if _keep(p, folder)] if folder.is_dir() else []
+                   for folder in folders}
+
+        def listed(folder: Path) -> list[str]:
+            """The folder's files in the order they go in: its checkpoint's, then its text files."""
+            checkpoint = chosen.get(folder)
+            names = [checkpoint.folder / name for name in sorted(checkpoint.files)] if checkpoint else []
+            return [str(path.relative_to(out)) for path in names + members[folder]]
+
+        index = {"study": out.name, "runs": {str(folder.relative_to(out)): listed(folder) for folder in folders
+                                             if folder.relative_to(out).parts[0] in STAGES}}
         archive.parent.mkdir(parents=True, exist_ok=True)
         with tarfile.open(archive, "w:gz") as tar:
-            tar.add(copy, arcname=f"{out.name}/{STORAGE}")
 
-            def add_bytes(relative: Path, data: bytes) -> None:
+            def add_bytes(relative: Path | str, data: bytes) -> None:
                 info = tarfile.TarInfo(f"{out.name}/{relative}")
                 info.size, info.mode = len(data), 0o644
                 tar.addfile(info, io.BytesIO(data))
                 report["files"] += 1
 
-            for run, checkpoint in sorted(chosen.items()):  # the checkpoint first: rows read after it reach it
-                for name, data in sorted(checkpoint.files.items()):
-                    add_bytes(checkpoint.folder.relative_to(out) / name, data)
-                at = f"{run.relative_to(out)} at {checkpoint.generation}"
-                report["resumed" if run in unfinished else "continued" if run in continued else "solutions"].append(at)
-            folders = [out / folder for folder in finished] + reruns + [run for run in unfinished if run in chosen]
-            files = [out / SUMMARY, out / BASE_HELDOUT, *out.glob("*.log")] + [
-                p for folder in folders if folder.is_dir() for p in sorted(folder.rglob("*")) if _keep(p, folder)]
-            for path in files:
+            def add(path: Path) -> None:
                 if path.is_file():
                     tar.add(path, arcname=f"{out.name}/{path.relative_to(out)}")
                     report["files"] += 1
+
+            def add_folder(folder: Path) -> None:
+                checkpoint = chosen.get(folder)
+                if checkpoint is not None:
+                    for name, data in sorted(checkpoint.files.items()):
+                        add_bytes(checkpoint.folder.relative_to(out) / name, data)
+                    at = f"{folder.relative_to(out)} at {checkpoint.generation}"
+                    report["resumed" if folder in unfinished else "continued" if folder in continued else "solutions"].append(at)
+                for path in members[folder]:
+                    add(path)
+
+            add_bytes(PACK_INDEX, json.dumps(index, indent=1).encode())
+            for run in going_on:
+                add_folder(run)
+            tar.add(copy, arcname=f"{out.name}/{STORAGE}")
+            report["files"] += 1
+            for path in [out / SUMMARY, out / BASE_HELDOUT, *sorted(out.glob("*.log"))]:
+                add(path)
+            for folder in folders[len(going_on):]:
+                add_folder(folder)
+        for key in ("resumed", "continued", "solutions"):
+            report[key].sort()
         left = [str(run.relative_to(out)) for run in unfinished if run not in chosen]
         # a trial folder nobody wrote into yet, or whose runs hold no config: named as the trial
         left += [folder for folder, runs in trial_runs.items() if not runs]
