@@ -108,6 +108,15 @@ def test_a_pack_cut_short_hands_on_the_runs_it_holds_whole_and_nothing_torn(tmp_
     assert [p.name for p in list_checkpoints(start / "final" / "grpo_lora" / "seed4")] == ["000003"]
     assert not list(start.glob(".salvaging-*")) and not list(start.rglob(".*.replaced"))
 
+    # a part missing in the middle: nothing after the gap is read, so the run that spans it is not whole
+    (kept / "tune_study.tar.gz.part-01").rename(tmp_path / "part-01")
+    again = _study(tmp_path / "again", {"final/grpo_lora/seed4": (3, False)})
+    lines = []
+    assert salvage(again, kept, log=lines.append) == []
+    assert lines[0] == f"{kept}: part 01 missing: read up to it"
+    assert lines[-1] == "restart_lease16: 1 parts, cut short; runs whole: 0, taken: 0"
+    (tmp_path / "part-01").rename(kept / "tune_study.tar.gz.part-01")
+
     other = tmp_path / "other"
     other.mkdir()
     (other / "elsewhere").mkdir()

@@ -164,6 +164,12 @@ def salvage(study: str | Path, kept: str | Path, log=print) -> list[str]:
     if not parts:
         log(f"{kept}: no {PARTS}")
         return []
+    # the parts from 00 up to the first one missing: data after a gap would be read out of place
+    numbers = [int(part.name.rsplit("-", 1)[1]) for part in parts]
+    gap = next((i for i, number in enumerate(numbers) if number != i), len(parts))
+    if gap < len(parts):
+        log(f"{kept}: part {gap:02d} missing: read up to it")
+        parts = parts[:gap]
     read = read_pack(parts)
     if read.study is not None and read.study != study.name:
         log(f"{kept}: a pack of the study {read.study!r}, not {study.name!r}: nothing taken")
@@ -186,6 +192,7 @@ def salvage(study: str | Path, kept: str | Path, log=print) -> list[str]:
                 continue
             own = study / run
             aside = own.with_name(f".{own.name}.replaced")
+            shutil.rmtree(aside, ignore_errors=True)  # one a killed salvage left
             if own.exists():
                 own.rename(aside)
             own.parent.mkdir(parents=True, exist_ok=True)
