@@ -60,7 +60,8 @@ from evolm_lib.parameters import notebook_config, open_notebook_run
 from evolm_lib.quiet import set_verbose
 from evolm_lib.train.grpo import GRPORun
 from evolm_lib.viz.figures import export_figure
-from evolm_lib.viz.plots import fitness_figure_widget, plot_fitness, plot_time_breakdown, update_fitness
+from evolm_lib.viz.live import live_fitness_plot
+from evolm_lib.viz.plots import plot_fitness, plot_time_breakdown
 
 set_verbose(verbose)
 config = notebook_config(GRPOConfig, globals())  # the parameters above by name, then `settings` over them
@@ -82,8 +83,8 @@ print(f"{run.run_dir}: step {run.generation}, {run.adapter.num_parameters():,} L
 # greedy reward of the adapter on the train (line) and eval prompts (diamonds) when scored.
 
 # %%
-reward_plot = fitness_figure_widget(title=f"GRPO on {config.task} ({config.model})", reward_label=run.task.reward_label)
-update_fitness(reward_plot, run.history)
+reward_plot = live_fitness_plot(title=f"GRPO on {config.task} ({config.model})", reward_label=run.task.reward_label)
+reward_plot.update(run.history)
 reward_plot
 
 # %% [markdown]
@@ -94,7 +95,7 @@ reward_plot
 # %%
 for step in range(run.generation, config.num_steps):
     row = run.step()
-    update_fitness(reward_plot, run.history)
+    reward_plot.update(run.history)
     print(f"step {row['generation']:>3}/{config.num_steps}  rollout reward {row['train/reward_mean']:8.3f}"
           + (f"  greedy train {row['policy/train_reward']:8.3f}  eval {row['eval/reward']:8.3f}" if "eval/reward" in row else "")
           + f"  {row['time/generation_s']:6.1f} s", flush=True)

@@ -39,6 +39,21 @@ MEAN_POINTS_JS = """cell => {
     return mean && mean.x ? mean.x.length : 0;
 }"""
 
+# Run before any of the page's scripts: a JavaScript module made from a string of over 1 MB (how
+# anywidget loads a widget's code, plotly's FigureWidget 5 MB of it) waits 3 s before it runs, as on
+# a busy machine. anywidget 0.11 drops every later message to a widget not loaded within 2 s, which
+# left the live plot of a FigureWidget empty in CI: the stepper's plot must not depend on that.
+SLOW_WIDGET_CODE_JS = """(() => {
+    const Original = window.Blob;
+    window.Blob = class extends Original {
+        constructor(parts, options) {
+            const code = options && options.type === 'text/javascript' && parts.length === 1
+                && typeof parts[0] === 'string' && parts[0].length > 1000000;
+            super(code ? ['await new Promise(resolve => setTimeout(resolve, 3000));\\n', ...parts] : parts, options);
+        }
+    };
+})();"""
+
 
 def _free_port() -> int:
     with socket.socket() as sock:
@@ -232,6 +247,7 @@ def test_the_stepper_runs_all_steps_and_runs_all_again_in_one_kernel_and_with_a_
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
         try:
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.add_init_script(SLOW_WIDGET_CODE_JS)  # a front end as slow as a busy CI runner's
             failed = page.locator(".jp-OutputArea-output", has_text="Traceback (most recent call last)")
             try:
                 page.goto(url)

@@ -305,7 +305,7 @@ class FakeRun(RunLoop):
 
 
 def _mean_points(stepper) -> int:
-    return len(next(t for t in stepper.figure.data if t.name == "mean").x)
+    return len(next(t for t in stepper.plot.figure.data if t.name == "mean").x)
 
 
 def test_stepper_step_run_pause_and_save():

@@ -68,24 +68,26 @@ def test_plot_fitness_grpo_steps():
     assert fig.layout.xaxis.title.text == "step"
 
 
-def test_update_fitness_widget_gains_a_point_per_generation():
-    widget = plots.fitness_figure_widget(title="live")
-    assert isinstance(widget, go.FigureWidget)
-    assert {t.name for t in widget.data} == set(plots.FITNESS_TRACE_NAMES)
-    assert all(len(t.x or ()) == 0 for t in widget.data)
+def test_the_live_plot_gains_a_point_per_generation_in_its_synced_outputs():
+    from evolm_lib.viz.live import live_fitness_plot
+
+    live = live_fitness_plot(title="live")
+    assert {t.name for t in live.figure.data} == set(plots.FITNESS_TRACE_NAMES)
+    assert all(len(t.x or ()) == 0 for t in live.figure.data)
     rows = make_rows(4)
-    plots.update_fitness(widget, rows[:2])
-    assert len(trace(widget, "mean").x) == 2
-    plots.update_fitness(widget, rows[:3])
-    assert len(trace(widget, "mean").x) == 3
-    assert trace(widget, "mean").y[-1] == pytest.approx(0.2)
-    assert list(trace(widget, "eval").x) == [0, 2]
-    # the state a front end draws its views from holds the points too, not only the update message
-    # (which a front end still loading plotly's widget code misses: the JupyterLab stepper test saw an
-    # empty plot under load)
-    synced = {t["name"]: t for t in widget.get_state()["_widget_data"]}
-    assert list(synced["mean"]["x"]) == list(trace(widget, "mean").x) and list(synced["eval"]["x"]) == [0, 2]
-    assert widget.get_state()["_widget_layout"]["xaxis"] == widget.layout.xaxis.to_plotly_json()
+    live.update(rows[:2])
+    assert len(trace(live.figure, "mean").x) == 2
+    live.update(rows[:3])
+    assert len(trace(live.figure, "mean").x) == 3
+    assert trace(live.figure, "mean").y[-1] == pytest.approx(0.2)
+    assert list(trace(live.figure, "eval").x) == [0, 2]
+    # what the front end draws is the widget's synced state: one output, the figure as plotly's
+    # renderer reads it, with the points and the title
+    [output] = live.widget.get_state()["outputs"]
+    drawn = output["data"]["application/vnd.plotly.v1+json"]
+    assert output["output_type"] == "display_data" and drawn["layout"]["title"]["text"] == "live"
+    assert {t["name"]: list(t["x"]) for t in drawn["data"]}["mean"] == [0, 1, 2]
+    assert output["data"]["text/plain"] == "<live: 3 points>"
 
 
 def test_update_fitness_on_plain_figure():
@@ -141,7 +143,7 @@ def _figures_of_every_plot_function():
     points = [{"method": "es", "seed": 0, "kl": 0.01, "reward": 0.5}, {"method": "grpo", "seed": 0, "kl": 0.5, "reward": 0.7}]
     return {
         "plot_fitness": plots.plot_fitness(make_rows()),
-        "fitness_figure_widget": plots.fitness_figure_widget(),
+        "fitness_figure": plots.fitness_figure(),
         "plot_time_breakdown": plots.plot_time_breakdown(make_rows()),
         "plot_reward_distribution": plots.plot_reward_distribution([0.0, 1.0]),
         "plot_layer_scales": plots.plot_layer_scales(["0", "1"], [0.1, 0.2]),
@@ -161,7 +163,7 @@ def test_every_figure_function_labels_its_axes_in_words():
 
     drawn = _figures_of_every_plot_function()
     public = {name for name, f in inspect.getmembers(plots, inspect.isfunction)
-              if f.__module__ == plots.__name__ and (name.startswith("plot_") or name.endswith("_widget"))}
+              if f.__module__ == plots.__name__ and (name.startswith("plot_") or name.endswith("_figure"))}
     assert public == set(drawn), f"add {public - set(drawn)} to this test"
     for name, fig in drawn.items():
         titles = _axis_titles(fig)

@@ -119,7 +119,7 @@ def execute_notebook(notebook_path: str | Path, output_path: str | Path,
                 copy.deepcopy(nb), str(output_path), parameters=dict(parameters or {}), kernel_name=kernel_name,
                 progress_bar=False, log_output=log_output, cwd=str(cwd or project_root()),
                 execution_timeout=execution_timeout,
-                store_widget_state=False,  # a FigureWidget would otherwise add ~5 MB of plotly.js
+                store_widget_state=False,  # the widgets (live plots, tables) are drawn from the run, not kept
                 # the kernel's own start-up notices (e.g. "running over TCP without encryption") go to the
                 # terminal of every batch point: errors only, unless EVOLM_VERBOSE
                 extra_arguments=[] if verbose() else ["--IPKernelApp.log_level=ERROR"],

@@ -1,2 +1,3 @@
 """Figures and widgets on top of the library: plots with labels in words (``plots``, ``labels``),
-PNG/PDF/SVG export in a paper style (``figures``), the ES stepper's controls (``stepper``)."""
+PNG/PDF/SVG export in a paper style (``figures``), the steppers' live fitness plot (``live``) and the
+ES stepper's controls (``stepper``)."""

@@ -122,7 +122,7 @@ def paper_style(fig: go.Figure, width: int = 900) -> go.Figure:
     """A copy of `fig` for a paper: no title, fonts that read 8-9 pt once a `width`-pixel figure is
     shrunk to one column (240 pt), thicker lines, axis lines with ticks outside, a light grid, and a
     legend above the plot in rows of at most three entries."""
-    styled = go.Figure(fig)  # a copy (of a FigureWidget too): the notebook's figure keeps its look
+    styled = go.Figure(fig)  # a copy: the notebook's figure keeps its look
     pixel, tick, title = _paper_sizes(width)
     entries = _legend_entries(styled, width)
     legend_rows, per_row = _legend_layout(entries, width)

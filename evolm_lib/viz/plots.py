@@ -6,7 +6,6 @@ say what a reward measures.
 """
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -84,8 +83,16 @@ def _fitness_layout(fig: go.Figure, title: str, reward_label: str | None = None)
                       legend=dict(orientation="h", yanchor="bottom", y=1.02, x=0))
 
 
+def fitness_figure(title: str = "ES fitness", reward_label: str | None = None) -> go.Figure:
+    """The fitness plot with no points yet: `update_fitness` fills it (`evolm_lib.viz.live` shows it
+    live in a notebook)."""
+    fig = go.Figure(_fitness_traces())
+    _fitness_layout(fig, title, reward_label)
+    return fig
+
+
 def update_fitness(fig: go.Figure, rows: Sequence[Row]) -> go.Figure:
-    """Refresh the fitness traces of `fig` (Figure or FigureWidget) in place from all rows so far."""
+    """Refresh the fitness traces of `fig` (made by `fitness_figure`) in place from all rows so far."""
     rows = list(rows)
     data: dict[str, tuple[list[float], list[float]]] = {
         MEAN: series(rows, "train/reward_mean"),
@@ -103,41 +110,19 @@ def update_fitness(fig: go.Figure, rows: Sequence[Row]) -> go.Figure:
 
     x_axis = _axis(x_key(rows), values=[x for name in (MEAN, POLICY, EVAL) for x in data[name][0]])
 
-    def apply() -> None:
-        for trace in fig.data:
-            if trace.name in data:
-                trace.x, trace.y = data[trace.name]
-        fig.layout.xaxis.update(x_axis)
-
-    if hasattr(fig, "batch_update"):  # FigureWidget: one message to the front end
-        with fig.batch_update():
-            apply()
-        # That message reaches only a front end that has loaded plotly's widget code: one still
-        # loading it (seconds on a busy machine, right after the widget is made) loses it, and its
-        # views then draw the empty traces the widget was made with. The widget's synced state, which
-        # every view is drawn from, keeps the points whenever the code arrives.
-        fig._widget_data, fig._widget_layout = copy.deepcopy(fig._data), copy.deepcopy(fig._layout_obj._props)
-    else:
-        apply()
+    for trace in fig.data:
+        if trace.name in data:
+            trace.x, trace.y = data[trace.name]
+    fig.layout.xaxis.update(x_axis)
     return fig
 
 
 def plot_fitness(rows: Sequence[Row], title: str = "ES fitness", reward_label: str | None = None) -> go.Figure:
     """Population reward per generation: mean, 20-80 percentile band, best, eval and greedy mean adapter
     (``reward_label``: the task's reward in words, e.g. ``task.reward_label``)."""
-    rows = list(rows)
-    fig = go.Figure(_fitness_traces())
-    _fitness_layout(fig, title, reward_label)
-    update_fitness(fig, rows)
+    fig = update_fitness(fitness_figure(title, reward_label), rows)
     # traces without any data (no eval yet, no greedy reward) stay out of the legend
     fig.data = [t for t in fig.data if t.name in (MEAN, BAND) or len(t.x or ()) > 0]
-    return fig
-
-
-def fitness_figure_widget(title: str = "ES fitness", reward_label: str | None = None) -> go.FigureWidget:
-    """An empty live fitness plot; call `update_fitness(widget, rows)` after each generation."""
-    fig = go.FigureWidget(_fitness_traces())  # plotly 7 needs `anywidget` for this
-    _fitness_layout(fig, title, reward_label)
     return fig
 
 

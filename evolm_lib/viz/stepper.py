@@ -16,17 +16,18 @@ import ipywidgets as widgets
 
 from ..metrics import completions_table
 from . import plots
+from .live import LivePlot, live_fitness_plot
 
 
 class ESStepper:
     """Widgets around an `ESRun` (or anything with step/run/save_checkpoint/history/generation)."""
 
-    def __init__(self, run: Any, figure: Any = None, run_count: int = 5, max_chars: int = 160,
+    def __init__(self, run: Any, plot: LivePlot | None = None, run_count: int = 5, max_chars: int = 160,
                  figures_dir: str | Path | None = None, figure_name: str = "es_stepper_fitness"):
         self.run = run
         reward_label = getattr(getattr(run, "task", None), "reward_label", None)  # the task's reward, in words
         self.reward_label = reward_label
-        self.figure = figure if figure is not None else plots.fitness_figure_widget(reward_label=reward_label)
+        self.plot = plot if plot is not None else live_fitness_plot(reward_label=reward_label)
         self.figures_dir = figures_dir
         """With a folder, the fitness figure is exported there again after every Step or Run N (the files follow the run)."""
         self.figure_name = figure_name
@@ -51,7 +52,7 @@ class ESStepper:
         self.pause_button.on_click(lambda _: self.pause())
         self.save_button.on_click(lambda _: self.save_checkpoint())
         controls = widgets.HBox([self.step_button, self.run_button, self.count, self.pause_button, self.save_button])
-        self.box = widgets.VBox([controls, self.status, self.figure, self.table])
+        self.box = widgets.VBox([controls, self.status, self.plot.widget, self.table])
         self.refresh()
 
     # --- actions ---------------------------------------------------------------------------------
@@ -138,7 +139,7 @@ class ESStepper:
     def refresh(self) -> None:
         """Redraw the fitness plot, the completions table and the status line from ``run.history``."""
         history = list(self.run.history)
-        plots.update_fitness(self.figure, history)
+        self.plot.update(history)
         self.table.value = self._table_html(history)
         self._update_status()
 
