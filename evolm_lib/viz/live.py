@@ -19,8 +19,8 @@ from . import plots
 
 
 class LivePlot:
-    """``figure`` (a plotly Figure, the one to export) shown in ``widget`` (put it in a box, or display
-    the LivePlot itself); ``update(rows)`` redraws it from all rows so far."""
+    """A fitness figure (``plots.fitness_figure``, the one to export) shown in ``widget`` (put it in a
+    box, or display the LivePlot itself); ``update(rows)`` redraws it from all rows so far."""
 
     def __init__(self, figure: go.Figure):
         self.figure = figure
