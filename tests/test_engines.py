@@ -476,6 +476,40 @@ def test_an_engine_starts_with_the_garbage_before_it_collected_and_the_rest_set_
         gc.freeze() if frozen_before else gc.unfreeze()
 
 
+def test_engines_shut_down_together_cost_one_garbage_collection(monkeypatch):
+    """Inside one_collection the collections vLLM runs in each engine's shutdown (twice an engine,
+    over the whole heap) do nothing; leaving it runs one, which frees what was dropped inside, and
+    gives gc.collect back, after an error too."""
+    import gc
+    import weakref
+
+    from evolm_lib.engines.vllm.workarounds import one_collection
+
+    class Cycle:
+        pass
+
+    real, collections = gc.collect, []
+    monkeypatch.setattr(gc, "collect", lambda *generation: collections.append(generation) or real(*generation))
+    counting = gc.collect
+    automatic = gc.isenabled()
+    gc.disable()  # only the collections counted here may free the cycle
+    try:
+        with one_collection():
+            engine = Cycle()
+            engine.me = engine
+            gone = weakref.ref(engine)
+            del engine  # the last engine's reference dropped before the block ends, as close() does
+            assert [gc.collect() for _ in range(4)] == [0, 0, 0, 0]  # two engines' shutdowns
+            assert gone() is not None and collections == []
+        assert gone() is None and collections == [()] and gc.collect is counting
+        with pytest.raises(RuntimeError), one_collection():
+            raise RuntimeError("a shutdown failed")
+        assert collections == [(), ()] and gc.collect is counting
+    finally:
+        if automatic:
+            gc.enable()
+
+
 def test_the_engine_start_benchmark_refuses_what_is_not_a_commit_before_any_process_starts():
     """scripts/engine_start_times.py checks its arguments before it makes a worktree or a child."""
     import subprocess

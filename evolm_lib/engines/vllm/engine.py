@@ -8,7 +8,6 @@ own weights as the ES mean written in place (``weights``), and the engine bugs w
 """
 from __future__ import annotations
 
-import gc
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +24,7 @@ from .requests import RequestGrid, run_requests
 from .slots import EXTENSION, LOWRANK_SLOT_ID, PopulationSlots, ResidentSlots
 from .startup import start_llm
 from .weights import EngineWeights
-from .workarounds import base_as_zero_adapter, fresh_cuda_graph_pool, vllm_cpu_prompt_logprobs_fix
+from .workarounds import base_as_zero_adapter, fresh_cuda_graph_pool, one_collection, vllm_cpu_prompt_logprobs_fix
 
 
 @dataclass
@@ -235,22 +234,22 @@ class VLLMEvaluator(GridsInOneCall, MembersInPlace):
             self.slots.forget()  # the engine goes with its slots: nothing to release inside it
         if getattr(self, "files", None) is not None:
             self.files.close()
-        llm = getattr(self, "llm", None)
-        if llm is not None:
-            VLLMEvaluator._live_engines -= 1
-            VLLMEvaluator._retired.append(llm)
-            if VLLMEvaluator._live_engines == 0:
-                for engine in VLLMEvaluator._retired:
+        if getattr(self, "llm", None) is None:
+            return
+        # An engine is set aside, not shut down, while another of the process is live (its shutdown
+        # would tear down the parallel state they share); the last one to close shuts them all down,
+        # with one garbage collection for all of them after.
+        VLLMEvaluator._retired.append(self.llm)
+        self.llm = None
+        VLLMEvaluator._live_engines -= 1
+        if VLLMEvaluator._live_engines == 0:
+            with one_collection():
+                while VLLMEvaluator._retired:
                     try:
-                        engine.llm_engine.engine_core.shutdown()
+                        VLLMEvaluator._retired.pop(0).llm_engine.engine_core.shutdown()
                     except Exception:
                         pass
-                VLLMEvaluator._retired.clear()
                 fresh_cuda_graph_pool()
-                # only a shutdown frees anything worth a full collection (0.25-0.45 s over a test
-                # process's heap); an engine set aside stays referenced by _retired until then
-                gc.collect()
-            self.llm = None
 
     def __enter__(self):
         return self
