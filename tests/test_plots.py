@@ -91,7 +91,7 @@ def test_the_live_plot_gains_a_point_per_generation_in_its_synced_outputs():
 
 
 def test_update_fitness_on_plain_figure():
-    fig = go.Figure(plots._fitness_traces())
+    fig = plots.fitness_figure()
     plots.update_fitness(fig, make_rows(2))
     assert list(trace(fig, "best").y) == pytest.approx([0, 0.2])
 
