@@ -67,7 +67,10 @@
 # worker then ends and its card is refilled. FINISH_BY="grpo_full=EPOCH ...": the lease's end; a worker
 # of that method starts only the trials and runs the study's own finished work says end by then
 # (`evolm tune --finish-by`: a rerun paced by its winner's trial, its continuation by the rerun), and ends
-# once it turns one down, its card refilled; no fixed window to guess.
+# once it turns one down, its card refilled; no fixed window to guess. ENGINE_START_S (210): how long a
+# worker's engine takes to start on the lent machine (`evolm tune --engine-start-s`, passed with either
+# deadline): a worker none of whose work would still fit once its engine is up starts none, and its slot
+# is refilled at once.
 # MPS_CARDS="0 1" (or all): CUDA's Multi-Process Service on those cards (a control daemon under
 # MPS_DIR, started once a lease and checked with one CUDA process a card before any worker starts),
 # so the processes sharing a card run their kernels side by side instead of the card switching between them; workers on other cards never reach the daemon (its pipe is not the
@@ -86,6 +89,7 @@ case "$SPEC" in
 *) DRIFT_SPEC=${DRIFT_SPEC-papermill_runs/tune_study_conciseness_gpu.yaml} ;;
 esac
 PACK_SECONDS=${PACK_SECONDS:-60}  # what a stage keeps for its pack
+ENGINE_START_S=${ENGINE_START_S:-210}  # an engine's start on the lent H200, six at once and cold (docs/tuning.md)
 POLL_S=${POLL_S:-5}  # how often a waiting stage looks at its workers (and refills their cards)
 PACKS=${PACKS:-runs/tune_study_pack}  # the last pack's parts, kept on the machine for `parts`
 RETURN_BYTES=${RETURN_BYTES:-67108864}  # what one device call brings back, its files together
@@ -180,15 +184,16 @@ stop() {
 }
 
 launch() {  # launch METHOD CARD ENGINES LOG: one detached worker, recorded in workers.pids and workers.tsv
-  local offset=0 claim finish
+  local offset=0 claim finish deadline
   claim=$(claim_until "$1")
   finish=$(claim_until "$1" finish_by.txt)
   [ "$claim" = past ] && { echo "card $2: no worker of $1, whose deadline for starting runs has passed"; return 0; }
   [ "$finish" = past ] && { echo "card $2: no worker of $1, whose deadline for ending runs has passed"; return 0; }
   [ -f "$4" ] && offset=$(wc -c < "$4")  # logs are appended to: this worker's part starts here
+  deadline=$claim$finish  # with either, the worker weighs its work as of its engine's start (ENGINE_START_S)
   env $(mps_env "$2") EVOLM_ENGINES_PER_CARD=$3 CUDA_VISIBLE_DEVICES=$2 \
     setsid python -m evolm_lib.cli tune "$SPEC" --methods "$1" --no-figures ${claim:+--claim-until "$claim"} \
-    ${finish:+--finish-by "$finish"} >> "$4" 2>&1 < /dev/null &
+    ${finish:+--finish-by "$finish"} ${deadline:+--engine-start-s "$ENGINE_START_S"} >> "$4" 2>&1 < /dev/null &
   echo $! >> "$LOGS/workers.pids"
   printf '%s\t%s\t%s\t%s\t%s\t%s\n' $! "$2" "$3" "$1" "$4" "$offset" >> "$LOGS/workers.tsv"
 }

@@ -649,7 +649,9 @@ def test_start_places_workers_as_told_and_passes_each_its_deadline_for_starting_
     assert [head for head, *_ in launched] == sorted(
         f"{card} {engines} -m evolm_lib.cli tune {spec} --methods {method} --no-figures"
         for card, engines, method in placed)
-    claims = [(head.split()[-2], float(rest[0]) if rest else None) for head, *rest in launched]
+    # a worker given a deadline weighs its work as of its engine's start: ENGINE_START_S, 210 s by default
+    assert all(rest == [] or rest[0].split()[1:] == ["--engine-start-s", "210"] for _, *rest in launched)
+    claims = [(head.split()[-2], float(rest[0].split()[0]) if rest else None) for head, *rest in launched]
     assert sorted(method for method, claim in claims if claim is None) == ["es_full", "es_lora", "grpo_lora"]
     deadlines = [claim for method, claim in claims if claim is not None]
     assert deadlines == [soon, soon]  # both grpo_full's
@@ -675,14 +677,15 @@ def test_start_places_workers_as_told_and_passes_each_its_deadline_for_starting_
 
 def test_finish_by_gives_a_method_s_workers_the_lease_s_end_and_no_worker_once_it_has_passed(tmp_path):
     """FINISH_BY hands a method's workers the time their runs must end by (--finish-by, the time
-    itself), beside CLAIM_UNTIL's deadline where both are given; a refill after it launches none of
+    itself), beside CLAIM_UNTIL's deadline where both are given, and with either ENGINE_START_S
+    (--engine-start-s: they weigh their work as of their engine's start); a refill after it launches none of
     that method, and a FINISH_BY that is no time is refused before any worker starts."""
     calls = tmp_path / "calls.txt"
     env = _stand_ins(tmp_path, tmp_path / "study", gpus=1, python=(
         f'[ "$1" = -c ] && exit 0\necho "$*" >> {calls}\n'))
     end, soon = int(time.time()) + 1500, int(time.time()) + 700
     env.update(PLACE="grpo_lora@0 grpo_full@0 es_full@0", FINISH_BY=f"grpo_lora={end} grpo_full={end}",
-               CLAIM_UNTIL=f"grpo_full={soon}")
+               CLAIM_UNTIL=f"grpo_full={soon}", ENGINE_START_S="150")
     result = subprocess.run(["bash", str(SCRIPT), "start"], env=env, capture_output=True, text=True, timeout=120,
                             cwd=SCRIPT.parents[1])
     assert result.returncode == 0, result.stderr
@@ -692,8 +695,9 @@ def test_finish_by_gives_a_method_s_workers_the_lease_s_end_and_no_worker_once_i
             break
         time.sleep(0.1)
     options = {line.split("--methods ")[1].split()[0]: line.split("--no-figures")[1].split() for line in lines}
-    assert options == {"grpo_lora": ["--finish-by", str(end)],
-                       "grpo_full": ["--claim-until", str(soon), "--finish-by", str(end)], "es_full": []}
+    assert options == {"grpo_lora": ["--finish-by", str(end), "--engine-start-s", "150"],
+                       "grpo_full": ["--claim-until", str(soon), "--finish-by", str(end), "--engine-start-s", "150"],
+                       "es_full": []}
     assert (tmp_path / "logs" / "finish_by.txt").read_text().split() == [f"grpo_lora={end}", f"grpo_full={end}"]
 
     late = _launch_past(tmp_path / "logs", "finish_by.txt", "grpo_lora", 0)

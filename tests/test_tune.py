@@ -180,6 +180,24 @@ def test_a_deadline_with_an_end_claims_work_by_its_expected_length_and_counts_wh
     assert not both(1.0) and both.refused == 1
 
 
+def test_a_deadline_asked_as_of_an_engine_s_start_weighs_work_from_then():
+    """``pace.starting_later``: a ``Deadline`` asked as of ``seconds`` from now (lease 17: six LoRA GRPO
+    workers each started a 3.5-minute engine, then turned their rerun down), counting its refusals apart
+    from the rule it copies; ``tune.always``, or no start to wait for, is the rule itself."""
+    from evolm_lib.tune.pace import Deadline, starting_later
+
+    now = [1000.0]
+    deadline = Deadline(finish_by=1100.0, clock=lambda: now[0])
+    later = starting_later(deadline, 50.0)
+    assert later(41.66) and not later(41.67) and later.refused == 1 and deadline.refused == 0  # 1050 + 1.2 x s
+    assert deadline(41.67) and deadline.refused == 0  # asked now, it fits
+    now[0] = 1040.0  # the copy follows the rule's clock
+    assert not later(10.0) and later(8.33)
+    shut = starting_later(Deadline(claim_until=1060.0, clock=lambda: now[0]), 20.0)
+    assert not shut(0.0) and shut.refused == 0  # the claim window shuts before the engine is up
+    assert starting_later(tune.always, 50.0) is tune.always and starting_later(deadline, 0.0) is deadline
+
+
 def test_a_run_goes_on_from_its_newest_checkpoint_also_one_renamed_aside_mid_write(tmp_path):
     """``pace.resumes_at``: the newest written checkpoint's generation (a copy renamed aside while its
     replacement is written stands in for it); 0 for a folder without one."""
@@ -234,6 +252,9 @@ def test_a_worker_given_its_end_starts_only_what_the_study_s_own_pace_says_ends_
     assert tune.work(spec, tiny_vllm, log=lines.append, may_claim=room) == {"es": 0}
     assert room.refused == 0 and tune.outstanding(spec) == []
     assert resumes_at(folder) == 2 and run_seconds(spec, rerun, folder) == 0.0  # done: nothing left to pace
+    # once a rerun has timed rows, the method's reruns and control are paced by them, not by the trial
+    timed = [row for row in read_metrics(folder) if "time/wall_s" in row]
+    assert timed[-1]["generation"] == 2 and step_seconds(spec, "es") == pytest.approx(timed[-1]["time/wall_s"] / 2)
     assert [row["generation"] for row in read_metrics(continued)][-1] == 4
 
 
@@ -251,8 +272,18 @@ def test_a_worker_whose_end_leaves_no_trial_room_starts_no_engine(tmp_path, tiny
     claims = []
     assert tune.tune(spec, tiny_vllm, log=lambda line: None,
                      may_claim=lambda seconds=0.0: claims.append(1) or len(claims) == 1) == {"es": 1}
+    assert trial_seconds(spec, "es") > 0 and tune.outstanding(spec) == ["trials of es"]
+    # the trial as if it had taken 1,000 s (its rows' wall clocks stretched): the command-line checks
+    # below then hold on any machine, however long `evolm tune` takes to get to its first claim
+    (trial,) = tune.study_trials(spec, "es")
+    rows = read_metrics(Path(trial["run_dir"]) / "seed100")
+    stretch = 1000.0 / rows[-1]["time/wall_s"]
+    for row in rows:
+        row["time/wall_s"] = row["time/wall_s"] * stretch if "time/wall_s" in row else None
+    (Path(trial["run_dir"]) / "seed100" / "metrics.jsonl").write_text(
+        "".join(json.dumps({k: v for k, v in row.items() if v is not None}) + "\n" for row in rows))
     took = trial_seconds(spec, "es")
-    assert took > 0 and tune.outstanding(spec) == ["trials of es"]
+    assert took == pytest.approx(1000.0)
     near = Deadline(finish_by=1000.0 + 0.99 * 1.2 * took, clock=lambda: 1000.0)
     assert tune.nothing_fits(spec, near) == ("claiming no more: what is left would not end by the deadline "
                                             "(trials of es): no engine started")
@@ -272,6 +303,15 @@ def test_a_worker_whose_end_leaves_no_trial_room_starts_no_engine(tmp_path, tiny
     assert "claiming no more: what is left would not end by the deadline (trials of es): no engine started" in printed
     assert printed[-1].startswith("summary: ")  # a clean end: the stage script's refill hands the slot on
     assert tune.outstanding(spec) == ["trials of es"]  # nothing claimed
+    # the trial fits from now (2,400 s for its 1,200 with the margin), not once an engine that takes
+    # 1,800 s to start is up (`--engine-start-s`)
+    end = str(time.time() + 2 * 1.2 * took)
+    assert main(["tune", str(path), "--methods", "es", "--no-figures", "--finish-by", end,
+                 "--engine-start-s", str(1.5 * 1.2 * took)]) == 0
+    assert "claiming no more: what is left would not end by the deadline (trials of es): no engine started" in (
+        capsys.readouterr().out.splitlines())
+    assert main(["tune", str(path), "--methods", "es", "--finish-by", end, "--engine-start-s", "-1"]) == 2
+    assert capsys.readouterr().err.strip() == "error: --engine-start-s: a number of seconds >= 0, not -1.0"
 
 
 def test_a_worker_whose_end_leaves_no_room_for_any_rerun_or_continuation_starts_no_engine(tmp_path, tiny_vllm):
@@ -290,7 +330,7 @@ def test_a_worker_whose_end_leaves_no_room_for_any_rerun_or_continuation_starts_
     seed0, seed1 = tune.final_plan(spec, "es")
     assert run_unfinished(seed0, spec.out / "final", tiny_vllm)  # its continuation's checkpoint is here
     assert tune.outstanding(spec) == ["final/es/seed1", "long/es/seed0", "long/es/seed1"]
-    rerun_s = run_seconds(spec, seed1, spec.out / "final" / seed1.name)  # 2 generations at the trial's pace
+    rerun_s = run_seconds(spec, seed1, spec.out / "final" / seed1.name)  # 2 generations at seed0's rerun's pace
     rerun0 = spec.out / "final" / seed0.name
     wall, generations = run_wall(rerun0)
     assert rerun_s > 0 and generations == 2
@@ -301,7 +341,7 @@ def test_a_worker_whose_end_leaves_no_room_for_any_rerun_or_continuation_starts_
         rows[-1]["time/wall_s"] = seconds
         (rerun0 / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
 
-    ran_in(rerun_s)  # at its trial's pace: every run left weighs rerun_s
+    ran_in(rerun_s)  # every run left weighs rerun_s, seed1's rerun too (paced by seed0's)
     continued_s = continuation_seconds(spec, long_run(spec, seed0), seed0)
     assert continued_s == pytest.approx(rerun_s)
 

@@ -345,7 +345,9 @@ def test_what_a_study_under_way_has_left_is_paced_by_its_own_finished_runs():
     1.6 x 200; two continuations, 2 x 200; 1,020 s. grpo, its trials done: a rerun at its winner's
     80 s; seed 1 under way but beginning again (no checkpoint), 1 x 80; a continuation at 15 of 20
     from a checkpoint (half of its own length kept), 1.5 x 80; 200 s. The control, undecided: the
-    ES form ahead so far (es), 2 reruns x 200 = 400 s."""
+    ES form ahead so far (es), 2 reruns x 200 = 400 s. Once grpo's reruns have timed rows (6 s a
+    step over seed 0's 10, 8 over seed 1's 7), a rerun goes at their median pace, 7 x 10 = 70 s:
+    1 x 70 + 1.5 x 70 = 175 s."""
     from evolm_lib.tune.report import study_digest, study_tables
 
     def trial(method, number, seconds, value=-1.0, state="complete"):
@@ -380,6 +382,14 @@ def test_what_a_study_under_way_has_left_is_paced_by_its_own_finished_runs():
     assert any(line.startswith(f"Left, in one worker's hours at the pace of each method's own finished runs "
                                f"(`left.csv`; a floor, the engines a card as they ran): about {1620 / 3600:.1f} in all (es 0.3, ")
                for line in study_digest(tables, "t").splitlines())
+
+    for timed, step in ((runs[2], 6.0), (runs[3], 8.0)):  # grpo's reruns, seed 0 finished, seed 1 under way
+        for row in timed["rows"]:
+            row["time/wall_s"] = row["generation"] * step
+    left = study_tables({"runs": runs, "trials": trials, "summary": summary, "geometry": None})["left"]
+    assert left.loc["grpo", "rerun_seconds"] == pytest.approx(70.0)
+    assert left.loc["grpo", "seconds_left"] == pytest.approx(1 * 70 + 1.5 * 70)
+    assert left.loc["es", "seconds_left"] == pytest.approx(1.5 * 200 + 1.6 * 200 + 2 * 200)  # no timed rows: as before
 
 
 def test_a_trials_seconds_count_its_runs_own_clock_across_a_resume():

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from .. import tune
 from ..env import apply_engine_defaults
 from ..paths import resolve_in_project
-from ..tune.pace import FINISH_MARGIN, Deadline
+from ..tune.pace import FINISH_MARGIN, Deadline, starting_later
 from .help import HelpFormatter
 from .interrupt import report_interrupt
 
@@ -64,6 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "machine's end): each is paced by the study's own finished work, stretched by "
                              f"{FINISH_MARGIN:g}, and a worker that turns one down as too long ends, leaving its "
                              "card to other work (with --claim-for or --claim-until, both hold)")
+    parser.add_argument("--engine-start-s", type=float, default=0.0, metavar="SECONDS",
+                        help="with --finish-by or a claim deadline: how long this worker's engine takes to start; "
+                             "before starting it, the worker weighs its work as of SECONDS from now and starts no "
+                             "engine where none of it would fit by then (default: 0)")
     parser.add_argument("--no-figures", action="store_true", help="write no figures")
     parser.add_argument("--dry-run", action="store_true", help="check the spec and print the plan only")
     return parser
@@ -82,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
             spec = tune.with_trials(spec, args.trials)
         if args.claim_for is not None and not (args.claim_for >= 0):
             raise ValueError(f"--claim-for: a number of seconds >= 0, not {args.claim_for}")
+        if not (args.engine_start_s >= 0):
+            raise ValueError(f"--engine-start-s: a number of seconds >= 0, not {args.engine_start_s}")
         for option, value in (("--claim-until", args.claim_until), ("--finish-by", args.finish_by)):
             if value is not None and not (value > 0):
                 raise ValueError(f"{option}: seconds since the epoch (date +%s), not {value}")
@@ -142,7 +148,7 @@ def _run(spec, args) -> int:
     started = time.perf_counter()
     may_claim = claim_rule(args.claim_for, args.claim_until, args.finish_by)
     left = tune.outstanding(spec, finals=not args.no_finals)
-    idle = tune.nothing_fits(spec, may_claim, left=left)
+    idle = tune.nothing_fits(spec, starting_later(may_claim, args.engine_start_s), left=left)
     if idle:  # a lent machine's end too near for any trial left: the slot goes to other work at once
         print(idle, flush=True)
     elif left:

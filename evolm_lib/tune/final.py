@@ -170,7 +170,7 @@ def continuation_seconds(spec: TuneSpec, planned: PlannedRun, rerun: PlannedRun,
     from its own folder's newest checkpoint once copied, before that from the rerun's last checkpoint,
     or from the start where this machine holds none. Paced by its own timed rows (the copy's once
     made, else the rerun's: the same setting and seed, timed at the load it ran under, nearer than
-    the winner trial's pace), by ``step`` (or the winner's) only where there are none."""
+    the winner trial's pace), by ``step`` (or its method's, ``pace.step_seconds``) only where there are none."""
     source, folder = spec.out / "final" / planned.name, spec.out / "long" / planned.name
     copied = folder.exists()
     start = None if copied else rerun.length if list_checkpoints(source) else 0

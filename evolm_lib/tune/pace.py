@@ -4,23 +4,26 @@ machine's end) it starts only work expected to end by then, so no run is begun t
 return would cut short and no slot waits behind a fixed window while work that fits is left.
 
 A trial is expected to take what its method's complete trials took (the median of their runs' wall
-clocks, ``time/wall_s``, which goes on across a resume); a rerun or a control run its winner trial's
-seconds a generation or step times the generations or steps it has left, counted from the checkpoint
-it would resume from; a continued rerun the same, at its rerun's own pace
-(``final.continuation_seconds``). Work with nothing to pace it by (a method without a complete trial)
-is expected to take no time: only ``finish_by`` itself stops it.
+clocks, ``time/wall_s``, which goes on across a resume); a rerun or a control run its method's seconds
+a generation or step (its reruns' median pace where any has timed rows, else its winner trial's) times
+the generations or steps it has left, counted from the checkpoint it would resume from; a continued
+rerun the same, at its rerun's own pace (``final.continuation_seconds``). Work with nothing to pace it
+by (a method without a complete trial) is expected to take no time: only ``finish_by`` itself stops it.
+A worker that has not started its engine yet asks as of the time its engine will be up
+(``starting_later``), so it starts none for work that would no longer fit by then.
 """
 from __future__ import annotations
 
+import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
 from ..runs import list_checkpoints
 from ..sweep import PlannedRun
 from .spec import TuneSpec
-from .study import load_study, trial_walls
+from .study import load_study, run_wall, trial_walls
 
 FINISH_MARGIN = 1.2
 """Expected seconds are stretched by this much before they are held against ``finish_by``: a run's
@@ -58,10 +61,25 @@ class Deadline:
         return True
 
 
+def starting_later(rule: Callable[..., bool], seconds: float) -> Callable[..., bool]:
+    """``rule`` asked as of ``seconds`` from now: a ``Deadline`` whose clock runs that far ahead (its own
+    ``refused`` count), for a worker whose engine takes that long to start before any work can begin;
+    any other rule (``tune.always``), or ``seconds`` of 0, as it is."""
+    if not isinstance(rule, Deadline) or seconds <= 0:
+        return rule
+    return replace(rule, clock=lambda: (rule.clock or time.time)() + seconds, refused=0)
+
+
 def step_seconds(spec: TuneSpec, method: str) -> float:
-    """Seconds a generation or step of ``method``'s winner: its best trial's runs' wall clocks over the
-    generations or steps they ran (the rerun's setting and length are the trial's). 0.0 where the
+    """Seconds a generation or step of ``method``'s winner: the median over its reruns on the final seeds
+    that have timed rows (finished or under way) of each one's wall clock over the generations or steps
+    it ran; where none has, its best trial's runs' wall clocks over theirs (the rerun's setting and
+    length are the trial's, but the trial ran beside other trials, at another load). 0.0 where the
     method has no complete trial or its folders no timed rows."""
+    reruns = spec.out / "final" / method
+    walls = [wall for folder in sorted(reruns.glob("seed*")) if (wall := run_wall(folder)) is not None]
+    if walls:
+        return statistics.median(wall / steps for wall, steps in walls)
     study = load_study(spec, method)
     try:
         best = study.best_trial
@@ -80,7 +98,7 @@ def resumes_at(folder: Path) -> int:
 def run_seconds(spec: TuneSpec, planned: PlannedRun, folder: Path, start: int | None = None,
                 step: float | None = None) -> float:
     """What ``planned`` (a rerun, a continued rerun or a control run, its winner's setting) should take
-    in ``folder``: its winner's ``step_seconds`` (``step``, where the caller has it) times what is left
+    in ``folder``: its method's ``step_seconds`` (``step``, where the caller has it) times what is left
     past ``start`` (where it goes on from; ``resumes_at(folder)`` when None)."""
     at = resumes_at(folder) if start is None else start
     if step is None:

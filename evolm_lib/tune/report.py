@@ -76,6 +76,23 @@ def trial_seconds(trial: Mapping[str, Any], by_number: Mapping[int, Mapping[str,
     return max(trial.get("seconds") or 0.0, sum(w for w in walls if w is not None))
 
 
+def rerun_step_seconds(reruns: Sequence[dict]) -> float | None:
+    """Seconds a generation or step of a method's reruns on the final seeds (``reruns``: their compacted
+    runs): the median over those with timed rows, finished or under way, of each one's wall clock at its
+    last row over the generations or steps it reached (``pace.step_seconds``'s rule, on a compacted
+    study); None where none has."""
+    from ..metrics import final_value
+    from ..runs import row_generation
+
+    paces = []
+    for run in reruns:
+        rows = run.get("rows") or []
+        wall, reached = final_value(rows, "time/wall_s"), max((row_generation(row) for row in rows), default=-1)
+        if wall is not None and reached > 0:
+            paces.append(wall / reached)
+    return statistics.median(paces) if paces else None
+
+
 def method_trials(method: str, trials: Sequence[Mapping[str, Any]], runs: Sequence[dict]):
     """A method's view of the compacted study: (its trials, them by number, its tuning runs, the
     trials that count against its budget (``counted_trials``), the complete ones among those)."""
@@ -291,8 +308,9 @@ def left_table(trials: Sequence[Mapping[str, Any]], runs: Sequence[dict], summar
     """What a study under way has left, per method, in runs (``completeness_table``'s counts against
     their plan) and in one worker's seconds at the pace of its own finished work: a trial at the
     median seconds its method's complete trials took (``trial_seconds``: their wall clocks, at the
-    engines a card they ran at), a rerun on a final seed at its winner's trial seconds once the
-    trials are done (the same setting and length; the median before), a continuation at
+    engines a card they ran at), a rerun on a final seed at its reruns' own pace where any has timed
+    rows (``rerun_step_seconds`` times its length, as ``pace.step_seconds`` weighs it), else at its
+    winner's trial seconds once the trials are done (the same setting and length; the median before), a continuation at
     ``tune.long - 1`` times that, and the control's runs at its method's rerun (the ES form of the
     best validation score so far while it is undecided). A run under way that goes on from a
     checkpoint counts what it has done; one that begins again counts nothing. A continuation whose
@@ -324,7 +342,12 @@ def left_table(trials: Sequence[Mapping[str, Any]], runs: Sequence[dict], summar
         open_shares = sorted((kept(t) for t in own if t["state"] in ("running", "waiting")), reverse=True)
         trial_units = math.nan if math.isnan(trials_left) else trials_left - sum(open_shares[:int(trials_left)])
         winner = by_number.get(row["winner_trial"]) if trials_left == 0 else None
-        rerun_pace[method] = rerun = trial_seconds(winner, by_number, trial_runs) if winner else pace
+        reruns = [r for r in runs if r["stage"] == "final" and r["method"] == method]
+        step = rerun_step_seconds(reruns)
+        length = next((r["config"].get("num_generations", r["config"].get("num_steps")) for r in reruns), None)
+        rerun = (step * length if step is not None and length else
+                 trial_seconds(winner, by_number, trial_runs) if winner else pace)
+        rerun_pace[method] = rerun
         reruns_left, continuations_left = missing(line, "final_seeds"), missing(line, "long_seeds")
         units = reruns_left + continuations_left * (factor - 1)
         # what the runs under way keep: a rerun is one budget long; a continuation (factor - 1) budgets
