@@ -66,7 +66,8 @@
 # whose checkpoints never travel (full GRPO's) and so must end within the lease that starts them; its
 # worker then ends and its card is refilled. FINISH_BY="grpo_full=EPOCH ...": the lease's end; a worker
 # of that method starts only the trials and runs the study's own finished work says end by then
-# (`evolm tune --finish-by`: a rerun paced by its winner's trial, its continuation by the rerun), and ends
+# (`evolm tune --finish-by`: a rerun paced by the method's reruns, its winner's trial before any; its
+# continuation by the rerun), and ends
 # once it turns one down, its card refilled; no fixed window to guess. ENGINE_START_S (210): how long a
 # worker's engine takes to start on the lent machine (`evolm tune --engine-start-s`, passed with either
 # deadline): a worker none of whose work would still fit once its engine is up starts none, and its slot

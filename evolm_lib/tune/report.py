@@ -81,16 +81,10 @@ def rerun_step_seconds(reruns: Sequence[dict]) -> float | None:
     runs): the median over those with timed rows, finished or under way, of each one's wall clock at its
     last row over the generations or steps it reached (``pace.step_seconds``'s rule, on a compacted
     study); None where none has."""
-    from ..metrics import final_value
-    from ..runs import row_generation
+    from .study import rows_wall
 
-    paces = []
-    for run in reruns:
-        rows = run.get("rows") or []
-        wall, reached = final_value(rows, "time/wall_s"), max((row_generation(row) for row in rows), default=-1)
-        if wall is not None and reached > 0:
-            paces.append(wall / reached)
-    return statistics.median(paces) if paces else None
+    walls = [wall for run in reruns if (wall := rows_wall(run.get("rows") or [])) is not None]
+    return statistics.median(seconds / reached for seconds, reached in walls) if walls else None
 
 
 def method_trials(method: str, trials: Sequence[Mapping[str, Any]], runs: Sequence[dict]):

@@ -23,7 +23,7 @@ import time
 import warnings
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 from ..env import record_placement
 from ..metrics import final_value
@@ -196,13 +196,17 @@ def trial_folder(spec: TuneSpec, method: str, study, trial) -> Path:
     return spec.out / "trials" / method / f"trial_{trial.number if first is None else first:04d}"
 
 
-def run_wall(folder: Path) -> tuple[float, int] | None:
-    """A run folder's wall-clock seconds and the generation or step they reach (its last row's), or
-    None where it has no timed row."""
-    rows = read_metrics(folder) if (folder / "metrics.jsonl").exists() else []
+def rows_wall(rows: Sequence[dict]) -> tuple[float, int] | None:
+    """A run's wall-clock seconds at its last timed row and the generation or step its rows reach, or
+    None where it has no timed row past generation 0."""
     wall = final_value(rows, "time/wall_s")
     generation = max((row_generation(row) for row in rows), default=-1)
     return (wall, generation) if wall is not None and generation > 0 else None
+
+
+def run_wall(folder: Path) -> tuple[float, int] | None:
+    """``rows_wall`` of a run folder's metrics (None where it has none)."""
+    return rows_wall(read_metrics(folder) if (folder / "metrics.jsonl").exists() else [])
 
 
 def trial_walls(spec: TuneSpec, method: str, study, trial) -> list[tuple[float, int]]:
