@@ -44,12 +44,6 @@ def study(tmp_path_factory, tiny_vllm):
     return path, spec.out, compact, summary
 
 
-def _trials(folder: Path) -> list[dict]:
-    """The compacted trials, each trial folder's ``run_dir`` by its name: a restored study names its
-    own folder there (the trial's runs are in it now), where the original named the original's."""
-    return [{**row, "run_dir": row["run_dir"] and Path(row["run_dir"]).name} for row in _read_gzip_lines(folder / TRIALS)]
-
-
 def _metrics(study: Path) -> dict[str, bytes]:
     return {str(f.relative_to(study)): (f / "metrics.jsonl").read_bytes() for f in run_folders(study)}
 
@@ -69,8 +63,11 @@ def test_a_restored_study_compacts_to_the_same_lines_and_has_nothing_left_to_run
     # every line as the original compacted it: settings, rows, held-out scores and flags, placement,
     # KL, the continued runs' shared rows and where they came from
     assert _read_gzip_lines(again / RUNS) == _read_gzip_lines(compact / RUNS)
-    before, after = _trials(compact), _trials(again)
+    before, after = _read_gzip_lines(compact / TRIALS), _read_gzip_lines(again / TRIALS)
     assert after == before and [row["intermediate_values"] for row in after] != [{}, {}]
+    # a trial's folder named within the study, not where the study lay: the same file, byte for byte
+    assert [row["run_dir"] for row in after] == ["trials/es/trial_0000", "trials/es/trial_0001"]
+    assert (again / TRIALS).read_bytes() == (compact / TRIALS).read_bytes()
     best = tune.best_trial(_load(path), "es")  # by hand: the winner's number, value and setting, exactly
     spec = _load(path, restored)
     restored_best = tune.best_trial(spec, "es")

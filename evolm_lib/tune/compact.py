@@ -17,7 +17,8 @@ folder's other text files, such as the seed log), for ``tune.restore``. The
 Optuna trials of every study go to OUT_DIR/trials.jsonl.gz, tune_summary.json is copied, the base
 model's held-out lines (``tune.base``, STUDY_DIR/base/heldout.jsonl) become their summary in
 OUT_DIR/base.json (``analysis.heldout_summary``), and manifest.json counts what went in. The gzip
-files carry no timestamp: the same study compacts to the same bytes. ``load_compact`` and
+files carry no timestamp, and a trial's folder is named within the study (``trials/<method>/trial_NNNN``),
+not where the study lay: the same study compacts to the same bytes, wherever it is. ``load_compact`` and
 ``compact_groups`` read them back as ``analysis.RunRecord`` groups.
 ``python -m evolm_lib.tune.compact merge INTO FROM`` keeps in a later compaction what an earlier one
 of the same study holds and it lacks (``merge_compact``).
@@ -183,7 +184,9 @@ def compact_run(study: Path, folder: Path) -> dict[str, Any]:
 
 def study_trial_rows(study: Path) -> list[dict[str, Any]]:
     """Every trial of every Optuna study in STUDY/optuna.db (none without it), as ``study.study_trials``
-    lists them, read straight from the storage (no spec needed)."""
+    lists them, read straight from the storage (no spec needed); a trial's folder (``run_dir``) as
+    the study names it, ``trials/<method>/trial_NNNN``, not where the study lay when its trial ran
+    (a restore's temporary folder, a lent machine's), so the same study compacts to the same file."""
     if not (study / STORAGE).is_file():
         return []
     import optuna
@@ -192,8 +195,9 @@ def study_trial_rows(study: Path) -> list[dict[str, Any]]:
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     url = f"sqlite:///{(study / STORAGE).resolve()}"
-    return [row for name in sorted(optuna.get_all_study_names(url))
+    rows = [row for name in sorted(optuna.get_all_study_names(url))
             for row in trial_rows(optuna.load_study(study_name=name, storage=url), name)]
+    return [{**row, "run_dir": row["run_dir"] and f"trials/{row['method']}/{Path(row['run_dir']).name}"} for row in rows]
 
 
 def _write_gzip_lines(path: Path, lines: Sequence[dict]) -> None:
