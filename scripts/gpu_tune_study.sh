@@ -291,17 +291,23 @@ start() {
     case "${entry#*=}" in ''|*[!0-9]*) echo "FINISH_BY: $entry is not METHOD=EPOCH_SECONDS" >&2; exit 2 ;; esac
   done
   names=$(for entry in $entries; do echo "${entry%@*}"; done | awk '!seen[$0]++' | paste -sd, -)
+  # each step before the launch timed: on a lent machine they come out of the time the runs must end in
+  local began=$SECONDS stepped=$SECONDS steps=""
+  step() { steps="$steps $1 $((SECONDS - stepped)) s,"; stepped=$SECONDS; }
   [ -n "$archive" ] && unpack "$archive"
+  step unpack
   mkdir -p "$LOGS"
   : > "$LOGS/workers.pids"; : > "$LOGS/workers.tsv"; : > "$LOGS/replaced.txt"
   printf '%s\n' ${CLAIM_UNTIL:-} > "$LOGS/claim_until.txt"  # read again by later calls' refills
   printf '%s\n' ${FINISH_BY:-} > "$LOGS/finish_by.txt"
   printf '%s\n' ${FILL:-} > "$LOGS/fill.txt"
   python -c "from evolm_lib.models import resolve_model; resolve_model('smollm2-135m-instruct')" >/dev/null 2>&1
+  step model
   # the dry run checks FILL's methods too: a name the spec lacks is refused before any worker starts
   python -m evolm_lib.cli tune "$SPEC" --dry-run --no-figures \
     --methods "$(printf '%s\n' ${names//,/ } ${FILL:-} | awk '!seen[$0]++' | paste -sd, -)" > "$LOGS/dry_run.txt" 2>&1 \
     || { cat "$LOGS/dry_run.txt" >&2; exit 1; }
+  step "dry run"
   # tune.parallel caps a method's trials at once: its workers past that hold an engine and wait
   python -c '
 import collections, sys
@@ -312,8 +318,12 @@ for method, n in collections.Counter(entry.split("@")[0] for entry in sys.argv[2
         print(f"{method}: {n} workers, but tune.parallel runs {limit} of its trials at once: {n - limit} wait"
               " (an engine each) until its trials are done, then take its reruns")
 ' "$SPEC" $entries
+  step "parallel check"
   restore_compile_cache
+  step "compile caches"
   start_mps
+  step MPS
+  echo "before the launch:${steps%,}; $((SECONDS - began)) s in all" | tee "$LOGS/start_steps.txt"
   date +%s > "$LOGS/launched_at.txt"  # the status compares the first runs' start with it
   local total
   local -A workers  # each method's workers so far: their logs' numbers
@@ -515,6 +525,7 @@ pack() {
     echo "this call returns $first of the pack's $count parts: the others with \`bash $0 parts $first DIR\`, $((RETURN_BYTES / part)) a call, before the machine goes back"
   fi
   status "$LOGS"/*.log > "$dir/tune_study_status.txt" 2>&1
+  cat "$LOGS/start_steps.txt" >> "$dir/tune_study_status.txt" 2>/dev/null
   # where each method stands, runs under way with their generation or step and checkpoint
   python -m evolm_lib.tune.progress "$SPEC" --out "$STUDY" 2>&1 | tee -a "$dir/tune_study_status.txt"
   # and how fast each attempt went where it ran (this code's, where EVOLM_CODE_COMMIT names it): in the status only

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -630,6 +631,10 @@ def test_start_places_workers_as_told_and_passes_each_its_deadline_for_starting_
                             cwd=SCRIPT.parents[1])
     assert result.returncode == 0, result.stderr
     assert "5 workers on 3 GPUs: grpo_full,es_lora,es_full,grpo_lora" in result.stdout
+    # each step before the launch timed, in the output and in the file the packs' status reads
+    steps = (tmp_path / "logs" / "start_steps.txt").read_text()
+    assert re.fullmatch(r"before the launch: unpack \d+ s, model \d+ s, dry run \d+ s, parallel check \d+ s, "
+                        r"compile caches \d+ s, MPS \d+ s; \d+ s in all\n", steps) and steps in result.stdout
     for _ in range(100):  # the stand-in workers run detached: wait for the last to write its line
         lines = calls.read_text().splitlines()
         if len(lines) == 6:
