@@ -67,11 +67,10 @@
 # worker then ends and its card is refilled. FINISH_BY="grpo_full=EPOCH ...": the lease's end; a worker
 # of that method starts only the trials and runs the study's own finished work says end by then
 # (`evolm tune --finish-by`: a rerun paced by the method's reruns, its winner's trial before any; its
-# continuation by the rerun), and ends
-# once it turns one down, its card refilled; no fixed window to guess. ENGINE_START_S (210): how long a
-# worker's engine takes to start on the lent machine (`evolm tune --engine-start-s`, passed with either
-# deadline): a worker none of whose work would still fit once its engine is up starts none, and its slot
-# is refilled at once.
+# continuation by the rerun), and ends once it turns one down, its card refilled; no fixed window to
+# guess. ENGINE_START_S (210): how long a worker's engine takes to start on the lent machine (`evolm
+# tune --engine-start-s`, passed with either deadline): a worker none of whose work would still fit
+# once its engine is up starts none, and its slot is refilled at once.
 # MPS_CARDS="0 1" (or all): CUDA's Multi-Process Service on those cards (a control daemon under
 # MPS_DIR, started once a lease and checked with one CUDA process a card before any worker starts),
 # so the processes sharing a card run their kernels side by side instead of the card switching between them; workers on other cards never reach the daemon (its pipe is not the

@@ -41,7 +41,7 @@ from ..sweep import HELDOUT
 from .final import BASE_HELDOUT, CONTINUED_FROM, STAGES, SUMMARY
 from .pack import TEXT_SUFFIXES, newest_checkpoint
 from .rebuild import REBUILT
-from .study import STORAGE
+from .study import STORAGE, study_trial_folder
 
 RUNS = "runs.jsonl.gz"
 TRIALS = "trials.jsonl.gz"
@@ -197,7 +197,7 @@ def study_trial_rows(study: Path) -> list[dict[str, Any]]:
     url = f"sqlite:///{(study / STORAGE).resolve()}"
     rows = [row for name in sorted(optuna.get_all_study_names(url))
             for row in trial_rows(optuna.load_study(study_name=name, storage=url), name)]
-    return [{**row, "run_dir": row["run_dir"] and f"trials/{row['method']}/{Path(row['run_dir']).name}"} for row in rows]
+    return [{**row, "run_dir": row["run_dir"] and study_trial_folder(row["method"], row["run_dir"])} for row in rows]
 
 
 def _write_gzip_lines(path: Path, lines: Sequence[dict]) -> None:

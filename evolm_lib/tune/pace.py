@@ -14,7 +14,6 @@ A worker that has not started its engine yet asks as of the time its engine will
 """
 from __future__ import annotations
 
-import statistics
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -23,7 +22,7 @@ from typing import Callable
 from ..runs import list_checkpoints
 from ..sweep import PlannedRun
 from .spec import TuneSpec
-from .study import load_study, run_wall, trial_walls
+from .study import load_study, median_pace, run_wall, trial_walls
 
 FINISH_MARGIN = 1.2
 """Expected seconds are stretched by this much before they are held against ``finish_by``: a run's
@@ -77,9 +76,9 @@ def step_seconds(spec: TuneSpec, method: str) -> float:
     length are the trial's, but the trial ran beside other trials, at another load). 0.0 where the
     method has no complete trial or its folders no timed rows."""
     reruns = spec.out / "final" / method
-    walls = [wall for folder in sorted(reruns.glob("seed*")) if (wall := run_wall(folder)) is not None]
-    if walls:
-        return statistics.median(wall / steps for wall, steps in walls)
+    pace = median_pace([wall for folder in sorted(reruns.glob("seed*")) if (wall := run_wall(folder)) is not None])
+    if pace is not None:
+        return pace
     study = load_study(spec, method)
     try:
         best = study.best_trial

@@ -53,7 +53,7 @@ from ..runs import CHECKPOINTS, list_checkpoints, read_checkpoint_files
 from ..sweep import HELDOUT
 from .final import BASE_HELDOUT, STAGES, SUMMARY
 from .rebuild import chosen_seeds, stage_methods
-from .study import STORAGE
+from .study import STORAGE, study_trial_folder
 
 TEXT_SUFFIXES = (".jsonl", ".json", ".yaml", ".yml", ".txt", ".log", ".csv")
 """What a packed run folder keeps besides its checkpoint: its rows, seed log, settings and scores."""
@@ -85,7 +85,7 @@ def trial_folders(storage_file: Path) -> tuple[list[str], list[str], list[str]]:
         for trial in optuna.load_study(study_name=name, storage=storage).get_trials(deepcopy=False):
             run_dir = trial.user_attrs.get("run_dir")
             first = trial.system_attrs.get("failed_trial", trial.number)  # Optuna's retried_trial_number
-            folder = f"trials/{name}/{Path(run_dir).name if run_dir else f'trial_{first:04d}'}"
+            folder = study_trial_folder(name, run_dir or f"trial_{first:04d}")
             if trial.state.name in FINISHED:
                 finished.add(folder)
             elif trial.state.name in TO_RUN:

@@ -81,10 +81,9 @@ def rerun_step_seconds(reruns: Sequence[dict]) -> float | None:
     runs): the median over those with timed rows, finished or under way, of each one's wall clock at its
     last row over the generations or steps it reached (``pace.step_seconds``'s rule, on a compacted
     study); None where none has."""
-    from .study import rows_wall
+    from .study import median_pace, rows_wall
 
-    walls = [wall for run in reruns if (wall := rows_wall(run.get("rows") or [])) is not None]
-    return statistics.median(seconds / reached for seconds, reached in walls) if walls else None
+    return median_pace([wall for run in reruns if (wall := rows_wall(run.get("rows") or [])) is not None])
 
 
 def method_trials(method: str, trials: Sequence[Mapping[str, Any]], runs: Sequence[dict]):

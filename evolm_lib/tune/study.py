@@ -209,6 +209,17 @@ def run_wall(folder: Path) -> tuple[float, int] | None:
     return rows_wall(read_metrics(folder) if (folder / "metrics.jsonl").exists() else [])
 
 
+def median_pace(walls: Sequence[tuple[float, int]]) -> float | None:
+    """The median over runs' ``rows_wall`` of their seconds a generation or step; None for no runs."""
+    return statistics.median(seconds / reached for seconds, reached in walls) if walls else None
+
+
+def study_trial_folder(method: str, run_dir: str) -> str:
+    """A trial's folder as its study names it, ``trials/<method>/trial_NNNN``, from ``run_dir``: where
+    the trial ran, in whatever folder the study lay then, or that folder's name alone."""
+    return f"trials/{method}/{Path(run_dir).name}"
+
+
 def trial_walls(spec: TuneSpec, method: str, study, trial) -> list[tuple[float, int]]:
     """(wall-clock seconds, generations or steps) of each of a trial's runs that has timed rows."""
     folder = trial_folder(spec, method, study, trial)
