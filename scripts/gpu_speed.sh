@@ -46,8 +46,9 @@
 #   bash scripts/gpu_speed.sh mps OUT     # full-pool, 1 engine against 4 on a card, side by side: card 0 as the card
 #       comes, card 1 through CUDA's MPS (a control daemon for its processes, so their kernels run side by side)
 #   bash scripts/gpu_speed.sh mps1 OUT    # the same through MPS on a one-card machine: card 0, 1 engine against 4
-#   bash scripts/gpu_speed.sh grpo1 OUT   # the LoRA GRPO update on a one-card machine: not deterministic, then
-#       deterministic with the policy in its own process, twice (rows must repeat), micro-batches of 64 and 8
+#   bash scripts/gpu_speed.sh grpo1 OUT   # on a one-card machine: the labels' log-probabilities' backward under
+#       deterministic algorithms, torch's gather against label_logits (seconds); then the LoRA GRPO update, not
+#       deterministic, then deterministic with the policy in its own process, twice (rows must repeat), micro-batches of 64 and 8
 #   bash scripts/gpu_speed.sh mpsshare OUT   # through MPS on card 0, 1 engine against 8 with the whole card, then
 #       8 each limited to its share of the card's SMs (--mps-thread-percentage auto: 100 / engines)
 #
@@ -170,8 +171,9 @@ swap)
     done; } & pids="$pids $!"
   ;;
 grpo1)
-  bench grpo_update_one_card 0 grpo-update --micro-batch-sizes 64,8 --steps 8 --policy-weights lora \
-    --configurations not_deterministic,deterministic_own,deterministic_own_rerun & pids="$pids $!"
+  { bench label_logits 0 label-logits
+    bench grpo_update_one_card 0 grpo-update --micro-batch-sizes 64,8 --steps 8 --policy-weights lora \
+      --configurations not_deterministic,deterministic_own,deterministic_own_rerun; } & pids="$pids $!"
   ;;
 mps)
   mps_daemon || { echo "the MPS control daemon did not start" >&2; exit 1; }

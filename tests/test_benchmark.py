@@ -110,6 +110,31 @@ def test_the_modes_benchmark_refuses_bad_options():
             benchmark(argv)
 
 
+def test_the_label_logits_benchmark_times_both_ways_and_compares_their_gradients(tmp_path, capsys):
+    import json
+
+    from evolm_lib.benchmark import main as benchmark
+
+    out = tmp_path / "label_logits.json"
+    result = benchmark(["label-logits", "--micro", "2", "--positions", "3", "--vocab", "16", "--repeats", "2", "--json", str(out)])
+    assert json.loads(out.read_text()) == result
+    assert result["device"] == "cpu" and result["deterministic"] and result["shape"] == [2, 3, 16]
+    assert result["same_gradient"] is True
+    for way in ("gather", "label_logits"):
+        entry = result["ways"][way]
+        assert entry["wall_s"] >= entry["host_s"] > 0 and entry["syncs"] is None  # a CPU: nothing to wait on
+    assert result["gather_over_label_logits"]["wall_s"] == result["ways"]["gather"]["wall_s"] / result["ways"]["label_logits"]["wall_s"]
+    printed = capsys.readouterr().out
+    assert ("cpu, deterministic algorithms on, label_logits' backward as the trainer picks it, micro-batch 2 x 3 x 16, "
+            "2 calls each:") in printed
+    assert "same gradient bit for bit: True" in printed
+    loose = benchmark(["label-logits", "--micro", "1", "--positions", "1", "--vocab", "4", "--repeats", "1",
+                       "--not-deterministic", "--elementwise"])
+    assert not loose["deterministic"] and loose["elementwise"] is True and loose["same_gradient"] is True
+    with pytest.raises(SystemExit):
+        benchmark(["label-logits", "--vocab", "0"])
+
+
 def test_modes_that_pick_other_tiles_are_grouped_apart():
     from evolm_lib.benchmark.modes import _without_modes, picked_tiles, tile_groups
     from evolm_lib.engines.vllm.startup import LORA_KERNEL_CONFIGS

@@ -192,6 +192,29 @@ def test_a_resume_continues_bit_for_bit(engine, tmp_path):
     assert _rows(tmp_path / "part") == _rows(tmp_path / "whole")
 
 
+def test_label_logits_leave_the_weights_and_rows_as_the_gather_left_them(tmp_path, monkeypatch):
+    """As on a LoRA (test_grpo_run): torch's gather in place of `label_logits`' elementwise backward
+    gives the same weights and rows."""
+    import evolm_lib.train.policy as policy_module
+    from evolm_lib.grpo import primitives
+
+    monkeypatch.setattr(primitives, "_sorted_scatter", lambda grad: True)
+
+    config = full_config(num_steps=2, engine="hf", beta=0.1, micro_batch_size=4)
+    ours = GRPORun.create(config, tmp_path / "ours")
+    ours.run()
+    weights = {k: v.clone() for k, v in ours.trainer.weights().items()}
+    ours.close()
+    monkeypatch.setattr(policy_module, "label_logits", lambda logits, labels: logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1))
+    gathered = GRPORun.create(config, tmp_path / "gathered")
+    gathered.run()
+    for name, tensor in gathered.trainer.weights().items():
+        assert torch.equal(tensor, weights[name]), name
+    gathered.close()
+    assert _rows(tmp_path / "ours") == _rows(tmp_path / "gathered")
+    assert _rows(tmp_path / "ours")[-1]["grpo/grad_norm"] > 0
+
+
 def test_a_kill_mid_step_resumes_to_the_rows_of_an_uninterrupted_run(tmp_path):
     """SIGKILL inside step 4's update (checkpoints every 2 steps: the resume redoes steps 3 and 4), on the HF engine."""
     import os

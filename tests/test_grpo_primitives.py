@@ -5,6 +5,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from evolm_lib.grpo import primitives
 from evolm_lib.grpo.primitives import (
     compute_entropy,
     compute_grpo_clip_loss,
@@ -14,6 +15,7 @@ from evolm_lib.grpo.primitives import (
     get_response_log_probs,
     grpo_microbatch_train_step,
     kl_k3,
+    label_logits,
     masked_mean,
     masked_normalize,
     sft_microbatch_train_step,
@@ -141,6 +143,82 @@ def test_get_response_log_probs_and_entropy():
     assert "token_entropy" not in get_response_log_probs(model, input_ids, labels)
     out["log_probs"].sum().backward()
     assert model.table.grad is not None
+
+
+def test_label_logits_by_hand(label_backward):
+    logits = torch.tensor([[[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]], requires_grad=True)  # (1, 2, 3)
+    labels = torch.tensor([[2, 0]])
+    picked = label_logits(logits, labels, label_backward)
+    assert picked.tolist() == [[3.0, 4.0]]
+    (picked * torch.tensor([[-2.0, 0.5]])).sum().backward()
+    assert logits.grad.tolist() == [[[0.0, 0.0, -2.0], [0.5, 0.0, 0.0]]]
+
+
+@pytest.fixture(params=[None, True], ids=["scatter-on-a-cpu", "elementwise"])
+def label_backward(request):
+    """Both of `label_logits`' backwards: the scatter this CPU picks, and the elementwise choice picked
+    where torch's deterministic algorithms would sort the scatter (CUDA)."""
+    return request.param
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("shape", [(3, 5, 11), (2, 7), (4, 1, 3, 9)])
+def test_label_logits_give_the_gathers_values_and_gradient_bit_for_bit(dtype, shape, label_backward):
+    torch.manual_seed(0)
+    logits = torch.randn(*shape, dtype=dtype)
+    labels = torch.randint(0, shape[-1], shape[:-1])
+    weights = torch.randn(shape[:-1], dtype=dtype)
+    weights.view(-1)[0] = -0.0  # a -0.0 gradient: the gather's scatter adds it into +0.0
+    for minus_logsumexp in (False, True):  # the label's logit alone, and its log-probability as the trainer takes it
+        grads = []
+        for pick in (lambda x: x.gather(-1, labels.unsqueeze(-1)).squeeze(-1), lambda x: label_logits(x, labels, label_backward)):
+            x = logits.clone().requires_grad_()
+            picked = pick(x) - torch.logsumexp(x, dim=-1) if minus_logsumexp else pick(x)
+            (picked * weights).sum().backward()
+            grads.append((picked.detach(), x.grad))
+        (gathered, gather_grad), (ours, our_grad) = grads
+        assert torch.equal(gathered, ours)
+        assert torch.equal(gather_grad.view(-1).view(torch.uint8), our_grad.view(-1).view(torch.uint8))  # signs of zero too
+
+
+def test_label_logits_backward_scatters_nothing_where_deterministic_algorithms_would_sort_the_scatter(monkeypatch):
+    """Where torch's deterministic algorithms turn the gather's backward scatter into a sorted
+    index_put (CUDA), ours dispatches neither; elsewhere it scatters as the gather's backward does."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Dispatched(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    labels = torch.tensor([[1, 0, 2]])
+
+    def backward_ops(pick) -> str:
+        total = pick(torch.randn(1, 3, 4, requires_grad=True)).sum()
+        with Dispatched() as dispatched:
+            total.backward()
+        return " ".join(dispatched.ops)
+
+    def gather(x):
+        return x.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+
+    def ours(x):
+        return label_logits(x, labels)
+
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert "scatter_add" in backward_ops(gather) and "scatter_add" in backward_ops(ours)  # a CPU: one kernel
+        assert not primitives._sorted_scatter(torch.zeros(1))
+        monkeypatch.setattr(primitives, "_sorted_scatter", lambda grad: True)  # as on CUDA
+        elementwise = backward_ops(ours)
+    finally:
+        torch.use_deterministic_algorithms(was)
+    assert "scatter" not in elementwise and "index_put" not in elementwise and "where" in elementwise
 
 
 # ---------------------------------------------------------------- masked reductions

@@ -196,6 +196,31 @@ def test_resume_gives_the_same_adapter_as_an_uninterrupted_run(tmp_path, changes
     assert strip(read_metrics(tmp_path / "whole")) == strip(read_metrics(tmp_path / "part"))
 
 
+def test_label_logits_leave_a_runs_rows_and_adapter_as_the_gather_left_them(tmp_path, monkeypatch):
+    """The trainer picks the labels' logits with `label_logits`, whose backward scatters nothing where
+    torch's deterministic algorithms would sort the scatter (CUDA; taken here on the CPU); a run with
+    torch's gather in its place ends with the same rows and the same adapter, bit for bit."""
+    import evolm_lib.train.policy as policy_module
+    from evolm_lib.grpo import primitives
+
+    monkeypatch.setattr(primitives, "_sorted_scatter", lambda grad: True)
+
+    config = tiny_config(num_steps=3, loss_type="grpo_clip", normalize_by_std=True, group_size=4, micro_batch_size=2, beta=0.1)
+    ours = GRPORun.create(config, tmp_path / "ours", evaluator=SpreadEvaluator())
+    ours.run()
+    monkeypatch.setattr(policy_module, "label_logits", lambda logits, labels: logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1))
+    gathered = GRPORun.create(config, tmp_path / "gathered", evaluator=SpreadEvaluator())
+    gathered.run()
+    for name, value in ours.policy.tensors.items():
+        assert torch.equal(value, gathered.policy.tensors[name]), name
+
+    def strip(rows):
+        return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
+
+    rows = strip(read_metrics(tmp_path / "ours"))
+    assert rows == strip(read_metrics(tmp_path / "gathered")) and rows[-1]["grpo/grad_norm"] > 0
+
+
 def test_open_refuses_other_settings_and_other_kinds(tmp_path):
     run = GRPORun.create(tiny_config(num_steps=1), tmp_path / "run", evaluator=SyntheticEvaluator())
     run.run()

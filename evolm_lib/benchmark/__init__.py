@@ -12,6 +12,7 @@ Subcommands (each a module of this package with its own ``main(argv)``):
   ray           Ray engines: K=1 against K engines, each engine's own time against the call's
   modes         each ES mode against the base model with the LoRA kernel tiles it picks; EGGROLL's update
   grpo-update   the GRPO update with and without ``deterministic``, the policy in its own process
+  label-logits  the labels' log-probabilities and their backward: torch's gather against ``label_logits``
   engine-start  an engine's start with every CUDA-graph size against the sizes a run uses
 
 Examples::
@@ -33,6 +34,7 @@ SUBCOMMANDS = {
     "ray": "ray_scaling",
     "modes": "modes",
     "grpo-update": "grpo_update",
+    "label-logits": "label_logits",
     "engine-start": "engine_start",
 }
 """subcommand -> module of this package holding its ``main(argv)``"""

@@ -74,6 +74,51 @@ def compute_entropy(logits: Tensor) -> Tensor:
     return -(probs * safe_log_probs).sum(dim=-1)
 
 
+def _sorted_scatter(grad: Tensor) -> bool:
+    """Whether torch would scatter ``grad`` through a sorted ``index_put_``: its deterministic
+    algorithms on, on a CUDA or XPU device (elsewhere the scatter stays one kernel)."""
+    return torch.are_deterministic_algorithms_enabled() and grad.device.type in ("cuda", "xpu")
+
+
+class _LabelLogits(torch.autograd.Function):
+    """``logits.gather(-1, labels[..., None])[..., 0]`` with a backward that scatters nothing where
+    scattering is slow.
+
+    The gather's own backward adds the gradient into zeros at the labels (``scatter_add``). Under
+    ``torch.use_deterministic_algorithms`` on CUDA, torch replaces that atomic scatter with a sorted
+    ``index_put_`` (index tensors for every dimension, a radix sort, and in some torch versions a
+    range check that waits on the card), once per micro-batch. Each position has exactly one label, so
+    the same gradient is an elementwise choice against the vocabulary: deterministic by construction,
+    and bit for bit what the scatter gives. Elsewhere the scatter is one kernel, cheaper than the
+    choice's two passes over the vocabulary, and this backward does what the gather's does.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, labels: Tensor, elementwise: bool | None) -> Tensor:
+        ctx.save_for_backward(labels)
+        ctx.vocab, ctx.elementwise = logits.shape[-1], elementwise
+        return logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1)  # (..., ) as labels
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
+        (labels,) = ctx.saved_tensors
+        if not (_sorted_scatter(grad) if ctx.elementwise is None else ctx.elementwise):
+            shape = (*labels.shape, ctx.vocab)
+            return grad.new_zeros(shape).scatter_add_(-1, labels.unsqueeze(-1), grad.unsqueeze(-1)), None, None
+        is_label = labels.unsqueeze(-1) == torch.arange(ctx.vocab, device=labels.device)  # (..., vocab)
+        # + 0.0: the scatter adds into +0.0, which turns a -0.0 gradient into +0.0; so does this
+        return torch.where(is_label, grad.unsqueeze(-1) + 0.0, 0.0), None, None  # (..., vocab)
+
+
+def label_logits(logits: Tensor, labels: Tensor, elementwise: bool | None = None) -> Tensor:
+    """The logit of each label: (..., vocab) and (...) -> (...), differentiable in `logits`.
+
+    `elementwise` picks the backward: the choice against the vocabulary (True) or the gather's scatter
+    (False); None, the default, picks the choice where torch would sort the scatter (`_sorted_scatter`)."""
+    return _LabelLogits.apply(logits, labels, elementwise)
+
+
 def get_response_log_probs(
     model: torch.nn.Module, input_ids: Tensor, labels: Tensor, return_token_entropy: bool = False
 ) -> dict[str, Tensor]:
@@ -82,8 +127,7 @@ def get_response_log_probs(
     logits = model(input_ids).logits  # (batch, seq, vocab)
     # gather-then-logsumexp avoids materialising a second (batch, seq, vocab) tensor of log-softmax;
     # computed in the logits' dtype: upcast in the model if bf16 precision matters for ratios
-    label_logits = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1)  # (batch, seq)
-    result = {"log_probs": label_logits - torch.logsumexp(logits, dim=-1)}  # (batch, seq)
+    result = {"log_probs": label_logits(logits, labels) - torch.logsumexp(logits, dim=-1)}  # (batch, seq)
     if return_token_entropy:
         result["token_entropy"] = compute_entropy(logits)  # (batch, seq)
     return result

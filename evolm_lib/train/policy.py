@@ -19,7 +19,7 @@ from ..config import GRPOConfig
 from ..engines.base import PromptEncoder
 from ..lora import AdapterWeights
 from ..types import Completion
-from ..grpo.primitives import empty_response_rows, grpo_microbatch_train_step
+from ..grpo.primitives import empty_response_rows, grpo_microbatch_train_step, label_logits
 
 
 # ---------------------------------------------------------------------------- batches and AdamW state
@@ -251,8 +251,7 @@ class PolicyTrainer:
             logits = model(input_ids=input_ids, logits_to_keep=width - first).logits  # (micro, kept, vocab)
             if self.config.temperature != 1.0:
                 logits = logits / self.config.temperature
-            label_logits = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1)  # (micro, kept)
-            log_probs = label_logits - torch.logsumexp(logits, dim=-1)
+            log_probs = label_logits(logits, labels) - torch.logsumexp(logits, dim=-1)  # (micro, kept)
         return log_probs, mask  # (micro, kept) each
 
     def train(self, batch: dict, raw_rewards: torch.Tensor, advantages: torch.Tensor) -> dict:
