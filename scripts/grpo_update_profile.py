@@ -7,9 +7,12 @@ setting in a fresh process set up as the policy's own process sets itself
 - ``deterministic``: torch's deterministic algorithms on, the attention ``policy_attention: auto``
   picks (eager on a GPU);
 - ``deterministic_sdpa``: on, with torch's fused attention kernel (whose backward they slow);
+- ``deterministic_workspace_kept``: on, with the cuBLAS workspace setting (``CUBLAS_WORKSPACE_CONFIG``)
+  kept for every call, as before ``policy_process._start_cublas`` dropped it once cuBLAS had started
+  (torch 2.11 parses it with a regex on every cuBLAS call);
 - ``loose``: off;
-- ``loose_workspace``: off, with the cuBLAS workspace setting the deterministic mode needs
-  (``CUBLAS_WORKSPACE_CONFIG``), to tell that setting's cost from the algorithms'.
+- ``loose_workspace``: off, with the cuBLAS workspace setting the deterministic mode needs, kept, to
+  tell that setting's cost from the algorithms'.
 
 Prints each setting's median step over ``loose``'s, and the torch ops whose time (on the device,
 and on the host) differs most between ``deterministic`` and ``loose``.
@@ -32,7 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-SETTINGS = ("deterministic", "deterministic_sdpa", "loose", "loose_workspace")
+SETTINGS = ("deterministic", "deterministic_sdpa", "deterministic_workspace_kept", "loose", "loose_workspace")
 
 
 def measure(setting: str, args: argparse.Namespace) -> dict:
@@ -44,7 +47,7 @@ def measure(setting: str, args: argparse.Namespace) -> dict:
     from evolm_lib.lora import adapter_shapes, init_adapter
     from evolm_lib.models import resolve_model
     from evolm_lib.train.policy import PolicyTrainer, rollout_batch
-    from evolm_lib.train.policy_process import DETERMINISTIC_CUBLAS_WORKSPACE, _training_settings
+    from evolm_lib.train.policy_process import DETERMINISTIC_CUBLAS_WORKSPACE, _start_cublas, _training_settings
 
     gpu = torch.cuda.is_available()
     if setting == "loose_workspace":  # read when cuBLAS starts: before any CUDA work
@@ -56,6 +59,8 @@ def measure(setting: str, args: argparse.Namespace) -> dict:
     spec = config.lora_spec()
     trainer = PolicyTrainer(model_dir, init_adapter(spec, adapter_shapes(model_dir, spec), seed=0), config)
     applied["attention"] = trainer.attention
+    if setting in ("deterministic", "deterministic_sdpa"):  # as the policy's own process starts cuBLAS
+        applied.update(_start_cublas(trainer.device))
     rows = args.prompts * args.group_size
     generator = torch.Generator().manual_seed(0)
     vocab = trainer.vocab_size

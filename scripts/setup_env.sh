@@ -11,14 +11,16 @@ want=$(cat requirements/*.txt scripts/setup_env.sh pyproject.toml | sha256sum | 
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
-# System packages: chromium for figure export (kaleido) and browser tests (playwright).
-if ! command -v chromium >/dev/null 2>&1; then
+# System packages: chromium for figure export (kaleido) and browser tests (playwright); g++ and binutils
+# for scripts/torch_cublas_workspace.py, which reads a torch build's cuBLAS workspace rule (and its test).
+if ! command -v chromium >/dev/null 2>&1 || ! command -v g++ >/dev/null 2>&1 || ! command -v objdump >/dev/null 2>&1; then
   if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
-    echo "[setup] installing chromium (apt)"
+    echo "[setup] installing chromium, g++ and binutils (apt)"
     apt-get update -qq >/dev/null
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium fonts-dejavu-core >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium fonts-dejavu-core g++ binutils >/dev/null
   else
-    echo "[setup] warning: no chromium and no root apt-get; figure export and browser tests will be skipped" >&2
+    echo "[setup] warning: no root apt-get for chromium, g++ or binutils; figure export, browser tests and the" \
+      "torch build check will be skipped where they are missing" >&2
   fi
 fi
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import os
 import pickle
+import shutil
 import signal
+from pathlib import Path
 
 import pytest
 import torch
@@ -74,6 +76,59 @@ def test_a_run_continues_with_its_policy_in_another_process(tmp_path):
         assert run.run()[-1]["step"] == 2
     finally:
         run.close()
+
+
+def test_cublas_keeps_its_deterministic_workspace_setting_except_where_the_default_is_the_same_size(monkeypatch):
+    """_start_cublas drops CUBLAS_WORKSPACE_CONFIG, once cuBLAS has started, only on a card whose default
+    workspace is the 32 MiB ":4096:8" asks for (Hopper); a CPU or another card keeps it, and nothing
+    starts there."""
+    from evolm_lib.train import policy_process
+
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", policy_process.DETERMINISTIC_CUBLAS_WORKSPACE)
+    assert policy_process._start_cublas(torch.device("cpu")) == {}
+    for capability in ((8, 0), (8, 9), (10, 0), (12, 0), (9, 1)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device, capability=capability: capability)
+        assert policy_process._start_cublas(torch.device("cuda", 0)) == {}, capability  # no CUDA touched here
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    assert policy_process.SAME_DEFAULT_WORKSPACE == ((9, 0),)
+
+
+CHOSEN_WORKSPACE = """
+#include <cstddef>
+#include <cstdlib>
+namespace at { namespace cuda {
+__attribute__((noinline)) size_t parseChosenWorkspaceSize() { return std::getenv("CUBLAS_WORKSPACE_CONFIG") ? 1 : 2; }
+size_t getChosenWorkspaceSize() { %s }
+}}
+"""
+
+
+@pytest.mark.skipif(not all(shutil.which(tool) for tool in ("g++", "nm", "objdump")), reason="needs g++, nm and objdump")
+def test_the_build_check_tells_a_parse_on_every_call_from_a_kept_size(tmp_path, capsys):
+    """scripts/torch_cublas_workspace.py on two real shared libraries built here: one whose
+    getChosenWorkspaceSize parses on every call (as torch 2.11's), one that keeps the size in a static."""
+    import importlib.util
+    import subprocess
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "torch_cublas_workspace.py"
+    spec = importlib.util.spec_from_file_location("torch_cublas_workspace", script)
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    bodies = {"every_call": "return parseChosenWorkspaceSize();",
+              "kept": "static size_t size = parseChosenWorkspaceSize(); return size;"}
+    for name, body in bodies.items():
+        (tmp_path / f"{name}.cpp").write_text(CHOSEN_WORKSPACE % body)
+        subprocess.run(["g++", "-O2", "-fPIC", "-shared", "-o", str(tmp_path / f"lib{name}.so"), str(tmp_path / f"{name}.cpp")],
+                       check=True)
+    assert check.main([str(tmp_path / "libevery_call.so")])["parsed_every_call"] is True
+    assert "parses CUBLAS_WORKSPACE_CONFIG on every call" in capsys.readouterr().out
+    kept = check.main([str(tmp_path / "libkept.so"), "--json", str(tmp_path / "kept.json")])
+    assert kept["parsed_every_call"] is False and "guard variable" in kept["disassembly"]
+    assert "keeps the parsed size" in capsys.readouterr().out
+    timed = check.time_parse(calls=50)  # the copy of torch 2.11's parse gives 32 MiB both ways, or raises
+    assert set(timed) == {"set", "unset"} and all(micros >= 0 for micros in timed.values())
+    with pytest.raises(SystemExit, match="does not export"):
+        check.function_body(tmp_path / "libkept.so", symbol="_ZN2at4cuda9somethingEv")
 
 
 # ----------------------------------------------------------------------------- the proxy on its own

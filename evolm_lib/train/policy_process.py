@@ -49,6 +49,9 @@ starts without them. Its torch flags and aten overrides are per process: a fresh
 DETERMINISTIC_CUBLAS_WORKSPACE = ":4096:8"
 """What ``torch.use_deterministic_algorithms`` needs of cuBLAS on CUDA >= 10.2 (torch's reproducibility
 notes); a full-size workspace, unlike the batch-invariant mode's ``:16:8``."""
+SAME_DEFAULT_WORKSPACE = ((9, 0),)
+"""Compute capabilities where torch's default cuBLAS workspace is the size ``:4096:8`` asks for (32 MiB:
+Hopper, in torch 2.1 to 2.11 and after), so the setting can go once cuBLAS has started (``_start_cublas``)."""
 CALLS = ("train", "set_weights", "optimizer_tensors", "load_optimizer_tensors", "save_model")
 """The trainer's methods the parent may call in the child."""
 STOP_SECONDS = 30.0
@@ -100,6 +103,39 @@ def _training_settings(deterministic_update: bool, threads: int) -> dict[str, An
     return {"deterministic_algorithms": torch.are_deterministic_algorithms_enabled(), "threads": torch.get_num_threads(),
             "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
             "batch_invariant": os.environ.get("VLLM_BATCH_INVARIANT")}
+
+
+def _start_cublas(device: torch.device) -> dict[str, Any]:
+    """Start cuBLAS on ``device`` under the deterministic setting, then drop the setting where torch's
+    default workspace has the same size; returns what changed (nothing on a CPU or another card).
+
+    torch 2.11 reads ``CUBLAS_WORKSPACE_CONFIG`` again, and parses it with a ``std::regex``, on every
+    cuBLAS call (``at::cuda::getChosenWorkspaceSize`` is not cached there): some 30 microseconds of
+    host time a matmul, in an update bound by the host, against nothing when it is unset. What the
+    setting is for is read once: torch's check that deterministic algorithms may call cuBLAS (cached
+    at the first call), and each (handle, stream)'s workspace, made at its first call. So one matmul
+    and its backward start cuBLAS on this thread and on autograd's, and then the setting goes where
+    the default workspace is the same 32 MiB: every later call finds the same workspace and passes
+    cuBLAS the same size, so it picks the same algorithms and the update gives the same numbers. A
+    torch that checked the setting on every call would refuse the next matmul: the setting is then
+    put back, as it was. ``scripts/torch_cublas_workspace.py`` reads which rule a torch build has
+    (2.13 keeps the parsed size)."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) not in SAME_DEFAULT_WORKSPACE:
+        return {}
+
+    def matmul_and_backward() -> None:  # the forward on this thread, the backward on autograd's device thread
+        start = torch.ones(8, 8, device=device, requires_grad=True)
+        (start @ start).sum().backward()
+        torch.cuda.synchronize(device)
+
+    matmul_and_backward()
+    setting = os.environ.pop("CUBLAS_WORKSPACE_CONFIG")
+    try:
+        matmul_and_backward()  # a torch that checked the setting on every call would refuse here
+    except RuntimeError:
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = setting
+        return {"cublas_workspace_config_kept": "torch checks it on every cuBLAS call"}
+    return {"cublas_workspace_config": None, "cublas_workspace_config_at_start": setting}
 
 
 def _views_of_trained(tensors: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -164,6 +200,8 @@ def _serve(connection, model_dir: str, adapter: bytes, config: dict, device: str
         config = GRPOConfig.from_dict(config)
         settings = _training_settings(deterministic_update(config), threads)
         trainer = PolicyTrainer(Path(model_dir), pickle.loads(adapter), config, device)
+        if deterministic_update(config):
+            settings.update(_start_cublas(trainer.device))
         shared = trainer.weights() if trainer.full else _views_of_trained(trainer.adapter_tensors(), trainer.model)
         if trainer.device.type == "cpu":  # in place: the optimizer keeps the same parameters
             for tensor in shared.values():
