@@ -91,6 +91,9 @@ def test_cublas_keeps_its_deterministic_workspace_setting_except_where_the_defau
         assert policy_process._start_cublas(torch.device("cuda", 0)) == {}, capability  # no CUDA touched here
     assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
     assert policy_process.SAME_DEFAULT_WORKSPACE == ((9, 0),)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (9, 0))
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG")
+    assert policy_process._start_cublas(torch.device("cuda", 0)) == {}  # nothing set, nothing to drop or start
 
 
 CHOSEN_WORKSPACE = """

@@ -120,7 +120,8 @@ def _start_cublas(device: torch.device) -> dict[str, Any]:
     torch that checked the setting on every call would refuse the next matmul: the setting is then
     put back, as it was. ``scripts/torch_cublas_workspace.py`` reads which rule a torch build has
     (2.13 keeps the parsed size)."""
-    if device.type != "cuda" or torch.cuda.get_device_capability(device) not in SAME_DEFAULT_WORKSPACE:
+    if ("CUBLAS_WORKSPACE_CONFIG" not in os.environ or device.type != "cuda"
+            or torch.cuda.get_device_capability(device) not in SAME_DEFAULT_WORKSPACE):
         return {}
 
     def matmul_and_backward() -> None:  # the forward on this thread, the backward on autograd's device thread
