@@ -50,8 +50,9 @@ DETERMINISTIC_CUBLAS_WORKSPACE = ":4096:8"
 """What ``torch.use_deterministic_algorithms`` needs of cuBLAS on CUDA >= 10.2 (torch's reproducibility
 notes); a full-size workspace, unlike the batch-invariant mode's ``:16:8``."""
 SAME_DEFAULT_WORKSPACE = ((9, 0),)
-"""Compute capabilities where torch's default cuBLAS workspace is the size ``:4096:8`` asks for (32 MiB:
-Hopper, in torch 2.1 to 2.11 and after), so the setting can go once cuBLAS has started (``_start_cublas``)."""
+"""Compute capabilities where torch's default cuBLAS workspace is the size ``:4096:8`` asks for, 32 MiB
+(Hopper: torch 2.11's rule; later versions add 10.x and 12.x), so the setting can go once cuBLAS has
+started (``_start_cublas``)."""
 CALLS = ("train", "set_weights", "optimizer_tensors", "load_optimizer_tensors", "save_model")
 """The trainer's methods the parent may call in the child."""
 STOP_SECONDS = 30.0
