@@ -297,10 +297,12 @@ def test_the_study_curves_draw_the_runs_the_tables_read_those_with_held_out_scor
 
     compact = {"runs": [run("final", 0, 3), run("final", 1, 3), run("final", 2, 1, heldout=False),
                         run("long", 0, 6), run("long", 1, 6)], "trials": [], "summary": None}
-    figure = curve_figures(compact)["heldout_vs_completions"]
-    means = [t for t in figure.data if t.showlegend is not False]
+    figures = curve_figures(compact)
+    means = [t for t in figures["heldout_vs_completions"].data if t.showlegend is not False]
     assert [t.name for t in means] == ["es_full (n=2)"]
     assert list(means[0].x) == [0, 10, 20, 30, 40, 50, 60]  # the continuations, to twice the budget
+    late = [t for t in figures["heldout_vs_completions_late"].data if t.showlegend is not False]
+    assert list(late[0].x) == [30, 40, 50, 60] and list(late[0].y) == [-7.0, -6.0, -5.0, -4.0]  # from half the axis on
 
 
 def test_the_answers_figure_puts_each_run_where_its_held_out_answers_are_empty_or_hold_their_target():

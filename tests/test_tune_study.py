@@ -856,7 +856,7 @@ def test_the_study_end_to_end_then_compacted_tabled_drawn_and_measured(tmp_path,
     named = code["code_commit"][:7] if code["code_commit"] else f"digest {code['code_digest']}"
     assert f"The final seeds ran on cpu, an unrecorded number of engines a card; code {named}." in digest
     if chromium_available():
-        for name in ("best_vs_trials", "heldout_vs_completions", "heldout_vs_tokens", "heldout_vs_seconds",
+        for name in ("best_vs_trials", "heldout_vs_completions", "heldout_vs_completions_late", "heldout_vs_tokens", "heldout_vs_seconds",
                      "heldout_answers", "geometry_update_norms", "geometry_path_es_grpo"):
             assert _png(tables / f"{name}.png") and (tables / f"{name}.svg").read_text().lstrip().startswith("<svg")
 

@@ -25,7 +25,7 @@ name and its marker: the reruns, their continuations to twice the budget, the co
 def curve_figures(compact: dict) -> dict[str, Any]:
     """{name: plotly figure}: best_vs_trials, and heldout_vs_completions / _tokens / _seconds: mean and
     min-max band over the final seeds per method, from one stage for all (``curve_stage``), of the
-    runs with held-out scores."""
+    runs with held-out scores; heldout_vs_completions_late, the first of those from half its axis on."""
     from ..analysis import reward_label
     from ..metrics import with_training_seconds
     from ..tune.compact import compact_groups
@@ -53,7 +53,18 @@ def curve_figures(compact: dict) -> dict[str, Any]:
     for name, x in CURVES.items():
         figures[f"heldout_vs_{name}"] = plot_runs_curve(named, x=x, y=HELDOUT_KEY, reward_label=reward_label(groups),
                                                         title=f"Held-out score against {WORDS[name]}")
+    figures["heldout_vs_completions_late"] = plot_runs_curve(
+        late_rows(named, CURVES["completions"]), x=CURVES["completions"], y=HELDOUT_KEY, reward_label=reward_label(groups),
+        title="Held-out score against training completions, their second half")
     return figures
+
+
+def late_rows(named: dict[str, list[list[dict]]], x: str) -> dict[str, list[list[dict]]]:
+    """Each run's rows from half the largest ``x`` any run reaches: the curves' second half, whose
+    axis then spans the scores there (where the first steps climb from far below, as conciseness's
+    do from -110, the differences at the end are a sliver of the whole figure's axis)."""
+    half = max((row.get(x, 0) for runs in named.values() for rows in runs for row in rows), default=0) / 2
+    return {name: [[row for row in rows if row.get(x, 0) >= half] for rows in runs] for name, runs in named.items()}
 
 
 def curve_names(places: dict[str, dict[str, str]]) -> dict[str, str]:
