@@ -205,7 +205,7 @@ def test_label_logits_leave_the_weights_and_rows_as_the_gather_left_them(tmp_pat
     ours.run()
     weights = {k: v.clone() for k, v in ours.trainer.weights().items()}
     ours.close()
-    monkeypatch.setattr(policy_module, "label_logits", lambda logits, labels: logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1))
+    monkeypatch.setattr(policy_module, "label_logits", primitives.gather_labels)
     gathered = GRPORun.create(config, tmp_path / "gathered")
     gathered.run()
     for name, tensor in gathered.trainer.weights().items():

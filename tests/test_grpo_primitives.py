@@ -12,6 +12,7 @@ from evolm_lib.grpo.primitives import (
     compute_group_normalized_rewards,
     compute_naive_policy_gradient_loss,
     compute_policy_gradient_loss,
+    gather_labels,
     get_response_log_probs,
     grpo_microbatch_train_step,
     kl_k3,
@@ -171,7 +172,7 @@ def test_label_logits_give_the_gathers_values_and_gradient_bit_for_bit(dtype, sh
     weights.view(-1)[0] = -0.0  # a -0.0 gradient: the gather's scatter adds it into +0.0
     for minus_logsumexp in (False, True):  # the label's logit alone, and its log-probability as the trainer takes it
         grads = []
-        for pick in (lambda x: x.gather(-1, labels.unsqueeze(-1)).squeeze(-1), lambda x: label_logits(x, labels, label_backward)):
+        for pick in (lambda x: gather_labels(x, labels), lambda x: label_logits(x, labels, label_backward)):
             x = logits.clone().requires_grad_()
             picked = pick(x) - torch.logsumexp(x, dim=-1) if minus_logsumexp else pick(x)
             (picked * weights).sum().backward()
@@ -204,7 +205,7 @@ def test_label_logits_backward_scatters_nothing_where_deterministic_algorithms_w
         return " ".join(dispatched.ops)
 
     def gather(x):
-        return x.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+        return gather_labels(x, labels)
 
     def ours(x):
         return label_logits(x, labels)

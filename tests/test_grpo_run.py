@@ -208,7 +208,7 @@ def test_label_logits_leave_a_runs_rows_and_adapter_as_the_gather_left_them(tmp_
     config = tiny_config(num_steps=3, loss_type="grpo_clip", normalize_by_std=True, group_size=4, micro_batch_size=2, beta=0.1)
     ours = GRPORun.create(config, tmp_path / "ours", evaluator=SpreadEvaluator())
     ours.run()
-    monkeypatch.setattr(policy_module, "label_logits", lambda logits, labels: logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1))
+    monkeypatch.setattr(policy_module, "label_logits", primitives.gather_labels)
     gathered = GRPORun.create(config, tmp_path / "gathered", evaluator=SpreadEvaluator())
     gathered.run()
     for name, value in ours.policy.tensors.items():

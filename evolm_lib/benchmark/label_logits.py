@@ -39,9 +39,9 @@ WAYS = ("gather", "label_logits")
 
 
 def _pickers(elementwise: bool | None) -> dict[str, Callable]:
-    from ..grpo.primitives import label_logits
+    from ..grpo.primitives import gather_labels, label_logits
 
-    return {"gather": lambda logits, labels: logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1),
+    return {"gather": gather_labels,
             "label_logits": lambda logits, labels: label_logits(logits, labels, elementwise)}
 
 

@@ -74,6 +74,12 @@ def compute_entropy(logits: Tensor) -> Tensor:
     return -(probs * safe_log_probs).sum(dim=-1)
 
 
+def gather_labels(logits: Tensor, labels: Tensor) -> Tensor:
+    """torch's own gather of each label's logit, (..., vocab) and (...) -> (...): its backward scatters
+    (what `label_logits` keeps the forward of, and replaces the backward of where that is slow)."""
+    return logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+
+
 def _sorted_scatter(grad: Tensor) -> bool:
     """Whether torch would scatter ``grad`` through a sorted ``index_put_``: its deterministic
     algorithms on, on a CUDA or XPU device (elsewhere the scatter stays one kernel)."""
@@ -97,7 +103,7 @@ class _LabelLogits(torch.autograd.Function):
     def forward(ctx, logits: Tensor, labels: Tensor, elementwise: bool | None) -> Tensor:
         ctx.save_for_backward(labels)
         ctx.vocab, ctx.elementwise = logits.shape[-1], elementwise
-        return logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1)  # (..., ) as labels
+        return gather_labels(logits, labels)  # (..., ) as labels
 
     @staticmethod
     @torch.autograd.function.once_differentiable
