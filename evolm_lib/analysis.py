@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from .metrics import RESULT_COLUMNS, by_mean, completions_table, final_value, finite, interp, run_summary, series
-from .stats import bootstrap_interval, compare_seeds, holm, interquartile_mean, t_interval
+from .stats import MAX_EXACT_SPLITS, bootstrap_interval, compare_seeds, holm, interquartile_mean, seed_interval, t_interval
 from .types import NotARunFolder
 
 # Settings that must agree across the compared runs, or the comparison is unfair.
@@ -646,7 +646,8 @@ def study_table(groups: Groups, measure: str = "success", level: float = 0.95, n
     ``mean``, ``ci_low``, ``ci_high``: the mean across seeds of each run's held-out score (share of
     problems solved for ``measure="success"``, mean task reward for ``"reward"``, e.g. minus the
     length gap for conciseness) with a BCa bootstrap interval across seeds at ``level``
-    (`stats.bootstrap_interval`; NaN where BCa is undefined); ``t_low``, ``t_high``: Student's t
+    (`stats.seed_interval`; NaN where BCa is undefined; Student's t below ``stats.MIN_BOOTSTRAP_VALUES``
+    seeds), ``interval`` naming which; ``t_low``, ``t_high``: Student's t
     interval across seeds (`stats.t_interval`); ``iqm``: the interquartile mean across seeds;
     ``seed_std`` (n - 1), ``min``, ``max``; ``per_seed``: each seed's score and its bootstrap interval
     over problems, as text; ``kl_mean``, ``kl_std``: final KL to the base model across seeds;
@@ -668,7 +669,7 @@ def study_table(groups: Groups, measure: str = "success", level: float = 0.95, n
             value, low, high = bootstrap_interval(scores, level=level, num_resamples=num_resamples, seed=seed)
             values.append(value)
             texts.append(f"{record.seed}: {value:.3g} [{low:.3g}, {high:.3g}]")
-        mean, low, high = bootstrap_interval(values, level=level, num_resamples=num_resamples, seed=seed)
+        mean, low, high, interval = seed_interval(values, level=level, num_resamples=num_resamples, seed=seed)
         _, t_low, t_high = t_interval(values, level=level)
         kls = [kl for kl in (final_value(record.rows, "policy/kl") for record, _ in pairs) if kl is not None]
         seconds = [s for record, _ in pairs for s in _seconds_per_step(record.rows)]
@@ -677,7 +678,7 @@ def study_table(groups: Groups, measure: str = "success", level: float = 0.95, n
                   for column, flag in ANSWER_SHARES.items()}
         lines.append({
             "method": label, "seeds": len(values), "problems": min(len(scores) for _, scores in pairs),
-            "mean": mean, "ci_low": low, "ci_high": high, "t_low": t_low, "t_high": t_high,
+            "mean": mean, "ci_low": low, "ci_high": high, "interval": interval, "t_low": t_low, "t_high": t_high,
             "iqm": interquartile_mean(values), "seed_std": _std(values),
             "min": min(values), "max": max(values), "per_seed": "; ".join(texts),
             "kl_mean": sum(kls) / len(kls) if kls else math.nan, "kl_std": _std(kls),
@@ -685,7 +686,7 @@ def study_table(groups: Groups, measure: str = "success", level: float = 0.95, n
             "training_completions": sum(completions) / len(completions) if completions else math.nan,
             **{column: statistics.fmean(found) if found else math.nan for column, found in shares.items()},
         })
-    columns = ["method", "seeds", "problems", "mean", "ci_low", "ci_high", "t_low", "t_high", "iqm", "seed_std",
+    columns = ["method", "seeds", "problems", "mean", "ci_low", "ci_high", "interval", "t_low", "t_high", "iqm", "seed_std",
                "min", "max", "per_seed",
                "kl_mean", "kl_std", "seconds_per_step", "training_completions"]
     # runs that kept no answers, or no flags for them: no such column
@@ -710,7 +711,7 @@ def _pairwise(per_seed: Mapping[str, Sequence[float]], primary: Sequence[tuple[s
         family = "primary" if frozenset((first, second)) in declared else "exploratory"
         lines.append({"family": family, 
             "method_a": first, "method_b": second, "seeds_a": len(per_seed[first]), "seeds_b": len(per_seed[second]),
-            "difference": result.difference, "ci_low": result.low, "ci_high": result.high,
+            "difference": result.difference, "ci_low": result.low, "ci_high": result.high, "interval": result.interval,
             "permutation_p": result.permutation.p, "exact": result.permutation.exact,
             "smallest_p": result.permutation.smallest_p, "welch_t": result.welch.t, "welch_dof": result.welch.dof,
             "welch_p": result.welch.p, "larger_than_seed_noise": "yes" if result.larger_than_seed_noise else "no",
@@ -723,20 +724,21 @@ def _pairwise(per_seed: Mapping[str, Sequence[float]], primary: Sequence[tuple[s
     for i, p in zip(family, adjusted):
         lines[i]["holm_p"] = p
         lines[i]["larger_than_seed_noise"] = "yes" if p < alpha else "no"
-    columns = ["family", "method_a", "method_b", "seeds_a", "seeds_b", "difference", "ci_low", "ci_high",
+    columns = ["family", "method_a", "method_b", "seeds_a", "seeds_b", "difference", "ci_low", "ci_high", "interval",
                "permutation_p", "holm_p", "exact", "smallest_p", "welch_t", "welch_dof", "welch_p",
                "larger_than_seed_noise"]
     return pd.DataFrame(lines, columns=columns)
 
 
 def method_comparisons(groups: Groups, measure: str = "success", alpha: float = 0.05, level: float = 0.95,
-                       num_resamples: int = 10_000, seed: int = 0, max_exact: int = 100_000,
+                       num_resamples: int = 10_000, seed: int = 0, max_exact: int = MAX_EXACT_SPLITS,
                        num_permutations: int = 100_000, primary: Sequence[tuple[str, str]] = ()):
     """Every pair of methods (in label order): is their difference in held-out score larger than seed
     noise? One row per pair (a DataFrame): ``method_a``, ``method_b``, ``seeds_a``, ``seeds_b``,
     ``difference`` (mean of a's per-seed scores minus b's), ``ci_low``, ``ci_high`` (its bootstrap
-    interval at ``level``), ``permutation_p`` (two-sided, over seed labels; ``exact``: every split
-    enumerated), ``smallest_p`` (the least p the seed counts allow: 1/3 for 2 vs 2, 2/252 for 5 vs 5),
+    interval at ``level``; Welch's t where a side has fewer than ``stats.MIN_BOOTSTRAP_VALUES`` seeds),
+    ``interval`` naming which, ``permutation_p`` (two-sided, over seed labels; ``exact``: every split
+    enumerated, else a Monte Carlo estimate whose floor is ``smallest_p``), ``smallest_p`` (the least p the seed counts allow: 1/3 for 2 vs 2, 2/252 for 5 vs 5),
     ``welch_t``, ``welch_dof``, ``welch_p`` (for reference), and ``larger_than_seed_noise``: "yes"
     when permutation_p < alpha, else "no" (`stats.compare_seeds`). ``primary``: the pairs of method
     labels declared before the study; they form the family (``family`` "primary") whose p-values

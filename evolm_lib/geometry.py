@@ -9,7 +9,8 @@ things on run folders:
   merged ``B A * scaling``, or the moved weights themselves);
 - ``update_table`` and ``summarize``: per weight, per layer and per module type, the Frobenius norm
   of the update and the share of weights that changed at all in the engine's dtype;
-- ``update_cosine``: the cosine between two updates, overall, per layer and per module type;
+- ``update_cosine``: the cosine between two updates, overall, per layer and per module type, with its
+  chance level 1 / sqrt(d) (two random directions in d dimensions);
 - ``interpolation_path`` and ``path_barrier``: held-out reward and KL to the base model at points of
   ``(1 - t) theta_A + t theta_B``, served by the resident engine (the weights written in place and
   restored exactly afterwards), and the largest drop below the line between the ends;
@@ -203,8 +204,11 @@ def summarize(rows: Sequence[dict], by: str | None = None) -> list[dict] | dict:
 def update_cosine(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> dict:
     """The cosine between two updates (named tensors; a weight one of them does not move counts as 0
     there): ``overall``, ``per_layer`` {layer: cosine} and ``per_module`` {module: cosine}. An update
-    with no length in a group has no direction there: NaN."""
+    with no length in a group has no direction there: NaN. ``chance``: 1 / sqrt(d) over the d
+    coordinates compared, the typical size of the cosine between two unrelated random directions in
+    that many dimensions (its standard deviation), the level to read ``overall`` against."""
     names = sorted(set(a) | set(b))
+    coordinates = sum((a[name] if name in a else b[name]).numel() for name in names)
     sums: dict = {}  # group -> [a.b, a.a, b.b] in float64
 
     def add(group, x: torch.Tensor | None, y: torch.Tensor | None) -> None:
@@ -230,6 +234,7 @@ def update_cosine(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) 
     layers = sorted((key[1] for key in sums if key[0] == "layer"), key=lambda k: (k is None, k or 0))
     modules = sorted(key[1] for key in sums if key[0] == "module")
     return {"overall": cosine(sums[("all",)]) if names else float("nan"),
+            "chance": 1 / math.sqrt(coordinates) if coordinates else float("nan"),
             "per_layer": {layer: cosine(sums[("layer", layer)]) for layer in layers},
             "per_module": {module: cosine(sums[("module", module)]) for module in modules}}
 

@@ -7,6 +7,7 @@ Methods, with where they are written down and which library computes them:
 - intervals across seeds by Student's t (``scipy.stats.t.interval``) and by the bias-corrected and
   accelerated (BCa) bootstrap (``scipy.stats.bootstrap``; Efron & Tibshirani 1993, "An Introduction
   to the Bootstrap", ch. 14: a 95 % percentile interval over 5 seeds covers far less than 95 %);
+  below ``MIN_BOOTSTRAP_VALUES`` seeds only the t interval (``seed_interval``);
 - the interquartile mean, the mean of the middle half (``scipy.stats.trim_mean(values, 0.25)``;
   Agarwal et al. 2021, "Deep RL at the Edge of the Statistical Precipice", arXiv 2108.13264);
 - the two-sample permutation test of the difference of means over group labels
@@ -31,8 +32,14 @@ import numpy as np
 
 Statistic = Callable[..., "np.ndarray"]  # statistic(sample, axis=-1): np.mean, np.median, ...
 
-MAX_EXACT_SPLITS = 100_000
-"""The permutation test enumerates every split of the pooled values up to this many; above, it samples."""
+MAX_EXACT_SPLITS = 200_000
+"""The permutation test enumerates every split of the pooled values up to this many (10 against 10
+seeds: C(20, 10) = 184,756, about a second and a half); above, it samples, and its p is then an
+estimate that cannot fall below ``2 / (draws + 1)``, its floor."""
+MIN_BOOTSTRAP_VALUES = 5
+"""The fewest values a bootstrap interval across seeds is drawn from: below, a resample of 3 or 4
+values takes so few distinct forms that the BCa interval's coverage means nothing, and Student's t
+interval is given instead (``seed_interval``)."""
 INTERVAL_METHODS = ("BCa", "percentile", "basic")
 """The bootstrap intervals scipy.stats.bootstrap computes; BCa by default."""
 
@@ -104,6 +111,17 @@ def bootstrap_interval(values: Sequence[float] | np.ndarray, level: float = 0.95
         result = scipy.stats.bootstrap((array,), statistic, confidence_level=level, n_resamples=num_resamples,
                                        method=method, rng=np.random.default_rng(seed), vectorized=True)
     return estimate, float(result.confidence_interval.low), float(result.confidence_interval.high)
+
+
+def seed_interval(values: Sequence[float] | np.ndarray, level: float = 0.95, num_resamples: int = 10_000,
+                  seed: int = 0) -> tuple[float, float, float, str]:
+    """(mean, low, high, kind): the mean across seeds with its BCa bootstrap interval where there are
+    at least ``MIN_BOOTSTRAP_VALUES`` values (kind "BCa"), else Student's t interval (kind "t"): no
+    bootstrap over 3 seeds."""
+    array = _values(values)
+    if array.size < MIN_BOOTSTRAP_VALUES:
+        return (*t_interval(array, level=level), "t")
+    return (*bootstrap_interval(array, level=level, num_resamples=num_resamples, seed=seed), "BCa")
 
 
 def interquartile_mean(values: Sequence[float] | np.ndarray, axis: int | None = None) -> "float | np.ndarray":
@@ -209,6 +227,24 @@ def welch_t_test(a: Sequence[float], b: Sequence[float]) -> WelchTest:
     return WelchTest(float(result.statistic), float(result.df), float(result.pvalue))
 
 
+def welch_interval(a: Sequence[float], b: Sequence[float], level: float = 0.95) -> tuple[float, float, float]:
+    """(mean(a) - mean(b), low, high): the difference of means with Welch's t interval
+    (``scipy.stats.ttest_ind(equal_var=False).confidence_interval``); two constant groups give the
+    difference three times, a group of one value NaN ends."""
+    import scipy.stats
+
+    _check_level(level)
+    a, b = _values(a, "a"), _values(b, "b")
+    difference = float(a.mean() - b.mean())
+    if np.all(a == a[0]) and np.all(b == b[0]):
+        return difference, difference, difference
+    if a.size < 2 or b.size < 2:
+        return difference, math.nan, math.nan
+    with _nearly_constant_values_pass():
+        interval = scipy.stats.ttest_ind(a, b, equal_var=False).confidence_interval(confidence_level=level)
+    return difference, float(interval.low), float(interval.high)
+
+
 def holm(pvalues: Sequence[float], alpha: float = 0.05) -> tuple[list[bool], list[float]]:
     """(rejected, adjusted p) of a family of tests by Holm's step-down correction
     (``statsmodels.stats.multitest.multipletests(method="holm")``): the k-th smallest p is multiplied
@@ -233,7 +269,7 @@ class SeedComparison:
     difference: float
     "mean(a) - mean(b)"
     low: float
-    "lower end of the bootstrap interval of the difference"
+    "lower end of the interval of the difference (``interval``)"
     high: float
     "upper end of that interval"
     level: float
@@ -244,6 +280,8 @@ class SeedComparison:
     "Welch's t-test, for reference (assumes normal means)"
     alpha: float
     "significance level of the decision"
+    interval: str = "BCa"
+    "how the interval was drawn: \"BCa\" (bootstrap, each side at least ``MIN_BOOTSTRAP_VALUES`` seeds) or \"t\" (Welch's)"
 
     @property
     def larger_than_seed_noise(self) -> bool:
@@ -256,11 +294,17 @@ def compare_seeds(a: Sequence[float], b: Sequence[float], alpha: float = 0.05, l
                   num_resamples: int = 10_000, max_exact: int = MAX_EXACT_SPLITS, num_permutations: int = 100_000,
                   seed: int = 0, method: str = "BCa") -> SeedComparison:
     """Compare per-seed values of two methods (e.g. 5 held-out accuracies each): the difference of
-    means with its bootstrap interval (`bootstrap_difference`), the permutation test over seed labels
-    (`permutation_test`, the decision: p < alpha) and Welch's t (`welch_t_test`)."""
+    means with its bootstrap interval (`bootstrap_difference`; Welch's t interval where a side has
+    fewer than ``MIN_BOOTSTRAP_VALUES`` seeds, `welch_interval`), the permutation test over seed
+    labels (`permutation_test`, the decision: p < alpha) and Welch's t (`welch_t_test`)."""
     if not 0 < alpha < 1:
         raise ValueError(f"alpha: a significance level between 0 and 1, got {alpha!r}")
-    difference, low, high = bootstrap_difference(a, b, level=level, num_resamples=num_resamples, seed=seed,
-                                                 method=method)
+    if min(len(a), len(b)) < MIN_BOOTSTRAP_VALUES:
+        difference, low, high = welch_interval(a, b, level=level)
+        kind = "t"
+    else:
+        difference, low, high = bootstrap_difference(a, b, level=level, num_resamples=num_resamples, seed=seed,
+                                                     method=method)
+        kind = method
     permutation = permutation_test(a, b, max_exact=max_exact, num_permutations=num_permutations, seed=seed)
-    return SeedComparison(difference, low, high, level, permutation, welch_t_test(a, b), alpha)
+    return SeedComparison(difference, low, high, level, permutation, welch_t_test(a, b), alpha, kind)

@@ -39,10 +39,16 @@ def test_cosine_with_itself_its_negation_and_by_hand():
     b = {Q0: torch.tensor([[1.0, 1.0], [0.0, 0.0]]), V0: torch.tensor([[2.0]])}
     cosine = geometry.update_cosine(a, b)
     assert cosine["overall"] == pytest.approx(1 / math.sqrt(30))
+    # chance level over the coordinates compared: q0 4 + q1 2 + v0 1 = 7 -> 1 / sqrt 7
+    assert cosine["chance"] == pytest.approx(1 / math.sqrt(7)) and a_chance(a) == pytest.approx(1 / math.sqrt(6))
     assert cosine["per_layer"][0] == pytest.approx(1 / math.sqrt(6)) and math.isnan(cosine["per_layer"][1])
     assert cosine["per_module"]["q_proj"] == pytest.approx(1 / math.sqrt(5 * 2)) and math.isnan(cosine["per_module"]["v_proj"])
     with pytest.raises(ValueError, match="shapes differ"):
         geometry.update_cosine(a, {Q0: torch.zeros(3, 3)})
+
+
+def a_chance(update) -> float:
+    return geometry.update_cosine(update, update)["chance"]
 
 
 def test_norms_and_changed_shares_by_hand():

@@ -189,6 +189,32 @@ def test_welch_t_test_by_hand():
     assert result.p == pytest.approx(1 - 2 * math.atan(3) / math.pi)
 
 
+def test_welch_interval_by_hand():
+    # means 2 and 5, variances 1: se = sqrt(2/3), dof 4, t_(0.975, 4) = 2.776445 (tables)
+    difference, low, high = stats.welch_interval([1, 2, 3], [4, 5, 6])
+    half = 2.776445 * math.sqrt(2 / 3)
+    assert difference == -3 and (low, high) == pytest.approx((-3 - half, -3 + half), abs=1e-5)
+    assert stats.welch_interval([1.0, 1.0], [2.0, 2.0]) == (-1.0, -1.0, -1.0)
+    assert all(math.isnan(v) for v in stats.welch_interval([1.0], [2.0, 3.0])[1:])
+
+
+def test_seed_interval_gives_t_below_five_seeds_and_bca_from_five():
+    # three seeds: no bootstrap; Student's t, dof 2: half width (2q - 1) / sqrt(2 q (1 - q)) x s / sqrt(3)
+    mean, low, high, kind = stats.seed_interval([1.0, 2.0, 3.0])
+    half = 0.95 / math.sqrt(2 * 0.975 * 0.025) / math.sqrt(3)
+    assert kind == "t" and (mean, low, high) == pytest.approx((2.0, 2.0 - half, 2.0 + half))
+    five = [0.1, 0.4, 0.2, 0.5, 0.3]
+    assert stats.seed_interval(five) == (*stats.bootstrap_interval(five), "BCa")
+    assert stats.MIN_BOOTSTRAP_VALUES == 5
+
+
+def test_permutation_test_enumerates_ten_against_ten():
+    # C(20, 10) = 184,756 splits, all enumerated; only the observed split and its mirror are as extreme
+    result = stats.permutation_test(list(range(10)), list(range(100, 110)))
+    assert result.exact and result.splits == 184_756
+    assert result.p == pytest.approx(2 / 184_756) == result.smallest_p
+
+
 def test_welch_t_test_is_nan_where_undefined():
     assert all(math.isnan(v) for v in stats.welch_t_test([1.0], [2.0, 3.0]))
     assert all(math.isnan(v) for v in stats.welch_t_test([1.0, 1.0], [2.0, 2.0]))
@@ -207,7 +233,12 @@ def test_compare_seeds_decides_by_the_permutation_p():
     # two seeds each can never show it: the smallest p is 2 / C(4, 2) = 1/3
     few = stats.compare_seeds([1.0, 0.75], [0.25, 0.125])
     assert few.permutation.p == pytest.approx(1 / 3) == few.permutation.smallest_p and not few.larger_than_seed_noise
-    assert (few.difference, few.low, few.high) == (0.6875, 0.5, 0.875)
+    # two seeds a side are too few for a bootstrap: Welch's t interval, difference -/+ t_(0.975, dof) se
+    import scipy.stats
+
+    half = scipy.stats.t.ppf(0.975, 25 / 17) * math.sqrt(5) / 16
+    assert few.interval == "t" and (few.low, few.high) == pytest.approx((0.6875 - half, 0.6875 + half))
+    assert apart.interval == "BCa"
     # welch: se^2 = 0.03125/2 + 0.0078125/2 = 5/256, t = (11/16) / (sqrt(5)/16) = 11/sqrt(5), dof = 25/17
     assert (few.welch.t, few.welch.dof) == pytest.approx((11 / math.sqrt(5), 25 / 17))
     # a looser alpha changes the decision, not the p
