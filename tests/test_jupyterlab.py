@@ -299,6 +299,7 @@ def test_the_stepper_runs_all_steps_and_runs_all_again_in_one_kernel_and_with_a_
 # --------------------------------------------------------------------------- `evolm lab`'s own settings
 
 AUTOSAVE_SECONDS = 2  # the test's autosave interval (the user's setting); the lab's default is minutes
+NEWS_QUESTION = "Would you like to get notified about official Jupyter news?"  # JupyterLab 4's pop-up
 
 
 def _project_copy(tmp_path: Path) -> Path:
@@ -390,6 +391,9 @@ def test_the_lab_opens_a_py_notebook_as_a_notebook_and_writes_it_only_when_saved
             page.locator(".lm-TabBar-tab.jp-mod-dirty", has_text="03_es_stepper.py").wait_for(timeout=10_000)
 
             time.sleep(4 * AUTOSAVE_SECONDS + 2)  # several autosave intervals
+            # the lab asks whether to fetch its news (a pop-up over the notebook) right after it loads,
+            # unless its settings answer: the project's say no
+            assert page.get_by_text(NEWS_QUESTION).count() == 0
             assert _notebook_files(project) == tracked
             assert _git_status(project) == ""
             assert page.locator(".lm-TabBar-tab.jp-mod-dirty", has_text="03_es_stepper.py").count() == 1
@@ -409,11 +413,16 @@ def test_the_lab_opens_a_py_notebook_as_a_notebook_and_writes_it_only_when_saved
             browser.close()
 
 
-def test_the_shipped_lab_settings_turn_autosave_off_and_open_py_as_notebooks():
+def test_the_shipped_lab_settings_turn_autosave_off_open_py_as_notebooks_and_ask_no_news():
     """The settings `evolm lab` gives JupyterLab (.jupyter/lab/settings/overrides.json), which its
     server config points the lab at."""
     overrides = json.loads((REPO / ".jupyter" / "lab" / "settings" / "overrides.json").read_text())
     documents = overrides["@jupyterlab/docmanager-extension:plugin"]
     assert documents["autosave"] is False and documents["defaultViewers"] == {"python": "Jupytext Notebook"}
+    # the news question is answered (no pop-up); the keys are those of the installed lab's schema
+    schema = Path(sys.prefix) / "share/jupyter/lab/schemas/@jupyterlab/apputils-extension/notification.json"
+    notification = overrides["@jupyterlab/apputils-extension:notification"]
+    assert notification["fetchNews"] == "false"
+    assert set(notification) <= set(json.loads(schema.read_text())["properties"])
     config = (REPO / ".jupyter" / "jupyter_server_config.py").read_text()
     assert 'c.LabApp.app_settings_dir = str(Path(__file__).resolve().parent / "lab" / "settings")' in config
