@@ -133,6 +133,32 @@ def plotly_rgb(color: str) -> tuple[int, int, int]:
     return hex_to_rgb(color)
 
 
+def test_the_tiny_random_model_is_named_a_plumbing_check_in_titles():
+    from evolm_lib.viz import labels
+
+    note = "tiny-random: a plumbing check; its rewards mean nothing"
+    assert labels.TINY_MODEL_NOTE == note
+    assert labels.model_title("ES on conciseness", "tiny-random") == f"ES on conciseness ({note})"
+    assert labels.model_title("ES on conciseness", "smollm2-135m-instruct") == "ES on conciseness (smollm2-135m-instruct)"
+    assert labels.model_note(["smollm2-135m-instruct", "/cache/models/tiny-random/"]) == note  # by its folder too
+    assert labels.model_note({"smollm2-135m-instruct", None}) == "" and labels.model_note(None) == ""
+    fig = labels.note_model(plots.plot_reward_vs_samples({"es": [make_rows()]}), {"tiny-random"})
+    assert fig.layout.title.text == f"Reward vs samples ({note})"
+    assert labels.note_model(plots.plot_seed_spread({"es": [make_rows()]}), ["my-model"]).layout.title.text == \
+        "Final greedy reward on train prompts per seed"
+
+
+def test_the_steppers_plot_names_the_task_and_the_model():
+    from types import SimpleNamespace
+
+    from evolm_lib.viz import labels
+    from evolm_lib.viz.stepper import ESStepper
+
+    run = SimpleNamespace(config=SimpleNamespace(task="conciseness", model="tiny-random"), history=[], generation=0)
+    stepper = ESStepper(run)
+    assert stepper.plot.figure.layout.title.text == f"ES on conciseness ({labels.TINY_MODEL_NOTE})"
+
+
 def test_update_fitness_on_plain_figure():
     fig = plots.fitness_figure()
     plots.update_fitness(fig, make_rows(2))
