@@ -39,6 +39,15 @@ MEAN_POINTS_JS = """cell => {
     return mean && mean.x ? mean.x.length : 0;
 }"""
 
+# The markers plotly.js drew for the live plot's mean trace (a line of one point shows nothing else).
+MEAN_MARKERS_JS = """cell => {
+    const plot = cell.querySelector('.js-plotly-plot');
+    if (!plot) return -1;
+    const group = [...plot.querySelectorAll('.scatterlayer .trace')]
+        .find(g => g.__data__ && g.__data__[0] && g.__data__[0].trace && g.__data__[0].trace.name === 'mean');
+    return group ? group.querySelectorAll('.points path.point').length : 0;
+}"""
+
 # Run before any of the page's scripts: a JavaScript module made from a string of over 1 MB (how
 # anywidget loads a widget's code, plotly's FigureWidget 5 MB of it) waits 3 s before it runs, as on
 # a busy machine. anywidget 0.11 drops every later message to a widget not loaded within 2 s, which
@@ -206,11 +215,14 @@ def _click_step_and_see_a_new_point(page, tmp_path: Path) -> None:
     page.wait_for_function(f"cell => ({MEAN_POINTS_JS})(cell) >= 1", arg=cell.element_handle(), timeout=120_000)
     before = cell.evaluate(MEAN_POINTS_JS)
     assert before == 1, before  # generation 1 ran in the notebook's loop
+    assert cell.evaluate(MEAN_MARKERS_JS) == 1  # the one point is drawn: a line of one point shows nothing
 
     step.click()
     page.wait_for_function(f"cell => ({MEAN_POINTS_JS})(cell) === {before + 1}",
                            arg=cell.element_handle(), timeout=60_000, polling=500)
     assert cell.evaluate(MEAN_POINTS_JS) == before + 1
+    page.wait_for_function(f"cell => ({MEAN_MARKERS_JS})(cell) === {before + 1}",
+                           arg=cell.element_handle(), timeout=10_000, polling=500)
     assert "generation 2" in cell.inner_text()
     cell.screenshot(path=str(tmp_path / "stepper.png"))  # for a look when debugging
 

@@ -1,6 +1,7 @@
-"""The notebooks: .py and .ipynb in sync, each runs through papermill on tiny-random (01, task
-inspection, through nbval as committed on SmolLM2: a tiny run of it here repeated that), bad
-parameters fail in the config cell with the library's message, and the batch runner gives the same run."""
+"""The notebooks: .py and .ipynb in sync, each runs through papermill on tiny-random and the checks of
+what it produced live here, on its executed outputs and files (a notebook ends with its results and
+holds no asserts), bad parameters fail in the config cell with the library's message, and the batch
+runner gives the same run."""
 from __future__ import annotations
 
 import ast
