@@ -49,7 +49,7 @@ from evolm_lib.config import ESConfig
 from evolm_lib.engines import make_evaluator
 from evolm_lib.evaluation import preview_population
 from evolm_lib.lora import (
-    adapter_shapes, base_weight_magnitudes, init_adapter, layer_of, load_adapter, module_of,
+    adapter_shapes, base_weight_magnitudes, init_adapter, layer_of, module_of,
     noise_scales, save_adapter,
 )
 from evolm_lib.models import resolve_model

@@ -23,6 +23,9 @@ REPO = Path(__file__).resolve().parents[1]
 STEPPER = REPO / "notebooks" / "03_es_stepper.ipynb"
 FIXTURE_RUNS = REPO / "tests" / "data" / "es_vs_grpo"
 CHROMIUM = "/usr/bin/chromium"
+NEWS_QUESTION = "Would you like to get notified about official Jupyter news?"  # JupyterLab 4's pop-up
+# the lab settings `evolm lab` gives JupyterLab (no autosave, no news pop-up): the screenshots show the notebook
+LAB_SETTINGS = REPO / ".jupyter" / "lab" / "settings"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync"]
 
@@ -105,7 +108,7 @@ def _wait_for_server(url: str, process: subprocess.Popen, timeout: float = 60) -
 
 @contextlib.contextmanager
 def _lab(tmp_path: Path, root: Path, notebook: Path):
-    """A JupyterLab server on 127.0.0.1 serving ``root``; yields the URL that opens ``notebook`` (and,
+    """A JupyterLab server on 127.0.0.1 serving ``root``, with the lab settings `evolm lab` gives it; yields the URL that opens ``notebook`` (and,
     with ``/workspaces/<name>`` after ``/lab``, opens it in a workspace of its own: ``_in_workspace``)."""
     port, token = _free_port(), secrets.token_hex(16)
     env = child_environment({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING",
@@ -117,7 +120,7 @@ def _lab(tmp_path: Path, root: Path, notebook: Path):
          f"--ServerApp.port={port}", "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}",
          f"--ServerApp.root_dir={root}", f"--LabApp.user_settings_dir={tmp_path / 'settings'}",
          f"--LabApp.workspaces_dir={tmp_path / 'workspaces'}", "--LabApp.news_url=",
-         "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"],
+         "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate", f"--LabApp.app_settings_dir={LAB_SETTINGS}"],
         cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT,
     )
     base = f"http://127.0.0.1:{port}"
@@ -224,6 +227,7 @@ def _click_step_and_see_a_new_point(page, tmp_path: Path) -> None:
     page.wait_for_function(f"cell => ({MEAN_MARKERS_JS})(cell) === {before + 1}",
                            arg=cell.element_handle(), timeout=10_000, polling=500)
     assert "generation 2" in cell.inner_text()
+    assert page.get_by_text(NEWS_QUESTION).count() == 0  # nothing over the notebook
     cell.screenshot(path=str(tmp_path / "stepper.png"))  # for a look when debugging
 
 
@@ -311,7 +315,6 @@ def test_the_stepper_runs_all_steps_and_runs_all_again_in_one_kernel_and_with_a_
 # --------------------------------------------------------------------------- `evolm lab`'s own settings
 
 AUTOSAVE_SECONDS = 2  # the test's autosave interval (the user's setting); the lab's default is minutes
-NEWS_QUESTION = "Would you like to get notified about official Jupyter news?"  # JupyterLab 4's pop-up
 
 
 def _project_copy(tmp_path: Path) -> Path:
