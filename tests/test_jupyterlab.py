@@ -108,8 +108,9 @@ def _wait_for_server(url: str, process: subprocess.Popen, timeout: float = 60) -
 
 @contextlib.contextmanager
 def _lab(tmp_path: Path, root: Path, notebook: Path):
-    """A JupyterLab server on 127.0.0.1 serving ``root``, with the lab settings `evolm lab` gives it; yields the URL that opens ``notebook`` (and,
-    with ``/workspaces/<name>`` after ``/lab``, opens it in a workspace of its own: ``_in_workspace``)."""
+    """A JupyterLab server on 127.0.0.1 serving ``root``, with the lab settings `evolm lab` gives it;
+    yields the URL that opens ``notebook`` (and, with ``/workspaces/<name>`` after ``/lab``, opens it in
+    a workspace of its own: ``_in_workspace``)."""
     port, token = _free_port(), secrets.token_hex(16)
     env = child_environment({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING",
            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),  # see tests/test_notebooks.py
