@@ -13,8 +13,11 @@ export OMP_NUM_THREADS ?= 1
 setup:
 	@bash scripts/setup_env.sh
 
+# make demo DEMO_FIGURE=figures/demo_fitness.png: also refresh the README's figure (the run's own
+# figures go to runs/demo/<time>/figures/ either way)
+DEMO_FIGURE ?=
 demo: setup
-	$(PY) -m evolm_lib.cli demo
+	$(PY) -m evolm_lib.cli demo $(if $(DEMO_FIGURE),--figure $(DEMO_FIGURE))
 
 # Two processes, a test file (or notebook) each at a time: on 2 cores the suite runs in about half
 # the time (each process's vLLM engines bound to a core of their own: conftest.py), the heaviest files first

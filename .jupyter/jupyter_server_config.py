@@ -12,5 +12,6 @@ c.ContentsManager.pre_save_hook = "evolm_lib.cli.lab.clean_notebook_save"
 # The lab's default settings (lab/settings/overrides.json beside this file): no autosave, so a notebook
 # reaches the disk (and its tracked .py and .ipynb) only when saved on purpose, with Ctrl-S or
 # File > Save; and a percent-format .py opens as a notebook on a double click. Your own settings
-# (Settings > Settings Editor) still win over these.
+# (Settings > Settings Editor) still win over these. JupyterLab's question whether to fetch its news
+# from the internet (a pop-up over every notebook until answered) is answered "no" (fetchNews "false").
 c.LabApp.app_settings_dir = str(Path(__file__).resolve().parent / "lab" / "settings")

@@ -44,6 +44,7 @@ from evolm_lib.models import resolve_model
 from evolm_lib.preflight import check_engine_settings
 from evolm_lib.quiet import set_verbose
 from evolm_lib.viz.figures import export_figure
+from evolm_lib.viz.labels import model_title
 from evolm_lib.viz.plots import plot_reward_distribution
 from evolm_lib.tasks import get_task
 
@@ -83,6 +84,7 @@ print(rendered_prompt)
 # %%
 sampling = SamplingSettings(max_new_tokens=config.max_new_tokens, temperature=config.temperature, seed=config.seed)
 completions = evaluator.generate([task_instance.prompt(e) for _, e in examples], [None], sampling)[0]
+evaluator.close()
 results = [task_instance.reward(c.text, e) for c, (_, e) in zip(completions, examples)]
 wrap_table(completions_table(
     ({"split": split, "prompt": e.prompt, "target": e.target, "completion": c.text, "tokens": c.num_tokens,
@@ -96,13 +98,7 @@ wrap_table(completions_table(
 
 # %%
 rewards = [r.value for r in results]
-distribution = plot_reward_distribution(rewards, title=f"Base-model rewards on {task} ({model})",
+distribution = plot_reward_distribution(rewards, title=model_title(f"Base-model rewards on {task}", model),
                                         reward_label=task_instance.reward_label)
 figure_paths = export_figure(distribution, "task_inspection_rewards", figures_dir)
 distribution
-
-# %%
-evaluator.close()
-assert len(completions) == len(examples) == len(rewards) > 0
-assert all(isinstance(v, float) and v == v for v in rewards)
-assert task_instance.prompt(examples[0][1]).messages[-1]["content"] in rendered_prompt

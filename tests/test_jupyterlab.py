@@ -23,6 +23,9 @@ REPO = Path(__file__).resolve().parents[1]
 STEPPER = REPO / "notebooks" / "03_es_stepper.ipynb"
 FIXTURE_RUNS = REPO / "tests" / "data" / "es_vs_grpo"
 CHROMIUM = "/usr/bin/chromium"
+NEWS_QUESTION = "Would you like to get notified about official Jupyter news?"  # JupyterLab 4's pop-up
+# the lab settings `evolm lab` gives JupyterLab (no autosave, no news pop-up): the screenshots show the notebook
+LAB_SETTINGS = REPO / ".jupyter" / "lab" / "settings"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync"]
 
@@ -37,6 +40,15 @@ MEAN_POINTS_JS = """cell => {
     if (!plot || !plot.data) return -1;
     const mean = plot.data.find(t => t.name === 'mean');
     return mean && mean.x ? mean.x.length : 0;
+}"""
+
+# The markers plotly.js drew for the live plot's mean trace (a line of one point shows nothing else).
+MEAN_MARKERS_JS = """cell => {
+    const plot = cell.querySelector('.js-plotly-plot');
+    if (!plot) return -1;
+    const group = [...plot.querySelectorAll('.scatterlayer .trace')]
+        .find(g => g.__data__ && g.__data__[0] && g.__data__[0].trace && g.__data__[0].trace.name === 'mean');
+    return group ? group.querySelectorAll('.points path.point').length : 0;
 }"""
 
 # Run before any of the page's scripts: a JavaScript module made from a string of over 1 MB (how
@@ -96,8 +108,9 @@ def _wait_for_server(url: str, process: subprocess.Popen, timeout: float = 60) -
 
 @contextlib.contextmanager
 def _lab(tmp_path: Path, root: Path, notebook: Path):
-    """A JupyterLab server on 127.0.0.1 serving ``root``; yields the URL that opens ``notebook`` (and,
-    with ``/workspaces/<name>`` after ``/lab``, opens it in a workspace of its own: ``_in_workspace``)."""
+    """A JupyterLab server on 127.0.0.1 serving ``root``, with the lab settings `evolm lab` gives it;
+    yields the URL that opens ``notebook`` (and, with ``/workspaces/<name>`` after ``/lab``, opens it in
+    a workspace of its own: ``_in_workspace``)."""
     port, token = _free_port(), secrets.token_hex(16)
     env = child_environment({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING",
            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),  # see tests/test_notebooks.py
@@ -108,7 +121,7 @@ def _lab(tmp_path: Path, root: Path, notebook: Path):
          f"--ServerApp.port={port}", "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}",
          f"--ServerApp.root_dir={root}", f"--LabApp.user_settings_dir={tmp_path / 'settings'}",
          f"--LabApp.workspaces_dir={tmp_path / 'workspaces'}", "--LabApp.news_url=",
-         "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"],
+         "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate", f"--LabApp.app_settings_dir={LAB_SETTINGS}"],
         cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT,
     )
     base = f"http://127.0.0.1:{port}"
@@ -206,12 +219,16 @@ def _click_step_and_see_a_new_point(page, tmp_path: Path) -> None:
     page.wait_for_function(f"cell => ({MEAN_POINTS_JS})(cell) >= 1", arg=cell.element_handle(), timeout=120_000)
     before = cell.evaluate(MEAN_POINTS_JS)
     assert before == 1, before  # generation 1 ran in the notebook's loop
+    assert cell.evaluate(MEAN_MARKERS_JS) == 1  # the one point is drawn: a line of one point shows nothing
 
     step.click()
     page.wait_for_function(f"cell => ({MEAN_POINTS_JS})(cell) === {before + 1}",
                            arg=cell.element_handle(), timeout=60_000, polling=500)
     assert cell.evaluate(MEAN_POINTS_JS) == before + 1
+    page.wait_for_function(f"cell => ({MEAN_MARKERS_JS})(cell) === {before + 1}",
+                           arg=cell.element_handle(), timeout=10_000, polling=500)
     assert "generation 2" in cell.inner_text()
+    assert page.get_by_text(NEWS_QUESTION).count() == 0  # nothing over the notebook
     cell.screenshot(path=str(tmp_path / "stepper.png"))  # for a look when debugging
 
 
@@ -390,6 +407,9 @@ def test_the_lab_opens_a_py_notebook_as_a_notebook_and_writes_it_only_when_saved
             page.locator(".lm-TabBar-tab.jp-mod-dirty", has_text="03_es_stepper.py").wait_for(timeout=10_000)
 
             time.sleep(4 * AUTOSAVE_SECONDS + 2)  # several autosave intervals
+            # the lab asks whether to fetch its news (a pop-up over the notebook) right after it loads,
+            # unless its settings answer: the project's say no
+            assert page.get_by_text(NEWS_QUESTION).count() == 0
             assert _notebook_files(project) == tracked
             assert _git_status(project) == ""
             assert page.locator(".lm-TabBar-tab.jp-mod-dirty", has_text="03_es_stepper.py").count() == 1
@@ -409,11 +429,16 @@ def test_the_lab_opens_a_py_notebook_as_a_notebook_and_writes_it_only_when_saved
             browser.close()
 
 
-def test_the_shipped_lab_settings_turn_autosave_off_and_open_py_as_notebooks():
+def test_the_shipped_lab_settings_turn_autosave_off_open_py_as_notebooks_and_ask_no_news():
     """The settings `evolm lab` gives JupyterLab (.jupyter/lab/settings/overrides.json), which its
     server config points the lab at."""
     overrides = json.loads((REPO / ".jupyter" / "lab" / "settings" / "overrides.json").read_text())
     documents = overrides["@jupyterlab/docmanager-extension:plugin"]
     assert documents["autosave"] is False and documents["defaultViewers"] == {"python": "Jupytext Notebook"}
+    # the news question is answered (no pop-up); the keys are those of the installed lab's schema
+    schema = Path(sys.prefix) / "share/jupyter/lab/schemas/@jupyterlab/apputils-extension/notification.json"
+    notification = overrides["@jupyterlab/apputils-extension:notification"]
+    assert notification["fetchNews"] == "false"
+    assert set(notification) <= set(json.loads(schema.read_text())["properties"])
     config = (REPO / ".jupyter" / "jupyter_server_config.py").read_text()
     assert 'c.LabApp.app_settings_dir = str(Path(__file__).resolve().parent / "lab" / "settings")' in config

@@ -90,6 +90,75 @@ def test_the_live_plot_gains_a_point_per_generation_in_its_synced_outputs():
     assert output["data"]["text/plain"] == "<live: 3 points>"
 
 
+def test_a_line_of_one_point_shows_a_marker_the_steppers_first_generation_included():
+    # plotly draws nothing for a "lines" trace of one point: the stepper's first Step showed an empty plot
+    from evolm_lib.viz.live import live_fitness_plot
+
+    live = live_fitness_plot()
+    live.update(make_rows(1))
+    [output] = live.widget.get_state()["outputs"]
+    drawn = {t["name"]: t for t in output["data"]["application/vnd.plotly.v1+json"]["data"]}
+    for name in ("mean", "best"):
+        assert len(drawn[name]["x"]) == 1 and "markers" in drawn[name]["mode"], drawn[name]
+    one = plots.plot_fitness(make_rows(1))
+    assert "markers" in trace(one, "mean").mode and "markers" in trace(one, "best").mode
+    # a short run keeps its markers (each generation visible); a long one is a plain line
+    assert trace(plots.plot_fitness(make_rows(plots.MARKERS_UP_TO)), "mean").mode == "lines+markers"
+    assert trace(plots.plot_fitness(make_rows(plots.MARKERS_UP_TO + 1)), "mean").mode == "lines"
+    # the mean curve across seeds: one point (one generation logged) is drawn too
+    rows = make_rows(1)
+    curve = plots.plot_reward_vs_samples({"es": [rows, rows]})
+    assert "markers" in trace(curve, "es (n=2)").mode
+
+
+@pytest.mark.skipif(not figures.chromium_available(),
+                    reason="no Chromium for kaleido: apt-get install chromium (or make setup)")
+def test_a_fitness_plot_of_one_generation_draws_its_point_in_the_png(tmp_path):
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    fig = plots.plot_fitness([{"generation": 0, "train/reward_mean": 0.5}]).update_layout(showlegend=False)
+    [png] = figures.export_figure(fig, "one", tmp_path, formats=("png",), style=None, scale=1)
+    pixels = np.asarray(Image.open(io.BytesIO(png.read_bytes())).convert("RGB")).astype(int)
+    mean_color = np.array(plotly_rgb(trace(fig, "mean").line.color))
+    # the mean's colour appears only where its point is drawn (no legend sample, no band)
+    assert (np.abs(pixels - mean_color).sum(axis=2) < 30).sum() > 10
+
+
+def plotly_rgb(color: str) -> tuple[int, int, int]:
+    from plotly.colors import hex_to_rgb
+
+    return hex_to_rgb(color)
+
+
+def test_the_tiny_random_model_is_named_a_plumbing_check_in_titles():
+    from evolm_lib.viz import labels
+
+    note = "tiny-random: a plumbing check; its rewards mean nothing"
+    assert labels.TINY_MODEL_NOTE == note
+    assert labels.model_title("ES on conciseness", "tiny-random") == f"ES on conciseness ({note})"
+    assert labels.model_title("ES on conciseness", "smollm2-135m-instruct") == "ES on conciseness (smollm2-135m-instruct)"
+    assert labels.model_note(["smollm2-135m-instruct", "/cache/models/tiny-random/"]) == note  # by its folder too
+    assert labels.model_note({"smollm2-135m-instruct", None}) == "" and labels.model_note(None) == ""
+    fig = labels.note_model(plots.plot_reward_vs_samples({"es": [make_rows()]}), {"tiny-random"})
+    assert fig.layout.title.text == f"Reward vs samples ({note})"
+    assert labels.note_model(plots.plot_seed_spread({"es": [make_rows()]}), ["my-model"]).layout.title.text == \
+        "Final greedy reward on train prompts per seed"
+
+
+def test_the_steppers_plot_names_the_task_and_the_model():
+    from types import SimpleNamespace
+
+    from evolm_lib.viz import labels
+    from evolm_lib.viz.stepper import ESStepper
+
+    run = SimpleNamespace(config=SimpleNamespace(task="conciseness", model="tiny-random"), history=[], generation=0)
+    stepper = ESStepper(run)
+    assert stepper.plot.figure.layout.title.text == f"ES on conciseness ({labels.TINY_MODEL_NOTE})"
+
+
 def test_update_fitness_on_plain_figure():
     fig = plots.fitness_figure()
     plots.update_fitness(fig, make_rows(2))

@@ -28,7 +28,7 @@ COMMANDS = {
 
 
 EXAMPLES = (
-    ("evolm demo", "ES on conciseness with SmolLM2, the fitness plot in figures/"),
+    ("evolm demo", "ES on conciseness with SmolLM2, the fitness plot under runs/demo/"),
     ("evolm batch papermill_runs/ci_tiny.yaml --dry-run", "check a batch file's grid, run nothing"),
     ("evolm lab --port 8890 --no-browser", "JupyterLab on the project, for an SSH tunnel"),
 )

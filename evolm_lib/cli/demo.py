@@ -2,14 +2,17 @@
 stepper notebook, vLLM on this machine's CPU (or GPU).
 
     evolm demo                                  the demo: seed 0 of papermill_runs/conciseness_smollm2_cpu.yaml
-    evolm demo --seed 1 --no-copy-figure        another seed of that grid, leaving the README figure as it is
+    evolm demo --seed 1                         another seed of that grid
+    evolm demo --figure figures/demo_fitness.png
+                                                the demo, its fitness plot also copied to the README's figure
     evolm demo --spec papermill_runs/arithmetic_smollm2_cpu.yaml --out runs/demo_arithmetic
                                                 the same for another batch file's settings
 
 Runs notebooks/03_es_stepper.py through papermill with the settings of one grid point of the batch file
-(the one place those settings live), into OUT/<timestamp>/ (notebook.ipynb, run/, figures/), prints
-each generation's rewards as it lands, and copies the fitness plot to figures/demo_fitness.png for the
-README.
+(the one place those settings live), into OUT/<timestamp>/ (notebook.ipynb, run/, figures/), and prints
+each generation's rewards as it lands. Nothing outside OUT is written unless asked: --figure PATH
+(make demo DEMO_FIGURE=figures/demo_fitness.png) also copies the fitness plot there, which is how the
+README's figure is refreshed.
 """
 from __future__ import annotations
 
@@ -25,11 +28,12 @@ from ..batch import NOTEBOOK_FILE, execute_notebook, expand_runs, load_batch_spe
 from ..env import apply_engine_defaults
 from ..paths import project_root, resolve_in_project
 from ..runs import read_metrics
+from ..viz.labels import model_note
 from .help import HelpFormatter
 
 DEFAULT_SPEC = "papermill_runs/conciseness_smollm2_cpu.yaml"  # relative to the project folder
 FITNESS_FIGURE = "es_stepper_fitness"  # the stem 03_es_stepper exports its fitness plot under
-README_FIGURE = "figures/demo_fitness.png"
+README_FIGURE = "figures/demo_fitness.png"  # tracked: written only when --figure names it
 
 
 def demo_parameters(spec_path: str | Path = DEFAULT_SPEC, seed: int = 0) -> tuple[Path, dict]:
@@ -73,12 +77,26 @@ def _row_line(row: dict, total: int) -> str:
     return "  ".join(parts)
 
 
+def copy_figure(figures_dir: Path, target: str | Path | None) -> Path | None:
+    """The demo's fitness PNG in ``figures_dir`` copied to ``target`` (relative to the project folder);
+    None, writing nothing, without a target or a PNG."""
+    png = Path(figures_dir) / f"{FITNESS_FIGURE}.png"
+    if target is None or not png.exists():
+        return None
+    path = Path(target)
+    if not path.is_absolute():
+        path = project_root() / path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(png, path)
+    return path
+
+
 def run_demo(spec_path: str | Path = DEFAULT_SPEC, seed: int = 0, out_root: str | Path = "runs/demo",
-             copy_figure: bool = True) -> dict:
-    """Run the demo notebook; returns paths, rewards and wall time."""
+             figure: str | Path | None = None) -> dict:
+    """Run the demo notebook into ``out_root``; with ``figure``, its fitness PNG is also copied there
+    (README_FIGURE refreshes the README's). Returns paths, rewards and wall time."""
     apply_engine_defaults()  # inherited by the notebook's kernel
     root = project_root()
-    readme_figure = root / README_FIGURE
     notebook, parameters = demo_parameters(spec_path, seed)
     out = Path(out_root)
     if not out.is_absolute():
@@ -90,6 +108,8 @@ def run_demo(spec_path: str | Path = DEFAULT_SPEC, seed: int = 0, out_root: str 
     total = parameters.get("num_generations", "?")
     print(f"EvoLM demo: ES on {parameters.get('task')} with {parameters.get('model')}, population "
           f"{parameters.get('population_size')}, {total} generations (settings: {Path(spec_path).name}, seed {seed})")
+    if model_note(parameters.get("model")):
+        print(model_note(parameters.get("model")))
     print(f"running {notebook.relative_to(root) if notebook.is_relative_to(root) else notebook} "
           f"-> {executed}", flush=True)
 
@@ -111,13 +131,9 @@ def run_demo(spec_path: str | Path = DEFAULT_SPEC, seed: int = 0, out_root: str 
     first = next(r for r in rows if r.get("generation") == 0)
     last = rows[-1]
     figures = sorted(figures_dir.glob(f"{FITNESS_FIGURE}.*"))
-    png = figures_dir / f"{FITNESS_FIGURE}.png"
-    if copy_figure and png.exists():
-        readme_figure.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(png, readme_figure)
     return {
         "notebook": executed, "run_dir": run_dir, "figures": figures,
-        "readme_figure": readme_figure if copy_figure and png.exists() else None,
+        "copied_figure": copy_figure(figures_dir, figure),
         "generation_0": {"train": first["policy/train_reward"], "eval": first["eval/reward"]},
         "final": {"generation": last["generation"], "train": last["policy/train_reward"], "eval": last["eval/reward"]},
         "wall_s": wall,
@@ -130,7 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--spec", default=DEFAULT_SPEC, help="batch YAML holding the demo settings")
     parser.add_argument("--seed", type=int, default=0, help="which seed of the YAML's grid to run")
     parser.add_argument("--out", default="runs/demo", help="parent folder of the timestamped output")
-    parser.add_argument("--no-copy-figure", action="store_true", help=f"do not update {README_FIGURE}")
+    parser.add_argument("--figure", default=None, metavar="PATH",
+                        help=f"also copy the fitness PNG to PATH ({README_FIGURE}: the README's figure)")
     return parser
 
 
@@ -139,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        result = run_demo(args.spec, args.seed, args.out, copy_figure=not args.no_copy_figure)
+        result = run_demo(args.spec, args.seed, args.out, figure=args.figure)
     except Exception as error:  # noqa: BLE001 - one readable line, the notebook holds the traceback
         ename, evalue = getattr(error, "ename", None), getattr(error, "evalue", None)
         print(f"demo failed: {ename + ': ' + evalue if ename else f'{type(error).__name__}: {error}'}", file=sys.stderr)
@@ -150,8 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"run folder:        {result['run_dir']}")
     for path in result["figures"]:
         print(f"figure:            {path}")
-    if result["readme_figure"]:
-        print(f"README figure:     {result['readme_figure']}")
+    if result["copied_figure"]:
+        print(f"copied to:         {result['copied_figure']}")
     print(f"mean adapter reward, generation 0:  train {g0['train']:.3f}  eval {g0['eval']:.3f}")
     print(f"mean adapter reward, generation {final['generation']}: train {final['train']:.3f}  eval {final['eval']:.3f}")
     print(f"wall time: {result['wall_s'] / 60:.1f} min")

@@ -16,6 +16,9 @@ percent-format .py (notebooks/*.py) opens as a notebook on a double click. A sav
 notebooks/*.ipynb drops outputs, execution counts and the lab's own metadata, so its diff is the
 change you made. Notebooks elsewhere (runs/, your own) keep their outputs.
 
+JupyterLab's question whether to fetch its news from the internet (a pop-up over the notebook until
+answered) is answered no.
+
 Run as root (the usual container), `--allow-root` is added. Ctrl-C, or `kill` of the evolm process,
 stops the server and its kernels. The settings live in the project's `.jupyter/` folder
 (`jupyter_server_config.py`, `lab/settings/overrides.json`), which the server reads first; with

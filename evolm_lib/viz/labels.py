@@ -7,7 +7,7 @@ e.g. "-|length difference|, chars" for conciseness), so an axis says what was me
 from __future__ import annotations
 
 import textwrap
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 REWARD = "reward"
 """The pseudo-key of an axis that holds several rewards at once (the fitness plot)."""
@@ -119,3 +119,38 @@ def integer_ticks(max_value: float, target: int = 8) -> dict:
         if max_value / candidate <= target:
             break
     return {"tickmode": "linear", "tick0": 0, "dtick": step, "tickformat": "d"}
+
+
+TINY_MODEL = "tiny-random"
+TINY_MODEL_NOTE = "tiny-random: a plumbing check; its rewards mean nothing"
+"""What a figure or summary of the tiny random model (``evolm_lib.models``) says of it: its weights are
+random, so its rewards show that the code runs, not that a method learns."""
+
+
+def is_tiny_model(model: object) -> bool:
+    """True for the tiny random model, by name or by its folder's name."""
+    return model is not None and str(model).rstrip("/").replace("\\", "/").split("/")[-1] == TINY_MODEL
+
+
+def model_note(models: object) -> str:
+    """TINY_MODEL_NOTE where ``models`` (a model name or path, or several) include the tiny random
+    model, else an empty string."""
+    if isinstance(models, (str, bytes)) or not isinstance(models, Iterable):
+        models = [models]
+    return TINY_MODEL_NOTE if any(is_tiny_model(m) for m in models) else ""
+
+
+def model_title(text: str, model: object) -> str:
+    """A figure title naming its model in brackets ("ES on conciseness (smollm2-135m-instruct)"); the
+    tiny random model is named with TINY_MODEL_NOTE."""
+    return f"{text} ({model_note(model) or model})"
+
+
+def note_model(fig, models: object):
+    """``fig`` (a plotly figure) with TINY_MODEL_NOTE after its title where ``models`` include the tiny
+    random model; unchanged otherwise."""
+    note = model_note(models)
+    if note:
+        title = fig.layout.title.text
+        fig.update_layout(title_text=f"{title} ({note})" if title else note)
+    return fig

@@ -22,6 +22,10 @@ MEAN, BEST, BAND, EVAL, POLICY = "mean", "best", "p20-p80", "eval", "mean adapte
 FITNESS_TRACE_NAMES = (BAND, MEAN, BEST, POLICY, EVAL)
 TIME_KEYS = tuple(PHASE_NAMES)  # phases of a generation (ES) or step (GRPO), in the order they run
 BOX_FROM_SEEDS = 5  # fewer seeds per method: every point and the mean, not a box
+MARKERS_UP_TO = 20
+"""A line of at most this many points is drawn with a marker on each: plotly draws nothing for a line of
+one point (a stepper's first generation), and on a short run each generation stays visible; past it
+the markers would crowd the line."""
 
 _PALETTE = qualitative.Plotly
 _METHOD_COLORS = {"es": _PALETTE[0], "es lora": _PALETTE[0], "grpo": _PALETTE[1], "grpo lora": _PALETTE[1],
@@ -52,6 +56,11 @@ def _records(table: Any) -> list[Mapping[str, Any]]:
     return list(table)
 
 
+def line_mode(points: int) -> str:
+    """The scatter mode of a line of ``points`` points: markers on it up to MARKERS_UP_TO points."""
+    return "lines+markers" if points <= MARKERS_UP_TO else "lines"
+
+
 def _axis(key: str, reward_label: str | None = None, values: Sequence[float] = ()) -> dict:
     """Title and tick format of an axis holding ``key``; whole-number ticks for generations and steps."""
     axis = {"title": {"text": axis_title(key, reward_label)}, **axis_format(key)}
@@ -68,8 +77,8 @@ def _fitness_traces() -> list[go.Scatter]:
     return [
         go.Scatter(name=BAND, x=[], y=[], mode="lines", fill="toself", line=dict(width=0),
                    fillcolor=_rgba(blue, 0.2), hoverinfo="skip"),
-        go.Scatter(name=MEAN, x=[], y=[], mode="lines", line=dict(color=blue, width=2)),
-        go.Scatter(name=BEST, x=[], y=[], mode="lines", line=dict(color=green, dash="dot")),
+        go.Scatter(name=MEAN, x=[], y=[], mode="lines", line=dict(color=blue, width=2), marker=dict(size=6)),
+        go.Scatter(name=BEST, x=[], y=[], mode="lines", line=dict(color=green, dash="dot"), marker=dict(size=5)),
         go.Scatter(name=POLICY, x=[], y=[], mode="lines+markers", line=dict(color=purple),
                    marker=dict(size=5)),
         go.Scatter(name=EVAL, x=[], y=[], mode="markers",
@@ -113,6 +122,8 @@ def update_fitness(fig: go.Figure, rows: Sequence[Row]) -> go.Figure:
     for trace in fig.data:
         if trace.name in data:
             trace.x, trace.y = data[trace.name]
+        if trace.name in (MEAN, BEST):
+            trace.mode = line_mode(len(trace.x))
     fig.layout.xaxis.update(x_axis)
     return fig
 
@@ -196,7 +207,8 @@ def plot_runs_curve(runs: Runs, x: str, y: str, band: str = "minmax",
                             fill="toself", fillcolor=_rgba(color, 0.2), line=dict(width=0),
                             hoverinfo="skip")
         fig.add_scatter(name=f"{method} (n={len(seed_rows)})", legendgroup=method, x=agg["x"],
-                        y=agg["mean"], mode="lines", line=dict(color=color, width=2))
+                        y=agg["mean"], mode=line_mode(len(agg["x"])), line=dict(color=color, width=2),
+                        marker=dict(size=6))
     fig.update_layout(title=title or f"{label(y)} vs {label(x)}", xaxis=_axis(x, values=xs_all),
                       yaxis=_axis(y, reward_label), template="plotly_white", hovermode="x unified")
     return fig

@@ -16,6 +16,7 @@ import ipywidgets as widgets
 
 from ..metrics import completions_table
 from . import plots
+from .labels import model_title
 from .live import LivePlot, live_fitness_plot
 
 
@@ -27,7 +28,11 @@ class ESStepper:
         self.run = run
         reward_label = getattr(getattr(run, "task", None), "reward_label", None)  # the task's reward, in words
         self.reward_label = reward_label
-        self.plot = plot if plot is not None else live_fitness_plot(reward_label=reward_label)
+        config = getattr(run, "config", None)
+        # "ES on conciseness (smollm2-135m-instruct)"; tiny-random's title says its rewards mean nothing
+        self.title = (model_title(f"ES on {config.task}", config.model) if hasattr(config, "model")
+                      else "ES fitness")
+        self.plot = plot if plot is not None else live_fitness_plot(self.title, reward_label=reward_label)
         self.figures_dir = figures_dir
         """With a folder, the fitness figure is exported there again after every Step or Run N (the files follow the run)."""
         self.figure_name = figure_name
@@ -116,7 +121,7 @@ class ESStepper:
 
         if self.figures_dir is None:
             raise ValueError("no figures_dir: pass ESStepper(run, figures_dir=...) to export the figure")
-        figure = plots.plot_fitness(self.run.history, reward_label=self.reward_label)
+        figure = plots.plot_fitness(self.run.history, title=self.title, reward_label=self.reward_label)
         self.figure_paths = export_figure(figure, self.figure_name, self.figures_dir)
         return self.figure_paths
 
