@@ -15,7 +15,9 @@ from evolm_lib.grpo.primitives import (
     gather_labels,
     get_response_log_probs,
     grpo_microbatch_train_step,
+    KL_PENALTIES,
     kl_k3,
+    kl_penalty,
     label_logits,
     masked_mean,
     masked_normalize,
@@ -426,6 +428,45 @@ def test_grpo_microbatch_kl_penalty():
     k_plus, k_minus = 1.0 - LN2, LN2 - 0.5
     close(loss, ((1.0 + 2.0 + 0.1 * k_plus) / 2 + (-2.0 + 0.1 * k_minus)) / 2)
     close(meta["kl"], (k_plus + k_minus) / 3)
+
+
+def test_kl_penalty_forms_by_hand():
+    # one token, log pi = x = 0, log pi_ref = ln 2: k3 = e^(ln 2) - ln 2 - 1 = 1 - ln 2, dk3/dx = 1 - e^(ln 2) = -1
+    x = torch.zeros(1, 1, requires_grad=True)
+    ref = torch.full((1, 1), LN2)
+    k3 = kl_penalty(x, ref)
+    k3.sum().backward()
+    close(k3, [[1.0 - LN2]])
+    close(x.grad, [[-1.0]])
+    # on-policy the ratio is 1 with pi's gradient: same value, gradient k3 * 1 + dk3/dx = (1 - ln 2) - 1
+    x.grad = None
+    ratio = kl_penalty(x, ref, form="ratio_k3")
+    ratio.sum().backward()
+    close(ratio, [[1.0 - LN2]])
+    close(x.grad, [[-LN2]])
+    # off-policy: rollouts drawn at log pi_old = -ln 2, so the ratio is 2: value 2 k3, gradient 2 (k3 + dk3/dx)
+    x.grad = None
+    moved = kl_penalty(x, ref, old_log_probs=torch.full((1, 1), -LN2), form="ratio_k3")
+    moved.sum().backward()
+    close(moved, [[2 * (1.0 - LN2)]])
+    close(x.grad, [[-2 * LN2]])
+    with pytest.raises(ValueError, match="kl_penalty"):
+        kl_penalty(x, ref, form="k2")
+
+
+def test_grpo_microbatch_ratio_k3_changes_the_gradient_not_the_reported_kl():
+    ref = torch.tensor(GRPO_LOG_PROBS) + torch.tensor([[LN2, 0.0], [-LN2, 5.0]])
+    results = {}
+    for form in KL_PENALTIES:
+        log_probs = torch.tensor(GRPO_LOG_PROBS, requires_grad=True)
+        loss, meta = grpo_microbatch_train_step(log_probs, GRPO_MASK, 1, "reinforce_with_baseline",
+                                                advantages=GRPO_ADVANTAGES, beta=0.1, ref_log_probs=ref, kl_form=form)
+        results[form] = (loss, meta["kl"], log_probs.grad.clone())
+    close(results["k3"][0], results["ratio_k3"][0])  # on-policy: the same loss value
+    close(results["k3"][1], results["ratio_k3"][1])  # and the same reported KL
+    # token (0, 0): k3 = 1 - ln 2, dk3 = -1; the ratio form adds beta * k3 / 2 (the sequence mean over 2 tokens, / 2 rows)
+    difference = results["ratio_k3"][2] - results["k3"][2]
+    close(difference[0, 0], 0.1 * (1.0 - LN2) / 2 / 2)
 
 
 def test_grpo_microbatch_clip_fraction_counts_response_tokens_only():

@@ -6,6 +6,8 @@ References:
 - Dr. GRPO, constant length normaliser: https://arxiv.org/abs/2503.20783
 - DAPO, token-level mean: https://arxiv.org/abs/2503.14476
 - k3 KL estimator: http://joschu.net/blog/kl-approx.html
+- k3 times the importance ratio (an unbiased gradient of the reverse KL once the policy has left the
+  rollouts' policy): TRL's ``GRPOConfig.use_bias_correction_kl``
 
 Sign convention: rewards and advantages are maximised; every `loss` here is minimised, so it is the
 negated objective. Functions are pure except the two `*_microbatch_train_step`, which call `backward()`.
@@ -24,6 +26,28 @@ LOSS_TYPES: tuple[str, ...] = ("no_baseline", "reinforce_with_baseline", "grpo_c
 
 LengthNormalization = Literal["sequence_mean", "constant", "token_mean"]
 LENGTH_NORMALIZATIONS: tuple[str, ...] = ("sequence_mean", "constant", "token_mean")
+
+KLPenalty = Literal["k3", "ratio_k3"]
+KL_PENALTIES: tuple[str, ...] = ("k3", "ratio_k3")
+
+
+def kl_penalty(policy_log_probs: Tensor, ref_log_probs: Tensor, old_log_probs: Tensor | None = None,
+               form: KLPenalty = "k3") -> Tensor:
+    """The per-token KL term GRPO adds to its loss (times beta), (batch, seq).
+
+    "k3": Schulman's k3 estimate as DeepSeekMath's GRPO adds it (TRL's ``loss_type="grpo"``).
+    "ratio_k3": k3 times the importance ratio pi / pi_old (``old_log_probs``, the rollouts' policy;
+    None: on-policy, the ratio is 1 in value but carries pi's gradient), TRL's
+    ``use_bias_correction_kl``. The two have the same value on-policy; their gradients differ once the
+    policy has moved from the reference: d(ratio k3) = k3 d(log pi) + d(k3).
+    """
+    kl = kl_k3(policy_log_probs, ref_log_probs.detach())
+    if form == "k3":
+        return kl
+    if form != "ratio_k3":
+        raise ValueError(f"kl_penalty: one of {', '.join(KL_PENALTIES)}, got {form!r}")
+    old = policy_log_probs.detach() if old_log_probs is None else old_log_probs.detach()
+    return torch.exp(policy_log_probs - old) * kl
 
 
 # ---------------------------------------------------------------- tokenisation and log-probs
@@ -346,6 +370,7 @@ def grpo_microbatch_train_step(
     normalize_constant: float | None = None,
     beta: float = 0.0,
     ref_log_probs: Tensor | None = None,
+    kl_form: KLPenalty = "k3",
     mask_checked: bool = False,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Policy-gradient micro-batch step: per-token loss (+ beta * k3), length-normalised, / accumulation; backward().
@@ -357,7 +382,8 @@ def grpo_microbatch_train_step(
         generation length), then mean over the batch.
       - "token_mean" (DAPO): sum over all response tokens of the micro-batch / their count; with
         gradient accumulation this weights micro-batches equally, not tokens.
-    With `ref_log_probs`, the k3 KL is reported in metadata["kl"]; `beta > 0` adds beta * k3 to the loss.
+    With `ref_log_probs`, the k3 KL is reported in metadata["kl"]; `beta > 0` adds beta times the KL
+    term to the loss, `kl_penalty` of form `kl_form` ("k3", or "ratio_k3": times the importance ratio).
     `mask_checked`: the caller has checked the mask's rows where it was made (no response without
     tokens under "sequence_mean"), so the check, which reads the mask back from the device, is skipped.
     """
@@ -384,7 +410,8 @@ def grpo_microbatch_train_step(
     if ref_log_probs is not None:
         kl = kl_k3(policy_log_probs, ref_log_probs.detach())  # (batch, seq)
         if beta > 0:
-            per_token_loss = per_token_loss + beta * kl
+            term = kl if kl_form == "k3" else kl_penalty(policy_log_probs, ref_log_probs, old_log_probs, kl_form)
+            per_token_loss = per_token_loss + beta * term
         metadata["kl"] = masked_normalize(kl.detach(), mask) / token_count  # NaN if no response tokens
     if "clipped" in metadata:
         # the clip fraction that matters is over response tokens, not padding
