@@ -208,6 +208,7 @@ def plan_sweep(sweep: dict, generations: int | None = None, seeds: list[int] | N
     common = sweep.get("common") or {}
     given = [(f"--{key.replace('_', '-')}", {key: value}) for key, value in (overrides or {}).items()]
     generations = int(generations if generations is not None else sweep.get("generations", 10))
+    check_not_empty(sweep, seeds)
     seeds = list(seeds if seeds is not None else sweep.get("seeds", [0]))
     grpo = dict(sweep.get("grpo") or {})
     if isinstance(grpo.get("learning_rate"), list):
@@ -256,7 +257,44 @@ def plan_sweep(sweep: dict, generations: int | None = None, seeds: list[int] | N
     else:  # a protocol's own GRPO budget: equal within each kind
         for kind in ("es", "grpo"):
             check_equal_budgets([run for run in plan if run.kind == kind])
+    check_plan_sizes(plan)
     return plan
+
+
+def check_not_empty(sweep: dict, seeds: list[int] | None = None) -> None:
+    """Refuse a grid or method list given empty (``seeds: []``, ``grpo: {group_size: []}``, ``es_modes: {}``):
+    written out, it would plan no run of that kind, or none at all, instead of what the spec names."""
+    grpo = sweep.get("grpo") if isinstance(sweep.get("grpo"), dict) else {}
+    empty = [(f"sweep.{key}", sweep.get(key)) for key in ("seeds", "es_modes", "grpo_modes")
+             if key in sweep and sweep.get(key) is not None and len(sweep.get(key)) == 0]
+    if "group_size" in grpo and isinstance(grpo["group_size"], list) and not grpo["group_size"]:
+        empty.append(("sweep.grpo.group_size", grpo["group_size"]))
+    if seeds is not None and not list(seeds):
+        empty.append(("--seeds", seeds))
+    if empty:
+        raise ConfigError("; ".join(f"{field}: empty ({value!r}), so the sweep would leave out what it names; "
+                                    "give at least one value, or leave the key out for its default"
+                                    for field, value in empty))
+
+
+def check_plan_sizes(plan: list[PlannedRun]) -> None:
+    """Refuse a plan whose sizes no run on this machine can hold (``preflight.check_run_sizes``: population,
+    group size, prompts, tokens and the rows a run writes, against the host's memory and the card's), before
+    any folder or engine exists; the error names the run and the field with the largest value that fits."""
+    from .models import cached_model_dir
+    from .preflight import check_run_sizes
+
+    checked = set()
+    for run in plan:
+        settings = {k: v for k, v in run.config.to_dict().items() if k != "seed"}
+        key = json.dumps([run.kind, settings], sort_keys=True, default=str)
+        if key in checked:  # the seeds of one method ask the same of the machine
+            continue
+        checked.add(key)
+        try:
+            check_run_sizes(run.config, cached_model_dir(run.config.model))
+        except ConfigError as error:
+            raise ConfigError(f"{run.name}: {error}", error.errors, error.config_name) from None
 
 
 def check_equal_budgets(plan: list[PlannedRun]) -> None:

@@ -115,7 +115,9 @@ from .state import (
     settings_changes,
     write_status,
 )
-from .summary import RESULT_CELLS, format_plan, format_summary, summary_rows, write_summary, write_summary_files
+from .plan import check_out_folder
+from .summary import (RESULT_CELLS, format_plan, format_summary, plumbing_check_note, summary_rows, write_summary,
+                      write_summary_files)
 
 __all__ = [
     "TYPES", "check_point", "check_types", "run_batch", "run_point", "KERNEL_DIED_AT_START", "KERNEL_START_ATTEMPTS",
@@ -124,5 +126,5 @@ __all__ = [
     "expand_runs", "load_batch_spec", "read_yaml_file", "resolve_notebook", "spec_from_dict", "ACTIONS", "BUSY",
     "FAILED", "NOT_RUN", "OK", "PLANNED", "RUNNING", "STATUS_FILE", "Change", "PointPlan", "RunResult",
     "conflict_fix", "point_state", "read_status", "settings_changes", "write_status", "RESULT_CELLS", "format_plan",
-    "format_summary", "summary_rows", "write_summary", "write_summary_files",
+    "format_summary", "summary_rows", "write_summary", "write_summary_files", "plumbing_check_note", "check_out_folder",
 ]

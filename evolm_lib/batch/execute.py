@@ -81,9 +81,10 @@ def _run_point(spec: BatchSpec, point: PointPlan, log_output: bool) -> RunResult
     if point.action == "invalid":  # failed its checks: no kernel
         if kept is not None:  # a finished point stays as it is; this attempt's error is reported beside it
             return _kept(point, kept, point.error)
-        write_status(point.folder, {**base, "status": FAILED, "seconds": 0.0, "error": point.error,
-                                    "finished": started, "before_start": True})
-        return _result(point, FAILED, 0.0, point.error)
+        if point.folder.exists():  # an earlier attempt's folder: it says this one failed its checks
+            write_status(point.folder, {**base, "status": FAILED, "seconds": 0.0, "error": point.error,
+                                        "finished": started, "before_start": True})
+        return _result(point, FAILED, 0.0, point.error)  # a new point: no folder, no summary row
     aside = None
     if point.action == "overwrite" and point.folder.exists():
         if kept is not None:  # moved aside, back if the new attempt fails
@@ -137,7 +138,6 @@ def run_batch(spec_or_path: BatchSpec | str | Path, out_dir: str | Path, overwri
                           p.action, p.reason, point_results(p.parameters) if p.action in NOT_RUN else {})
                 for p in points]
 
-    out_dir.mkdir(parents=True, exist_ok=True)
     defaults = notebook_info(read_notebook(spec.notebook, spec.kernel)).defaults
     results = {p.run.name: _kept(p, p.status) for p in points if p.action in NOT_RUN}
     work = [p for p in points if p.action not in NOT_RUN]
@@ -149,8 +149,17 @@ def run_batch(spec_or_path: BatchSpec | str | Path, out_dir: str | Path, overwri
         results[point.run.name] = result
         if result.status == FAILED or result.attempt_error:
             bar.write(f"[failed] {point.run.name}: {result.error or result.attempt_error}", file=sys.stderr)
-        write_summary([results[n] for n in order if n in results], out_dir, spec, defaults)
+        _write_summary([results[n] for n in order if n in results], out_dir, spec, defaults)
     bar.close()
     ordered = [results[n] for n in order]
-    write_summary(ordered, out_dir, spec, defaults)
+    _write_summary(ordered, out_dir, spec, defaults)
     return ordered
+
+
+def _write_summary(results: list[RunResult], out_dir: Path, spec: BatchSpec, defaults: dict[str, Any]) -> None:
+    """The summary of the points that have a folder: a point that failed its checks before its first
+    attempt created nothing, and has no row; a batch of such points alone writes no summary."""
+    rows = [r for r in results if r.folder.exists()]
+    if rows or out_dir.exists():
+        out_dir.mkdir(parents=True, exist_ok=True)
+        write_summary(rows, out_dir, spec, defaults)

@@ -96,15 +96,21 @@ def main(argv: list[str] | None = None) -> int:
     print(batch.format_summary(results))
     failed = [r for r in results if r.status == batch.FAILED or r.attempt_error]
     busy = [r for r in results if r.status == batch.BUSY]
+    conflicts = [r for r in results if r.action == "conflict"]
     done = _counts(r.action for r in results)
-    print(f"\n{len(results) - len(failed) - len(busy)} ok, {len(failed)} failed ({done}); "
-          f"summary in {where / 'summary.csv'}")
+    left = f", {len(conflicts)} left as they were (settings changed)" if conflicts else ""
+    summary = f"summary in {where / 'summary.csv'}" if (where / "summary.csv").exists() else "no summary written"
+    not_ok = {id(r) for r in [*failed, *busy, *conflicts]}
+    print(f"\n{len(results) - len(not_ok)} ok, {len(failed)} failed{left} ({done}); "
+          f"{summary}")
+    tiny = batch.plumbing_check_note(results)
+    if tiny:
+        print(tiny)
     for r in busy:
         print(f"busy, left as it is: {r.name}, {r.reason}")
     skipped_failures = [r.name for r in failed if r.action == "skip"]
     if skipped_failures:
         print(f"skipped {len(skipped_failures)} point(s) that failed before: --retry-failed runs them again")
-    conflicts = [r for r in results if r.action == "conflict"]
     if conflicts:  # the same lines as the dry run's
         print(f"left {len(conflicts)} point(s) as they were, their folders holding other settings:")
         print(batch.format_plan(conflicts))

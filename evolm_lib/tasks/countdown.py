@@ -38,7 +38,7 @@ from numbers import Real
 from pathlib import Path
 from typing import Any
 
-from evolm_lib.tasks.base import Example, RewardResult, Task, register_task
+from evolm_lib.tasks.base import Example, RewardResult, Task, check_example_counts, register_task
 from evolm_lib.tasks.safe_arith import UnsafeExpressionError, evaluate_expression, numbers_used
 
 SYSTEM_PROMPT = (
@@ -410,6 +410,7 @@ class CountdownTask(Task):
         if num_train < 0 or num_eval < 0 or num_validation < 0:
             raise ValueError(f"num_train and num_eval must be >= 0, and num_validation too, got {num_train}, "
                              f"{num_eval}, {num_validation}")
+        check_example_counts({"num_train": num_train, "num_eval": num_eval, "num_validation": num_validation})
         wanted = num_train + num_eval + num_validation
         self.answer_format = check_answer_format(answer_format)
         difficulty = {"num_numbers": num_numbers, "max_number": max_number, "max_target": max_target}
