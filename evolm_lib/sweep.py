@@ -73,8 +73,8 @@ from .train.es import ESRun
 from .evaluation import evaluate_adapter, mean_kl_to_base, success
 from .train.grpo import GRPORun
 from .train.model_weights import ModelWeights
-from .runs import (RunFolderBusy, describe_holder, list_checkpoints, load_checkpoint, lock_holder, read_checkpoint_kls,
-                   read_jsonl, read_metrics, record_final_metrics, write_jsonl)
+from .runs import (RunFolderBusy, describe_holder, list_checkpoints, load_checkpoint, lock_holder, missing_config,
+                   read_checkpoint_kls, read_jsonl, read_metrics, record_final_metrics, write_jsonl)
 from .tasks import get_task
 
 DEFAULT_SPEC = "papermill_runs/es_vs_grpo_conciseness_cpu.yaml"  # relative to the project folder
@@ -333,7 +333,8 @@ class RunAction:
     """new, finished, unfinished (resumed), changed (its folder holds a run with other settings) or busy."""
     action: str
     """run, finish (a finished run: its held-out scores and KL completed where missing), resume, overwrite,
-    conflict (left as it is, and the sweep refuses to start) or skip (busy)."""
+    conflict (left as it is, and the sweep refuses to start), damaged (its config.yaml is missing: the sweep
+    refuses to start and gives the command that restores it) or skip (busy)."""
     reason: str = ""
     error: str = ""
 
@@ -375,6 +376,14 @@ def plan_actions(plan: list[PlannedRun], out: str | Path, overwrite: Collection[
         holder = lock_holder(folder) if folder.is_dir() else None
         if holder is not None:
             actions.append(RunAction(run, "busy", "skip", f"{what}; held by {describe_holder(holder)}"))
+            continue
+        missing = missing_config(folder)
+        if missing is not None:  # checkpoints without config.yaml: no plan can say where it resumes
+            if run.name in replace:
+                actions.append(RunAction(run, "damaged", "overwrite", f"{what}; replaces the run there ({missing})"))
+            else:
+                actions.append(RunAction(run, "damaged", "damaged", f"{what}; {missing}; or `--overwrite "
+                                                                    f"{run.method}/{run.config.seed}` starts it again"))
             continue
         rows = read_metrics(folder) if (folder / "config.yaml").is_file() else []
         if not rows and not list_checkpoints(folder):

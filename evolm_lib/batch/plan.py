@@ -79,6 +79,8 @@ def plan_points(spec: BatchSpec, out_dir: str | Path, retry_failed: bool = False
             reason += " (--retry-failed runs it again)"
         elif state == "changed":
             reason += f"; {conflict_fix(run.name)}"
+        elif state == "damaged":
+            reason += f"; or `--overwrite {run.name}` starts this point again"
         if error and action == "skip":  # a finished run stays as it is; say what the check says now
             notes = [f"its settings fail the checks now: {error}"]
         elif error:

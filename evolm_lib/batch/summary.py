@@ -91,14 +91,17 @@ def write_summary_files(out_dir: str | Path, rows: Sequence[Mapping[str, Any]], 
     header = list(dict.fromkeys([*columns, *(key for row in rows for key in row)]))
     cells = [{key: _cell(row.get(key)) for key in header} for row in rows]
     table = out_dir / ".summary.csv.tmp"
-    with open(table, "w", newline="", encoding="utf-8") as handle:
+    from ..runs.durable import naming  # runs imports torch: not at the command's start
+
+    with naming(out_dir / "summary.csv"), open(table, "w", newline="", encoding="utf-8") as handle:
         writer = csv.DictWriter(handle, fieldnames=header)
         writer.writeheader()
         writer.writerows(cells)
     os.replace(table, out_dir / "summary.csv")
     payload = {"notebook": None if notebook is None else str(notebook), "written": now_text(), "runs": list(runs)}
     details = out_dir / ".summary.json.tmp"
-    details.write_text(json.dumps(payload, indent=2, default=str) + "\n", encoding="utf-8")
+    with naming(out_dir / "summary.json"):
+        details.write_text(json.dumps(payload, indent=2, default=str) + "\n", encoding="utf-8")
     os.replace(details, out_dir / "summary.json")
     return list(rows)
 

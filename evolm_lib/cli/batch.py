@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{len(results)} point(s) of {spec.notebook} in {where}: {counts}")
         print(batch.format_plan(results))
         _print_stale(stale)
-        return 1 if any(r.action in ("invalid", "conflict") for r in results) else 0
+        return 1 if any(r.action in ("invalid", "conflict", "damaged") for r in results) else 0
     print(batch.format_summary(results))
     failed = [r for r in results if r.status == batch.FAILED or r.attempt_error]
     busy = [r for r in results if r.status == batch.BUSY]
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     done = _counts(r.action for r in results)
     left = f", {len(conflicts)} left as they were (settings changed)" if conflicts else ""
     summary = f"summary in {where / 'summary.csv'}" if (where / "summary.csv").exists() else "no summary written"
-    not_ok = {id(r) for r in [*failed, *busy, *conflicts]}
+    not_ok = {id(r) for r in [*failed, *busy, *conflicts] + [r for r in results if r.action == "damaged"]}
     print(f"\n{len(results) - len(not_ok)} ok, {len(failed)} failed{left} ({done}); "
           f"{summary}")
     tiny = batch.plumbing_check_note(results)
@@ -114,8 +114,12 @@ def main(argv: list[str] | None = None) -> int:
     if conflicts:  # the same lines as the dry run's
         print(f"left {len(conflicts)} point(s) as they were, their folders holding other settings:")
         print(batch.format_plan(conflicts))
+    damaged = [r for r in results if r.action == "damaged"]
+    if damaged:
+        print(f"left {len(damaged)} point(s) as they were, their run folders missing config.yaml:")
+        print(batch.format_plan(damaged))
     _print_stale(stale)
-    return 1 if failed or conflicts else 0
+    return 1 if failed or conflicts or damaged else 0
 
 
 def _interrupted(spec: batch.BatchSpec | None, out_dir: Path) -> int:

@@ -92,6 +92,11 @@ def main(argv: list[str] | None = None) -> int:
             + " (sweep.grpo_completions: not an equal-budget comparison)")
     print(f"{len(plan)} runs into {out}, {each}; {estimated}")
     print(format_plan(actions))
+    damaged = [action for action in actions if action.action == "damaged"]
+    if damaged:
+        print(f"{'error: ' if not args.dry_run else ''}{len(damaged)} run folder(s) in {out.resolve()} lost their "
+              "config.yaml (listed above, with the command that restores each); nothing was run", file=sys.stderr)
+        return 1
     conflicts = [action for action in actions if action.action == "conflict"]
     if conflicts:
         print(f"{'error: ' if not args.dry_run else ''}{len(conflicts)} run folder(s) in {out.resolve()} hold runs "

@@ -307,11 +307,18 @@ def load_countdown_json(path: str | Path, skip_malformed: bool = False) -> list[
         raise CountdownFileNotFoundError(
             f"countdown data file not found: {path}{where}; the paper's file is {PAPER_DATA_FILE} of {PAPER_REPOSITORY}"
         )
-    with open(path, encoding="utf-8") as file:
-        try:
-            entries = json.load(file)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"{path}: not valid JSON ({error})") from None
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = data.count(b"\n", 0, error.start) + 1
+        column = error.start - (data.rfind(b"\n", 0, error.start) + 1) + 1
+        raise ValueError(f"{path}, line {line}, column {column}: not UTF-8 text (byte 0x{data[error.start]:02x}, "
+                         f"{error.reason}); save the file as UTF-8") from None
+    try:
+        entries = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path}: not valid JSON ({error})") from None
     if not isinstance(entries, list) or not entries:
         raise ValueError(f"{path}: expected a non-empty JSON list of puzzles")
     examples: list[Example] = []
