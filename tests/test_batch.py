@@ -474,3 +474,48 @@ def test_a_kernel_that_dies_before_answering_is_started_once_more(tmp_path, monk
     with pytest.raises(RuntimeError, match=batch.KERNEL_DIED_AT_START), pytest.warns(RuntimeWarning):
         batch.execute_notebook(notebook, tmp_path / "out2.ipynb", kernel_name="always-dies", cwd=tmp_path)
     assert deaths.read_text() == str(batch.KERNEL_START_ATTEMPTS)
+
+
+def test_sigterm_on_a_batch_prints_what_ctrl_c_prints_and_leaves_no_running_status(tmp_path):
+    """SIGTERM (kill, a scheduler) on a real `evolm batch` process while its second point's kernel runs:
+    the same one line as Ctrl-C, exit 143, no traceback, the kernel ended, and status.json no longer
+    "running" with a dead pid; the same command then resumes that point."""
+    import psutil
+
+    release = tmp_path / "release"
+    spec_path = write_yaml(tmp_path / "p.yaml", f"""
+notebook: {RUN_NB}
+name: fx
+parameters: {{hold: {release}, hold_seed: 1}}
+grid: {{seed: [0, 1]}}
+""")
+    out = tmp_path / "out"
+    stderr = open(tmp_path / "stderr", "w+")
+    process = subprocess.Popen([sys.executable, "-m", "evolm_lib.cli", "batch", str(spec_path), "--out", str(out)],
+                               cwd=Path(__file__).resolve().parents[1], stdout=subprocess.DEVNULL, stderr=stderr)
+    pid_file = out / "fx__seed-1" / "run" / "kernel.pid"
+    try:
+        deadline = time.monotonic() + 300
+        while not pid_file.exists() and time.monotonic() < deadline and process.poll() is None:
+            time.sleep(0.5)
+        assert pid_file.exists(), (tmp_path / "stderr").read_text()[-3000:]
+        time.sleep(0.5)
+        kernel = int(pid_file.read_text())
+        before = len((tmp_path / "stderr").read_text())
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(120) == 143
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(10)
+    printed = (tmp_path / "stderr").read_text()[before:].replace("\r", "\n")
+    lines = [line for line in printed.splitlines() if line.strip() and not line.startswith("batch:")]
+    assert "Traceback" not in printed and "KeyboardInterrupt" not in printed, printed
+    assert lines == [f"interrupted: 1 of 2 point(s) finished and kept in {out.resolve()}; "
+                     "run the same command again to continue"], printed
+    assert not psutil.pid_exists(kernel) or psutil.Process(kernel).status() == psutil.STATUS_ZOMBIE
+    status = batch.read_status(out / "fx__seed-1")
+    assert status["status"] == "stopped" and "pid" not in status  # no "running" for a process that is gone
+    release.write_text("go")
+    results = batch.run_batch(spec_path, out)
+    assert [(r.name, r.action, r.status) for r in results] == [("fx__seed-0", "skip", "ok"), ("fx__seed-1", "resume", "ok")]

@@ -105,6 +105,7 @@ from .state import (
     OK,
     PLANNED,
     RUNNING,
+    STOPPED,
     STATUS_FILE,
     Change,
     PointPlan,
@@ -124,7 +125,7 @@ __all__ = [
     "NOTEBOOK_FILE", "NotebookInfo", "check_parameters", "execute_notebook", "notebook_info", "notebook_parameters",
     "read_notebook", "plan_batch", "plan_points", "stale_folders", "INJECTED", "SPEC_KEYS", "BatchSpec", "RunSpec",
     "expand_runs", "load_batch_spec", "read_yaml_file", "resolve_notebook", "spec_from_dict", "ACTIONS", "BUSY",
-    "FAILED", "NOT_RUN", "OK", "PLANNED", "RUNNING", "STATUS_FILE", "Change", "PointPlan", "RunResult",
+    "FAILED", "NOT_RUN", "OK", "PLANNED", "RUNNING", "STOPPED", "STATUS_FILE", "Change", "PointPlan", "RunResult",
     "conflict_fix", "point_state", "read_status", "settings_changes", "write_status", "RESULT_CELLS", "format_plan",
     "format_summary", "summary_rows", "write_summary", "write_summary_files", "plumbing_check_note", "check_out_folder",
 ]

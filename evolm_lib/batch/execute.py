@@ -14,7 +14,7 @@ from ..paths import project_root
 from .notebooks import NOTEBOOK_FILE, error_text, execute_notebook, notebook_info, read_notebook
 from .plan import plan_points
 from .spec import INJECTED, BatchSpec, load_batch_spec
-from .state import (BUSY, FAILED, NOT_RUN, OK, PLANNED, RUNNING, PointPlan, RunResult, now_text, point_lock,
+from .state import (BUSY, FAILED, NOT_RUN, OK, PLANNED, RUNNING, STOPPED, PointPlan, RunResult, now_text, point_lock,
                     point_results, stamp, write_status)
 from .summary import write_summary
 
@@ -44,6 +44,10 @@ def _execute_point(spec: BatchSpec, point: PointPlan, output: Path, base: dict[s
         execute_notebook(spec.notebook, output, point.parameters, cwd=project_root(),
                          kernel_name=spec.kernel, log_output=log_output)
         status, error = OK, ""
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: no "running" left behind for a process that is ending
+        write_status(point.folder, {**base, "status": STOPPED, "seconds": time.perf_counter() - clock,
+                                    "stopped": now_text()})
+        raise
     except Exception as err:  # noqa: BLE001 - one failed run must not stop the batch
         # a run folder that another process opened after the check in run_point: busy, not failed
         status, error = (BUSY if getattr(err, "ename", "") == "RunFolderBusy" else FAILED), error_text(err)

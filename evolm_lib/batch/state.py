@@ -18,6 +18,7 @@ from .spec import INJECTED, RunSpec
 STATUS_FILE = "status.json"
 RUNNING, OK, FAILED, PLANNED = "running", "ok", "failed", "planned"
 BUSY = "busy"  # another process holds the point or its run folder: nothing done, nothing written
+STOPPED = "stopped"  # its batch was stopped (Ctrl-C, SIGTERM) while the point ran: a rerun resumes it
 # what a batch does with a grid point, by the point's state (see the module's doc string)
 ACTIONS = {"new": "run", "finished": "skip", "failed": "skip", "unfinished": "resume", "changed": "conflict",
            "changed-failed": "rerun", "running": "skip", "busy": "skip", "damaged": "damaged"}
@@ -201,6 +202,8 @@ def point_state(folder: Path, parameters: dict[str, Any], config=None,
         if _alive(status):
             return "running", f"running in process {status['pid']} since {status.get('started', '?')}", status
         return "unfinished", f"stopped while running (started {status.get('started', '?')})", status
+    if status.get("status") == STOPPED:
+        return "unfinished", f"its batch was stopped while it ran ({status.get('stopped', '?')})", status
     changes, blocking, from_run = settings_changes(folder, parameters, config, defaults, status)
     listed = ", ".join(map(str, changes))
     if blocking:

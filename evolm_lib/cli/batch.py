@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -12,7 +11,7 @@ import yaml
 from .. import batch
 from ..env import apply_engine_defaults
 from .help import HelpFormatter
-from .interrupt import kernels_stopped_first, report_interrupt, stop_children
+from .interrupt import ignore_stop_signals, kernels_stopped_first, report_interrupt, stop_children
 
 ALL = "\0all"  # --overwrite without a point name
 
@@ -123,8 +122,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _interrupted(spec: batch.BatchSpec | None, out_dir: Path) -> int:
-    """After Ctrl-C: stop the point's kernel, then one line saying which points are kept and how to go on."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the cleanup short
+    """After Ctrl-C or SIGTERM: stop the point's kernel, then one line saying which points are kept and how to go on."""
+    ignore_stop_signals()  # a second one must not cut the cleanup short
     stop_children()
     if spec is None:
         return report_interrupt("interrupted while reading the batch file; nothing ran")
