@@ -519,3 +519,72 @@ grid: {{seed: [0, 1]}}
     release.write_text("go")
     results = batch.run_batch(spec_path, out)
     assert [(r.name, r.action, r.status) for r in results] == [("fx__seed-0", "skip", "ok"), ("fx__seed-1", "resume", "ok")]
+
+
+REPO = Path(__file__).resolve().parents[1]
+TINY_STEPPER = {"model": "tiny-random", "task": "conciseness", "max_new_tokens": 8, "max_model_len": 256,
+                "kv_cache_gb": 0.1}
+
+
+def _evolm(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """`evolm ARGS` as a user runs it: a process of its own, from the project folder."""
+    return subprocess.run([sys.executable, "-m", "evolm_lib.cli", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_a_population_of_ten_to_the_ninth_is_refused_by_the_dry_run_and_the_run_creates_nothing(tmp_path,
+                                                                                                   tiny_model_dir):
+    """population_size 10^9 on the ES stepper: the dry run lists the point as invalid, naming the field and
+    the largest population that fits this machine; the real batch starts no kernel and creates nothing
+    (no point folder, no summary)."""
+    spec = write_yaml(tmp_path / "big.yaml", json.dumps({
+        "notebook": str(REPO / "notebooks" / "03_es_stepper.py"), "name": "big",
+        "parameters": {**TINY_STEPPER, "population_size": 10**9, "num_generations": 2}}))
+    out = tmp_path / "out"
+    dry = _evolm("batch", str(spec), "--out", str(out), "--dry-run")
+    assert dry.returncode == 1, dry.stderr
+    assert re.search(r"invalid +big +ConfigError: population_size=1,000,000,000 is more than this machine can hold: "
+                     r".* the largest population_size that fits is [\d,]+", dry.stdout), dry.stdout
+    real = _evolm("batch", str(spec), "--out", str(out))
+    assert real.returncode == 1 and "population_size=1,000,000,000" in real.stdout, real.stdout + real.stderr
+    assert "0 ok, 1 failed" in real.stdout and "no summary written" in real.stdout
+    assert not out.exists()  # no point folder, no summary.csv: nothing was allocated or written
+
+
+def test_empty_grid_values_are_refused_naming_the_field(tmp_path):
+    spec = write_yaml(tmp_path / "p.yaml", f"notebook: {RUN_NB}\nname: fx\ngrid: {{seed: []}}\n")
+    result = _evolm("batch", str(spec), "--out", str(tmp_path / "out"), "--dry-run")
+    assert result.returncode == 2 and "grid.seed in " in result.stderr and "must be a non-empty list, got []" in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def _tree_bytes(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_an_es_batch_pointed_at_a_grpo_batchs_folder_names_it_and_leaves_it_unchanged(tmp_path):
+    """A real GRPO batch (notebook 06 on tiny-random, labelled a plumbing check), then an ES batch of the
+    same name and then of another name with --out at its folder: each is refused before anything runs,
+    saying the folder holds a GRPO run of notebook 06; every file there, summary.csv included, unchanged."""
+    out = tmp_path / "quick_grpo"
+    grpo = write_yaml(tmp_path / "grpo.yaml", json.dumps({
+        "notebook": str(REPO / "notebooks" / "06_grpo_stepper.py"), "name": "quick",
+        "parameters": {**TINY_STEPPER, "group_size": 4, "num_steps": 1, "prompts_per_step": 2}, "grid": {"seed": [0]}}))
+    made = _evolm("batch", str(grpo), "--out", str(out))
+    assert made.returncode == 0, made.stdout + made.stderr
+    assert ("note: every point ran on tiny-random, a model with random weights: a plumbing check (the notebook, "
+            "engine and files work), its rewards mean nothing about the method") in made.stdout
+    before = _tree_bytes(out)
+    assert "summary.csv" in before
+    for name in ("quick", "other"):
+        es = write_yaml(tmp_path / f"es_{name}.yaml", json.dumps({
+            "notebook": str(REPO / "notebooks" / "03_es_stepper.py"), "name": name,
+            "parameters": {**TINY_STEPPER, "population_size": 4, "num_generations": 1}, "grid": {"seed": [0]}}))
+        for dry in (["--dry-run"], []):
+            result = _evolm("batch", str(es), "--out", str(out), *dry)
+            assert result.returncode == 2, result.stdout + result.stderr
+            assert result.stderr.strip() == (
+                f"error: this folder, {out.resolve()}, holds another batch's points: GRPO run(s) of "
+                f"06_grpo_stepper.py (quick__seed-0); this batch ({name!r}) runs ES points of 03_es_stepper.py. "
+                "The folder and its summary.csv are left as they are: give --out another folder"), result.stderr
+            assert _tree_bytes(out) == before

@@ -59,6 +59,8 @@ def run_point(spec: BatchSpec, point: PointPlan, log_output: bool = False) -> Ru
     another process holds (another batch, or a run open on its run folder) is left untouched: busy."""
     from ..runs import RunFolderBusy, WriterLock, describe_holder, lock_holder
 
+    if point.action == "invalid" and not point.folder.exists():  # failed its checks: no lock, no folder, nothing
+        return _result(point, FAILED, 0.0, point.error)
     try:
         lock = WriterLock.acquire(point.folder, lock_file=point_lock(point.folder))
     except RunFolderBusy as busy:
