@@ -110,8 +110,13 @@ def load_run_config(run_dir: str | Path, cls=None):
 
 
 def restore_command(run_dir: str | Path) -> str:
-    """The shell command that puts back a run folder's config.yaml (``restore_run_config``)."""
-    return f"python -c \"from evolm_lib.runs import restore_run_config; restore_run_config({str(Path(run_dir))!r})\""
+    """The shell command that puts back a run folder's config.yaml (``restore_run_config``), with this
+    Python, the one that has evolm_lib."""
+    import shlex
+    import sys
+
+    return (f"{shlex.quote(sys.executable)} -c "
+            f"\"from evolm_lib.runs import restore_run_config; restore_run_config({str(Path(run_dir))!r})\"")
 
 
 def missing_config(run_dir: str | Path) -> str | None:
