@@ -52,8 +52,9 @@ def fsync_tree(path: Path) -> None:
 
 def fsync_dir(path: Path) -> None:
     """fsync a folder, so the names renamed into it are on disk."""
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
+    with naming(path):
+        descriptor = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(descriptor)
+        finally:
+            os.close(descriptor)
