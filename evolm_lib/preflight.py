@@ -423,13 +423,14 @@ def _largest_fitting(fits, current: int) -> int:
 
 
 def check_run_sizes(config, model_dir: str | Path | None = None, *, cuda: bool | None = None,
-                    host_bytes: int | None = None, card_bytes: int | None = None) -> RunSizes:
+                    host_bytes: int | None = None, card_bytes: int | None = None, tokenize: bool = True) -> RunSizes:
     """Refuse sizes no run on this machine can hold, before any engine starts or anything is allocated:
     population_size (group_size), prompts_per_step, max_new_tokens and num_generations (num_steps), through
     the requests of the run's largest call, its metrics rows and the engine's LoRA slots, against the
     host's memory (``psutil``) and, on a GPU, the card's. A ConfigError names the field and the largest
     value that fits. ``model_dir`` (a local model folder) adds the prompts' tokens and the LoRA slots;
-    ``host_bytes`` and ``card_bytes`` replace the machine's totals. Returns what it measured."""
+    ``host_bytes`` and ``card_bytes`` replace the machine's totals; ``tokenize`` False leaves the prompts'
+    tokens out (no tokenizer loaded: a lower bound still). Returns what it measured."""
     if cuda is None:
         from .env import has_cuda
 
@@ -446,7 +447,7 @@ def check_run_sizes(config, model_dir: str | Path | None = None, *, cuda: bool |
     task = get_task(config.task, **config.task_options)
     task_sizes = (len(task.train_examples()), len(task.eval_examples()), len(task.validation_examples()))
     prompt_tokens = 0
-    if model_dir is not None and _tokenizer_is_local(model_dir):
+    if tokenize and model_dir is not None and _tokenizer_is_local(model_dir):
         prompt_tokens = longest_prompt_tokens(model_dir, task) or 0
     slot_bytes = lora_slot_bytes(config, model_dir)
     current = {name: getattr(config, name) for name in _size_fields(config)}

@@ -292,7 +292,8 @@ def check_plan_sizes(plan: list[PlannedRun]) -> None:
             continue
         checked.add(key)
         try:
-            check_run_sizes(run.config, cached_model_dir(run.config.model))
+            # no tokenizer: planning stays quick, and the engine's own check measures the prompts before it starts
+            check_run_sizes(run.config, cached_model_dir(run.config.model), tokenize=False)
         except ConfigError as error:
             raise ConfigError(f"{run.name}: {error}", error.errors, error.config_name) from None
 

@@ -147,7 +147,8 @@ def check_out_folder(spec: BatchSpec, out_dir: str | Path, kind: str | None) -> 
             continue
         status = read_status(folder)
         theirs = _point_kind(status)
-        if not _belongs(spec, folder.name) or (theirs != kind and theirs is not None):
+        # kinds compared where both are known (a notebook without a settings tag declares none)
+        if not _belongs(spec, folder.name) or (theirs != kind and None not in (theirs, kind)):
             label = f"{KIND_NAMES.get(theirs, theirs)} run(s) of {Path(str(status.get('notebook', '?'))).name}"
             others.setdefault(label, []).append(folder.name)
     summary = out_dir / "summary.json"
