@@ -364,11 +364,31 @@ def overwritten_runs(plan: list[PlannedRun], names: Collection[str]) -> set[str]
     return chosen
 
 
+def check_out_folder(out: str | Path) -> None:
+    """Refuse an output folder that holds a batch (point folders with status.json, or a summary.json of a
+    notebook's points): the sweep's summary.csv would replace the batch's. A ValueError names what it holds."""
+    out = Path(out)
+    if not out.is_dir():
+        return
+    points = sorted(p.name for p in out.iterdir() if p.is_dir() and (p / "status.json").is_file())
+    notebook = None
+    try:
+        notebook = json.loads((out / "summary.json").read_text(encoding="utf-8")).get("notebook")
+    except (OSError, ValueError, AttributeError):
+        pass
+    if points or notebook:
+        held = f"points of {Path(notebook).name}" if notebook else "points of a batch"
+        listed = f" ({', '.join(points)})" if points else ""
+        raise ValueError(f"this folder, {out.resolve()}, holds an `evolm batch`'s {held}{listed}; a sweep would write "
+                         "its runs and its summary.csv beside them. The folder is left as it is: give --out another folder")
+
+
 def plan_actions(plan: list[PlannedRun], out: str | Path, overwrite: Collection[str] = ()) -> list[RunAction]:
     """Each planned run with its folder's state and what the sweep does with it, by the batch's own
     comparison of a run folder with new settings (``batch.settings_changes``: a change of budget or
     cadence extends a run, any other change is a conflict). ``overwrite``: METHOD or METHOD/SEED names
     of the runs to replace (`overwritten_runs`)."""
+    check_out_folder(out)
     replace = overwritten_runs(plan, overwrite)
     actions = []
     for run in plan:

@@ -588,3 +588,20 @@ def test_an_es_batch_pointed_at_a_grpo_batchs_folder_names_it_and_leaves_it_unch
                 f"06_grpo_stepper.py (quick__seed-0); this batch ({name!r}) runs ES points of 03_es_stepper.py. "
                 "The folder and its summary.csv are left as they are: give --out another folder"), result.stderr
             assert _tree_bytes(out) == before
+
+
+def test_a_prompt_longer_than_max_model_len_is_found_by_the_dry_run(tmp_path, tiny_model_dir):
+    """A JSONL task whose one prompt is longer than max_model_len: the dry run tokenizes it with the
+    model's own tokenizer and lists the point as invalid, naming max_model_len and the prompt's tokens."""
+    task = tmp_path / "long.jsonl"
+    task.write_text(json.dumps({"prompt": "word " * 5000, "target": "x"}) + "\n"
+                    + json.dumps({"prompt": "hi", "target": "x", "split": "eval"}) + "\n")
+    spec = write_yaml(tmp_path / "long.yaml", json.dumps({
+        "notebook": str(REPO / "notebooks" / "03_es_stepper.py"), "name": "long",
+        "parameters": {**TINY_STEPPER, "task": "jsonl", "task_options": {"path": str(task)}, "population_size": 4,
+                       "num_generations": 1}}))
+    result = _evolm("batch", str(spec), "--out", str(tmp_path / "out"), "--dry-run")
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert re.search(r"invalid +long +ConfigError: max_model_len=256 is too short for the task's longest prompt "
+                     r"\(\d{4,} tokens\) plus max_new_tokens=8", result.stdout), result.stdout
+    assert not (tmp_path / "out").exists()

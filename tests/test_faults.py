@@ -278,6 +278,8 @@ FAULTS = [
           "tests/test_preflight.py::test_a_task_of_ten_to_the_ninth_examples_is_refused_before_one_is_made"),
     Fault("a batch pointed at another batch's folder",
           "tests/test_batch.py::test_an_es_batch_pointed_at_a_grpo_batchs_folder_names_it_and_leaves_it_unchanged"),
+    Fault("a sweep pointed at a batch's folder",
+          "tests/test_sweep.py::test_a_sweep_pointed_at_a_batchs_folder_names_it_and_leaves_it_unchanged"),
     Fault("an invalid grid point", "tests/test_batch.py::test_a_bad_point_fails_before_its_kernel_and_a_rerun_after_the_fix_runs_only_it"),
     Fault("a point whose folder holds other settings",
           "tests/test_batch.py::test_changed_settings_keep_a_finished_point_and_say_so_the_same_way_in_dry_and_real_runs"),

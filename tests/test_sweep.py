@@ -394,3 +394,22 @@ def test_a_run_folder_that_lost_its_config_yaml_is_refused_with_the_command_that
     assert restored.returncode == 0, restored.stderr
     [action] = [a for a in sweep.plan_actions(sweep.plan_sweep(TINY_SWEEP), out) if a.name == es_run.name]
     assert (action.state, action.action) == ("unfinished", "resume") and "resumes at generation 1 of 2" in action.reason
+
+
+def test_a_sweep_pointed_at_a_batchs_folder_names_it_and_leaves_it_unchanged(tmp_path):
+    """A real batch (the fixture notebook that fills a run folder) then a sweep with --out at its folder:
+    refused before any plan runs, naming the batch's points; every file there unchanged."""
+    from evolm_lib.cli import batch as batch_cli
+
+    out = tmp_path / "out"
+    spec = tmp_path / "p.yaml"
+    spec.write_text(f"notebook: {REPO / 'tests' / 'data' / 'batch_run_nb.py'}\nname: fx\ngrid: {{seed: [0]}}\n")
+    assert batch_cli.main([str(spec), "--out", str(out)]) == 0
+    before = {str(p): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+    for dry in (["--dry-run"], ["--no-kl", "--no-notebook"]):
+        result = _evolm_sweep(str(_write_sweep(tmp_path / "s.yaml")), "--out", str(out), *dry)
+        assert result.returncode == 2, result.stdout + result.stderr
+        assert result.stderr == (f"error: this folder, {out.resolve()}, holds an `evolm batch`'s points of batch_run_nb.py "
+                                 "(fx__seed-0); a sweep would write its runs and its summary.csv beside them. The folder "
+                                 "is left as it is: give --out another folder\n"), result.stderr
+        assert {str(p): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()} == before

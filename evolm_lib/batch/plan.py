@@ -162,6 +162,9 @@ def check_out_folder(spec: BatchSpec, out_dir: str | Path, kind: str | None) -> 
         if foreign and written.get("notebook"):
             label = f"a summary of {Path(written['notebook']).name}"
             others.setdefault(label, []).extend(foreign)
+        swept = [r.get("run") for r in written.get("runs", []) if isinstance(r, dict) and r.get("run") and "name" not in r]
+        if swept:  # `evolm sweep` names its rows by "run"
+            others.setdefault("the runs of an `evolm sweep`", []).extend(swept)
     if others:
         held = "; ".join(f"{label} ({', '.join(names)})" for label, names in others.items())
         raise ValueError(
