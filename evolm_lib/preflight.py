@@ -339,3 +339,148 @@ def weights_mode_bytes(config, model_dir: str | Path) -> int:
     values = sum(math.prod(shape) for shape in targeted_weight_shapes(model_dir, targets, layers).values())
     buffers = 2 if config.optimizer == "adam" else (1 if config.momentum > 0 else 0)
     return 4 * values * (2 + buffers)
+
+
+# --------------------------------------------------------------------------- sizes a machine can hold
+
+REQUEST_HOST_BYTES = 4 * 2**10
+"""Host memory one request of an engine call holds at least, beside its tokens: vLLM's request,
+sampling parameters and output objects, and the run's completion text, reward and details."""
+TOKEN_HOST_BYTES = 40
+"""Host memory one token of a request holds at least: its id as a Python int in vLLM's token lists
+(a pointer and the int) and its share of the completion's text."""
+METRICS_ROW_BYTES = 2 * 2**10
+"""Host memory one metrics row takes when the run, its plots and summaries read the rows back."""
+
+@dataclass(frozen=True)
+class RunSizes:
+    """What a run's sizes ask of the machine (``check_run_sizes``), in bytes."""
+
+    requests: int
+    """Requests of the run's largest engine call (``engines.sizing.largest_call``)."""
+    sequence_tokens: int
+    """Tokens of one request: its longest prompt (where the tokenizer is at hand) plus max_new_tokens."""
+    host_bytes: int
+    """Host memory the run needs at least: the largest call's requests, its metrics rows and, on a CPU,
+    the engine's LoRA slots."""
+    card_bytes: int
+    """Memory on the card the engine's LoRA slots need at least (0 on a CPU)."""
+    completions: int
+    """Training completions the run plans: generations (steps) x population (group) x prompts per step."""
+
+
+def _size_fields(config) -> list[str]:
+    """The sizes of a run's settings that the memory check can name, most likely culprit first."""
+    members = "population_size" if hasattr(config, "population_size") else "group_size"
+    length = "num_generations" if hasattr(config, "num_generations") else "num_steps"
+    return [members, "prompts_per_step", "max_new_tokens", length]
+
+
+def lora_slot_bytes(config, model_dir: str | Path | None) -> int:
+    """Bytes of one of the engine's LoRA slots (its rank, vLLM's next supported one, over every target
+    weight: rank x (in + out) values in the engine's dtype); 0 without a local model folder."""
+    if model_dir is None or getattr(config, "engine", "vllm") != "vllm":
+        return 0
+    from .engines.resident_weights import targeted_weight_shapes
+
+    try:
+        shapes = targeted_weight_shapes(model_dir, config.target_modules, config.layers_to_transform)
+    except Exception:  # noqa: BLE001 - a model folder it cannot read: the engine check names it
+        return 0
+    rank = EngineSizing.from_config(config).engine_lora_rank
+    return rank * sum(sum(shape[:2]) for shape in shapes.values() if len(shape) == 2) * DTYPE_BYTES.get(config.dtype, 4)
+
+
+def _run_needs(config, sizes: dict[str, int], task_sizes: tuple[int, int, int], prompt_tokens: int,
+               slot_bytes: int, cuda: bool) -> RunSizes:
+    """RunSizes of ``config`` with the sizes in ``sizes`` (field -> value) in place of its own."""
+    from .engines.sizing import largest_call
+
+    sized = config.model_copy(update=sizes)  # no validation: a pure function of the sizes
+    requests = largest_call(sized, *task_sizes)
+    tokens = prompt_tokens + sized.max_new_tokens
+    calls = requests * (REQUEST_HOST_BYTES + tokens * TOKEN_HOST_BYTES)
+    length = getattr(sized, "num_generations", None) or getattr(sized, "num_steps", 1)
+    members = getattr(sized, "population_size", None) or getattr(sized, "group_size", 1)
+    slots = 0
+    if slot_bytes:
+        slots = EngineSizing.from_config(config).replace(
+            max_loras=members + 1 if hasattr(sized, "population_size") else 1).engine_loras * slot_bytes
+    prompts = min(sized.prompts_per_step or task_sizes[0], task_sizes[0]) or 1
+    host = calls + length * METRICS_ROW_BYTES + (0 if cuda else slots)
+    return RunSizes(requests, tokens, host, slots if cuda else 0, length * members * prompts)
+
+
+def _largest_fitting(fits, current: int) -> int:
+    """The largest value in 1..current for which ``fits`` holds (0: not even 1); ``fits`` grows false with the value."""
+    if not fits(1):
+        return 0
+    low, high = 1, current
+    while low < high:
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle - 1)
+    return low
+
+
+def check_run_sizes(config, model_dir: str | Path | None = None, *, cuda: bool | None = None,
+                    host_bytes: int | None = None, card_bytes: int | None = None, tokenize: bool = True) -> RunSizes:
+    """Refuse sizes no run on this machine can hold, before any engine starts or anything is allocated:
+    population_size (group_size), prompts_per_step, max_new_tokens and num_generations (num_steps), through
+    the requests of the run's largest call, its metrics rows and the engine's LoRA slots, against the
+    host's memory (``psutil``) and, on a GPU, the card's. A ConfigError names the field and the largest
+    value that fits. ``model_dir`` (a local model folder) adds the prompts' tokens and the LoRA slots;
+    ``host_bytes`` and ``card_bytes`` replace the machine's totals; ``tokenize`` False leaves the prompts'
+    tokens out (no tokenizer loaded: a lower bound still). Returns what it measured."""
+    if cuda is None:
+        from .env import has_cuda
+
+        cuda = has_cuda()
+    if host_bytes is None:
+        import psutil
+
+        host_bytes = int(psutil.virtual_memory().total)
+    if card_bytes is None and cuda:
+        memory = _free_memory(True)
+        card_bytes = memory[1] if memory else None
+    from .tasks import get_task
+
+    task = get_task(config.task, **config.task_options)
+    task_sizes = (len(task.train_examples()), len(task.eval_examples()), len(task.validation_examples()))
+    prompt_tokens = 0
+    if tokenize and model_dir is not None and _tokenizer_is_local(model_dir):
+        prompt_tokens = longest_prompt_tokens(model_dir, task) or 0
+    slot_bytes = lora_slot_bytes(config, model_dir)
+    current = {name: getattr(config, name) for name in _size_fields(config)}
+    current = {name: value for name, value in current.items() if value is not None}
+
+    def needs(**sizes: int) -> RunSizes:
+        return _run_needs(config, {**current, **sizes}, task_sizes, prompt_tokens, slot_bytes, cuda)
+
+    def fits(sizes: RunSizes) -> bool:
+        return sizes.host_bytes <= host_bytes and (card_bytes is None or sizes.card_bytes <= card_bytes)
+
+    found = needs()
+    if fits(found):
+        return found
+    # the field that is furthest out of range: the one whose largest fitting value is the smallest share of its own
+    largest = {name: _largest_fitting(lambda v, name=name: fits(needs(**{name: v})), value)
+               for name, value in current.items()}
+    culprits = sorted((name for name in largest if largest[name]), key=lambda n: largest[n] / current[n])
+    where = (f"{_gib(found.host_bytes)} of host memory (this machine has {_gib(host_bytes)})"
+             if found.host_bytes > host_bytes else
+             f"{_gib(found.card_bytes)} of GPU memory for the engine's LoRA slots (the card has {_gib(card_bytes)})")
+    what = (f"its largest engine call holds {found.requests:,} requests of up to {found.sequence_tokens:,} tokens, "
+            f"it writes {getattr(config, 'num_generations', None) or getattr(config, 'num_steps', 1):,} metrics rows")
+    if culprits:
+        name = culprits[0]
+        raise ConfigError(f"{name}={current[name]:,} is more than this machine can hold: {what}, which needs at "
+                          f"least {where}; the largest {name} that fits is {largest[name]:,}",
+                          [(name, f"at most {largest[name]:,} on this machine, got {current[name]:,}")])
+    raise ConfigError(f"{', '.join(f'{n}={v:,}' for n, v in current.items())}: {what}, which needs at least {where}, "
+                      "more than this machine can hold even with any one of them at 1; lower them")
+
+
+def _tokenizer_is_local(model_dir: str | Path) -> bool:
+    """True when the model folder holds its tokenizer (loading it costs no download)."""
+    folder = Path(model_dir)
+    return any((folder / name).exists() for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"))

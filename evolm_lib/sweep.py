@@ -73,8 +73,8 @@ from .train.es import ESRun
 from .evaluation import evaluate_adapter, mean_kl_to_base, success
 from .train.grpo import GRPORun
 from .train.model_weights import ModelWeights
-from .runs import (RunFolderBusy, describe_holder, list_checkpoints, load_checkpoint, lock_holder, read_checkpoint_kls,
-                   read_jsonl, read_metrics, record_final_metrics, write_jsonl)
+from .runs import (RunFolderBusy, describe_holder, list_checkpoints, load_checkpoint, lock_holder, missing_config,
+                   read_checkpoint_kls, read_jsonl, read_metrics, record_final_metrics, write_jsonl)
 from .tasks import get_task
 
 DEFAULT_SPEC = "papermill_runs/es_vs_grpo_conciseness_cpu.yaml"  # relative to the project folder
@@ -208,6 +208,7 @@ def plan_sweep(sweep: dict, generations: int | None = None, seeds: list[int] | N
     common = sweep.get("common") or {}
     given = [(f"--{key.replace('_', '-')}", {key: value}) for key, value in (overrides or {}).items()]
     generations = int(generations if generations is not None else sweep.get("generations", 10))
+    check_not_empty(sweep, seeds)
     seeds = list(seeds if seeds is not None else sweep.get("seeds", [0]))
     grpo = dict(sweep.get("grpo") or {})
     if isinstance(grpo.get("learning_rate"), list):
@@ -256,7 +257,45 @@ def plan_sweep(sweep: dict, generations: int | None = None, seeds: list[int] | N
     else:  # a protocol's own GRPO budget: equal within each kind
         for kind in ("es", "grpo"):
             check_equal_budgets([run for run in plan if run.kind == kind])
+    check_plan_sizes(plan)
     return plan
+
+
+def check_not_empty(sweep: dict, seeds: list[int] | None = None) -> None:
+    """Refuse a grid or method list given empty (``seeds: []``, ``grpo: {group_size: []}``, ``es_modes: {}``):
+    written out, it would plan no run of that kind, or none at all, instead of what the spec names."""
+    grpo = sweep.get("grpo") if isinstance(sweep.get("grpo"), dict) else {}
+    empty = [(f"sweep.{key}", sweep.get(key)) for key in ("seeds", "es_modes", "grpo_modes")
+             if key in sweep and sweep.get(key) is not None and len(sweep.get(key)) == 0]
+    if "group_size" in grpo and isinstance(grpo["group_size"], list) and not grpo["group_size"]:
+        empty.append(("sweep.grpo.group_size", grpo["group_size"]))
+    if seeds is not None and not list(seeds):
+        empty.append(("--seeds", seeds))
+    if empty:
+        raise ConfigError("; ".join(f"{field}: empty ({value!r}), so the sweep would leave out what it names; "
+                                    "give at least one value, or leave the key out for its default"
+                                    for field, value in empty))
+
+
+def check_plan_sizes(plan: list[PlannedRun]) -> None:
+    """Refuse a plan whose sizes no run on this machine can hold (``preflight.check_run_sizes``: population,
+    group size, prompts, tokens and the rows a run writes, against the host's memory and the card's), before
+    any folder or engine exists; the error names the run and the field with the largest value that fits."""
+    from .models import cached_model_dir
+    from .preflight import check_run_sizes
+
+    checked = set()
+    for run in plan:
+        settings = {k: v for k, v in run.config.to_dict().items() if k != "seed"}
+        key = json.dumps([run.kind, settings], sort_keys=True, default=str)
+        if key in checked:  # the seeds of one method ask the same of the machine
+            continue
+        checked.add(key)
+        try:
+            # no tokenizer: planning stays quick, and the engine's own check measures the prompts before it starts
+            check_run_sizes(run.config, cached_model_dir(run.config.model), tokenize=False)
+        except ConfigError as error:
+            raise ConfigError(f"{run.name}: {error}", error.errors, error.config_name) from None
 
 
 def check_equal_budgets(plan: list[PlannedRun]) -> None:
@@ -295,7 +334,8 @@ class RunAction:
     """new, finished, unfinished (resumed), changed (its folder holds a run with other settings) or busy."""
     action: str
     """run, finish (a finished run: its held-out scores and KL completed where missing), resume, overwrite,
-    conflict (left as it is, and the sweep refuses to start) or skip (busy)."""
+    conflict (left as it is, and the sweep refuses to start), damaged (its config.yaml is missing: the sweep
+    refuses to start and gives the command that restores it) or skip (busy)."""
     reason: str = ""
     error: str = ""
 
@@ -324,11 +364,31 @@ def overwritten_runs(plan: list[PlannedRun], names: Collection[str]) -> set[str]
     return chosen
 
 
+def check_out_folder(out: str | Path) -> None:
+    """Refuse an output folder that holds a batch (point folders with status.json, or a summary.json of a
+    notebook's points): the sweep's summary.csv would replace the batch's. A ValueError names what it holds."""
+    out = Path(out)
+    if not out.is_dir():
+        return
+    points = sorted(p.name for p in out.iterdir() if p.is_dir() and (p / "status.json").is_file())
+    notebook = None
+    try:
+        notebook = json.loads((out / "summary.json").read_text(encoding="utf-8")).get("notebook")
+    except (OSError, ValueError, AttributeError):
+        pass
+    if points or notebook:
+        held = f"points of {Path(notebook).name}" if notebook else "points of a batch"
+        listed = f" ({', '.join(points)})" if points else ""
+        raise ValueError(f"this folder, {out.resolve()}, holds an `evolm batch`'s {held}{listed}; a sweep would write "
+                         "its runs and its summary.csv beside them. The folder is left as it is: give --out another folder")
+
+
 def plan_actions(plan: list[PlannedRun], out: str | Path, overwrite: Collection[str] = ()) -> list[RunAction]:
     """Each planned run with its folder's state and what the sweep does with it, by the batch's own
     comparison of a run folder with new settings (``batch.settings_changes``: a change of budget or
     cadence extends a run, any other change is a conflict). ``overwrite``: METHOD or METHOD/SEED names
     of the runs to replace (`overwritten_runs`)."""
+    check_out_folder(out)
     replace = overwritten_runs(plan, overwrite)
     actions = []
     for run in plan:
@@ -337,6 +397,14 @@ def plan_actions(plan: list[PlannedRun], out: str | Path, overwrite: Collection[
         holder = lock_holder(folder) if folder.is_dir() else None
         if holder is not None:
             actions.append(RunAction(run, "busy", "skip", f"{what}; held by {describe_holder(holder)}"))
+            continue
+        missing = missing_config(folder)
+        if missing is not None:  # checkpoints without config.yaml: no plan can say where it resumes
+            if run.name in replace:
+                actions.append(RunAction(run, "damaged", "overwrite", f"{what}; replaces the run there ({missing})"))
+            else:
+                actions.append(RunAction(run, "damaged", "damaged", f"{what}; {missing}; or `--overwrite "
+                                                                    f"{run.method}/{run.config.seed}` starts it again"))
             continue
         rows = read_metrics(folder) if (folder / "config.yaml").is_file() else []
         if not rows and not list_checkpoints(folder):

@@ -187,16 +187,17 @@ def test_a_bad_point_fails_before_its_kernel_and_a_rerun_after_the_fix_runs_only
     assert re.search(r"run +fx__sigma-0.05", printed) and not out.exists()
 
     assert batch_cli.main([str(spec_path), "--out", str(out)]) == 1
-    capsys.readouterr()
-    bad = batch.read_status(out / "fx__sigma--1")
-    assert bad["status"] == "failed" and bad["before_start"] and bad["error"].startswith("ConfigError: invalid ESConfig")
-    assert not (out / "fx__sigma--1" / "notebook.ipynb").exists()  # no kernel started for it
+    printed = capsys.readouterr().out
+    assert re.search(r"fx__sigma--1 +failed .*ConfigError: invalid ESConfig", printed), printed
+    assert not (out / "fx__sigma--1").exists()  # an invalid point creates nothing: no folder, no summary row
+    with open(out / "summary.csv", newline="") as f:
+        assert [r["run"] for r in csv.DictReader(f)] == ["fx__sigma-0.05"]
     assert executions(out / "fx__sigma-0.05") == 1
 
     write_yaml(spec_path, f"notebook: {RUN_NB}\nname: fx\ngrid: {{sigma: [0.05, 0.02]}}\n")  # the fix
     assert batch_cli.main([str(spec_path), "--out", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert "2 ok, 0 failed (1 skip, 1 run)" in printed and "no longer points of this grid" in printed
+    assert "2 ok, 0 failed (1 skip, 1 run)" in printed and "no longer points of this grid" not in printed
     assert executions(out / "fx__sigma-0.05") == 1 and executions(out / "fx__sigma-0.02") == 1
     assert {r.name: r.status for r in batch.run_batch(spec_path, out, dry_run=True)} == {
         "fx__sigma-0.05": "planned", "fx__sigma-0.02": "planned"}
@@ -343,7 +344,8 @@ def test_changed_settings_keep_a_finished_point_and_say_so_the_same_way_in_dry_a
     assert batch_cli.main([str(changed), "--out", str(out)]) == 1
     real = capsys.readouterr().out
     assert _point_line(real.split("other settings:")[1], "fx__seed-0") == dry  # the same words
-    assert "0 ok, 0 failed (2 conflict)" not in real and "2 ok, 0 failed (2 conflict)" in real
+    # a point left as it was is not counted ok: its folder holds a run of other settings than this batch's
+    assert "0 ok, 0 failed, 2 left as they were (settings changed) (2 conflict)" in real, real
     unchanged = (point / "notebook.ipynb").read_bytes(), _tree(point / "run"), _summary_row(out, "fx__seed-0")
     assert unchanged[:2] == (notebook, run)
     assert {k: unchanged[2][k] for k in row} == row and unchanged[2]["sigma"] == "0.05"  # the run's value
@@ -472,3 +474,134 @@ def test_a_kernel_that_dies_before_answering_is_started_once_more(tmp_path, monk
     with pytest.raises(RuntimeError, match=batch.KERNEL_DIED_AT_START), pytest.warns(RuntimeWarning):
         batch.execute_notebook(notebook, tmp_path / "out2.ipynb", kernel_name="always-dies", cwd=tmp_path)
     assert deaths.read_text() == str(batch.KERNEL_START_ATTEMPTS)
+
+
+def test_sigterm_on_a_batch_prints_what_ctrl_c_prints_and_leaves_no_running_status(tmp_path):
+    """SIGTERM (kill, a scheduler) on a real `evolm batch` process while its second point's kernel runs:
+    the same one line as Ctrl-C, exit 143, no traceback, the kernel ended, and status.json no longer
+    "running" with a dead pid; the same command then resumes that point."""
+    import psutil
+
+    release = tmp_path / "release"
+    spec_path = write_yaml(tmp_path / "p.yaml", f"""
+notebook: {RUN_NB}
+name: fx
+parameters: {{hold: {release}, hold_seed: 1}}
+grid: {{seed: [0, 1]}}
+""")
+    out = tmp_path / "out"
+    stderr = open(tmp_path / "stderr", "w+")
+    process = subprocess.Popen([sys.executable, "-m", "evolm_lib.cli", "batch", str(spec_path), "--out", str(out)],
+                               cwd=Path(__file__).resolve().parents[1], stdout=subprocess.DEVNULL, stderr=stderr)
+    pid_file = out / "fx__seed-1" / "run" / "kernel.pid"
+    try:
+        deadline = time.monotonic() + 300
+        while not pid_file.exists() and time.monotonic() < deadline and process.poll() is None:
+            time.sleep(0.5)
+        assert pid_file.exists(), (tmp_path / "stderr").read_text()[-3000:]
+        time.sleep(0.5)
+        kernel = int(pid_file.read_text())
+        before = len((tmp_path / "stderr").read_text())
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(120) == 143
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(10)
+    printed = (tmp_path / "stderr").read_text()[before:].replace("\r", "\n")
+    lines = [line for line in printed.splitlines() if line.strip() and not line.startswith("batch:")]
+    assert "Traceback" not in printed and "KeyboardInterrupt" not in printed, printed
+    assert lines == [f"interrupted: 1 of 2 point(s) finished and kept in {out.resolve()}; "
+                     "run the same command again to continue"], printed
+    assert not psutil.pid_exists(kernel) or psutil.Process(kernel).status() == psutil.STATUS_ZOMBIE
+    status = batch.read_status(out / "fx__seed-1")
+    assert status["status"] == "stopped" and "pid" not in status  # no "running" for a process that is gone
+    release.write_text("go")
+    results = batch.run_batch(spec_path, out)
+    assert [(r.name, r.action, r.status) for r in results] == [("fx__seed-0", "skip", "ok"), ("fx__seed-1", "resume", "ok")]
+
+
+REPO = Path(__file__).resolve().parents[1]
+TINY_STEPPER = {"model": "tiny-random", "task": "conciseness", "max_new_tokens": 8, "max_model_len": 256,
+                "kv_cache_gb": 0.1}
+
+
+def _evolm(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """`evolm ARGS` as a user runs it: a process of its own, from the project folder."""
+    return subprocess.run([sys.executable, "-m", "evolm_lib.cli", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_a_population_of_ten_to_the_ninth_is_refused_by_the_dry_run_and_the_run_creates_nothing(tmp_path,
+                                                                                                   tiny_model_dir):
+    """population_size 10^9 on the ES stepper: the dry run lists the point as invalid, naming the field and
+    the largest population that fits this machine; the real batch starts no kernel and creates nothing
+    (no point folder, no summary)."""
+    spec = write_yaml(tmp_path / "big.yaml", json.dumps({
+        "notebook": str(REPO / "notebooks" / "03_es_stepper.py"), "name": "big",
+        "parameters": {**TINY_STEPPER, "population_size": 10**9, "num_generations": 2}}))
+    out = tmp_path / "out"
+    dry = _evolm("batch", str(spec), "--out", str(out), "--dry-run")
+    assert dry.returncode == 1, dry.stderr
+    assert re.search(r"invalid +big +ConfigError: population_size=1,000,000,000 is more than this machine can hold: "
+                     r".* the largest population_size that fits is [\d,]+", dry.stdout), dry.stdout
+    real = _evolm("batch", str(spec), "--out", str(out))
+    assert real.returncode == 1 and "population_size=1,000,000,000" in real.stdout, real.stdout + real.stderr
+    assert "0 ok, 1 failed" in real.stdout and "no summary written" in real.stdout
+    assert not out.exists()  # no point folder, no summary.csv: nothing was allocated or written
+
+
+def test_empty_grid_values_are_refused_naming_the_field(tmp_path):
+    spec = write_yaml(tmp_path / "p.yaml", f"notebook: {RUN_NB}\nname: fx\ngrid: {{seed: []}}\n")
+    result = _evolm("batch", str(spec), "--out", str(tmp_path / "out"), "--dry-run")
+    assert result.returncode == 2 and "grid.seed in " in result.stderr and "must be a non-empty list, got []" in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def _tree_bytes(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_an_es_batch_pointed_at_a_grpo_batchs_folder_names_it_and_leaves_it_unchanged(tmp_path):
+    """A real GRPO batch (notebook 06 on tiny-random, labelled a plumbing check), then an ES batch of the
+    same name and then of another name with --out at its folder: each is refused before anything runs,
+    saying the folder holds a GRPO run of notebook 06; every file there, summary.csv included, unchanged."""
+    out = tmp_path / "quick_grpo"
+    grpo = write_yaml(tmp_path / "grpo.yaml", json.dumps({
+        "notebook": str(REPO / "notebooks" / "06_grpo_stepper.py"), "name": "quick",
+        "parameters": {**TINY_STEPPER, "group_size": 4, "num_steps": 1, "prompts_per_step": 2}, "grid": {"seed": [0]}}))
+    made = _evolm("batch", str(grpo), "--out", str(out))
+    assert made.returncode == 0, made.stdout + made.stderr
+    assert ("note: every point ran on tiny-random, a model with random weights: a plumbing check (the notebook, "
+            "engine and files work), its rewards mean nothing about the method") in made.stdout
+    before = _tree_bytes(out)
+    assert "summary.csv" in before
+    for name in ("quick", "other"):
+        es = write_yaml(tmp_path / f"es_{name}.yaml", json.dumps({
+            "notebook": str(REPO / "notebooks" / "03_es_stepper.py"), "name": name,
+            "parameters": {**TINY_STEPPER, "population_size": 4, "num_generations": 1}, "grid": {"seed": [0]}}))
+        for dry in (["--dry-run"], []):
+            result = _evolm("batch", str(es), "--out", str(out), *dry)
+            assert result.returncode == 2, result.stdout + result.stderr
+            assert result.stderr.strip() == (
+                f"error: this folder, {out.resolve()}, holds another batch's points: GRPO run(s) of "
+                f"06_grpo_stepper.py (quick__seed-0); this batch ({name!r}) runs ES points of 03_es_stepper.py. "
+                "The folder and its summary.csv are left as they are: give --out another folder"), result.stderr
+            assert _tree_bytes(out) == before
+
+
+def test_a_prompt_longer_than_max_model_len_is_found_by_the_dry_run(tmp_path, tiny_model_dir):
+    """A JSONL task whose one prompt is longer than max_model_len: the dry run tokenizes it with the
+    model's own tokenizer and lists the point as invalid, naming max_model_len and the prompt's tokens."""
+    task = tmp_path / "long.jsonl"
+    task.write_text(json.dumps({"prompt": "word " * 5000, "target": "x"}) + "\n"
+                    + json.dumps({"prompt": "hi", "target": "x", "split": "eval"}) + "\n")
+    spec = write_yaml(tmp_path / "long.yaml", json.dumps({
+        "notebook": str(REPO / "notebooks" / "03_es_stepper.py"), "name": "long",
+        "parameters": {**TINY_STEPPER, "task": "jsonl", "task_options": {"path": str(task)}, "population_size": 4,
+                       "num_generations": 1}}))
+    result = _evolm("batch", str(spec), "--out", str(tmp_path / "out"), "--dry-run")
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert re.search(r"invalid +long +ConfigError: max_model_len=256 is too short for the task's longest prompt "
+                     r"\(\d{4,} tokens\) plus max_new_tokens=8", result.stdout), result.stdout
+    assert not (tmp_path / "out").exists()

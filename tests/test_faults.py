@@ -167,6 +167,64 @@ def disk_full_mid_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     assert not list((run_dir / "checkpoints").glob(".*"))
 
 
+def disk_full_on_a_small_filesystem(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run folder on a 2 MiB tmpfs (mounted where the test may, else every fsync raising ENOSPC), filled up
+    after one generation: the next step's error names the file it was writing; with room again the run
+    continues to the rows of an uninterrupted run."""
+    import os
+    import shutil
+    import subprocess
+
+    small = tmp_path / "small"
+    small.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(small)],
+                             capture_output=True).returncode == 0
+    run_dir = small / "run"
+    try:
+        run = ESRun.create(config(), run_dir, evaluator=SyntheticEvaluator())
+        run.step()
+        filler = small / "filler"
+        if mounted:
+            filler.write_bytes(b"x" * (shutil.disk_usage(small).free - 8192))
+        else:
+            def full(descriptor):  # no file name, as the kernel reports it
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            monkeypatch.setattr(os, "fsync", full)
+        with pytest.raises(OSError) as caught:
+            run.step()
+        monkeypatch.undo()
+        error = caught.value
+        assert error.errno == errno.ENOSPC and error.filename is not None, repr(error)
+        assert Path(error.filename).is_relative_to(run_dir) and error.filename in str(error), str(error)
+        filler.unlink(missing_ok=True)
+        run.close()
+        run_to(run_dir, 3)
+        assert without_times(read_metrics(run_dir)) == uninterrupted(tmp_path)
+    finally:
+        if mounted:
+            subprocess.run(["umount", "-l", str(small)], check=True)
+
+
+def extra_garbage_metrics_line(tmp_path: Path) -> None:
+    """A line of garbage after the last row (and one between two rows): named by file and line, kept, and
+    neither reported as a missing generation nor left as a phantom row."""
+    run_dir = tmp_path / "run"
+    run_to(run_dir, 2)
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines(keepends=True)
+    lines.insert(2, "garbage between rows\n")
+    (run_dir / "metrics.jsonl").write_text("".join(lines) + "garbage at the end\n")
+    with pytest.warns(DamagedLines, match=rf"{re.escape(str(run_dir / 'metrics.jsonl'))}: lines 3, 5 do not parse and "
+                                          r"name no generation: an extra line, not a row \(no generation is missing"):
+        rows = read_metrics(run_dir)
+    assert [r["generation"] for r in rows] == [0, 1, 2] and not any(r.get(MISSING) for r in rows)
+    with pytest.warns(DamagedLines, match="an extra line"):
+        run_to(run_dir, 3)
+    assert without_times(read_metrics(run_dir)) == uninterrupted(tmp_path)
+    kept = [json.loads(line) for line in (run_dir / DAMAGED_METRICS).read_text().splitlines()]
+    assert [(k["line"], k["generation"], k["raw"]) for k in kept] == [
+        (3, None, "garbage between rows"), (5, None, "garbage at the end")]
+
+
 def truncated_checkpoint(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     run_to(run_dir, 2)
@@ -206,6 +264,33 @@ FAULTS = [
     Fault("config.yaml that does not validate", invalid_config_yaml),
     Fault("disk full mid-checkpoint", disk_full_mid_checkpoint),
     Fault("truncated checkpoint file", truncated_checkpoint),
+    Fault("disk full while a run writes its files", disk_full_on_a_small_filesystem),
+    Fault("extra garbage line in metrics.jsonl", extra_garbage_metrics_line),
+    Fault("deleted config.yaml in a sweep's run folder",
+          "tests/test_sweep.py::test_a_run_folder_that_lost_its_config_yaml_is_refused_with_the_command_that_restores_it"),
+    Fault("population, group size, tokens or generations of 10^9",
+          "tests/test_preflight.py::test_a_size_of_ten_to_the_ninth_is_refused_naming_the_field_and_the_largest_value_that_fits"),
+    Fault("population of 10^9 in `evolm batch`",
+          "tests/test_batch.py::test_a_population_of_ten_to_the_ninth_is_refused_by_the_dry_run_and_the_run_creates_nothing"),
+    Fault("population or group size of 10^9 in `evolm sweep`",
+          "tests/test_sweep.py::test_sizes_of_ten_to_the_ninth_are_refused_before_any_run_folder_exists"),
+    Fault("task of 10^9 examples",
+          "tests/test_preflight.py::test_a_task_of_ten_to_the_ninth_examples_is_refused_before_one_is_made"),
+    Fault("a batch pointed at another batch's folder",
+          "tests/test_batch.py::test_an_es_batch_pointed_at_a_grpo_batchs_folder_names_it_and_leaves_it_unchanged"),
+    Fault("a sweep pointed at a batch's folder",
+          "tests/test_sweep.py::test_a_sweep_pointed_at_a_batchs_folder_names_it_and_leaves_it_unchanged"),
+    Fault("an invalid grid point", "tests/test_batch.py::test_a_bad_point_fails_before_its_kernel_and_a_rerun_after_the_fix_runs_only_it"),
+    Fault("a point whose folder holds other settings",
+          "tests/test_batch.py::test_changed_settings_keep_a_finished_point_and_say_so_the_same_way_in_dry_and_real_runs"),
+    Fault("empty grids and method lists in a sweep",
+          "tests/test_sweep.py::test_empty_grids_and_method_lists_are_refused_naming_the_field"),
+    Fault("JSONL task file with a byte that is not UTF-8",
+          "tests/test_tasks.py::test_a_jsonl_file_with_a_byte_that_is_not_utf8_is_named_with_its_line"),
+    Fault("JSONL target that is null",
+          "tests/test_tasks.py::test_a_jsonl_target_that_is_not_text_or_a_number_is_refused_not_turned_into_text"),
+    Fault("SIGTERM on `evolm batch`",
+          "tests/test_batch.py::test_sigterm_on_a_batch_prints_what_ctrl_c_prints_and_leaves_no_running_status"),
     Fault("two writers", two_writers),
     Fault("SIGKILL mid-generation", "tests/test_es_run.py::test_kill_mid_generation_then_resume"),
     Fault("killed between the steps of a checkpoint rewrite",

@@ -190,3 +190,56 @@ def test_es_mode_full_counts_every_engines_master_and_the_shares_of_all_engines(
                                           r"for each of engines_per_gpu=2 engines on the card, but 10 GiB are free now: "
                                           r"lower gpu_memory_utilization or engines_per_gpu"):
         check_engine_settings(config.replace(gpu_memory_utilization=0.6), tiny_model_dir, cuda=True)
+
+
+# --------------------------------------------------------------------------- sizes a machine can hold
+
+ABSURD = 10**9
+
+
+@pytest.mark.parametrize("cls, field", [(ESConfig, "population_size"), (GRPOConfig, "group_size"),
+                                        (ESConfig, "max_new_tokens"), (ESConfig, "num_generations"),
+                                        (GRPOConfig, "num_steps")])
+def test_a_size_of_ten_to_the_ninth_is_refused_naming_the_field_and_the_largest_value_that_fits(
+        cls, field, tiny_model_dir):
+    """10^9 members, group, completion tokens or generations: refused from the settings alone, against
+    this machine's memory (psutil), naming the field and the largest value that fits; that value does fit
+    and one more does not."""
+    import psutil
+
+    base = {k: v for k, v in TINY.items() if cls is ESConfig or k != "population_size"}
+    config = cls(**base).model_copy(update={field: ABSURD})  # as a notebook or sweep would build it
+    with pytest.raises(ConfigError, match=rf"^{field}=1,000,000,000 is more than this machine can hold: .*"
+                                          rf"the largest {field} that fits is [\d,]+$") as refused:
+        preflight.check_run_sizes(config, tiny_model_dir, cuda=False)
+    largest = int(str(refused.value).rsplit(" ", 1)[1].replace(",", ""))
+    assert 1 <= largest < ABSURD and refused.value.errors[0][0] == field
+    assert f"this machine has {psutil.virtual_memory().total / 2**30:.3g} GiB" in str(refused.value)
+    preflight.check_run_sizes(config.model_copy(update={field: largest}), tiny_model_dir, cuda=False)
+    with pytest.raises(ConfigError, match="is more than this machine can hold"):  # one more does not fit
+        preflight.check_run_sizes(config.model_copy(update={field: largest + 1}), tiny_model_dir, cuda=False)
+
+
+def test_the_cards_memory_bounds_the_engines_lora_slots(tiny_model_dir):
+    """On a GPU the engine's LoRA slots (population + 1, twice for resident slots) live on the card: a
+    population whose slots exceed the card is refused naming GPU memory, while the host holds it."""
+    config = ESConfig(**TINY)
+    slot = preflight.lora_slot_bytes(config, tiny_model_dir)
+    assert slot > 0
+    sizes = preflight.check_run_sizes(config, tiny_model_dir, cuda=True, card_bytes=2**40)
+    card = 100 * slot  # room for about 50 members' slots, in place (twice the slots)
+    with pytest.raises(ConfigError, match=r"population_size=1,000 .* GPU memory for the engine's LoRA slots .*"
+                                          r"the largest population_size that fits is (\d+)$") as refused:
+        preflight.check_run_sizes(config.model_copy(update={"population_size": 1000}), tiny_model_dir,
+                                  cuda=True, card_bytes=card)
+    largest = int(str(refused.value).rsplit(" ", 1)[1])
+    assert preflight.check_run_sizes(config.model_copy(update={"population_size": largest}), tiny_model_dir,
+                                     cuda=True, card_bytes=card).card_bytes <= card < sizes.card_bytes * 1000
+
+
+def test_a_task_of_ten_to_the_ninth_examples_is_refused_before_one_is_made():
+    with pytest.raises(ConfigError, match=r"task_options: num_train=1,000,000,000 is more than this machine can "
+                                          r"hold: .* the largest num_train that fits is [\d,]+"):
+        ESConfig(task="arithmetic", task_options={"num_train": ABSURD})
+    with pytest.raises(ConfigError, match=r"num_eval=1,000,000,000 .* the largest num_eval that fits"):
+        GRPOConfig(task="countdown", task_options={"num_eval": ABSURD})

@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -312,3 +314,102 @@ def test_unequal_budgets_name_the_methods_at_each_budget():
     with pytest.raises(ValueError, match=r"unequal budgets across runs, in training completions — 8: es_one \(2 x 4 x 1 "
                                          r"prompts\); 16: es_two \(2 x 4 x 2 prompts\), grpo \(2 x 4 x 2 prompts\)"):
         sweep.plan_sweep(section)
+
+
+# --------------------------------------------------------------------------- refused before any folder exists
+
+TINY_SWEEP = {"common": {"model": "tiny-random", "task": "conciseness", "max_new_tokens": 8, "max_model_len": 256,
+                         "kv_cache_gb": 0.1, "checkpoint_every": 1},
+              "es": {"population_size": 4}, "grpo": {"group_size": 4}, "generations": 2, "seeds": [0]}
+
+
+def _write_sweep(path: Path, **changes) -> Path:
+    spec = {"notebook": "notebooks/04_es_vs_grpo.py", "sweep": {**TINY_SWEEP, **changes}}
+    path.write_text(json.dumps(spec))
+    return path
+
+
+def _evolm_sweep(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "evolm_lib.cli", "sweep", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=600)
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"es": {"population_size": 10**9}, "grpo": {"group_size": 10**9}},
+     r"es_seed0: population_size=1,000,000,000 is more than this machine can hold: .*the largest population_size "
+     r"that fits is [\d,]+"),
+    ({"grpo": {"group_size": 10**9}, "grpo_completions": 2 * 10**9},  # 2 training prompts a step
+     r"grpo_seed0: group_size=1,000,000,000 is more than this machine can hold: .*the largest group_size that fits "
+     r"is [\d,]+"),
+])
+def test_sizes_of_ten_to_the_ninth_are_refused_before_any_run_folder_exists(tmp_path, changes, message):
+    """A real `evolm sweep` with population or group size 10^9: the dry run and the run itself exit 2 with
+    one line naming the run, the field and the largest value that fits; OUT is never created."""
+    spec, out = _write_sweep(tmp_path / "big.yaml", **changes), tmp_path / "out"
+    for dry in (["--dry-run"], ["--no-kl", "--no-notebook"]):
+        result = _evolm_sweep(str(spec), "--out", str(out), *dry)
+        assert result.returncode == 2, result.stdout + result.stderr
+        assert re.fullmatch(rf"error: {message}\n", result.stderr), result.stderr
+        assert not out.exists()
+
+
+@pytest.mark.parametrize("changes, field", [({"seeds": []}, "sweep.seeds"),
+                                            ({"grpo": {"group_size": []}}, "sweep.grpo.group_size"),
+                                            ({"es_modes": {}}, "sweep.es_modes")])
+def test_empty_grids_and_method_lists_are_refused_naming_the_field(tmp_path, changes, field):
+    """`seeds: []` planned a garbled run and crashed; `grpo: {group_size: []}` ran ES alone: both are refused."""
+    spec, out = _write_sweep(tmp_path / "empty.yaml", **changes), tmp_path / "out"
+    for dry in (["--dry-run"], ["--no-kl", "--no-notebook"]):
+        result = _evolm_sweep(str(spec), "--out", str(out), *dry)
+        assert result.returncode == 2, result.stdout + result.stderr
+        assert result.stderr.startswith(f"error: {field}: empty ("), result.stderr
+        assert "give at least one value, or leave the key out for its default" in result.stderr
+        assert not out.exists()
+
+
+def test_a_run_folder_that_lost_its_config_yaml_is_refused_with_the_command_that_restores_it(tmp_path):
+    """A sweep's ES run (two generations, a real ES run on the synthetic engine) whose config.yaml was
+    deleted: the plan says neither "resumes at generation -1" nor that the same command continues; it
+    names the file and gives the command that restores it; that command, run as printed, restores it and
+    the plan then resumes the run."""
+    from evolm_lib.engines.synthetic import SyntheticEvaluator
+    from evolm_lib.train.es import ESRun
+
+    spec, out = _write_sweep(tmp_path / "s.yaml"), tmp_path / "out"
+    [es_run] = [run for run in sweep.plan_sweep(TINY_SWEEP) if run.kind == "es"]
+    run = ESRun.create(es_run.config, out / es_run.name, evaluator=SyntheticEvaluator())
+    run.run(1)
+    run.close()
+    (out / es_run.name / "config.yaml").unlink()
+
+    for dry in (["--dry-run"], ["--no-kl", "--no-notebook"]):
+        result = _evolm_sweep(str(spec), "--out", str(out), *dry)
+        assert result.returncode == 1, result.stdout + result.stderr
+        assert "generation -1" not in result.stdout and "the same command continues" not in result.stderr
+        line = next(line for line in result.stdout.splitlines() if es_run.name in line)
+        assert line.split()[0] == "damaged" and f"{out / es_run.name / 'config.yaml'} is missing" in line, line
+        assert "lost their config.yaml (listed above, with the command that restores each)" in result.stderr
+    command = re.search(r"`(\S*python\S* -c .*?)`", line).group(1)
+    restored = subprocess.run(command, shell=True, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert restored.returncode == 0, restored.stderr
+    [action] = [a for a in sweep.plan_actions(sweep.plan_sweep(TINY_SWEEP), out) if a.name == es_run.name]
+    assert (action.state, action.action) == ("unfinished", "resume") and "resumes at generation 1 of 2" in action.reason
+
+
+def test_a_sweep_pointed_at_a_batchs_folder_names_it_and_leaves_it_unchanged(tmp_path):
+    """A real batch (the fixture notebook that fills a run folder) then a sweep with --out at its folder:
+    refused before any plan runs, naming the batch's points; every file there unchanged."""
+    from evolm_lib.cli import batch as batch_cli
+
+    out = tmp_path / "out"
+    spec = tmp_path / "p.yaml"
+    spec.write_text(f"notebook: {REPO / 'tests' / 'data' / 'batch_run_nb.py'}\nname: fx\ngrid: {{seed: [0]}}\n")
+    assert batch_cli.main([str(spec), "--out", str(out)]) == 0
+    before = {str(p): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+    for dry in (["--dry-run"], ["--no-kl", "--no-notebook"]):
+        result = _evolm_sweep(str(_write_sweep(tmp_path / "s.yaml")), "--out", str(out), *dry)
+        assert result.returncode == 2, result.stdout + result.stderr
+        assert result.stderr == (f"error: this folder, {out.resolve()}, holds an `evolm batch`'s points of batch_run_nb.py "
+                                 "(fx__seed-0); a sweep would write its runs and its summary.csv beside them. The folder "
+                                 "is left as it is: give --out another folder\n"), result.stderr
+        assert {str(p): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()} == before

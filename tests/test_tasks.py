@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -425,3 +426,40 @@ def test_jsonl_bad_line_is_a_configuration_error_with_file_and_line(tmp_path):
     assert (caught.value.path, caught.value.line) == (path, 3)
     with pytest.raises(ConfigError, match=f"JSONL task file {path}, line 3: 'prompt' must be a string"):
         ESConfig(model="tiny-random", task="jsonl", task_options={"path": str(path)})
+
+
+def test_a_jsonl_file_with_a_byte_that_is_not_utf8_is_named_with_its_line(tmp_path):
+    """A Latin-1 'é' (0xe9) on line 2: the error names the file, the line, the column and the byte, not
+    "'utf-8' codec can't decode byte 0xe9 in position 99"."""
+    from evolm_lib.config import ConfigError, ESConfig
+    from evolm_lib.tasks.jsonl import JsonlTaskError
+
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(b'{"prompt": "a", "target": "b"}\n{"prompt": "caf\xe9?", "target": "x"}\n')
+    with pytest.raises(JsonlTaskError, match=rf"^JSONL task file {path}, line 2: not UTF-8 text: byte 0xe9 at "
+                                             r"column 16 \(invalid continuation byte\); save the file as UTF-8$") as caught:
+        load_jsonl_examples(path)
+    assert (caught.value.path, caught.value.line) == (path, 2)
+    with pytest.raises(ConfigError, match=f"JSONL task file {path}, line 2: not UTF-8 text"):
+        ESConfig(model="tiny-random", task="jsonl", task_options={"path": str(path)})
+
+
+@pytest.mark.parametrize("target, shown", [(None, "null"), (True, "true"), ([1], "[1]"), ({"a": 1}, '{"a": 1}')])
+def test_a_jsonl_target_that_is_not_text_or_a_number_is_refused_not_turned_into_text(tmp_path, target, shown):
+    """`"target": null` became the string "None" (and true "True"): refused, naming the file and the line."""
+    path = tmp_path / "null.jsonl"
+    path.write_text(json.dumps({"prompt": "a", "target": "b"}) + "\n" + json.dumps({"prompt": "c", "target": target}) + "\n")
+    with pytest.raises(ValueError, match=rf"^JSONL task file {path}, line 2: 'target' must be a string or a number, "
+                                         rf"got {re.escape(shown)}$"):
+        load_jsonl_examples(path)
+
+
+def test_a_countdown_file_with_a_byte_that_is_not_utf8_is_named_with_its_line(tmp_path):
+    from evolm_lib.tasks.countdown import load_countdown_json
+
+    path = tmp_path / "countdown.json"
+    line = b'  {"numbers": [1, 2], "target": 3, "note": "\xe9"}'
+    path.write_bytes(b"[\n" + line + b"\n]\n")
+    column = line.index(b"\xe9") + 1
+    with pytest.raises(ValueError, match=rf"^{path}, line 2, column {column}: not UTF-8 text \(byte 0xe9"):
+        load_countdown_json(path)

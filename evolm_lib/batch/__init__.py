@@ -31,7 +31,14 @@ Rerunning a batch continues it. Each point's status.json says what happened to i
   with other settings): it runs again in its folder;
 - running (another batch process is running it now): skipped;
 - busy (another process holds it: a batch running the point, or a notebook or sweep with its run
-  folder open, see `evolm_lib.runs.WriterLock`): skipped and reported busy, its files untouched.
+  folder open, see `evolm_lib.runs.WriterLock`): skipped and reported busy, its files untouched;
+- damaged (its run folder holds checkpoints but lost its config.yaml): left as it is (action
+  "damaged"), with the command that restores the file (`evolm_lib.runs.missing_config`), or
+  --overwrite POINT;
+- stopped (its batch got Ctrl-C or SIGTERM while the point ran): it runs again in its folder, as unfinished.
+An output folder that holds another batch's points (another name, or runs of another kind: a GRPO
+batch's folder for an ES batch) or a sweep's runs is refused before anything is written, naming
+what it holds (`plan.check_out_folder`); its files and summary stay as they are.
 Settings are compared as the run has them: for a notebook whose parameters cell is tagged
 `settings:es` (or `settings:grpo`), the run folder's config.yaml against the point's resolved settings
 (a change of budget or cadence, `evolm_lib.runs.EXTENDABLE`, extends the run instead); otherwise the
@@ -47,9 +54,10 @@ runs, the point it replaces waits in OUT/.<point>.kept-<time>/ (left there if th
 Before any kernel starts, each point is checked without running notebook code: its parameters against
 the notebook's declared names and types (papermill's own inspection of the `parameters` cell), then,
 for a notebook tagged `settings:<kind>`, its settings through the config class exactly as the
-notebook's config cell builds them (`evolm_lib.parameters.notebook_config`), then the engine limits of
-`evolm_lib.preflight`. A bad point fails at once, and --dry-run lists every point with what would
-happen to it.
+notebook's config cell builds them (`evolm_lib.parameters.notebook_config`), then the sizes this
+machine can hold (`evolm_lib.preflight.check_run_sizes`) and the engine limits of
+`evolm_lib.preflight`. A bad point fails at once and creates nothing (no folder, no summary row),
+and --dry-run lists every point with what would happen to it.
 
 OUT/summary.csv (and summary.json, with every parameter and result) holds one row per grid point,
 rewritten after every point; a point the batch left as it was keeps its row. Columns (a result
@@ -105,6 +113,7 @@ from .state import (
     OK,
     PLANNED,
     RUNNING,
+    STOPPED,
     STATUS_FILE,
     Change,
     PointPlan,
@@ -115,14 +124,16 @@ from .state import (
     settings_changes,
     write_status,
 )
-from .summary import RESULT_CELLS, format_plan, format_summary, summary_rows, write_summary, write_summary_files
+from .plan import check_out_folder
+from .summary import (RESULT_CELLS, format_plan, format_summary, plumbing_check_note, summary_rows, write_summary,
+                      write_summary_files)
 
 __all__ = [
     "TYPES", "check_point", "check_types", "run_batch", "run_point", "KERNEL_DIED_AT_START", "KERNEL_START_ATTEMPTS",
     "NOTEBOOK_FILE", "NotebookInfo", "check_parameters", "execute_notebook", "notebook_info", "notebook_parameters",
     "read_notebook", "plan_batch", "plan_points", "stale_folders", "INJECTED", "SPEC_KEYS", "BatchSpec", "RunSpec",
     "expand_runs", "load_batch_spec", "read_yaml_file", "resolve_notebook", "spec_from_dict", "ACTIONS", "BUSY",
-    "FAILED", "NOT_RUN", "OK", "PLANNED", "RUNNING", "STATUS_FILE", "Change", "PointPlan", "RunResult",
+    "FAILED", "NOT_RUN", "OK", "PLANNED", "RUNNING", "STOPPED", "STATUS_FILE", "Change", "PointPlan", "RunResult",
     "conflict_fix", "point_state", "read_status", "settings_changes", "write_status", "RESULT_CELLS", "format_plan",
-    "format_summary", "summary_rows", "write_summary", "write_summary_files",
+    "format_summary", "summary_rows", "write_summary", "write_summary_files", "plumbing_check_note", "check_out_folder",
 ]

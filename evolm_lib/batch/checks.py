@@ -55,10 +55,12 @@ def check_point(info: NotebookInfo, parameters: dict[str, Any], cwd: Path | None
 
 
 def _check_engine(config) -> None:
-    """Engine limits of a run's settings, when its model is already a local folder (no build or download here)."""
+    """Sizes this machine can hold (``preflight.check_run_sizes``, with or without the model's folder), then
+    the engine limits of a run's settings, when its model is already a local folder (no build or download here)."""
     from ..models import cached_model_dir
-    from ..preflight import check_engine_settings
+    from ..preflight import check_engine_settings, check_run_sizes
 
     model_dir = cached_model_dir(config.model)
+    check_run_sizes(config, model_dir)
     if model_dir is not None:
         check_engine_settings(config, model_dir)

@@ -14,7 +14,7 @@ from ..paths import project_root
 from .notebooks import NOTEBOOK_FILE, error_text, execute_notebook, notebook_info, read_notebook
 from .plan import plan_points
 from .spec import INJECTED, BatchSpec, load_batch_spec
-from .state import (BUSY, FAILED, NOT_RUN, OK, PLANNED, RUNNING, PointPlan, RunResult, now_text, point_lock,
+from .state import (BUSY, FAILED, NOT_RUN, OK, PLANNED, RUNNING, STOPPED, PointPlan, RunResult, now_text, point_lock,
                     point_results, stamp, write_status)
 from .summary import write_summary
 
@@ -44,6 +44,10 @@ def _execute_point(spec: BatchSpec, point: PointPlan, output: Path, base: dict[s
         execute_notebook(spec.notebook, output, point.parameters, cwd=project_root(),
                          kernel_name=spec.kernel, log_output=log_output)
         status, error = OK, ""
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: no "running" left behind for a process that is ending
+        write_status(point.folder, {**base, "status": STOPPED, "seconds": time.perf_counter() - clock,
+                                    "stopped": now_text()})
+        raise
     except Exception as err:  # noqa: BLE001 - one failed run must not stop the batch
         # a run folder that another process opened after the check in run_point: busy, not failed
         status, error = (BUSY if getattr(err, "ename", "") == "RunFolderBusy" else FAILED), error_text(err)
@@ -55,6 +59,8 @@ def run_point(spec: BatchSpec, point: PointPlan, log_output: bool = False) -> Ru
     another process holds (another batch, or a run open on its run folder) is left untouched: busy."""
     from ..runs import RunFolderBusy, WriterLock, describe_holder, lock_holder
 
+    if point.action == "invalid" and not point.folder.exists():  # failed its checks: no lock, no folder, nothing
+        return _result(point, FAILED, 0.0, point.error)
     try:
         lock = WriterLock.acquire(point.folder, lock_file=point_lock(point.folder))
     except RunFolderBusy as busy:
@@ -81,9 +87,10 @@ def _run_point(spec: BatchSpec, point: PointPlan, log_output: bool) -> RunResult
     if point.action == "invalid":  # failed its checks: no kernel
         if kept is not None:  # a finished point stays as it is; this attempt's error is reported beside it
             return _kept(point, kept, point.error)
-        write_status(point.folder, {**base, "status": FAILED, "seconds": 0.0, "error": point.error,
-                                    "finished": started, "before_start": True})
-        return _result(point, FAILED, 0.0, point.error)
+        if point.folder.exists():  # an earlier attempt's folder: it says this one failed its checks
+            write_status(point.folder, {**base, "status": FAILED, "seconds": 0.0, "error": point.error,
+                                        "finished": started, "before_start": True})
+        return _result(point, FAILED, 0.0, point.error)  # a new point: no folder, no summary row
     aside = None
     if point.action == "overwrite" and point.folder.exists():
         if kept is not None:  # moved aside, back if the new attempt fails
@@ -137,7 +144,6 @@ def run_batch(spec_or_path: BatchSpec | str | Path, out_dir: str | Path, overwri
                           p.action, p.reason, point_results(p.parameters) if p.action in NOT_RUN else {})
                 for p in points]
 
-    out_dir.mkdir(parents=True, exist_ok=True)
     defaults = notebook_info(read_notebook(spec.notebook, spec.kernel)).defaults
     results = {p.run.name: _kept(p, p.status) for p in points if p.action in NOT_RUN}
     work = [p for p in points if p.action not in NOT_RUN]
@@ -149,8 +155,17 @@ def run_batch(spec_or_path: BatchSpec | str | Path, out_dir: str | Path, overwri
         results[point.run.name] = result
         if result.status == FAILED or result.attempt_error:
             bar.write(f"[failed] {point.run.name}: {result.error or result.attempt_error}", file=sys.stderr)
-        write_summary([results[n] for n in order if n in results], out_dir, spec, defaults)
+        _write_summary([results[n] for n in order if n in results], out_dir, spec, defaults)
     bar.close()
     ordered = [results[n] for n in order]
-    write_summary(ordered, out_dir, spec, defaults)
+    _write_summary(ordered, out_dir, spec, defaults)
     return ordered
+
+
+def _write_summary(results: list[RunResult], out_dir: Path, spec: BatchSpec, defaults: dict[str, Any]) -> None:
+    """The summary of the points that have a folder: a point that failed its checks before its first
+    attempt created nothing, and has no row; a batch of such points alone writes no summary."""
+    rows = [r for r in results if r.folder.exists()]
+    if rows or out_dir.exists():
+        out_dir.mkdir(parents=True, exist_ok=True)
+        write_summary(rows, out_dir, spec, defaults)

@@ -63,6 +63,7 @@ def plan_points(spec: BatchSpec, out_dir: str | Path, retry_failed: bool = False
     when ``validate``: a point that fails its checks gets the action "invalid"). ``overwrite``:
     True for every point, or the names of the points to replace."""
     info = notebook_info(read_notebook(spec.notebook, spec.kernel))
+    check_out_folder(spec, out_dir, info.kind)
     planned = plan_batch(spec, out_dir, info)
     replace = _overwritten(overwrite, [run.name for run, _, _ in planned])
     points = []
@@ -78,6 +79,8 @@ def plan_points(spec: BatchSpec, out_dir: str | Path, retry_failed: bool = False
             reason += " (--retry-failed runs it again)"
         elif state == "changed":
             reason += f"; {conflict_fix(run.name)}"
+        elif state == "damaged":
+            reason += f"; or `--overwrite {run.name}` starts this point again"
         if error and action == "skip":  # a finished run stays as it is; say what the check says now
             notes = [f"its settings fail the checks now: {error}"]
         elif error:
@@ -98,3 +101,73 @@ def stale_folders(spec: BatchSpec, out_dir: str | Path) -> list[Path]:
     return sorted(p for p in out_dir.iterdir() if p.is_dir() and (p / STATUS_FILE).exists()
                   and p.name not in current and ".failed-" not in p.name
                   and (p.name == prefix or p.name.startswith(prefix + "__")))
+
+
+KIND_NAMES = {"es": "ES", "grpo": "GRPO", None: "notebook"}
+
+
+def _belongs(spec: BatchSpec, name: str) -> bool:
+    """True when a point folder's name is one this batch's name makes (its prefix, alone or with grid values)."""
+    prefix = folder_slug(spec.name)
+    return name == prefix or name.startswith(prefix + "__")
+
+
+def _point_kind(status: dict[str, Any]) -> str | None:
+    """The kind (es, grpo) of the run a point's status.json describes: its run folder's config.yaml,
+    else its notebook's `settings:<kind>` tag; None when neither says."""
+    from ..runs import read_config_kind
+
+    run_dir = (status.get("parameters") or {}).get("run_dir")
+    if run_dir and (Path(run_dir) / "config.yaml").is_file():
+        try:
+            return read_config_kind(run_dir)
+        except Exception:  # noqa: BLE001 - a damaged config.yaml: the notebook's tag below
+            pass
+    notebook = status.get("notebook")
+    if notebook and Path(notebook).is_file():
+        try:
+            return notebook_info(read_notebook(Path(notebook))).kind
+        except Exception:  # noqa: BLE001 - unreadable: the kind is unknown
+            return None
+    return None
+
+
+def check_out_folder(spec: BatchSpec, out_dir: str | Path, kind: str | None) -> None:
+    """Refuse an output folder that holds another batch (point folders or a summary.json another batch
+    name made) or runs of another kind (a GRPO batch's folder for an ES batch): a ValueError naming what
+    the folder holds, before anything is written; the folder and its summary stay as they are."""
+    from .state import read_status
+
+    out_dir = Path(out_dir)
+    if not out_dir.is_dir():
+        return
+    others: dict[str, list[str]] = {}  # "<kind> run(s) of <notebook>" -> point names
+    for folder in sorted(p for p in out_dir.iterdir() if p.is_dir() and (p / STATUS_FILE).is_file()):
+        if folder.name.startswith(".") or ".failed-" in folder.name:
+            continue
+        status = read_status(folder)
+        theirs = _point_kind(status)
+        # kinds compared where both are known (a notebook without a settings tag declares none)
+        if not _belongs(spec, folder.name) or (theirs != kind and None not in (theirs, kind)):
+            label = f"{KIND_NAMES.get(theirs, theirs)} run(s) of {Path(str(status.get('notebook', '?'))).name}"
+            others.setdefault(label, []).append(folder.name)
+    summary = out_dir / "summary.json"
+    if summary.is_file():
+        try:
+            written = json.loads(summary.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            written = {}
+        runs = [r.get("name") for r in written.get("runs", []) if isinstance(r, dict) and r.get("name")]
+        foreign = [n for n in runs if not _belongs(spec, n) and not any(n in names for names in others.values())]
+        if foreign and written.get("notebook"):
+            label = f"a summary of {Path(written['notebook']).name}"
+            others.setdefault(label, []).extend(foreign)
+        swept = [r.get("run") for r in written.get("runs", []) if isinstance(r, dict) and r.get("run") and "name" not in r]
+        if swept:  # `evolm sweep` names its rows by "run"
+            others.setdefault("the runs of an `evolm sweep`", []).extend(swept)
+    if others:
+        held = "; ".join(f"{label} ({', '.join(names)})" for label, names in others.items())
+        raise ValueError(
+            f"this folder, {out_dir.resolve()}, holds another batch's points: {held}; this batch ({spec.name!r}) runs "
+            f"{KIND_NAMES.get(kind, kind)} points of {spec.notebook.name}. The folder and its summary.csv are left "
+            "as they are: give --out another folder")

@@ -18,10 +18,11 @@ from .spec import INJECTED, RunSpec
 STATUS_FILE = "status.json"
 RUNNING, OK, FAILED, PLANNED = "running", "ok", "failed", "planned"
 BUSY = "busy"  # another process holds the point or its run folder: nothing done, nothing written
+STOPPED = "stopped"  # its batch was stopped (Ctrl-C, SIGTERM) while the point ran: a rerun resumes it
 # what a batch does with a grid point, by the point's state (see the module's doc string)
 ACTIONS = {"new": "run", "finished": "skip", "failed": "skip", "unfinished": "resume", "changed": "conflict",
-           "changed-failed": "rerun", "running": "skip", "busy": "skip"}
-NOT_RUN = ("skip", "conflict")  # actions that leave a point's folder as it is
+           "changed-failed": "rerun", "running": "skip", "busy": "skip", "damaged": "damaged"}
+NOT_RUN = ("skip", "conflict", "damaged")  # actions that leave a point's folder as it is
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,10 @@ def write_status(folder: Path, status: dict[str, Any]) -> None:
     """Write status.json atomically (a kill leaves the old one or the new one)."""
     folder.mkdir(parents=True, exist_ok=True)
     tmp = folder / f".{STATUS_FILE}.tmp"
-    tmp.write_text(json.dumps(status, indent=2, default=str) + "\n")
+    from ..runs.durable import naming  # runs imports torch: not at the command's start
+
+    with naming(folder / STATUS_FILE):
+        tmp.write_text(json.dumps(status, indent=2, default=str) + "\n")
     os.replace(tmp, folder / STATUS_FILE)
 
 
@@ -185,6 +189,12 @@ def point_state(folder: Path, parameters: dict[str, Any], config=None,
         return "busy", f"held by {describe_holder(holder)}", read_status(folder)
     if not folder.exists() or not any(folder.iterdir()):
         return "new", "", {}
+    if parameters.get("run_dir"):
+        from ..runs import missing_config
+
+        missing = missing_config(parameters["run_dir"])
+        if missing is not None:  # no plan can say where its run resumes: left as it is, with the way back
+            return "damaged", missing, read_status(folder)
     status = read_status(folder)
     if not status:
         return "unfinished", "a folder without status.json (an earlier batch stopped in it)", status
@@ -192,6 +202,8 @@ def point_state(folder: Path, parameters: dict[str, Any], config=None,
         if _alive(status):
             return "running", f"running in process {status['pid']} since {status.get('started', '?')}", status
         return "unfinished", f"stopped while running (started {status.get('started', '?')})", status
+    if status.get("status") == STOPPED:
+        return "unfinished", f"its batch was stopped while it ran ({status.get('stopped', '?')})", status
     changes, blocking, from_run = settings_changes(folder, parameters, config, defaults, status)
     listed = ", ".join(map(str, changes))
     if blocking:

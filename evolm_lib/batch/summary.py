@@ -91,14 +91,17 @@ def write_summary_files(out_dir: str | Path, rows: Sequence[Mapping[str, Any]], 
     header = list(dict.fromkeys([*columns, *(key for row in rows for key in row)]))
     cells = [{key: _cell(row.get(key)) for key in header} for row in rows]
     table = out_dir / ".summary.csv.tmp"
-    with open(table, "w", newline="", encoding="utf-8") as handle:
+    from ..runs.durable import naming  # runs imports torch: not at the command's start
+
+    with naming(out_dir / "summary.csv"), open(table, "w", newline="", encoding="utf-8") as handle:
         writer = csv.DictWriter(handle, fieldnames=header)
         writer.writeheader()
         writer.writerows(cells)
     os.replace(table, out_dir / "summary.csv")
     payload = {"notebook": None if notebook is None else str(notebook), "written": now_text(), "runs": list(runs)}
     details = out_dir / ".summary.json.tmp"
-    details.write_text(json.dumps(payload, indent=2, default=str) + "\n", encoding="utf-8")
+    with naming(out_dir / "summary.json"):
+        details.write_text(json.dumps(payload, indent=2, default=str) + "\n", encoding="utf-8")
     os.replace(details, out_dir / "summary.json")
     return list(rows)
 
@@ -194,3 +197,34 @@ def format_plan(results: list[RunResult]) -> str:
         detail = r.error or r.reason
         lines.append(f"  {r.action:<9} {r.name:<{width}}  {detail}".rstrip())
     return "\n".join(lines)
+
+
+PLUMBING_MODELS = ("tiny-random",)
+"""Models with random weights, built to test the plumbing: their rewards say nothing about a method."""
+
+
+def _model_of(result: RunResult) -> str | None:
+    model = result.parameters.get("model")
+    settings = result.parameters.get("settings")
+    if isinstance(settings, dict) and settings.get("model"):
+        model = settings["model"]
+    run_dir = result.parameters.get("run_dir")
+    if model is None and run_dir and (Path(run_dir) / "config.yaml").is_file():
+        from ..runs import read_config_file
+
+        try:
+            model = read_config_file(run_dir).get("model")
+        except Exception:  # noqa: BLE001 - a damaged config.yaml: its model is unknown here
+            model = None
+    return model
+
+
+def plumbing_check_note(results: list[RunResult]) -> str:
+    """A line saying which points ran on a random test model (tiny-random), whose rewards are
+    meaningless: a plumbing check, not a result; "" when none did."""
+    tiny = [r.name for r in results if _model_of(r) in PLUMBING_MODELS]
+    if not tiny:
+        return ""
+    which = "every point" if len(tiny) == len(results) else ", ".join(tiny)
+    return (f"note: {which} ran on tiny-random, a model with random weights: a plumbing check (the notebook, "
+            "engine and files work), its rewards mean nothing about the method")

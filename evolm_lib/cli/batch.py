@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -12,7 +11,7 @@ import yaml
 from .. import batch
 from ..env import apply_engine_defaults
 from .help import HelpFormatter
-from .interrupt import kernels_stopped_first, report_interrupt, stop_children
+from .interrupt import ignore_stop_signals, kernels_stopped_first, report_interrupt, stop_children
 
 ALL = "\0all"  # --overwrite without a point name
 
@@ -92,29 +91,39 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{len(results)} point(s) of {spec.notebook} in {where}: {counts}")
         print(batch.format_plan(results))
         _print_stale(stale)
-        return 1 if any(r.action in ("invalid", "conflict") for r in results) else 0
+        return 1 if any(r.action in ("invalid", "conflict", "damaged") for r in results) else 0
     print(batch.format_summary(results))
     failed = [r for r in results if r.status == batch.FAILED or r.attempt_error]
     busy = [r for r in results if r.status == batch.BUSY]
+    conflicts = [r for r in results if r.action == "conflict"]
     done = _counts(r.action for r in results)
-    print(f"\n{len(results) - len(failed) - len(busy)} ok, {len(failed)} failed ({done}); "
-          f"summary in {where / 'summary.csv'}")
+    left = f", {len(conflicts)} left as they were (settings changed)" if conflicts else ""
+    summary = f"summary in {where / 'summary.csv'}" if (where / "summary.csv").exists() else "no summary written"
+    not_ok = {id(r) for r in [*failed, *busy, *conflicts] + [r for r in results if r.action == "damaged"]}
+    print(f"\n{len(results) - len(not_ok)} ok, {len(failed)} failed{left} ({done}); "
+          f"{summary}")
+    tiny = batch.plumbing_check_note(results)
+    if tiny:
+        print(tiny)
     for r in busy:
         print(f"busy, left as it is: {r.name}, {r.reason}")
     skipped_failures = [r.name for r in failed if r.action == "skip"]
     if skipped_failures:
         print(f"skipped {len(skipped_failures)} point(s) that failed before: --retry-failed runs them again")
-    conflicts = [r for r in results if r.action == "conflict"]
     if conflicts:  # the same lines as the dry run's
         print(f"left {len(conflicts)} point(s) as they were, their folders holding other settings:")
         print(batch.format_plan(conflicts))
+    damaged = [r for r in results if r.action == "damaged"]
+    if damaged:
+        print(f"left {len(damaged)} point(s) as they were, their run folders missing config.yaml:")
+        print(batch.format_plan(damaged))
     _print_stale(stale)
-    return 1 if failed or conflicts else 0
+    return 1 if failed or conflicts or damaged else 0
 
 
 def _interrupted(spec: batch.BatchSpec | None, out_dir: Path) -> int:
-    """After Ctrl-C: stop the point's kernel, then one line saying which points are kept and how to go on."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the cleanup short
+    """After Ctrl-C or SIGTERM: stop the point's kernel, then one line saying which points are kept and how to go on."""
+    ignore_stop_signals()  # a second one must not cut the cleanup short
     stop_children()
     if spec is None:
         return report_interrupt("interrupted while reading the batch file; nothing ran")

@@ -1,5 +1,6 @@
-"""Ctrl-C in a long command: the notebook kernels it started are stopped, and one line says what was
-kept and how to continue, instead of a traceback from wherever the interrupt landed."""
+"""Ctrl-C (SIGINT) or SIGTERM in a long command: the notebook kernels it started are stopped, and one
+line says what was kept and how to continue, instead of a traceback from wherever the interrupt
+landed (or, for SIGTERM, nothing at all). The exit status is 128 + the signal: 130 or 143."""
 from __future__ import annotations
 
 import contextlib
@@ -7,24 +8,22 @@ import os
 import signal
 import sys
 import time
-from pathlib import Path
 from typing import Iterator
 
 EXIT_INTERRUPTED = 128 + signal.SIGINT  # what a shell reports for a command that Ctrl-C ended
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+"""The signals that stop a long command the same way: Ctrl-C, and SIGTERM (``kill``, a scheduler, a closing session)."""
+_received: list[int] = []  # the stop signal this process got, for its exit status
 
 
 def child_processes(pid: int | None = None) -> list[int]:
-    """The ids of the processes whose parent is ``pid`` (this process by default); [] where /proc is missing."""
-    tasks = Path(f"/proc/{pid or os.getpid()}/task")
-    if not tasks.is_dir():
+    """The ids of the processes whose parent is ``pid`` (this process by default; psutil); [] when it is gone."""
+    import psutil
+
+    try:
+        return [child.pid for child in psutil.Process(pid or os.getpid()).children()]
+    except psutil.NoSuchProcess:
         return []
-    children: list[int] = []
-    for task in tasks.iterdir():
-        try:
-            children += [int(child) for child in (task / "children").read_text().split()]
-        except OSError:  # a thread that ended meanwhile
-            continue
-    return children
 
 
 def stop_children(timeout: float = 10.0) -> None:
@@ -52,26 +51,36 @@ def _reaped(pid: int) -> bool:
         return True
 
 
+def ignore_stop_signals() -> None:
+    """Ignore further Ctrl-Cs and SIGTERMs: a second one must not cut the cleanup short."""
+    for number in STOP_SIGNALS:
+        signal.signal(number, signal.SIG_IGN)
+
+
 @contextlib.contextmanager
 def kernels_stopped_first() -> Iterator[None]:
-    """Inside the block, Ctrl-C ends this process's children (the notebook kernels) before anything
-    else runs, then raises KeyboardInterrupt here: otherwise the notebook client closes its sockets
-    while unwinding, and a kernel still inside a cell prints their errors into this command's output
-    before the cleanup reaches it. Further Ctrl-Cs are ignored until the block's caller is done."""
+    """Inside the block, Ctrl-C or SIGTERM ends this process's children (the notebook kernels) before
+    anything else runs, then raises KeyboardInterrupt here: otherwise the notebook client closes its
+    sockets while unwinding, and a kernel still inside a cell prints their errors into this command's
+    output before the cleanup reaches it (and SIGTERM would end the command with no word and no
+    cleanup). Further stop signals are ignored until the block's caller is done."""
     def interrupted(signum, frame):
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the cleanup short
+        ignore_stop_signals()
+        _received.append(signum)
         stop_children()
         raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGINT, interrupted)
+    previous = {number: signal.signal(number, interrupted) for number in STOP_SIGNALS}
     try:
         yield
     finally:
-        if signal.getsignal(signal.SIGINT) is interrupted:
-            signal.signal(signal.SIGINT, previous)
+        for number, handler in previous.items():
+            if signal.getsignal(number) is interrupted:
+                signal.signal(number, handler)
 
 
 def report_interrupt(line: str) -> int:
-    """Print ``line`` (what was kept, how to continue) on stderr; returns the exit status for Ctrl-C."""
+    """Print ``line`` (what was kept, how to continue) on stderr; returns the exit status of the stop
+    signal received (130 for Ctrl-C, 143 for SIGTERM)."""
     print(line, file=sys.stderr, flush=True)
-    return EXIT_INTERRUPTED
+    return 128 + _received[-1] if _received else EXIT_INTERRUPTED

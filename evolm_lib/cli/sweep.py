@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
 import time
 from pathlib import Path
@@ -12,7 +11,7 @@ from ..batch import format_plan
 from ..env import apply_engine_defaults
 from ..paths import resolve_in_project
 from .help import HelpFormatter
-from .interrupt import kernels_stopped_first, report_interrupt, stop_children
+from .interrupt import ignore_stop_signals, kernels_stopped_first, report_interrupt, stop_children
 
 HELP = f"""ES against GRPO at equal sample budgets: one ES and one GRPO run per seed with the same model,
 task, LoRA layout and prompts, then notebook 04 draws the comparison from the run folders.
@@ -92,6 +91,11 @@ def main(argv: list[str] | None = None) -> int:
             + " (sweep.grpo_completions: not an equal-budget comparison)")
     print(f"{len(plan)} runs into {out}, {each}; {estimated}")
     print(format_plan(actions))
+    damaged = [action for action in actions if action.action == "damaged"]
+    if damaged:
+        print(f"{'error: ' if not args.dry_run else ''}{len(damaged)} run folder(s) in {out.resolve()} lost their "
+              "config.yaml (listed above, with the command that restores each); nothing was run", file=sys.stderr)
+        return 1
     conflicts = [action for action in actions if action.action == "conflict"]
     if conflicts:
         print(f"{'error: ' if not args.dry_run else ''}{len(conflicts)} run folder(s) in {out.resolve()} hold runs "
@@ -117,7 +121,7 @@ def _interrupted(runs: list, out: Path) -> int:
     """After Ctrl-C: stop any notebook kernel, then one line saying which runs are kept and how to go on."""
     from ..analysis import run_results
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the cleanup short
+    ignore_stop_signals()  # a second Ctrl-C or SIGTERM must not cut the cleanup short
     stop_children()
     finished = 0
     for run in runs:

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..lora import AdapterWeights, load_adapter, save_adapter
-from .durable import fsync_dir, fsync_tree, json_safe
+from .durable import fsync_dir, fsync_tree, json_safe, naming
 from .metrics_file import MISSING, read_metrics, rewrite_metrics, row_generation, rows_since
 
 CHECKPOINTS = "checkpoints"
@@ -74,9 +74,11 @@ def write_checkpoint(
     _remove_leftovers(run_dir)  # of a killed writer (one writer per run: nobody else writes them)
     tmp = Path(tempfile.mkdtemp(prefix=f".{step:06d}-", dir=root))
     if adapter is not None:  # None: the run moves the model's own weights (its snapshots hold them)
-        save_adapter(adapter, tmp / "adapter", base_model=base_model)
+        with naming(tmp / "adapter"):
+            save_adapter(adapter, tmp / "adapter", base_model=base_model)
     if optimizer_tensors:
-        save_file({k: v.contiguous() for k, v in optimizer_tensors.items()}, str(tmp / "optimizer.safetensors"))
+        with naming(tmp / "optimizer.safetensors"):
+            save_file({k: v.contiguous() for k, v in optimizer_tensors.items()}, str(tmp / "optimizer.safetensors"))
     earlier = [int(p.name.removesuffix(_ASIDE)) for p in list_checkpoints(run_dir)]
     previous = max([g for g in earlier if g < step], default=-1)
     since = rows_since(run_dir, previous) if rows is None else [
@@ -85,8 +87,10 @@ def write_checkpoint(
     config = Path(run_dir) / "config.yaml"
     if config.is_file():
         kept[CONFIG_COPY] = config.read_text(errors="replace")
-    (tmp / "state.json").write_text(json.dumps(json_safe({**state, **kept, "checkpoint_format": CHECKPOINT_FORMAT})))
-    _write_manifest(tmp)
+    with naming(tmp / "state.json"):
+        (tmp / "state.json").write_text(json.dumps(json_safe({**state, **kept, "checkpoint_format": CHECKPOINT_FORMAT})))
+    with naming(tmp / MANIFEST):
+        _write_manifest(tmp)
     fsync_tree(tmp)
     aside = root / f"{step:06d}{_ASIDE}"
     if final.exists():  # re-written after a resume from an older checkpoint
@@ -237,7 +241,7 @@ def latest_intact_checkpoint(run_dir: str | Path) -> Path:
         kept = ""
         if beyond:
             side = free_name(run_dir, f"metrics.after-{generation:06d}", ".jsonl")
-            with open(side, "w") as handle:  # on disk before the rows leave metrics.jsonl
+            with naming(side), open(side, "w") as handle:  # on disk before the rows leave metrics.jsonl
                 handle.write("".join(json.dumps(json_safe(r)) + "\n" for r in beyond))
                 handle.flush()
                 os.fsync(handle.fileno())

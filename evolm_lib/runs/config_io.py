@@ -14,7 +14,7 @@ import yaml
 from ..config import CONFIG_CLASSES, ConfigError, config_class
 from ..lora import AdapterWeights
 from .checkpoints import CONFIG_COPY, free_name, latest_intact_checkpoint, list_checkpoints, load_checkpoint, verify_checkpoint
-from .durable import fsync_dir
+from .durable import fsync_dir, naming
 from .metrics_file import read_metrics, rewrite_metrics, row_generation
 
 CONFIG = "config.yaml"
@@ -48,7 +48,8 @@ def write_config_data(run_dir: str | Path, data: dict) -> None:
     order = ["kind", *(cls.model_fields if cls is not None else ())]
     ordered = {key: data[key] for key in order if key in data}
     ordered.update((key, value) for key, value in data.items() if key not in ordered)
-    (Path(run_dir) / CONFIG).write_text(yaml.safe_dump(ordered, sort_keys=False))
+    with naming(Path(run_dir) / CONFIG):
+        (Path(run_dir) / CONFIG).write_text(yaml.safe_dump(ordered, sort_keys=False))
 
 
 def _what_to_do(run_dir: Path) -> str:
@@ -106,6 +107,34 @@ def load_run_config(run_dir: str | Path, cls=None):
         where = f", line {line}" if line else ""
         raise RunFolderDamaged(f"{Path(run_dir) / CONFIG}{where}: the run folder's settings do not validate ({error}); "
                                f"{_what_to_do(Path(run_dir))}", error.errors) from None
+
+
+def restore_command(run_dir: str | Path) -> str:
+    """The shell command that puts back a run folder's config.yaml (``restore_run_config``), with this
+    Python, the one that has evolm_lib."""
+    import shlex
+    import sys
+
+    return (f"{shlex.quote(sys.executable)} -c "
+            f"\"from evolm_lib.runs import restore_run_config; restore_run_config({str(Path(run_dir))!r})\"")
+
+
+def missing_config(run_dir: str | Path) -> str | None:
+    """What to say of a run folder that holds checkpoints but no config.yaml (deleted, or lost with a
+    disk): the file, the checkpoints, and the command that restores it from the newest intact copy
+    (or, without one, that the run must start again); None when config.yaml is there or the folder holds no run."""
+    run_dir = Path(run_dir)
+    checkpoints = list_checkpoints(run_dir) if run_dir.is_dir() else []
+    if (run_dir / CONFIG).exists() or not checkpoints:
+        return None
+    copies = [p for p in reversed(checkpoints) if verify_checkpoint(p) is None
+              and CONFIG_COPY in json.loads((p / "state.json").read_text())]
+    held = f"the folder holds checkpoints up to {checkpoints[-1].name}"
+    if not copies:
+        return (f"{run_dir / CONFIG} is missing ({held}, none with an intact copy of it): restore it from a copy, "
+                "or start the run again (overwrite)")
+    return (f"{run_dir / CONFIG} is missing ({held}): restore it from checkpoint {copies[0].name}'s copy with "
+            f"`{restore_command(run_dir)}`, then run the same command again; or start the run again (overwrite)")
 
 
 def restore_run_config(run_dir: str | Path) -> Path:

@@ -16,10 +16,10 @@ import re
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Collection, Iterable, Mapping, Sequence
 
 from ..types import NotARunFolder
-from .durable import fsync_dir, json_safe
+from .durable import fsync_dir, json_safe, naming
 
 METRICS = "metrics.jsonl"
 DAMAGED_METRICS = "metrics.damaged.jsonl"  # the damaged lines of metrics.jsonl: {"line", "generation", "raw"}
@@ -94,7 +94,7 @@ def scan_jsonl(path: str | Path, is_row: Callable[[Mapping[str, Any]], bool] = l
 
 def append_metrics(run_dir: Path, row: dict) -> None:
     """Append one row to metrics.jsonl and flush it to disk."""
-    with open(Path(run_dir) / METRICS, "a") as handle:
+    with naming(Path(run_dir) / METRICS), open(Path(run_dir) / METRICS, "a") as handle:
         handle.write(json.dumps(json_safe(row)) + "\n")
         handle.flush()
         os.fsync(handle.fileno())
@@ -119,10 +119,11 @@ def mend_metrics(run_dir: str | Path) -> tuple[list[dict], list[DamagedLine], se
     scanned = scan_jsonl(run_dir / METRICS, is_metrics_row)
     if not scanned.damaged:
         return [row for _, row in scanned.rows], [], set()
-    damaged = place_damaged(scanned)
     kept = checkpoint_rows(run_dir)
+    damaged = place_damaged(scanned, kept)
     at_line = {number: row for number, row in scanned.rows}
-    at_line.update({d.line: kept.get(d.generation) or _missing(d) for d in damaged})
+    # a line no generation is left for (an extra line) stands for no row: named, never a phantom gap
+    at_line.update({d.line: kept.get(d.generation) or _missing(d) for d in damaged if d.generation is not None})
     restored = {d.generation for d in damaged if d.generation in kept}
     return [at_line[number] for number in sorted(at_line)], damaged, restored
 
@@ -131,9 +132,12 @@ def _missing(line: DamagedLine) -> dict:
     return {"generation": line.generation, MISSING: True, "damaged_line": line.line}
 
 
-def place_damaged(scanned: JsonLines) -> list[DamagedLine]:
+def place_damaged(scanned: JsonLines, kept: Collection[int] | None = None) -> list[DamagedLine]:
     """The damaged lines with the generation each held: the one its bytes still name, where that fits
-    between its neighbours, else the one left between its neighbours (generations count up by one)."""
+    between its neighbours, else the one left between its neighbours (generations count up by one);
+    None for a line no generation is left for (an extra line between consecutive rows). With ``kept``
+    (the generations the checkpoints keep), a line after the last row is placed only where its bytes
+    still name a generation or a checkpoint keeps the next one: otherwise it is an extra line too."""
     placed = []
     for line in scanned.damaged:
         before = [row.get("generation") for number, row in scanned.rows if number < line.line]
@@ -145,6 +149,9 @@ def place_damaged(scanned: JsonLines) -> list[DamagedLine]:
         if generation is None or not (low < generation and (high is None or generation < high)):
             between = [d for d in scanned.damaged if _between(d.line, line.line, scanned.rows)]
             generation = low + 1 + between.index(line) if high is None or high - low - 1 == len(between) else None
+            if (high is None and kept is not None and generation is not None and b'"generation"' not in line.raw
+                    and generation not in kept):
+                generation = None  # garbage after the last row: no sign that it was a row
         placed.append(DamagedLine(line.line, line.raw, generation))
     return placed
 
@@ -157,6 +164,15 @@ def _between(line: int, other: int, rows: list[tuple[int, dict]]) -> bool:
 
 def describe_damage(path: Path, damaged: list[DamagedLine], restored: set[int]) -> str:
     """One sentence: which lines of which file are damaged, which generations came back, which are missing."""
+    extra = [d for d in damaged if d.generation is None]
+    damaged = [d for d in damaged if d.generation is not None]
+    side = path.with_name(DAMAGED_METRICS).name
+    told = (f"{path}: line{'s' if len(extra) > 1 else ''} {', '.join(str(d.line) for d in extra)} "
+            f"do{'es' if len(extra) == 1 else ''} not parse and name{'s' if len(extra) == 1 else ''} no generation: "
+            f"an extra line, not a row (no generation is missing for it); it stays in the file, and is kept in "
+            f"{side} when the run's writer next rewrites the file") if extra else ""
+    if not damaged:
+        return told
     lines = ", ".join(str(d.line) for d in damaged)
     generations = [d.generation for d in damaged]
     back = sorted(g for g in generations if g in restored)
@@ -168,9 +184,8 @@ def describe_damage(path: Path, damaged: list[DamagedLine], restored: set[int]) 
     if lost:
         parts.append(f"no checkpoint keeps generation {', '.join('?' if g is None else str(g) for g in lost)}: "
                      f"marked missing ({MISSING!r}: true)")
-    parts.append(f"the damaged bytes are kept in {path.with_name(DAMAGED_METRICS).name} when the run's writer "
-                 "next rewrites the file")
-    return "; ".join(parts)
+    parts.append(f"the damaged bytes are kept in {side} when the run's writer next rewrites the file")
+    return "; ".join(parts) + (f". {told}" if told else "")
 
 
 def checkpoint_rows(run_dir: str | Path) -> dict[int, dict]:
@@ -221,7 +236,8 @@ def write_jsonl(path: str | Path, lines: Sequence[Mapping[str, Any]]) -> None:
     leaves the old file or the new one, never part of it."""
     path = Path(path)
     temporary = path.with_name(path.name + ".tmp")
-    temporary.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    with naming(path):
+        temporary.write_text("".join(json.dumps(line) + "\n" for line in lines))
     os.replace(temporary, path)
 
 
@@ -238,7 +254,7 @@ def keep_damaged_lines(path: Path, damaged: Iterable[DamagedLine], side: Path) -
     held = {(r.get("line"), r.get("raw")) for _, r in scan_jsonl(side).rows}
     new = [d for d in damaged if (d.line, d.raw.decode("latin-1")) not in held]
     if new:
-        with open(side, "a") as handle:
+        with naming(side), open(side, "a") as handle:
             handle.write("".join(json.dumps(d.record()) + "\n" for d in new))
             handle.flush()
             os.fsync(handle.fileno())
@@ -255,7 +271,7 @@ def rewrite_metrics(run_dir: Path, rows: Iterable[dict]) -> None:
         _, placed, _ = mend_metrics(run_dir)
         keep_damaged_lines(run_dir / METRICS, placed, run_dir / DAMAGED_METRICS)
     tmp = run_dir / ".metrics.jsonl.tmp"
-    with open(tmp, "w") as handle:
+    with naming(run_dir / METRICS), open(tmp, "w") as handle:
         handle.write("".join(json.dumps(json_safe(r)) + "\n" for r in rows))
         handle.flush()
         os.fsync(handle.fileno())

@@ -40,7 +40,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from evolm_lib.tasks.base import Example, RewardResult, Task, register_task
+from evolm_lib.tasks.base import Example, RewardResult, Task, check_example_counts, register_task
 
 OPERATIONS = ("+", "-", "*")
 """The operations a problem may use, as they appear in the prompt."""
@@ -271,6 +271,7 @@ class ArithmeticTask(Task):
         if num_train < 0 or num_eval < 0 or num_validation < 0:
             raise ValueError(f"num_train and num_eval must be >= 0, and num_validation too, got {num_train}, "
                              f"{num_eval}, {num_validation}")
+        check_example_counts({"num_train": num_train, "num_eval": num_eval, "num_validation": num_validation})
         self.digits = check_digits(digits)
         self.operations = check_operations(operations)
         problems = generate_arithmetic_problems(num_eval + num_train + num_validation, seed, digits, operations)

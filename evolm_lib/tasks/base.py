@@ -162,3 +162,25 @@ def _factory(name: str) -> TaskFactory:
         return _REGISTRY[name]
     except KeyError:
         raise ValueError(f"unknown task {name!r}; known tasks: {', '.join(list_tasks())}") from None
+
+
+EXAMPLE_HOST_BYTES = 2**10
+"""Host memory one generated example (prompt, target, data and its objects) takes at least."""
+
+
+def check_example_counts(counts: Mapping[str, int], host_bytes: int | None = None) -> None:
+    """Refuse example counts (``{"num_train": 10**9, ...}``) whose examples this machine's memory
+    (``psutil``'s total, or ``host_bytes``) cannot hold, before any is made: a ValueError naming the
+    largest count and the largest value of it that fits."""
+    total = sum(counts.values())
+    if host_bytes is None:
+        import psutil
+
+        host_bytes = int(psutil.virtual_memory().total)
+    if total * EXAMPLE_HOST_BYTES <= host_bytes:
+        return
+    name = max(counts, key=counts.get)
+    room = max(host_bytes // EXAMPLE_HOST_BYTES - (total - counts[name]), 0)
+    raise ValueError(f"{name}={counts[name]:,} is more than this machine can hold: {total:,} examples need at least "
+                     f"{total * EXAMPLE_HOST_BYTES / 2**30:.3g} GiB of host memory (this machine has "
+                     f"{host_bytes / 2**30:.3g} GiB); the largest {name} that fits is {room:,}")

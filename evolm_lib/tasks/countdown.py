@@ -38,7 +38,7 @@ from numbers import Real
 from pathlib import Path
 from typing import Any
 
-from evolm_lib.tasks.base import Example, RewardResult, Task, register_task
+from evolm_lib.tasks.base import Example, RewardResult, Task, check_example_counts, register_task
 from evolm_lib.tasks.safe_arith import UnsafeExpressionError, evaluate_expression, numbers_used
 
 SYSTEM_PROMPT = (
@@ -307,11 +307,18 @@ def load_countdown_json(path: str | Path, skip_malformed: bool = False) -> list[
         raise CountdownFileNotFoundError(
             f"countdown data file not found: {path}{where}; the paper's file is {PAPER_DATA_FILE} of {PAPER_REPOSITORY}"
         )
-    with open(path, encoding="utf-8") as file:
-        try:
-            entries = json.load(file)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"{path}: not valid JSON ({error})") from None
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = data.count(b"\n", 0, error.start) + 1
+        column = error.start - (data.rfind(b"\n", 0, error.start) + 1) + 1
+        raise ValueError(f"{path}, line {line}, column {column}: not UTF-8 text (byte 0x{data[error.start]:02x}, "
+                         f"{error.reason}); save the file as UTF-8") from None
+    try:
+        entries = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path}: not valid JSON ({error})") from None
     if not isinstance(entries, list) or not entries:
         raise ValueError(f"{path}: expected a non-empty JSON list of puzzles")
     examples: list[Example] = []
@@ -410,6 +417,7 @@ class CountdownTask(Task):
         if num_train < 0 or num_eval < 0 or num_validation < 0:
             raise ValueError(f"num_train and num_eval must be >= 0, and num_validation too, got {num_train}, "
                              f"{num_eval}, {num_validation}")
+        check_example_counts({"num_train": num_train, "num_eval": num_eval, "num_validation": num_validation})
         wanted = num_train + num_eval + num_validation
         self.answer_format = check_answer_format(answer_format)
         difficulty = {"num_numbers": num_numbers, "max_number": max_number, "max_target": max_target}

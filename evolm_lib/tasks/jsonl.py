@@ -5,7 +5,8 @@ One JSON object per line::
     {"prompt": "Capital of France?", "target": "Paris", "split": "eval"}
 
 - ``prompt`` (string, required): the user turn the model answers;
-- ``target`` (required): the reference answer (numbers become text);
+- ``target`` (required): the reference answer, a string or a number (numbers become text; null, true,
+  a list or an object are refused);
 - ``split`` (optional): "train" (the default: what the optimiser sees), "eval" (held out) or
   "validation" (for selecting settings, e.g. by `evolm tune`);
 - any other key is kept in ``Example.data`` for rewards that need it.
@@ -65,11 +66,16 @@ def load_jsonl_examples(path: str | Path) -> dict[str, list[Example]]:
         kind = "is a folder, not a file" if path.is_dir() else "not found"
         raise JsonlFileNotFoundError(f"JSONL task file {path} {kind}{where}", path)
     examples: dict[str, list[Example]] = {split: [] for split in SPLITS}
-    with open(path, encoding="utf-8") as file:
-        for line_number, line in enumerate(file, start=1):
+    with open(path, "rb") as file:  # bytes: a line that is not UTF-8 is named by its number
+        for line_number, raw in enumerate(file, start=1):
+            fail = functools.partial(_line_error, path, line_number)
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise fail(f"not UTF-8 text: byte 0x{raw[error.start]:02x} at column {error.start + 1} "
+                           f"({error.reason}); save the file as UTF-8") from None
             if not line.strip():
                 continue
-            fail = functools.partial(_line_error, path, line_number)
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as error:
@@ -81,6 +87,9 @@ def load_jsonl_examples(path: str | Path) -> dict[str, list[Example]]:
                 raise fail(f"missing key {', '.join(map(repr, missing))}")
             if not isinstance(record["prompt"], str):
                 raise fail("'prompt' must be a string")
+            if not isinstance(record["target"], (str, int, float)) or isinstance(record["target"], bool):
+                got = "null" if record["target"] is None else json.dumps(record["target"])
+                raise fail(f"'target' must be a string or a number, got {got}")
             split = record.get("split", "train")
             if split not in SPLITS:
                 raise fail(f"'split' must be one of {SPLITS}, got {split!r}")
