@@ -481,6 +481,9 @@ class GRPOConfig(CommonConfig):
     "per-response mean (GRPO), sum / max_new_tokens (Dr. GRPO), or mean over the micro-batch's tokens (DAPO)"
     beta: float = Field(0.0, ge=0)
     "weight of the k3 KL penalty to the base model (0: none, and no reference pass)"
+    kl_penalty: Literal["k3", "ratio_k3"] = "k3"
+    ("the KL term's gradient: k3 as DeepSeekMath's GRPO adds it (TRL's loss_type 'grpo'), or ratio_k3, k3 times "
+     "the importance ratio pi/pi_old (TRL's use_bias_correction_kl: an unbiased reverse-KL gradient); used when beta > 0")
     num_steps: int = Field(10, ge=1)
     "steps run() does by default"
 

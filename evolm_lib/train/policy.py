@@ -296,7 +296,7 @@ class PolicyTrainer:
                     length_normalization=config.length_normalization,
                     normalize_constant=float(config.max_new_tokens) if config.length_normalization == "constant" else None,
                     beta=config.beta, ref_log_probs=ref[i] if ref is not None else None,
-                    mask_checked=True,
+                    kl_form=config.kl_penalty, mask_checked=True,
                 )
                 epoch_losses.append(loss)
                 if "clip_fraction" in meta:
