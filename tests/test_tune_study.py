@@ -792,3 +792,32 @@ def _env() -> dict:
     import os
 
     return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+
+
+def test_the_committed_conciseness_study_imports_into_a_folder_that_evolm_tune_continues(tmp_path, capsys):
+    """`evolm tune import` writes the committed conciseness study back as a study folder (the spec its
+    summary names): every exported trial in the storage under its number, the finished runs' rows; what
+    `evolm tune` would do next there is its unfinished reruns, and its report gives the export's tables."""
+    from evolm_lib.cli import main
+
+    export = REPO / "figures" / "study" / "summaries" / "tune_study_conciseness"
+    study = tmp_path / "tune_study_conciseness"
+    assert main(["tune", "import", str(export), str(study)]) == 0
+    assert f"continue it with: evolm tune SPEC --out {study}" in capsys.readouterr().out
+    assert main(["tune", "import", str(export), str(study)]) == 2  # never written over
+    assert "exists and is not empty" in capsys.readouterr().err
+    spec = tune.load_tune_spec(REPO / "papermill_runs" / "tune_study_conciseness_gpu.yaml", out=study)
+    exported = read_study(export)["trials"]
+    for method in spec.methods:
+        rows = tune.study_trials(spec, method)
+        assert [(t["number"], t["state"], t["params"]) for t in rows] == [
+            (t["number"], t["state"], t["params"]) for t in exported if t["method"] == method]
+        assert tune.finished(spec, method)
+    left = tune.outstanding(spec)
+    assert left and all(entry.split("/")[0] in ("final", "long", "control") for entry in left)
+    for folder in (study, export):
+        assert main(["tune", "report", str(folder), "--out", str(tmp_path / folder.parent.name), "--no-figures"]) == 0
+    tables = sorted(p.name for p in (tmp_path / "summaries").glob("*.csv"))
+    assert "heldout.csv" in tables and "winners.csv" in tables
+    for name in tables:
+        assert (tmp_path / "summaries" / name).read_text() == (tmp_path / tmp_path.name / name).read_text(), name

@@ -215,7 +215,7 @@ def write_report(study: Path, out: Path, measure: str | None = None, storage: st
     spec at hand, the trials' slice and importance plots too): into STUDY/figures where ``out`` is the
     study folder itself, else into ``out`` beside the tables. Returns the paths. Without chromium the
     figures are skipped with a line saying so."""
-    from ..tune.report import DIGEST, write_study_tables
+    from ..tune.digest import DIGEST, write_study_tables
 
     paths = write_study_tables(study, out, measure=measure, storage=storage)
     if summary is None and (Path(study) / tune.SUMMARY).is_file():

@@ -1,13 +1,16 @@
 """A study's tables (``report.study_tables``) as the Markdown a findings section quotes (``summary.md``):
 each method's trials, winner and setting, the held-out scores over the final seeds with their
-intervals, the comparisons, the control, the base model's line and the winners' geometry."""
+intervals, the comparisons, the control, the base model's line and the winners' geometry; and
+``write_study_tables``, which writes the tables and the digest of a study folder or an export."""
 from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from .report import _short
+from .export import read_study
+from .report import lacking, study_tables
 
 
 def left_lines(left) -> list[str]:
@@ -27,7 +30,7 @@ def interim_lines(completeness) -> list[str]:
     """The digest's warning, naming what each row lacks, where a row of ``completeness_table`` is short."""
     if completeness is None or completeness["complete"].all():
         return []
-    short = [f"{name} ({', '.join(_short(row))})" for name, row in completeness[~completeness["complete"]].iterrows()]
+    short = [f"{name} ({', '.join(lacking(row))})" for name, row in completeness[~completeness["complete"]].iterrows()]
     return ["**Interim: the study is not finished.** Read nothing here as its result: " + _and(short) + ".", ""]
 
 
@@ -321,4 +324,28 @@ def geometry_digest(tables: Mapping[str, Any], measure: str) -> list[str]:
             lines.append(f"| {row['a']} | {row['b']} | {int(row['seed'])} | "
                          + " | ".join(_value(row[c], measure) for c in points) + f" | {_value(row['barrier'], measure)} |")
     return lines
+
+
+DIGEST = "summary.md"
+"""The Markdown digest ``write_study_tables`` writes beside the CSV tables."""
+
+
+def write_study_tables(study_dir: str | Path, out_dir: str | Path, measure: str | None = None,
+                       storage: str | None = None, title: str | None = None) -> list[Path]:
+    """Every table of ``study_tables`` of a study folder or an export as OUT/<name>.csv, and their
+    digest as OUT/summary.md (``digest.study_digest``, headed ``title``, else the folder's name);
+    returns the paths."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    tables = study_tables(read_study(study_dir, storage), measure)
+    for name, table in tables.items():
+        path = out / f"{name}.csv"
+        table.to_csv(path, float_format="%.6g")
+        paths.append(path)
+    if tables:
+        digest = out / DIGEST
+        digest.write_text(study_digest(tables, title=title or Path(study_dir).resolve().name))
+        paths.append(digest)
+    return paths
 

@@ -16,10 +16,9 @@ from __future__ import annotations
 import json
 import math
 import statistics
-from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from .export import export_groups, read_study
+from .export import export_groups
 
 
 def placements(runs: Sequence[dict]) -> dict[str, str]:
@@ -243,7 +242,7 @@ COUNTS = (("trials", "trials"), ("final_seeds", "final seeds"), ("long_seeds", "
 """What ``completeness_table`` counts against its plan (``<name>_planned``), with the digest's words."""
 
 
-def _short(line: Mapping[str, Any]) -> list[str]:
+def lacking(line: Mapping[str, Any]) -> list[str]:
     """What a completeness line lacks, as "k of N <words>"; a count the summary does not plan (an
     older one's tune.trials: NaN) is not counted against it."""
     return [f"{int(line[key])} of {int(line[f'{key}_planned'])} {words}" for key, words in COUNTS
@@ -280,7 +279,7 @@ def completeness_table(summary: Mapping[str, Any] | None, winners, heldout=None,
                       "final_seeds": seeds(control, f"{method} shuffled") if method else 0,
                       "final_seeds_planned": planned_seeds})
     for line in lines:
-        line["complete"] = not _short(line)
+        line["complete"] = not lacking(line)
     return pd.DataFrame(lines).set_index("method")
 
 
@@ -408,30 +407,3 @@ def geometry_tables(geometry: Mapping[str, Any]) -> dict[str, Any]:
               **{f"t={row['t']:g}": row["eval/reward"] for row in path["rows"]}, "barrier": path["barrier"]}
              for path in paths])
     return tables
-
-
-DIGEST = "summary.md"
-"""The Markdown digest ``write_study_tables`` writes beside the CSV tables."""
-
-
-def write_study_tables(study_dir: str | Path, out_dir: str | Path, measure: str | None = None,
-                       storage: str | None = None, title: str | None = None) -> list[Path]:
-    """Every table of ``study_tables`` of a study folder or an export as OUT/<name>.csv, and their
-    digest as OUT/summary.md (``digest.study_digest``, headed ``title``, else the folder's name);
-    returns the paths."""
-    from .digest import study_digest
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = []
-    tables = study_tables(read_study(study_dir, storage), measure)
-    for name, table in tables.items():
-        path = out / f"{name}.csv"
-        table.to_csv(path, float_format="%.6g")
-        paths.append(path)
-    if tables:
-        digest = out / DIGEST
-        digest.write_text(study_digest(tables, title=title or Path(study_dir).resolve().name))
-        paths.append(digest)
-    return paths
-
