@@ -470,3 +470,73 @@ def test_the_removed_options_are_gone_and_a_bad_timeout_is_named(tmp_path, capsy
         assert "unrecognized arguments" in capsys.readouterr().err
     assert main(["tune", str(path), "--timeout", "-5"]) == 2
     assert "--timeout: a number of seconds above 0, not -5.0" in capsys.readouterr().err
+
+
+def _postgres_binaries() -> Path | None:
+    """The folder of a PostgreSQL server's programs (Debian's postgresql package), or None."""
+    found = sorted(Path("/usr/lib/postgresql").glob("*/bin/initdb"))
+    return found[-1].parent if found else None
+
+
+@pytest.fixture
+def postgres_url():
+    """A throwaway PostgreSQL server on a free local port (as the postgres user where the tests run as
+    root, which the server refuses), its URL; stopped and deleted afterwards."""
+    import socket
+    import tempfile
+
+    binaries = _postgres_binaries()
+    if binaries is None:
+        pytest.skip("no PostgreSQL server here (scripts/setup_env.sh installs Debian's postgresql)")
+    pytest.importorskip("psycopg")
+    as_user: list[str] = []
+    folder = Path(tempfile.mkdtemp(prefix="evolm_pg_", dir="/tmp"))
+    if os.geteuid() == 0:
+        import pwd
+
+        owner = pwd.getpwnam("postgres")
+        os.chown(folder, owner.pw_uid, owner.pw_gid)
+        as_user = ["runuser", "-u", "postgres", "--"]
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    data = folder / "data"
+    subprocess.run([*as_user, str(binaries / "initdb"), "-D", str(data), "-U", "evolm", "--auth=trust"],
+                   check=True, capture_output=True)
+    subprocess.run([*as_user, str(binaries / "pg_ctl"), "-D", str(data), "-l", str(folder / "log"), "-w", "start",
+                    "-o", f"-p {port} -k {folder} -c listen_addresses=127.0.0.1"], check=True, capture_output=True)
+    try:
+        yield f"postgresql://evolm@127.0.0.1:{port}/postgres"
+    finally:
+        subprocess.run([*as_user, str(binaries / "pg_ctl"), "-D", str(data), "-m", "immediate", "stop"],
+                       capture_output=True)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_workers_share_a_study_in_a_postgresql_database_and_a_killed_one_s_trial_is_retried(tmp_path, postgres_url):
+    """--storage postgresql://...: the study lives in the database, not in OUT/optuna.db; two workers share
+    it, one is killed mid-trial, the other retries its trial (heartbeats work there as in SQLite) and
+    the study ends with exactly tune.trials finished trials, which `evolm tune export --storage` reads."""
+    path = write_spec(tmp_path, _hf_change(trials=2), generations=6)
+    spec = tune.with_storage(tune.load_tune_spec(path, methods=["es"]), postgres_url)
+    first, second = (_start(path, "--no-finals", "--storage", postgres_url) for _ in range(2))
+    end, running = time.time() + 600, None
+    while time.time() < end and running is None:
+        running = next((t for t in tune.study_trials(spec, "es") if t["state"] == "running"), None)
+        folder = running and spec.out / "trials" / "es" / f"trial_{running['number']:04d}" / "seed100"
+        if running and not ((folder / "metrics.jsonl").exists() and len(read_metrics(folder)) >= 2):
+            running = None
+        time.sleep(0.3)
+    assert running is not None
+    holder = json.loads((folder / ".writer.lock").read_text())["pid"]
+    victim, survivor = (first, second) if holder == first.pid else (second, first)
+    os.kill(victim.pid, signal.SIGKILL)
+    victim.wait()
+    output, _ = survivor.communicate(timeout=600)
+    assert survivor.returncode == 0, output
+    assert not (spec.out / "optuna.db").exists()
+    trials = tune.study_trials(spec, "es")
+    assert sum(t["state"] == "complete" for t in trials) == 2
+    assert any(t["retries"] == running["number"] and t["state"] == "complete" for t in trials)
+    assert main(["tune", "export", str(spec.out), str(tmp_path / "export"), "--storage", postgres_url]) == 0
+    assert json.loads((tmp_path / "export" / "manifest.json").read_text())["trials"] == len(trials)
