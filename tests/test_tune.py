@@ -319,8 +319,10 @@ def test_two_workers_one_killed_mid_trial_end_with_the_spec_s_trials_and_one_rer
     victim.wait()
     output, _ = survivor.communicate(timeout=900)
     assert survivor.returncode == 0, output
+    assert "Warning" not in output  # no Optuna warning reaches the console
     trials = {t["number"]: t for t in tune.study_trials(spec, "es")}
     assert sum(t["state"] == "complete" for t in trials.values()) == 3
+    assert f"es trial {number} (attempt " in output  # the retry logged under the trial's own number
     assert trials[number]["state"] == "fail" and trials[number]["error"] is None  # killed, not counted
     (retry,) = [t for t in trials.values() if t["retries"] == number]
     assert retry["state"] == "complete" and retry["params"] == trials[number]["params"]
@@ -462,6 +464,16 @@ def test_an_emptied_storage_beside_trial_folders_is_refused_before_any_trial(tmp
     assert tune.study_trials(spec, "es") == []
 
 
+def test_a_timeout_starts_no_new_trial_after_it_and_a_later_start_continues(tmp_path, tiny_vllm):
+    """--timeout (Optuna's timeout): no trial starts after it; the same command later runs the rest."""
+    spec = tune.load_tune_spec(write_spec(tmp_path, _set(["tune", "trials"], 2)), methods=["es"])
+    assert tune.work(spec, tiny_vllm, log=lambda line: None, timeout=1e-6) == {"es": 0}
+    assert tune.study_trials(spec, "es") == [] and not (spec.out / "final").exists()
+    assert tune.work(spec, tiny_vllm, log=lambda line: None, timeout=3600) == {"es": 2}
+    assert [t["state"] for t in tune.study_trials(spec, "es")] == ["complete", "complete"]
+    assert tune.outstanding(spec) == []
+
+
 def test_the_removed_options_are_gone_and_a_bad_timeout_is_named(tmp_path, capsys):
     path = write_spec(tmp_path)
     for option in ("--claim-for", "--claim-until", "--finish-by", "--engine-start-s"):
@@ -540,3 +552,19 @@ def test_workers_share_a_study_in_a_postgresql_database_and_a_killed_one_s_trial
     assert any(t["retries"] == running["number"] and t["state"] == "complete" for t in trials)
     assert main(["tune", "export", str(spec.out), str(tmp_path / "export"), "--storage", postgres_url]) == 0
     assert json.loads((tmp_path / "export" / "manifest.json").read_text())["trials"] == len(trials)
+
+
+def test_a_journal_storage_holds_the_study_in_one_file_on_a_shared_filesystem(tmp_path):
+    """--storage journal:PATH: Optuna's journal file instead of OUT/optuna.db (no heartbeats there)."""
+    import optuna
+
+    journal = tmp_path / "shared" / "study.log"
+    journal.parent.mkdir()
+    spec = tune.with_storage(tune.load_tune_spec(write_spec(tmp_path), methods=["es"]), f"journal:{journal}")
+    study = tune.load_study(spec, "es")
+    distributions = {p.name: p.distribution() for p in spec.settings.space["es"]}
+    study.add_trial(optuna.trial.create_trial(params={"sigma": 0.01, "optimizer": "adam"},
+                                              distributions=distributions, value=0.5))
+    assert journal.is_file() and not (spec.out / "optuna.db").exists()
+    assert [(t["value"], t["params"]) for t in tune.study_trials(spec, "es")] == [(0.5, {"sigma": 0.01, "optimizer": "adam"})]
+    assert tune.best_trial(spec, "es").value == 0.5

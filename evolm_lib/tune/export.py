@@ -1,4 +1,4 @@
-"""A study's compact, committable summary: ``evolm tune export STUDY DIR``; its tables and figures
+"""A study's small, committable summary: ``evolm tune export STUDY DIR``; its tables and figures
 rebuild from it on any machine (``evolm tune report DIR``), and ``evolm tune import DIR STUDY`` writes
 a study folder back from it, which ``evolm tune`` continues.
 
@@ -140,7 +140,7 @@ def resume_state(folder: Path, config: dict, rows: Sequence[dict]) -> dict[str, 
         files = {name: data.decode() for name, data in checkpoint[1].items()}
         text = {p.name: p.read_bytes().decode() for p in sorted(folder.iterdir())
                 if p.is_file() and p.suffix in TEXT_SUFFIXES and p.name not in COMPACTED_FILES}
-    except UnicodeDecodeError:  # not text after all: the run starts again where restored
+    except UnicodeDecodeError:  # not text after all: the run starts again where imported
         return None
     return {"checkpoint": checkpoint[0].name, "files": files, "text": text}
 

@@ -221,7 +221,7 @@ def write_geometry(study: str | Path, out: str | Path, seeds: Sequence[int] | No
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m evolm_lib.tune.geometry", description=__doc__.split("\n\n")[0])
     parser.add_argument("study", type=Path, help="the study's folder (tune.out), with the reruns' weights")
-    parser.add_argument("out", type=Path, help="the folder for geometry.json (a compacted study's folder: its figures drawn with the tables)")
+    parser.add_argument("out", type=Path, help="the folder for geometry.json (a study's export: its figures drawn with the tables)")
     parser.add_argument("--seeds", help="comma-separated final seeds (default: the first three)")
     parser.add_argument("--stage", choices=STAGES, default="final", help="the reruns (final) or their continuations (long)")
     parser.add_argument("--pairs", help="a:b,c:d: the paths to measure (default: the summary's declared family)")

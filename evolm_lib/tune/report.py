@@ -43,7 +43,7 @@ def placements(runs: Sequence[dict]) -> dict[str, str]:
 
 def first_attempt(trial: Mapping[str, Any], by_number: Mapping[int, Mapping[str, Any]]) -> int:
     """The number of the trial's first attempt, followed back through Optuna's retries of killed
-    trials: the number its folder (trials/<method>/trial_NNNN) and its runs' compacted lines carry."""
+    trials: the number its folder (trials/<method>/trial_NNNN) and its runs' exported lines carry."""
     number, seen = trial["number"], set()
     while by_number.get(number, {}).get("retries") is not None and number not in seen:
         seen.add(number)
@@ -75,17 +75,23 @@ def trial_seconds(trial: Mapping[str, Any], by_number: Mapping[int, Mapping[str,
 
 
 def rerun_step_seconds(reruns: Sequence[dict]) -> float | None:
-    """Seconds a generation or step of a method's reruns on the final seeds (``reruns``: their compacted
+    """Seconds a generation or step of a method's reruns on the final seeds (``reruns``: their exported
     runs): the median over those with timed rows, finished or under way, of each one's wall clock at its
-    last row over the generations or steps it reached (``pace.step_seconds``'s rule, on a compacted
-    study); None where none has."""
-    from .study import median_pace, rows_wall
+    last row over the generations or steps it reached; None where none has."""
+    from ..metrics import final_value
+    from ..runs import row_generation
 
-    return median_pace([wall for run in reruns if (wall := rows_wall(run.get("rows") or [])) is not None])
+    walls = []
+    for run in reruns:
+        rows = run.get("rows") or []
+        wall, reached = final_value(rows, "time/wall_s"), max((row_generation(row) for row in rows), default=-1)
+        if wall is not None and reached > 0:  # a timed row past generation 0
+            walls.append(wall / reached)
+    return statistics.median(walls) if walls else None
 
 
 def method_trials(method: str, trials: Sequence[Mapping[str, Any]], runs: Sequence[dict]):
-    """A method's view of the compacted study: (its trials, them by number, its tuning runs, the
+    """A method's view of the exported study: (its trials, them by number, its tuning runs, the
     trials that count against its budget (``counted_trials``), the complete ones among those)."""
     own = [t for t in trials if t["method"] == method]
     counted = counted_trials(own)
@@ -182,7 +188,7 @@ def reach_table(groups: Mapping[str, Sequence], pairs: Sequence[tuple[str, str]]
 
 
 def study_tables(compact: dict, measure: str | None = None) -> dict[str, Any]:
-    """{name: DataFrame} of a compacted study (see the module docstring); ``measure``: success or
+    """{name: DataFrame} of a exported study (see the module docstring); ``measure``: success or
     reward (default: the summary's, else the task's)."""
     import pandas as pd
 
@@ -284,7 +290,7 @@ def completeness_table(summary: Mapping[str, Any] | None, winners, heldout=None,
 
 
 def _share_done(run: Mapping[str, Any]) -> float:
-    """How much of a compacted run under way a restored study keeps: its last row's generation over its
+    """How much of an exported run under way an imported study keeps: its last row's generation over its
     length where it goes on from a checkpoint (``resume``), else none (it begins again)."""
     from ..runs import row_generation
 
@@ -300,7 +306,7 @@ def left_table(trials: Sequence[Mapping[str, Any]], runs: Sequence[dict], summar
     their plan) and in one worker's seconds at the pace of its own finished work: a trial at the
     median seconds its method's complete trials took (``trial_seconds``: their wall clocks, at the
     engines a card they ran at), a rerun on a final seed at its reruns' own pace where any has timed
-    rows (``rerun_step_seconds`` times its length, as ``pace.step_seconds`` weighs it), else at its
+    rows (``rerun_step_seconds`` times its length), else at its
     winner's trial seconds once the trials are done (the same setting and length; the median before), a continuation at
     ``tune.long - 1`` times that, and the control's runs at its method's rerun (the ES form of the
     best validation score so far while it is undecided). A run under way that goes on from a

@@ -21,20 +21,20 @@ killed worker's trial stays running, and is not retried.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import socket
 import sqlite3
-import statistics
 import time
 import warnings
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 from ..env import record_placement
 from ..metrics import final_value
-from ..runs import RunFolderBusy, read_metrics, row_generation
+from ..runs import RunFolderBusy
 from ..runs.lock import describe_holder
 from ..seeds import derive_seed
 from ..sweep import PlannedRun, make_shared_evaluator
@@ -110,17 +110,9 @@ def open_storage(spec: TuneSpec):
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         retry = optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=spec.settings.max_retries)
         # two processes creating an SQLite file's tables at once collide: one does it at a time
-        with FileLock(f"{path}.lock") if path is not None else _nothing():
+        with FileLock(f"{path}.lock") if path is not None else contextlib.nullcontext():
             return optuna.storages.RDBStorage(url, engine_kwargs=kwargs, heartbeat_interval=beat,
                                               grace_period=3 * beat, heartbeat_stale_trial_callback=retry)
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        return None
 
 
 def load_study(spec: TuneSpec, method: str, storage=None):
@@ -169,6 +161,13 @@ def finished(spec: TuneSpec, method: str, storage=None) -> bool:
     return all_trials_done(load_study(spec, method, storage).get_trials(deepcopy=False), spec.settings.trials)
 
 
+def trial_name(method: str, trial) -> str:
+    """A trial as the log, the figures and its folder name it: by its first attempt's number, a retry
+    with its own number beside it ("es trial 3 (attempt 5)")."""
+    first = retried_number(trial)
+    return f"{method} trial {trial.number}" if first is None else f"{method} trial {first} (attempt {trial.number})"
+
+
 def trial_folder(spec: TuneSpec, method: str, trial) -> Path:
     """OUT/trials/<method>/trial_NNNN, numbered by the first attempt of the trial (a retry resumes it)."""
     first = trial.system_attrs.get("failed_trial") if hasattr(trial, "system_attrs") else None
@@ -185,24 +184,6 @@ def check_folders_belong(spec: TuneSpec, method: str, study) -> None:
             f"{spec.storage or storage_url(spec.out)} holds no trial of {method}: it is not this study's storage. "
             f"Put the study's own storage back (or import its export: evolm tune import EXPORT {spec.out}), "
             "or tune into a new --out")
-
-
-def rows_wall(rows: Sequence[dict]) -> tuple[float, int] | None:
-    """A run's wall-clock seconds at its last timed row and the generation or step its rows reach, or
-    None where it has no timed row past generation 0."""
-    wall = final_value(rows, "time/wall_s")
-    generation = max((row_generation(row) for row in rows), default=-1)
-    return (wall, generation) if wall is not None and generation > 0 else None
-
-
-def run_wall(folder: Path) -> tuple[float, int] | None:
-    """``rows_wall`` of a run folder's metrics (None where it has none)."""
-    return rows_wall(read_metrics(folder) if (folder / "metrics.jsonl").exists() else [])
-
-
-def median_pace(walls: Sequence[tuple[float, int]]) -> float | None:
-    """The median over runs' ``rows_wall`` of their seconds a generation or step; None for no runs."""
-    return statistics.median(seconds / reached for seconds, reached in walls) if walls else None
 
 
 def study_trial_folder(method: str, run_dir: str) -> str:
@@ -253,10 +234,11 @@ def open_when_free(cls, config, folder: Path, evaluator, log: Callable[[str], No
 
 
 def _run_trial(spec: TuneSpec, method: str, trial, folder: Path, evaluator, log: Callable[[str], None],
-               still_mine: Callable[[], bool] = lambda: True) -> float:
+               still_mine: Callable[[], bool] = lambda: True, name: str | None = None) -> float:
     """The trial's runs, one per tuning seed; returns the mean of their final ``select`` values.
     Raises _Pruned when the pruner stops it, _GivenUp when ``still_mine`` says at a row that the trial
-    is no longer this worker's (each run closed, its folder kept)."""
+    is no longer this worker's (each run closed, its folder kept). ``name``: the trial in the log."""
+    name = name or f"{method} trial {trial.number}"
     params = {parameter.name: parameter.suggest(trial) for parameter in spec.settings.space[method]}
     key, values, step = spec.settings.select, [], 0
     for planned in spec.tuning_runs[method]:
@@ -280,7 +262,7 @@ def _run_trial(spec: TuneSpec, method: str, trial, folder: Path, evaluator, log:
             record_placement(run.run_dir, config, run.placement())  # the times in its rows, read with where it ran
             run.run(callback=report, should_stop=lambda: stop or taken)
             if taken:
-                raise _GivenUp(f"{method} trial {trial.number} was taken over by another worker")
+                raise _GivenUp(f"{name} was taken over by another worker")
             if stop:
                 raise _Pruned()
             value = final_value(run.history, key)
@@ -289,7 +271,7 @@ def _run_trial(spec: TuneSpec, method: str, trial, folder: Path, evaluator, log:
         if value is None:
             raise ValueError(f"{folder}: the run wrote no {key!r} (tune.select)")
         values.append(value)
-        log(f"  {method} trial {trial.number} seed {config.seed}: {key} {value:.4g}")
+        log(f"  {name} seed {config.seed}: {key} {value:.4g}")
     return sum(values) / len(values)
 
 
@@ -314,32 +296,32 @@ def _objective(spec: TuneSpec, method: str, study, storage, evaluator, log: Call
             study.tell(trial, state=TrialState.FAIL)
             raise _GivenUp(f"{method} trial {trial.number}: surplus")
         trial.set_user_attr("worker", f"{socket.gethostname()}:{os.getpid()}")
-        folder = trial_folder(spec, method, frozen)
+        folder, name = trial_folder(spec, method, frozen), trial_name(method, frozen)
         started = time.perf_counter()
 
         def still_mine() -> bool:
             return storage.get_trial(trial._trial_id).state == TrialState.RUNNING
 
         try:
-            value = _run_trial(spec, method, trial, folder, evaluator, log, still_mine)
+            value = _run_trial(spec, method, trial, folder, evaluator, log, still_mine, name)
         except _Pruned:
             trial.set_user_attr("seconds", time.perf_counter() - started)
-            log(f"{method} trial {trial.number}: pruned")
+            log(f"{name}: pruned")
             raise optuna.TrialPruned() from None
         except _GivenUp:
-            log(f"{method} trial {trial.number}: taken over by another worker while this one was stopped; "
+            log(f"{name}: taken over by another worker while this one was stopped; "
                 "given up here (its retry goes on from the run folders' checkpoints)")
             raise
         except ValueError as error:  # a setting the config refuses: failed, with its reason kept
             trial.set_user_attr("error", str(error))
             study.tell(trial, state=TrialState.FAIL)
-            log(f"{method} trial {trial.number}: failed: {error}")
+            log(f"{name}: failed: {error}")
             raise _GivenUp(str(error)) from None
         except KeyboardInterrupt:
             raise _Interrupted() from None
         trial.set_user_attr("seconds", time.perf_counter() - started)
         trial.set_user_attr("run_dir", str(folder))
-        log(f"{method} trial {trial.number}: {spec.settings.select} {value:.4g} {trial.params}")
+        log(f"{name}: {spec.settings.select} {value:.4g} {trial.params}")
         return value
 
     return objective
