@@ -23,9 +23,11 @@ each method's best setting is then rerun on fresh seeds and scored on the held-o
     evolm tune papermill_runs/tune_tiny.yaml --dry-run        check every space against the settings; run nothing
     evolm tune papermill_runs/tune_tiny.yaml                  4 trials each of ES and GRPO on the tiny model, then the reruns
     evolm tune papermill_runs/tune_tiny.yaml --methods grpo   one worker per method: several processes share the study
-    evolm tune report runs/tune_tiny                          the tables (summary.md, CSV) and figures of a study
-    evolm tune export runs/tune_tiny studies/tune_tiny        the small files of a study to commit
-    evolm tune import studies/tune_tiny runs/tune_tiny        a study folder again from them, to continue
+
+A study folder's results: `evolm tune report STUDY` (re)writes its tables (summary.md, a CSV a table)
+and figures; `evolm tune export STUDY DIR` writes the small files of a study to commit, from which
+`evolm tune report DIR` gives the same tables; `evolm tune import DIR STUDY` writes a study folder
+again from them, which `evolm tune SPEC --out STUDY` continues (each: evolm tune report --help).
 
 The spec is a sweep spec (see evolm sweep --help) with a `tune:` section (trials, seeds, select, space,
 and optionally sampler_seed, startup_trials, prune, heartbeat_s, max_retries, parallel, primary,
