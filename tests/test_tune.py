@@ -568,3 +568,22 @@ def test_a_journal_storage_holds_the_study_in_one_file_on_a_shared_filesystem(tm
     assert journal.is_file() and not (spec.out / "optuna.db").exists()
     assert [(t["value"], t["params"]) for t in tune.study_trials(spec, "es")] == [(0.5, {"sigma": 0.01, "optimizer": "adam"})]
     assert tune.best_trial(spec, "es").value == 0.5
+
+
+def test_a_worker_waiting_for_a_held_study_lock_says_so(tmp_path, capfd):
+    """A lock of the study folder held by another live process (one stopped with Ctrl-Z, say): the
+    worker says what it waits for and how to free it, then goes on once the holder lets go."""
+    from evolm_lib.tune.study import held
+
+    lock = tmp_path / "optuna.db.lock"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from filelock import FileLock; "
+                               f"kept = FileLock({str(lock)!r}); kept.acquire(); print('held', flush=True); time.sleep(12)"],
+                              stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    started = time.time()
+    with held(lock, "creates the storage's tables"):
+        waited = time.time() - started
+    assert waited >= 10 and holder.wait() == 0
+    err = capfd.readouterr().err
+    assert f"waiting for {lock}: another process holds it while it creates the storage's tables" in err
+    assert "kill -CONT" in err

@@ -23,7 +23,7 @@ from typing import Callable
 from ..runs import LOCK_FILE, RunFolderBusy, list_checkpoints, lock_holder, read_jsonl
 from ..sweep import HELDOUT, PlannedRun, run_one
 from .spec import BEST, TuneSpec, trial_config
-from .study import POLL_S, best_trial, finished, tune
+from .study import POLL_S, best_trial, finished, held, tune
 
 SUMMARY = "tune_summary.json"
 STAGES = ("final", "long", "control")
@@ -135,11 +135,9 @@ def continue_rerun(spec: TuneSpec, planned: PlannedRun, rerun: PlannedRun, evalu
     its folder, OUT/long/<name>, from its last checkpoint (from the start where it holds none); one
     worker copies it, under a lock beside the copies. Returns whether the continuation is finished:
     False while its rerun is not (``RunFolderBusy`` where another worker writes it)."""
-    from filelock import FileLock
-
     source, folder = spec.out / "final" / planned.name, spec.out / "long" / planned.name
     folder.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(spec.out / "long" / ".copying.lock"):  # one worker copies a rerun; the others find the copy
+    with held(spec.out / "long" / ".copying.lock", "copies a rerun to continue it"):  # one worker copies a rerun; the others find the copy
         if not folder.exists():
             if not finished_rerun(source, rerun.length):
                 log(f"  long/{planned.name}: waits for its rerun final/{planned.name} to finish")

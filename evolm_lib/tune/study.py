@@ -50,6 +50,24 @@ POLL_S = 5.0
 """How often a worker looks again at trials or run folders other workers hold (at most heartbeat_s)."""
 
 
+def held(path: str | Path, what: str):
+    """An exclusive ``filelock`` on ``path`` held for ``what``; a worker that waits for it more than a
+    few seconds says so once (the holder is another live process: the OS frees the lock of a killed
+    one, and a stopped one holds it until it is continued)."""
+    import sys
+
+    from filelock import FileLock, Timeout
+
+    lock = FileLock(str(path))
+    try:
+        lock.acquire(timeout=10)
+    except Timeout:
+        print(f"waiting for {path}: another process holds it while it {what} (a process stopped with Ctrl-Z "
+              "holds it until continued: fg, or kill -CONT PID)", file=sys.stderr, flush=True)
+        lock.acquire()
+    return lock
+
+
 class StudyStorageError(RuntimeError):
     """The study's storage cannot be used as it is (damaged, or not this study folder's)."""
 
@@ -92,7 +110,6 @@ def open_storage(spec: TuneSpec):
     file OUT/optuna.db. SQL storages carry heartbeats and retries of killed workers' trials; a damaged
     SQLite file is refused (``check_sqlite``) before anything is written into it."""
     import optuna
-    from filelock import FileLock
 
     spec.out.mkdir(parents=True, exist_ok=True)
     url = spec.storage or storage_url(spec.out)
@@ -110,7 +127,7 @@ def open_storage(spec: TuneSpec):
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         retry = optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=spec.settings.max_retries)
         # two processes creating an SQLite file's tables at once collide: one does it at a time
-        with FileLock(f"{path}.lock") if path is not None else contextlib.nullcontext():
+        with held(f"{path}.lock", "creates the storage's tables") if path is not None else contextlib.nullcontext():
             return optuna.storages.RDBStorage(url, engine_kwargs=kwargs, heartbeat_interval=beat,
                                               grace_period=3 * beat, heartbeat_stale_trial_callback=retry)
 
