@@ -290,7 +290,7 @@ def _running_trial(spec, number: int | None = None, rows: int = 2, timeout: floa
     """(trial number, its seed folder) once a trial of ``es`` is running with ``rows`` rows written."""
     end = time.time() + timeout
     while time.time() < end:
-        if (spec.out / "optuna.db").exists():
+        if spec.storage or (spec.out / "optuna.db").exists():
             for trial in tune.study_trials(spec, "es"):
                 folder = spec.out / "trials" / "es" / f"trial_{trial['number']:04d}" / "seed100"
                 if (trial["state"] == "running" and (number is None or trial["number"] == number)
@@ -298,6 +298,15 @@ def _running_trial(spec, number: int | None = None, rows: int = 2, timeout: floa
                     return trial["number"], folder
         time.sleep(0.2)
     raise AssertionError("no trial got under way")
+
+
+def _kill_the_holder(folder: Path, workers: tuple[subprocess.Popen, subprocess.Popen]) -> subprocess.Popen:
+    """SIGKILL the worker that writes ``folder``; returns the other one."""
+    holder = json.loads((folder / ".writer.lock").read_text())["pid"]
+    victim, survivor = workers if holder == workers[0].pid else workers[::-1]
+    os.kill(victim.pid, signal.SIGKILL)
+    victim.wait()
+    return survivor
 
 
 def _states(spec) -> list[str]:
@@ -311,12 +320,9 @@ def test_two_workers_one_killed_mid_trial_end_with_the_spec_s_trials_and_one_rer
     path = write_spec(tmp_path, _hf_change(trials=3), generations=8)
     spec = tune.load_tune_spec(path, methods=["es"])
     tune.load_study(spec, "es")  # created once, before both workers open it
-    first, second = _start(path), _start(path)
+    workers = _start(path), _start(path)
     number, folder = _running_trial(spec, rows=3)
-    holder = json.loads((folder / ".writer.lock").read_text())["pid"]
-    victim, survivor = (first, second) if holder == first.pid else (second, first)
-    os.kill(victim.pid, signal.SIGKILL)
-    victim.wait()
+    survivor = _kill_the_holder(folder, workers)
     output, _ = survivor.communicate(timeout=900)
     assert survivor.returncode == 0, output
     assert "Warning" not in output  # no Optuna warning reaches the console
@@ -531,25 +537,15 @@ def test_workers_share_a_study_in_a_postgresql_database_and_a_killed_one_s_trial
     the study ends with exactly tune.trials finished trials, which `evolm tune export --storage` reads."""
     path = write_spec(tmp_path, _hf_change(trials=2), generations=6)
     spec = tune.with_storage(tune.load_tune_spec(path, methods=["es"]), postgres_url)
-    first, second = (_start(path, "--no-finals", "--storage", postgres_url) for _ in range(2))
-    end, running = time.time() + 600, None
-    while time.time() < end and running is None:
-        running = next((t for t in tune.study_trials(spec, "es") if t["state"] == "running"), None)
-        folder = running and spec.out / "trials" / "es" / f"trial_{running['number']:04d}" / "seed100"
-        if running and not ((folder / "metrics.jsonl").exists() and len(read_metrics(folder)) >= 2):
-            running = None
-        time.sleep(0.3)
-    assert running is not None
-    holder = json.loads((folder / ".writer.lock").read_text())["pid"]
-    victim, survivor = (first, second) if holder == first.pid else (second, first)
-    os.kill(victim.pid, signal.SIGKILL)
-    victim.wait()
+    workers = tuple(_start(path, "--no-finals", "--storage", postgres_url) for _ in range(2))
+    number, folder = _running_trial(spec, rows=2)
+    survivor = _kill_the_holder(folder, workers)
     output, _ = survivor.communicate(timeout=600)
     assert survivor.returncode == 0, output
     assert not (spec.out / "optuna.db").exists()
     trials = tune.study_trials(spec, "es")
     assert sum(t["state"] == "complete" for t in trials) == 2
-    assert any(t["retries"] == running["number"] and t["state"] == "complete" for t in trials)
+    assert any(t["retries"] == number and t["state"] == "complete" for t in trials)
     assert main(["tune", "export", str(spec.out), str(tmp_path / "export"), "--storage", postgres_url]) == 0
     assert json.loads((tmp_path / "export" / "manifest.json").read_text())["trials"] == len(trials)
 
