@@ -12,15 +12,17 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
 # System packages: chromium for figure export (kaleido) and browser tests (playwright); g++ and binutils
-# for scripts/torch_cublas_workspace.py, which reads a torch build's cuBLAS workspace rule (and its test).
-if ! command -v chromium >/dev/null 2>&1 || ! command -v g++ >/dev/null 2>&1 || ! command -v objdump >/dev/null 2>&1; then
+# for scripts/torch_cublas_workspace.py, which reads a torch build's cuBLAS workspace rule (and its test);
+# postgresql for the test of `evolm tune --storage postgresql://...` (a throwaway server the test starts).
+if ! command -v chromium >/dev/null 2>&1 || ! command -v g++ >/dev/null 2>&1 || ! command -v objdump >/dev/null 2>&1 \
+    || ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then
   if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
-    echo "[setup] installing chromium, g++ and binutils (apt)"
+    echo "[setup] installing chromium, g++, binutils and postgresql (apt)"
     apt-get update -qq >/dev/null
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium fonts-dejavu-core g++ binutils >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium fonts-dejavu-core g++ binutils postgresql >/dev/null
   else
-    echo "[setup] warning: no root apt-get for chromium, g++ or binutils; figure export, browser tests and the" \
-      "torch build check will be skipped where they are missing" >&2
+    echo "[setup] warning: no root apt-get for chromium, g++, binutils or postgresql; figure export, browser tests," \
+      "the torch build check and the PostgreSQL storage test will be skipped where they are missing" >&2
   fi
 fi
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"

@@ -302,10 +302,11 @@ def test_best_so_far_draws_one_legend_entry_a_method():
                             "grpo": [trial(0, 0.7), trial(1, None, "fail"), trial(2, 0.6), trial(3, 0.9, retries=1),
                                      trial(4, None, "running")]})
     assert [t.name for t in fig.data if t.showlegend is not False] == ["es", "grpo"]
-    assert list(trace(fig, "es").x) == [2, 3, 4, 5] and list(trace(fig, "es").y) == [0.2, 0.2, 0.5, 0.5]
+    # the x axis numbers the trials as the log and their folders do (from 0; a retry by its first attempt)
+    assert list(trace(fig, "es").x) == [1, 2, 3, 4] and list(trace(fig, "es").y) == [0.2, 0.2, 0.5, 0.5]
     assert list(trace(fig, "es, each trial").y) == [0.2, 0.5, 0.1]  # complete trials only, no legend entry
-    assert list(trace(fig, "grpo").x) == [1, 2, 3] and list(trace(fig, "grpo").y) == [0.7, 0.9, 0.9]
-    assert list(trace(fig, "grpo, each trial").x) == [1, 2, 3]  # the retry in the killed trial's place
+    assert list(trace(fig, "grpo").x) == [0, 1, 2] and list(trace(fig, "grpo").y) == [0.7, 0.9, 0.9]
+    assert list(trace(fig, "grpo, each trial").x) == [0, 1, 2]  # the retry in the killed trial's place
     assert list(trace(fig, "grpo, each trial").y) == [0.7, 0.9, 0.6]
     assert trace(fig, "es, each trial").marker.color == trace(fig, "es").line.color
     # a method has one colour in every figure: the tuned study's names, their labels, and the sweeps' names

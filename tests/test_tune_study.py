@@ -1,6 +1,6 @@
 """The tuned study's stages on tiny-random: a searched split at the same budget, the winners continued
 to twice the budget in copies (the reruns untouched), the shuffled-fitness control of the best ES
-form, best_es / best_grpo decided by the validation winners, the study compacted to a few files and
+form, best_es / best_grpo decided by the validation winners, the study exported to a few files and
 its tables, figures and geometry rebuilt from them; and every bad setting refused before an engine."""
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from evolm_lib.analysis import load_runs, study_table
 from evolm_lib.env import code_identity
 from evolm_lib.runs import read_jsonl, read_metrics
 from evolm_lib.sweep import plan_sweep
-from evolm_lib.tune.compact import columns, compact_groups, compact_study, from_columns, load_compact, scalar_row
+from evolm_lib.tune.export import columns, export_groups, export_study, from_columns, read_study, scalar_row
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -219,7 +219,8 @@ def test_a_protocols_sweep_is_digested_at_its_own_budgets_and_at_the_common_one(
     the digest's table, the budgets said to differ, each method's evaluation reward at the common
     budget interpolated between its logged points (hand-computed: b's seeds reach 0.5, 0.5 and 0.4 at
     100 completions), both comparisons, and 3 seeds against 3 named as unable to reach 0.05."""
-    from evolm_lib.tune.report import study_digest, study_tables
+    from evolm_lib.tune.digest import study_digest
+    from evolm_lib.tune.report import study_tables
 
     def run(method, seed, curve, solved):
         rows = [{"generation": g, "samples/completions": c, "eval/reward": r} for g, (c, r) in enumerate(curve)]
@@ -255,7 +256,8 @@ def test_a_protocols_sweep_is_digested_at_its_own_budgets_and_at_the_common_one(
 def test_negative_rewards_read_as_intervals_from_one_bound_to_the_other():
     """Conciseness rewards are negative: an interval reads "low to high", never "-2.5--1.5"; one of
     success rates keeps its short form (the previous test)."""
-    from evolm_lib.tune.report import study_digest, study_tables
+    from evolm_lib.tune.digest import study_digest
+    from evolm_lib.tune.report import study_tables
 
     def run(seed, rewards):
         return {"stage": "sweep", "method": "a", "seed": seed, "trial": None, "path": f"a_seed{seed}",
@@ -276,7 +278,8 @@ def test_a_comparison_with_one_seed_on_a_side_says_it_has_no_interval():
     permutation p nor Welch's t (scipy asks for two values a group), nor has its own row a spread,
     and the digest says so in words rather than printing "+nan to +nan", "-4 (-4 to -4)" or "nan";
     two seeds a side with no spread in either have no Welch's t either, and it says why."""
-    from evolm_lib.tune.report import study_digest, study_tables
+    from evolm_lib.tune.digest import study_digest
+    from evolm_lib.tune.report import study_tables
 
     def run(method, seed, rewards):
         return {"stage": "sweep", "method": method, "seed": seed, "trial": None, "path": f"{method}_seed{seed}",
@@ -303,7 +306,8 @@ def test_a_study_short_of_its_trials_or_seeds_is_digested_as_interim():
     b has 1 of 2 trials, 1 of 2 final seeds and no continued one), and the control while it is
     undecided or short of seeds; a finished study's digest does not. A summary that predates
     trials_per_method is checked on its seeds alone."""
-    from evolm_lib.tune.report import study_digest, study_tables
+    from evolm_lib.tune.digest import study_digest
+    from evolm_lib.tune.report import study_tables
 
     def trial(method, number):
         return {"method": method, "number": number, "state": "complete", "value": -1.0, "params": {"sigma": 0.1},
@@ -348,7 +352,8 @@ def test_what_a_study_under_way_has_left_is_paced_by_its_own_finished_runs():
     ES form ahead so far (es), 2 reruns x 200 = 400 s. Once grpo's reruns have timed rows (6 s a
     step over seed 0's 10, 8 over seed 1's 7), a rerun goes at their median pace, 7 x 10 = 70 s:
     1 x 70 + 1.5 x 70 = 175 s."""
-    from evolm_lib.tune.report import study_digest, study_tables
+    from evolm_lib.tune.digest import study_digest
+    from evolm_lib.tune.report import study_tables
 
     def trial(method, number, seconds, value=-1.0, state="complete"):
         return {"method": method, "number": number, "state": state, "value": value if state == "complete" else None,
@@ -447,15 +452,16 @@ def test_the_base_model_answers_the_studys_held_out_problems_for_reference(tmp_p
     assert base_main([str(tmp_path / "no_such_spec.yaml")]) == 2 and "error:" in capsys.readouterr().err
 
 
-def test_empty_held_out_answers_are_kept_by_compact_and_their_share_reported(tmp_path):
+def test_empty_held_out_answers_are_kept_by_the_export_and_their_share_reported(tmp_path):
     """The held-out table gains each method's mean share of empty or whitespace answers over its
     seeds, read from the run folders (hand-computed: 2 of 3, 1 of 3 and 0 of 3 empty: 1/3), and of
-    answers that hold their target (1 of 3, 2 of 3 and 2 of 3, since "840" does not hold "84": 5/9); compact keeps the flags (not the
+    answers that hold their target (1 of 3, 2 of 3 and 2 of 3, since "840" does not hold "84": 5/9); the export keeps the flags (not the
     answers), so the study's tables give the same shares and the digest names them; runs whose lines
     carry no completion (an older study) give no such columns."""
     from evolm_lib.analysis import ANSWER_SHARES, load_runs, study_table
-    from evolm_lib.tune.compact import compact_study, load_compact
-    from evolm_lib.tune.report import ANSWER_LINES, study_digest, study_tables
+    from evolm_lib.tune.export import export_study, read_study
+    from evolm_lib.tune.digest import ANSWER_LINES, study_digest
+    from evolm_lib.tune.report import study_tables
 
     assert set(ANSWER_LINES) == set(ANSWER_SHARES)  # a digest line for each share the table can have
     study = tmp_path / "study"
@@ -473,8 +479,8 @@ def test_empty_held_out_answers_are_kept_by_compact_and_their_share_reported(tmp
     from_folders = study_table(load_runs({"es_lora": str(study / "final" / "es_lora" / "seed*")}), measure="reward")
     assert from_folders.loc["es_lora", "empty_answers"] == pytest.approx(1 / 3)  # notebook 04's table, from the runs
     assert from_folders.loc["es_lora", "target_answers"] == pytest.approx(5 / 9)
-    compact_study(study, tmp_path / "compact")
-    loaded = load_compact(tmp_path / "compact")
+    export_study(study, tmp_path / "compact")
+    loaded = read_study(tmp_path / "compact")
     assert sorted(run["heldout"]["empty"] for run in loaded["runs"]) == [
         [False, False, False], [True, False, False], [True, True, False]]
     assert sorted(run["heldout"]["has_target"] for run in loaded["runs"]) == [
@@ -493,23 +499,20 @@ def test_empty_held_out_answers_are_kept_by_compact_and_their_share_reported(tmp
         lines = [json.loads(line) for line in (folder / "heldout.jsonl").read_text().splitlines()]
         (folder / "heldout.jsonl").write_text("".join(json.dumps({k: v for k, v in line.items() if k != "completion"})
                                                       + "\n" for line in lines))
-    compact_study(study, tmp_path / "older")
-    tables = study_tables(load_compact(tmp_path / "older"), measure="reward")
+    export_study(study, tmp_path / "older")
+    tables = study_tables(read_study(tmp_path / "older"), measure="reward")
     assert "empty_answers" not in tables["heldout"] and "target_answers" not in tables["heldout"]
     assert "Empty held-out" not in study_digest(tables, "t") and "hold their target" not in study_digest(tables, "t")
 
 
-def test_the_base_model_s_lines_travel_in_the_pack_and_become_the_tables_and_figures_reference(tmp_path, capsys):
-    """STUDY/base/heldout.jsonl (tune.base --out, never written over) goes into a pack, and compact keeps
-    its summary (hand-computed: rewards -5, 0, -14 and 0 of four answers, one empty, three holding their
+def test_the_base_model_s_lines_go_into_the_export_and_become_the_tables_and_figures_reference(tmp_path, capsys):
+    """STUDY/base/heldout.jsonl (tune.base --out, never written over): the export keeps its summary (hand-computed: rewards -5, 0, -14 and 0 of four answers, one empty, three holding their
     target), which the tables give as a row, the digest as a line and the answers figure as a star."""
-    import tarfile
-
     from evolm_lib.tune.base import main as base_main
-    from evolm_lib.tune.compact import compact_study, load_compact
+    from evolm_lib.tune.export import export_study, read_study
     from evolm_lib.tune.final import BASE_HELDOUT
-    from evolm_lib.tune.pack import pack_study
-    from evolm_lib.tune.report import study_digest, study_tables
+    from evolm_lib.tune.digest import study_digest
+    from evolm_lib.tune.report import study_tables
     from evolm_lib.viz.study import answer_figure
 
     study = tmp_path / "study"
@@ -527,15 +530,8 @@ def test_the_base_model_s_lines_travel_in_the_pack_and_become_the_tables_and_fig
     assert base_main(["no_spec_read.yaml", "--out", str(study / BASE_HELDOUT)]) == 2  # refused before any work
     assert f"--out {study / BASE_HELDOUT} exists" in capsys.readouterr().err
 
-    import optuna
-
-    optuna.create_study(storage=f"sqlite:///{study / 'optuna.db'}", study_name="es_lora")  # what a pack copies
-    pack_study(study, tmp_path / "pack.tar.gz")
-    with tarfile.open(tmp_path / "pack.tar.gz") as tar:
-        assert tar.extractfile(f"study/{BASE_HELDOUT}").read() == (study / BASE_HELDOUT).read_bytes()
-
-    compact_study(study, tmp_path / "compact")
-    loaded = load_compact(tmp_path / "compact")
+    export_study(study, tmp_path / "compact")
+    loaded = read_study(tmp_path / "compact")
     assert loaded["base"] == {"problems": 4, "reward": -4.75, "success": 0.5, "empty": 0.25, "has_target": 0.75}
     tables = study_tables(loaded, measure="reward")
     assert tables["base"].loc["base model", "reward"] == -4.75
@@ -549,7 +545,7 @@ def test_the_base_model_s_lines_travel_in_the_pack_and_become_the_tables_and_fig
 def test_where_a_stage_ran_is_told_per_group_of_methods_when_they_differ():
     import pandas as pd
 
-    from evolm_lib.tune.report import _where
+    from evolm_lib.tune.digest import _where
 
     def table(rows):
         return pd.DataFrame(rows, index=[r["method"] for r in rows])
@@ -585,7 +581,8 @@ def test_placements_say_mps_only_where_a_run_shared_its_card_through_it():
 def test_the_geometry_tables_average_over_seeds_and_skip_directionless_updates():
     """geometry.json's updates, drift, cosines and paths as tables and digest lines, against
     hand-computed means and standard deviations; a cosine of no direction (None) is left out."""
-    from evolm_lib.tune.report import geometry_digest, geometry_tables
+    from evolm_lib.tune.digest import geometry_digest
+    from evolm_lib.tune.report import geometry_tables
 
     def update(method, seed, norm, changed):
         return {"method": method, "seed": seed, "form": "full", "values": 100, "norm": norm, "base_norm": 10.0,
@@ -627,41 +624,7 @@ def test_the_geometry_tables_average_over_seeds_and_skip_directionless_updates()
     assert figure.layout.xaxis.title.text == "t (0: es, 1: grpo)"
 
 
-def test_a_later_compaction_keeps_what_an_earlier_one_of_the_study_holds_and_it_lacks(tmp_path):
-    """merge: the earlier folder's runs the later one has no line for (the geometry's rebuilds, made on
-    another machine) and its geometry.json join the later folder; a run in both stays the later one's;
-    the manifest counts them; merging again adds nothing."""
-    from evolm_lib.tune.compact import MANIFEST, RUNS, _read_gzip_lines, _write_gzip_lines, main as compact_main
-
-    def line(path, stage, heldout=None, rows=1):
-        return {"path": path, "stage": stage, "method": "es", "columns": {"generation": list(range(rows))},
-                "heldout": heldout}
-
-    earlier, later = tmp_path / "earlier", tmp_path / "later"
-    earlier.mkdir()
-    later.mkdir()
-    _write_gzip_lines(earlier / RUNS, [line("final/es/seed0", "final", rows=1), line("rebuilt/final/es/seed0", "rebuilt",
-                                                                                     heldout={"index": [0]})])
-    (earlier / "geometry.json").write_text('{"seeds": [0]}\n')
-    (earlier / "base.json").write_text('{"reward": -1.0}\n')
-    _write_gzip_lines(later / RUNS, [line("final/es/seed0", "final", rows=2), line("long/es/seed0", "long")])
-    (later / MANIFEST).write_text(json.dumps({"bytes": {}, "runs": {"final": 1, "long": 1}, "source": "study"}))
-    assert compact_main(["merge", str(later), str(earlier)]) == 0
-    merged = {run["path"]: run for run in _read_gzip_lines(later / RUNS)}
-    assert list(merged) == ["final/es/seed0", "long/es/seed0", "rebuilt/final/es/seed0"]
-    assert merged["final/es/seed0"]["columns"] == {"generation": [0, 1]}  # the later study's line
-    assert (later / "geometry.json").read_text() == '{"seeds": [0]}\n'
-    manifest = json.loads((later / MANIFEST).read_text())
-    assert manifest["runs"] == {"final": 1, "long": 1, "rebuilt": 1} and manifest["with_heldout"] == 1
-    assert (later / "base.json").read_text() == '{"reward": -1.0}\n'
-    assert manifest["kept"] == {"from": str(earlier), "runs": 1, "geometry": True, "base": True}
-    assert manifest["source"] == "study"
-    assert compact_main(["merge", str(later), str(earlier)]) == 0
-    assert len(_read_gzip_lines(later / RUNS)) == 3 and json.loads((later / MANIFEST).read_text())["kept"]["runs"] == 0
-    assert compact_main(["merge", str(later), str(tmp_path / "missing")]) == 1  # named, nothing written
-
-
-def test_compacted_rows_keep_scalars_and_come_back_by_column():
+def test_exported_rows_keep_scalars_and_come_back_by_column():
     row = {"generation": 3, "method": "es", "eval/reward": 0.1234567891, "time/generate_s": 0.123456,
            "time/wall_s": 12.3456789, "ok": True, "policy/train_completions": ["a", "b"], "es/weights": [0.5],
            "train/reward_std": float("nan"), "note": "x" * 65}
@@ -676,9 +639,10 @@ def _png(path: Path) -> bool:
     return path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 1000
 
 
-def test_the_study_end_to_end_then_compacted_tabled_drawn_and_measured(tmp_path, tiny_vllm):
+def test_the_study_end_to_end_then_exported_tabled_drawn_and_measured(tmp_path, tiny_vllm):
     """Two trials each of ES (searching a split) and GRPO, the winners on two final seeds, continued to
-    twice the budget, the control of the best ES form; then compact -> tables -> figures, and the geometry."""
+    twice the budget, the control of the best ES form; then export -> report (the same tables as the
+    report of the live folder) -> figures, and the geometry."""
     spec = tune.load_tune_spec(write_spec(tmp_path))
     quiet = lambda line: None  # noqa: E731
     assert tune.tune(spec, tiny_vllm, log=quiet) == {"es": 2, "grpo": 2}
@@ -734,30 +698,33 @@ def test_the_study_end_to_end_then_compacted_tabled_drawn_and_measured(tmp_path,
     assert {row["method_a"] for row in summary["control"]["comparison"]} | {
         row["method_b"] for row in summary["control"]["comparison"]} == {"es", "es shuffled"}
 
-    compact = tmp_path / "compact"
-    # the study's summary as an older worker left it (no plan); --spec writes it afresh, starting no run
-    stale = {k: v for k, v in summary.items() if k not in ("trials_per_method", "methods")}
-    (spec.out / tune.SUMMARY).write_text(json.dumps(stale))
-    result = subprocess.run([sys.executable, "-m", "evolm_lib.tune.compact", str(spec.out), str(compact),
-                             "--spec", str(spec.path)], capture_output=True, text=True, cwd=REPO)
-    assert result.returncode == 0, result.stderr
-    fresh = json.loads((compact / tune.SUMMARY).read_text())
-    assert fresh["trials_per_method"] == spec.settings.trials and fresh["final"] == summary["final"]
+    compact = tmp_path / "exported" / "out"  # named as the study: the digests' titles are the same
+    from evolm_lib.cli import main
+
+    assert main(["tune", "export", str(spec.out), str(compact)]) == 0
+    assert json.loads((compact / tune.SUMMARY).read_text())["final"] == summary["final"]
+    live, exported = tmp_path / "live_tables", tmp_path / "exported_tables"
+    assert main(["tune", "report", str(spec.out), "--out", str(live), "--no-figures"]) == 0
+    assert main(["tune", "report", str(compact), "--out", str(exported), "--no-figures"]) == 0
+    written = sorted(p.name for p in live.iterdir())
+    assert "summary.md" in written and "heldout.csv" in written and written == sorted(p.name for p in exported.iterdir())
+    for name in written:  # the export gives the tables the live folder gives
+        assert (live / name).read_text() == (exported / name).read_text(), name
     manifest = json.loads((compact / "manifest.json").read_text())
     assert manifest["runs"] == {"control": 2, "final": 4, "long": 4, "trial": 4} and manifest["trials"] == 4
     assert sum(manifest["bytes"].values()) < 100_000
     first = (compact / "runs.jsonl.gz").read_bytes()
-    compact_study(spec.out, compact)  # the same study compacts to the same bytes
+    export_study(spec.out, compact)  # the same study exports to the same bytes
     assert (compact / "runs.jsonl.gz").read_bytes() == first
     with gzip.open(compact / "runs.jsonl.gz", "rt") as handle:
         stored = {line["path"]: line for line in map(json.loads, handle)}
     assert stored["long/es/seed0"]["rows_from"] == {"path": "final/es/seed0", "rows": 3}  # shared rows stored once
-    loaded = load_compact(compact)
+    loaded = read_study(compact)
     by_path = {run["path"]: run for run in loaded["runs"]}
     assert by_path["long/es/seed1"]["rows"] == [scalar_row(r) for r in read_metrics(spec.out / "long" / "es" / "seed1")]
     folders = load_runs({m: str(spec.out / "final" / m / "seed*") for m in ("es", "grpo")}, allow_mixed=True)
-    for column in ("seeds", "mean", "ci_low", "ci_high", "t_low", "t_high"):  # the tables from the compact files
-        assert study_table(compact_groups(loaded["runs"], "final"), measure="reward")[column].tolist() == pytest.approx(
+    for column in ("seeds", "mean", "ci_low", "ci_high", "t_low", "t_high"):  # the tables from the exported files
+        assert study_table(export_groups(loaded["runs"], "final"), measure="reward")[column].tolist() == pytest.approx(
             study_table(folders, measure="reward")[column].tolist(), nan_ok=True)
 
     from evolm_lib.tune.geometry import GEOMETRY, write_geometry
@@ -781,53 +748,13 @@ def test_the_study_end_to_end_then_compacted_tabled_drawn_and_measured(tmp_path,
     (path,) = saved["paths"]  # the declared pair: best_es vs best_grpo
     assert [row["t"] for row in path["rows"]] == [0.0, 1.0] and path["barrier"] == 0.0  # two points: the ends
 
-    # a pack leaves the weights behind: rebuilt from the reruns' configs, rows checked, the same geometry
-    from evolm_lib.tune.rebuild import RECORD, REBUILT, rebuild, solution_folder
-
-    packed = tmp_path / "weights_left_behind"
-    for method in ("es", "grpo"):
-        folder = spec.out / "final" / method / "seed0"
-        (packed / method).mkdir(parents=True)
-        for weights in ("checkpoints", "final_adapter", "final_model"):
-            if (folder / weights).exists():
-                shutil.move(folder / weights, packed / method / weights)
-        assert solution_folder(spec.out, "final", method, 0) == folder  # nothing to read it from yet
-    from evolm_lib.sweep import HELDOUT
-    from evolm_lib.tune.rebuild import to_rebuild
-
-    scores = spec.out / "final" / "grpo" / "seed0" / HELDOUT
-    scores.rename(scores.with_name("away"))  # as while the rerun still runs: no solution to rebuild yet
-    assert [method for _, _, method in to_rebuild(spec.out, [0])] == ["es"]
-    scores.with_name("away").rename(scores)
-    rows_before = {m: read_metrics(spec.out / "final" / m / "seed0") for m in ("es", "grpo")}
-    records = rebuild(spec.out, seeds=[0], evaluator=tiny_vllm, log=quiet)
-    assert [(r["from"], r["rows_identical"]) for r in records] == [("final/es/seed0", True), ("final/grpo/seed0", True)]
-    assert rebuild(spec.out, seeds=[0], evaluator=tiny_vllm, log=quiet) == []  # done: nothing run again
-    for method in ("es", "grpo"):
-        assert read_metrics(spec.out / "final" / method / "seed0") == rows_before[method]  # the rerun untouched
-        assert solution_folder(spec.out, "final", method, 0) == spec.out / REBUILT / "final" / method / "seed0"
-    write_geometry(spec.out, tmp_path / "rebuilt_geometry", seeds=[0], points=2)
-    again = json.loads((tmp_path / "rebuilt_geometry" / GEOMETRY).read_text())
-    assert [(u["method"], u["norm"], u["changed_share"]) for u in again["updates"]] == [
-        (u["method"], u["norm"], u["changed_share"]) for u in saved["updates"]]
-    assert again["cosines"] == saved["cosines"] and again["paths"][0]["barrier"] == path["barrier"]
-    rebuilt = compact_study(spec.out, tmp_path / "compact_rebuilt")  # the rebuilt runs compact as their own stage
-    assert rebuilt["runs"]["rebuilt"] == 2 and "sweep" not in rebuilt["runs"]
-    assert sorted(run["method"] for run in load_compact(tmp_path / "compact_rebuilt")["runs"]
-                  if run["stage"] == "rebuilt") == ["es", "grpo"]
-    # a rebuild whose rows differ is kept, recorded, and not read
-    with open(spec.out / REBUILT / RECORD) as handle:
-        entries = [json.loads(line) for line in handle]
-    (spec.out / REBUILT / RECORD).write_text("".join(json.dumps({**e, "rows_identical": e["from"] != "final/es/seed0"})
-                                                     + "\n" for e in entries))
-    assert solution_folder(spec.out, "final", "es", 0) == spec.out / "final" / "es" / "seed0"
-
     tables = tmp_path / "tables"
-    result = subprocess.run([sys.executable, "scripts/study_tables.py", str(compact), str(tables)],
+    result = subprocess.run([sys.executable, "-m", "evolm_lib.cli", "tune", "report", str(compact), "--out", str(tables)],
                             capture_output=True, text=True, cwd=REPO, env={"PYTHONPATH": str(REPO), **_env()})
     from evolm_lib.viz.figures import chromium_available
 
-    assert result.returncode == (0 if chromium_available() else 1), result.stderr
+    assert result.returncode == 0, result.stderr
+    assert chromium_available() or "no figures: chromium is missing" in result.stderr
     import pandas as pd
 
     winners = pd.read_csv(tables / "winners.csv", index_col=0)
@@ -865,3 +792,32 @@ def _env() -> dict:
     import os
 
     return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+
+
+def test_the_committed_conciseness_study_imports_into_a_folder_that_evolm_tune_continues(tmp_path, capsys):
+    """`evolm tune import` writes the committed conciseness study back as a study folder (the spec its
+    summary names): every exported trial in the storage under its number, the finished runs' rows; what
+    `evolm tune` would do next there is its unfinished reruns, and its report gives the export's tables."""
+    from evolm_lib.cli import main
+
+    export = REPO / "figures" / "study" / "summaries" / "tune_study_conciseness"
+    study = tmp_path / "tune_study_conciseness"
+    assert main(["tune", "import", str(export), str(study)]) == 0
+    assert f"continue it with: evolm tune SPEC --out {study}" in capsys.readouterr().out
+    assert main(["tune", "import", str(export), str(study)]) == 2  # never written over
+    assert "exists and is not empty" in capsys.readouterr().err
+    spec = tune.load_tune_spec(REPO / "papermill_runs" / "tune_study_conciseness_gpu.yaml", out=study)
+    exported = read_study(export)["trials"]
+    for method in spec.methods:
+        rows = tune.study_trials(spec, method)
+        assert [(t["number"], t["state"], t["params"]) for t in rows] == [
+            (t["number"], t["state"], t["params"]) for t in exported if t["method"] == method]
+        assert tune.finished(spec, method)
+    left = tune.outstanding(spec)
+    assert left and all(entry.split("/")[0] in ("final", "long", "control") for entry in left)
+    for folder in (study, export):
+        assert main(["tune", "report", str(folder), "--out", str(tmp_path / folder.parent.name), "--no-figures"]) == 0
+    tables = sorted(p.name for p in (tmp_path / "summaries").glob("*.csv"))
+    assert "heldout.csv" in tables and "winners.csv" in tables
+    for name in tables:
+        assert (tmp_path / "summaries" / name).read_text() == (tmp_path / tmp_path.name / name).read_text(), name

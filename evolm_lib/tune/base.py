@@ -6,9 +6,8 @@ The spec's task, model and ``max_new_tokens`` (its first method's, which every m
 base model, without adapter, answers each held-out problem greedily. Prints the mean reward and
 success, and the shares of empty answers and of answers that hold their target
 (``analysis.ANSWER_FLAGS``, where it can judge every answer); ``--out`` writes the lines as a run's
-heldout.jsonl, never over an earlier file. Written as the study's ``BASE_HELDOUT`` (the study
-script's ``finish`` does, on the machine of the runs), they travel in its packs, and ``compact``
-keeps their summary: the tables' and the answers figure's reference.
+heldout.jsonl, never over an earlier file. Written as the study's ``BASE_HELDOUT``, an export
+(``evolm tune export``) keeps their summary: the tables' and the answers figure's reference.
 """
 from __future__ import annotations
 

@@ -9,11 +9,11 @@ form (LoRA with LoRA, the model's own weights with the model's own), the held-ou
 straight path between the two solutions at the first chosen seed, served by one engine with the
 weights written in place, and its barrier. With ``--drift-spec`` another study's spec (the
 conciseness study's for addition runs, and back): each solution's KL to the base model on that
-study's held-out prompts, the drift off the task trained on. A rerun whose weights a pack left
-behind is read from its rebuilt copy (``evolm_lib.tune.rebuild``: run again, its rows checked
-against the rerun's).
-Writes OUT_DIR/geometry.json (small: summaries, no tensors; written beside a study's compacted
-files, ``scripts/study_tables.py`` draws its figures).
+study's held-out prompts, the drift off the task trained on. A rerun whose folder holds no weights
+is read from its copy under STUDY/rebuilt/<stage>/<method>/seedS where one was run again and its rows
+matched the rerun's (recorded in STUDY/rebuilt/rebuilt.jsonl).
+Writes OUT_DIR/geometry.json (small: summaries, no tensors; written beside a study's export,
+``evolm tune report`` draws its figures).
 """
 from __future__ import annotations
 
@@ -25,10 +25,39 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
+from ..runs import read_jsonl
 from .final import STAGES, SUMMARY
-from .rebuild import chosen_seeds, solution_folder, stage_methods
 
 GEOMETRY = "geometry.json"
+REBUILT_RECORD = Path("rebuilt") / "rebuilt.jsonl"
+
+
+def stage_methods(study: str | Path, stage: str) -> list[str]:
+    """The methods with runs in a stage's folder (STUDY/<stage>/<method>), sorted."""
+    root = Path(study) / stage
+    return sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+
+
+def chosen_seeds(study: str | Path, stage: str, methods: Sequence[str], seeds: Sequence[int] | None) -> list[int]:
+    """``seeds``, else the first three seeds any of ``methods`` has in the stage: the solutions read."""
+    root = Path(study) / stage
+    available = sorted({int(p.name.removeprefix("seed")) for m in methods for p in (root / m).glob("seed*")})
+    return list(seeds) if seeds else available[:3]
+
+
+def solution_folder(study: str | Path, stage: str, method: str, seed: int) -> Path:
+    """Where a rerun's solution is read: its own folder where it holds weights, else its copy run
+    again under STUDY/rebuilt/ when that one's rows matched the rerun's; else its own folder (whose
+    missing weights are then named)."""
+    from ..geometry import solution_on_disk
+
+    study = Path(study)
+    folder = study / stage / method / f"seed{seed}"
+    if solution_on_disk(folder):
+        return folder
+    copy = study / "rebuilt" / stage / method / f"seed{seed}"
+    entry = {e["folder"]: e for e in read_jsonl(study / REBUILT_RECORD)}.get(str(copy.relative_to(study)))
+    return copy if entry is not None and entry["rows_identical"] and solution_on_disk(copy) else folder
 
 
 def _finite(value: float) -> float | None:
@@ -192,7 +221,7 @@ def write_geometry(study: str | Path, out: str | Path, seeds: Sequence[int] | No
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m evolm_lib.tune.geometry", description=__doc__.split("\n\n")[0])
     parser.add_argument("study", type=Path, help="the study's folder (tune.out), with the reruns' weights")
-    parser.add_argument("out", type=Path, help="the folder for geometry.json (a compacted study's folder: its figures drawn with the tables)")
+    parser.add_argument("out", type=Path, help="the folder for geometry.json (a study's export: its figures drawn with the tables)")
     parser.add_argument("--seeds", help="comma-separated final seeds (default: the first three)")
     parser.add_argument("--stage", choices=STAGES, default="final", help="the reruns (final) or their continuations (long)")
     parser.add_argument("--pairs", help="a:b,c:d: the paths to measure (default: the summary's declared family)")

@@ -1,5 +1,4 @@
-"""The tuned study's tables from its compacted files (``compact.py``), on any machine:
-``scripts/study_tables.py COMPACT_DIR OUT_DIR`` (which draws the figures with ``viz.study``).
+"""A study's tables, from its folder or its export (``export.read_study``): ``evolm tune report STUDY``.
 
 Tables (CSV): each method's tuning (trials, their states, the winner's setting and validation score,
 seconds spent, engines per card), the winners' held-out score over the final seeds (mean, BCa and t
@@ -8,24 +7,23 @@ engines per card they ran at), the comparisons (the declared family Holm-correct
 exploratory), and where present the continued reruns, the shuffled-fitness control and a plain
 sweep's runs (Qiu et al.'s protocol; where its methods trained on different budgets, also each one's
 evaluation reward at the common budget, and the comparisons there); the winners' geometry where
-geometry.json lies beside the compacted files; the base model's held-out summary where base.json
-does (``tune.base``); and their digest in Markdown (``summary.md``), the
-numbers a findings section quotes.
+geometry.json lies beside the files; the base model's held-out summary where the study has it
+(``tune.base``). ``digest.study_digest`` writes them as Markdown (``summary.md``), the numbers a
+findings section quotes.
 """
 from __future__ import annotations
 
 import json
 import math
 import statistics
-from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from .compact import compact_groups, load_compact
+from .export import export_groups
 
 
 def placements(runs: Sequence[dict]) -> dict[str, str]:
     """The devices, engines per card, compute processes on the card (their range), CUDA MPS and code
-    compacted runs ran at, as text ("5", "4, 5", "6-10"; "" when unrecorded): MPS as "MPS" or "MPS
+    exported runs ran at, as text ("5", "4, 5", "6-10"; "" when unrecorded): MPS as "MPS" or "MPS
     in part" where any attempt's processes shared their card through it, else ""; the code as its
     commit where known, else as its source digest (``env.code_identity``)."""
     lines = [line for run in runs for line in run.get("placement") or []]
@@ -45,7 +43,7 @@ def placements(runs: Sequence[dict]) -> dict[str, str]:
 
 def first_attempt(trial: Mapping[str, Any], by_number: Mapping[int, Mapping[str, Any]]) -> int:
     """The number of the trial's first attempt, followed back through Optuna's retries of killed
-    trials: the number its folder (trials/<method>/trial_NNNN) and its runs' compacted lines carry."""
+    trials: the number its folder (trials/<method>/trial_NNNN) and its runs' exported lines carry."""
     number, seen = trial["number"], set()
     while by_number.get(number, {}).get("retries") is not None and number not in seen:
         seen.add(number)
@@ -77,17 +75,23 @@ def trial_seconds(trial: Mapping[str, Any], by_number: Mapping[int, Mapping[str,
 
 
 def rerun_step_seconds(reruns: Sequence[dict]) -> float | None:
-    """Seconds a generation or step of a method's reruns on the final seeds (``reruns``: their compacted
+    """Seconds a generation or step of a method's reruns on the final seeds (``reruns``: their exported
     runs): the median over those with timed rows, finished or under way, of each one's wall clock at its
-    last row over the generations or steps it reached (``pace.step_seconds``'s rule, on a compacted
-    study); None where none has."""
-    from .study import median_pace, rows_wall
+    last row over the generations or steps it reached; None where none has."""
+    from ..metrics import final_value
+    from ..runs import row_generation
 
-    return median_pace([wall for run in reruns if (wall := rows_wall(run.get("rows") or [])) is not None])
+    walls = []
+    for run in reruns:
+        rows = run.get("rows") or []
+        wall, reached = final_value(rows, "time/wall_s"), max((row_generation(row) for row in rows), default=-1)
+        if wall is not None and reached > 0:  # a timed row past generation 0
+            walls.append(wall / reached)
+    return statistics.median(walls) if walls else None
 
 
 def method_trials(method: str, trials: Sequence[Mapping[str, Any]], runs: Sequence[dict]):
-    """A method's view of the compacted study: (its trials, them by number, its tuning runs, the
+    """A method's view of the exported study: (its trials, them by number, its tuning runs, the
     trials that count against its budget (``counted_trials``), the complete ones among those)."""
     own = [t for t in trials if t["method"] == method]
     counted = counted_trials(own)
@@ -184,7 +188,7 @@ def reach_table(groups: Mapping[str, Sequence], pairs: Sequence[tuple[str, str]]
 
 
 def study_tables(compact: dict, measure: str | None = None) -> dict[str, Any]:
-    """{name: DataFrame} of a compacted study (see the module docstring); ``measure``: success or
+    """{name: DataFrame} of a exported study (see the module docstring); ``measure``: success or
     reward (default: the summary's, else the task's)."""
     import pandas as pd
 
@@ -194,8 +198,8 @@ def study_tables(compact: dict, measure: str | None = None) -> dict[str, Any]:
     tables: dict[str, Any] = {}
     if compact["trials"]:
         tables["winners"] = winners_table(compact["trials"], runs)
-    final = compact_groups(runs, "final")
-    measure = measure or (summary or {}).get("measure") or default_measure(final or compact_groups(runs, "sweep"))
+    final = export_groups(runs, "final")
+    measure = measure or (summary or {}).get("measure") or default_measure(final or export_groups(runs, "sweep"))
     if final:
         tables["heldout"] = _final(final, runs, "final", measure)
         primary = _primary(summary, final)
@@ -203,12 +207,12 @@ def study_tables(compact: dict, measure: str | None = None) -> dict[str, Any]:
             tables["comparisons"] = method_comparisons(final, measure=measure, primary=primary)
         if primary:
             tables["reach"] = reach_table(final, primary)
-    long = compact_groups(runs, "long")
+    long = export_groups(runs, "long")
     if long:
         tables["long"] = _final(long, runs, "long", measure)
         if len(long) > 1:
             tables["long_comparisons"] = method_comparisons(long, measure=measure)
-    control = compact_groups(runs, "control", label="{method} shuffled")
+    control = export_groups(runs, "control", label="{method} shuffled")
     if control:
         tables["control"] = _final(control, runs, "control", measure, label="{method} shuffled")
         pairs = {name: group for name, group in control.items()}
@@ -218,7 +222,7 @@ def study_tables(compact: dict, measure: str | None = None) -> dict[str, Any]:
                 pairs[method] = final[method]
         if len(pairs) > 1:
             tables["control_comparisons"] = method_comparisons(pairs, measure=measure)
-    sweep = compact_groups(runs, "sweep")
+    sweep = export_groups(runs, "sweep")
     if sweep:
         tables["sweep"] = _final(sweep, runs, "sweep", measure)
         if len(sweep) > 1:
@@ -244,7 +248,7 @@ COUNTS = (("trials", "trials"), ("final_seeds", "final seeds"), ("long_seeds", "
 """What ``completeness_table`` counts against its plan (``<name>_planned``), with the digest's words."""
 
 
-def _short(line: Mapping[str, Any]) -> list[str]:
+def lacking(line: Mapping[str, Any]) -> list[str]:
     """What a completeness line lacks, as "k of N <words>"; a count the summary does not plan (an
     older one's tune.trials: NaN) is not counted against it."""
     return [f"{int(line[key])} of {int(line[f'{key}_planned'])} {words}" for key, words in COUNTS
@@ -281,12 +285,12 @@ def completeness_table(summary: Mapping[str, Any] | None, winners, heldout=None,
                       "final_seeds": seeds(control, f"{method} shuffled") if method else 0,
                       "final_seeds_planned": planned_seeds})
     for line in lines:
-        line["complete"] = not _short(line)
+        line["complete"] = not lacking(line)
     return pd.DataFrame(lines).set_index("method")
 
 
 def _share_done(run: Mapping[str, Any]) -> float:
-    """How much of a compacted run under way a restored study keeps: its last row's generation over its
+    """How much of an exported run under way an imported study keeps: its last row's generation over its
     length where it goes on from a checkpoint (``resume``), else none (it begins again)."""
     from ..runs import row_generation
 
@@ -302,7 +306,7 @@ def left_table(trials: Sequence[Mapping[str, Any]], runs: Sequence[dict], summar
     their plan) and in one worker's seconds at the pace of its own finished work: a trial at the
     median seconds its method's complete trials took (``trial_seconds``: their wall clocks, at the
     engines a card they ran at), a rerun on a final seed at its reruns' own pace where any has timed
-    rows (``rerun_step_seconds`` times its length, as ``pace.step_seconds`` weighs it), else at its
+    rows (``rerun_step_seconds`` times its length), else at its
     winner's trial seconds once the trials are done (the same setting and length; the median before), a continuation at
     ``tune.long - 1`` times that, and the control's runs at its method's rerun (the ES form of the
     best validation score so far while it is undecided). A run under way that goes on from a
@@ -368,283 +372,6 @@ def left_table(trials: Sequence[Mapping[str, Any]], runs: Sequence[dict], summar
     return pd.DataFrame(lines).set_index("method")
 
 
-def left_lines(left) -> list[str]:
-    """The digest's line on what is left, in worker-hours at each method's own pace (``left_table``)."""
-    if left is None or left.empty:
-        return []
-    known = left[~left["seconds_left"].isna()]
-    unpaced = [name for name in left.index if name not in known.index]
-    parts = [f"{name} {seconds / 3600:.1f}" for name, seconds in known["seconds_left"].items() if seconds > 0]
-    return [f"Left, in one worker's hours at the pace of each method's own finished runs (`left.csv`; a floor, the "
-            f"engines a card as they ran): about {known['seconds_left'].sum() / 3600:.1f} in all"
-            + (f" ({', '.join(parts)})" if parts else "")
-            + (f"; not paced yet: {_and(unpaced)}" if unpaced else "") + ".", ""]
-
-
-def interim_lines(completeness) -> list[str]:
-    """The digest's warning, naming what each row lacks, where a row of ``completeness_table`` is short."""
-    if completeness is None or completeness["complete"].all():
-        return []
-    short = [f"{name} ({', '.join(_short(row))})" for name, row in completeness[~completeness["complete"]].iterrows()]
-    return ["**Interim: the study is not finished.** Read nothing here as its result: " + _and(short) + ".", ""]
-
-
-def _missing(value) -> bool:
-    """None or NaN: a figure the tables have no value for."""
-    return value is None or (isinstance(value, float) and math.isnan(value))
-
-
-def _one_seed_side(row) -> bool:
-    """Whether a comparison has a side of a single seed (no interval, permutation p or Welch's t)."""
-    return min(row["seeds_a"], row["seeds_b"]) < 2
-
-
-def _value(value: float, measure: str) -> str:
-    """A held-out score as the README gives it: a success rate in percent, a reward as it is."""
-    if _missing(value):
-        return "n/a"
-    return f"{100 * value:.1f} %" if measure == "success" else f"{value:.3g}"
-
-
-def _interval(low: float, high: float, measure: str) -> str:
-    """An interval's bounds, "43.8-45.3 %"; "-2.46 to -1.74" where a bound is negative, since a
-    hyphen before a minus would read as one."""
-    if any(isinstance(bound, (int, float)) and bound < 0 for bound in (low, high)):
-        return f"{_value(low, measure)} to {_value(high, measure)}"
-    return f"{_value(low, measure).removesuffix(' %')}-{_value(high, measure)}"
-
-
-def _setting(text: str) -> str:
-    """A winner's setting (JSON) in a line: numbers to 3 digits."""
-    if not text:
-        return ""
-    return ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in json.loads(text).items())
-
-
-def _mean_and_interval(row, measure: str) -> str:
-    """A method's held-out mean over its seeds with the BCa interval, "-2.34 (-2.47 to -1.83)"; over
-    one seed there is no spread to draw an interval from (the bootstrap gives the value three times),
-    and the cell says so."""
-    if row["seeds"] < 2:
-        return f"{_value(row['mean'], measure)} (one seed)"
-    return f"{_value(row['mean'], measure)} ({_interval(row['ci_low'], row['ci_high'], measure)})"
-
-
-def _difference(row, scale: float, unit: str) -> str:
-    """A comparison's difference with its BCa interval, "+0.133 (+0.0333 to +0.233)"; where there is
-    none to draw (a side with a single seed), the cell says so rather than "+nan to +nan"."""
-    difference = f"{scale * row['difference']:+.3g}{unit}"
-    if _missing(row["ci_low"]) or _missing(row["ci_high"]):
-        return f"{difference} (no interval: one seed on a side)" if _one_seed_side(row) else f"{difference} (no interval)"
-    return f"{difference} ({scale * row['ci_low']:+.3g} to {scale * row['ci_high']:+.3g})"
-
-
-def _p(value) -> str:
-    return "" if _missing(value) else f"{value:.2g}"
-
-
-def study_digest(tables: Mapping[str, Any], title: str) -> str:
-    """The tables a findings section quotes, as Markdown: each method's trials, winner and setting,
-    its held-out score over the final seeds with BCa and t intervals and the seed spread, at twice
-    the budget where continued, the tokens it generated and its training seconds (the means over the
-    seeds) with the engines per card they ran at and the compute processes seen on the card; where
-    and with what code the final seeds ran; then the comparisons (the declared family Holm-corrected,
-    the rest exploratory) and the shuffled-fitness control. A plain sweep's runs go in the same table;
-    where their budgets differ, the digest says so and reads each method at the common budget too.
-    Pairs whose seed counts cannot reach the comparisons' alpha are named (``too_few_seeds``)."""
-    import pandas as pd
-
-    measure = next(iter(tables.values())).attrs.get("measure", "") if tables else ""
-    winners, long, sweep = tables.get("winners"), tables.get("long"), tables.get("sweep")
-    lines = [f"# {title}", "", f"Held-out {measure} over the final seeds: mean (BCa interval), t interval, "
-             "seed standard deviation; the winner's validation score in brackets." if winners is not None else
-             f"Held-out {measure} over each method's seeds: mean (BCa interval), t interval, seed standard deviation.", ""]
-    lines += interim_lines(tables.get("completeness"))
-    lines += left_lines(tables.get("left"))
-    parts = [table for table in (tables.get("heldout"), tables.get("control")) if table is not None]
-    tuned = pd.concat(parts) if parts else None  # the control's rows under their own names
-    finals = [table for table in (tuned, sweep) if table is not None]
-    heldout = pd.concat(finals) if finals else None
-    methods = list(dict.fromkeys([*(winners.index if winners is not None else []),
-                                  *(heldout.index if heldout is not None else [])]))
-    lines += ["| method | trials | winner | setting | seeds | held out (BCa) | t interval | seed std | at 2x (BCa) "
-              "| generated tokens | training s (engines a card; processes on it) |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for method in methods:
-        row = winners.loc[method] if winners is not None and method in winners.index else None
-        final = heldout.loc[method] if heldout is not None and method in heldout.index else None
-        later = long.loc[method] if long is not None and method in long.index else None
-        cells = [method,
-                 "" if row is None else f"{int(row['trials'])}",
-                 "" if row is None or row["winner_trial"] is None or math.isnan(row["winner_trial"])
-                 else f"trial {int(row['winner_trial'])} ({row['validation_score']:.3g})",
-                 "" if row is None else _setting(row["setting"]),
-                 "" if final is None else f"{int(final['seeds'])}",
-                 "" if final is None else _mean_and_interval(final, measure),
-                 "" if final is None or final["seeds"] < 2 else _interval(final["t_low"], final["t_high"], measure),
-                 "" if final is None or final["seeds"] < 2 else (f"{100 * final['seed_std']:.1f} points"
-                                                                 if measure == "success" else f"{final['seed_std']:.3g}"),
-                 "" if later is None else _mean_and_interval(later, measure),
-                 "" if final is None or math.isnan(final["generated_tokens"]) else f"{final['generated_tokens']:,.0f}",
-                 "" if final is None or math.isnan(final["training_seconds"])
-                 else f"{final['training_seconds']:.0f} ({final['engines_per_card'] or 'n/a'}"
-                      + (f", {final['mps']}" if final.get("mps") else "")
-                      + (f"; {final['processes_on_card']})" if final.get("processes_on_card") else ")")]
-        lines.append("| " + " | ".join(cells) + " |")
-    if tuned is not None:
-        lines += ["", _where("The final seeds", tuned)]
-    if long is not None:
-        lines += ["", _where("The runs at twice the budget", long)]
-    if sweep is not None:
-        lines += ["", _where("The runs", sweep)]
-        if "sweep_equal_budget" in tables:  # study_tables reads the methods there where their budgets differ
-            lines += ["", "Not an equal-budget comparison: the methods trained on different numbers of completions, " + _and(
-                [f"{method} on {completions:,.0f}" for method, completions in sweep["training_completions"].items()])
-                + " (means over the seeds)."]
-    lines += equal_budget_digest(tables.get("sweep_equal_budget"))
-    lines += answers_digest(heldout, long)
-    if tables.get("base") is not None:
-        lines += ["", base_line(tables["base"].iloc[0], measure)]
-    in_measure = measure == "success"  # differences in percentage points; the evaluation reward's as they are
-    for name, heading, points in (
-            ("comparisons", "Comparisons at the budget", in_measure),
-            ("long_comparisons", "Comparisons at twice the budget", in_measure),
-            ("control_comparisons", "The shuffled-fitness control", in_measure),
-            ("sweep_comparisons", "Comparisons of the runs, each at its own budget", in_measure),
-            ("sweep_equal_budget_tests", "Comparisons at the common budget, of the evaluation reward there", False)):
-        table = tables.get(name)
-        if table is None or table.empty:
-            continue
-        lines += ["", f"{heading} (difference a - b with its BCa interval; permutation p over seeds; "
-                      "Holm over the declared family):", "",
-                  "| a | b | family | difference | permutation p | Holm p | beyond seed noise |",
-                  "| --- | --- | --- | --- | --- | --- | --- |"]
-        scale, unit = (100, " points") if points else (1, "")
-        for _, row in table.sort_values(["family", "method_a", "method_b"], ascending=[False, True, True]).iterrows():
-            lines.append(f"| {row['method_a']} | {row['method_b']} | {row['family']} | {_difference(row, scale, unit)} | "
-                         f"{_p(row['permutation_p'])} | {_p(row.get('holm_p'))} | {row['larger_than_seed_noise']} |")
-        lines += too_few_seeds(table)
-    reach = tables.get("reach")
-    if reach is not None and not reach.empty:
-        lines += ["", "How soon each method of a declared pair reaches the score the weaker of the two ends with "
-                      "(the evaluation reward in the rows, the mean over the seeds; medians over the seeds that reach it):", "",
-                  "| a | b | target | method | seeds reaching it | training s | training completions |",
-                  "| --- | --- | --- | --- | --- | --- | --- |"]
-        for _, row in reach.iterrows():
-            lines.append(f"| {row['a']} | {row['b']} | {_value(row['target'], measure)} | {row['method']} | "
-                         f"{int(row['reached'])} of {int(row['seeds'])} | "
-                         f"{'' if math.isnan(row['training_seconds']) else format(row['training_seconds'], '.0f')} | "
-                         f"{'' if math.isnan(row['completions']) else format(row['completions'], ',.0f')} |")
-    lines += geometry_digest(tables, measure)
-    return "\n".join(lines) + "\n"
-
-
-def _where(runs: str, table) -> str:
-    """Where a stage's runs ran, as a sentence starting with ``runs``: the devices, engines a card and
-    code, one clause per group of methods that share them when the methods differ (a seconds column
-    compares only within one such group)."""
-    def listed(rows, column: str) -> str:
-        return ", ".join(sorted({part for cell in rows[column].fillna("") for part in str(cell).split(", ") if part}))
-
-    def place(rows) -> tuple[str, str]:
-        code, mps = listed(rows, "code"), listed(rows, "mps") if "mps" in rows else ""
-        return (f"{listed(rows, 'device') or 'unrecorded devices'}, "
-                f"{listed(rows, 'engines_per_card') or 'an unrecorded number of'} engines a card"
-                + (f" ({mps})" if mps else ""),
-                f"code {code if code else 'not recorded (runs from before placement.jsonl recorded it)'}")
-
-    places: dict[tuple[str, str], list[str]] = {}
-    for method in table.index:
-        places.setdefault(place(table.loc[[method]]), []).append(str(method))
-    if len(places) == 1:
-        where, code = next(iter(places))
-        return f"{runs} ran on {where}; {code}."
-    return f"{runs} ran in {len(places)} places: " + "; ".join(
-        f"{_and(methods)} on {where}, {code}" for (where, code), methods in places.items()) + "."
-
-
-def equal_budget_digest(table) -> list[str]:
-    """``analysis.equal_budget_table`` as digest lines: each method's evaluation reward at the largest
-    budget every run reached (each run's interpolated linearly between its logged points), beside
-    what it ended with at its own budget."""
-    if table is None:
-        return []
-    lines = ["", f"At the common budget of {table.attrs['budget']:,.0f} training completions (the evaluation reward "
-                 "in the rows, each run's interpolated linearly between its logged points there; mean and seed "
-                 "standard deviation):", "",
-             "| method | seeds | at the common budget | at its own budget (training completions) |",
-             "| --- | --- | --- | --- |"]
-    for method, row in table.iterrows():
-        lines.append(f"| {method} | {int(row['seeds'])} | {row['reward_mean']:.3g} (std {row['reward_std']:.2g}) | "
-                     f"{row['final_reward_mean']:.3g} ({row['final_budget_mean']:,.0f}) |")
-    return lines
-
-
-def too_few_seeds(table) -> list[str]:
-    """A line for the pairs whose seed counts cannot reach the comparisons' alpha: the smallest p an
-    exact permutation test over seeds can give (``smallest_p``; 0.1 for 3 against 3) is above it, so
-    such a pair is never called beyond seed noise, however large its difference; Welch's t p beside it,
-    for reference, as the table keeps it."""
-    alpha = table.attrs.get("alpha", 0.05)
-    short = table[table["smallest_p"] >= alpha]
-    if short.empty:
-        return []
-    pairs = [f"{row['method_a']} - {row['method_b']} ({int(row['seeds_a'])} and {int(row['seeds_b'])} seeds: "
-             f"smallest p {row['smallest_p']:.2g}; {_welch(row)})" for _, row in short.iterrows()]
-    return ["", f"Too few seeds to call beyond seed noise at {alpha:g}, whatever the difference: " + _and(pairs) + "."]
-
-
-def _welch(row) -> str:
-    """Welch's t p for the too-few-seeds line, or why there is none: it needs two seeds a side (a
-    variance each), and some spread within them."""
-    if not _missing(row["welch_p"]):
-        return f"Welch's t p {_p(row['welch_p'])}"
-    return "no Welch's t with one seed on a side" if _one_seed_side(row) else "no Welch's t: no spread within either side"
-
-
-ANSWER_LINES = {
-    "empty_answers": "Empty held-out answers (nothing but whitespace; where the reward is minus the length gap, "
-                     "an empty one scores minus the target's length)",
-    "target_answers": "Held-out answers that hold their target as a word, in any case (whether they are right, "
-                      "which a length reward does not check)",
-}
-"""The digest's line for each of the held-out table's answer shares (``analysis.ANSWER_SHARES``)."""
-
-
-def answers_digest(heldout, long) -> list[str]:
-    """A line for each share of held-out answers the tables have (``ANSWER_LINES``: empty ones, ones
-    that hold their target), naming each method's at the budget and at twice it."""
-    lines = []
-    for column, opening in ANSWER_LINES.items():
-        shares = []
-        for table, where in ((heldout, ""), (long, " at twice the budget")):
-            if table is None or column not in table:
-                continue
-            shares += [f"{method}{where} {100 * share:.0f} %" for method, share in table[column].items()
-                       if not math.isnan(share)]
-        if shares:
-            lines += ["", f"{opening}, the mean share over the seeds: " + _and(shares) + "."]
-    return lines
-
-
-def base_line(base: Mapping[str, Any], measure: str) -> str:
-    """The digest's line for the base model's held-out summary (``analysis.heldout_summary``, from
-    ``tune.base``): its mean in ``measure`` and its answers' shares, where judged."""
-    from ..analysis import HELDOUT_MEASURES
-
-    key = HELDOUT_MEASURES.get(measure, ("success",))[0]
-    shares = [f"{100 * base[flag]:.0f} % {words}" for flag, words in (("empty", "of its answers empty"),
-                                                                       ("has_target", "holding their target"))
-              if flag in base and not math.isnan(base[flag])]
-    return (f"The base model, untrained, on the same {int(base['problems'])} held-out problems (`python -m "
-            f"evolm_lib.tune.base`): {_value(base[key], measure)}" + (f", {_and(shares)}" if shares else "") + ".")
-
-
-def _and(words: Sequence[str]) -> str:
-    """"a", "a and b", "a, b and c"."""
-    return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} and {words[-1]}"
-
-
 def geometry_tables(geometry: Mapping[str, Any]) -> dict[str, Any]:
     """{name: DataFrame} of geometry.json (``tune.geometry``): per method its update over the seeds
     (mean and standard deviation of the norm, the norm relative to the weights it moved, the share of
@@ -686,61 +413,3 @@ def geometry_tables(geometry: Mapping[str, Any]) -> dict[str, Any]:
               **{f"t={row['t']:g}": row["eval/reward"] for row in path["rows"]}, "barrier": path["barrier"]}
              for path in paths])
     return tables
-
-
-def geometry_digest(tables: Mapping[str, Any], measure: str) -> list[str]:
-    """The geometry tables as Markdown lines (none without them)."""
-    updates, cosines, paths = (tables.get(f"geometry_{name}") for name in ("updates", "cosines", "paths"))
-    lines = []
-    if updates is not None:
-        task = next((t for t in updates["drift_task"] if isinstance(t, str)), None)
-        lines += ["", f"The winners' geometry over {int(updates['seeds'].max())} final seeds (mean, seed standard "
-                      "deviation): the update's norm, relative to the norm of the weights it moved, and the share "
-                      "of those weights it changed in the engine's dtype"
-                      + (f"; the drift, mean KL to the base model on {task}'s held-out prompts:" if task else ":"), "",
-                  "| method | form | update norm | relative | weights changed |" + (" drift KL |" if task else ""),
-                  "| --- | --- | --- | --- | --- |" + (" --- |" if task else "")]
-        for method, row in updates.iterrows():
-            cells = [method, row["form"], f"{row['update_norm']:.3g} ({row['update_norm_sd']:.2g})",
-                     f"{row['relative_norm']:.3g}", f"{100 * row['changed_share']:.1f} %"]
-            if task:
-                cells.append("" if math.isnan(row["drift_kl"]) else f"{row['drift_kl']:.3g} ({row['drift_kl_sd']:.2g})")
-            lines.append("| " + " | ".join(cells) + " |")
-    if cosines is not None:
-        lines += ["", "The cosine between two methods' updates at the same seed (mean over the seeds; lowest to highest):",
-                  "", "| a | b | cosine | range |", "| --- | --- | --- | --- |"]
-        for _, row in cosines.iterrows():
-            lines.append(f"| {row['a']} | {row['b']} | {row['cosine']:.2g} | {row['lowest']:.2g} to {row['highest']:.2g} |")
-    if paths is not None:
-        points = [c for c in paths.columns if c.startswith("t=")]
-        lines += ["", "Held-out mean reward (a task scored right or wrong: its success) along the straight path from a "
-                      "to b, the weights written in place, and its barrier, the largest drop below the line between "
-                      "the ends:", "",
-                  "| a | b | seed | " + " | ".join(points) + " | barrier |",
-                  "| --- | --- | --- | " + " | ".join("---" for _ in points) + " | --- |"]
-        for _, row in paths.iterrows():
-            lines.append(f"| {row['a']} | {row['b']} | {int(row['seed'])} | "
-                         + " | ".join(_value(row[c], measure) for c in points) + f" | {_value(row['barrier'], measure)} |")
-    return lines
-
-
-DIGEST = "summary.md"
-"""The Markdown digest ``write_study_tables`` writes beside the CSV tables."""
-
-
-def write_study_tables(compact_dir: str | Path, out_dir: str | Path, measure: str | None = None) -> list[Path]:
-    """Every table of ``study_tables`` as OUT/<name>.csv, and their digest as OUT/summary.md
-    (``study_digest``); returns the paths."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = []
-    tables = study_tables(load_compact(compact_dir), measure)
-    for name, table in tables.items():
-        path = out / f"{name}.csv"
-        table.to_csv(path, float_format="%.6g")
-        paths.append(path)
-    if tables:
-        digest = out / DIGEST
-        digest.write_text(study_digest(tables, title=Path(compact_dir).name))
-        paths.append(digest)
-    return paths

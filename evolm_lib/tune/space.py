@@ -44,7 +44,7 @@ class Parameter:
 
     def distribution(self):
         """The Optuna distribution this setting is drawn from: what ``suggest`` asks a trial for, and
-        what a trial restored from a compacted study (``tune.restore``) is recorded under."""
+        what a trial imported from an export (``evolm tune import``) is recorded under."""
         from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 
         if self.kind == "choice":

@@ -1,33 +1,41 @@
-"""The search: one Optuna study per method in OUT/optuna.db (SQLite), shared by every worker process.
+"""The search: one Optuna study per method, in the storage every worker shares (OUT/optuna.db by
+default, a database URL, or ``journal:PATH``), run by Optuna's own loop (``Study.optimize``).
 
 A worker keeps one engine for all its trials (a trial resets what it moves: a new run starts from the
 spec's initial adapter, or ``ESRun.close`` gives a shared engine the model folder's weights back).
 A trial runs its method once per tuning seed into OUT/trials/<method>/trial_NNNN/seedS and is scored
-by the mean of the final ``select`` values. Trials follow each other without gaps or overshoot: a
-worker counts the study's trials and asks for a new one under an exclusive lock on OUT/study.lock,
-so each method gets exactly ``trials`` trials, and Optuna's storage gives a trial to one worker only.
-A running trial writes a heartbeat every ``heartbeat_s``; a trial silent for three of them (its
-worker was killed) is marked failed by the next worker and retried with the same setting, resuming
-its run folders from their checkpoints (``RetryHeartbeatStaleTrialCallback``). Running again continues.
+by the mean of the final ``select`` values. Each method gets exactly ``trials`` finished trials
+(complete or pruned): ``MaxTrialsCallback`` ends a worker's loop once they are there, and a trial
+asked while the others already fill the count (two workers asking at once) is given back at its
+start, before any run, marked ``surplus`` (never counted).
+
+An SQL storage (``RDBStorage``) records each running trial's heartbeat every ``heartbeat_s``; a trial
+silent for three of them (its worker killed) is failed by the next worker's loop and queued again
+with the same setting (``RetryHeartbeatStaleTrialCallback``, ``max_retries`` times at most); its
+retry resumes the trial's run folders from their newest checkpoints. A retry that finds a run folder
+still held by a live process (a worker paused past its heartbeats) waits until that process gives it
+up; the paused worker, when it goes on, sees at its next row that its trial was taken over and gives
+it up. Ctrl-C or SIGTERM fails the cut trial at once and queues its retry, so the next worker takes it
+without waiting for the heartbeats. A journal storage (a shared filesystem) has no heartbeats: a
+killed worker's trial stays running, and is not retried.
 """
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import math
 import os
 import socket
-import statistics
-import threading
+import sqlite3
 import time
 import warnings
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable
 
 from ..env import record_placement
 from ..metrics import final_value
-from ..runs import RunFolderBusy, read_metrics, row_generation
+from ..runs import RunFolderBusy
+from ..runs.lock import describe_holder
 from ..seeds import derive_seed
 from ..sweep import PlannedRun, make_shared_evaluator
 from ..train.es import ESRun
@@ -36,44 +44,98 @@ from .space import SPLIT
 from .spec import STEP_SIZE, TuneSpec, check_space, trial_config
 
 STORAGE = "optuna.db"
-LOCK = "study.lock"
+JOURNAL = "journal:"
+"""The prefix of ``--storage`` for Optuna's journal file storage (``journal:PATH``)."""
+POLL_S = 5.0
+"""How often a worker looks again at trials or run folders other workers hold (at most heartbeat_s)."""
+
+
+def held(path: str | Path, what: str):
+    """An exclusive ``filelock`` on ``path`` held for ``what``; a worker that waits for it more than a
+    few seconds says so once (the holder is another live process: the OS frees the lock of a killed
+    one, and a stopped one holds it until it is continued)."""
+    import sys
+
+    from filelock import FileLock, Timeout
+
+    lock = FileLock(str(path))
+    try:
+        lock.acquire(timeout=10)
+    except Timeout:
+        print(f"waiting for {path}: another process holds it while it {what} (a process stopped with Ctrl-Z "
+              "holds it until continued: fg, or kill -CONT PID)", file=sys.stderr, flush=True)
+        lock.acquire()
+    return lock
+
+
+class StudyStorageError(RuntimeError):
+    """The study's storage cannot be used as it is (damaged, or not this study folder's)."""
 
 
 def storage_url(out: str | Path) -> str:
-    """The SQLite URL of a tuning folder's studies (what ``optuna-dashboard`` opens)."""
+    """The SQLite URL of a study folder's storage (what ``optuna-dashboard`` opens)."""
     return f"sqlite:///{Path(out).resolve() / STORAGE}"
 
 
+def _sqlite_path(url: str) -> Path | None:
+    return Path(url.removeprefix("sqlite:///")) if url.startswith("sqlite:///") else None
+
+
+def check_sqlite(path: Path) -> None:
+    """StudyStorageError naming ``path`` and what is wrong with it where SQLite finds it damaged
+    (``PRAGMA quick_check``); the file is opened read-only, so neither its bytes nor its time change."""
+    if not path.is_file() or path.stat().st_size == 0:
+        return
+    problem = None
+    try:
+        connection = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        try:
+            found = [row[0] for row in connection.execute("PRAGMA quick_check").fetchall()]
+        finally:
+            connection.close()
+        if found != ["ok"]:
+            problem = "; ".join(found[:2]) + (f" ({len(found)} problems)" if len(found) > 2 else "")
+    except sqlite3.DatabaseError as error:
+        problem = str(error)
+    if problem:
+        raise StudyStorageError(
+            f"{path} is damaged ({problem}); it was left as it is. Your run folders under {path.parent} are "
+            f"intact. To go on: move the file aside and recover what SQLite can "
+            f"(sqlite3 {path.name}.damaged .recover | sqlite3 {path.name}), or import an export of the study "
+            f"(evolm tune import EXPORT {path.parent}), or tune into a new --out")
+
+
 def open_storage(spec: TuneSpec):
-    """The studies' storage in the tuning folder, with heartbeats and retries of stale trials; opened
-    under the folder's lock (two processes creating the database's tables at once collide)."""
+    """The studies' storage: ``spec.storage`` (a database URL, or ``journal:PATH``), else the SQLite
+    file OUT/optuna.db. SQL storages carry heartbeats and retries of killed workers' trials; a damaged
+    SQLite file is refused (``check_sqlite``) before anything is written into it."""
     import optuna
 
     spec.out.mkdir(parents=True, exist_ok=True)
+    url = spec.storage or storage_url(spec.out)
+    if url.startswith(JOURNAL):
+        from optuna.storages.journal import JournalFileBackend
+
+        return optuna.storages.JournalStorage(JournalFileBackend(url.removeprefix(JOURNAL)))
+    path = _sqlite_path(url)
+    if path is not None:
+        check_sqlite(path)
     beat = max(1, math.ceil(spec.settings.heartbeat_s))
-    with study_lock(spec.out), _quiet_optuna():
-        retry = optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=spec.settings.max_retries)
-        return optuna.storages.RDBStorage(storage_url(spec.out), engine_kwargs={"connect_args": {"timeout": 120}},
-                                          heartbeat_interval=beat, grace_period=3 * beat,
-                                          heartbeat_stale_trial_callback=retry)
-
-
-@contextlib.contextmanager
-def _quiet_optuna() -> Iterator[None]:
-    """Optuna's heartbeat API is marked experimental, and it warns that heartbeats belong to
-    Study.optimize: this worker asks for trials itself and beats their heartbeats (see ``heartbeat``)."""
-    import optuna
-
+    kwargs = {"connect_args": {"timeout": 120}} if path is not None else {}
     with warnings.catch_warnings():
+        # heartbeats and their retry callback are marked experimental in Optuna 5.0; used as documented
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used with Study.optimize")
-        yield
+        retry = optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=spec.settings.max_retries)
+        # two processes creating an SQLite file's tables at once collide: one does it at a time
+        with held(f"{path}.lock", "creates the storage's tables") if path is not None else contextlib.nullcontext():
+            return optuna.storages.RDBStorage(url, engine_kwargs=kwargs, heartbeat_interval=beat,
+                                              grace_period=3 * beat, heartbeat_stale_trial_callback=retry)
 
 
 def load_study(spec: TuneSpec, method: str, storage=None):
     """The method's study (created on first use); its TPE sampler seeded from ``sampler_seed``, the
-    method and the number of trials the study holds, so a worker that stops and starts again draws
-    the settings an uninterrupted one would."""
+    method and the number of trials the study holds (a study continued after a stop draws from a
+    seed of its own, so its later draws differ from an uninterrupted study's)."""
     import optuna
 
     settings = spec.settings
@@ -87,53 +149,28 @@ def load_study(spec: TuneSpec, method: str, storage=None):
     return study
 
 
-@contextlib.contextmanager
-def study_lock(out: Path) -> Iterator[None]:
-    """The tuning folder's exclusive lock (OUT/study.lock): one worker at a time counts and asks for
-    trials, creates the storage's tables, or copies a rerun to continue it."""
-    with open(out / LOCK, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+def retried_number(trial) -> int | None:
+    """The number of the trial that ``trial`` retries (Optuna's ``failed_trial``), None for a first attempt."""
+    return trial.system_attrs.get("failed_trial")
 
 
-def counted(trial) -> bool:
-    """Whether a trial is one of the method's ``trials``: finished, running, waiting, or failed for a
-    reason of its own (a setting the config refuses); a trial failed because its worker died is not
-    (its retry is)."""
-    from optuna.trial import TrialState
-
-    if trial.state == TrialState.FAIL:
-        return "error" in trial.user_attrs
-    return True
+FINISHED = ("COMPLETE", "PRUNED")
+"""The states of a method's trials that count against its ``trials``."""
 
 
-def trials_left(study, trials: int) -> int:
-    """Trials the method still needs started (retries waiting included)."""
-    from optuna.trial import TrialState
-
-    all_trials = study.get_trials(deepcopy=False)
-    waiting = sum(t.state == TrialState.WAITING for t in all_trials)
-    return max(trials - sum(counted(t) for t in all_trials), 0) + waiting
+def _counts(trial) -> bool:
+    """Whether a trial fills one of the method's ``trials``: finished, running, or a queued retry."""
+    return trial.state.name in FINISHED + ("RUNNING", "WAITING")
 
 
-def ended(trial) -> bool:
-    """Whether a trial has ended: neither running nor waiting (a retry queued)."""
-    from optuna.trial import TrialState
-
-    return trial.state not in (TrialState.RUNNING, TrialState.WAITING)
-
-
-def trials_done(trials) -> int:
-    """How many of a method's trials count against its ``trials`` and have ended."""
-    return sum(counted(t) and ended(t) for t in trials)
+def finished_trials(trials) -> int:
+    """How many of a method's trials are finished (complete or pruned)."""
+    return sum(t.state.name in FINISHED for t in trials)
 
 
 def all_trials_done(trials, wanted: int) -> bool:
-    """Whether these trials (a method's study's) hold ``wanted`` done ones, none running or waiting."""
-    return trials_done(trials) >= wanted and all(ended(t) for t in trials)
+    """Whether these trials (a method's) hold ``wanted`` finished ones, none running or waiting."""
+    return finished_trials(trials) >= wanted and not any(t.state.name in ("RUNNING", "WAITING") for t in trials)
 
 
 def finished(spec: TuneSpec, method: str, storage=None) -> bool:
@@ -141,107 +178,35 @@ def finished(spec: TuneSpec, method: str, storage=None) -> bool:
     return all_trials_done(load_study(spec, method, storage).get_trials(deepcopy=False), spec.settings.trials)
 
 
-def always(seconds: float | Callable[[], float] = 0.0) -> bool:
-    """The default ``may_claim``: a worker claims work for as long as there is some, whatever its
-    expected length (``seconds``; ``pace.Deadline`` is the rule that weighs it)."""
-    return True
+def trial_name(method: str, trial) -> str:
+    """A trial as the log, the figures and its folder name it: by its first attempt's number, a retry
+    with its own number beside it ("es trial 3 (attempt 5)")."""
+    first = retried_number(trial)
+    return f"{method} trial {trial.number}" if first is None else f"{method} trial {first} (attempt {trial.number})"
 
 
-def _next_trial(spec: TuneSpec, method: str, storage, may_claim: Callable[..., bool] = always):
-    """(study, trial) for this worker's next trial of ``method``, or (study, None) when none is left,
-    ``tune.parallel`` trials already run (a retry, whose setting is fixed, runs regardless) or the
-    worker may claim no more (``may_claim``); stale trials (a killed worker's) are failed first, which
-    queues their retries."""
-    import optuna
-    from optuna.trial import TrialState
-
-    with study_lock(spec.out), _quiet_optuna():
-        study = load_study(spec, method, storage)
-        optuna.storages.fail_stale_trials(study)
-        if trials_left(study, spec.settings.trials) == 0 or not may_claim(lambda: trial_seconds(spec, method, study)):
-            return study, None
-        states = [t.state for t in study.get_trials(deepcopy=False)]
-        limit = spec.settings.parallel
-        if limit and TrialState.WAITING not in states and states.count(TrialState.RUNNING) >= limit:
-            return study, None  # the worker waits (tune.work) until one of them ends
-        return study, study.ask()
-
-
-@contextlib.contextmanager
-def heartbeat(storage, trial_id: int, seconds: float) -> Iterator[None]:
-    """A thread that records the trial's heartbeat every ``seconds`` while the block runs."""
-    stop = threading.Event()
-
-    def beat() -> None:
-        while not stop.is_set():
-            storage.record_heartbeat(trial_id)
-            stop.wait(seconds)
-
-    thread = threading.Thread(target=beat, name=f"heartbeat-{trial_id}", daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        thread.join()
-
-
-def trial_folder(spec: TuneSpec, method: str, study, trial) -> Path:
+def trial_folder(spec: TuneSpec, method: str, trial) -> Path:
     """OUT/trials/<method>/trial_NNNN, numbered by the first attempt of the trial (a retry resumes it)."""
-    import optuna
-
-    frozen = next(t for t in study.get_trials(deepcopy=False) if t.number == trial.number)
-    with _quiet_optuna():
-        first = optuna.storages.RetryHeartbeatStaleTrialCallback.retried_trial_number(frozen)
+    first = trial.system_attrs.get("failed_trial") if hasattr(trial, "system_attrs") else None
     return spec.out / "trials" / method / f"trial_{trial.number if first is None else first:04d}"
 
 
-def rows_wall(rows: Sequence[dict]) -> tuple[float, int] | None:
-    """A run's wall-clock seconds at its last timed row and the generation or step its rows reach, or
-    None where it has no timed row past generation 0."""
-    wall = final_value(rows, "time/wall_s")
-    generation = max((row_generation(row) for row in rows), default=-1)
-    return (wall, generation) if wall is not None and generation > 0 else None
-
-
-def run_wall(folder: Path) -> tuple[float, int] | None:
-    """``rows_wall`` of a run folder's metrics (None where it has none)."""
-    return rows_wall(read_metrics(folder) if (folder / "metrics.jsonl").exists() else [])
-
-
-def median_pace(walls: Sequence[tuple[float, int]]) -> float | None:
-    """The median over runs' ``rows_wall`` of their seconds a generation or step; None for no runs."""
-    return statistics.median(seconds / reached for seconds, reached in walls) if walls else None
+def check_folders_belong(spec: TuneSpec, method: str, study) -> None:
+    """StudyStorageError where OUT/trials/<method> holds trial folders but the storage no trial of the
+    method: an emptied or another study's storage, whose trials would run into the old folders."""
+    folders = sorted((spec.out / "trials" / method).glob("trial_*"))
+    if folders and not study.get_trials(deepcopy=False):
+        raise StudyStorageError(
+            f"{spec.out / 'trials' / method} holds {len(folders)} trial folders, but the storage "
+            f"{spec.storage or storage_url(spec.out)} holds no trial of {method}: it is not this study's storage. "
+            f"Put the study's own storage back (or import its export: evolm tune import EXPORT {spec.out}), "
+            "or tune into a new --out")
 
 
 def study_trial_folder(method: str, run_dir: str) -> str:
     """A trial's folder as its study names it, ``trials/<method>/trial_NNNN``, from ``run_dir``: where
     the trial ran, in whatever folder the study lay then, or that folder's name alone."""
     return f"trials/{method}/{Path(run_dir).name}"
-
-
-def trial_walls(spec: TuneSpec, method: str, study, trial) -> list[tuple[float, int]]:
-    """(wall-clock seconds, generations or steps) of each of a trial's runs that has timed rows."""
-    folder = trial_folder(spec, method, study, trial)
-    walls = [run_wall(seed) for seed in sorted(folder.glob("seed*"))] if folder.exists() else []
-    return [wall for wall in walls if wall is not None]
-
-
-def trial_seconds(spec: TuneSpec, method: str, study=None) -> float:
-    """What a new trial of ``method`` should take: the median of its complete trials' seconds (their
-    runs' wall clocks together; a trial's ``seconds`` attribute where its folders hold none). 0.0
-    while it has no complete trial. ``study``: the method's, where the caller holds the study's lock
-    (opening the storage takes it)."""
-    from optuna.trial import TrialState
-
-    study = study or load_study(spec, method)
-    seconds = []
-    for trial in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
-        walls = trial_walls(spec, method, study, trial)
-        took = sum(wall for wall, _ in walls) if walls else trial.user_attrs.get("seconds")
-        if took:
-            seconds.append(float(took))
-    return statistics.median(seconds) if seconds else 0.0
 
 
 def trial_settings(planned: PlannedRun, params: dict[str, Any], config) -> dict[str, Any]:
@@ -257,9 +222,40 @@ class _Pruned(Exception):
     """The pruner stopped the trial at a scoring row."""
 
 
-def _run_trial(spec: TuneSpec, method: str, trial, folder: Path, evaluator, log: Callable[[str], None]) -> float:
+class _GivenUp(BaseException):
+    """This worker's trial ended without it (another worker took it over, or it was surplus): out of
+    Optuna's loop without a tell, which the trial's storage state no longer takes. A BaseException, so
+    that Optuna's loop does not record it as the trial's failure."""
+
+
+class _Interrupted(BaseException):
+    """Ctrl-C or SIGTERM, once the cut trial is failed and its retry queued (``tune_method``)."""
+
+
+def open_when_free(cls, config, folder: Path, evaluator, log: Callable[[str], None]):
+    """``cls.open`` on a run folder, waiting while another live process holds it (a worker paused past
+    its heartbeats, whose trial this worker retries): the operating system frees the folder when that
+    process ends, and a paused worker that goes on gives it up at its next row."""
+    said = False
+    while True:
+        try:
+            return cls.open(config, folder, evaluator=evaluator)
+        except RunFolderBusy as busy:
+            if busy.holder.get("pid") == os.getpid():
+                raise
+            if not said:
+                log(f"  {folder.name} of {folder.parent.name}: held by {describe_holder(busy.holder)}; "
+                    "waiting until it gives the folder up")
+                said = True
+            time.sleep(POLL_S)
+
+
+def _run_trial(spec: TuneSpec, method: str, trial, folder: Path, evaluator, log: Callable[[str], None],
+               still_mine: Callable[[], bool] = lambda: True, name: str | None = None) -> float:
     """The trial's runs, one per tuning seed; returns the mean of their final ``select`` values.
-    Raises _Pruned when the pruner stops it (its runs closed, their folders kept)."""
+    Raises _Pruned when the pruner stops it, _GivenUp when ``still_mine`` says at a row that the trial
+    is no longer this worker's (each run closed, its folder kept). ``name``: the trial in the log."""
+    name = name or f"{method} trial {trial.number}"
     params = {parameter.name: parameter.suggest(trial) for parameter in spec.settings.space[method]}
     key, values, step = spec.settings.select, [], 0
     for planned in spec.tuning_runs[method]:
@@ -267,20 +263,23 @@ def _run_trial(spec: TuneSpec, method: str, trial, folder: Path, evaluator, log:
         if planned is spec.tuning_runs[method][0]:
             trial.set_user_attr("config", trial_settings(planned, params, config))
         cls = ESRun if planned.kind == "es" else GRPORun
-        run = cls.open(config, folder / f"seed{config.seed}", evaluator=evaluator)
-        stop = False
+        run = open_when_free(cls, config, folder / f"seed{config.seed}", evaluator, log)
+        stop, taken = False, False
 
         def report(row: dict) -> None:
-            nonlocal step, stop
+            nonlocal step, stop, taken
+            taken = taken or not still_mine()
             value = row.get(key)
-            if value is not None and math.isfinite(value):
+            if not taken and value is not None and math.isfinite(value):
                 step += 1
                 trial.report(float(value), step)
                 stop = stop or (spec.settings.prune != "none" and trial.should_prune())
 
         try:
             record_placement(run.run_dir, config, run.placement())  # the times in its rows, read with where it ran
-            run.run(callback=report, should_stop=lambda: stop)
+            run.run(callback=report, should_stop=lambda: stop or taken)
+            if taken:
+                raise _GivenUp(f"{name} was taken over by another worker")
             if stop:
                 raise _Pruned()
             value = final_value(run.history, key)
@@ -289,46 +288,150 @@ def _run_trial(spec: TuneSpec, method: str, trial, folder: Path, evaluator, log:
         if value is None:
             raise ValueError(f"{folder}: the run wrote no {key!r} (tune.select)")
         values.append(value)
-        log(f"  {method} trial {trial.number} seed {config.seed}: {key} {value:.4g}")
+        log(f"  {name} seed {config.seed}: {key} {value:.4g}")
     return sum(values) / len(values)
 
 
+def _surplus(study, trial, wanted: int) -> bool:
+    """Whether a first attempt asked while the trials before it already fill the method's count."""
+    if retried_number(trial) is not None:
+        return False  # a retry takes the place of the trial it retries
+    return sum(_counts(t) for t in study.get_trials(deepcopy=False) if t.number < trial.number) >= wanted
+
+
+def _objective(spec: TuneSpec, method: str, study, storage, evaluator, log: Callable[[str], None], current: dict):
+    """Optuna's objective for ``method``: a trial's runs (``_run_trial``) and what they leave in its
+    user attributes (worker, seconds, run folder, error)."""
+    import optuna
+    from optuna.trial import TrialState
+
+    def objective(trial) -> float:
+        frozen = storage.get_trial(trial._trial_id)
+        current["trial"] = frozen
+        if _surplus(study, frozen, spec.settings.trials):
+            trial.set_user_attr("surplus", True)
+            study.tell(trial, state=TrialState.FAIL)
+            raise _GivenUp(f"{method} trial {trial.number}: surplus")
+        trial.set_user_attr("worker", f"{socket.gethostname()}:{os.getpid()}")
+        folder, name = trial_folder(spec, method, frozen), trial_name(method, frozen)
+        started = time.perf_counter()
+
+        def still_mine() -> bool:
+            return storage.get_trial(trial._trial_id).state == TrialState.RUNNING
+
+        try:
+            value = _run_trial(spec, method, trial, folder, evaluator, log, still_mine, name)
+        except _Pruned:
+            trial.set_user_attr("seconds", time.perf_counter() - started)
+            log(f"{name}: pruned")
+            raise optuna.TrialPruned() from None
+        except _GivenUp:
+            log(f"{name}: taken over by another worker while this one was stopped; "
+                "given up here (its retry goes on from the run folders' checkpoints)")
+            raise
+        except ValueError as error:  # a setting the config refuses: failed, with its reason kept
+            trial.set_user_attr("error", str(error))
+            study.tell(trial, state=TrialState.FAIL)
+            log(f"{name}: failed: {error}")
+            raise _GivenUp(str(error)) from None
+        except KeyboardInterrupt:
+            raise _Interrupted() from None
+        trial.set_user_attr("seconds", time.perf_counter() - started)
+        trial.set_user_attr("run_dir", str(folder))
+        log(f"{name}: {spec.settings.select} {value:.4g} {trial.params}")
+        return value
+
+    return objective
+
+
+def _stop_when_none_to_start(wanted: int, parallel: int):
+    """An ``optimize`` callback that ends this worker's loop once every trial the method needs is
+    finished, running or queued (``MaxTrialsCallback`` counts the finished ones only), or once
+    ``parallel`` trials run; ``tune_method`` then waits for the trials other workers hold."""
+    def callback(study, _trial) -> None:
+        trials = study.get_trials(deepcopy=False)
+        running = sum(t.state.name == "RUNNING" for t in trials)
+        if sum(_counts(t) for t in trials) >= wanted or (parallel and running >= parallel):
+            study.stop()
+
+    return callback
+
+
+def _fail_and_retry(spec: TuneSpec, study, storage, frozen) -> None:
+    """The cut trial (Ctrl-C, SIGTERM) failed now and its retry queued, as a killed worker's would be
+    after its heartbeats, so that the next worker takes it at once."""
+    import optuna
+    from optuna.trial import TrialState
+
+    if frozen is None or storage.get_trial(frozen._trial_id).state != TrialState.RUNNING:
+        return
+    storage.set_trial_user_attr(frozen._trial_id, "interrupted", True)
+    storage.set_trial_state_values(frozen._trial_id, state=TrialState.FAIL)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        retry = optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=spec.settings.max_retries)
+    retry(study, storage.get_trial(frozen._trial_id))
+
+
 def tune_method(spec: TuneSpec, method: str, evaluator, log: Callable[[str], None] = print, storage=None,
-                may_claim: Callable[..., bool] = always) -> int:
-    """Run trials of ``method`` until its study holds ``trials`` of them, or until ``may_claim`` says
-    this worker starts no more; returns how many this worker ran."""
+                timeout: float | None = None) -> int:
+    """Run trials of ``method`` until its study holds ``trials`` finished ones, waiting while other
+    workers hold the last of them (and taking a killed worker's trial once its heartbeats go stale);
+    ``timeout``: seconds after which this worker starts no new trial (Optuna's ``timeout``). Returns
+    how many trials this worker finished."""
+    import optuna
     from optuna.trial import TrialState
 
     storage = storage or open_storage(spec)
-    ran = 0
+    study = load_study(spec, method, storage)
+    check_folders_belong(spec, method, study)
+    before = {t.number for t in study.get_trials(deepcopy=False) if t.state.name in FINISHED}
+    wanted, parallel = spec.settings.trials, spec.settings.parallel
+    end = None if timeout is None else time.monotonic() + timeout
+    said = False
     while True:
-        study, trial = _next_trial(spec, method, storage, may_claim)
-        if trial is None:
-            return ran
-        folder = trial_folder(spec, method, study, trial)
-        started = time.perf_counter()
-        trial.set_user_attr("worker", f"{socket.gethostname()}:{os.getpid()}")
-        # Optuna's heartbeat API takes the storage's trial id (its optimize loop passes the same)
-        with heartbeat(storage, trial._trial_id, spec.settings.heartbeat_s):
-            try:
-                value = _run_trial(spec, method, trial, folder, evaluator, log)
-            except _Pruned:
-                trial.set_user_attr("seconds", time.perf_counter() - started)
-                study.tell(trial, state=TrialState.PRUNED)
-                log(f"{method} trial {trial.number}: pruned")
-                ran += 1
-                continue
-            except (ValueError, RunFolderBusy) as error:  # a setting the config refuses: a trial of its own
-                trial.set_user_attr("error", str(error))
-                study.tell(trial, state=TrialState.FAIL)
-                log(f"{method} trial {trial.number}: failed: {error}")
-                ran += 1
-                continue
-        trial.set_user_attr("seconds", time.perf_counter() - started)
-        trial.set_user_attr("run_dir", str(folder))
-        study.tell(trial, value)
-        ran += 1
-        log(f"{method} trial {trial.number}: {spec.settings.select} {value:.4g} {trial.params}")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            optuna.storages.fail_stale_trials(study)  # a killed worker's trial: failed, its retry queued
+        trials = study.get_trials(deepcopy=False)
+        if all_trials_done(trials, wanted):
+            return _finished_here(trials, before)
+        errors = sum(t.state == TrialState.FAIL and "error" in t.user_attrs for t in trials)
+        if errors >= wanted:
+            log(f"{method}: {errors} trials failed on a setting the runs refuse; no more are started "
+                "(see each trial's error in the summary)")
+            return _finished_here(trials, before)
+        left = None if end is None else end - time.monotonic()
+        if left is not None and left <= 0:
+            return _finished_here(trials, before)
+        waiting = any(t.state == TrialState.WAITING for t in trials)
+        running = sum(t.state == TrialState.RUNNING for t in trials)
+        if not waiting and (sum(_counts(t) for t in trials) >= wanted or (parallel and running >= parallel)):
+            if not said:
+                log(f"{method}: waiting for the trials other workers run")
+                said = True
+            time.sleep(min(POLL_S, spec.settings.heartbeat_s))
+            continue
+        said = False
+        study.sampler = load_study(spec, method, storage).sampler  # seeded by the trials held now
+        current: dict[str, Any] = {}
+        try:
+            study.optimize(_objective(spec, method, study, storage, evaluator, log, current), timeout=left,
+                           callbacks=[optuna.study.MaxTrialsCallback(wanted, states=(TrialState.COMPLETE,
+                                                                                    TrialState.PRUNED)),
+                                      _stop_when_none_to_start(wanted, parallel)])
+        except _GivenUp:
+            pass
+        except (_Interrupted, KeyboardInterrupt):
+            _fail_and_retry(spec, study, storage, current.get("trial"))
+            raise KeyboardInterrupt() from None
+
+
+def _finished_here(trials, before: set[int]) -> int:
+    """How many of these trials this process finished, of those not finished ``before``."""
+    worker = f"{socket.gethostname()}:{os.getpid()}"
+    return sum(t.state.name in FINISHED and t.number not in before and t.user_attrs.get("worker") == worker
+               for t in trials)
 
 
 def make_tuning_evaluator(spec: TuneSpec):
@@ -341,14 +444,14 @@ def make_tuning_evaluator(spec: TuneSpec):
 
 
 def tune(spec: TuneSpec, evaluator=None, log: Callable[[str], None] = print,
-         may_claim: Callable[..., bool] = always) -> dict[str, int]:
-    """Every method's trials (this worker's share of them, those it claims while ``may_claim``), on one
-    engine; returns {method: trials run here}."""
+         timeout: float | None = None) -> dict[str, int]:
+    """Every method's trials (this worker's share of them), on one engine; ``timeout``: seconds per
+    method after which no new trial starts. Returns {method: trials finished here}."""
     own = evaluator is None
     evaluator = evaluator or make_tuning_evaluator(spec)
     try:
         storage = open_storage(spec)
-        return {method: tune_method(spec, method, evaluator, log, storage, may_claim) for method in spec.methods}
+        return {method: tune_method(spec, method, evaluator, log, storage, timeout) for method in spec.methods}
     finally:
         if own:
             evaluator.close()
@@ -357,20 +460,14 @@ def tune(spec: TuneSpec, evaluator=None, log: Callable[[str], None] = print,
 def trial_rows(study, method: str) -> list[dict[str, Any]]:
     """Every trial of an Optuna study as plain data: number, state, value, params, config, seconds,
     error, worker, run folder, the trial it retries, and the values it reported by step (what a
-    pruner compares; ``tune.restore`` puts them back)."""
-    import optuna
-
-    rows = []
-    retried = optuna.storages.RetryHeartbeatStaleTrialCallback.retried_trial_number
-    for t in study.get_trials(deepcopy=False):
-        with _quiet_optuna():
-            retry_of = retried(t)
-        rows.append({"method": method, "number": t.number, "state": t.state.name.lower(), "value": t.value,
-                     "params": dict(t.params), "config": t.user_attrs.get("config"),
-                     "seconds": t.user_attrs.get("seconds"), "error": t.user_attrs.get("error"),
-                     "worker": t.user_attrs.get("worker"), "run_dir": t.user_attrs.get("run_dir"),
-                     "retries": retry_of, "intermediate_values": dict(t.intermediate_values)})
-    return rows
+    pruner compares; ``evolm tune import`` puts them back). Surplus trials (given back unrun) are
+    left out."""
+    return [{"method": method, "number": t.number, "state": t.state.name.lower(), "value": t.value,
+             "params": dict(t.params), "config": t.user_attrs.get("config"),
+             "seconds": t.user_attrs.get("seconds"), "error": t.user_attrs.get("error"),
+             "worker": t.user_attrs.get("worker"), "run_dir": t.user_attrs.get("run_dir"),
+             "retries": retried_number(t), "intermediate_values": dict(t.intermediate_values)}
+            for t in study.get_trials(deepcopy=False) if not t.user_attrs.get("surplus")]
 
 
 def study_trials(spec: TuneSpec, method: str) -> list[dict[str, Any]]:
@@ -384,10 +481,16 @@ def best_trial(spec: TuneSpec, method: str):
     try:
         return study.best_trial
     except ValueError:
-        raise ValueError(f"{method}: no complete trial in {spec.out / STORAGE} yet (run `evolm tune` first)") from None
+        raise ValueError(f"{method}: no complete trial in {spec.storage or storage_url(spec.out)} yet "
+                         "(run `evolm tune` first)") from None
 
 
 def with_methods(spec: TuneSpec, methods: list[str]) -> TuneSpec:
     """The spec narrowed to some of its methods."""
     return replace(spec, tuning_runs={m: spec.tuning_runs[m] for m in methods},
                    final_runs={m: spec.final_runs[m] for m in methods})
+
+
+def with_storage(spec: TuneSpec, storage: str | None) -> TuneSpec:
+    """The spec with its studies in ``storage`` (a database URL or journal:PATH; None for OUT/optuna.db)."""
+    return replace(spec, storage=storage)

@@ -1,9 +1,9 @@
-"""Figures of the tuned study from its compacted files (``evolm_lib.tune.compact``), on any machine:
+"""Figures of a tuned study, from its folder or its export (``evolm_lib.tune.export``), on any machine:
 the best validation score so far against the trials counted; the held-out score against training
 completions, generated tokens and wall-clock seconds (each method labelled with the engines per card
 its runs had); and, where ``geometry.json`` lies beside the files (``python -m
 evolm_lib.tune.geometry``), the winners' update norms per layer and the straight paths between them;
-and where the compacted runs kept their answers' flags, what each run's held-out answers became
+and where the exported runs kept their answers' flags, what each run's held-out answers became
 (empty, or holding their target), one point a run."""
 from __future__ import annotations
 
@@ -28,13 +28,13 @@ def curve_figures(compact: dict) -> dict[str, Any]:
     runs with held-out scores; heldout_vs_completions_late, the first of those from half its axis on."""
     from ..analysis import reward_label
     from ..metrics import with_training_seconds
-    from ..tune.compact import compact_groups
+    from ..tune.export import export_groups as compact_groups
     from ..tune.report import placements
     from .plots import plot_runs_curve
     from .tuning import plot_best_so_far
 
-    # the runs the held-out tables read: those that finished (a run cut short by a lease has no
-    # held-out scores, and its rows stop early)
+    # the runs the held-out tables read: those that finished (a run cut short has no held-out
+    # scores, and its rows stop early)
     runs = [run for run in compact["runs"] if run.get("heldout")]
     figures: dict[str, Any] = {}
     if compact["trials"]:
@@ -115,9 +115,9 @@ def answer_points(compact: dict) -> dict[str, list[dict[str, Any]]]:
     """{legend name: [{"seed", "empty", "target", "score"}, ...]} per method and stage of ``ANSWER_STAGES``
     (the runs with held-out scores): the shares of a run's held-out answers that are empty and that
     hold their target (``analysis.ANSWER_FLAGS``) and its mean held-out score in the study's measure.
-    A run whose lines do not say both is left out (a study compacted before ``compact`` kept them)."""
+    A run whose lines do not say both is left out (an older export, made before exports kept them)."""
     from ..analysis import answer_share, default_measure, heldout_scores
-    from ..tune.compact import compact_groups
+    from ..tune.export import export_groups as compact_groups
 
     runs = [run for run in compact["runs"] if run.get("heldout")]
     measure = (compact["summary"] or {}).get("measure") or default_measure(compact_groups(runs, "final"))
@@ -138,7 +138,7 @@ def answer_figure(compact: dict) -> Any | None:
     """What the held-out answers became: for each run of ``answer_points``, the share of its answers
     that are empty (x) against the share that hold their target (y), a method's colour, a stage's
     marker (``ANSWER_STAGES``), the seed and mean score on hover, and the base model as a star where
-    the compacted study holds its summary (``load_compact``'s "base"); None where nothing kept the
+    the study holds its summary (``read_study``'s "base"); None where nothing kept the
     flags. A run at the right answers nothing, one at the top answers right, whatever the reward paid."""
     import plotly.graph_objects as go
 
@@ -170,15 +170,15 @@ def answer_figure(compact: dict) -> Any | None:
     return fig
 
 
-def export_study_figures(compact_dir: str | Path, out_dir: str | Path,
-                         formats: Sequence[str] = ("png", "svg")) -> list[Path]:
+def export_study_figures(study_dir: str | Path, out_dir: str | Path,
+                         formats: Sequence[str] = ("png", "svg"), storage: str | None = None) -> list[Path]:
     """Every figure of ``curve_figures`` (with ``answer_figure`` where the runs kept their answers'
-    flags, and ``geometry_figures`` where COMPACT_DIR/geometry.json exists) as OUT/<name>.{png,svg};
-    returns the paths."""
-    from ..tune.compact import load_compact
+    flags, and ``geometry_figures`` where STUDY_DIR/geometry.json exists) of a study folder or an
+    export as OUT/<name>.{png,svg}; returns the paths."""
+    from ..tune.export import read_study
     from .figures import export_figure
 
-    compact = load_compact(compact_dir)
+    compact = read_study(study_dir, storage)
     figures = curve_figures(compact)
     answers = answer_figure(compact)
     if answers is not None:

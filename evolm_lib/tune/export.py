@@ -1,53 +1,46 @@
-"""A finished study in a few small files to commit, so its tables and figures rebuild without GPUs:
-``python -m evolm_lib.tune.compact STUDY_DIR OUT_DIR``.
+"""A study's small, committable summary: ``evolm tune export STUDY DIR``; its tables and figures
+rebuild from it on any machine (``evolm tune report DIR``), and ``evolm tune import DIR STUDY`` writes
+a study folder back from it, which ``evolm tune`` continues.
 
-Every run folder under STUDY_DIR (the tuning trials, the reruns, their continuations and controls,
-or the runs of a plain sweep) becomes one line of OUT_DIR/runs.jsonl.gz: where it sits (stage,
-method, trial, seed, path), its settings (config.yaml), its metrics rows with their scalar values only
-(completions, prompts and per-member lists left out; floats to 6 significant digits, times of parts
-of a generation to 3; stored by column; a continued run without the rows it shares with the rerun
-it was copied from), its held-out
-scores (heldout.jsonl's index, reward and success per problem, and whether each completion was empty
-or nothing but whitespace and whether it held its target, ``analysis.ANSWER_FLAGS``: the completions
-themselves are left out), where it
-ran (placement.jsonl: device, engines per card) and the KL of its checkpoints where measured; a
-run under way whose newest checkpoint holds no tensors (ES on the model's own weights, whose mean is
-its seed log replayed) keeps what it goes on from (``resume_state``: that checkpoint's files and the
-folder's other text files, such as the seed log), for ``tune.restore``. The
-Optuna trials of every study go to OUT_DIR/trials.jsonl.gz, tune_summary.json is copied, the base
-model's held-out lines (``tune.base``, STUDY_DIR/base/heldout.jsonl) become their summary in
-OUT_DIR/base.json (``analysis.heldout_summary``), and manifest.json counts what went in. The gzip
-files carry no timestamp, and a trial's folder is named within the study (``trials/<method>/trial_NNNN``),
-not where the study lay: the same study compacts to the same bytes, wherever it is. ``load_compact`` and
-``compact_groups`` read them back as ``analysis.RunRecord`` groups.
-``python -m evolm_lib.tune.compact merge INTO FROM`` keeps in a later compaction what an earlier one
-of the same study holds and it lacks (``merge_compact``).
+Every run folder under STUDY (the tuning trials, the reruns, their continuations and controls, or the
+runs of a plain sweep) becomes one line of DIR/runs.jsonl.gz: where it sits (stage, method, trial,
+seed, path), its settings (config.yaml), its metrics rows with their scalar values only (completions,
+prompts and per-member lists left out; floats to 6 significant digits, times of parts of a generation
+to 3; stored by column; a continued run without the rows it shares with the rerun it was copied
+from), its held-out scores (heldout.jsonl's index, reward and success per problem, and whether each
+answer was empty and whether it held its target, ``analysis.ANSWER_FLAGS``: the answers themselves
+are left out), where it ran (placement.jsonl) and the KL of its checkpoints where measured; a run
+under way whose newest checkpoint holds no tensors (ES on the model's own weights, whose mean is its
+seed log replayed) keeps what it goes on from (``resume_state``), so an imported study resumes it.
+The Optuna trials of every study go to DIR/trials.jsonl.gz, tune_summary.json is copied, the base
+model's held-out lines (``tune.base``, STUDY/base/heldout.jsonl) become their summary in
+DIR/base.json (``analysis.heldout_summary``), and manifest.json counts what went in. The gzip files
+carry no timestamp, and a trial's folder is named within the study (``trials/<method>/trial_NNNN``):
+the same study exports to the same bytes, wherever it lies. ``read_study`` reads an export, or a
+live study folder the same way, and ``export_groups`` gives a stage's runs as ``analysis.RunRecord``
+groups.
 """
 from __future__ import annotations
 
-import argparse
 import gzip
 import json
 import math
 import shutil
-import sys
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from ..env import PLACEMENT
 from ..geometry import checkpoint_holds_weights
-from ..runs import read_jsonl, read_metrics, row_generation
+from ..runs import list_checkpoints, read_checkpoint_files, read_jsonl, read_metrics, row_generation
 from ..sweep import HELDOUT
 from .final import BASE_HELDOUT, CONTINUED_FROM, STAGES, SUMMARY
-from .pack import TEXT_SUFFIXES, newest_checkpoint
-from .rebuild import REBUILT
 from .study import STORAGE, study_trial_folder
 
 RUNS = "runs.jsonl.gz"
 TRIALS = "trials.jsonl.gz"
 MANIFEST = "manifest.json"
 BASE = "base.json"
-"""The base model's held-out summary: the reference beside the methods' (``load_compact``'s "base")."""
+"""The base model's held-out summary: the reference beside the methods' (``read_study``'s "base")."""
 DIGITS = 6
 """Significant digits kept of a float in the rows (the figures and tables need far fewer)."""
 TIME_DIGITS = 3
@@ -55,6 +48,10 @@ TIME_DIGITS = 3
 cumulative ``time/wall_s``): milliseconds' noise is most of a study's bytes."""
 MAX_TEXT = 64
 """Longest string value kept in a row (the method's name, not a completion)."""
+TEXT_SUFFIXES = (".jsonl", ".json", ".yaml", ".yml", ".txt", ".log", ".csv")
+"""A run folder's text files (its rows, seed log, settings and scores)."""
+REBUILT = "rebuilt"
+"""STUDY/rebuilt/<stage>/<method>/seedS: a rerun run again for the geometry (``tune.geometry``)."""
 SKIPPED_FOLDERS = ("checkpoints", "snapshots", "final_model", "final_adapter", "adapter", "figures")
 
 
@@ -121,7 +118,7 @@ def locate(study: Path, folder: Path) -> dict[str, Any]:
 
 KL = "kl.jsonl"
 COMPACTED_FILES = ("config.yaml", "metrics.jsonl", HELDOUT, PLACEMENT, KL, CONTINUED_FROM)
-"""A run folder's files a compacted line holds in its own fields (``resume_state`` leaves them out)."""
+"""A run folder's files a exported line holds in its own fields (``resume_state`` leaves them out)."""
 
 
 def resume_state(folder: Path, config: dict, rows: Sequence[dict]) -> dict[str, Any] | None:
@@ -129,26 +126,32 @@ def resume_state(folder: Path, config: dict, rows: Sequence[dict]) -> dict[str, 
     its start and holds no tensors (ES on the model's own weights): {"checkpoint": its folder's name,
     "files": its files, "text": the run folder's other text files (the seed log), each as text}. None
     for a finished run (rows at its last generation), or one without such a checkpoint: a LoRA's or
-    GRPO's checkpoint holds tensors, which a compacted line does not carry."""
+    GRPO's checkpoint holds tensors, which a exported line does not carry."""
     from ..analysis import run_length
 
     length = run_length(config)
     if length is None or (rows and row_generation(rows[-1]) >= length) or checkpoint_holds_weights(folder):
         return None
-    checkpoint = newest_checkpoint(folder)
-    if checkpoint is None or checkpoint.generation == 0:
+    checkpoint = next(((path, found) for path in reversed(list_checkpoints(folder))
+                       if (found := read_checkpoint_files(path)) is not None), None)  # the newest that reads whole
+    if checkpoint is None or checkpoint_generation(checkpoint[0]) == 0:
         return None
     try:
-        files = {name: data.decode() for name, data in checkpoint.files.items()}
+        files = {name: data.decode() for name, data in checkpoint[1].items()}
         text = {p.name: p.read_bytes().decode() for p in sorted(folder.iterdir())
                 if p.is_file() and p.suffix in TEXT_SUFFIXES and p.name not in COMPACTED_FILES}
-    except UnicodeDecodeError:  # not text after all: the run starts again where restored
+    except UnicodeDecodeError:  # not text after all: the run starts again where imported
         return None
-    return {"checkpoint": checkpoint.folder.name, "files": files, "text": text}
+    return {"checkpoint": checkpoint[0].name, "files": files, "text": text}
 
 
-def compact_run(study: Path, folder: Path) -> dict[str, Any]:
-    """One run folder as one line of runs.jsonl.gz (see the module docstring)."""
+def checkpoint_generation(checkpoint_folder: Path) -> int:
+    """The generation (or step) a checkpoint was written at, from its folder's name."""
+    return int(checkpoint_folder.name.split(".")[0])
+
+
+def export_run(study: Path, folder: Path) -> dict[str, Any]:
+    """One run folder as its line of runs.jsonl.gz (see the module docstring)."""
     import yaml
 
     from ..analysis import ANSWER_FLAGS
@@ -182,19 +185,26 @@ def compact_run(study: Path, folder: Path) -> dict[str, Any]:
     }
 
 
-def study_trial_rows(study: Path) -> list[dict[str, Any]]:
-    """Every trial of every Optuna study in STUDY/optuna.db (none without it), as ``study.study_trials``
-    lists them, read straight from the storage (no spec needed); a trial's folder (``run_dir``) as
-    the study names it, ``trials/<method>/trial_NNNN``, not where the study lay when its trial ran
-    (a restore's temporary folder, a lent machine's), so the same study compacts to the same file."""
-    if not (study / STORAGE).is_file():
+def study_trial_rows(study: Path, storage: str | None = None) -> list[dict[str, Any]]:
+    """Every trial of every Optuna study in STUDY/optuna.db (or ``storage``, a URL; none without
+    either), as ``study.study_trials`` lists them, read straight from the storage (no spec needed); a
+    trial's folder (``run_dir``) as the study names it, ``trials/<method>/trial_NNNN``, not where the
+    study lay when its trial ran, so the same study exports to the same file. A damaged SQLite file
+    is named (``study.check_sqlite``), never opened for writing."""
+    if storage is None and not (study / STORAGE).is_file():
         return []
     import optuna
 
-    from .study import trial_rows
+    from .study import JOURNAL, check_sqlite, trial_rows
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    url = f"sqlite:///{(study / STORAGE).resolve()}"
+    if storage is None:
+        check_sqlite(study / STORAGE)
+    url = storage or f"sqlite:///{(study / STORAGE).resolve()}"
+    if url.startswith(JOURNAL):
+        from optuna.storages.journal import JournalFileBackend
+
+        url = optuna.storages.JournalStorage(JournalFileBackend(url.removeprefix(JOURNAL)))
     rows = [row for name in sorted(optuna.get_all_study_names(url))
             for row in trial_rows(optuna.load_study(study_name=name, storage=url), name)]
     return [{**row, "run_dir": row["run_dir"] and study_trial_folder(row["method"], row["run_dir"])} for row in rows]
@@ -207,7 +217,7 @@ def _write_gzip_lines(path: Path, lines: Sequence[dict]) -> None:
 
 
 def run_counts(runs: Sequence[dict]) -> dict[str, Any]:
-    """The manifest's counts of compacted runs: per stage, those with held-out scores, and those under
+    """The manifest's counts of exported runs: per stage, those with held-out scores, and those under
     way that carry what they go on from (``resume_state``)."""
     stages: dict[str, int] = {}
     for run in runs:
@@ -222,29 +232,25 @@ def _write_manifest(folder: Path, manifest: dict[str, Any]) -> dict[str, Any]:
     return manifest
 
 
-def compact_study(study: str | Path, out: str | Path, spec: str | Path | None = None) -> dict[str, Any]:
-    """Write STUDY's runs, trials and summary into OUT (see the module docstring); returns the manifest.
+def export_runs(study: Path) -> list[dict[str, Any]]:
+    """Every run folder under ``study`` as its line of runs.jsonl.gz (``export_run``)."""
+    return [export_run(study, folder) for folder in run_folders(study)]
 
-    ``spec``: the study's tune spec, from which its summary is written afresh first (``tune.summarize``:
-    no run is started). A worker writes the summary only as it ends, and in a study under way few
-    end cleanly, so the summary a study folder holds can be several leases old: without its plan
-    (``trials_per_method``) the tables cannot tell how many trials are missing."""
+
+def export_study(study: str | Path, out: str | Path, storage: str | None = None) -> dict[str, Any]:
+    """Write STUDY's runs, trials and summary into OUT (see the module docstring); returns the
+    manifest. ``storage``: the studies' storage where it is not STUDY/optuna.db."""
     from ..analysis import heldout_summary, read_heldout
 
     study, out = Path(study), Path(out)
     if not study.is_dir():
         raise FileNotFoundError(f"{study}: no such folder (a study's or sweep's `out`)")
-    if spec is not None:
-        from .final import summarize
-        from .spec import load_tune_spec
-
-        summarize(load_tune_spec(spec, out=study))
-    runs = [compact_run(study, folder) for folder in run_folders(study)]
+    trials = study_trial_rows(study, storage)  # a damaged storage is named before anything is read
+    runs = export_runs(study)
     if not runs:
         raise FileNotFoundError(f"{study}: no run folder (config.yaml and metrics.jsonl) under it")
     out.mkdir(parents=True, exist_ok=True)
     _write_gzip_lines(out / RUNS, runs)
-    trials = study_trial_rows(study)
     if trials:
         _write_gzip_lines(out / TRIALS, trials)
     if (study / SUMMARY).is_file():
@@ -253,7 +259,7 @@ def compact_study(study: str | Path, out: str | Path, spec: str | Path | None = 
     if base:
         (out / BASE).write_text(json.dumps(heldout_summary(base), indent=1) + "\n")
     files = [p for p in (out / RUNS, out / TRIALS, out / SUMMARY, out / BASE) if p.is_file()]
-    return _write_manifest(out, {"source": str(study), **run_counts(runs), "trials": len(trials),
+    return _write_manifest(out, {"source": study.name, **run_counts(runs), "trials": len(trials),
                                  "bytes": {p.name: p.stat().st_size for p in files}})
 
 
@@ -262,33 +268,49 @@ def _read_gzip_lines(path: Path) -> list[dict]:
         return [json.loads(line) for line in handle if line.strip()]
 
 
-def load_compact(folder: str | Path) -> dict[str, Any]:
+def is_export(folder: str | Path) -> bool:
+    """Whether ``folder`` holds an export (runs.jsonl.gz), not a live study."""
+    return (Path(folder) / RUNS).is_file()
+
+
+def read_study(folder: str | Path, storage: str | None = None) -> dict[str, Any]:
     """{"runs": [...], "trials": [...], "summary": {...} or None, "geometry": {...} or None, "base": {...}
-    or None} from a compacted study's folder (geometry.json where ``tune.geometry`` wrote it beside the
-    files, base.json where the study held the base model's lines); each run with its ``rows`` whole
-    again (a continued run's first rows taken from its rerun)."""
+    or None} of an export (``export_study``) or of a live study folder, read the same way (each run as
+    its exported line, so both give the same tables); each run with its ``rows`` whole (a continued
+    run's first rows taken from its rerun); geometry.json where ``tune.geometry`` wrote it beside the
+    files, base.json (or the live folder's base/heldout.jsonl) for the base model's held-out summary."""
+    from ..analysis import heldout_summary, read_heldout
     from .geometry import GEOMETRY
 
     folder = Path(folder)
-    if not (folder / RUNS).is_file():
-        raise FileNotFoundError(f"{folder}: no {RUNS} here (write it with python -m evolm_lib.tune.compact)")
-    summary = folder / SUMMARY
-    runs = _read_gzip_lines(folder / RUNS)
+    if is_export(folder):
+        runs = _read_gzip_lines(folder / RUNS)
+        trials = _read_gzip_lines(folder / TRIALS) if (folder / TRIALS).is_file() else []
+        base = json.loads((folder / BASE).read_text()) if (folder / BASE).is_file() else None
+    elif folder.is_dir():
+        runs = json.loads(json.dumps(export_runs(folder), sort_keys=True))  # as an export's lines read back
+        if not runs:
+            raise FileNotFoundError(f"{folder}: neither an export ({RUNS}) nor a study folder with runs")
+        trials = study_trial_rows(folder, storage)
+        held = read_heldout((folder / BASE_HELDOUT).parent)
+        base = heldout_summary(held) if held else None
+    else:
+        raise FileNotFoundError(f"{folder}: no such folder (a study folder, or an export of one)")
     for run in runs:
         run["rows"] = from_columns(run.pop("columns"))
     by_path = {run["path"]: run for run in runs}
     for run in runs:
         if run.get("rows_from"):
             run["rows"] = by_path[run["rows_from"]["path"]]["rows"][:run["rows_from"]["rows"]] + run["rows"]
-    return {"runs": runs,
-            "trials": _read_gzip_lines(folder / TRIALS) if (folder / TRIALS).is_file() else [],
+    summary = folder / SUMMARY
+    return {"runs": runs, "trials": trials,
             "summary": json.loads(summary.read_text()) if summary.is_file() else None,
             "geometry": json.loads((folder / GEOMETRY).read_text()) if (folder / GEOMETRY).is_file() else None,
-            "base": json.loads((folder / BASE).read_text()) if (folder / BASE).is_file() else None}
+            "base": base}
 
 
 def heldout_lines(run: dict) -> list[dict] | None:
-    """A compacted run's held-out scores as heldout.jsonl's lines (index, reward, success, generation,
+    """A exported run's held-out scores as heldout.jsonl's lines (index, reward, success, generation,
     and the answer's flags where they were kept: ``analysis.ANSWER_FLAGS``)."""
     from ..analysis import ANSWER_FLAGS
 
@@ -303,7 +325,7 @@ def heldout_lines(run: dict) -> list[dict] | None:
     return lines
 
 
-def compact_groups(runs: Sequence[dict], stage: str, label: str = "{method}") -> dict:
+def export_groups(runs: Sequence[dict], stage: str, label: str = "{method}") -> dict:
     """The runs of one stage grouped by method, as ``analysis.RunRecord`` lists sorted by seed (their
     held-out scores inside, so ``analysis.study_table`` and ``method_comparisons`` read them);
     ``label`` names a group from its method ("{method} shuffled")."""
@@ -320,73 +342,3 @@ def compact_groups(runs: Sequence[dict], stage: str, label: str = "{method}") ->
         records.sort(key=lambda r: (r.seed is None, r.seed or 0))
     check_distinct_seeds(groups)
     return groups
-
-
-def merge_compact(into: str | Path, source: str | Path) -> dict[str, Any]:
-    """Keep what an earlier compaction of the same study holds and a later one lacks: ``source``'s runs
-    that ``into`` has no line for (a stage run on another machine, such as the geometry's rebuilds) and
-    its geometry.json and base.json where ``into`` has none, added to ``into``, whose manifest counts
-    them ("kept").
-    A run in both stays as ``into`` has it (the later study's). Returns the manifest."""
-    from .geometry import GEOMETRY
-
-    into, source = Path(into), Path(source)
-    for folder in (into, source):
-        if not (folder / RUNS).is_file():
-            raise FileNotFoundError(f"{folder}: no {RUNS} here (a compacted study's folder)")
-    lines = _read_gzip_lines(into / RUNS)
-    have = {line["path"] for line in lines}
-    kept = [line for line in _read_gzip_lines(source / RUNS) if line["path"] not in have]
-    _write_gzip_lines(into / RUNS, lines + kept)
-    copied = {}
-    for name in (GEOMETRY, BASE):
-        copied[name] = not (into / name).is_file() and (source / name).is_file()
-        if copied[name]:
-            shutil.copyfile(source / name, into / name)
-    manifest = json.loads((into / MANIFEST).read_text()) if (into / MANIFEST).is_file() else {"bytes": {}}
-    manifest.update(**run_counts(lines + kept), kept={"from": str(source), "runs": len(kept), "geometry": copied[GEOMETRY],
-                                                     "base": copied[BASE]})
-    manifest["bytes"][RUNS] = (into / RUNS).stat().st_size
-    return _write_manifest(into, manifest)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["merge"]:
-        merge = argparse.ArgumentParser(prog="python -m evolm_lib.tune.compact merge", description=merge_compact.__doc__)
-        merge.add_argument("into", type=Path, help="the later compacted folder, which gains what it lacks")
-        merge.add_argument("source", type=Path, help="the earlier compacted folder of the same study")
-        args = merge.parse_args(argv[1:])
-        try:
-            manifest = merge_compact(args.into, args.source)
-        except FileNotFoundError as error:
-            print(f"compact merge: {error}", file=sys.stderr)
-            return 1
-        kept = manifest["kept"]
-        also = "".join(f" and {name}.json" for name in ("geometry", "base") if kept[name])
-        print(f"kept {kept['runs']} runs{also} of {args.source} in {args.into}")
-        return 0
-    parser = argparse.ArgumentParser(prog="python -m evolm_lib.tune.compact", description=__doc__.split("\n\n")[0])
-    parser.add_argument("study", type=Path, help="the study's folder (tune.out or sweep.out), on the machine that ran it")
-    parser.add_argument("out", type=Path, help="the folder to write runs.jsonl.gz, trials.jsonl.gz, "
-                                               "tune_summary.json and manifest.json into")
-    parser.add_argument("--spec", type=Path, help="the study's tune spec: its summary written afresh before it is copied")
-    args = parser.parse_args(argv)
-    if args.spec is not None:
-        import optuna
-
-        optuna.logging.set_verbosity(optuna.logging.WARNING)
-    try:
-        manifest = compact_study(args.study, args.out, spec=args.spec)
-    except (FileNotFoundError, ValueError) as error:
-        print(f"compact: {error}", file=sys.stderr)
-        return 1
-    size = sum(manifest["bytes"].values())
-    print(f"compacted {sum(manifest['runs'].values())} runs ({', '.join(f'{k} {v}' for k, v in manifest['runs'].items())}; "
-          f"{manifest['with_heldout']} with held-out scores) and {manifest['trials']} trials into {args.out} "
-          f"({size / 2**20:.2f} MiB)")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

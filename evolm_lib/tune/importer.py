@@ -1,43 +1,33 @@
-"""A study continued from its compacted files: ``python -m evolm_lib.tune.restore COMPACT SPEC [--out STUDY]``.
-
-Only git survives between sessions, and git holds a study's compacted files (``tune.compact``), not
-its pack: a pack kept in a git-ignored folder is lost with its checkout. From COMPACT this writes a
-study folder (STUDY, by default the spec's ``tune`` out) from which ``evolm tune`` and every module
-of this package go on as they would have from the study itself:
+"""A study folder written back from its export: ``evolm tune import DIR STUDY [--spec SPEC]``, so that
+``evolm tune SPEC --out STUDY`` continues it on this machine.
 
 - STUDY/optuna.db: each method's study with every trial of trials.jsonl.gz under its own number,
   state, value, settings (under the distributions of the spec's space), user attributes, the trial
-  it retries and the values it reported (where the compaction kept them). A trial that was running
-  when the study was compacted is restored as a trial whose worker died: failed, without an
-  ``error`` (so not one of the method's trials, ``study.counted``), marked
-  ``under_way_when_compacted``, and followed by its retry with the same setting, waiting, as Optuna's
-  heartbeat callback queues it (``tune.max_retries`` retries at most); a retry that was waiting
-  when compacted waits again.
+  it retries and the values it reported. A trial that was running when the study was exported is
+  written as a trial whose worker died: failed, marked ``under_way_when_exported``, and followed by
+  its retry with the same setting, waiting, as Optuna's heartbeat callback queues it
+  (``tune.max_retries`` retries at most); a retry that was waiting waits again.
 - each finished run of runs.jsonl.gz as a run folder at its path: config.yaml, metrics.jsonl (the
-  compacted scalar rows), heldout.jsonl (the scores and answer flags, not the answers), placement.jsonl,
+  exported scalar rows), heldout.jsonl (the scores and answer flags, not the answers), placement.jsonl,
   kl.jsonl and continued_from.json where the run had them. A trial's runs are finished where their
   trial (or its retry) is complete, pruned or failed with an error; a rerun, continued rerun,
-  control, rebuilt rerun or sweep run where it holds held-out scores at its last generation or step
-  (``final.finished_rerun``). The others were under way: one whose line carries what it goes on
-  from (``compact.resume_state``: ES on the model's own weights, its newest checkpoint and seed log)
-  is written with them, and its run (or its trial's retry) goes on from that checkpoint; the others
-  are left out and begin again from their start (a LoRA's or GRPO's checkpoint holds tensors, which
-  the compacted files do not carry; a continued rerun of a restored rerun runs from its start too,
-  ``final.continue_copy``).
-- tune_summary.json as compacted; STUDY/restored.json records what was restored and what was left
-  out, and why. The base model's held-out lines are not in the compacted files (only their summary,
-  base.json): ``python -m evolm_lib.tune.base SPEC`` writes them again.
+  control or sweep run where it holds held-out scores at its last generation or step. The others
+  were under way: one whose line carries what it goes on from (``export.resume_state``: ES on the
+  model's own weights, its newest checkpoint and seed log) is written with them, and its run (or its
+  trial's retry) goes on from that checkpoint; the others begin again from their start (a LoRA's or
+  GRPO's checkpoint holds tensors, which an export does not carry).
+- tune_summary.json as exported; STUDY/imported.json records what was written and what was left out,
+  and why. The base model's held-out lines are not in an export (only their summary, base.json):
+  ``python -m evolm_lib.tune.base SPEC`` writes them again.
 
-Nothing is written where STUDY exists and is not empty, where COMPACT holds no runs.jsonl.gz, or
-where its trials name a method or a setting the spec has not; the folder is built beside STUDY as
-``.NAME.restoring`` and renamed into place at the end, so a kill leaves no half-restored study.
+Nothing is written where STUDY exists and is not empty, where DIR holds no runs.jsonl.gz, or where
+its trials name a method or a setting the spec has not; the folder is built beside STUDY as
+``.NAME.importing`` and renamed into place at the end, so a kill leaves no half-written study.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
-import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -46,17 +36,16 @@ from ..env import PLACEMENT
 from ..runs import CHECKPOINTS, rewrite_metrics, write_config_data, write_jsonl
 from ..sweep import HELDOUT
 from ..analysis import run_length
-from .compact import KL, MANIFEST, RUNS, TRIALS, heldout_lines, load_compact, run_counts
+from .export import KL, MANIFEST, TRIALS, checkpoint_generation, heldout_lines, read_study, run_counts
 from .final import CONTINUED_FROM, SUMMARY
-from .pack import checkpoint_generation
 from .spec import TuneSpec, load_tune_spec
 from .study import load_study, open_storage
 
-RESTORED = "restored.json"
-"""In a restored study: the compacted folder it came from, its manifest, what was restored and what
+IMPORTED = "imported.json"
+"""In a imported study: the exported folder it came from, its manifest, what was imported and what
 was left out (and why)."""
-UNDER_WAY = "under_way_when_compacted"
-"""The user attribute of a trial that was running when its study was compacted (restored as failed,
+UNDER_WAY = "under_way_when_exported"
+"""The user attribute of a trial that was running when its study was exported (imported as failed,
 not counted, and retried with its setting)."""
 FINISHED_STATES = ("complete", "pruned")
 UNDER_WAY_STATES = ("running", "waiting")
@@ -66,7 +55,7 @@ UNDER_WAY_STATES = ("running", "waiting")
 def check_trials(trials: Sequence[dict], spec: TuneSpec) -> None:
     """ValueError naming the first trial whose method the spec does not tune or whose setting its
     space does not search, or a method whose trial numbers are not 0, 1, 2, ... (a storage gives
-    them in that order, and a restored trial keeps its number)."""
+    them in that order, and a imported trial keeps its number)."""
     space = spec.settings.space
     numbers: dict[str, list[int]] = {}
     for row in trials:
@@ -94,7 +83,7 @@ def retry_history(row: dict, rows: Sequence[dict]) -> list[int]:
 
 def frozen_trial(row: dict, rows: Sequence[dict], spec: TuneSpec, study_dir: Path):
     """One row of trials.jsonl.gz as an Optuna trial to add to its method's study (``rows``: the
-    method's; ``study_dir``: where the study is restored, which its trial folder's ``run_dir`` names);
+    method's; ``study_dir``: where the study is imported, which its trial folder's ``run_dir`` names);
     ValueError where a setting lies outside the spec's space."""
     import optuna
     from optuna.trial import TrialState
@@ -141,7 +130,7 @@ def trial_outcomes(trials: Sequence[dict]) -> dict[tuple[str, int], str]:
 
 
 def left_out_reason(run: dict, outcomes: dict[tuple[str, int], str]) -> str | None:
-    """Why a compacted run is not written (it was under way, and carries nothing to go on from), or
+    """Why a exported run is not written (it was under way, and carries nothing to go on from), or
     None for one that is: finished, or under way with its ``resume`` state."""
     resumable = run.get("resume") is not None
     if run["stage"] == "trial":
@@ -150,10 +139,10 @@ def left_out_reason(run: dict, outcomes: dict[tuple[str, int], str]) -> str | No
             return f"no trial {run['trial']} of {run['method']} in {TRIALS}"
         if outcome == "finished" or (outcome == "under way" and resumable):
             return None
-        return f"its trial was {outcome} when compacted"
+        return f"its trial was {outcome} when exported"
     held = run.get("heldout")
     if not held:
-        return None if resumable else "no held-out scores: under way when compacted"
+        return None if resumable else "no held-out scores: under way when exported"
     length = run_length(run["config"])
     if length is not None and held.get("generation") != length:
         return f"held-out scores at {held.get('generation')}, not at its last generation or step {length}"
@@ -161,9 +150,9 @@ def left_out_reason(run: dict, outcomes: dict[tuple[str, int], str]) -> str | No
 
 
 def write_run(folder: Path, run: dict) -> None:
-    """A compacted run's folder again: its settings, rows, held-out scores, placement, KL and the
-    rerun it continued, where the compacted line has them, and for a run under way what it goes on
-    from (its checkpoint's files and seed log: ``compact.resume_state``)."""
+    """A exported run's folder again: its settings, rows, held-out scores, placement, KL and the
+    rerun it continued, where the exported line has them, and for a run under way what it goes on
+    from (its checkpoint's files and seed log: ``export.resume_state``)."""
     folder.mkdir(parents=True)
     resume = run.get("resume")
     if resume is not None:  # the checkpoint first: a run folder whose rows pass it is resumed to it
@@ -198,7 +187,7 @@ def frozen_trials(trials: Sequence[dict], spec: TuneSpec, study_dir: Path) -> di
 
 
 def retry(study, trial, max_retries: int) -> None:
-    """Queue the retry of ``trial`` (restored as failed: it was under way) with its setting, as Optuna's
+    """Queue the retry of ``trial`` (imported as failed: it was under way) with its setting, as Optuna's
     heartbeat callback does for a trial whose worker died, without the mark of its failed attempt."""
     import copy
     import warnings
@@ -212,10 +201,10 @@ def retry(study, trial, max_retries: int) -> None:
         optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=max_retries)(study, failed)
 
 
-def restore_trials(frozen: dict[str, list], spec: TuneSpec, folder: Path) -> dict[str, int]:
+def import_trials(frozen: dict[str, list], spec: TuneSpec, folder: Path) -> dict[str, int]:
     """Each method's study in FOLDER/optuna.db (created as ``study.load_study`` creates it), its trials
     (``frozen_trials``) added in number order, so each keeps its number, then the retries of those that
-    were under way (``retry``); returns {method: trials restored}."""
+    were under way (``retry``); returns {method: trials imported}."""
     import optuna
 
     if not frozen:
@@ -237,69 +226,71 @@ def restore_trials(frozen: dict[str, list], spec: TuneSpec, folder: Path) -> dic
     return {method: len(method_trials) for method, method_trials in frozen.items()}
 
 
-def restore_study(compact_dir: str | Path, spec: TuneSpec, out: str | Path | None = None,
+def import_study(export_dir: str | Path, spec: TuneSpec, out: str | Path | None = None,
                   log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Write the study of the compacted folder ``compact_dir`` into ``out`` (default ``spec.out``) so
-    that it continues from there (see the module docstring); returns what STUDY/restored.json records.
-    FileExistsError where ``out`` holds anything, FileNotFoundError where ``compact_dir`` holds no
-    compacted runs, ValueError where its trials do not fit the spec: each before anything is written."""
-    compact_dir = Path(compact_dir)
+    """Write the study of the exported folder ``export_dir`` into ``out`` (default ``spec.out``) so
+    that it continues from there (see the module docstring); returns what STUDY/imported.json records.
+    FileExistsError where ``out`` holds anything, FileNotFoundError where ``export_dir`` holds no
+    exported runs, ValueError where its trials do not fit the spec: each before anything is written."""
+    export_dir = Path(export_dir)
     study = Path(out) if out is not None else spec.out
     if study.exists() and (not study.is_dir() or any(study.iterdir())):
         raise FileExistsError(f"{study}: exists and is not empty; a study folder is never written over "
-                              "(restore into a new folder with --out)")
-    compacted = load_compact(compact_dir)
-    trials = compacted["trials"]
+                              "(import into a new folder)")
+    if not (export_dir / "runs.jsonl.gz").is_file():
+        raise FileNotFoundError(f"{export_dir}: no runs.jsonl.gz here (an export: evolm tune export STUDY DIR)")
+    exported = read_study(export_dir)
+    trials = exported["trials"]
     check_trials(trials, spec)
     frozen = frozen_trials(trials, spec, study)
     outcomes = trial_outcomes(trials)
     runs, left_out = [], {}
-    for run in compacted["runs"]:
+    for run in exported["runs"]:
         reason = left_out_reason(run, outcomes)
         if reason is None:
             runs.append(run)
         else:
             left_out[run["path"]] = reason
 
-    partial = study.with_name(f".{study.name}.restoring")
+    partial = study.with_name(f".{study.name}.importing")
     if partial.exists():
-        shutil.rmtree(partial)  # a restore cut short by a kill
+        shutil.rmtree(partial)  # a import cut short by a kill
     partial.mkdir(parents=True)
-    restored_trials = restore_trials(frozen, spec, partial)
+    imported_trials = import_trials(frozen, spec, partial)
     for run in runs:
         write_run(partial / run["path"], run)
-    if (compact_dir / SUMMARY).is_file():
-        shutil.copyfile(compact_dir / SUMMARY, partial / SUMMARY)
+    if (export_dir / SUMMARY).is_file():
+        shutil.copyfile(export_dir / SUMMARY, partial / SUMMARY)
     stages = run_counts(runs)["runs"]
     resumed = {run["path"]: checkpoint_generation(Path(run["resume"]["checkpoint"])) for run in runs if run.get("resume")}
-    manifest = compact_dir / MANIFEST
+    manifest = export_dir / MANIFEST
     record = {
-        "compact": str(compact_dir), "manifest": json.loads(manifest.read_text()) if manifest.is_file() else None,
-        "trials": restored_trials,
+        "export": str(export_dir), "manifest": json.loads(manifest.read_text()) if manifest.is_file() else None,
+        "trials": imported_trials,
         "under_way_trials": {m: [r["number"] for r in trials if r["method"] == m and r["state"] == "running"]
-                             for m in restored_trials},
+                             for m in imported_trials},
         "runs": stages, "resumed": resumed, "left_out": left_out,
-        "base": "summary only: python -m evolm_lib.tune.base SPEC writes the lines again" if compacted["base"] else None,
+        "base": "summary only: python -m evolm_lib.tune.base SPEC writes the lines again" if exported["base"] else None,
     }
-    (partial / RESTORED).write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+    (partial / IMPORTED).write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
     if study.exists():
-        study.rmdir()  # empty (checked above): the restored folder takes its place
+        study.rmdir()  # empty (checked above): the imported folder takes its place
     partial.replace(study)
-    for line in restore_lines(record, study):
+    for line in import_lines(record, study):
         log(line)
     return record
 
 
-def restore_lines(record: dict[str, Any], study: Path) -> list[str]:
-    """What a restore printed: one line per kind of thing restored or left out."""
+def import_lines(record: dict[str, Any], study: Path) -> list[str]:
+    """What a import printed: one line per kind of thing imported or left out."""
     def counts(mapping: dict[str, int]) -> str:
         return ", ".join(f"{key} {value}" for key, value in mapping.items()) or "none"
 
-    lines = [f"restored {sum(record['trials'].values())} trials ({counts(record['trials'])}) and "
+    lines = [f"imported {sum(record['trials'].values())} trials ({counts(record['trials'])}) and "
              f"{sum(record['runs'].values())} runs ({counts(record['runs'])}) into {study}"]
     under_way = {m: numbers for m, numbers in record["under_way_trials"].items() if numbers}
     if under_way:
-        lines.append("trials under way when compacted, restored as failed and queued again with their settings: "
+        lines.append("trials under way when exported, imported as failed and queued again with their settings: "
                      + "; ".join(f"{m} {', '.join(map(str, numbers))}" for m, numbers in under_way.items()))
     if record.get("resumed"):
         lines.append(f"{len(record['resumed'])} runs under way go on from their checkpoints: "
@@ -308,30 +299,28 @@ def restore_lines(record: dict[str, Any], study: Path) -> list[str]:
         lines.append(f"left out {len(record['left_out'])} unfinished runs, which begin again from their start: "
                      + "; ".join(f"{path} ({why})" for path, why in record["left_out"].items()))
     if record["base"]:
-        lines.append("the base model's held-out lines are not in the compacted files (only their summary, base.json): "
+        lines.append("the base model's held-out lines are not in the exported files (only their summary, base.json): "
                      "python -m evolm_lib.tune.base SPEC writes them again")
     return lines
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m evolm_lib.tune.restore", description=__doc__.split("\n\n")[0])
-    parser.add_argument("compact", type=Path, help="the compacted study's folder (runs.jsonl.gz, trials.jsonl.gz, ...)")
-    parser.add_argument("spec", type=Path, help="the study's spec (its tune: section)")
-    parser.add_argument("--out", type=Path, default=None, help="the study folder to write (default: the spec's tune out); "
-                                                                 "must not exist or be empty")
-    parser.add_argument("--methods", help="comma-separated methods to load the spec with, as `evolm tune --methods` "
-                                          "(where it searches some of its sweep's methods only); every method's "
-                                          "trials in the compacted files are restored")
-    args = parser.parse_args(argv)
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods else None
-    try:
-        spec = load_tune_spec(args.spec, methods=methods)
-        restore_study(args.compact, spec, args.out)
-    except (FileExistsError, FileNotFoundError, ValueError) as error:
-        print(f"restore: {error}", file=sys.stderr)
-        return 1
-    return 0
+def spec_of_export(folder: str | Path) -> Path:
+    """The spec an export's tune_summary.json names (its ``spec``), found from the current folder or
+    the project's; FileNotFoundError naming what to pass where there is none."""
+    from ..paths import resolve_in_project
+
+    summary = Path(folder) / SUMMARY
+    named = json.loads(summary.read_text()).get("spec") if summary.is_file() else None
+    if not named:
+        raise FileNotFoundError(f"{folder}: its {SUMMARY} names no spec; pass the study's spec with --spec")
+    path = resolve_in_project(named)
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"{folder}: the spec it names, {named}, is not here; pass it with --spec")
+    return Path(path)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def import_from(folder: str | Path, study: str | Path, spec: str | Path | None = None,
+                methods: Sequence[str] | None = None, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """``import_study`` with the spec loaded (``spec``, else the one the export names)."""
+    spec_path = Path(spec) if spec is not None else spec_of_export(folder)
+    return import_study(folder, load_tune_spec(spec_path, methods=list(methods) if methods else None), study, log)
