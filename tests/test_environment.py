@@ -91,7 +91,7 @@ def test_a_runs_placement_names_its_code_and_libraries(monkeypatch):
     assert line["versions"]["torch"] == metadata.version("torch") and set(line["versions"]) >= {"vllm", "transformers"}
     monkeypatch.setenv(CODE_COMMIT, "0123456789abcdef")
     assert placement()["code_commit"] == "0123456789abcdef"
-    # the MPS daemon a process was sent to (scripts/gpu_tune_study.sh's MPS_CARDS), or none
+    # the MPS daemon a process was sent to (CUDA_MPS_PIPE_DIRECTORY), or none
     assert line["cuda_mps_pipe_directory"] is None
     monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", "/tmp/evolm-mps/pipe")
     assert placement()["cuda_mps_pipe_directory"] == "/tmp/evolm-mps/pipe"

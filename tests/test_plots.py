@@ -354,7 +354,7 @@ def test_the_study_curves_come_from_one_stage_for_every_method():
 
 
 def test_the_study_curves_draw_the_runs_the_tables_read_those_with_held_out_scores():
-    """A rerun a lease cut short (no held-out scores, rows that stop early) is left out of the curves,
+    """A rerun cut short (no held-out scores, rows that stop early) is left out of the curves,
     as the held-out table leaves it out: the continued reruns of the finished seeds are drawn, n=2."""
     from evolm_lib.viz.study import curve_figures
 
@@ -393,7 +393,7 @@ def test_the_answers_figure_puts_each_run_where_its_held_out_answers_are_empty_o
         run("final", "es_lora", 0, quiet, (False, False, False, True)),  # 3 of 4 empty, 1 of 4 right
         run("final", "es_lora", 1, talks, (True, True, False, False), reward=(-4.0, -4.0, -4.0, -4.0)),
         run("final", "es_lora", 2),  # compacted before the flags: left out
-        {**run("final", "es_lora", 3, quiet, talks), "heldout": None},  # cut short by a lease: left out
+        {**run("final", "es_lora", 3, quiet, talks), "heldout": None},  # cut short: left out
         run("long", "es_lora", 0, talks, talks),
         run("control", "es_lora", 0, talks, (False, True, False, False)),
         run("final", "grpo_full", 0, quiet, talks)]}

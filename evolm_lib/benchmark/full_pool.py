@@ -12,7 +12,7 @@ Per count it prints the median generation time (after the first), the engine's s
 writes and decoding), the speed-up over one engine, and whether the metrics rows (every key but the
 ``time/`` ones) are those of the one-engine run. A count whose engines do not fit the card is
 skipped with the pre-run check's reason. A count stopped before its last generation (SIGTERM, as
-a device call's time limit sends it, or Ctrl-C) is reported from the rows its run wrote: its
+a time limit such as `timeout` sends it, or Ctrl-C) is reported from the rows its run wrote: its
 generations so far, their times, and whether its rows are the first rows of one engine's
 (``cut_short``); then the command exits.
 
@@ -292,7 +292,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             args.json.write_text(json.dumps(result, indent=1))
         return result
 
-    def stop(signum, frame):  # a device call's time limit sends SIGTERM: stop as Ctrl-C would, keeping the rows
+    def stop(signum, frame):  # a time limit (`timeout`) sends SIGTERM: stop as Ctrl-C would, keeping the rows
         raise SystemExit(128 + signum)
 
     previous = signal.signal(signal.SIGTERM, stop)
