@@ -73,7 +73,7 @@ def noise_sm_count(noise_device: str, es_mode: str, evaluator) -> int | None:
     noise (``noise_cards_problem``)."""
     if noise_device != "cuda":
         return None
-    engine_sms = [info.get("sm_count") for info in getattr(evaluator, "engine_info", [])]  # Ray engines
+    engine_sms = [info.get("sm_count") for info in evaluator.engine_info]  # Ray engines; none in this process
     here = sm_count()
     problem = noise_cards_problem(es_mode, here, engine_sms)
     if problem:
@@ -190,7 +190,7 @@ class ESRun(RunLoop):
     # --- scoring: riding in the population's call where the engine batches grids --------------
     def _rides(self) -> bool:
         # Only engines that batch several grids in one call gain anything (vLLM, Ray).
-        return self.config.score_in_population and bool(getattr(self.evaluator, "batches_grids", False))
+        return self.config.score_in_population and self.evaluator.batches_grids
 
     def _rides_now(self) -> bool:
         """Whether this generation's call also scores the current mean: riding, its scoring due, not

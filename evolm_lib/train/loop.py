@@ -79,7 +79,7 @@ class RunLoop:
         it are the ones whose times the line's placement explains; and, for Ray engines, where each one
         runs (``engine_info``: host, node, card, SMs, tiles), which this process's own line cannot say."""
         line = {"from_generation": self.generation}
-        engines = getattr(self.evaluator, "engine_info", None)
+        engines = self.evaluator.engine_info if self.evaluator is not None else ()
         if engines:
             line["engines"] = [dict(info) for info in engines]
         return line
