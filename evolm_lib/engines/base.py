@@ -187,6 +187,7 @@ class Engine:
     adapter_transfer: str | None = None  # how adapters reach a vLLM engine ("in_place" slots or "files")
     lora_kernel_configs: Any = None  # tuned LoRA kernel tiles a GPU engine uses
     cudagraph_capture_sizes: Sequence[int] | None = None  # batch sizes a GPU engine captured graphs for
+    last_call: dict | None = None  # the last call's own record (Ray: wall, transfer and per-engine seconds)
 
 
 class GridsOneByOne(Engine):

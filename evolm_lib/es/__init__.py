@@ -3,8 +3,8 @@
 ``evolm_lib.es`` is the pure update math: ``noise`` (seeded members and their noise), ``layout``
 (named tensors as one flat vector), ``shaping`` (fitness shaping), ``gradient`` (the ES direction),
 ``optimizers`` (SGD and Adam with their state) and ``state`` (an ES state with pure ``ask`` and
-``tell``); ``core`` re-exports them under one name. The run that drives it against an engine is ``evolm_lib.train.es.ESRun``;
-nothing in this package imports an engine, a run or a model.
+``tell``); ``core`` re-exports them under one name. The run that drives it against an engine is
+``evolm_lib.train.es.ESRun``; nothing in this package imports an engine, a run or a model.
 """
 from . import core  # the same names under evolm_lib.es.core, for code that imports them from there
 from .gradient import GradientForm, es_gradient, seeded_combination
@@ -16,8 +16,13 @@ from .optimizers import (AdamConfig, OptimizerConfig, OptimizerState, SGDConfig,
                          init_optimizer_state, optimizer_state_from_tensors, optimizer_state_to,
                          optimizer_state_to_tensors)
 from .shaping import SHAPING, centered_ranks, per_prompt_centering, raw, shape_fitness, z_score
+from .state import ESSettings, ESState, ask, tell
 
 __all__ = [
+    "ESSettings",
+    "ESState",
+    "ask",
+    "tell",
     "SHAPING",
     "NOISE_SCHEMES",
     "NOISE_DEVICE",

@@ -191,16 +191,11 @@ class ESRun(RunLoop):
         row = generation_row(self.generation + 1, self.row_header(), members, result, update, timing)
         if result.mean_scores is not None:
             row.update(score_keys(result.mean_scores, None), **{"policy/generation": self.generation})
-            self._count_scoring(self._score_examples(self.scoring_plan(self.generation + 1).sets))
+            self._count_scoring(sum(len(score.completions) for score in result.mean_scores))
         self.generation += 1
         self.counters["completions"] = self.counters.get("completions", 0) + result.rewards.numel()
         self.counters["tokens"] = self.counters.get("tokens", 0) + result.num_tokens
         return row
-
-    def train_step(self) -> dict:
-        """One generation's update: ask, evaluate, tell."""
-        members = self.ask()
-        return self.tell(members, self.evaluate(members))
 
     def _scores_in_population(self) -> bool:
         # only engines that batch several grids in one call gain anything (vLLM, Ray)

@@ -1,7 +1,8 @@
-"""What ES and GRPO runs share: the loop, greedy scoring of the current adapter, sample counters,
-wall clock, and checkpoint-then-log commits. One generation (ES) or step (GRPO) is
+"""What ES and GRPO runs share: the loop, greedy scoring of the current adapter (when the scoring
+plan says so, ``scoring.py``), sample counters, wall clock, and checkpoint-then-log commits. One
+generation (ES, whose ``step`` spells out ask, evaluate and tell) or step (GRPO) is
 
-    row = run.train_step()     # ES: ask -> evaluate -> tell; GRPO: rollouts -> rewards -> update
+    row = run.train_step()     # GRPO: rollouts -> rewards -> update
     row.update(run.score())    # greedy reward of the moved adapter on train and eval prompts, when due
     run.commit(row)            # checkpoint first, then the metrics line; the row is final
 """
@@ -44,8 +45,8 @@ def percentile(values: torch.Tensor, q: float) -> float:
 
 
 class RunLoop:
-    """The loop ES and GRPO runs share. Subclasses provide ``train_step()`` (the update's metrics
-    row), ``adapter`` (what the run moves), ``_budget()``, ``_build(state, ...)`` and ``save_checkpoint(row)``."""
+    """The loop ES and GRPO runs share. Subclasses provide ``train_step()`` (the update's metrics row)
+    or a ``step()`` of their own, ``adapter`` (what the run moves), ``_budget()``, ``_build(state, ...)`` and ``save_checkpoint(row)``."""
 
     kind = "run"
     config_class: type = None  # set by subclasses
@@ -248,7 +249,7 @@ class RunLoop:
         with timed(timing, "eval_s"):
             scores = score_adapters(self.evaluator, self.task, self.adapter, examples, self.config.max_new_tokens)
         if counted:
-            self._count_scoring(examples)
+            self._count_scoring(sum(map(len, examples)))
         return score_keys(scores, timing["eval_s"])
 
     def _score_examples(self, sets: tuple[str, ...]) -> list[list[Example]]:
@@ -256,8 +257,9 @@ class RunLoop:
         examples = {"train": self.train_examples, "eval": self.eval_examples, "validation": self.validation_examples}
         return [examples[name] for name in sets]
 
-    def _count_scoring(self, examples: list[list[Example]]) -> None:
-        self.counters["eval_completions"] = self.counters.get("eval_completions", 0) + sum(map(len, examples))
+    def _count_scoring(self, completions: int) -> None:
+        """Add a scoring's greedy completions to ``samples/eval_completions``."""
+        self.counters["eval_completions"] = self.counters.get("eval_completions", 0) + completions
 
     def commit(self, row: dict) -> dict:
         """Add counters and timings to a row, then checkpoint (when due) and append the metrics line.
