@@ -764,13 +764,13 @@ def _close_to(value, expected) -> bool:
     return value == expected
 
 
-@pytest.mark.parametrize("name", ["lora", "full"])
+@pytest.mark.parametrize("name", ["lora", "full", "eggroll"])
 def test_a_run_folder_written_before_the_es_state_resumes_like_an_uninterrupted_run(tmp_path, name,
                                                                                     before_es_state_engine):
     """tests/data/before_es_state: a LoRA folder (resident slots, scores riding in the population's
-    call, Adam) and a full-parameter folder (seed log, snapshot) written on vLLM by the code before
-    an ES generation became a state with pure ask and tell (commit 5c54530), stopped after
-    generation 2. Today's code opens them and writes the rows an uninterrupted run of today writes."""
+    call, Adam), a full-parameter and an EGGROLL folder (seed log, snapshot), written on vLLM by the
+    code before an ES generation became a state with pure ask and tell (commit 5c54530) and stopped
+    after generation 2. Today's code opens them and writes the rows an uninterrupted run of today writes."""
     old = _before_es_state()
     config = ESConfig.from_dict(old.SETTINGS[name])
     run_dir = tmp_path / "old"

@@ -4,7 +4,8 @@ an explicit state with pure ``ask`` and ``tell``, a scoring plan and a typed eng
 
 - ``lora``: es_mode lora on a real vLLM engine (resident slots; the mean's scoring rides in the
   population's call);
-- ``full``: es_mode full on the same engine (the model's own weights, a seed log and snapshots).
+- ``full``: es_mode full on the same engine (the model's own weights, a seed log and snapshots);
+- ``eggroll``: es_mode eggroll on the same engine (low-rank members served from LoRA slots).
 
     git worktree add /tmp/orig 5c54530
     VLLM_ENABLE_V1_MULTIPROCESSING=0 PYTHONPATH=/tmp/orig python tests/data/make_before_es_state_runs.py tests/data/before_es_state
@@ -23,6 +24,7 @@ COMMON = dict(model="tiny-random", task="conciseness", population_size=4, sigma=
 SETTINGS = {
     "lora": dict(COMMON, optimizer="adam"),
     "full": dict(COMMON, es_mode="full", checkpoint_every=2),
+    "eggroll": dict(COMMON, es_mode="eggroll", noise_rank=2, checkpoint_every=2),
 }
 STOP = 2  # generations run before the folder was saved
 ENGINE = dict(max_loras=8, max_lora_rank=8, max_model_len=256, kv_cache_gb=0.0625)
