@@ -1,7 +1,9 @@
 """The engine boundary: what runners may call on an evaluator, and the pieces every engine shares.
 
 An evaluator turns prompts x adapters into completions (with their token ids) and reports the call's
-timing (``Evaluator``); engines that also score given tokens implement ``TokenScorer``. Chat prompts
+timing (``Evaluator``); what a run may read of any engine beside its calls (whether it batches
+grids, where its engines run) is declared there too, with defaults on ``Engine``, the base of every
+engine. Engines that also score given tokens implement ``TokenScorer``. Chat prompts
 are rendered and tokenised by one ``PromptEncoder`` so that every engine sees identical inputs.
 """
 from __future__ import annotations
