@@ -7,8 +7,10 @@ SmolLM2 engine for the module.
 from __future__ import annotations
 
 import os
+import re
 import time
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -731,3 +733,45 @@ def test_a_deterministic_run_is_not_resumed_without_it(tmp_path):
     assert extended_settings(tmp_path, config.replace(num_generations=20)) == ["num_generations"]
     with pytest.raises(ConfigError, match="ran with deterministic decoding.*pass deterministic=True"):
         extended_settings(tmp_path, config.replace(deterministic=False))
+
+
+# ------------------------------------------------------------------ the engine boundary
+
+LIBRARY = Path(__file__).resolve().parents[1] / "evolm_lib"
+
+
+def test_every_worker_call_goes_through_the_typed_client():
+    """The worker extension's methods are called by one class, a method per call, named after the
+    extension's own methods; no other module calls ``collective_rpc`` or spells a method's name."""
+    import inspect
+
+    from evolm_lib.engines.vllm.client import WorkerClient
+    from evolm_lib.engines.vllm.worker import WorkerExtension
+
+    extension = {name for name in dir(WorkerExtension) if name.startswith("evolm_")}
+    client = {name for name, _ in inspect.getmembers(WorkerClient, inspect.isfunction) if not name.startswith("_")}
+    assert {"evolm_" + name for name in client} == extension
+    source = inspect.getsource(WorkerClient)
+    assert all(f"Worker.evolm_{name}," in source or f"Worker.evolm_{name})" in source for name in client)
+    for path in LIBRARY.rglob("*.py"):
+        if path.name in ("client.py", "worker.py", "worker_slots.py", "worker_weights.py"):
+            continue
+        text = path.read_text()
+        assert ".collective_rpc(" not in text, path
+        assert not re.search(r"[\"']evolm_(slots|weights)_", text), path
+
+
+def test_runs_and_engines_ask_the_engine_nothing_outside_its_protocol():
+    """No probe of an engine's attributes in the runs, the ES maths or the engines: what a run may
+    ask an engine is declared on ``Evaluator`` with defaults on ``engines.base.Engine``."""
+    from evolm_lib.engines.base import Engine
+    from evolm_lib.engines.hf_engine import HFEvaluator as HF
+    from evolm_lib.engines.synthetic import SyntheticEvaluator
+
+    for folder in ("train", "es", "engines"):
+        for path in (LIBRARY / folder).rglob("*.py"):
+            assert not re.search(r"getattr\((self\.)?evaluator\b", path.read_text()), path
+    for engine in (HF, VLLMEvaluator, SyntheticEvaluator):
+        assert issubclass(engine, Engine)
+    assert not SyntheticEvaluator.batches_grids and VLLMEvaluator.batches_grids
+    assert tuple(SyntheticEvaluator().engine_info) == ()

@@ -109,7 +109,7 @@ def test_es_gradient_in_blocks_equals_the_member_by_member_sum(scheme, monkeypat
         for name, tensor in member_noise(member.seed, shapes, scheme=scheme).items():
             expected[name] += member.sign * weight * tensor / len(members)
     whole = es_gradient(members, weights, shapes, sigma=0.1, scheme=scheme)
-    monkeypatch.setattr(es.core, "_BLOCK_ELEMENTS", 17)  # one member's noise per block
+    monkeypatch.setattr(es.layout, "_BLOCK_ELEMENTS", 17)  # one member's noise per block
     blocked = es_gradient(members, weights, shapes, sigma=0.1, scheme=scheme)
     for name in shapes:
         torch.testing.assert_close(whole[name], expected[name], rtol=0, atol=1e-6)

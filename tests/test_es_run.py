@@ -727,3 +727,72 @@ def test_estimator_settings_fail_with_the_field_named():
         small_config(estimator="zoo", estimator_baseline="single")
     with pytest.raises(ConfigError, match="estimator: 'zohs' needs the reward of the mean adapter"):
         small_config(estimator="zohs")
+
+
+# ------------------------------------------------------------------ folders written before the ES state
+
+BEFORE_ES_STATE = Path(__file__).with_name("data") / "before_es_state"
+
+
+def _before_es_state():
+    """The settings tests/data/make_before_es_state_runs.py wrote the folders with (one source)."""
+    import importlib.util
+
+    source = BEFORE_ES_STATE.with_name("make_before_es_state_runs.py")
+    spec = importlib.util.spec_from_file_location("make_before_es_state_runs", source)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def before_es_state_engine(tiny_model_dir):
+    """An engine of the settings the folders were written on (its weights move in es_mode full)."""
+    from evolm_lib.engines.vllm.engine import VLLMEvaluator
+
+    evaluator = VLLMEvaluator(str(tiny_model_dir), **_before_es_state().ENGINE)
+    yield evaluator
+    evaluator.close()
+
+
+def _close_to(value, expected) -> bool:
+    """Equal, floats to float32 rounding (another CPU's vector sums round differently), through lists."""
+    if isinstance(value, float) or isinstance(expected, float):
+        return value == pytest.approx(expected, rel=1e-5, abs=1e-6)
+    if isinstance(value, list) and isinstance(expected, list):
+        return len(value) == len(expected) and all(map(_close_to, value, expected))
+    return value == expected
+
+
+@pytest.mark.parametrize("name", ["lora", "full", "eggroll"])
+def test_a_run_folder_written_before_the_es_state_resumes_like_an_uninterrupted_run(tmp_path, name,
+                                                                                    before_es_state_engine):
+    """tests/data/before_es_state: a LoRA folder (resident slots, scores riding in the population's
+    call, Adam), a full-parameter and an EGGROLL folder (seed log, snapshot), written on vLLM by the
+    code before an ES generation became a state with pure ask and tell (commit 5c54530) and stopped
+    after generation 2. Today's code opens them and writes the rows an uninterrupted run of today writes."""
+    old = _before_es_state()
+    config = ESConfig.from_dict(old.SETTINGS[name])
+    run_dir = tmp_path / "old"
+    import shutil
+
+    shutil.copytree(BEFORE_ES_STATE / name, run_dir)
+    resumed = ESRun.open(config, run_dir, evaluator=before_es_state_engine)
+    assert resumed.generation == old.STOP
+    resumed.run()
+    resumed_checksum = None if name == "lora" else resumed.parameters.weights.checksum()["master"]
+    resumed_mean = resumed.mean.tensors if name == "lora" else None
+    resumed.close()  # the shared engine serves the model folder's weights again
+    reference = ESRun.create(config, tmp_path / "reference", evaluator=before_es_state_engine)
+    reference.run()
+    if name == "lora":
+        for key, value in reference.mean.tensors.items():
+            torch.testing.assert_close(resumed_mean[key], value, rtol=1e-5, atol=1e-6, msg=key)
+    else:
+        assert resumed_checksum == reference.parameters.weights.checksum()["master"]
+    reference.close()
+    rows, expected = without_times(read_metrics(run_dir)), without_times(read_metrics(tmp_path / "reference"))
+    assert [r["generation"] for r in rows] == [r["generation"] for r in expected] == list(range(config.num_generations + 1))
+    for row, want in zip(rows, expected):
+        assert row.keys() == want.keys(), row["generation"]
+        assert all(_close_to(row[k], want[k]) for k in row), [k for k in row if not _close_to(row[k], want[k])]

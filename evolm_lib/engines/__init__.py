@@ -5,11 +5,11 @@ transformers + peft, and a synthetic engine for tests. Every vLLM engine of a ru
 the package ``ray``."""
 from __future__ import annotations
 
-from .base import (CompletionTable, Evaluator, Population, PromptEncoder, SamplingSettings, TokenScorer,
+from .base import (CompletionTable, Engine, Evaluator, Population, PromptEncoder, SamplingSettings, TokenScorer,
                    WeightsEngine)
 from .sizing import EngineSizing, resolve_noise_device
 
-__all__ = ["CompletionTable", "EngineSizing", "Evaluator", "Population", "PromptEncoder", "SamplingSettings",
+__all__ = ["CompletionTable", "Engine", "EngineSizing", "Evaluator", "Population", "PromptEncoder", "SamplingSettings",
            "TokenScorer", "WeightsEngine", "make_evaluator", "resolve_noise_device"]
 
 

@@ -1,7 +1,9 @@
 """The engine boundary: what runners may call on an evaluator, and the pieces every engine shares.
 
 An evaluator turns prompts x adapters into completions (with their token ids) and reports the call's
-timing (``Evaluator``); engines that also score given tokens implement ``TokenScorer``. Chat prompts
+timing (``Evaluator``); what a run may read of any engine beside its calls (whether it batches
+grids, where its engines run) is declared there too, with defaults on ``Engine``, the base of every
+engine. Engines that also score given tokens implement ``TokenScorer``. Chat prompts
 are rendered and tokenised by one ``PromptEncoder`` so that every engine sees identical inputs.
 """
 from __future__ import annotations
@@ -119,6 +121,12 @@ class CompletionTable(list):
 class Evaluator(Protocol):
     """Prompts x adapters in, completions (with token ids) out; what every runner calls."""
 
+    batches_grids: bool
+    """Whether ``generate_grids`` serves several grids in one engine call (a run may then put its
+    mean's greedy scoring into the population's call)."""
+    engine_info: Sequence[dict]
+    """Where each of its engines runs (host, node, card, SMs, tiles); empty for an engine in this process."""
+
     def generate(self, prompts: Sequence[PromptLike], adapters: AdapterList, sampling: SamplingSettings) -> CompletionTable:
         """Completions indexed ``[adapter][prompt]`` with the call's timing; ``None`` as an adapter is the
         base model; a :class:`Population` stands for its members, in order."""
@@ -171,7 +179,20 @@ class WeightsEngine(Protocol):
         ...
 
 
-class GridsOneByOne:
+class Engine:
+    """What every engine has beside its calls, with the defaults of one engine in this process that
+    serves one grid per call; engines say otherwise where they differ."""
+
+    batches_grids: bool = False
+    engine_info: Sequence[dict] = ()
+    start_seconds: float = float("nan")  # seconds the engine took to start (nan: not measured)
+    adapter_transfer: str | None = None  # how adapters reach a vLLM engine ("in_place" slots or "files")
+    lora_kernel_configs: Any = None  # tuned LoRA kernel tiles a GPU engine uses
+    cudagraph_capture_sizes: Sequence[int] | None = None  # batch sizes a GPU engine captured graphs for
+    last_call: dict | None = None  # the last call's own record (Ray: wall, transfer and per-engine seconds)
+
+
+class GridsOneByOne(Engine):
     """``generate_grids`` for engines without a cross-grid batch: one ``generate`` per grid."""
 
     def generate_grids(self, grids):
@@ -179,7 +200,7 @@ class GridsOneByOne:
         return [self.generate(prompts, adapters, sampling) for prompts, adapters, sampling in grids]
 
 
-class GridsInOneCall:
+class GridsInOneCall(Engine):
     """``generate`` for engines whose ``generate_grids`` serves every grid in one engine call."""
 
     batches_grids = True  # a run may put its mean's greedy scoring into the population's call

@@ -24,8 +24,9 @@ from typing import Mapping, Sequence
 
 import torch
 
-from .core import (GradientForm, Layout, Member, NoiseScheme, Shapes, Sigma, check_sigma, member_coefficients,
-                   population_noise, sigma_of)
+from .gradient import GradientForm, member_coefficients
+from .layout import Layout, Shapes
+from .noise import Member, NoiseScheme, Sigma, check_sigma, population_noise, sigma_of
 
 # a factor's name in the member's flat factor vector: "<weight name>::a" (out, r) and "::b" (in, r)
 _A, _B = "::a", "::b"

@@ -24,8 +24,10 @@ from ..runs import RunState
 from ..seeds import derive_seed
 from ..tasks import Example, Task
 from ..es import core as es
+from ..es import state as es_state
 from .es_parameters import ESParameters, LoraMean, Update, population_rewards
 from .loop import RunLoop, percentile
+from .scoring import score_keys
 from .model_weights import ModelWeights
 
 
@@ -73,7 +75,7 @@ def noise_sm_count(noise_device: str, es_mode: str, evaluator) -> int | None:
     noise (``noise_cards_problem``)."""
     if noise_device != "cuda":
         return None
-    engine_sms = [info.get("sm_count") for info in getattr(evaluator, "engine_info", [])]  # Ray engines
+    engine_sms = [info.get("sm_count") for info in evaluator.engine_info]  # Ray engines; none in this process
     here = sm_count()
     problem = noise_cards_problem(es_mode, here, engine_sms)
     if problem:
@@ -117,7 +119,7 @@ class ESRun(RunLoop):
             resumed_noise_problem(config.es_mode, state.saved[NOISE_SM_COUNT], self.noise_sm_count)
         if config.es_mode == "lora":
             self.parameters = LoraMean(config, evaluator, state.adapter, state.optimizer_tensors, state.saved,
-                                       model_dir, self.noise_device)
+                                       model_dir, self.noise_device, self.generation)
         else:
             self.parameters = ModelWeights(config, evaluator, self.run_dir, model_dir, self.generation)
 
@@ -138,9 +140,20 @@ class ESRun(RunLoop):
         return config.es_mode == "lora"  # full / eggroll move the model's own weights: no LoRA mean is built
 
     # --- one generation: ask -> evaluate -> tell -> commit -------------------------------------
+    def step(self) -> dict:
+        """One generation, top to bottom: the members, one engine call (with the current mean's
+        scoring when the plan rides it there), fitness and the update with its row, the new mean's
+        scoring when the plan says so, the commit (checkpoint, then the metrics line)."""
+        self._check_writer()
+        members = self.ask()
+        result = self.evaluate(members)
+        row = self.tell(members, result)
+        row.update(self.score())
+        return self.commit(row)
+
     def ask(self) -> list[es.Member]:
-        """The members of the next generation: integer seeds and signs."""
-        return es.population(self.config.seed, self.generation + 1, self.config.population_size, self.config.antithetic)
+        """The members of the next generation: integer seeds and signs (``es.state.ask``)."""
+        return es_state.ask(self.parameters.state, self.config.seed)
 
     def evaluate(self, members: Sequence[es.Member]) -> GenerationResult:
         """Every member on this generation's prompts in ONE engine call (the engine makes the
@@ -154,15 +167,17 @@ class ESRun(RunLoop):
             top_p=self.config.top_p,
             seed=derive_seed(self.config.seed, "sampling", generation),  # same seed for every member: common random numbers
         )
+        plan = self.scoring_plan(generation)
+        scored = self._score_examples(plan.sets)
         scoring = None
-        if self._rides_now():
-            prompts, _, greedy = scoring_grid(self.task, None, self._score_sets(), self.config.max_new_tokens)
+        if plan.ride:
+            prompts, _, greedy = scoring_grid(self.task, None, scored, self.config.max_new_tokens)
             scoring = (prompts, greedy)
         served = self.parameters.evaluate(members, [self.task.prompt(e) for e in examples], sampling, scoring)
         timing = dict(served.timing)
         with timed(timing, "reward_s"):
             rewards = population_rewards(self.task, served.completions, examples)
-            mean_scores = None if served.scoring is None else scores_of(self.task, served.scoring[0], self._score_sets())
+            mean_scores = None if served.scoring is None else scores_of(self.task, served.scoring[0], scored)
         return GenerationResult(rewards, served.completions, examples, timing, mean_scores)
 
     def tell(self, members: Sequence[es.Member], result: GenerationResult) -> dict:
@@ -175,42 +190,16 @@ class ESRun(RunLoop):
             update = self.parameters.update(self.generation + 1, members, rewards)
         row = generation_row(self.generation + 1, self.row_header(), members, result, update, timing)
         if result.mean_scores is not None:
-            row.update(self._score_keys(result.mean_scores, None), **{"policy/generation": self.generation})
-            self.counters["eval_completions"] = self.counters.get("eval_completions", 0) + self._scoring_size()
+            row.update(score_keys(result.mean_scores, None), **{"policy/generation": self.generation})
+            self._count_scoring(sum(len(score.completions) for score in result.mean_scores))
         self.generation += 1
         self.counters["completions"] = self.counters.get("completions", 0) + result.rewards.numel()
         self.counters["tokens"] = self.counters.get("tokens", 0) + result.num_tokens
         return row
 
-    def train_step(self) -> dict:
-        """One generation's update: ask, evaluate, tell."""
-        members = self.ask()
-        return self.tell(members, self.evaluate(members))
-
-    # --- scoring: riding in the population's call where the engine batches grids --------------
-    def _rides(self) -> bool:
-        # Only engines that batch several grids in one call gain anything (vLLM, Ray).
-        return self.config.score_in_population and bool(getattr(self.evaluator, "batches_grids", False))
-
-    def _rides_now(self) -> bool:
-        """Whether this generation's call also scores the current mean: riding, its scoring due, not
-        yet scored (generation 0 was, at creation), and not the budget's last generation, whose new
-        mean is scored in a call of its own right after it."""
-        mean = self.generation
-        return (self._rides() and mean > 0 and self._scoring_due(mean) and mean + 1 < self._budget()
-                and not self._scored(mean))
-
-    def _scores_now(self) -> bool:
-        # Riding: the new mean is scored after the update only at the end of the budget.
-        if self._rides():
-            return self.generation >= self._budget() and not self._scored(self.generation)
-        return super()._scores_now()
-
-    def _scored(self, mean: int) -> bool:
-        """Whether a row already holds the scores of the mean of generation ``mean`` (a run extended
-        past its budget scored its last mean)."""
-        return any(r.get("policy/generation", r.get("generation")) == mean and "eval/reward" in r
-                   for r in self.history[-2:])
+    def _scores_in_population(self) -> bool:
+        # only engines that batch several grids in one call gain anything (vLLM, Ray)
+        return self.config.score_in_population and self.evaluator.batches_grids
 
     # --- the folder -----------------------------------------------------------------------------
     def _budget(self) -> int:

@@ -27,6 +27,7 @@ import torch
 from ..config import ESConfig
 from ..engines import CompletionTable, Evaluator, Population, SamplingSettings
 from ..es import core as es
+from ..es import state as es_state
 from ..lora import AdapterWeights, base_weight_magnitudes, noise_below_resolution, noise_scales, save_adapter
 from ..types import PromptLike
 from .. import zo
@@ -85,6 +86,14 @@ class ESParameters(Protocol):
         """Release what the engine holds for the run; ``reset``: the engine serves the model folder's weights again."""
 
 
+def es_settings(config: ESConfig, sigma: es.Sigma, noise_device: str) -> es_state.ESSettings:
+    """What ``es.state``'s ask and tell need of a run's settings (``sigma``: as resolved per tensor)."""
+    return es_state.ESSettings(population_size=config.population_size, sigma=sigma,
+                               optimizer=config.optimizer_config(), antithetic=config.antithetic,
+                               gradient_form=config.gradient_form, noise_device=noise_device,
+                               noise_scheme=config.noise_scheme)
+
+
 def population_rewards(task, completions: CompletionTable, examples) -> torch.Tensor:
     """(population, prompts) rewards of a members' completion table."""
     return torch.tensor([task.reward_fn([c.text for c in row], examples) for row in completions], dtype=torch.float32)
@@ -94,7 +103,8 @@ class LoraMean:
     """The ES mean as a LoRA adapter: a float32 flat vector and its optimizer state, on ``noise_device``."""
 
     def __init__(self, config: ESConfig, evaluator: Evaluator, adapter: AdapterWeights,
-                 optimizer_tensors: dict[str, torch.Tensor] | None, saved: dict, model_dir: Path, noise_device: str):
+                 optimizer_tensors: dict[str, torch.Tensor] | None, saved: dict, model_dir: Path, noise_device: str,
+                 generation: int = 0):
         self.config, self.evaluator, self.model_dir = config, evaluator, Path(model_dir)
         # With noise on the GPU the mean and the optimizer's buffers live there too: the update and
         # the slot writes then move no tensor between host and card (checkpoints copy).
@@ -102,15 +112,18 @@ class LoraMean:
         self.shapes = {k: tuple(v.shape) for k, v in adapter.tensors.items()}
         # one flat vector: an update is a dozen kernels and slot writes take the mean in one piece
         self.layout = es.Layout.of(self.shapes)
-        self.mean = AdapterWeights(adapter.spec, es.FlatParams.of(adapter.tensors, self.layout)).to(self.device)
+        mean = AdapterWeights(adapter.spec, es.FlatParams.of(adapter.tensors, self.layout)).to(self.device)
+        self.spec, self._mean = adapter.spec, mean
         self.optimizer_config = config.optimizer_config()
         if optimizer_tensors is None:  # a new run
-            state = es.init_optimizer_state(self.optimizer_config, dict(adapter.tensors))
+            optimizer = es.init_optimizer_state(self.optimizer_config, dict(adapter.tensors))
         else:
-            state = es.optimizer_state_from_tensors(self.optimizer_config, optimizer_tensors)
-        self.optimizer_state = es.optimizer_state_to(state, self.device)
+            optimizer = es.optimizer_state_from_tensors(self.optimizer_config, optimizer_tensors)
         magnitudes = base_weight_magnitudes(model_dir, adapter.spec) if config.noise_mode == "per_layer" else None
         self.sigmas = noise_scales(self.shapes, config.sigma, config.noise_mode, magnitudes)
+        # the mean, its optimizer's state and the generation, advanced by es.state's pure tell
+        self.state = es_state.init(es_settings(config, self.sigmas, noise_device), mean.tensors,
+                                   es.optimizer_state_to(optimizer, self.device), generation)
         # a zeroth-order estimator's memory of past generations (zoar, zohs), checkpointed with the run
         self.estimator_state = None
         if config.estimator is not None:
@@ -128,9 +141,22 @@ class LoraMean:
                 stacklevel=4)
 
     @property
+    def mean(self) -> AdapterWeights:
+        """The mean adapter: the state's float32 mean, one object per state (engines recognise the
+        mean by identity when it is served twice in one call)."""
+        if self._mean is None or self._mean.tensors is not self.state.mean:
+            self._mean = AdapterWeights(self.spec, self.state.mean)
+        return self._mean
+
+    @property
     def adapter(self) -> AdapterWeights:
         """The mean adapter."""
         return self.mean
+
+    @property
+    def optimizer_state(self) -> es.OptimizerState:
+        """The optimizer's state (step, float32 master, moments)."""
+        return self.state.optimizer
 
     def population(self, members: Sequence[es.Member]) -> Population:
         """The members as the engine takes them: the mean, their seeds and signs, the noise scale."""
@@ -158,13 +184,16 @@ class LoraMean:
         return Served(completions, tables[1] if len(tables) > 1 else None, timing)
 
     def update(self, generation: int, members: Sequence[es.Member], rewards: torch.Tensor) -> Update:
-        """The ES (or zeroth-order) step on the float32 master of the mean adapter."""
-        fitness, gradient = self.estimate(members, rewards)
-        new_params, self.optimizer_state = es.apply_update(self.optimizer_config, self.optimizer_state,
-                                                           self.mean.tensors, gradient)
-        update_norm = es.update_norm(es.difference(new_params, self.mean.tensors))
-        self.mean = AdapterWeights(self.mean.spec, new_params)
-        mean_norm = es.update_norm(self.optimizer_state.master)  # the mean's global L2 norm (float32 master)
+        """The ES (or zeroth-order) step on the float32 master of the mean adapter: a new state."""
+        before = self.state
+        if self.config.estimator is None:
+            fitness = es.shape_fitness(self.config.fitness_shaping, rewards)
+            self.state = es_state.tell(before, list(members), fitness)
+        else:
+            fitness, direction = self.estimate(members, rewards)
+            self.state = es_state.step(before, direction)
+        update_norm = es.update_norm(es.difference(self.state.mean, before.mean))
+        mean_norm = es.update_norm(self.state.optimizer.master)  # the mean's global L2 norm (float32 master)
         if self.device == "cuda":
             torch.cuda.synchronize()  # the update's kernels finish inside its timing
         return Update(fitness, update_norm, mean_norm)

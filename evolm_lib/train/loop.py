@@ -1,7 +1,8 @@
-"""What ES and GRPO runs share: the loop, greedy scoring of the current adapter, sample counters,
-wall clock, and checkpoint-then-log commits. One generation (ES) or step (GRPO) is
+"""What ES and GRPO runs share: the loop, greedy scoring of the current adapter (when the scoring
+plan says so, ``scoring.py``), sample counters, wall clock, and checkpoint-then-log commits. One
+generation (ES, whose ``step`` spells out ask, evaluate and tell) or step (GRPO) is
 
-    row = run.train_step()     # ES: ask -> evaluate -> tell; GRPO: rollouts -> rewards -> update
+    row = run.train_step()     # GRPO: rollouts -> rewards -> update
     row.update(run.score())    # greedy reward of the moved adapter on train and eval prompts, when due
     run.commit(row)            # checkpoint first, then the metrics line; the row is final
 """
@@ -34,6 +35,7 @@ from ..runs import (
     write_run_config,
 )
 from ..seeds import derive_seed
+from .scoring import ScoringPlan, ScoringSettings, score_keys, scored_means, scoring_plan
 from ..tasks import Example, Task, get_task
 
 
@@ -43,8 +45,8 @@ def percentile(values: torch.Tensor, q: float) -> float:
 
 
 class RunLoop:
-    """The loop ES and GRPO runs share. Subclasses provide ``train_step()`` (the update's metrics
-    row), ``adapter`` (what the run moves), ``_budget()``, ``_build(state, ...)`` and ``save_checkpoint(row)``."""
+    """The loop ES and GRPO runs share. Subclasses provide ``train_step()`` (the update's metrics row)
+    or a ``step()`` of their own, ``adapter`` (what the run moves), ``_budget()``, ``_build(state, ...)`` and ``save_checkpoint(row)``."""
 
     kind = "run"
     config_class: type = None  # set by subclasses
@@ -79,7 +81,7 @@ class RunLoop:
         it are the ones whose times the line's placement explains; and, for Ray engines, where each one
         runs (``engine_info``: host, node, card, SMs, tiles), which this process's own line cannot say."""
         line = {"from_generation": self.generation}
-        engines = getattr(self.evaluator, "engine_info", None)
+        engines = self.evaluator.engine_info if self.evaluator is not None else ()
         if engines:
             line["engines"] = [dict(info) for info in engines]
         return line
@@ -138,8 +140,7 @@ class RunLoop:
         run._reporters = open_reporters(config.report_to, run_dir, state.rows, first_step=state.generation)
         pending = state.pending_row()
         if pending is not None:  # a folder of the earlier layout: a checkpointed row still waiting for its scores
-            scores, eval_s = run._score_call()
-            run._log({**pending, **run._score_keys(scores, eval_s)})
+            run._log({**pending, **run._score_alone(run.scoring_plan(run.generation).sets, counted=False)})
         return run
 
     @classmethod
@@ -222,47 +223,43 @@ class RunLoop:
             return list(self.train_examples)
         return random.Random(derive_seed(self.config.seed, "prompts", generation)).sample(self.train_examples, k)
 
+    def scoring_plan(self, generation: int) -> ScoringPlan:
+        """Whether and what ``generation`` scores (``scoring.scoring_plan`` on this run's settings)."""
+        settings = ScoringSettings(eval_every=self.config.eval_every, budget=self._budget(),
+                                   rides=self._scores_in_population(), validation=bool(self.validation_examples))
+        return scoring_plan(generation, settings, scored_means(self.history[-2:]))
+
+    def _scores_in_population(self) -> bool:
+        """Whether the mean's scoring rides in the training call (ES on an engine that batches grids)."""
+        return False
+
     def score(self, force: bool = False) -> dict:
-        """Greedy reward of the current adapter on the train and eval prompts, in one engine call,
-        when due (``_scores_now``) or forced; else ``{}``."""
-        if not (force or self._scores_now()):
+        """Greedy reward of the current adapter on the train and eval prompts, in one engine call of
+        its own, when the scoring plan says so after this update, or forced; else ``{}``."""
+        plan = self.scoring_plan(self.generation)
+        if not (force or plan.after):
             return {}
-        scores, eval_s = self._score_call()
-        self.counters["eval_completions"] = self.counters.get("eval_completions", 0) + self._scoring_size()
-        return self._score_keys(scores, eval_s)
+        return self._score_alone(plan.sets)
 
-    def _score_call(self) -> tuple[list, float]:
-        """(train, held-out) greedy scores of the current adapter in an engine call of their own, and its seconds."""
+    def _score_alone(self, sets: tuple[str, ...], counted: bool = True) -> dict:
+        """The scoring keys of the current adapter on ``sets``, from an engine call of its own
+        (``counted``: its completions join ``samples/eval_completions``)."""
         timing: dict[str, float] = {}
+        examples = self._score_examples(sets)
         with timed(timing, "eval_s"):
-            scores = score_adapters(self.evaluator, self.task, self.adapter, self._score_sets(), self.config.max_new_tokens)
-        return scores, timing["eval_s"]
+            scores = score_adapters(self.evaluator, self.task, self.adapter, examples, self.config.max_new_tokens)
+        if counted:
+            self._count_scoring(sum(map(len, examples)))
+        return score_keys(scores, timing["eval_s"])
 
-    def _score_sets(self) -> list[list[Example]]:
-        """What scoring covers: the train prompts, the held-out prompts, then the validation prompts
-        where the task has some."""
-        return [self.train_examples, self.eval_examples, *([self.validation_examples] if self.validation_examples else [])]
+    def _score_examples(self, sets: tuple[str, ...]) -> list[list[Example]]:
+        """The prompts of each scored set, in the plan's order (train, held-out, validation)."""
+        examples = {"train": self.train_examples, "eval": self.eval_examples, "validation": self.validation_examples}
+        return [examples[name] for name in sets]
 
-    def _scoring_size(self) -> int:
-        return sum(len(examples) for examples in self._score_sets())
-
-    @staticmethod
-    def _score_keys(scores, eval_s: float | None) -> dict:
-        """A row's scoring keys from (train, held-out[, validation]) scores; ``eval_s`` when scoring had
-        a call of its own."""
-        train, held_out, *validation = scores
-        keys = {
-            "policy/train_reward": train.mean,
-            "eval/reward": held_out.mean,
-            "policy/train_completions": [c.text for c in train.completions],
-            "policy/eval_completions": [c.text for c in held_out.completions],
-            "policy/train_tokens": train.num_tokens,
-        }
-        if validation:
-            keys["validation/reward"] = validation[0].mean
-        if eval_s is not None:
-            keys["time/eval_s"] = eval_s
-        return keys
+    def _count_scoring(self, completions: int) -> None:
+        """Add a scoring's greedy completions to ``samples/eval_completions``."""
+        self.counters["eval_completions"] = self.counters.get("eval_completions", 0) + completions
 
     def commit(self, row: dict) -> dict:
         """Add counters and timings to a row, then checkpoint (when due) and append the metrics line.
@@ -309,16 +306,6 @@ class RunLoop:
         if row is None:
             row = self.history[-1] if self.history else {}
         return {"generation": self.generation, "counters": self.counters, "row": row}
-
-    def _scores_now(self) -> bool:
-        """Whether ``score`` scores the current adapter after this update (runs that score it in
-        their training call say otherwise)."""
-        return self._scoring_due(self.generation)
-
-    def _scoring_due(self, generation: int) -> bool:
-        """Whether the adapter of ``generation`` is scored: every ``eval_every``, and the budget's last."""
-        every = self.config.eval_every
-        return bool(every and generation % every == 0) or generation == max(self._budget(), self.generation)
 
     def _sample_counters(self) -> dict:
         return {

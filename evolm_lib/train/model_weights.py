@@ -22,6 +22,7 @@ weights in every checkpoint:
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -36,9 +37,10 @@ from safetensors.torch import load_file, save_file
 from ..config import ConfigError, ESConfig
 from ..engines import Evaluator, SamplingSettings, WeightsEngine
 from ..es import core as es
+from ..es import state as es_state
 from ..lora import LoraSpec, read_base_weights
 from ..runs import RunFolderDamaged, keep_damaged_lines, place_damaged, read_jsonl, scan_jsonl
-from .es_parameters import Checkpointed, ScoringRequest, Served, Update
+from .es_parameters import Checkpointed, ScoringRequest, Served, Update, es_settings
 
 
 SEED_LOG = "seed_log.jsonl"
@@ -70,6 +72,8 @@ class ModelWeights:
             except ValueError as error:
                 raise ConfigError(f"noise_rank: {error}") from None
         self.optimizer = config.optimizer_config()
+        # the generation and what ask needs; the mean and the optimizer's state live in the engine
+        self.state = es_state.ESState(es_settings(config, config.sigma, config.noise_device), None, None, generation)
         if hasattr(self.weights, "replay_source"):  # Ray engines: a lost engine gets the mean back from the folder
             self.weights.replay_source = self._replay_source
         self.restore_to(generation)
@@ -90,6 +94,7 @@ class ModelWeights:
         self._append_log({"generation": generation, "members": [[m.seed, m.sign] for m in members],
                           "weights": [float(w) for w in fitness.tolist()], "sigma": self.config.sigma,
                           "learning_rate": self.config.learning_rate})
+        self.state = dataclasses.replace(self.state, generation=generation)
         return Update(fitness, info["update_norm"])
 
     def checkpoint(self, generation: int, snapshot_due: bool) -> Checkpointed:

@@ -4,10 +4,11 @@ in place as the ES mean.
 
 The modules, each with one job, dependencies pointing one way (down this list):
 
-- ``rpc``: what crosses between the host and vLLM's worker (the call, errors, tensors and settings
-  as plain data, the slots' stored form, fingerprint and digests);
+- ``rpc``: what crosses between the host and vLLM's worker (errors, tensors and settings as plain
+  data, the slots' stored form, fingerprint and digests);
 - ``worker_slots``, ``worker_weights``: the worker side of resident LoRA slots and of the model's
   own weights; ``worker``: the one ``WorkerExtension`` vLLM loads by its dotted name (``EXTENSION``);
+- ``client``: ``WorkerClient``, the host's one door into the worker, a method per extension call;
 - ``requests``: the request loop, every grid of a call in one ``LLM.generate``;
 - ``adapters``: adapters handed over as files; ``slots``: populations in resident LoRA slots, the
   host side; ``weights``: the model's own weights, the host side;

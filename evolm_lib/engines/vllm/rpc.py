@@ -1,9 +1,8 @@
 """What crosses between the host and vLLM's worker, for resident LoRA slots and resident weights.
 
 The host-side clients (``slots.ResidentSlots``, ``weights.EngineWeights``) call the worker
-extension's methods (``worker.WorkerExtension``) through ``LLM.collective_rpc``, with the engine in
-this process or in one of its own alike; ``call_worker`` is that call. Both sides need the pieces
-here: the errors a worker raises when it cannot host what was asked; tensors as plain data for an
+extension's methods (``worker.WorkerExtension``) through ``client.WorkerClient``. Both sides need
+the pieces here: the errors a worker raises when it cannot host what was asked; tensors as plain data for an
 engine in another process; optimizer settings in a plain form; and, for the slots, the stored form
 of a tensor, the fingerprint adapter and the slot digests, defined once so both sides compute them
 alike.
@@ -32,15 +31,6 @@ class SlotsUnsupported(WorkerUnsupported):
 
 class WeightsUnsupported(WorkerUnsupported):
     """The engine's weights cannot be written in place (a layout or a vLLM internal this code does not know)."""
-
-
-def call_worker(llm, method: str, *args) -> Any:
-    """One extension method's result from the engine's single worker (``LLM.collective_rpc``):
-    resident slots and weights live in one unsharded worker, so another count is refused."""
-    results = llm.collective_rpc(method, args=args)
-    if len(results) != 1:
-        raise WorkerUnsupported(f"{len(results)} workers answered: resident slots and weights need exactly one worker")
-    return results[0]
 
 
 def torch_dtype(name: str) -> torch.dtype:

@@ -32,7 +32,8 @@ from ... import es
 from ...lora import AdapterWeights, LoraSpec, adapter_shapes, save_adapter
 from ..base import Population, PromptEncoder
 from .requests import RequestGrid, run_requests
-from .rpc import (FINGERPRINT_SEED, SlotsUnsupported, WorkerUnsupported, call_worker, digest, fingerprint_tensors,
+from .client import WorkerClient
+from .rpc import (FINGERPRINT_SEED, SlotsUnsupported, WorkerUnsupported, digest, fingerprint_tensors,
                   pack_tensor, stored_form, torch_dtype, unpack_tensor)
 from .worker import EXTENSION
 
@@ -65,7 +66,7 @@ def describe(llm) -> dict:
     """What the engine's worker reports: vLLM version, device, slot dtype, ``max_loras``,
     ``max_lora_rank``, slot ids, pinned ids and LoRA linear modules (``ok`` False with a ``reason``
     where it cannot host slots)."""
-    return call_worker(llm, "evolm_slots_describe")
+    return WorkerClient(llm).slots_describe()
 
 
 def supported(llm) -> tuple[bool, str]:
@@ -117,6 +118,7 @@ class ResidentSlots:
             raise ValueError(f"{num_slots} slots + 1 zero slot need {num_slots + 1} free LoRA slots but the engine has "
                              f"{free} (max_loras {info['max_loras']}, {len(info['pinned'])} pinned): start it with a larger max_loras")
         self.llm, self.spec, self.num_slots, self.model_dir, self.dtype = llm, spec, num_slots, Path(model_dir), dtype
+        self.worker = WorkerClient(llm)  # every call into the engine's worker extension
         self.shapes = adapter_shapes(self.model_dir, spec)
         self.flat_layout = es.Layout.of(self.shapes)  # the order the mean travels in, flat
         self.key = int(first_id)
@@ -135,8 +137,8 @@ class ResidentSlots:
             self._requests = [LoRARequest(name, lora_id, str(path)) for name, lora_id in zip(self.names, self.ids)]
             self.llm.generate([{"prompt_token_ids": [0]}] * len(self._requests), SamplingParams(max_tokens=1, temperature=0.0),
                               lora_request=self._requests, use_tqdm=False)
-            self.layout = call_worker(llm, "evolm_slots_setup", self.key, self.ids, {k: list(v) for k, v in self.shapes.items()},
-                               float(spec.alpha), int(spec.rank), dtype, FINGERPRINT_SEED)
+            self.layout = self.worker.slots_setup(self.key, self.ids, self.shapes, spec.alpha, spec.rank, dtype,
+                                                  FINGERPRINT_SEED)
         finally:
             shutil.rmtree(folder, ignore_errors=True)
         self.slot_dtype = torch_dtype(info["slot_dtype"])
@@ -169,7 +171,7 @@ class ResidentSlots:
         rows = [[m.seed, m.sign] for m in members]
         if with_mean:
             rows.append([members[-1].seed, 0])  # sign 0: mean + 0 * noise, the mean exactly (its seed's draw is shared)
-        result = call_worker(self.llm, "evolm_slots_write", self.key, payload, rows, sigma_arg, noise_device, noise_scheme)
+        result = self.worker.slots_write(self.key, payload, rows, sigma_arg, noise_device, noise_scheme)
         self._written = len(members)
         self._mean_written = with_mean
         self._reset_prefix_cache()
@@ -220,7 +222,7 @@ class ResidentSlots:
 
     def checksums(self) -> list[str]:
         """Digest of each member slot's bytes, to compare with ``expected_checksum``."""
-        return call_worker(self.llm, "evolm_slots_checksums", self.key)[: self.num_slots]
+        return self.worker.slots_checksums(self.key)[: self.num_slots]
 
     def expected_checksum(self, tensors: Mapping[str, torch.Tensor]) -> str:
         """The digest a slot holding these PEFT tensors (float32, e.g. from ``es.perturb``) must have."""
@@ -248,13 +250,13 @@ class ResidentSlots:
         """Slot ``index``'s tensors by PEFT name as the engine holds them (B includes alpha / r)."""
         if not 0 <= index <= self.num_slots:
             raise IndexError(f"slot {index} out of range 0..{self.num_slots} (the last is the zero slot)")
-        tensors = call_worker(self.llm, "evolm_slots_read", self.key, index, not self._in_process)
+        tensors = self.worker.slots_read(self.key, index, not self._in_process)
         return {name: unpack_tensor(t) for name, t in tensors.items()}
 
     def close(self) -> None:
         """Unpin and unload the slots (the engine keeps running)."""
         if self.llm is not None:
-            call_worker(self.llm, "evolm_slots_release", self.key)
+            self.worker.slots_release(self.key)
             self.llm.reset_prefix_cache()
             self.llm = None
 

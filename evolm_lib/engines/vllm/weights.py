@@ -1,6 +1,7 @@
 """The host side of the model's own weights written in place inside a vLLM engine (es_mode full and
 eggroll): ``EngineWeights`` names the targeted weights (HF names, shapes read from the model folder)
-and calls the worker's ``evolm_weights_`` methods (``worker_weights.WeightsExtension``)."""
+and calls the worker's ``evolm_weights_`` methods (``worker_weights.WeightsExtension``) through
+``client.WorkerClient``."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -9,7 +10,8 @@ from typing import Any, Mapping, Sequence
 from ... import es
 from ...es import lowrank
 from ..resident_weights import NoiseForm, targeted_weight_shapes
-from .rpc import call_worker, optimizer_spec
+from .client import WorkerClient
+from .rpc import optimizer_spec
 
 
 class EngineWeights:
@@ -26,22 +28,22 @@ class EngineWeights:
         if noise == "lowrank":
             lowrank.check_rank(noise_rank, self.shapes)
         self.key = next(self._keys)
-        self.info = call_worker(llm, "evolm_weights_setup", self.key, {n: list(s) for n, s in self.shapes.items()},
-                                noise, noise_rank, noise_scheme)
+        self.worker = WorkerClient(llm)
+        self.info = self.worker.weights_setup(self.key, self.shapes, noise, noise_rank, noise_scheme)
 
     def write_member(self, member: es.Member, sigma: float) -> float:
         """Serve one member; returns the write's seconds."""
-        return call_worker(self.llm, "evolm_weights_write", self.key, member.seed, member.sign, float(sigma))["write_s"]
+        return self.worker.weights_write(self.key, member.seed, member.sign, sigma)["write_s"]
 
     def restore(self) -> float:
         """Serve the mean again; returns the restore's seconds."""
-        return call_worker(self.llm, "evolm_weights_restore", self.key)["restore_s"]
+        return self.worker.weights_restore(self.key)["restore_s"]
 
     def step(self, optimizer: es.OptimizerConfig, members: Sequence[es.Member], weights: Sequence[float],
              sigma: float, form: es.GradientForm = "qiu") -> dict:
         """The update where the weights live: {"update_s", "update_norm"}."""
-        return call_worker(self.llm, "evolm_weights_step", self.key, optimizer_spec(optimizer),
-                           [(m.seed, m.sign) for m in members], [float(w) for w in weights], float(sigma), form)
+        return self.worker.weights_step(self.key, optimizer_spec(optimizer), [(m.seed, m.sign) for m in members],
+                                        weights, sigma, form)
 
     def write_slots(self, population, members: Sequence[es.Member], sigma: float) -> float:
         """EGGROLL: the members' low-rank noise into the resident LoRA slots of ``population`` (a
@@ -49,25 +51,25 @@ class EngineWeights:
         modules), which then serves them; returns the write's seconds."""
         if population.spec.rank != self.noise_rank or population.spec.alpha != population.spec.rank:
             raise ValueError(f"EGGROLL slots need rank {self.noise_rank} and alpha = rank, got {population.spec}")
-        seconds = call_worker(self.llm, "evolm_weights_write_slots", self.key, population.key,
-                              [(m.seed, m.sign) for m in members], float(sigma))["write_s"]
+        seconds = self.worker.weights_write_slots(self.key, population.key, [(m.seed, m.sign) for m in members],
+                                                 sigma)["write_s"]
         population.mark_written(len(members))
         return seconds
 
     def checksum(self) -> dict:
         """{"master": SHA-256 of the float32 master, "restored": the engine serves it exactly, "step"}."""
-        return call_worker(self.llm, "evolm_weights_checksum", self.key)
+        return self.worker.weights_checksum(self.key)
 
     def read(self) -> dict:
         """The master and optimizer buffers on the host (a full-size snapshot)."""
-        return call_worker(self.llm, "evolm_weights_read", self.key)
+        return self.worker.weights_read(self.key)
 
     def load(self, snapshot: Mapping[str, Any]) -> None:
         """Serve the mean of a snapshot made by ``read``."""
-        call_worker(self.llm, "evolm_weights_load", self.key, dict(snapshot))
+        self.worker.weights_load(self.key, snapshot)
 
     def close(self) -> None:
         """Serve the mean and release the worker's master."""
         if self.llm is not None:
-            call_worker(self.llm, "evolm_weights_release", self.key)
+            self.worker.weights_release(self.key)
             self.llm = None

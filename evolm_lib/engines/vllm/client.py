@@ -1,0 +1,100 @@
+"""The host's one door into vLLM's worker extension: ``WorkerClient``, one method per call.
+
+Every call the host makes into ``worker.WorkerExtension`` (resident LoRA slots, resident weights)
+goes through here. The RPC name is taken from the extension's own method (``method.__name__``), so
+a reader or a tool follows each call from here to the code that runs inside the engine; no other
+module names a worker method as a string.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Sequence
+
+from .rpc import WorkerUnsupported
+from .worker import WorkerExtension as Worker
+
+
+class WorkerClient:
+    """Typed calls into the engine's single worker (``LLM.collective_rpc``), with the engine in this
+    process or in one of its own alike."""
+
+    def __init__(self, llm):
+        self.llm = llm
+
+    def _call(self, method: Callable, *args) -> Any:
+        """One extension method's result from the engine's single worker: resident slots and
+        weights live in one unsharded worker, so another count is refused."""
+        results = self.llm.collective_rpc(method.__name__, args=args)
+        if len(results) != 1:
+            raise WorkerUnsupported(f"{len(results)} workers answered: resident slots and weights need exactly one worker")
+        return results[0]
+
+    # -- resident LoRA slots (worker_slots.LoRASlotsExtension)
+
+    def slots_describe(self) -> dict:
+        """vLLM version, device, slot dtype, LoRA limits and modules (``ok`` False with a ``reason`` where slots cannot live)."""
+        return self._call(Worker.evolm_slots_describe)
+
+    def slots_setup(self, key: int, ids: Sequence[int], shapes: Mapping[str, Sequence[int]], alpha: float, rank: int,
+                    file_dtype: str, fingerprint_seed: int) -> dict:
+        """Take over the loaded slots ``ids`` under ``key``; returns their layout (entries, modules, scaling)."""
+        return self._call(Worker.evolm_slots_setup, key, list(ids), {k: list(v) for k, v in shapes.items()},
+                          float(alpha), int(rank), file_dtype, fingerprint_seed)
+
+    def slots_write(self, key: int, mean: Any, rows: Sequence[Sequence[int]], sigmas: Any, noise_device: str,
+                    noise_scheme: str) -> dict:
+        """Slot i <- mean + sign_i * sigma * noise(seed_i) for each (seed, sign) row; {"write_s"}."""
+        return self._call(Worker.evolm_slots_write, key, mean, [list(r) for r in rows], sigmas, noise_device, noise_scheme)
+
+    def slots_checksums(self, key: int) -> list[str]:
+        """Digest of every slot's bytes."""
+        return self._call(Worker.evolm_slots_checksums, key)
+
+    def slots_read(self, key: int, index: int, packed: bool) -> dict:
+        """Slot ``index``'s tensors by PEFT name (``packed``: as plain data, for an engine in another process)."""
+        return self._call(Worker.evolm_slots_read, key, index, packed)
+
+    def slots_release(self, key: int) -> None:
+        """Unpin and unload the slots of ``key``."""
+        self._call(Worker.evolm_slots_release, key)
+
+    # -- resident weights (worker_weights.WeightsExtension)
+
+    def weights_setup(self, key: int, shapes: Mapping[str, Sequence[int]], noise: str, noise_rank: int,
+                      noise_scheme: str) -> dict:
+        """A float32 master of the targeted weights under ``key``; returns what the worker found."""
+        return self._call(Worker.evolm_weights_setup, key, {n: list(s) for n, s in shapes.items()}, noise, noise_rank,
+                          noise_scheme)
+
+    def weights_write(self, key: int, seed: int, sign: int, sigma: float) -> dict:
+        """Serve one member written in place; {"write_s"}."""
+        return self._call(Worker.evolm_weights_write, key, seed, sign, float(sigma))
+
+    def weights_restore(self, key: int) -> dict:
+        """Serve the mean again; {"restore_s"}."""
+        return self._call(Worker.evolm_weights_restore, key)
+
+    def weights_step(self, key: int, optimizer: dict, members: Sequence[tuple[int, int]], weights: Sequence[float],
+                     sigma: float, form: str) -> dict:
+        """The optimizer's step where the weights live; {"update_s", "update_norm"}."""
+        return self._call(Worker.evolm_weights_step, key, optimizer, [tuple(m) for m in members],
+                          [float(w) for w in weights], float(sigma), form)
+
+    def weights_write_slots(self, key: int, slots_key: int, members: Sequence[tuple[int, int]], sigma: float) -> dict:
+        """EGGROLL: the members' low-rank noise into the resident slots of ``slots_key``; {"write_s"}."""
+        return self._call(Worker.evolm_weights_write_slots, key, slots_key, [tuple(m) for m in members], float(sigma))
+
+    def weights_checksum(self, key: int) -> dict:
+        """{"master": SHA-256 of the float32 master, "restored", "step"}."""
+        return self._call(Worker.evolm_weights_checksum, key)
+
+    def weights_read(self, key: int) -> dict:
+        """The master and optimizer buffers (a full-size snapshot)."""
+        return self._call(Worker.evolm_weights_read, key)
+
+    def weights_load(self, key: int, snapshot: Mapping[str, Any]) -> dict:
+        """Serve the mean of a snapshot made by ``weights_read``."""
+        return self._call(Worker.evolm_weights_load, key, dict(snapshot))
+
+    def weights_release(self, key: int) -> None:
+        """Serve the mean and release the worker's master."""
+        self._call(Worker.evolm_weights_release, key)

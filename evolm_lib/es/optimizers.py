@@ -1,0 +1,297 @@
+"""SGD and Adam as ascent steps on a float32 master of the parameters, with their state and its
+checkpoint form. Rewards are maximised: every step here ascends (evosax minimises; its formulas
+have their sign flipped here)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Mapping, Union
+
+import torch
+
+from .layout import FlatParams, Layout, Params, flat_of, layout_of
+
+
+def _check_common(learning_rate: float, weight_decay: float) -> None:
+    """Raise ValueError on a non-positive learning rate or negative weight decay."""
+    if not (learning_rate > 0 and math.isfinite(learning_rate)):
+        raise ValueError(f"learning_rate must be > 0 and finite, got {learning_rate}")
+    if not (weight_decay >= 0 and math.isfinite(weight_decay)):
+        raise ValueError(f"weight_decay must be >= 0 and finite, got {weight_decay}")
+
+
+@dataclass(frozen=True)
+class SGDConfig:
+    """SGD ascent with optional heavy-ball momentum and decoupled weight decay."""
+
+    learning_rate: float
+    """Step size multiplying the ES gradient."""
+    momentum: float = 0.0
+    """Heavy-ball coefficient in [0, 1); 0 disables the buffer."""
+    weight_decay: float = 0.0
+    """Decoupled decay: theta -= learning_rate * weight_decay * theta (equals L2 without momentum)."""
+
+    def __post_init__(self) -> None:
+        _check_common(self.learning_rate, self.weight_decay)
+        if not 0.0 <= self.momentum < 1.0:
+            raise ValueError(f"momentum must be in [0, 1), got {self.momentum}")
+
+
+@dataclass(frozen=True)
+class AdamConfig:
+    """Adam ascent with bias correction and decoupled (AdamW-style) weight decay."""
+
+    learning_rate: float
+    """Step size of the normalised update."""
+    beta1: float = 0.9
+    """Decay of the first-moment average, in [0, 1)."""
+    beta2: float = 0.999
+    """Decay of the second-moment average, in [0, 1)."""
+    eps: float = 1e-8
+    """Added to sqrt(v_hat) so coordinates with no signal do not divide by zero."""
+    weight_decay: float = 0.0
+    """Decoupled decay: theta -= learning_rate * weight_decay * theta."""
+
+    def __post_init__(self) -> None:
+        _check_common(self.learning_rate, self.weight_decay)
+        for field_name in ("beta1", "beta2"):
+            value = getattr(self, field_name)
+            if not 0.0 <= value < 1.0:
+                raise ValueError(f"{field_name} must be in [0, 1), got {value}")
+        if not (self.eps > 0 and math.isfinite(self.eps)):
+            raise ValueError(f"eps must be > 0 and finite, got {self.eps}")
+
+
+OptimizerConfig = Union[SGDConfig, AdamConfig]
+
+
+@dataclass(frozen=True)
+class OptimizerState:
+    """Optimizer state: step count, float32 master parameters and moment buffers."""
+
+    step: int
+    """Updates applied so far."""
+    master: Params
+    """float32 copy of the parameters; the source of truth between steps."""
+    first_moment: Params = field(default_factory=dict)
+    """Adam m, or the SGD momentum buffer (empty for plain SGD)."""
+    second_moment: Params = field(default_factory=dict)
+    """Adam v (empty for SGD)."""
+
+
+def _float32_copy(params: Mapping[str, torch.Tensor]) -> FlatParams:
+    """A detached float32 copy, laid out flat (never an alias of the inputs)."""
+    layout = layout_of(params)
+    return FlatParams(flat_of(params, layout).detach().to(torch.float32, copy=True), layout)
+
+
+def init_optimizer_state(config: OptimizerConfig, params: Params, copy: bool = True) -> OptimizerState:
+    """Fresh state for `params`: step 0, a float32 master copy and zero moments (all laid out flat).
+    ``copy=False`` adopts `params` as the master when it already is a float32 FlatParams (no second
+    full-size copy: a model's own weights keep theirs beside the engine)."""
+    adopt = not copy and isinstance(params, FlatParams) and params.flat.dtype == torch.float32
+    master = params if adopt else _float32_copy(params)
+
+    def zeros() -> FlatParams:
+        return FlatParams(torch.zeros_like(master.flat), master.layout)
+
+    if isinstance(config, AdamConfig):
+        return OptimizerState(step=0, master=master, first_moment=zeros(), second_moment=zeros())
+    if isinstance(config, SGDConfig):
+        return OptimizerState(step=0, master=master, first_moment=zeros() if config.momentum > 0 else {})
+    raise TypeError(f"unknown optimizer config {type(config).__name__}")
+
+
+def apply_update(
+    config: OptimizerConfig, state: OptimizerState, params: Params, gradient: Params
+) -> tuple[Params, OptimizerState]:
+    """One ascent step: new params (in the params' dtypes and devices) and the advanced state.
+
+    The math runs on flat vectors (`FlatParams`), a dozen kernels whatever the number of tensors;
+    the state it returns is flat, and so are the params when they all share one dtype and device."""
+    # All math runs on the float32 master copy in `state`, the source of truth between steps: an
+    # update of ~1e-5 on a weight of ~1 vanishes when added in bfloat16 (8 mantissa bits), but
+    # accumulates in the master copy until it shows. `params` supplies names, dtypes and devices.
+    if set(gradient) != set(params):
+        raise ValueError(f"gradient and params name different tensors: {sorted(set(gradient) ^ set(params))}")
+    # An empty master (e.g. restored from a checkpoint without one) falls back to params.
+    master = state.master if state.master else _float32_copy(params)
+    if set(master) != set(params):
+        raise ValueError(f"state and params name different tensors: {sorted(set(master) ^ set(params))}")
+    layout = layout_of(master)
+    theta = flat_of(master, layout).to(torch.float32)
+    g = flat_of(gradient, layout).detach().to(device=theta.device, dtype=torch.float32)
+    step = state.step + 1
+    keeps_first, keeps_second = _kept_moments(config)
+    direction, first, second = _direction(config, g, _moment(state.first_moment, keeps_first, layout, theta),
+                                          _moment(state.second_moment, keeps_second, layout, theta), step)
+    new_master = FlatParams(_stepped(config, theta, direction), layout)
+    first = FlatParams(first, layout) if first is not None else {}
+    second = FlatParams(second, layout) if second is not None else {}
+
+    if isinstance(params, FlatParams) and params.layout == layout:
+        new_params: Params = new_master.to(params.flat.device, params.flat.dtype)
+    else:
+        kinds = {(tensor.device, tensor.dtype) for tensor in params.values()}
+        if len(kinds) == 1:
+            (device, dtype), = kinds
+            new_params = new_master.to(device, dtype)
+        else:
+            new_params = {name: new_master[name].to(device=tensor.device, dtype=tensor.dtype)
+                          for name, tensor in params.items()}
+    new_state = replace(state, step=step, master=new_master, first_moment=first, second_moment=second)
+    return new_params, new_state
+
+
+def _kept_moments(config: OptimizerConfig) -> tuple[bool, bool]:
+    """Whether the optimizer keeps a first and a second moment buffer."""
+    if isinstance(config, AdamConfig):
+        return True, True
+    if isinstance(config, SGDConfig):
+        return config.momentum > 0, False
+    raise TypeError(f"unknown optimizer config {type(config).__name__}")
+
+
+def _moment(buffers: Params, kept: bool, layout: Layout, theta: torch.Tensor,
+            dtype: torch.dtype | None = None) -> torch.Tensor | None:
+    """A moment buffer the optimizer keeps, flat on theta's device (the buffer itself when it already
+    is, in ``dtype``); a missing one (state made for another config, or restored without it) starts
+    at 0. None where the optimizer keeps none."""
+    if not kept:
+        return None
+    return flat_of(buffers, layout).to(theta.device, dtype) if buffers else torch.zeros_like(theta)
+
+
+def _direction(config: OptimizerConfig, g: torch.Tensor, first: torch.Tensor | None, second: torch.Tensor | None,
+               step: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(ascent direction, new first moment, new second moment) from the gradient and the old moments,
+    elementwise on flat float32 vectors (None: a moment the optimizer keeps no buffer for)."""
+    # Per element the arithmetic is the textbook formula, in order (no fused multiply-adds).
+    if isinstance(config, AdamConfig):
+        m = first * config.beta1 + g * (1 - config.beta1)
+        v = second * config.beta2 + (g * (1 - config.beta2)) * g
+        m_hat = m / (1 - config.beta1**step)
+        v_hat = v / (1 - config.beta2**step)
+        return m_hat / (v_hat.sqrt() + config.eps), m, v
+    if isinstance(config, SGDConfig):
+        if config.momentum > 0:
+            direction = first * config.momentum + g
+            return direction, direction, None
+        return g, None, None
+    raise TypeError(f"unknown optimizer config {type(config).__name__}")
+
+
+def _stepped(config: OptimizerConfig, theta: torch.Tensor, direction: torch.Tensor) -> torch.Tensor:
+    """The new master, elementwise: '+' is ascent (rewards are maximised). Decay is decoupled and uses
+    the pre-step theta (without decay, x - theta * 0 is x: skipping it gives the same bits and saves
+    two passes over the vector)."""
+    lr = config.learning_rate
+    stepped = theta + direction * lr
+    return stepped - theta * (lr * config.weight_decay) if config.weight_decay else stepped
+
+
+IN_PLACE_CHUNK = 1 << 24
+"""Values ``apply_update_in_place`` updates at once: its temporaries are a few chunks (64 MB each in
+float32), not copies of a master of billions of weights, and a chunk's launches stay few."""
+
+
+@torch.no_grad()
+def apply_update_in_place(config: OptimizerConfig, state: OptimizerState, gradient: torch.Tensor,
+                          chunk: int = IN_PLACE_CHUNK) -> tuple[OptimizerState, float]:
+    """``apply_update`` on a flat float32 state, written into its own buffers chunk by chunk, with the
+    same bits; returns the advanced state (the same master object, changed) and the L2 norm of the
+    master's change, the float32 differences summed in float64.
+
+    For a master of billions of weights on an engine's card, beside which ``apply_update``'s
+    full-size temporaries (a new master, the difference, its float64 copy for the norm: four times the
+    master's memory) may not fit; alone it is no faster (docs/measurements.md). The elementwise maths is the same functions' (``_direction``, ``_stepped``); only
+    the norm's summation order differs from the norm of a whole-vector difference."""
+    master = state.master
+    if not isinstance(master, FlatParams) or master.flat.dtype != torch.float32:
+        raise TypeError("apply_update_in_place needs a float32 FlatParams master (init_optimizer_state makes one)")
+    theta = master.flat
+    g = gradient.detach().reshape(-1)
+    if g.numel() != theta.numel():
+        raise ValueError(f"a gradient of {theta.numel()} values is needed, got {g.numel()}")
+    g = g.to(device=theta.device, dtype=torch.float32)
+    if chunk < 1:
+        raise ValueError(f"chunk must be at least 1, got {chunk}")
+
+    # the moments are updated in their own buffers where the state holds them flat in float32
+    keeps_first, keeps_second = _kept_moments(config)
+    first = _moment(state.first_moment, keeps_first, master.layout, theta, torch.float32)
+    second = _moment(state.second_moment, keeps_second, master.layout, theta, torch.float32)
+    step = state.step + 1
+    norms = []
+    # a master made under inference mode (an engine's worker) may only be written in place under it
+    with torch.inference_mode(theta.is_inference()):
+        for start in range(0, theta.numel(), chunk):
+            part = slice(start, start + chunk)
+            old = theta[part]
+            direction, m, v = _direction(config, g[part], first[part] if first is not None else None,
+                                         second[part] if second is not None else None, step)
+            new = _stepped(config, old, direction)
+            norms.append(torch.linalg.vector_norm(new.sub(old), dtype=torch.float64))
+            old.copy_(new)
+            if m is not None:
+                first[part].copy_(m)
+            if v is not None:
+                second[part].copy_(v)
+    norm = float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
+    advanced = replace(state, step=step, master=master,
+                       first_moment=FlatParams(first, master.layout) if first is not None else {},
+                       second_moment=FlatParams(second, master.layout) if second is not None else {})
+    return advanced, norm
+
+
+def optimizer_state_to(state: OptimizerState, device: str | torch.device) -> OptimizerState:
+    """The same state with every buffer on `device`."""
+    def moved(buffers: Params) -> Params:
+        if isinstance(buffers, FlatParams):
+            return buffers.to(device)
+        return {name: tensor.to(device) for name, tensor in buffers.items()}
+
+    return replace(state, master=moved(state.master), first_moment=moved(state.first_moment),
+                   second_moment=moved(state.second_moment))
+
+
+_STATE_PREFIXES = {"master": "master", "m": "first_moment", "v": "second_moment"}
+
+
+def optimizer_state_to_tensors(state: OptimizerState) -> dict[str, torch.Tensor]:
+    """Flat tensors for a safetensors file: "step", "master/<name>", "m/<name>", "v/<name>"."""
+    # int64 with one element: safetensors stores it exactly and every reader handles 1-D.
+    tensors: dict[str, torch.Tensor] = {"step": torch.tensor([state.step], dtype=torch.int64)}
+    for prefix, attribute in _STATE_PREFIXES.items():
+        buffers = getattr(state, attribute)
+        if isinstance(buffers, FlatParams):  # one device-to-host copy, not one per tensor
+            buffers = buffers.to("cpu", torch.float32)
+        for name, tensor in buffers.items():
+            # contiguous CPU clones: safetensors refuses shared or strided storage
+            tensors[f"{prefix}/{name}"] = tensor.detach().to("cpu", torch.float32).contiguous().clone()
+    return tensors
+
+
+def optimizer_state_from_tensors(config: OptimizerConfig, tensors: Mapping[str, torch.Tensor]) -> OptimizerState:
+    """Inverse of `optimizer_state_to_tensors`, checking the buffers `config` needs are present."""
+    if "step" not in tensors:
+        raise ValueError("optimizer tensors have no 'step' entry")
+    step_tensor = tensors["step"]
+    if step_tensor.numel() != 1:
+        raise ValueError(f"'step' must hold one value, got shape {tuple(step_tensor.shape)}")
+    groups: dict[str, Params] = {attribute: {} for attribute in _STATE_PREFIXES.values()}
+    for key, tensor in tensors.items():
+        if key == "step":
+            continue
+        prefix, sep, name = key.partition("/")
+        if not sep or prefix not in _STATE_PREFIXES:
+            raise ValueError(f"unexpected optimizer tensor {key!r}")
+        groups[_STATE_PREFIXES[prefix]][name] = tensor.detach().to(torch.float32, copy=True)
+
+    names = set(groups["master"]) or set(groups["first_moment"])
+    needs_first = isinstance(config, AdamConfig) or (isinstance(config, SGDConfig) and config.momentum > 0)
+    needs_second = isinstance(config, AdamConfig)
+    for attribute, needed in (("first_moment", needs_first), ("second_moment", needs_second)):
+        if needed and set(groups[attribute]) != names:
+            raise ValueError(f"{attribute} buffers do not match the master tensors for {type(config).__name__}")
+    return OptimizerState(step=int(step_tensor.reshape(-1)[0]), **groups)
