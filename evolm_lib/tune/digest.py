@@ -67,7 +67,8 @@ def _setting(text: str) -> str:
 
 
 def _mean_and_interval(row, measure: str) -> str:
-    """A method's held-out mean over its seeds with the BCa interval, "-2.34 (-2.47 to -1.83)"; over
+    """A method's held-out mean over its seeds with its interval (BCa, or Student's t below
+    ``stats.MIN_BOOTSTRAP_VALUES`` seeds: ``study_table``'s ``interval``), "-2.34 (-2.47 to -1.83)"; over
     one seed there is no spread to draw an interval from (the bootstrap gives the value three times),
     and the cell says so."""
     if row["seeds"] < 2:
@@ -76,7 +77,8 @@ def _mean_and_interval(row, measure: str) -> str:
 
 
 def _difference(row, scale: float, unit: str) -> str:
-    """A comparison's difference with its BCa interval, "+0.133 (+0.0333 to +0.233)"; where there is
+    """A comparison's difference with its interval (BCa, or Welch's t where a side has fewer than
+    ``stats.MIN_BOOTSTRAP_VALUES`` seeds), "+0.133 (+0.0333 to +0.233)"; where there is
     none to draw (a side with a single seed), the cell says so rather than "+nan to +nan"."""
     difference = f"{scale * row['difference']:+.3g}{unit}"
     if _missing(row["ci_low"]) or _missing(row["ci_high"]):
@@ -84,13 +86,20 @@ def _difference(row, scale: float, unit: str) -> str:
     return f"{difference} ({scale * row['ci_low']:+.3g} to {scale * row['ci_high']:+.3g})"
 
 
-def _p(value) -> str:
-    return "" if _missing(value) else f"{value:.2g}"
+def _p(value, row=None) -> str:
+    """A p-value to two digits; a permutation p drawn by Monte Carlo (``row``'s ``exact`` False) is an
+    estimate that cannot fall below its floor (``smallest_p``), and the cell says so."""
+    if _missing(value):
+        return ""
+    if row is not None and not bool(row.get("exact", True)):
+        return f"{value:.2g} (sampled; floor {row['smallest_p']:.1g})"
+    return f"{value:.2g}"
 
 
 def study_digest(tables: Mapping[str, Any], title: str) -> str:
     """The tables a findings section quotes, as Markdown: each method's trials, winner and setting,
-    its held-out score over the final seeds with BCa and t intervals and the seed spread, at twice
+    its held-out score over the final seeds with its interval (BCa, or t below five seeds), the t
+    interval and the seed spread, at twice
     the budget where continued, the tokens it generated and its training seconds (the means over the
     seeds) with the engines per card they ran at and the compute processes seen on the card; where
     and with what code the final seeds ran; then the comparisons (the declared family Holm-corrected,
@@ -101,9 +110,11 @@ def study_digest(tables: Mapping[str, Any], title: str) -> str:
 
     measure = next(iter(tables.values())).attrs.get("measure", "") if tables else ""
     winners, long, sweep = tables.get("winners"), tables.get("long"), tables.get("sweep")
-    lines = [f"# {title}", "", f"Held-out {measure} over the final seeds: mean (BCa interval), t interval, "
+    intervals = ("95 % interval across seeds: BCa bootstrap from 5 seeds, Student's t below, where a bootstrap "
+                 "has too few distinct resamples")
+    lines = [f"# {title}", "", f"Held-out {measure} over the final seeds: mean ({intervals}), t interval, "
              "seed standard deviation; the winner's validation score in brackets." if winners is not None else
-             f"Held-out {measure} over each method's seeds: mean (BCa interval), t interval, seed standard deviation.", ""]
+             f"Held-out {measure} over each method's seeds: mean ({intervals}), t interval, seed standard deviation.", ""]
     lines += interim_lines(tables.get("completeness"))
     lines += left_lines(tables.get("left"))
     parts = [table for table in (tables.get("heldout"), tables.get("control")) if table is not None]
@@ -112,7 +123,7 @@ def study_digest(tables: Mapping[str, Any], title: str) -> str:
     heldout = pd.concat(finals) if finals else None
     methods = list(dict.fromkeys([*(winners.index if winners is not None else []),
                                   *(heldout.index if heldout is not None else [])]))
-    lines += ["| method | trials | winner | setting | seeds | held out (BCa) | t interval | seed std | at 2x (BCa) "
+    lines += ["| method | trials | winner | setting | seeds | held out | t interval | seed std | at 2x "
               "| generated tokens | training s (engines a card; processes on it) |",
               "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for method in methods:
@@ -160,14 +171,15 @@ def study_digest(tables: Mapping[str, Any], title: str) -> str:
         table = tables.get(name)
         if table is None or table.empty:
             continue
-        lines += ["", f"{heading} (difference a - b with its BCa interval; permutation p over seeds; "
+        lines += ["", f"{heading} (difference a - b with its interval: BCa, or Welch's t where a side has fewer than "
+                      "5 seeds; permutation p over seeds, every split enumerated unless marked sampled; "
                       "Holm over the declared family):", "",
                   "| a | b | family | difference | permutation p | Holm p | beyond seed noise |",
                   "| --- | --- | --- | --- | --- | --- | --- |"]
         scale, unit = (100, " points") if points else (1, "")
         for _, row in table.sort_values(["family", "method_a", "method_b"], ascending=[False, True, True]).iterrows():
             lines.append(f"| {row['method_a']} | {row['method_b']} | {row['family']} | {_difference(row, scale, unit)} | "
-                         f"{_p(row['permutation_p'])} | {_p(row.get('holm_p'))} | {row['larger_than_seed_noise']} |")
+                         f"{_p(row['permutation_p'], row)} | {_p(row.get('holm_p'))} | {row['larger_than_seed_noise']} |")
         lines += too_few_seeds(table)
     reach = tables.get("reach")
     if reach is not None and not reach.empty:
@@ -309,10 +321,13 @@ def geometry_digest(tables: Mapping[str, Any], measure: str) -> list[str]:
                 cells.append("" if math.isnan(row["drift_kl"]) else f"{row['drift_kl']:.3g} ({row['drift_kl_sd']:.2g})")
             lines.append("| " + " | ".join(cells) + " |")
     if cosines is not None:
-        lines += ["", "The cosine between two methods' updates at the same seed (mean over the seeds; lowest to highest):",
-                  "", "| a | b | cosine | range |", "| --- | --- | --- | --- |"]
+        lines += ["", "The cosine between two methods' updates at the same seed (mean over the seeds; lowest to highest), "
+                      "beside its chance level 1/sqrt(d), the spread of the cosine between two unrelated directions "
+                      "in the d dimensions compared:",
+                  "", "| a | b | cosine | range | chance level |", "| --- | --- | --- | --- | --- |"]
         for _, row in cosines.iterrows():
-            lines.append(f"| {row['a']} | {row['b']} | {row['cosine']:.2g} | {row['lowest']:.2g} to {row['highest']:.2g} |")
+            lines.append(f"| {row['a']} | {row['b']} | {row['cosine']:.2g} | {row['lowest']:.2g} to {row['highest']:.2g} "
+                         f"| {row['chance']:.2g} |")
     if paths is not None:
         points = [c for c in paths.columns if c.startswith("t=")]
         lines += ["", "Held-out mean reward (a task scored right or wrong: its success) along the straight path from a "

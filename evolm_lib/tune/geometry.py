@@ -102,6 +102,7 @@ def solutions_geometry(study: str | Path, seeds: Sequence[int] | None = None, st
             for b in names[i + 1:]:
                 cosine = update_cosine(deltas[a], deltas[b])
                 result["cosines"].append({"seed": seed, "a": a, "b": b, "overall": _finite(cosine["overall"]),
+                                          "chance": _finite(cosine["chance"]),
                                           "per_layer": {str(k): _finite(v) for k, v in cosine["per_layer"].items()},
                                           "per_module": {k: _finite(v) for k, v in cosine["per_module"].items()}})
         del solutions, deltas

@@ -376,7 +376,10 @@ def geometry_tables(geometry: Mapping[str, Any]) -> dict[str, Any]:
     """{name: DataFrame} of geometry.json (``tune.geometry``): per method its update over the seeds
     (mean and standard deviation of the norm, the norm relative to the weights it moved, the share of
     them changed) with its drift (mean KL to the base on the other study's prompts); per pair of
-    methods the cosine of their updates (mean, lowest and highest over the seeds); per path its
+    methods the cosine of their updates (mean, lowest and highest over the seeds) beside its chance
+    level 1/sqrt(d) (``geometry.update_cosine``; where geometry.json predates it, d is the larger
+    update's count of values, the space both updates live in when one moves a subset of the other's
+    weights); per path its
     held-out score at each point and its barrier."""
     import pandas as pd
 
@@ -399,13 +402,18 @@ def geometry_tables(geometry: Mapping[str, Any]) -> dict[str, Any]:
                       "drift_kl": kl, "drift_kl_sd": kl_sd})
     tables = {"geometry_updates": pd.DataFrame(lines).set_index("method")} if lines else {}
     pairs: dict[tuple[str, str], list] = {}
+    chance: dict[tuple[str, str], float] = {}
+    values = {u["method"]: u["values"] for u in updates}
     for cosine in geometry.get("cosines", []):
         if cosine["overall"] is not None:  # an update of no length has no direction
-            pairs.setdefault((cosine["a"], cosine["b"]), []).append(cosine["overall"])
+            pair = (cosine["a"], cosine["b"])
+            pairs.setdefault(pair, []).append(cosine["overall"])
+            dimensions = max(values.get(cosine["a"], 0), values.get(cosine["b"], 0))
+            chance[pair] = cosine.get("chance") or (1 / math.sqrt(dimensions) if dimensions else math.nan)
     if pairs:
         tables["geometry_cosines"] = pd.DataFrame(
-            [{"a": a, "b": b, "seeds": len(values), "cosine": statistics.fmean(values), "lowest": min(values),
-              "highest": max(values)} for (a, b), values in pairs.items()])
+            [{"a": a, "b": b, "seeds": len(found), "cosine": statistics.fmean(found), "lowest": min(found),
+              "highest": max(found), "chance": chance[(a, b)]} for (a, b), found in pairs.items()])
     paths = geometry.get("paths", [])
     if paths:
         tables["geometry_paths"] = pd.DataFrame(
