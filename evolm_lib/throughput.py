@@ -352,12 +352,12 @@ def throughput_report(spec: ThroughputSpec, paths: Sequence[str] = PATHS, engine
         evaluator = start_engine(spec, engine, **engine_options)
         report["engine_start_s"] = time.perf_counter() - started
     else:
-        report["engine_start_s"] = getattr(evaluator, "start_seconds", float("nan"))
+        report["engine_start_s"] = evaluator.start_seconds
     try:
         report["rows"] = measure_throughput(evaluator, spec, paths, "ray" if engine == "ray" else "vllm")
-        report["adapter_transfer"] = getattr(evaluator, "adapter_transfer", None)  # after any fall-back to files
-        report["lora_kernel_configs"] = getattr(evaluator, "lora_kernel_configs", None)  # tuned tiles a GPU engine uses
-        report["cudagraph_capture_sizes"] = getattr(evaluator, "cudagraph_capture_sizes", None)
+        report["adapter_transfer"] = evaluator.adapter_transfer  # after any fall-back to files
+        report["lora_kernel_configs"] = evaluator.lora_kernel_configs  # tuned tiles a GPU engine uses
+        report["cudagraph_capture_sizes"] = evaluator.cudagraph_capture_sizes
         if weight_modes:
             release_eggroll(evaluator)
             report["weight_modes"] = measure_weight_modes(evaluator, spec, repeats=max(spec.repeats, 1))

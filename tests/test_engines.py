@@ -762,15 +762,14 @@ def test_every_worker_call_goes_through_the_typed_client():
 
 
 def test_runs_and_engines_ask_the_engine_nothing_outside_its_protocol():
-    """No probe of an engine's attributes in the runs, the ES maths or the engines: what a run may
-    ask an engine is declared on ``Evaluator`` with defaults on ``engines.base.Engine``."""
+    """No probe of an engine's attributes anywhere in the library: what a run, a benchmark or a
+    study may ask an engine is declared on ``Evaluator`` with defaults on ``engines.base.Engine``."""
     from evolm_lib.engines.base import Engine
     from evolm_lib.engines.hf_engine import HFEvaluator as HF
     from evolm_lib.engines.synthetic import SyntheticEvaluator
 
-    for folder in ("train", "es", "engines"):
-        for path in (LIBRARY / folder).rglob("*.py"):
-            assert not re.search(r"getattr\((self\.)?evaluator\b", path.read_text()), path
+    for path in LIBRARY.rglob("*.py"):
+        assert not re.search(r"getattr\((self\.)?evaluator\b", path.read_text()), path
     for engine in (HF, VLLMEvaluator, SyntheticEvaluator):
         assert issubclass(engine, Engine)
     assert not SyntheticEvaluator.batches_grids and VLLMEvaluator.batches_grids

@@ -58,7 +58,7 @@ def profile_calls(evaluator, spec: ThroughputSpec) -> dict[str, Any]:
         table = evaluator.generate(prompts, population_of(spec, mean, generation), sampling)
         wall = time.perf_counter() - started
         call = {"wall_s": wall, "tokens": table.num_tokens}
-        last = getattr(evaluator, "last_call", None)
+        last = evaluator.last_call
         if last:
             engines = [timing.get("engine_call_s", 0.0) for timing in last["engines"].values()]
             call.update(engines_s=engines, slowest_engine_s=max(engines), mean_engine_s=statistics.fmean(engines),
