@@ -94,9 +94,3 @@ try:
     print(f"{len(paths)} figure files in {figures_dir}")
 except RuntimeError as error:  # no chromium for static export
     print(error)
-
-# %%
-# what this notebook produced: every method's trials, each winner rerun on every final seed, no tuning seed among them
-assert all(summary["methods"][m]["trials"] == spec.settings.trials for m in spec.methods)
-assert {row["method"]: row["seeds"] for row in summary["final"]} == {m: len(spec.settings.final_seeds) for m in spec.methods}
-assert not set(spec.settings.seeds) & set(summary["final_seeds"])

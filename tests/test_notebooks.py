@@ -106,7 +106,7 @@ def test_notebook_shape(source):
 
 
 # the tuning notebook's checks move into its tests with the tuning notebook's own change
-CHECKS_IN_TESTS = [source for source in SOURCES if source.stem != "07_tuning"]
+CHECKS_IN_TESTS = SOURCES
 
 
 @pytest.mark.parametrize("source", CHECKS_IN_TESTS, ids=lambda p: p.stem)
@@ -298,6 +298,25 @@ def test_grpo_stepper_papermill_run(tmp_path):
         assert figures[fmt].read_bytes().startswith(magic), fmt
     text = _stream_text(executed)
     assert "step   2/2" in text and not notice_lines(text), notice_lines(text)
+
+
+@pytest.mark.slow
+def test_tuning_notebook_tunes_every_method_and_reruns_each_winner_on_fresh_seeds(tmp_path):
+    """Notebook 07 on tiny-random: every method gets its trials, each winner is rerun on every final
+    seed, and no tuning seed is among the final seeds (read from the summary it wrote)."""
+    import yaml
+
+    out = tmp_path / "study"
+    executed = _execute(NOTEBOOKS / "07_tuning.py", tmp_path / "07.ipynb",
+                        {"spec_path": str(REPO / "papermill_runs" / "tune_tiny.yaml"), "out": str(out),
+                         "figures_dir": str(tmp_path / "figures")})
+    assert not _errors(executed)
+    summary = json.loads((out / "tune_summary.json").read_text())
+    spec = yaml.safe_load((REPO / "papermill_runs" / "tune_tiny.yaml").read_text())
+    methods = summary["methods"]
+    assert set(methods) == {"es", "grpo"} and all(entry["trials"] == 2 for entry in methods.values())  # `trials`
+    assert {row["method"]: row["seeds"] for row in summary["final"]} == {m: len(spec["final_seeds"]) for m in methods}
+    assert not set(spec["tune"]["seeds"]) & set(summary["final_seeds"])
 
 
 def test_a_batch_checks_grpo_points_as_their_kernel_builds_them(tmp_path):
