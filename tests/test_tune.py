@@ -583,3 +583,23 @@ def test_a_worker_waiting_for_a_held_study_lock_says_so(tmp_path, capfd):
     err = capfd.readouterr().err
     assert f"waiting for {lock}: another process holds it while it creates the storage's tables" in err
     assert "kill -CONT" in err
+
+
+@pytest.mark.parametrize("where, absurd", [("sweep", {"es": {"population_size": 10**9, "temperature": 0.0}}),
+                                            ("space", {"population_size": [4, 10**9]})])
+def test_a_size_of_ten_to_the_ninth_in_a_tune_spec_is_refused_before_any_work(tmp_path, capsys, where, absurd):
+    """A population of 10^9, whether fixed or one of the searched choices, is refused by the dry run and
+    the run alike, naming the field, before any engine starts or the study folder exists."""
+    def change(spec):
+        if where == "sweep":
+            spec["sweep"].update(absurd)
+        else:
+            spec["tune"]["space"]["es"].update(absurd)
+
+    path = write_spec(tmp_path, change)
+    for extra in (["--dry-run"], []):
+        assert main(["tune", str(path), *extra]) == 2
+        error = capsys.readouterr().err
+        # the size check, or for a searched choice first the budget it cannot divide: named either way
+        assert "population_size" in error and ("1,000,000,000" in error or "1000000000" in error), error
+    assert not (tmp_path / "out").exists()

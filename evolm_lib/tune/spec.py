@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import ConfigError, ESConfig, GRPOConfig, did_you_mean
-from ..sweep import PlannedRun, load_sweep_spec, plan_sweep, select_methods
+from ..sweep import PlannedRun, check_plan_sizes, load_sweep_spec, plan_sweep, select_methods
 from ..tasks import get_task
 from .space import SPLIT, Parameter, parse_space, parse_split
 
@@ -282,8 +282,8 @@ def trial_config(spec: TuneSpec, planned: PlannedRun, params: dict[str, Any]):
 def check_space(spec: TuneSpec) -> list:
     """Every searched setting checked against its method's config class: a known setting (with the
     nearest name), not one the tuning fixes, and a config built at each end of its range and at each
-    of its choices; and the selected key written by every run. Returns those configs (the engine is
-    sized for all of them)."""
+    of its choices, each within what this machine can hold (``sweep.check_plan_sizes``); and the
+    selected key written by every run. Returns those configs (the engine is sized for all of them)."""
     configs = []
     for method, runs in spec.tuning_runs.items():
         planned = runs[0]
@@ -295,8 +295,11 @@ def check_space(spec: TuneSpec) -> list:
                 raise ValueError(f"{path}: not searched: {FIXED[parameter.name]}")
             if parameter.name not in fields and parameter.name != SPLIT:
                 raise ValueError(f"{path}: not one of the {cls.__name__} settings{did_you_mean(parameter.name, fields)}")
-            for value in parameter.probes():
-                configs.append(trial_config(spec, planned, {parameter.name: value}))
+            probes = [PlannedRun(f"{path}={value}", method, planned.kind, trial_config(spec, planned, {parameter.name: value}),
+                                 planned.budget) for value in parameter.probes()]
+            # a searched size this machine cannot hold is refused now, not when a trial draws it
+            check_plan_sizes(probes)
+            configs += [probe.config for probe in probes]
         configs.append(planned.config)
     if spec.settings.select == "validation/reward":
         for method, runs in spec.tuning_runs.items():
