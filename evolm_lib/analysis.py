@@ -648,7 +648,7 @@ def study_table(groups: Groups, measure: str = "success", level: float = 0.95, n
     length gap for conciseness) with a BCa bootstrap interval across seeds at ``level``
     (`stats.seed_interval`; NaN where BCa is undefined; Student's t below ``stats.MIN_BOOTSTRAP_VALUES``
     seeds), ``interval`` naming which; ``t_low``, ``t_high``: Student's t
-    interval across seeds (`stats.t_interval`); ``iqm``: the interquartile mean across seeds;
+    interval across seeds (`stats.t_interval`); for ``measure="success"`` both are cut to [0, 1]; ``iqm``: the interquartile mean across seeds;
     ``seed_std`` (n - 1), ``min``, ``max``; ``per_seed``: each seed's score and its bootstrap interval
     over problems, as text; ``kl_mean``, ``kl_std``: final KL to the base model across seeds;
     ``seconds_per_step``: median `time/generation_s` over every generation or step of every seed;
@@ -671,6 +671,8 @@ def study_table(groups: Groups, measure: str = "success", level: float = 0.95, n
             texts.append(f"{record.seed}: {value:.3g} [{low:.3g}, {high:.3g}]")
         mean, low, high, interval = seed_interval(values, level=level, num_resamples=num_resamples, seed=seed)
         _, t_low, t_high = t_interval(values, level=level)
+        if measure == "success":  # a share lies in [0, 1]: an interval cut to it covers the true share as often
+            low, high, t_low, t_high = (min(max(bound, 0.0), 1.0) for bound in (low, high, t_low, t_high))
         kls = [kl for kl in (final_value(record.rows, "policy/kl") for record, _ in pairs) if kl is not None]
         seconds = [s for record, _ in pairs for s in _seconds_per_step(record.rows)]
         completions = [c for c in (final_value(record.rows, "samples/completions") for record, _ in pairs) if c is not None]

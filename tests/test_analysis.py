@@ -11,6 +11,7 @@ import shutil
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
@@ -354,10 +355,14 @@ def test_study_table_of_the_fixtures_by_hand():
     assert list(table.index) == METHODS and table.attrs["note"] == "" and table.attrs["key"] == "heldout/accuracy"
     assert table["seeds"].tolist() == [2, 2, 2, 2] and table["problems"].tolist() == [8, 8, 8, 8]
     assert table["mean"].tolist() == pytest.approx([0.875, 0.5, 0.5, 0.1875])
-    # two seeds: a resampled mean is the lower, the middle or the higher value with chances 1/4, 1/2,
-    # 1/4, so the 95 % interval across seeds runs from the lower seed to the higher
-    assert table["ci_low"].tolist() == pytest.approx([0.75, 0.5, 0.375, 0.125])
-    assert table["ci_high"].tolist() == pytest.approx([1.0, 0.5, 0.625, 0.25])
+    # two seeds are too few for a bootstrap: Student's t, mean -/+ t_(0.975, 1) |a - b| / 2 (s / sqrt 2 with
+    # s = |a - b| / sqrt 2), t_(0.975, 1) = tan(0.475 pi) = 12.706, cut to a share's range [0, 1]
+    half = math.tan(0.475 * math.pi) * np.array([0.25, 0.0, 0.25, 0.125]) / 2
+    means = np.array([0.875, 0.5, 0.5, 0.1875])
+    assert table["interval"].tolist() == ["t"] * 4
+    assert table["ci_low"].tolist() == pytest.approx(np.clip(means - half, 0, 1).tolist()) == [0.0, 0.5, 0.0, 0.0]
+    assert table["ci_high"].tolist() == pytest.approx(np.clip(means + half, 0, 1).tolist())
+    assert table["ci_low"].tolist() == table["t_low"].tolist() and table["ci_high"].tolist() == table["t_high"].tolist()
     assert table["seed_std"].tolist() == pytest.approx([0.25 / math.sqrt(2), 0.0, 0.25 / math.sqrt(2), 0.125 / math.sqrt(2)])
     assert table["min"].tolist() == [0.75, 0.5, 0.375, 0.125] and table["max"].tolist() == [1.0, 0.5, 0.625, 0.25]
     assert table.loc["es", "per_seed"].startswith("0: 1 [1, 1]; 1: 0.75 [")  # every problem solved: no spread
@@ -379,8 +384,10 @@ def test_study_table_of_rewards_by_hand():
     table = analysis.study_table(fixture_groups(), measure="reward")
     assert table.attrs["key"] == "heldout/reward"
     assert table["mean"].tolist() == pytest.approx([sum(v) / 2 for v in REWARD.values()])  # -0.1875, -0.5, -1.375, -3.3125
-    assert table["ci_low"].tolist() == pytest.approx([min(v) for v in REWARD.values()])
-    assert table["ci_high"].tolist() == pytest.approx([max(v) for v in REWARD.values()])
+    # two seeds: Student's t (as above), mean -/+ 12.706 |a - b| / 2
+    half = [math.tan(0.475 * math.pi) * abs(v[0] - v[1]) / 2 for v in REWARD.values()]
+    assert table["ci_low"].tolist() == pytest.approx([sum(v) / 2 - h for v, h in zip(REWARD.values(), half)])
+    assert table["ci_high"].tolist() == pytest.approx([sum(v) / 2 + h for v, h in zip(REWARD.values(), half)])
     with pytest.raises(ValueError, match="measure: one of 'success', 'reward'"):
         analysis.study_table(fixture_groups(), measure="accuracy")
 
@@ -405,11 +412,18 @@ def test_method_comparisons_of_the_fixtures_by_hand():
     pairs = list(zip(table["method_a"], table["method_b"]))
     assert pairs == [("es", "es eggroll"), ("es", "es full"), ("es", "grpo"), ("es eggroll", "es full"),
                      ("es eggroll", "grpo"), ("es full", "grpo")]
-    # difference of means, and its bootstrap interval: the extreme resampled differences (each seed of
-    # a at its lowest or highest, b at the other end) come with chance 1/16 > 2.5 %, so they are the ends
-    assert table["difference"].tolist() == pytest.approx([0.375, 0.375, 0.6875, 0.0, 0.3125, 0.3125])
-    assert table["ci_low"].tolist() == pytest.approx([0.25, 0.125, 0.5, -0.125, 0.25, 0.125])
-    assert table["ci_high"].tolist() == pytest.approx([0.5, 0.625, 0.875, 0.125, 0.375, 0.5])
+    # difference of means, and Welch's t interval (two seeds a side are too few for a bootstrap):
+    # difference -/+ t_(0.975, dof) se, se = sqrt(var_a / 2 + var_b / 2) with the variances below
+    import scipy.stats
+
+    difference = [0.375, 0.375, 0.6875, 0.0, 0.3125, 0.3125]
+    se = [math.sqrt(v) for v in (1 / 64, 1 / 32, 1 / 64 + 1 / 256, 1 / 64, 1 / 256, 1 / 64 + 1 / 256)]
+    dof = [1.0, 2.0, 25 / 17, 1.0, 1.0, 25 / 17]
+    half = [scipy.stats.t.ppf(0.975, d) * e for d, e in zip(dof, se)]
+    assert table["difference"].tolist() == pytest.approx(difference)
+    assert table["interval"].tolist() == ["t"] * 6
+    assert table["ci_low"].tolist() == pytest.approx([d - h for d, h in zip(difference, half)])
+    assert table["ci_high"].tolist() == pytest.approx([d + h for d, h in zip(difference, half)])
     # 2 vs 2 seeds: 6 splits; the observed one and its mirror are the most extreme except for eggroll
     # vs full, whose split {0.5, 0.5} | {0.375, 0.625} has difference 0 and every split |d| >= 0
     assert table["permutation_p"].tolist() == pytest.approx([1 / 3, 1 / 3, 1 / 3, 1.0, 1 / 3, 1 / 3])

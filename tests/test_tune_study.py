@@ -241,9 +241,12 @@ def test_a_protocols_sweep_is_digested_at_its_own_budgets_and_at_the_common_one(
     assert equal.loc["b", "reward_mean"] == pytest.approx((0.5 + 0.5 + 0.4) / 3)
     assert equal.loc["b", "final_reward_mean"] == pytest.approx(0.8)
     digest = study_digest(tables, "protocol").splitlines()
-    assert "Held-out success over each method's seeds: mean (BCa interval), t interval, seed standard deviation." in digest
+    assert ("Held-out success over each method's seeds: mean (95 % interval across seeds: BCa bootstrap from 5 seeds, "
+            "Student's t below, where a bootstrap has too few distinct resamples), t interval, seed standard deviation."
+            in digest)
     assert [line.split(" | ")[:6] for line in digest if line.startswith(("| a |", "| b |"))][:2] == [
-        ["| a", "", "", "", "3", "66.7 % (50.0-75.0 %)"], ["| b", "", "", "", "3", "25.0 % (0.0-50.0 %)"]]
+        # three seeds: t intervals (mean -/+ 4.303 s / sqrt 3), cut to the shares' range [0, 100 %]
+        ["| a", "", "", "", "3", "66.7 % (30.8-100.0 %)"], ["| b", "", "", "", "3", "25.0 % (0.0-87.1 %)"]]
     assert ("Not an equal-budget comparison: the methods trained on different numbers of completions, a on 100 and "
             "b on 200 (means over the seeds).") in digest
     assert "| a | 3 | 0.6 (std 0.1) | 0.6 (100) |" in digest and "| b | 3 | 0.467 (std 0.058) | 0.8 (200) |" in digest
@@ -269,8 +272,9 @@ def test_negative_rewards_read_as_intervals_from_one_bound_to_the_other():
     digest = study_digest(study_tables({"runs": runs, "trials": [], "summary": None, "geometry": None},
                                        measure="reward"), "conciseness").splitlines()
     row = next(line.split(" | ") for line in digest if line.startswith("| a |"))
-    assert row[5].startswith("-2 (-2.5 to ") and row[5].endswith(")") and "--" not in row[5]
-    assert row[6] == "-3.24 to -0.758"  # t interval: -2 -+ 4.303 * 0.5 / sqrt(3)
+    # three seeds: no bootstrap, the held-out cell gives the t interval: -2 -+ 4.303 * 0.5 / sqrt(3)
+    assert row[5] == "-2 (-3.24 to -0.758)" and "--" not in row[5]
+    assert row[6] == "-3.24 to -0.758"
 
 
 def test_a_comparison_with_one_seed_on_a_side_says_it_has_no_interval():
@@ -610,12 +614,16 @@ def test_the_geometry_tables_average_over_seeds_and_skip_directionless_updates()
     assert updates.loc["grpo", "drift_kl"] == pytest.approx(0.2)  # the seed without a KL left out
     assert updates.loc["grpo", "update_norm_sd"] == 0.0 and updates.loc["grpo", "seeds"] == 2
     (cosine,) = tables["geometry_cosines"].to_dict("records")  # es with es had no direction
-    assert cosine == {"a": "es", "b": "grpo", "seeds": 2, "cosine": pytest.approx(-0.1), "lowest": -0.3, "highest": 0.1}
+    # chance level 1/sqrt(d): geometry.json without it gives d as the larger update's values, 100
+    assert cosine == {"a": "es", "b": "grpo", "seeds": 2, "cosine": pytest.approx(-0.1), "lowest": -0.3, "highest": 0.1,
+                      "chance": pytest.approx(0.1)}
+    measured = {**geometry, "cosines": [{**c, "chance": 0.05} for c in geometry["cosines"]]}
+    assert geometry_tables(measured)["geometry_cosines"]["chance"].tolist() == [0.05]  # as update_cosine gave it
     (path,) = tables["geometry_paths"].to_dict("records")
     assert path == {"a": "es", "b": "grpo", "seed": 0, "t=0": 0.5, "t=0.5": 0.6, "t=1": 0.8, "barrier": 0.05}
     lines = geometry_digest(tables, "success")
     assert "| es | full | 4 (1.4) | 0.4 | 80.0 % | 0.2 (0.14) |" in lines
-    assert "| es | grpo | -0.1 | -0.3 to 0.1 |" in lines
+    assert "| es | grpo | -0.1 | -0.3 to 0.1 | 0.1 |" in lines  # the chance level beside the cosine
     assert "| es | grpo | 0 | 50.0 % | 60.0 % | 80.0 % | 5.0 % |" in lines
     assert geometry_digest({}, "success") == [] and geometry_tables({}) == {}
     from evolm_lib.viz.study import geometry_figures
