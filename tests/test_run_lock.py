@@ -145,10 +145,14 @@ FORKER = textwrap.dedent("""
     lock = WriterLock.acquire(sys.argv[1])
     child = os.fork()
     if child == 0:
+        # the child runs this only after the fork's hooks ran in it: its pid file says it is past them
+        with open(sys.argv[2] + ".part", "w") as handle:
+            handle.write(str(os.getpid()))
+        os.replace(sys.argv[2] + ".part", sys.argv[2])
         time.sleep(120)
         os._exit(0)
-    with open(sys.argv[2], "w") as handle:
-        handle.write(str(child))
+    while not os.path.exists(sys.argv[2]):  # on a busy machine the child may not have run yet
+        time.sleep(0.01)
     os.kill(os.getpid(), signal.SIGKILL)
 """)
 
