@@ -1,5 +1,6 @@
 """Typed, validated run settings. Unknown keys, wrong types and out-of-range values fail at once,
-with a message naming the field, before any model is converted or engine started."""
+with a message naming the field, before any model is converted or engine started. ConfigError and the checks the classes share
+live in `evolm_lib.config_checks` and are importable from here."""
 from __future__ import annotations
 
 import typing
@@ -9,36 +10,12 @@ from typing import Any, Literal, Optional
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from .config_checks import ConfigError, check_weight_selection, config_error, did_you_mean
 from .es.core import NOISE_DEVICE, NoiseDevice, check_population_size
 from .lora import ALL_PROJECTIONS, LoraSpec
 from .models import check_model_name
 from .tasks import get_task, list_tasks
 from .tasks import task_options as accepted_task_options
-
-
-class ConfigError(ValueError):
-    """A setting is invalid; the message names the field.
-
-    ``errors`` holds (field path, message) pairs where the error came from a config class, so a
-    caller that knows where a field was written (e.g. a notebook's ``settings`` mapping, a sweep's
-    ``es:`` section) can name that place with :meth:`located`."""
-
-    def __init__(self, message: str, errors: list[tuple[str, str]] | None = None, config_name: str = ""):
-        super().__init__(message)
-        self.errors = list(errors or [])
-        self.config_name = config_name
-
-    @classmethod
-    def from_errors(cls, config_name: str, errors: list[tuple[str, str]]) -> "ConfigError":
-        """"invalid ESConfig: sigma: ...; lora_rank: ..." from (field path, message) pairs."""
-        return cls(_error_text(config_name, errors), errors, config_name)
-
-    def located(self, paths: dict[str, str]) -> "ConfigError":
-        """The same error with each field renamed to its path in ``paths`` (field -> path), where given."""
-        if not self.errors:
-            return self
-        return ConfigError.from_errors(self.config_name, [(paths.get(f, f), m) for f, m in self.errors])
-
 
 GPU_MEMORY_SHARE = 0.6
 """gpu_memory_utilization on a GPU when it is not set: leaves room on the card for a GRPO policy
@@ -124,7 +101,7 @@ class CommonConfig(BaseModel):
         try:
             super().__init__(**data)
         except ValidationError as error:
-            raise _config_error(type(self), error) from None
+            raise config_error(type(self), error) from None
 
     @field_validator("model")
     @classmethod
@@ -232,46 +209,6 @@ class CommonConfig(BaseModel):
         return self.from_dict({**self.to_dict(), **changes})
 
 
-def _config_error(cls: type[BaseModel], error: ValidationError) -> ConfigError:
-    """A ConfigError naming every bad field: its path (``task_options.path``), or, for a check over
-    several fields, the field its message starts with; a misspelt name gets the nearest valid one."""
-    fields = list(cls.model_fields)
-    errors = []
-    for item in error.errors():
-        field = ".".join(str(p) for p in item["loc"])
-        message = item["msg"].removeprefix("Value error, ")
-        if item["type"] == "extra_forbidden":
-            message = "unknown setting" + did_you_mean(field, fields)
-        elif not field:  # a model-level check: its message starts with the field it is about
-            field, message = _leading_field(message, fields)
-        errors.append((field, message))
-    return ConfigError.from_errors(cls.__name__, errors)
-
-
-def _leading_field(message: str, fields: list[str]) -> tuple[str, str]:
-    """("population_size", "must be even ...") from "population_size must be even ..." or
-    "population_size: must be ..."; ("(settings)", message) when it names no field first."""
-    for name in sorted(fields, key=len, reverse=True):
-        if not message.startswith(name) or message[len(name):len(name) + 1] not in (":", ".", " "):
-            continue
-        head, colon, rest = message.partition(": ")
-        if colon and " " not in head:  # "task_options.path: ..." names a nested field by its path
-            return head, rest
-        return name, message[len(name) + 1:].strip()
-    return "(settings)", message
-
-
-def _error_text(name: str, errors: list[tuple[str, str]]) -> str:
-    return f"invalid {name}: " + "; ".join(f"{field}: {message}" for field, message in errors)
-
-
-def did_you_mean(name: str, valid: list[str] | tuple[str, ...]) -> str:
-    """" (did you mean sigma?)" for a misspelt name close to a valid one (difflib), else ""."""
-    import difflib
-
-    close = difflib.get_close_matches(str(name), [str(v) for v in valid], n=1, cutoff=0.6)
-    return f" (did you mean {close[0]}?)" if close else ""
-
 
 def model_weight_targets(selection: str | None, spec: LoraSpec) -> tuple:
     """(target modules, or "all", and the layers) of the model weights a run moves: ``all`` for every
@@ -281,9 +218,6 @@ def model_weight_targets(selection: str | None, spec: LoraSpec) -> tuple:
     return spec.target_modules, spec.layers_to_transform
 
 
-def _check_weight_selection(field: str, selection: str | None) -> None:
-    if selection not in (None, "all"):
-        raise ValueError(f"{field}: None (the LoRA target_modules) or 'all', got {selection!r}")
 
 
 class ESConfig(CommonConfig):
@@ -389,7 +323,7 @@ class ESConfig(CommonConfig):
         if self.es_mode == "lora":
             return self
         mode = self.es_mode
-        _check_weight_selection("es_weights", self.es_weights)
+        check_weight_selection("es_weights", self.es_weights)
         if self.es_weights == "all" and mode == "eggroll":
             raise ValueError("es_weights: eggroll perturbs weight matrices through LoRA slots; 'all' is for es_mode full")
         if self.adapter_transfer == "files":
@@ -497,7 +431,7 @@ class GRPOConfig(CommonConfig):
 
     @model_validator(mode="after")
     def _weights_fit(self):
-        _check_weight_selection("grpo_weights", self.grpo_weights)
+        check_weight_selection("grpo_weights", self.grpo_weights)
         if self.grpo_weights is not None and self.policy_weights == "lora":
             raise ValueError(f"grpo_weights: {self.grpo_weights!r} selects model weights, which only "
                              "policy_weights 'full' trains (policy_weights is 'lora')")

@@ -12,7 +12,6 @@ Any local model folder works too, and so does a Hugging Face hub name where the 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import importlib.util
 import os
 import shutil
@@ -111,13 +110,13 @@ def known_models() -> list[str]:
 
 @contextlib.contextmanager
 def _lock(path: Path) -> Iterator[None]:
+    """An exclusive ``filelock`` on ``path``, waited for: one process builds a model, the others wait
+    and then find it built (the OS frees the lock of a process that dies while building)."""
+    from filelock import FileLock
+
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+    with FileLock(str(path)):
+        yield
 
 
 def ensure_model(name: str) -> Path:

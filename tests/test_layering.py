@@ -14,7 +14,7 @@ LAYERS = [
     # pure pieces: maths, data, rewards; nothing here touches an engine, a run folder or a model
     {"seeds", "types", "divergence", "es", "zo", "tasks", "grpo", "metrics", "stats", "clock"},
     # settings, adapters, model folders, run folders (and report_to's copies of their rows), process environment
-    {"config", "parameters", "lora", "models", "runs", "reporting", "env", "paths", "quiet"},
+    {"config", "config_checks", "parameters", "lora", "models", "runs", "reporting", "env", "paths", "quiet"},
     # engines behind one protocol, and what is measured through them
     {"engines", "preflight", "evaluation", "throughput"},
     # runs (ES, GRPO, the loop they share) and what drives or reads many runs

@@ -1,6 +1,12 @@
 """The one writer of a folder: an exclusive OS lock (``flock``) on its lock file, held by the process
 that writes the folder and dropped by the operating system when that process ends (a crash or
-SIGKILL included), so no stale lock survives its holder. Readers take no lock and are never blocked."""
+SIGKILL included), so no stale lock survives its holder. Readers take no lock and are never blocked.
+
+This is the library's one direct use of ``fcntl`` (its other locks are ``filelock``'s): readers ask
+who holds a folder with a shared probe of microseconds, which filelock's FileLock (exclusive only) does
+not offer; the holder's name is kept in the lock file itself, read through the same descriptor; and
+a child forked while a run is open closes the descriptor it inherited, so the lock stays with its
+writer alone."""
 from __future__ import annotations
 
 import contextlib
