@@ -23,6 +23,7 @@ from evolm_lib.engines.synthetic import SyntheticEvaluator
 from evolm_lib.tasks.conciseness import EVAL_PAIRS, TRAIN_PAIRS
 from evolm_lib.metrics import without_times
 
+from helpers_data import data_script
 from helpers_kill_run import kill_config
 
 HELPER = Path(__file__).with_name("helpers_kill_run.py")
@@ -736,13 +737,7 @@ BEFORE_ES_STATE = Path(__file__).with_name("data") / "before_es_state"
 
 def _before_es_state():
     """The settings tests/data/make_before_es_state_runs.py wrote the folders with (one source)."""
-    import importlib.util
-
-    source = BEFORE_ES_STATE.with_name("make_before_es_state_runs.py")
-    spec = importlib.util.spec_from_file_location("make_before_es_state_runs", source)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return data_script("make_before_es_state_runs")
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,6 @@
 folders written by earlier code still open."""
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 import signal
@@ -20,6 +19,7 @@ from evolm_lib.lora import AdapterWeights, LoraSpec
 from evolm_lib.runs import list_checkpoints, load_checkpoint, read_metrics, write_checkpoint
 from evolm_lib.train.es import ESRun
 from evolm_lib.train.grpo import GRPORun
+from helpers_data import data_script
 
 SPEC = LoraSpec(("q_proj",), 1, 1.0, None)
 NAME = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
@@ -86,11 +86,7 @@ OLD_LAYOUT = Path(__file__).with_name("data") / "old_layout"
 
 def _old_layout_settings():
     """The settings tests/data/make_old_layout_runs.py wrote the old folders with (one source)."""
-    source = OLD_LAYOUT.with_name("make_old_layout_runs.py")
-    spec = importlib.util.spec_from_file_location("make_old_layout_runs", source)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return data_script("make_old_layout_runs")
 
 
 def _science(rows: list[dict]) -> list[dict]:
@@ -142,11 +138,7 @@ def test_a_run_folder_written_before_the_runs_moved_resumes_like_an_uninterrupte
 
 def _pre_protocol():
     """The settings tests/data/make_pre_protocol_runs.py wrote the folders with (one source)."""
-    source = Path(__file__).with_name("data") / "make_pre_protocol_runs.py"
-    spec = importlib.util.spec_from_file_location("make_pre_protocol_runs", source)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return data_script("make_pre_protocol_runs")
 
 
 class _Batching(SyntheticEvaluator):

@@ -1,23 +1,21 @@
 """The search: one Optuna study per method, in the storage every worker shares (OUT/optuna.db by
 default, a database URL, or ``journal:PATH``), run by Optuna's own loop (``Study.optimize``).
 
-A worker keeps one engine for all its trials (a trial resets what it moves: a new run starts from the
-spec's initial adapter, or ``ESRun.close`` gives a shared engine the model folder's weights back).
-A trial runs its method once per tuning seed into OUT/trials/<method>/trial_NNNN/seedS and is scored
-by the mean of the final ``select`` values. Each method gets exactly ``trials`` finished trials
+A worker keeps one engine for all its trials (a new run starts from the spec's initial adapter, or
+``ESRun.close`` gives a shared engine the model folder's weights back). A trial runs its method once
+per tuning seed into OUT/trials/<method>/trial_NNNN/seedS, scored by the mean of the final ``select``
+values. Each method gets exactly ``trials`` finished trials
 (complete or pruned): ``MaxTrialsCallback`` ends a worker's loop once they are there, and a trial
 asked while the others already fill the count (two workers asking at once) is given back at its
 start, before any run, marked ``surplus`` (never counted).
 
 An SQL storage (``RDBStorage``) records each running trial's heartbeat every ``heartbeat_s``; a trial
-silent for three of them (its worker killed) is failed by the next worker's loop and queued again
-with the same setting (``RetryHeartbeatStaleTrialCallback``, ``max_retries`` times at most); its
-retry resumes the trial's run folders from their newest checkpoints. A retry that finds a run folder
+silent for three (its worker killed) is failed by the next worker and queued again with its setting
+(``RetryHeartbeatStaleTrialCallback``, ``max_retries`` times at most), resuming its run folders. A retry that finds a run folder
 still held by a live process (a worker paused past its heartbeats) waits until that process gives it
-up; the paused worker, when it goes on, sees at its next row that its trial was taken over and gives
-it up. Ctrl-C or SIGTERM fails the cut trial at once and queues its retry, so the next worker takes it
-without waiting for the heartbeats. A journal storage (a shared filesystem) has no heartbeats: a
-killed worker's trial stays running, and is not retried.
+up; the paused worker, going on, sees at its next row that its trial was taken over and gives it up.
+Ctrl-C or SIGTERM fails the cut trial at once and queues its retry for the next worker. A journal
+storage (a shared filesystem) has no heartbeats: a killed worker's trial stays running, unretried.
 """
 from __future__ import annotations
 
@@ -122,14 +120,24 @@ def open_storage(spec: TuneSpec):
         check_sqlite(path)
     beat = max(1, math.ceil(spec.settings.heartbeat_s))
     kwargs = {"connect_args": {"timeout": 120}} if path is not None else {}
+    retry = _retry_callback(spec)
     with warnings.catch_warnings():
-        # heartbeats and their retry callback are marked experimental in Optuna 5.0; used as documented
+        # heartbeats are marked experimental in Optuna 5.0; used as documented
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        retry = optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=spec.settings.max_retries)
         # two processes creating an SQLite file's tables at once collide: one does it at a time
         with held(f"{path}.lock", "creates the storage's tables") if path is not None else contextlib.nullcontext():
             return optuna.storages.RDBStorage(url, engine_kwargs=kwargs, heartbeat_interval=beat,
                                               grace_period=3 * beat, heartbeat_stale_trial_callback=retry)
+
+
+def _retry_callback(spec: TuneSpec):
+    """Optuna's retry of a failed trial with its setting, ``tune.max_retries`` times at most: the
+    storage's heartbeat callback, and the hand-over of a trial cut by Ctrl-C or SIGTERM."""
+    import optuna
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)  # experimental in Optuna 5.0
+        return optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=spec.settings.max_retries)
 
 
 def load_study(spec: TuneSpec, method: str, storage=None):
@@ -360,17 +368,13 @@ def _stop_when_none_to_start(wanted: int, parallel: int):
 def _fail_and_retry(spec: TuneSpec, study, storage, frozen) -> None:
     """The cut trial (Ctrl-C, SIGTERM) failed now and its retry queued, as a killed worker's would be
     after its heartbeats, so that the next worker takes it at once."""
-    import optuna
     from optuna.trial import TrialState
 
     if frozen is None or storage.get_trial(frozen._trial_id).state != TrialState.RUNNING:
         return
     storage.set_trial_user_attr(frozen._trial_id, "interrupted", True)
     storage.set_trial_state_values(frozen._trial_id, state=TrialState.FAIL)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        retry = optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=spec.settings.max_retries)
-    retry(study, storage.get_trial(frozen._trial_id))
+    _retry_callback(spec)(study, storage.get_trial(frozen._trial_id))
 
 
 def tune_method(spec: TuneSpec, method: str, evaluator, log: Callable[[str], None] = print, storage=None,
