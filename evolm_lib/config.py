@@ -54,6 +54,8 @@ class CommonConfig(BaseModel):
     "evaluator ray: engines (Ray actors, one CPU or a share of a GPU each) a population is sharded over, all of them counted"
     engines_per_gpu: int = Field(1, ge=1)
     "evaluator ray: engines that share one GPU, each with its own copy of the weights, taking 1/engines_per_gpu of the card (num_engines <= GPUs x engines_per_gpu) and, unless gpu_memory_utilization is set, GPU_MEMORY_SHARE / engines_per_gpu of its memory; on a CPU cluster it is recorded and places nothing (each engine takes its CPU)"
+    tensor_parallel_size: int = Field(1, ge=1)
+    "vLLM engines: the cards (or, on a CPU, the processes) one engine's weights are split over (vLLM's tensor parallelism); each engine of evaluator ray takes that many cards of one node"
     mps_thread_percentage: Optional[int] = Field(None, ge=1, le=100)
     "evaluator ray on a card shared through CUDA's MPS: each engine's CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, the share of the card's SMs its kernels may take (for example 100 / engines_per_gpu); None: unset (each engine may take the whole card). Outside MPS it has no effect. Under it the engines see fewer SMs, and torch's CUDA random kernels size their grid from that count, so noise_device cuda draws other noise from the same seeds: the rows are those of runs at the same percentage on the same card, not those of engines with the whole card (refused with es_mode lora, whose update draws its noise in this process)"
     ray_address: Optional[str] = None
