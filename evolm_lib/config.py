@@ -243,8 +243,8 @@ class ESConfig(CommonConfig):
     "vLLM: write members into resident LoRA slots from their seeds (in_place; files where the engine cannot) or as adapter files"
     noise_device: NoiseDevice = NOISE_DEVICE
     "where noise is drawn: cpu (same bits on every machine) or cuda (faster for large adapters; GPU-only bits; cpu, with a warning, on a machine without a GPU)"
-    noise_scheme: Literal["flat", "per_tensor"] = "flat"
-    "flat: one draw per member for all its tensors (fast); per_tensor: one per tensor (runs made before this setting)"
+    noise_scheme: Literal["flat", "per_tensor", "tiled"] = "flat"
+    "flat: one draw per member for all its tensors (fast); per_tensor: one per tensor (runs made before this setting); tiled: one per 2048 x 2048 tile of each tensor, so a card draws only its slice of a weight and a member is written weight by weight (es_mode full at tensor_parallel_size > 1 needs it; with es_mode full it also keeps no member's noise of every weight at once: docs: Large models)"
     score_in_population: bool = True
     "the mean adapter's greedy scoring rides in the next generation's population call (vLLM, Ray), not a call of its own"
     estimator: Optional[str] = None
@@ -348,6 +348,16 @@ class ESConfig(CommonConfig):
             raise ValueError(f"mps_thread_percentage: {self.mps_thread_percentage} % of the SMs gives the engines other "
                              "noise than this process draws for the LoRA mean's update (es_mode lora); use it with "
                              "es_mode full or eggroll, whose engines draw both, or noise_device: cpu")
+        return self
+
+    @model_validator(mode="after")
+    def _sharded_master_draws_its_slice(self):
+        # a card of a tensor-parallel engine holds a slice of each weight: only the tiled scheme draws a
+        # slice's noise without drawing every weight's (the float32 master of the whole model per card)
+        if self.tensor_parallel_size > 1 and self.es_mode == "full" and self.noise_scheme != "tiled":
+            raise ValueError(f"noise_scheme: es_mode full at tensor_parallel_size={self.tensor_parallel_size} needs "
+                             f"noise_scheme: tiled (each card draws only its slice of a weight's noise; "
+                             f"{self.noise_scheme} draws every weight's on every card)")
         return self
 
     @model_validator(mode="after")

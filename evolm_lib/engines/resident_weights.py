@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from dataclasses import dataclass, field
 from typing import Literal, Mapping, Sequence
 
 import torch
@@ -39,11 +40,28 @@ from .base import CompletionTable, SamplingSettings
 NoiseForm = Literal["full", "lowrank"]
 
 
+@dataclass(frozen=True)
+class WeightSlice:
+    """Where a live tensor sits in the model's whole weight (a card of a tensor-parallel engine holds
+    a slice of it): the weight's whole shape, and the rows and columns of its matrix view
+    (``es.matrix_shape``) that this tensor holds."""
+
+    shape: tuple[int, ...]
+    rows: slice = field(default_factory=lambda: slice(None))
+    cols: slice = field(default_factory=lambda: slice(None))
+
+    @property
+    def whole(self) -> bool:
+        """Whether the tensor is the whole weight."""
+        n_rows, n_cols = es.matrix_shape(self.shape)
+        return self.rows.indices(n_rows)[:2] == (0, n_rows) and self.cols.indices(n_cols)[:2] == (0, n_cols)
+
+
 class ResidentWeights:
     """The targeted live weights of a model with a float32 master of the ES mean beside them."""
 
     def __init__(self, live: Mapping[str, torch.Tensor], *, scheme: es.NoiseScheme = "flat",
-                 noise: NoiseForm = "full", noise_rank: int = 1):
+                 noise: NoiseForm = "full", noise_rank: int = 1, slices: Mapping[str, WeightSlice] | None = None):
         if not live:
             raise ValueError("no weights to write: the targeted modules matched no parameter")
         devices = {tensor.device for tensor in live.values()}
@@ -55,8 +73,13 @@ class ResidentWeights:
         self.scheme, self.noise, self.noise_rank = scheme, noise, noise_rank
         self.layout = es.Layout.of({name: tuple(tensor.shape) for name, tensor in live.items()})
         self.live = [live[name] for name in self.layout.names]  # in layout order
+        self.slices = {name: (slices or {}).get(name, WeightSlice(tuple(live[name].shape))) for name in self.layout.names}
+        sliced = sorted(name for name, part in self.slices.items() if not part.whole)
+        if sliced and noise == "full" and scheme != "tiled":
+            raise ValueError(f"{sliced[0]} is a slice of its weight (a tensor-parallel engine): full-rank noise needs "
+                             f"noise_scheme 'tiled' there, which draws a slice's noise alone, not {scheme!r}")
         if noise == "lowrank":
-            lowrank.check_rank(noise_rank, self.shapes)
+            lowrank.check_rank(noise_rank, self.whole_shapes)
         # the kept copy: float32, so the mean restores bit for bit and small updates accumulate
         flat = es.flat_of({name: live[name].detach() for name in self.layout.names}, self.layout)
         self.master = es.FlatParams(flat.to(torch.float32, copy=True), self.layout)
@@ -64,21 +87,51 @@ class ResidentWeights:
 
     @property
     def shapes(self) -> dict[str, tuple[int, ...]]:
-        """Name -> shape of every targeted weight."""
+        """Name -> shape of every targeted live tensor (a slice of its weight on a tensor-parallel card)."""
         return dict(zip(self.layout.names, self.layout.shapes))
+
+    @property
+    def whole_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Name -> shape of every targeted weight, whole (what members' noise is defined over)."""
+        return {name: part.shape for name, part in self.slices.items()}
+
+    @property
+    def streams(self) -> bool:
+        """Whether members and updates are made weight by weight ("tiled" full-rank noise): no noise or
+        gradient of every weight exists at once."""
+        return self.noise == "full" and self.scheme == "tiled"
+
+    def _tiled(self, seed: int, name: str) -> torch.Tensor:
+        """eps(seed) over this tensor's slice of weight ``name``, float32, the live tensor's shape."""
+        part = self.slices[name]
+        values = es.tiled_noise(seed, name, part.shape, part.rows, part.cols, self.device)
+        return values.view(self.layout.shapes[self.layout.positions[name]])
+
+    def _lowrank_slices(self) -> dict[str, tuple[slice, slice]]:
+        return {name: (part.rows, part.cols) for name, part in self.slices.items()}
 
     # --- members ---------------------------------------------------------------------------------
     def member_noise(self, member: es.Member, sigma: float) -> torch.Tensor:
         """sign * sigma * eps(seed) over all targeted weights, float32, flat (layout order)."""
         if self.noise == "full":
+            if self.streams:
+                return torch.cat([self._tiled(member.seed, name).reshape(-1) for name in self.layout.names]).mul_(
+                    member.sign * float(sigma))
             flat = es.population_noise([member.seed], self.layout, self.device, self.scheme)[0]
             return flat.mul_(member.sign * float(sigma))
-        delta = lowrank.member_delta(member, self.shapes, self.noise_rank, float(sigma), self.device, self.scheme)
+        delta = lowrank.member_delta(member, self.whole_shapes, self.noise_rank, float(sigma), self.device, self.scheme,
+                                     slices=self._lowrank_slices())
         return torch.cat([delta[name].reshape(-1) for name in self.layout.names])
 
     @torch.no_grad()
     def write_member(self, member: es.Member, sigma: float) -> None:
-        """Serve member theta + sign * sigma * eps(seed): computed in float32, cast once into place."""
+        """Serve member theta + sign * sigma * eps(seed): computed in float32, cast once into place
+        (weight by weight with "tiled" noise)."""
+        if self.streams:
+            step = member.sign * float(sigma)
+            for name, live, mean in zip(self.layout.names, self.live, self.master.values()):
+                live.copy_(self._tiled(member.seed, name).mul_(step).add_(mean))
+            return
         values = self.member_noise(member, sigma).add_(self.master.flat)
         torch._foreach_copy_(self.live, list(self.layout.split(values).values()))
 
@@ -95,25 +148,50 @@ class ResidentWeights:
     def gradient(self, members: Sequence[es.Member], weights: Sequence[float] | torch.Tensor, sigma: float,
                  form: es.GradientForm = "qiu") -> es.Params:
         """The ES ascent direction over the targeted weights, from seeds and shaped fitness, on their device."""
+        if self.streams:
+            flat = torch.cat([part.reshape(-1) for _, part in self._tiled_gradient(members, weights, sigma, form)])
+            return es.FlatParams(flat, self.layout)
         if self.noise == "full":
             return es.es_gradient(members, weights, self.shapes, sigma, form, self.device, self.scheme)
         flat = torch.empty(self.layout.total, dtype=torch.float32, device=self.device)
-        lowrank.lowrank_gradient(members, weights, self.shapes, self.noise_rank, sigma, form, self.device, self.scheme,
-                                 out=self.layout.split(flat))  # straight into one flat vector
+        lowrank.lowrank_gradient(members, weights, self.whole_shapes, self.noise_rank, sigma, form, self.device,
+                                 self.scheme, out=self.layout.split(flat),  # straight into one flat vector
+                                 slices=self._lowrank_slices())
         return es.FlatParams(flat, self.layout)
+
+    def _tiled_gradient(self, members: Sequence[es.Member], weights: Sequence[float] | torch.Tensor, sigma: float,
+                        form: es.GradientForm):
+        """(where in the flat master, gradient) weight by weight: the members' tiled noise summed with
+        their coefficients in seed order, as ``es.seeded_combination`` sums it, one weight at a time."""
+        coefficient = es.member_coefficients(members, weights, form, sigma, self.layout.names)
+        seeds = [seed for seed, c in coefficient.items() if c != 0.0]
+        divisor = len(members) * (float(sigma) if form == "textbook" else 1.0)
+        offset = 0
+        for name, shape in zip(self.layout.names, self.layout.shapes):
+            total = torch.zeros(shape, dtype=torch.float32, device=self.device)
+            for seed in seeds:
+                total.add_(self._tiled(seed, name), alpha=coefficient[seed])
+            total.div_(divisor)
+            yield slice(offset, offset + total.numel()), total
+            offset += total.numel()
 
     @torch.no_grad()
     def step(self, optimizer: es.OptimizerConfig, members: Sequence[es.Member], weights: Sequence[float] | torch.Tensor,
              sigma: float, form: es.GradientForm = "qiu") -> float:
         """One ES update of the mean where the weights live; the live weights then hold the new mean.
-        Returns the update's L2 norm (float32 master, before the cast)."""
+        Returns the update's L2 norm (float32 master, before the cast; on a tensor-parallel card, of
+        this card's slices)."""
         if self.optimizer_state is None:
             self.optimizer_state = es.init_optimizer_state(optimizer, self.master, copy=False)
-        gradient = es.flat_of(self.gradient(members, weights, sigma, form), self.layout)
-        # in place: no full-size temporaries beside a master of billions of weights
-        self.optimizer_state, norm = es.apply_update_in_place(optimizer, self.optimizer_state, gradient)
+        if self.streams:  # weight by weight: one weight's gradient at a time beside the master
+            self.optimizer_state, norm = es.apply_update_in_parts(
+                optimizer, self.optimizer_state, self._tiled_gradient(members, weights, sigma, form))
+        else:
+            gradient = es.flat_of(self.gradient(members, weights, sigma, form), self.layout)
+            # in place: no full-size temporaries beside a master of billions of weights
+            self.optimizer_state, norm = es.apply_update_in_place(optimizer, self.optimizer_state, gradient)
+            del gradient  # its buffer goes back to the allocator before the weights are rewritten
         self.master = self.optimizer_state.master
-        del gradient  # its buffer goes back to the allocator before the weights are rewritten
         self.restore()
         return norm
 

@@ -7,12 +7,13 @@
 ``evolm_lib.train.es.ESRun``; nothing in this package imports an engine, a run or a model.
 """
 from . import core  # the same names under evolm_lib.es.core, for code that imports them from there
-from .gradient import GradientForm, es_gradient, seeded_combination
+from .gradient import GradientForm, es_gradient, member_coefficients, seeded_combination
 from .layout import FlatParams, Layout, Params, Shapes, difference, flat_of, shapes_of, update_norm
 from .noise import (NOISE_DEVICE, NOISE_SCHEMES, Member, NoiseDevice, NoiseScheme, Sigma, check_noise_device,
-                    check_noise_scheme, check_population_size, check_sigma, flat_seed, member_noise, perturb,
-                    population, population_noise, tensor_seed)
-from .optimizers import (AdamConfig, OptimizerConfig, OptimizerState, SGDConfig, apply_update, apply_update_in_place,
+                    check_noise_scheme, check_population_size, check_sigma, flat_seed, matrix_shape, member_noise,
+                    perturb, population, population_noise, tensor_seed, tiled_noise)
+from .optimizers import (AdamConfig, OptimizerConfig, OptimizerState, SGDConfig, apply_update, apply_update_in_parts,
+                         apply_update_in_place,
                          init_optimizer_state, optimizer_state_from_tensors, optimizer_state_to,
                          optimizer_state_to_tensors)
 from .shaping import SHAPING, centered_ranks, per_prompt_centering, raw, shape_fitness, z_score
@@ -38,6 +39,8 @@ __all__ = [
     "population_noise",
     "seeded_combination",
     "tensor_seed",
+    "tiled_noise",
+    "matrix_shape",
     "member_noise",
     "shapes_of",
     "Member",
@@ -51,12 +54,14 @@ __all__ = [
     "per_prompt_centering",
     "shape_fitness",
     "es_gradient",
+    "member_coefficients",
     "SGDConfig",
     "AdamConfig",
     "OptimizerState",
     "init_optimizer_state",
     "apply_update",
     "apply_update_in_place",
+    "apply_update_in_parts",
     "optimizer_state_to",
     "update_norm",
     "optimizer_state_to_tensors",

@@ -62,14 +62,32 @@ def member_factors(seeds: Sequence[int], shapes: Shapes, rank: int, device: str 
     return {name: (views[name + _A], views[name + _B]) for name in shapes}
 
 
+Slices = Mapping[str, tuple[slice, slice]]
+"""Weight name -> (rows, columns) of it that a card of a tensor-parallel engine holds; a name not
+given is whole. The factors are drawn whole (r x (out + in) values) and cut, so a slice's noise is
+the whole weight's noise there."""
+
+
+def _cut(a: torch.Tensor, b: torch.Tensor, name: str, slices: Slices | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A (..., out, r) and B (..., in, r) cut to the rows and columns of ``name`` in ``slices``."""
+    if slices is None or name not in slices:
+        return a, b
+    rows, cols = slices[name]
+    return a[..., rows, :], b[..., cols, :]
+
+
 def member_delta(member: Member, shapes: Shapes, rank: int, sigma: Sigma, device: str | torch.device = "cpu",
-                 scheme: NoiseScheme = "flat") -> dict[str, torch.Tensor]:
-    """One member's dense perturbation sign * sigma * A B^T / sqrt(r) per weight (out, in), float32:
-    the reference for what its LoRA slot must serve."""
+                 scheme: NoiseScheme = "flat", slices: Slices | None = None) -> dict[str, torch.Tensor]:
+    """One member's dense perturbation sign * sigma * A B^T / sqrt(r) per weight (out, in), float32
+    (over each weight's slice in ``slices``): the reference for what its LoRA slot must serve."""
     check_sigma(sigma, list(shapes))
     factors = member_factors([member.seed], shapes, rank, device, scheme)
     scale = 1.0 / math.sqrt(rank)
-    return {name: (member.sign * sigma_of(sigma, name) * scale) * (a[0] @ b[0].T) for name, (a, b) in factors.items()}
+    out = {}
+    for name, (a, b) in factors.items():
+        a, b = _cut(a, b, name, slices)
+        out[name] = (member.sign * sigma_of(sigma, name) * scale) * (a[0] @ b[0].T)
+    return out
 
 
 def slot_factors(member: Member, shapes: Shapes, rank: int, sigma: Sigma, device: str | torch.device = "cpu",
@@ -122,6 +140,12 @@ def _stacked_view(views: Sequence[torch.Tensor]) -> torch.Tensor | None:
     return first.as_strided((len(views), *first.shape), (step, *first.stride()), offsets[0])
 
 
+def _held_shape(shape: Sequence[int], rows: slice, cols: slice) -> tuple[int, int]:
+    """The shape of the rows and columns of a (out, in) weight that a card holds."""
+    out_features, in_features = (int(d) for d in shape)
+    return len(range(*rows.indices(out_features))), len(range(*cols.indices(in_features)))
+
+
 def lowrank_gradient_per_matrix(members: Sequence[Member], weights: torch.Tensor | Sequence[float], shapes: Shapes,
                                 rank: int, sigma: Sigma, form: GradientForm = "qiu", device: str | torch.device = "cpu",
                                 scheme: NoiseScheme = "flat", block: int | None = None) -> dict[str, torch.Tensor]:
@@ -144,23 +168,26 @@ def lowrank_gradient_per_matrix(members: Sequence[Member], weights: torch.Tensor
 def lowrank_gradient(members: Sequence[Member], weights: torch.Tensor | Sequence[float], shapes: Shapes, rank: int,
                      sigma: Sigma, form: GradientForm = "qiu", device: str | torch.device = "cpu",
                      scheme: NoiseScheme = "flat", block: int | None = None,
-                     out: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+                     out: Mapping[str, torch.Tensor] | None = None, slices: Slices | None = None) -> dict[str, torch.Tensor]:
     """The full-rank ES ascent direction from low-rank members: name -> (out, in) float32 on `device`
     (written into ``out``'s tensors when given, e.g. views of one flat vector: no copy afterwards).
 
     "qiu": 1/N sum_i w_i sign_i E_i (sigma folded into the learning rate, as in ``core.es_gradient``);
     "textbook": divided by sigma as well. Antithetic pairs share a seed and are drawn once, with the
     combined coefficient w+ - w-. Members are drawn in blocks (bounded memory), accumulated in a
-    fixed order, so a resumed run gets the same bits."""
+    fixed order, so a resumed run gets the same bits. With ``slices``, each weight's slice only (a
+    card of a tensor-parallel engine): the products are of cut factors, so their sums may round
+    otherwise than the whole weight's in the last bits."""
     coefficient = member_coefficients(members, weights, form, sigma, list(shapes))
     seeds = [seed for seed, c in coefficient.items() if c != 0.0]
     n = len(members)
+    held = {name: _held_shape(shape, *(slices or {}).get(name, (slice(None), slice(None)))) for name, shape in shapes.items()}
     if out is not None:
-        totals = {name: out[name].view(tuple(shape)) for name, shape in shapes.items()}
+        totals = {name: out[name].view(held[name]) for name in shapes}
     else:
-        flat = torch.empty(sum(math.prod(shape) for shape in shapes.values()), dtype=torch.float32, device=device)
-        totals = Layout.of(shapes).split(flat)
-    groups = shape_groups(shapes)
+        flat = torch.empty(sum(math.prod(shape) for shape in held.values()), dtype=torch.float32, device=device)
+        totals = Layout.of(held).split(flat)
+    groups = shape_groups(held)
     # each group's totals as one (matrices, out, in) tensor: a view where they sit at equal distances
     # (a product written in place), else a buffer copied out at the end
     stacked = {key: _stacked_view([totals[name] for name in names]) for key, names in groups.items()}
@@ -175,8 +202,9 @@ def lowrank_gradient(members: Sequence[Member], weights: torch.Tensor | Sequence
         c = torch.tensor([coefficient[seed] for seed in chunk], dtype=torch.float32)
         factors = member_factors(chunk, shapes, rank, device, scheme)
         for key, names in groups.items():
-            a = torch.stack([factors[name][0] for name in names])  # (matrices, members, out, r)
-            b = torch.stack([factors[name][1] for name in names])  # (matrices, members, in, r)
+            cut = [_cut(*factors[name], name, slices) for name in names]
+            a = torch.stack([pair[0] for pair in cut])  # (matrices, members, out, r)
+            b = torch.stack([pair[1] for pair in cut])  # (matrices, members, in, r)
             target = stacked[key] if stacked[key] is not None else buffers[key]  # (matrices, out, in)
             if index == 0:  # the first block is the sum so far: its product written straight in
                 target.baddbmm_(*_concatenated(a, b, c), beta=0.0)

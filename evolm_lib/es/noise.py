@@ -16,8 +16,10 @@ from ..seeds import derive_seed
 from .layout import Layout, Params, Shapes, shapes_of
 
 Sigma = Union[float, Mapping[str, float]]
-NoiseScheme = Literal["flat", "per_tensor"]
-NOISE_SCHEMES: tuple[str, ...] = ("flat", "per_tensor")
+NoiseScheme = Literal["flat", "per_tensor", "tiled"]
+NOISE_SCHEMES: tuple[str, ...] = ("flat", "per_tensor", "tiled")
+TILE = 2048
+"""Side of the square tiles the "tiled" scheme draws a weight's noise in (4M values, 16 MiB a tile)."""
 NoiseDevice = Literal["cpu", "cuda"]
 NOISE_DEVICE: NoiseDevice = "cpu"
 """Where noise is drawn unless asked otherwise: the CPU stream is the same bits on every machine."""
@@ -31,6 +33,46 @@ def tensor_seed(seed: int, name: str) -> int:
 def flat_seed(seed: int) -> int:
     """Stable 63-bit generator seed of a member's whole flat noise vector ("flat" scheme)."""
     return derive_seed(seed, "flat-noise", bits=63)
+
+
+def tile_seed(seed: int, name: str, row_tile: int, col_tile: int) -> int:
+    """Stable 63-bit generator seed of one tile of one tensor of one member ("tiled" scheme)."""
+    return derive_seed(seed, name, row_tile, col_tile, bits=63)
+
+
+def matrix_shape(shape: Sequence[int]) -> tuple[int, int]:
+    """A tensor seen as the matrix its tiles cover: (rows, the other dimensions together); a vector is one row."""
+    if len(shape) == 0:
+        return 1, 1
+    if len(shape) == 1:
+        return 1, int(shape[0])
+    return int(shape[0]), math.prod(int(d) for d in shape[1:])
+
+
+def tiled_noise(seed: int, name: str, shape: Sequence[int], rows: slice = slice(None), cols: slice = slice(None),
+                device: str | torch.device = NOISE_DEVICE) -> torch.Tensor:
+    """Standard-normal noise of the block ``[rows, cols]`` of tensor ``name`` (seen as ``matrix_shape``),
+    float32, drawing only the TILE x TILE tiles the block overlaps.
+
+    Tile (i, j) is one ``torch.randn`` of its own generator, seeded by ``tile_seed(seed, name, i, j)``,
+    so a value depends on the seed, the tensor and its position, never on what else is drawn: a card
+    that holds a slice of a weight (vLLM's tensor parallelism splits rows or columns) makes exactly
+    that slice's values, the same bits as the whole tensor drawn on one card of the same type."""
+    n_rows, n_cols = matrix_shape(shape)
+    r0, r1, _ = rows.indices(n_rows)
+    c0, c1, _ = cols.indices(n_cols)
+    out = torch.empty((max(r1 - r0, 0), max(c1 - c0, 0)), dtype=torch.float32, device=device)
+    generator = torch.Generator(device=device)
+    for i in range(r0 // TILE, -(-r1 // TILE)):
+        top, bottom = i * TILE, min((i + 1) * TILE, n_rows)
+        for j in range(c0 // TILE, -(-c1 // TILE)):
+            left, right = j * TILE, min((j + 1) * TILE, n_cols)
+            generator.manual_seed(tile_seed(int(seed), name, i, j))
+            tile = torch.randn((bottom - top, right - left), generator=generator, dtype=torch.float32, device=device)
+            a, b = max(top, r0), min(bottom, r1)  # the overlap of the tile and the block
+            c, d = max(left, c0), min(right, c1)
+            out[a - r0:b - r0, c - c0:d - c0] = tile[a - top:b - top, c - left:d - left]
+    return out
 
 
 def check_noise_scheme(scheme: str) -> None:
@@ -54,6 +96,8 @@ def population_noise(seeds: Sequence[int], layout: Layout, device: str | torch.d
       of LoRA tensors (SmolLM2 has 420).
     "per_tensor": one generator per (member, tensor), seeded by `tensor_seed(seed, name)`; a tensor's
       noise does not depend on the other tensors (the scheme of runs made before "flat" existed).
+    "tiled": one generator per (member, tensor, TILE x TILE tile) (`tiled_noise`): any slice of a
+      tensor can be drawn on its own, which tensor-parallel engines and tensor-by-tensor updates need.
     Same seed, scheme and device type give the same bits. The default CPU stream is the same on every
     machine; CUDA's stream differs from the CPU's (reproducible on GPUs, not across CPU and GPU)."""
     check_noise_scheme(scheme)
@@ -62,6 +106,10 @@ def population_noise(seeds: Sequence[int], layout: Layout, device: str | torch.d
         if scheme == "flat":
             generator = torch.Generator(device=device).manual_seed(flat_seed(int(seed)))
             torch.randn((layout.total,), generator=generator, out=row)
+            continue
+        if scheme == "tiled":
+            for name, view in layout.split(row).items():
+                view.copy_(tiled_noise(int(seed), name, view.shape, device=device).view(view.shape))
             continue
         for name, view in layout.split(row).items():
             # One generator per tensor, seeded by (seed, name): two same-shaped tensors get different

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Mapping, Union
+from typing import Iterable, Mapping, Union
 
 import torch
 
@@ -206,14 +206,32 @@ def apply_update_in_place(config: OptimizerConfig, state: OptimizerState, gradie
     full-size temporaries (a new master, the difference, its float64 copy for the norm: four times the
     master's memory) may not fit; alone it is no faster (docs/measurements.md). The elementwise maths is the same functions' (``_direction``, ``_stepped``); only
     the norm's summation order differs from the norm of a whole-vector difference."""
-    master = state.master
-    if not isinstance(master, FlatParams) or master.flat.dtype != torch.float32:
-        raise TypeError("apply_update_in_place needs a float32 FlatParams master (init_optimizer_state makes one)")
-    theta = master.flat
+    theta = _flat_master(state).flat
     g = gradient.detach().reshape(-1)
     if g.numel() != theta.numel():
         raise ValueError(f"a gradient of {theta.numel()} values is needed, got {g.numel()}")
     g = g.to(device=theta.device, dtype=torch.float32)
+    return apply_update_in_parts(config, state, [(slice(0, g.numel()), g)], chunk)
+
+
+def _flat_master(state: OptimizerState) -> FlatParams:
+    """The state's master, which an in-place update needs as one float32 vector."""
+    master = state.master
+    if not isinstance(master, FlatParams) or master.flat.dtype != torch.float32:
+        raise TypeError("an in-place update needs a float32 FlatParams master (init_optimizer_state makes one)")
+    return master
+
+
+def apply_update_in_parts(config: OptimizerConfig, state: OptimizerState,
+                          parts: Iterable[tuple[slice, torch.Tensor]],
+                          chunk: int = IN_PLACE_CHUNK) -> tuple[OptimizerState, float]:
+    """``apply_update_in_place`` with the gradient given part by part: ``(where, values)`` pairs
+    that together cover the flat master once, each part made only when it is reached (a weight's
+    gradient regenerated from the members' seeds, so no gradient of every weight exists at once).
+    Each part is applied in chunks of ``chunk`` values; the elementwise maths is the same, so the
+    master and buffers get the same bits however the gradient is cut."""
+    master = _flat_master(state)
+    theta = master.flat
     if chunk < 1:
         raise ValueError(f"chunk must be at least 1, got {chunk}")
 
@@ -222,21 +240,29 @@ def apply_update_in_place(config: OptimizerConfig, state: OptimizerState, gradie
     first = _moment(state.first_moment, keeps_first, master.layout, theta, torch.float32)
     second = _moment(state.second_moment, keeps_second, master.layout, theta, torch.float32)
     step = state.step + 1
-    norms = []
+    norms, covered = [], 0
     # a master made under inference mode (an engine's worker) may only be written in place under it
     with torch.inference_mode(theta.is_inference()):
-        for start in range(0, theta.numel(), chunk):
-            part = slice(start, start + chunk)
-            old = theta[part]
-            direction, m, v = _direction(config, g[part], first[part] if first is not None else None,
-                                         second[part] if second is not None else None, step)
-            new = _stepped(config, old, direction)
-            norms.append(torch.linalg.vector_norm(new.sub(old), dtype=torch.float64))
-            old.copy_(new)
-            if m is not None:
-                first[part].copy_(m)
-            if v is not None:
-                second[part].copy_(v)
+        for where, values in parts:
+            offset = where.start
+            values = values.detach().reshape(-1).to(device=theta.device, dtype=torch.float32)
+            if where.stop - offset != values.numel():
+                raise ValueError(f"a gradient part for {where} has {values.numel()} values")
+            covered += values.numel()
+            for start in range(0, values.numel(), chunk):
+                part = slice(offset + start, offset + min(start + chunk, values.numel()))
+                old = theta[part]
+                direction, m, v = _direction(config, values[start:start + chunk], first[part] if first is not None else None,
+                                             second[part] if second is not None else None, step)
+                new = _stepped(config, old, direction)
+                norms.append(torch.linalg.vector_norm(new.sub(old), dtype=torch.float64))
+                old.copy_(new)
+                if m is not None:
+                    first[part].copy_(m)
+                if v is not None:
+                    second[part].copy_(v)
+    if covered != theta.numel():
+        raise ValueError(f"the gradient's parts cover {covered} of the master's {theta.numel()} values")
     norm = float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
     advanced = replace(state, step=step, master=master,
                        first_moment=FlatParams(first, master.layout) if first is not None else {},
