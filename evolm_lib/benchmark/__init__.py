@@ -14,6 +14,7 @@ Subcommands (each a module of this package with its own ``main(argv)``):
   grpo-update   the GRPO update with and without ``deterministic``, the policy in its own process
   label-logits  the labels' log-probabilities and their backward: torch's gather against ``label_logits``
   engine-start  an engine's start with every CUDA-graph size against the sizes a run uses
+  full-memory   full-parameter ES on a large model: the memory plan of a card against the card's use, a generation's time
 
 Examples::
 
@@ -36,6 +37,7 @@ SUBCOMMANDS = {
     "grpo-update": "grpo_update",
     "label-logits": "label_logits",
     "engine-start": "engine_start",
+    "full-memory": "full_memory",
 }
 """subcommand -> module of this package holding its ``main(argv)``"""
 DEFAULT = "engine"

@@ -84,6 +84,8 @@ class ResidentWeights:
         flat = es.flat_of({name: live[name].detach() for name in self.layout.names}, self.layout)
         self.master = es.FlatParams(flat.to(torch.float32, copy=True), self.layout)
         self.optimizer_state: es.OptimizerState | None = None
+        self.slice_norms: dict[str, float] = {}
+        "each weight's (slice's) update norm of the last step"
 
     @property
     def shapes(self) -> dict[str, tuple[int, ...]]:
@@ -175,22 +177,34 @@ class ResidentWeights:
             yield slice(offset, offset + total.numel()), total
             offset += total.numel()
 
+    @property
+    def sliced(self) -> bool:
+        """Whether this holds a slice of some weight (a card of a tensor-parallel engine)."""
+        return not all(part.whole for part in self.slices.values())
+
     @torch.no_grad()
     def step(self, optimizer: es.OptimizerConfig, members: Sequence[es.Member], weights: Sequence[float] | torch.Tensor,
              sigma: float, form: es.GradientForm = "qiu") -> float:
         """One ES update of the mean where the weights live; the live weights then hold the new mean.
-        Returns the update's L2 norm (float32 master, before the cast; on a tensor-parallel card, of
-        this card's slices)."""
+        Returns the update's L2 norm (float32 master, before the cast). Holding slices of weights,
+        each weight's norm is kept in ``slice_norms`` too, so the cards' norms combine into the whole
+        update's without counting twice what several cards hold."""
         if self.optimizer_state is None:
             self.optimizer_state = es.init_optimizer_state(optimizer, self.master, copy=False)
+        gradient = None
         if self.streams:  # weight by weight: one weight's gradient at a time beside the master
-            self.optimizer_state, norm = es.apply_update_in_parts(
-                optimizer, self.optimizer_state, self._tiled_gradient(members, weights, sigma, form))
+            parts = self._tiled_gradient(members, weights, sigma, form)
         else:
             gradient = es.flat_of(self.gradient(members, weights, sigma, form), self.layout)
             # in place: no full-size temporaries beside a master of billions of weights
-            self.optimizer_state, norm = es.apply_update_in_place(optimizer, self.optimizer_state, gradient)
-            del gradient  # its buffer goes back to the allocator before the weights are rewritten
+            parts = [(slice(0, gradient.numel()), gradient)]
+            if self.sliced:
+                parts = [(slice(offset, offset + view.numel()), view.reshape(-1))
+                         for offset, view in zip(self.layout.offsets, self.layout.split(gradient).values())]
+        norms: list[float] = []
+        self.optimizer_state, norm = es.apply_update_in_parts(optimizer, self.optimizer_state, parts, part_norms=norms)
+        del gradient, parts  # their buffers go back to the allocator before the weights are rewritten
+        self.slice_norms = dict(zip(self.layout.names, norms))
         self.master = self.optimizer_state.master
         self.restore()
         return norm
@@ -327,6 +341,56 @@ def snapshot_of(resident: ResidentWeights) -> dict:
             buffers = getattr(state, name)
             if isinstance(buffers, es.FlatParams):
                 out[name] = buffers.flat.detach().cpu().clone()
+    return out
+
+
+def slice_bounds(resident: ResidentWeights) -> dict[str, tuple[tuple[int, int], tuple[int, int]]]:
+    """Name -> ((first row, end row), (first column, end column)) of the slice of each whole weight
+    (``es.matrix_shape``) that ``resident`` holds, as plain numbers for a snapshot."""
+    bounds = {}
+    for name, part in resident.slices.items():
+        n_rows, n_cols = es.matrix_shape(part.shape)
+        bounds[name] = (tuple(part.rows.indices(n_rows)[:2]), tuple(part.cols.indices(n_cols)[:2]))
+    return bounds
+
+
+SNAPSHOT_BUFFERS = ("master", "first_moment", "second_moment")
+
+
+def gather_snapshots(shapes: Mapping[str, Sequence[int]], snapshots: Sequence[Mapping]) -> dict:
+    """One snapshot of the whole weights from the snapshots of the cards that hold slices of them
+    (``snapshot_of`` with ``slices`` from ``slice_bounds``): each buffer laid out as a whole
+    weights' snapshot (``es.Layout`` of ``shapes``), so a checkpoint does not depend on the cards."""
+    layout = es.Layout.of({name: tuple(int(d) for d in shape) for name, shape in shapes.items()})
+    out: dict = {key: snapshots[0][key] for key in snapshots[0] if key not in SNAPSHOT_BUFFERS and key != "slices"}
+    for key in SNAPSHOT_BUFFERS:
+        if key not in snapshots[0]:
+            continue
+        whole = torch.empty(layout.total, dtype=torch.float32)
+        views = {name: view.view(es.matrix_shape(view.shape)) for name, view in layout.split(whole).items()}
+        for snapshot in snapshots:
+            held = {name: ((r0, r1), (c0, c1)) for name, ((r0, r1), (c0, c1)) in snapshot["slices"].items()}
+            sizes = {name: (r1 - r0) * (c1 - c0) for name, ((r0, r1), (c0, c1)) in held.items()}
+            card = es.Layout.of({name: (sizes[name],) for name in held})
+            for name, values in card.split(snapshot[key].reshape(-1)).items():
+                (r0, r1), (c0, c1) = held[name]
+                views[name][r0:r1, c0:c1] = values.view(r1 - r0, c1 - c0)
+        out[key] = whole
+    return out
+
+
+def cut_snapshot(resident: ResidentWeights, snapshot: Mapping) -> dict:
+    """The slices ``resident`` holds of a snapshot of the whole weights (itself where it holds them whole)."""
+    if all(part.whole for part in resident.slices.values()):
+        return dict(snapshot)
+    layout = es.Layout.of(resident.whole_shapes)
+    out = {key: value for key, value in snapshot.items() if key not in SNAPSHOT_BUFFERS}
+    for key in SNAPSHOT_BUFFERS:
+        if key not in snapshot:
+            continue
+        whole = layout.split(torch.as_tensor(snapshot[key]).reshape(-1))
+        out[key] = torch.cat([whole[name].reshape(es.matrix_shape(part.shape))[part.rows, part.cols].reshape(-1)
+                              for name, part in ((n, resident.slices[n]) for n in resident.layout.names)])
     return out
 
 

@@ -224,12 +224,13 @@ def _flat_master(state: OptimizerState) -> FlatParams:
 
 def apply_update_in_parts(config: OptimizerConfig, state: OptimizerState,
                           parts: Iterable[tuple[slice, torch.Tensor]],
-                          chunk: int = IN_PLACE_CHUNK) -> tuple[OptimizerState, float]:
+                          chunk: int = IN_PLACE_CHUNK, part_norms: list | None = None) -> tuple[OptimizerState, float]:
     """``apply_update_in_place`` with the gradient given part by part: ``(where, values)`` pairs
     that together cover the flat master once, each part made only when it is reached (a weight's
     gradient regenerated from the members' seeds, so no gradient of every weight exists at once).
     Each part is applied in chunks of ``chunk`` values; the elementwise maths is the same, so the
-    master and buffers get the same bits however the gradient is cut."""
+    master and buffers get the same bits however the gradient is cut. ``part_norms``, a list, gets
+    the L2 norm of each part's change."""
     master = _flat_master(state)
     theta = master.flat
     if chunk < 1:
@@ -249,6 +250,7 @@ def apply_update_in_parts(config: OptimizerConfig, state: OptimizerState,
             if where.stop - offset != values.numel():
                 raise ValueError(f"a gradient part for {where} has {values.numel()} values")
             covered += values.numel()
+            first_chunk = len(norms)
             for start in range(0, values.numel(), chunk):
                 part = slice(offset + start, offset + min(start + chunk, values.numel()))
                 old = theta[part]
@@ -261,6 +263,8 @@ def apply_update_in_parts(config: OptimizerConfig, state: OptimizerState,
                     first[part].copy_(m)
                 if v is not None:
                     second[part].copy_(v)
+            if part_norms is not None:
+                part_norms.append(float(torch.linalg.vector_norm(torch.stack(norms[first_chunk:]))) if values.numel() else 0.0)
     if covered != theta.numel():
         raise ValueError(f"the gradient's parts cover {covered} of the master's {theta.numel()} values")
     norm = float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0

@@ -7,7 +7,12 @@ module names a worker method as a string.
 """
 from __future__ import annotations
 
+import hashlib
+import math
 from typing import Any, Callable, Mapping, Sequence
+
+from ... import es
+from ..resident_weights import gather_snapshots
 
 from .rpc import WorkerUnsupported
 from .worker import WorkerExtension as Worker
@@ -57,44 +62,80 @@ class WorkerClient:
         """Unpin and unload the slots of ``key``."""
         self._call(Worker.evolm_slots_release, key)
 
-    # -- resident weights (worker_weights.WeightsExtension)
+    # -- resident weights (worker_weights.WeightsExtension): every card of the engine holds its
+    # slices of the weights (one card without tensor parallelism); the answers are combined here
+
+    def _each(self, method: Callable, *args) -> list:
+        """One extension method's result from each of the engine's workers, in rank order."""
+        return list(self.llm.collective_rpc(method.__name__, args=args))
+
+    @staticmethod
+    def _slowest(results: Sequence[dict]) -> dict:
+        """The cards' timings as one: each key's largest value (the call ends with its slowest card)."""
+        return {key: max(result[key] for result in results) for key in results[0]}
 
     def weights_setup(self, key: int, shapes: Mapping[str, Sequence[int]], noise: str, noise_rank: int,
                       noise_scheme: str) -> dict:
-        """A float32 master of the targeted weights under ``key``; returns what the worker found."""
-        return self._call(Worker.evolm_weights_setup, key, {n: list(s) for n, s in shapes.items()}, noise, noise_rank,
-                          noise_scheme)
+        """A float32 master of the targeted weights under ``key``; returns what the workers found
+        (``values``: summed over the cards, ``cards``: how many hold slices)."""
+        results = self._each(Worker.evolm_weights_setup, key, {n: list(s) for n, s in shapes.items()}, noise,
+                             noise_rank, noise_scheme)
+        return {**results[0], "values": sum(r["values"] for r in results), "cards": len(results)}
 
     def weights_write(self, key: int, seed: int, sign: int, sigma: float) -> dict:
         """Serve one member written in place; {"write_s"}."""
-        return self._call(Worker.evolm_weights_write, key, seed, sign, float(sigma))
+        return self._slowest(self._each(Worker.evolm_weights_write, key, seed, sign, float(sigma)))
 
     def weights_restore(self, key: int) -> dict:
         """Serve the mean again; {"restore_s"}."""
-        return self._call(Worker.evolm_weights_restore, key)
+        return self._slowest(self._each(Worker.evolm_weights_restore, key))
 
     def weights_step(self, key: int, optimizer: dict, members: Sequence[tuple[int, int]], weights: Sequence[float],
                      sigma: float, form: str) -> dict:
-        """The optimizer's step where the weights live; {"update_s", "update_norm"}."""
-        return self._call(Worker.evolm_weights_step, key, optimizer, [tuple(m) for m in members],
-                          [float(w) for w in weights], float(sigma), form)
+        """The optimizer's step where the weights live; {"update_s", "update_norm"}. Over several
+        cards the norm is that of every weight's slices, each slice counted once (a slice that
+        several cards hold, e.g. a KV head or a norm, is the same on each)."""
+        results = self._each(Worker.evolm_weights_step, key, optimizer, [tuple(m) for m in members],
+                             [float(w) for w in weights], float(sigma), form)
+        out = {"update_s": max(r["update_s"] for r in results), "update_norm": results[0]["update_norm"]}
+        if len(results) > 1:
+            held = {(name, tuple(map(tuple, bounds))): value for r in results for name, bounds, value in r["slice_norms"]}
+            out["update_norm"] = math.sqrt(sum(value * value for value in held.values()))
+        return out
 
     def weights_write_slots(self, key: int, slots_key: int, members: Sequence[tuple[int, int]], sigma: float) -> dict:
         """EGGROLL: the members' low-rank noise into the resident slots of ``slots_key``; {"write_s"}."""
-        return self._call(Worker.evolm_weights_write_slots, key, slots_key, [tuple(m) for m in members], float(sigma))
+        return self._slowest(self._each(Worker.evolm_weights_write_slots, key, slots_key, [tuple(m) for m in members],
+                                        float(sigma)))
 
-    def weights_checksum(self, key: int) -> dict:
-        """{"master": SHA-256 of the float32 master, "restored", "step"}."""
-        return self._call(Worker.evolm_weights_checksum, key)
+    def weights_checksum(self, key: int, shapes: Mapping[str, Sequence[int]]) -> dict:
+        """{"master": SHA-256 of the float32 master of the whole weights ``shapes`` (the same digest
+        whatever the cards), "restored": every card serves it exactly, "step"}."""
+        results = self._each(Worker.evolm_weights_checksum, key)
+        out = {**results[0], "restored": all(r["restored"] for r in results)}
+        if len(results) > 1:
+            master = self.weights_read(key, shapes)["master"]
+            out["master"] = hashlib.sha256(master.numpy().tobytes()).hexdigest()
+        return out
 
-    def weights_read(self, key: int) -> dict:
-        """The master and optimizer buffers (a full-size snapshot)."""
-        return self._call(Worker.evolm_weights_read, key)
+    def weights_read(self, key: int, shapes: Mapping[str, Sequence[int]]) -> dict:
+        """The master and optimizer buffers of the whole weights ``shapes`` (a full-size snapshot,
+        put together from the cards' slices)."""
+        results = self._each(Worker.evolm_weights_read, key)
+        if len(results) == 1:
+            return {name: value for name, value in results[0].items() if name != "slices"}
+        return gather_snapshots(shapes, results)
+
+    def weights_served(self, key: int, shapes: Mapping[str, Sequence[int]]) -> dict:
+        """Name -> the whole weight the engine serves now (float32), put together from the cards' slices."""
+        flat = gather_snapshots(shapes, self._each(Worker.evolm_weights_served, key))["master"]
+        return es.Layout.of({n: tuple(s) for n, s in shapes.items()}).split(flat)
 
     def weights_load(self, key: int, snapshot: Mapping[str, Any]) -> dict:
-        """Serve the mean of a snapshot made by ``weights_read``."""
-        return self._call(Worker.evolm_weights_load, key, dict(snapshot))
+        """Serve the mean of a snapshot made by ``weights_read`` (each card takes its slices); {"restored"}."""
+        results = self._each(Worker.evolm_weights_load, key, dict(snapshot))
+        return {"restored": all(r["restored"] for r in results)}
 
     def weights_release(self, key: int) -> None:
-        """Serve the mean and release the worker's master."""
-        self._call(Worker.evolm_weights_release, key)
+        """Serve the mean and release the workers' masters."""
+        self._each(Worker.evolm_weights_release, key)

@@ -58,11 +58,15 @@ class EngineWeights:
 
     def checksum(self) -> dict:
         """{"master": SHA-256 of the float32 master, "restored": the engine serves it exactly, "step"}."""
-        return self.worker.weights_checksum(self.key)
+        return self.worker.weights_checksum(self.key, self.shapes)
 
     def read(self) -> dict:
         """The master and optimizer buffers on the host (a full-size snapshot)."""
-        return self.worker.weights_read(self.key)
+        return self.worker.weights_read(self.key, self.shapes)
+
+    def served(self) -> dict:
+        """Name -> the whole weight the engine serves now (float32; put together over the cards)."""
+        return self.worker.weights_served(self.key, self.shapes)
 
     def load(self, snapshot: Mapping[str, Any]) -> None:
         """Serve the mean of a snapshot made by ``read``."""
