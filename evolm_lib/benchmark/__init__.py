@@ -14,6 +14,8 @@ Subcommands (each a module of this package with its own ``main(argv)``):
   grpo-update   the GRPO update with and without ``deterministic``, the policy in its own process
   label-logits  the labels' log-probabilities and their backward: torch's gather against ``label_logits``
   engine-start  an engine's start with every CUDA-graph size against the sizes a run uses
+  plan          the memory a card holds for Qwen2.5-7B to 72B in each mode at tensor_parallel_size 1 to 8
+                (computed from the models' shapes; nothing is loaded)
 
 Examples::
 
@@ -36,6 +38,7 @@ SUBCOMMANDS = {
     "grpo-update": "grpo_update",
     "label-logits": "label_logits",
     "engine-start": "engine_start",
+    "plan": "plan",
 }
 """subcommand -> module of this package holding its ``main(argv)``"""
 DEFAULT = "engine"
