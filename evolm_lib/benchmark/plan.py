@@ -121,8 +121,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     except ConfigError as error:
         parser.error(str(error))
     card_bytes = int(args.card_gib * GIB)
-    spec = {**dataclasses.asdict(settings), "target_modules": args.es_weights}
-    spec.pop("mode"), spec.pop("tensor_parallel_size")
+    spec = {name: value for name, value in dataclasses.asdict(settings).items()
+            if name not in ("mode", "tensor_parallel_size")}  # each row has its own
+    spec["target_modules"] = args.es_weights
     report = {"card_gib": args.card_gib, "card_bytes": card_bytes, "cards": cards, "settings": spec,
               **plan_rows(settings, models, modes, sizes, card_bytes, cards)}
     print(format_plan(report), flush=True)

@@ -17,7 +17,8 @@ How vLLM's tensor parallelism (Megatron-style) splits each tensor over ``tp`` ra
   of 64 rows (vLLM's VocabParallelEmbedding), then its rows split;
 - every other 1-D tensor (the norms) is replicated on every rank.
 
-Approximations, named: a matrix of a module not listed above is taken as split evenly; attention
+Approximations, named: a matrix of a module not listed above is taken as split evenly (and given
+LoRA slots if it sits in a block: dense models; a mixture of experts' slots differ); attention
 layers are num_hidden_layers (a hybrid model's non-attention layers would hold no KV cache); the
 allowance (``preflight.ENGINE_ALLOWANCE_BYTES``) stands for the CUDA context, CUDA graphs, NCCL
 buffers and activations of each engine rank, not measured; GRPO's trainer is not sharded (it holds
@@ -71,7 +72,7 @@ def model_shapes(config: Mapping[str, Any] | str | Path) -> dict[str, tuple[int,
     """HF weight name -> shape of a model, from its config.json dict (or a model folder holding
     one), through transformers' own model class built on the meta device."""
     data = model_config(config) if isinstance(config, (str, Path)) else dict(config)
-    if isinstance(data.get("text_config"), dict):  # a multimodal model: its language model
+    if isinstance(data.get("text_config"), dict):  # a multimodal model: its language model (where transformers has one)
         data = data["text_config"]
     if "model_type" not in data:
         raise ValueError("the model's config has no model_type: transformers cannot tell its architecture")
