@@ -15,6 +15,8 @@ Subcommands (each a module of this package with its own ``main(argv)``):
   label-logits  the labels' log-probabilities and their backward: torch's gather against ``label_logits``
   engine-start  an engine's start with every CUDA-graph size against the sizes a run uses
   full-memory   full-parameter ES on a large model: the memory plan of a card against the card's use, a generation's time
+  plan          the memory a card holds for Qwen2.5-7B to 72B in each mode at tensor_parallel_size 1 to 8
+                (computed from the models' shapes; nothing is loaded)
 
 Examples::
 
@@ -38,6 +40,7 @@ SUBCOMMANDS = {
     "label-logits": "label_logits",
     "engine-start": "engine_start",
     "full-memory": "full_memory",
+    "plan": "plan",
 }
 """subcommand -> module of this package holding its ``main(argv)``"""
 DEFAULT = "engine"
