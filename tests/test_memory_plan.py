@@ -50,7 +50,7 @@ def test_small_model_terms_by_hand(small):
     moved = 2 * (4096 + 2 * 2048 + 4096 + 3 * 8192)  # the seven projections of both layers: 73,728 values
     assert plan.master == 4 * moved == 294912
     assert plan.optimizer == 0  # plain sgd
-    assert plan.temporaries == 2 * 4 * 8192  # counter: noise and gradient of the largest moved tensor (gate/up/down)
+    assert plan.temporaries == 2 * 4 * 8192  # tiled: noise and gradient of the largest moved tensor (gate/up/down)
     # LoRA slots: (population 4 + mean 1 + zero 1) x 2 in place = 12 slots of rank 1 over every projection,
     # rank x (in + out): q 128, k 96, v 96, o 128, gate/up/down 192 each, two layers
     assert plan.lora_slots == 12 * 1 * 2 * (128 + 96 + 96 + 128 + 3 * 192) * 2 == 49152
@@ -119,7 +119,7 @@ def test_more_cards_than_present_and_flat_noise_split_are_refused(small):
     plan = memory_plan(small, settings(tensor_parallel_size=4))
     with pytest.raises(ConfigError, match=r"over 4 cards, but 2 are present: set tensor_parallel_size <= 2"):
         check_memory_plan(plan, 10**12, cards=2)
-    with pytest.raises(ConfigError, match="noise_scheme=flat .* set noise_scheme counter"):
+    with pytest.raises(ConfigError, match="noise_scheme=flat .* set noise_scheme tiled"):
         memory_plan(small, settings(noise_scheme="flat", tensor_parallel_size=2))
     with pytest.raises(ConfigError, match="tensor_parallel_size=8 does not split"):
         memory_plan(small, settings(tensor_parallel_size=8))

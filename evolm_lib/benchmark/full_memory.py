@@ -21,6 +21,7 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -62,6 +63,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             population=args.population, optimizer=args.optimizer, noise_scheme=args.noise_scheme,
                             sequences=sequences, max_model_len=args.max_model_len, target_modules="all")
     plan = memory_plan(ModelShape.of(model_dir), settings)
+    if args.kv_cache_gb is not None:  # the engine's KV cache is the size asked for, not the sequences' need
+        plan = dataclasses.replace(plan, kv_cache=int(args.kv_cache_gb * GIB))
     report: dict[str, Any] = {"machine": machine_info(), "model": str(model_dir), "settings": vars(args) | {"model": str(model_dir)},
                               "plan": {**plan.terms(), "total": plan.total}, "measured": {}, "generations": []}
     measured = report["measured"]

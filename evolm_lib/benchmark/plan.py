@@ -94,7 +94,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--noise-rank", type=int, default=1, help="eggroll: noise rank")
     parser.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd", help="ES optimizer")
     parser.add_argument("--momentum", type=float, default=0.0, help="ES sgd momentum")
-    parser.add_argument("--noise-scheme", choices=("counter", "flat", "per_tensor"), default="counter",
+    parser.add_argument("--noise-scheme", choices=("tiled", "flat", "per_tensor"), default="tiled",
                         help="ES full and eggroll: how noise is drawn")
     parser.add_argument("--es-weights", choices=("projections", "all"), default="projections",
                         help="weights ES full / eggroll move and GRPO full trains: the seven projections of every "

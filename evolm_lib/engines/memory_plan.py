@@ -44,7 +44,7 @@ VOCAB_PADDING = 64
 """vLLM pads the vocabulary of its embedding and output head to a multiple of this many rows."""
 PLAN_MODES = ("lora", "full", "eggroll", "grpo_lora", "grpo_full")
 """ES modes (es_mode) and GRPO's two policies (policy_weights lora, full)."""
-NOISE_SCHEMES = ("counter", "flat", "per_tensor")
+NOISE_SCHEMES = ("tiled", "flat", "per_tensor")
 OPTIMIZERS = ("sgd", "adam")
 _COLUMN = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "qkv_proj", "gate_up_proj"}
 _ROW = {"o_proj", "down_proj"}
@@ -193,8 +193,8 @@ class PlanSettings:
     "ES: sgd or adam"
     momentum: float = 0.0
     "ES sgd: momentum > 0 keeps a buffer"
-    noise_scheme: str = "counter"
-    "ES full and eggroll: counter draws tensor by tensor; flat and per_tensor draw over every moved value"
+    noise_scheme: str = "tiled"
+    "ES full and eggroll: tiled draws tensor by tensor; flat and per_tensor draw over every moved value"
     sequences: int = 16
     "sequences one engine decodes at once"
     max_model_len: int = 1024
@@ -230,7 +230,7 @@ TERMS = {
     "weights": ("the weights", "split them over more cards (tensor_parallel_size)"),
     "master": ("the float32 master of the moved weights", "move fewer weights (es_weights, target_modules, layers_to_transform)"),
     "optimizer": ("the optimizer's buffers", "use optimizer sgd without momentum"),
-    "temporaries": ("one member's noise and the gradient", "set noise_scheme counter"),
+    "temporaries": ("one member's noise and the gradient", "set noise_scheme tiled"),
     "lora_slots": ("the LoRA slots", "lower population_size or the rank"),
     "kv_cache": ("the KV cache", "decode fewer sequences at once or lower max_model_len"),
     "allowance": ("CUDA context, graphs and activations", "run fewer engines a card"),
@@ -261,9 +261,10 @@ class MemoryPlan:
     """ES full / eggroll: the optimizer's buffers over the moved shards, 4 bytes a value each: adam 2
     (its moments), sgd with momentum 1, plain sgd 0."""
     temporaries: int
-    """ES full / eggroll: float32 noise and gradient. noise_scheme counter draws tensor by tensor, a
-    shard only its slice: two copies of the largest moved shard. flat and per_tensor draw one member's
-    noise over every moved value, and its gradient as large (tensor_parallel_size 1 only)."""
+    """ES full: float32 noise and gradient. noise_scheme tiled draws tensor by tensor, a shard only its
+    slice: two copies of the largest moved shard. flat and per_tensor draw one member's noise over
+    every moved value, and its gradient as large (tensor_parallel_size 1 only). eggroll: its full-rank
+    update over every moved value of the shard, made at once (4 bytes a value)."""
     lora_slots: int
     """vLLM's LoRA slots (``EngineSizing.engine_loras`` of them, ES: the population, its mean and
     a zero adapter, twice with slots written in place) at the slot rank (``EngineSizing.engine_lora_rank``),
@@ -332,17 +333,19 @@ def memory_plan(model: ModelShape, settings: PlanSettings) -> MemoryPlan:
     weights = dtype * model.shard_values(model.shapes, tp)
     master = optimizer = temporaries = trainer = 0
     if settings.moves_weights:
-        if settings.noise_scheme != "counter" and tp > 1:
+        if settings.mode == "full" and settings.noise_scheme != "tiled" and tp > 1:
             raise ConfigError(
                 f"noise_scheme={settings.noise_scheme} draws one member's noise over every moved weight at once, which "
-                f"an engine split over tensor_parallel_size={tp} cards cannot slice: set noise_scheme counter",
-                [("noise_scheme", f"counter with tensor_parallel_size={tp}")])
+                f"an engine split over tensor_parallel_size={tp} cards cannot slice: set noise_scheme tiled",
+                [("noise_scheme", f"tiled with tensor_parallel_size={tp}")])
         moved = select_weights(model, settings.target_modules, settings.layers_to_transform)
         values = model.shard_values(moved, tp)
         master = 4 * values
         buffers = 2 if settings.optimizer == "adam" else (1 if settings.momentum > 0 else 0)
         optimizer = 4 * buffers * values
-        if settings.noise_scheme == "counter":
+        if mode == "eggroll":  # the full-rank update of every moved value at once (the factors are small)
+            temporaries = 4 * values
+        elif settings.noise_scheme == "tiled":
             temporaries = 2 * 4 * max(math.prod(model.shard_shape(n, s, tp)) for n, s in moved.items())
         else:
             temporaries = 2 * 4 * values
@@ -371,7 +374,7 @@ def memory_plan(model: ModelShape, settings: PlanSettings) -> MemoryPlan:
 
 def _fitting(model: ModelShape, settings: PlanSettings, card_bytes: int, cards: int) -> int | None:
     for tp in model.tensor_parallel_sizes(cards):
-        if tp > 1 and settings.moves_weights and settings.noise_scheme != "counter":
+        if tp > 1 and settings.mode == "full" and settings.noise_scheme != "tiled":
             break  # flat and per_tensor noise cannot be split
         if memory_plan(model, dataclasses.replace(settings, tensor_parallel_size=tp)).total <= card_bytes:
             return tp
@@ -403,14 +406,14 @@ def check_memory_plan(plan: MemoryPlan, card_bytes: int, cards: int) -> MemoryPl
         raise ConfigError(f"tensor_parallel_size={tp}: {model.name} in mode {settings.mode} needs {plan.describe()}, more "
                           f"than {card}: set tensor_parallel_size={fits} ({_gib(plan.at(fits).total)} a card)",
                           [("tensor_parallel_size", f"at least {fits} for {card}, got {tp}")])
-    if settings.moves_weights and settings.noise_scheme != "counter":
-        counter = _fitting(model, dataclasses.replace(settings, noise_scheme="counter"), card_bytes, cards)
-        if counter is not None:
+    if settings.mode == "full" and settings.noise_scheme != "tiled":
+        tiled = _fitting(model, dataclasses.replace(settings, noise_scheme="tiled"), card_bytes, cards)
+        if tiled is not None:
             raise ConfigError(f"{model.name} in mode {settings.mode} needs {plan.describe()}, more than {card}: set "
-                              f"noise_scheme counter and tensor_parallel_size={counter}",
-                              [("noise_scheme", "counter"), ("tensor_parallel_size", f"at least {counter}")])
+                              f"noise_scheme tiled and tensor_parallel_size={tiled}",
+                              [("noise_scheme", "tiled"), ("tensor_parallel_size", f"at least {tiled}")])
     most = max([1, *model.tensor_parallel_sizes(cards)])
-    widest = plan.at(most) if settings.noise_scheme == "counter" or not settings.moves_weights else plan
+    widest = plan.at(most) if settings.noise_scheme == "tiled" or settings.mode != "full" else plan
     name = widest.dominant()
     what, advice = term_words(name, settings.mode)
     engines = ", or lower engines_per_gpu" if settings.engines_per_card > 1 else ""
@@ -435,7 +438,7 @@ def plan_for_run(config, model: str | Path | ModelShape, sequences: int) -> Memo
         engines_per_card=config.engines_per_gpu if on_ray else 1, population=getattr(config, "population_size", 1),
         lora_rank=config.lora_rank, noise_rank=getattr(config, "noise_rank", 1),
         optimizer=getattr(config, "optimizer", "sgd"), momentum=getattr(config, "momentum", 0.0),
-        noise_scheme=getattr(config, "noise_scheme", "counter"), sequences=max(1, sequences),
+        noise_scheme=getattr(config, "noise_scheme", "tiled"), sequences=max(1, sequences),
         max_model_len=config.max_model_len, target_modules=targets,
         layers_to_transform=None if layers is None else tuple(layers), beta=getattr(config, "beta", 0.0))
     return memory_plan(shape, settings)
