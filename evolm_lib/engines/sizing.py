@@ -115,6 +115,8 @@ class EngineSizing:
     "what its population calls serve: lora (adapters), eggroll (rank-r noise in LoRA slots), full (one member at a time); picks the LoRA kernel tiles"
     largest_batch: int | None = None
     "requests of the run's largest call (``largest_call``): CUDA graphs are captured up to it; None: vLLM's default sizes"
+    tensor_parallel_size: int = _setting("tensor_parallel_size")
+    "cards (on a CPU: processes, each on its own cores) the engine's weights are split over (vLLM's tensor parallelism)"
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_lora_rank <= VLLM_LORA_RANKS[-1]:
@@ -127,6 +129,8 @@ class EngineSizing:
             raise ValueError(f"adapter_transfer must be one of {', '.join(ADAPTER_TRANSFERS)}, got {self.adapter_transfer!r}")
         if self.es_mode not in ES_MODES:
             raise ValueError(f"es_mode must be one of {', '.join(ES_MODES)}, got {self.es_mode!r}")
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
         if self.largest_batch is not None and self.largest_batch < 1:
             raise ValueError(f"largest_batch must be >= 1 (or None), got {self.largest_batch}")
 
@@ -145,7 +149,8 @@ class EngineSizing:
                    kv_cache_gb=config.kv_cache_gb, seed=config.seed, deterministic=config.deterministic,
                    engines_per_gpu=config.engines_per_gpu,
                    adapter_transfer=getattr(config, "adapter_transfer", _grpo_transfer(config)), es_mode=es_mode,
-                   largest_batch=largest_call(config, *_task_sizes(config)))
+                   largest_batch=largest_call(config, *_task_sizes(config)),
+                   tensor_parallel_size=config.tensor_parallel_size)
 
     def covering(self, configs: Iterable[CommonConfig]) -> "EngineSizing":
         """This sizing grown to serve each of these runs too (one engine shared by a sweep): the

@@ -4,12 +4,16 @@ Every call the host makes into ``worker.WorkerExtension`` (resident LoRA slots, 
 goes through here. The RPC name is taken from the extension's own method (``method.__name__``), so
 a reader or a tool follows each call from here to the code that runs inside the engine; no other
 module names a worker method as a string.
+
+A tensor-parallel engine has one worker per rank, and ``collective_rpc`` answers once per rank: the
+slot calls put the answers together here (timings: the slowest rank; checks: every rank agrees;
+slot contents: gathered from the ranks' shards), so callers see one engine.
 """
 from __future__ import annotations
 
 from typing import Any, Callable, Mapping, Sequence
 
-from .rpc import WorkerUnsupported
+from .rpc import WorkerUnsupported, combine_digests, gather_shards, unpack_tensor
 from .worker import WorkerExtension as Worker
 
 
@@ -28,34 +32,67 @@ class WorkerClient:
             raise WorkerUnsupported(f"{len(results)} workers answered: resident slots and weights need exactly one worker")
         return results[0]
 
+    def _call_ranks(self, method: Callable, *args) -> list:
+        """One extension method's result from every worker (tensor-parallel rank), in rank order."""
+        results = list(self.llm.collective_rpc(method.__name__, args=args))
+        if not results:
+            raise WorkerUnsupported("no worker answered")
+        return results
+
     # -- resident LoRA slots (worker_slots.LoRASlotsExtension)
 
     def slots_describe(self) -> dict:
-        """vLLM version, device, slot dtype, LoRA limits and modules (``ok`` False with a ``reason`` where slots cannot live)."""
-        return self._call(Worker.evolm_slots_describe)
+        """vLLM version, device, slot dtype, LoRA limits and modules (``ok`` False with a ``reason`` where
+        slots cannot live); under tensor parallelism rank 0's modules (its shards' shapes), after checking
+        every rank can host slots and agrees on the slots; ``tp_size``: the ranks that answered."""
+        answers = self._call_ranks(Worker.evolm_slots_describe)
+        for rank, answer in enumerate(answers):
+            if not answer.get("ok"):
+                return answer if len(answers) == 1 else {"ok": False, "reason": f"rank {rank}: {answer.get('reason')}"}
+        # the ids loaded and pinned (each rank's manager places them in slots of its own choosing)
+        shared = {"vllm_version": str, "device": str, "slot_dtype": str, "max_loras": int, "max_lora_rank": int,
+                  "lora_index_to_id": lambda ids: sorted(i for i in ids if i is not None), "pinned": sorted}
+        for rank, answer in enumerate(answers[1:], start=1):
+            differing = [field for field, key in shared.items() if key(answer[field]) != key(answers[0][field])]
+            if differing:
+                return {"ok": False, "reason": f"rank {rank} differs from rank 0 in {differing}"}
+        return {**answers[0], "tp_size": len(answers)}
 
     def slots_setup(self, key: int, ids: Sequence[int], shapes: Mapping[str, Sequence[int]], alpha: float, rank: int,
-                    file_dtype: str, fingerprint_seed: int) -> dict:
-        """Take over the loaded slots ``ids`` under ``key``; returns their layout (entries, modules, scaling)."""
-        return self._call(Worker.evolm_slots_setup, key, list(ids), {k: list(v) for k, v in shapes.items()},
-                          float(alpha), int(rank), file_dtype, fingerprint_seed)
+                    file_dtype: str, fingerprint_seed: int) -> list[dict]:
+        """Take over the loaded slots ``ids`` under ``key``; returns each rank's layout (entries,
+        modules, scaling, and the part of each tensor it holds)."""
+        # each rank's LoRA manager places the ids in slots of its own choosing: a request names the id
+        return self._call_ranks(Worker.evolm_slots_setup, key, list(ids), {k: list(v) for k, v in shapes.items()},
+                                float(alpha), int(rank), file_dtype, fingerprint_seed)
 
     def slots_write(self, key: int, mean: Any, rows: Sequence[Sequence[int]], sigmas: Any, noise_device: str,
                     noise_scheme: str) -> dict:
-        """Slot i <- mean + sign_i * sigma * noise(seed_i) for each (seed, sign) row; {"write_s"}."""
-        return self._call(Worker.evolm_slots_write, key, mean, [list(r) for r in rows], sigmas, noise_device, noise_scheme)
+        """Slot i <- mean + sign_i * sigma * noise(seed_i) for each (seed, sign) row, on every rank;
+        {"write_s"}: the slowest rank's."""
+        answers = self._call_ranks(Worker.evolm_slots_write, key, mean, [list(r) for r in rows], sigmas, noise_device,
+                                   noise_scheme)
+        return {"write_s": max(float(answer["write_s"]) for answer in answers)}
 
     def slots_checksums(self, key: int) -> list[str]:
-        """Digest of every slot's bytes."""
-        return self._call(Worker.evolm_slots_checksums, key)
+        """Digest of every slot's bytes (over every rank's shard: ``rpc.combine_digests``)."""
+        per_rank = self._call_ranks(Worker.evolm_slots_checksums, key)
+        return [combine_digests(digests) for digests in zip(*per_rank)]
 
-    def slots_read(self, key: int, index: int, packed: bool) -> dict:
-        """Slot ``index``'s tensors by PEFT name (``packed``: as plain data, for an engine in another process)."""
-        return self._call(Worker.evolm_slots_read, key, index, packed)
+    def slots_read(self, key: int, index: int, packed: bool, tensors: Mapping[str, tuple[Sequence[int], bool]]) -> dict:
+        """Slot ``index``'s full tensors by PEFT name (``tensors``: name -> (full shape, is lora_A)),
+        gathered from every rank's shard (``rpc.gather_shards``); ``packed``: the tensors cross as
+        plain data (an engine in another process)."""
+        answers = self._call_ranks(Worker.evolm_slots_read, key, index, packed)
+        gathered = {}
+        for name, (shape, is_a) in tensors.items():
+            pieces = [(unpack_tensor(answer["tensors"][name]), answer["shards"][name]) for answer in answers]
+            gathered[name] = gather_shards(name, tuple(shape), bool(is_a), pieces)
+        return gathered
 
     def slots_release(self, key: int) -> None:
-        """Unpin and unload the slots of ``key``."""
-        self._call(Worker.evolm_slots_release, key)
+        """Unpin and unload the slots of ``key`` on every rank."""
+        self._call_ranks(Worker.evolm_slots_release, key)
 
     # -- resident weights (worker_weights.WeightsExtension)
 
