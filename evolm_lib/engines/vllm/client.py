@@ -25,11 +25,12 @@ class WorkerClient:
         self.llm = llm
 
     def _call(self, method: Callable, *args) -> Any:
-        """One extension method's result from the engine's single worker: resident slots and
-        weights live in one unsharded worker, so another count is refused."""
+        """One extension method's result from the engine's single worker: resident weights live in
+        one unsharded worker, so another count (a tensor-parallel engine) is refused."""
         results = self.llm.collective_rpc(method.__name__, args=args)
         if len(results) != 1:
-            raise WorkerUnsupported(f"{len(results)} workers answered: resident slots and weights need exactly one worker")
+            raise WorkerUnsupported(f"{len(results)} workers answered: resident weights need exactly one worker "
+                                    "(tensor_parallel_size 1)")
         return results[0]
 
     def _call_ranks(self, method: Callable, *args) -> list:
