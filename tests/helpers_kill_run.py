@@ -1,9 +1,10 @@
 """Run an ES run and SIGKILL the process inside the population call of one generation.
 
-Usage: python tests/helpers_kill_run.py RUN_DIR N_KILL [--vllm]
+Usage: python tests/helpers_kill_run.py RUN_DIR N_KILL [--vllm [--tp2]]
 
 On the synthetic engine, or with ``--vllm`` on a real vLLM engine (tiny-random) whose members are
-written in place into resident slots and whose mean's scoring rides in the population call.
+written in place into resident slots and whose mean's scoring rides in the population call;
+``--tp2``: that engine split over two tensor-parallel ranks (tests/test_tensor_parallel.py).
 tests/test_es_run.py launches this as a subprocess, then resumes the run in-process and checks it
 ends bit for bit like an uninterrupted one. ``kill_config`` / ``vllm_kill_config`` are the runs'
 settings, shared with those tests.
@@ -54,19 +55,19 @@ class KillingEvaluator(SyntheticEvaluator):
         return super().generate(prompts, adapters, sampling)
 
 
-def vllm_kill_config() -> ESConfig:
+def vllm_kill_config(tensor_parallel_size: int = 1) -> ESConfig:
     """Settings of the run killed on vLLM: greedy (the CPU engine repeats it token for token), a
     momentum buffer, and checkpoints every 2 generations."""
     return ESConfig(model="tiny-random", population_size=4, num_generations=5, max_new_tokens=8, sigma=0.5,
                     learning_rate=0.5, optimizer="sgd", momentum=0.5, temperature=0.0, seed=3, lora_rank=1,
-                    checkpoint_every=2)
+                    checkpoint_every=2, tensor_parallel_size=tensor_parallel_size)
 
 
-def vllm_engine(killer: bool = False) -> VLLMEvaluator:
+def vllm_engine(killer: bool = False, tensor_parallel_size: int = 1) -> VLLMEvaluator:
     """The in-place tiny-random engine of the vLLM kill test (``KillingVLLMEvaluator`` when ``killer``)."""
     kind = KillingVLLMEvaluator if killer else VLLMEvaluator
     return kind("tiny-random", max_lora_rank=1, max_loras=5, max_model_len=256, kv_cache_gb=0.0625,
-                adapter_transfer="in_place")
+                adapter_transfer="in_place", tensor_parallel_size=tensor_parallel_size)
 
 
 class KillingVLLMEvaluator(VLLMEvaluator):
@@ -83,11 +84,11 @@ class KillingVLLMEvaluator(VLLMEvaluator):
         return super().generate_grids(grids)
 
 
-def main(run_dir: str, kill_at: int, on_vllm: bool = False) -> None:
+def main(run_dir: str, kill_at: int, on_vllm: bool = False, tensor_parallel_size: int = 1) -> None:
     if on_vllm:
-        evaluator = vllm_engine(killer=True)
+        evaluator = vllm_engine(killer=True, tensor_parallel_size=tensor_parallel_size)
         evaluator.kill_at = kill_at
-        run = ESRun.open(vllm_kill_config(), Path(run_dir), evaluator=evaluator)
+        run = ESRun.open(vllm_kill_config(tensor_parallel_size), Path(run_dir), evaluator=evaluator)
         evaluator.run = run
         run.run()
         raise SystemExit(f"generation {kill_at} was never reached")
@@ -99,4 +100,4 @@ def main(run_dir: str, kill_at: int, on_vllm: bool = False) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), "--vllm" in sys.argv[3:])
+    main(sys.argv[1], int(sys.argv[2]), "--vllm" in sys.argv[3:], 2 if "--tp2" in sys.argv[3:] else 1)

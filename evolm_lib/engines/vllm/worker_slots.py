@@ -60,20 +60,9 @@ import torch
 
 from ... import es
 from .rpc import SlotsUnsupported, digest, fingerprint_tensors, pack_tensor, stored_form, torch_dtype, unpack_tensor
+from .worker_shards import SlotEntry, flat_positions, select_shard, shard_positions, shard_shape
 
 _WRITE_BLOCK_ELEMENTS = 1 << 25  # values written per block (128 MiB of float32 temporaries)
-
-
-@dataclasses.dataclass
-class _Entry:
-    """Where one PEFT tensor lives in the engine: a slice of a LoRA module's stacked tensors."""
-
-    name: str
-    module: str
-    slice: int
-    is_a: bool
-    rank: int
-    stacked: torch.Tensor  # (max_loras, 1, max_rank, in) for A, (max_loras, 1, out, max_rank) for B
 
 
 @dataclasses.dataclass
@@ -82,13 +71,15 @@ class _SlotSet:
 
     ids: list[int]
     slots: list[int]
-    entries: list[_Entry]
+    entries: list[SlotEntry]
     shapes: dict[str, tuple[int, ...]]
     file_dtype: torch.dtype
     scaling: float
     flat_sigma: tuple | None = None  # (per-tensor sigmas, the flat float32 vector of them on the device)
     flat_scale: torch.Tensor | None = None  # alpha / r on B's elements, 1 on A's, flat on the device
     layout: Any = None  # es.Layout of the shapes (entries are kept in its order once it is set)
+    shard_layout: Any = None  # es.Layout of this rank's shards of them (the layout itself on one rank)
+    flat_index: torch.Tensor | None = None  # where the shards sit in a flat full member (None: whole, one rank)
     staging: dict = dataclasses.field(default_factory=dict)  # rows -> (buffer in the slot dtype, its views in entry order)
     destinations: dict = dataclasses.field(default_factory=dict)  # (first slot, rows) -> the slots' views, entry order
 
@@ -129,14 +120,15 @@ def _linear_modules(manager) -> dict[str, Any]:
         raise SlotsUnsupported(f"vllm.lora.layers.base_linear is missing: {error}") from error
     config = manager.lora_config
     if getattr(config, "fully_sharded_loras", False):
-        raise SlotsUnsupported("fully_sharded_loras is on: slot tensors are sharded")
+        raise SlotsUnsupported("fully_sharded_loras is on: its slots split lora_A along the rank, which in-place "
+                               "writes do not cover (start the engine without it)")
     max_loras, max_rank = int(config.max_loras), int(config.max_lora_rank)
     linear = {}
     for name, layer in manager.modules.items():
         if not isinstance(layer, BaseLinearLayerWithLoRA):
             continue  # embeddings and the logits processor: adapters here never target them
-        if getattr(layer, "tp_size", 1) != 1 or "Sharded" in type(layer).__name__:
-            raise SlotsUnsupported(f"{name} is tensor-parallel ({type(layer).__name__}): one unsharded worker only")
+        if "Sharded" in type(layer).__name__:  # S-LoRA layers: lora_A split along the rank (worker_shards)
+            raise SlotsUnsupported(f"{name} is a fully sharded LoRA layer ({type(layer).__name__})")
         stacks_a, stacks_b = getattr(layer, "lora_a_stacked", None), getattr(layer, "lora_b_stacked", None)
         if not isinstance(stacks_a, (tuple, list)) or not isinstance(stacks_b, (tuple, list)) or len(stacks_a) != len(stacks_b):
             raise SlotsUnsupported(f"{name} ({type(layer).__name__}) has no per-slice lora_a_stacked / lora_b_stacked")
@@ -166,8 +158,9 @@ def _unstacked_mapper(model) -> Any:
     raise SlotsUnsupported(f"cannot drop the stacking maps of {type(mapper).__name__}")
 
 
-def _entries(manager, linear: Mapping[str, Any], shapes: Mapping[str, Sequence[int]]) -> list[_Entry]:
-    """Map every PEFT tensor name to (module, slice, A or B), the way vLLM's file loader does."""
+def _entries(manager, linear: Mapping[str, Any], shapes: Mapping[str, Sequence[int]]) -> list[SlotEntry]:
+    """Map every PEFT tensor name to (module, slice, A or B), the way vLLM's file loader does, and
+    to the part of it this rank holds (``worker_shards.shard_positions``)."""
     from vllm.lora.utils import parse_fine_tuned_lora_name
 
     mapper = _unstacked_mapper(manager.model)
@@ -190,14 +183,20 @@ def _entries(manager, linear: Mapping[str, Any], shapes: Mapping[str, Sequence[i
             raise SlotsUnsupported(f"{name} maps to slice {index} of {module}, which has {len(stacks)}")
         stacked = stacks[index]
         rank = int(shape[0] if is_a else shape[1])
-        fits = (shape[1] == stacked.shape[3]) if is_a else (shape[0] == stacked.shape[2])
+        entry = SlotEntry(name, module, index, is_a, rank, stacked, tuple(int(d) for d in shape))
+        entry.positions = shard_positions(layer, index, is_a, shape)
+        held = shard_shape(entry)
+        fits = (held[1] == stacked.shape[3]) if is_a else (held[0] == stacked.shape[2])
         if rank > max_rank or not fits:
-            raise SlotsUnsupported(f"{name} {tuple(shape)} does not fit {module} slice {index} {tuple(stacked.shape[2:])}")
-        entries.append(_Entry(name, module, index, is_a, rank, stacked))
+            raise SlotsUnsupported(f"{name} {tuple(shape)} (this rank's part {held}) does not fit {module} slice "
+                                   f"{index} {tuple(stacked.shape[2:])}")
+        if entry.positions is not None:
+            entry.positions = entry.positions.to(stacked.device)
+        entries.append(entry)
     return entries
 
 
-def _region(entry: _Entry, slot: int) -> torch.Tensor:
+def _region(entry: SlotEntry, slot: int) -> torch.Tensor:
     """The part of a slot that holds the adapter's rank (the rest is padding)."""
     view = entry.stacked[slot, 0]
     return view[: entry.rank] if entry.is_a else view[:, : entry.rank]
@@ -237,7 +236,8 @@ class LoRASlotsExtension:
 
             manager = _adapter_manager(self)
             linear = _linear_modules(manager)
-            first = next(iter(linear.values())).lora_a_stacked[0]
+            layer = next(iter(linear.values()))
+            first = layer.lora_a_stacked[0]
             pinned = [i for i in manager.lora_index_to_id if i is not None and _is_pinned(manager, i)]
             return {
                 "ok": True,
@@ -249,6 +249,8 @@ class LoRASlotsExtension:
                 "lora_index_to_id": list(manager.lora_index_to_id),
                 "pinned": pinned,
                 "modules": _modules_layout(linear),
+                "tp_rank": int(getattr(layer, "tp_rank", 0)),
+                "tp_size": int(getattr(layer, "tp_size", 1)),
             }
         except Exception as error:  # reported, not raised: the caller decides whether to fall back
             return {"ok": False, "reason": f"{type(error).__name__}: {error}"}
@@ -282,7 +284,9 @@ class LoRASlotsExtension:
             raise
         self._evolm_slot_sets()[int(key)] = state
         return {"slots": slots, "modules": _modules_layout(linear),
-                "entries": {e.name: [e.module, e.slice, e.is_a] for e in entries}, "scaling": state.scaling}
+                "entries": {e.name: [e.module, e.slice, e.is_a] for e in entries}, "scaling": state.scaling,
+                # the part of each full tensor this rank holds (None: whole), for the host's checksums
+                "shards": {e.name: None if e.positions is None else e.positions.tolist() for e in entries}}
 
     def _evolm_slots_check_fingerprint(self, state: _SlotSet, linear: Mapping[str, Any], seed: int) -> None:
         """Every slot must hold exactly what the in-place write stores for the fingerprint adapter."""
@@ -292,6 +296,7 @@ class LoRASlotsExtension:
             covered.add((entry.module, entry.slice, entry.is_a))
             expected = stored_form(fingerprint[entry.name].to(entry.stacked.device), entry.is_a, state.file_dtype,
                                    entry.stacked.dtype, state.scaling)
+            expected = select_shard(expected, entry.positions, entry.is_a)  # this rank's part, as set_lora slices it
             for slot in state.slots:
                 view = entry.stacked[slot, 0]
                 held, padding = (view[: entry.rank], view[entry.rank:]) if entry.is_a else (view[:, : entry.rank], view[:, entry.rank:])
@@ -336,23 +341,23 @@ class LoRASlotsExtension:
         device = state.entries[0].stacked.device
         slot_dtype = state.entries[0].stacked.dtype
         if state.layout is None:  # once per slot set: the flat order, and the entries in that order
-            state.layout = es.Layout.of(state.shapes)
-            order = state.layout.positions
-            state.entries = sorted(state.entries, key=lambda e: order[e.name])
+            self._evolm_slots_flat_order(state, device)
         layout, entries = state.layout, state.entries
+        shard_index = state.flat_index  # (this rank's part of a member,) or None: the whole member
         with torch.inference_mode():
             flat_mean = unpack_tensor(mean)
             if flat_mean.dim() != 1 or flat_mean.numel() != layout.total:
                 raise ValueError(f"the mean must be one flat vector of {layout.total} values, got shape {tuple(flat_mean.shape)}")
-            base = flat_mean.to(device).float()
+            base = _part(flat_mean.to(device).float(), shard_index)
             per_tensor = tuple(float(sigmas[name]) if isinstance(sigmas, Mapping) else float(sigmas) for name in layout.names)
             if state.flat_sigma is None or state.flat_sigma[0] != per_tensor:  # built once per sigma setting
-                state.flat_sigma = (per_tensor, layout.repeat(per_tensor, device))
+                state.flat_sigma = (per_tensor, _part(layout.repeat(per_tensor, device), shard_index))
             sigma = state.flat_sigma[1]
             # vLLM folds alpha / r into B when it loads a file (see stored_form): B's elements get it here.
             if state.flat_scale is None:
                 is_a = {entry.name: entry.is_a for entry in state.entries}
-                state.flat_scale = layout.repeat([1.0 if is_a[name] else state.scaling for name in layout.names], device)
+                scales = [1.0 if is_a[name] else state.scaling for name in layout.names]
+                state.flat_scale = _part(layout.repeat(scales, device), shard_index)
             scale = state.flat_scale
             needs_scale = state.scaling != 1
             # Members in even-sized blocks (a pair's two halves share one draw) of at most
@@ -361,9 +366,11 @@ class LoRASlotsExtension:
             for start in range(0, len(members), block):
                 rows = members[start:start + block]
                 chunk = list(dict.fromkeys(int(seed) for seed, _ in rows))
+                # every rank draws the members' FULL noise, as one rank would, and keeps its part
                 drawn = es.population_noise(chunk, layout, noise_device, noise_scheme).to(device)  # (seeds, total)
+                drawn = _part(drawn, shard_index)  # (seeds, this rank's part)
                 pick = torch.tensor([chunk.index(int(seed)) for seed, _ in rows], device=device)
-                step = drawn.index_select(0, pick) if len(chunk) != len(rows) else drawn  # (members, total)
+                step = drawn.index_select(0, pick) if len(chunk) != len(rows) else drawn  # (members, part)
                 del drawn
                 sign = torch.tensor([float(sign) for _, sign in rows], dtype=torch.float32, device=device)
                 # es.perturb's arithmetic on every tensor at once, in place: (sign * sigma) * noise in
@@ -400,17 +407,29 @@ class LoRASlotsExtension:
         return {"write_s": written}
 
     @staticmethod
+    def _evolm_slots_flat_order(state: _SlotSet, device: torch.device) -> None:
+        """The flat order of a member (``es.Layout``), the entries sorted by it, and this rank's part
+        of it: the shards' layout and their positions in a flat full member (``worker_shards``)."""
+        state.layout = es.Layout.of(state.shapes)
+        order = state.layout.positions
+        state.entries = sorted(state.entries, key=lambda e: order[e.name])
+        by_name = {entry.name: entry for entry in state.entries}
+        index = flat_positions(state.layout.names, state.shapes, state.layout.offsets, by_name)
+        state.flat_index = None if index is None else index.to(device)
+        state.shard_layout = state.layout if index is None else es.Layout.of({e.name: shard_shape(e) for e in state.entries})
+
+    @staticmethod
     def _evolm_staging(state: _SlotSet, rows: int, dtype: torch.dtype, device: torch.device) -> tuple:
         """A (rows, total) buffer in the slot dtype and its per-entry views, made once per block size:
         a write then builds no view per tensor (SmolLM2's adapter has 420)."""
         if rows not in state.staging:
-            buffer = torch.empty((rows, state.layout.total), dtype=dtype, device=device)
-            views = state.layout.split(buffer)
+            buffer = torch.empty((rows, state.shard_layout.total), dtype=dtype, device=device)
+            views = state.shard_layout.split(buffer)
             state.staging[rows] = (buffer, [views[entry.name] for entry in state.entries])
         return state.staging[rows]
 
     @staticmethod
-    def _evolm_destination(entry: _Entry, slots: Sequence[int]) -> torch.Tensor | None:
+    def _evolm_destination(entry: SlotEntry, slots: Sequence[int]) -> torch.Tensor | None:
         """The slots' region of one entry as a view, when the slots are consecutive (else None)."""
         first = slots[0]
         if list(slots) != list(range(first, first + len(slots))):
@@ -434,12 +453,15 @@ class LoRASlotsExtension:
         return [digest(layout, region_of(slot)) for slot in state.slots]
 
     def evolm_slots_read(self, key: int, index: int, packed: bool = False) -> dict:
-        """One slot's tensors by PEFT name, as stored (B scaled, engine dtype), copied to the CPU."""
+        """One slot's tensors by PEFT name, as stored (B scaled, engine dtype), copied to the CPU: this
+        rank's part of each ({"tensors"}) and where it sits in the full tensor ({"shards"}: the
+        positions along the split dimension, None: whole), which ``rpc.gather_shards`` puts together."""
         state = self._evolm_slot_set(key)
         self._evolm_slots_check_layout(state)
         slot = state.slots[int(index)]
         tensors = {entry.name: _region(entry, slot).detach().to("cpu", copy=True) for entry in state.entries}
-        return {name: pack_tensor(t) for name, t in tensors.items()} if packed else tensors
+        shards = {entry.name: None if entry.positions is None else entry.positions.tolist() for entry in state.entries}
+        return {"tensors": {name: pack_tensor(t) for name, t in tensors.items()} if packed else tensors, "shards": shards}
 
     def evolm_slots_release(self, key: int) -> None:
         """Unpin and drop the slots of one resident population."""
@@ -449,6 +471,11 @@ class LoRASlotsExtension:
         manager = _adapter_manager(self)
         for lora_id in state.ids:
             manager.remove_adapter(lora_id)
+
+
+def _part(flat: torch.Tensor, shard_index: torch.Tensor | None) -> torch.Tensor:
+    """This rank's part of flat full members (..., total): the positions of ``flat_positions``."""
+    return flat if shard_index is None else flat.index_select(flat.dim() - 1, shard_index)
 
 
 def _is_pinned(manager, lora_id: int) -> bool:
