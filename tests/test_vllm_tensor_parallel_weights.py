@@ -72,7 +72,9 @@ def test_a_member_and_the_update_are_one_cards_bit_for_bit(weights, tiny_model_d
         members = es.population(7, generation, 4)
         fitness = [0.3, -0.1, 0.5, -0.7]
         norm = weights.step(optimizer, members, fitness, 0.05)["update_norm"]
-        assert norm == pytest.approx(one_card.step(optimizer, members, fitness, 0.05), rel=1e-12)
+        # the norm sums the same float32 changes' squares in float64, cut otherwise over the cards:
+        # equal to float64 rounding over millions of terms, not bit for bit (the master is, below)
+        assert norm == pytest.approx(one_card.step(optimizer, members, fitness, 0.05), rel=1e-9)
     snapshot = weights.read()
     assert torch.equal(snapshot["master"], one_card.master.flat)
     assert torch.equal(snapshot["second_moment"], one_card.optimizer_state.second_moment.flat)
@@ -82,9 +84,10 @@ def test_a_member_and_the_update_are_one_cards_bit_for_bit(weights, tiny_model_d
 
 def test_a_snapshot_of_the_whole_weights_loads_into_the_slices(weights, tiny_model_dir, engine):
     host = _host(tiny_model_dir, weights.shapes)
+    layout = es.Layout.of({name: tuple(t.shape) for name, t in host.items()})
+    weights.load({"master": es.flat_of(host, layout)})
     before = engine.generate(PROMPTS, [None], GREEDY)
     moved = {name: tensor + 0.01 * torch.arange(tensor.numel()).reshape(tensor.shape) % 3 for name, tensor in host.items()}
-    layout = es.Layout.of({name: tuple(t.shape) for name, t in moved.items()})
     weights.load({"master": es.flat_of(moved, layout)})  # as GRPO on the model's weights syncs the engine
     _assert_served(weights, moved)
     assert engine.generate(PROMPTS, [None], GREEDY) != before
