@@ -1,7 +1,8 @@
 """The model's own weights in a real vLLM engine split over two CPU processes (tensor_parallel_size 2):
 each card holds its slices, and the weights the engine serves, put together from the cards, are
 those one card would serve, bit for bit: the mean, a full-rank member, the update's master, a
-snapshot loaded back (how GRPO on the model's weights syncs the engine)."""
+snapshot loaded back (how GRPO on the model's weights syncs the engine), EGGROLL's low-rank members
+in the LoRA slots; EGGROLL's update equal to one card's up to the products' rounding."""
 from __future__ import annotations
 
 import os
@@ -12,6 +13,8 @@ import torch
 from evolm_lib import es
 from evolm_lib.engines import SamplingSettings
 from evolm_lib.engines.resident_weights import ResidentWeights
+from evolm_lib.es import lowrank
+from evolm_lib.lora import LoraSpec
 from evolm_lib.lora import read_base_weights
 
 pytestmark = pytest.mark.slow
@@ -25,7 +28,7 @@ def engine(tiny_model_dir):
     """One engine split over two processes, one core each."""
     from evolm_lib.engines.vllm.engine import VLLMEvaluator
 
-    evaluator = VLLMEvaluator(str(tiny_model_dir), max_loras=2, max_lora_rank=1, max_model_len=256, kv_cache_gb=0.0625,
+    evaluator = VLLMEvaluator(str(tiny_model_dir), max_loras=4, max_lora_rank=2, max_model_len=256, kv_cache_gb=0.0625,
                               tensor_parallel_size=2)
     yield evaluator
     evaluator.close()
@@ -95,3 +98,39 @@ def test_a_snapshot_of_the_whole_weights_loads_into_the_slices(weights, tiny_mod
     _assert_served(weights, host)
     assert [[c.token_ids for c in row] for row in engine.generate(PROMPTS, [None], GREEDY)] == \
         [[c.token_ids for c in row] for row in before]
+
+
+TARGETS = ("q_proj", "v_proj", "o_proj", "down_proj")  # column- and row-parallel layers
+
+
+def test_eggroll_members_and_update_over_two_cards(engine, tiny_model_dir):
+    from evolm_lib.engines.vllm.slots import ResidentSlots
+    from evolm_lib.engines.vllm.weights import EngineWeights
+
+    rank, sigma = 2, 0.5
+    weights = EngineWeights(engine.llm, tiny_model_dir, TARGETS, noise="lowrank", noise_rank=rank)
+    population = ResidentSlots(engine.llm, LoraSpec(target_modules=TARGETS, rank=rank, alpha=float(rank)), 2,
+                               tiny_model_dir, first_id=9000)
+    try:
+        members = [es.Member(5, 1), es.Member(6, -1)]
+        weights.write_slots(population, members, sigma)
+        for index, member in enumerate(members):
+            served = population.read(index)  # gathered from the two ranks' shards
+            for name, (lora_a, lora_b) in lowrank.slot_factors(member, weights.shapes, rank, sigma).items():
+                peft = "base_model.model." + name.removesuffix(".weight")
+                assert torch.equal(served[peft + ".lora_A.weight"], lora_a), name
+                assert torch.equal(served[peft + ".lora_B.weight"], lora_b), name
+        host = _host(tiny_model_dir, weights.shapes)
+        one_card = ResidentWeights({name: tensor.clone() for name, tensor in host.items()}, noise="lowrank",
+                                   noise_rank=rank)
+        optimizer = es.SGDConfig(0.5)
+        fitness = [1.0, -0.5]
+        norm = weights.step(optimizer, members, fitness, sigma)["update_norm"]
+        # each card multiplies its rows or columns of the factors: sums of the same products, in
+        # another blocking, so equal to float32 rounding, not bit for bit
+        assert norm == pytest.approx(one_card.step(optimizer, members, fitness, sigma), rel=1e-5)
+        snapshot = weights.read()
+        torch.testing.assert_close(snapshot["master"], one_card.master.flat, rtol=1e-6, atol=1e-7)
+    finally:
+        population.close()
+        weights.close()

@@ -33,6 +33,7 @@ from ...es import lowrank
 from ...lora import read_base_weights
 from ..resident_weights import ResidentWeights, WeightSlice, cut_snapshot, load_snapshot, slice_bounds, snapshot_of
 from .rpc import WeightsUnsupported, optimizer_from_spec
+from .worker_shards import write_full
 
 # ----------------------------------------------------------------------------- worker side
 
@@ -296,7 +297,7 @@ class WeightsExtension:
         for entry in slot_set.entries:
             weight = entry.name.removeprefix("base_model.model.").replace(".lora_A.weight", ".weight").replace(".lora_B.weight", ".weight")
             entries.setdefault(weight, {})[entry.is_a] = entry
-        shapes = resident.whole_shapes  # the factors of the whole weights, cut to this card's slices below
+        shapes = resident.whole_shapes  # the factors of the whole weights; each rank writes its part
         if set(entries) != set(shapes):
             raise WeightsUnsupported(f"the slots cover {sorted(set(entries) ^ set(shapes))[:3]} differently from the weights")
         rank = resident.noise_rank
@@ -308,14 +309,12 @@ class WeightsExtension:
             step = torch.tensor([float(s) * scale for _, s in members], device=resident.device).view(-1, 1, 1)
             index = torch.tensor(slot_set.slots[: len(members)], device=slot_set.entries[0].stacked.device)
             for name, (a, b) in factors.items():  # a (members, out, r), b (members, in, r)
-                # vLLM cuts a LoRA's B by rows and its A by columns exactly where it cuts the weight
-                part = resident.slices[name]
-                a, b = a[:, part.rows], b[:, part.cols]
                 entry_a, entry_b = entries[name][True], entries[name][False]
                 if entry_a.rank != rank:
                     raise WeightsUnsupported(f"{name}: slots of rank {entry_a.rank} for noise_rank {rank}")
-                entry_a.stacked[index, 0, :rank] = b.transpose(1, 2).to(entry_a.stacked.dtype)
-                entry_b.stacked[index, 0, :, :rank] = (a * step).to(entry_b.stacked.dtype)
+                # whole factors in, each rank keeping its part as vLLM splits a LoRA (worker_shards)
+                write_full(entry_a, index, b.transpose(1, 2))
+                write_full(entry_b, index, a * step)
         return {"write_s": _synchronized(started)}
 
     def evolm_weights_release(self, key: int) -> None:
