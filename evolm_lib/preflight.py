@@ -259,6 +259,17 @@ def check_engine_settings(config, model_dir: str | Path, task=None, *, cuda: boo
     # engines that share one card (evaluator ray on a GPU): every check below is for all of them
     per_card = config.engines_per_gpu if cuda and config.evaluator == "ray" else 1
     engines = "" if per_card == 1 else f" for each of engines_per_gpu={per_card} engines on the card"
+    if memory is not None and cuda:  # a card's share of each engine, term by term, at its tensor_parallel_size
+        import torch
+
+        from .engines.memory_plan import check_memory_plan, plan_for_run
+
+        plan = plan_for_run(config, model_dir, sequences=math.ceil(requests / config.num_engines))
+        # cards present (a machine told it has a card without torch seeing one: the engine's own count)
+        check_memory_plan(plan, card_bytes=memory[0], cards=torch.cuda.device_count() or config.tensor_parallel_size)
+    if memory is not None and cuda and config.tensor_parallel_size > 1:
+        return budget  # the checks below count the whole model on one card; the plan above splits it
+    # (on a CPU every rank shares the host's memory: the whole model is what they need together)
     if memory is not None:
         free, total = memory
         device = "GPU memory" if cuda else "RAM"

@@ -243,3 +243,19 @@ def test_a_task_of_ten_to_the_ninth_examples_is_refused_before_one_is_made():
         ESConfig(task="arithmetic", task_options={"num_train": ABSURD})
     with pytest.raises(ConfigError, match=r"num_eval=1,000,000,000 .* the largest num_eval that fits"):
         GRPOConfig(task="countdown", task_options={"num_eval": ABSURD})
+
+
+def test_a_gpu_run_gets_the_cards_memory_plan_before_its_engine(tiny_model_dir, monkeypatch):
+    # a card with 2.5 GiB free: the engine's allowance (2 GiB) and the tiny model fit, with room
+    monkeypatch.setattr(preflight, "_free_memory", lambda cuda: (int(2.5 * 2**30), 80 * 2**30))
+    config = ESConfig(**{**TINY, "kv_cache_gb": 0.0625, "es_mode": "full", "es_weights": "all"})
+    preflight.check_engine_settings(config, tiny_model_dir, cuda=True)
+    # 2 GiB free: the allowance alone fills it, and one card is all there is
+    monkeypatch.setattr(preflight, "_free_memory", lambda cuda: (2 * 2**30, 80 * 2**30))
+    with pytest.raises(ConfigError, match="at no tensor_parallel_size up to the 1 cards present"):
+        preflight.check_engine_settings(config, tiny_model_dir, cuda=True)
+    two = ESConfig(**{**TINY, "kv_cache_gb": 0.0625, "es_mode": "full", "es_weights": "all",
+                      "tensor_parallel_size": 2, "noise_scheme": "tiled"})
+    with pytest.raises(ConfigError, match="tensor_parallel_size=2 splits each engine over 2 cards, but 1 are present"):
+        monkeypatch.setattr("torch.cuda.device_count", lambda: 1)
+        preflight.check_engine_settings(two, tiny_model_dir, cuda=True)
