@@ -162,6 +162,9 @@ class CommonConfig(BaseModel):
             raise ValueError("ray_address: set, but evaluator is 'local'; use evaluator: ray to run engines on a Ray cluster")
         if self.evaluator == "ray" and self.engine != "vllm":
             raise ValueError(f"evaluator: 'ray' shards calls over vLLM engines; engine must be 'vllm', got {self.engine!r}")
+        if self.tensor_parallel_size > 1 and (self.evaluator == "ray" or self.engine != "vllm"):
+            raise ValueError(f"tensor_parallel_size: {self.tensor_parallel_size} splits one vLLM engine with evaluator: local; "
+                             f"not supported yet with evaluator: {self.evaluator!r} and engine: {self.engine!r}")
         return self
 
     @model_validator(mode="after")

@@ -117,6 +117,10 @@ def test_more_ranks_than_visible_cards_are_refused(monkeypatch):
 def test_ray_engines_refuse_tensor_parallelism():
     from evolm_lib.engines.ray.evaluator import RayEvaluator
 
+    with pytest.raises(ConfigError, match="tensor_parallel_size: 2 splits one vLLM engine .* evaluator: 'ray'"):
+        vllm_kill_config().replace(evaluator="ray", num_engines=2, tensor_parallel_size=2)
+    with pytest.raises(ConfigError, match="tensor_parallel_size: 2 .* engine: 'hf'"):
+        vllm_kill_config().replace(engine="hf", tensor_parallel_size=2)
     with pytest.raises(ConfigError, match="tensor_parallel_size=2 with evaluator ray"):
         RayEvaluator("tiny-random", EngineSizing(tensor_parallel_size=2), num_engines=2)
 
