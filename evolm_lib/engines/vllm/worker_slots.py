@@ -260,9 +260,14 @@ class LoRASlotsExtension:
     def evolm_slots_setup(self, key: int, ids: list[int], shapes: dict, alpha: float, rank: int, file_dtype: str,
                           fingerprint_seed: int) -> dict:
         """Pin the slots of ``ids`` (loaded from the fingerprint adapter), map the PEFT names, check
-        every slot against the fingerprint's expected stored form, then zero the slots."""
-        manager = _adapter_manager(self)
-        linear = _linear_modules(manager)
+        every slot against the fingerprint's expected stored form, then zero the slots. Where the
+        slots cannot live here the answer is {"unsupported": reason}, not an exception: vLLM's RPC to
+        a tensor-parallel rank's process keeps an exception's message but not its type."""
+        try:
+            manager = _adapter_manager(self)
+            linear = _linear_modules(manager)
+        except SlotsUnsupported as error:
+            return {"unsupported": str(error)}
         shapes = {name: tuple(int(d) for d in shape) for name, shape in shapes.items()}
         try:
             slots = []
@@ -280,9 +285,11 @@ class LoRASlotsExtension:
                     for layer in linear.values():
                         for stacked in (*layer.lora_a_stacked, *layer.lora_b_stacked):
                             stacked[slot].zero_()
-        except Exception:
+        except Exception as error:
             for lora_id in ids:
                 manager.remove_adapter(lora_id)
+            if isinstance(error, SlotsUnsupported):
+                return {"unsupported": str(error)}
             raise
         self._evolm_slot_sets()[int(key)] = state
         return {"slots": slots, "modules": _modules_layout(linear),
