@@ -40,6 +40,7 @@ HEAVY_FIRST = (
     "tests/test_batch.py",  # ~85 s
     "tests/test_benchmark.py",  # ~80 s: the Ray benchmark
     "tests/test_policy_process.py",  # ~70 s: the GRPO-update benchmark
+    "tests/test_tensor_parallel.py",  # ~55 s: a 2-rank engine beside a 1-rank one, a 2-rank run killed and resumed
     "tests/test_es_run.py",  # ~50 s
     "tests/test_engines.py",  # ~50 s
     "notebooks/06_grpo_stepper.ipynb",  # ~50 s (nbval, SmolLM2)

@@ -22,7 +22,7 @@ from evolm_lib.config import ConfigError
 from evolm_lib.engines import EngineSizing, SamplingSettings
 from evolm_lib.engines.vllm import startup
 from evolm_lib.engines.vllm.rpc import gather_shards, stored_form
-from evolm_lib.engines.vllm.slots import ResidentSlots, describe
+from evolm_lib.engines.vllm.slots import ResidentSlots, SlotsUnsupported, describe
 from evolm_lib.lora import AdapterWeights, LoraSpec, adapter_shapes, init_adapter
 from evolm_lib.metrics import without_times
 from evolm_lib.runs import list_checkpoints, read_metrics
@@ -117,6 +117,10 @@ def test_more_ranks_than_visible_cards_are_refused(monkeypatch):
 def test_ray_engines_refuse_tensor_parallelism():
     from evolm_lib.engines.ray.evaluator import RayEvaluator
 
+    with pytest.raises(ConfigError, match="tensor_parallel_size: 2 splits one vLLM engine .* evaluator: 'ray'"):
+        vllm_kill_config().replace(evaluator="ray", num_engines=2, tensor_parallel_size=2)
+    with pytest.raises(ConfigError, match="tensor_parallel_size: 2 .* engine: 'hf'"):
+        vllm_kill_config().replace(engine="hf", tensor_parallel_size=2)
     with pytest.raises(ConfigError, match="tensor_parallel_size=2 with evaluator ray"):
         RayEvaluator("tiny-random", EngineSizing(tensor_parallel_size=2), num_engines=2)
 
@@ -204,6 +208,31 @@ def test_write_full_puts_each_rank_its_part(tp2):
             served = slots.read(member)
             for name in shapes:
                 assert torch.equal(served[name], full[name][member]), name
+
+
+def _loader_unscaled(worker, broken: bool) -> None:
+    """Inside each rank: pretend vLLM's loader stopped folding alpha / r into B (or undo that)."""
+    from evolm_lib.engines.vllm import rpc, worker_slots
+
+    def unscaled(tensor, is_a, file_dtype, slot_dtype, scaling):
+        return tensor.to(file_dtype).to(slot_dtype)
+
+    worker_slots.stored_form = unscaled if broken else rpc.stored_form
+
+
+def test_a_loader_mismatch_on_the_ranks_is_refused_and_the_slots_released(tp2):
+    """The fingerprint check fails on every rank: the refusal reaches the host as SlotsUnsupported
+    (which falls back to files), not as vLLM's RPC error, and no rank keeps a slot pinned."""
+    pinned = describe(tp2.llm)["pinned"]
+    tp2.llm.collective_rpc(_loader_unscaled, args=(True,))
+    try:
+        with pytest.raises(SlotsUnsupported, match="rank 0: .*differently from the in-place write.*; rank 1: "):
+            ResidentSlots(tp2.llm, SPEC, POPULATION, tp2.model_dir, tp2.dtype, first_id=FIRST_ID)
+    finally:
+        tp2.llm.collective_rpc(_loader_unscaled, args=(False,))
+    assert describe(tp2.llm)["pinned"] == pinned
+    with ResidentSlots(tp2.llm, SPEC, POPULATION, tp2.model_dir, tp2.dtype, first_id=FIRST_ID) as population:
+        population.write(make_mean(tp2.model_dir), es.population(1, 1, 2), SIGMA)
 
 
 def test_gather_refuses_missing_or_disagreeing_shards():

@@ -17,7 +17,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from ... import es
 from ..resident_weights import gather_snapshots
-from .rpc import WorkerUnsupported, combine_digests, gather_shards, unpack_tensor
+from .rpc import SlotsUnsupported, WorkerUnsupported, combine_digests, gather_shards, unpack_tensor
 from .worker import WorkerExtension as Worker
 
 
@@ -59,8 +59,15 @@ class WorkerClient:
         """Take over the loaded slots ``ids`` under ``key``; returns each rank's layout (entries,
         modules, scaling, and the part of each tensor it holds)."""
         # each rank's LoRA manager places the ids in slots of its own choosing: a request names the id
-        return self._call_ranks(Worker.evolm_slots_setup, key, list(ids), {k: list(v) for k, v in shapes.items()},
-                                float(alpha), int(rank), file_dtype, fingerprint_seed)
+        layouts = self._call_ranks(Worker.evolm_slots_setup, key, list(ids), {k: list(v) for k, v in shapes.items()},
+                                   float(alpha), int(rank), file_dtype, fingerprint_seed)
+        refused = [(rank, layout["unsupported"]) for rank, layout in enumerate(layouts) if "unsupported" in layout]
+        if refused:
+            self.slots_release(key)  # the ranks that took them over give them back
+            if len(layouts) == 1:
+                raise SlotsUnsupported(refused[0][1])
+            raise SlotsUnsupported("; ".join(f"rank {rank}: {reason}" for rank, reason in refused))
+        return layouts
 
     def slots_write(self, key: int, mean: Any, rows: Sequence[Sequence[int]], sigmas: Any, noise_device: str,
                     noise_scheme: str) -> dict:

