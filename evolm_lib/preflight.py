@@ -12,7 +12,6 @@ population that does not fit the KV cache at once) is a warning.
 from __future__ import annotations
 
 import functools
-import json
 import math
 import sys
 import warnings
@@ -21,18 +20,12 @@ from pathlib import Path
 from typing import Any
 
 from .config import ConfigError
+from .engines.memory_plan import (BLOCK_TOKENS, DTYPE_BYTES, ENGINE_ALLOWANCE_BYTES, GIB, check_memory_plan, model_config,
+                                  plan_for_run)
 from .engines.sizing import EngineSizing
 
-GIB = 2**30
-BLOCK_TOKENS = 16  # vLLM allocates the KV cache in blocks of tokens
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int8": 1}
 # rope scalings that extend the context beyond max_position_embeddings (as vLLM derives it)
 _EXTENDING_ROPE = {"linear", "dynamic", "yarn", "ntk", "dynamic_ntk"}
-
-
-ENGINE_ALLOWANCE_BYTES = 2 * GIB
-"""What one GPU engine takes beside its weights and KV cache, allowed for rather than measured: the
-CUDA context, CUDA graphs, activations and vLLM's buffers."""
 
 
 @dataclass(frozen=True)
@@ -100,12 +93,6 @@ class EngineBudget:
         if self.kv_cache_bytes is None or not self.kv_bytes_per_token:
             return None
         return self.kv_cache_bytes // self.kv_bytes_per_token
-
-
-def model_config(model_dir: str | Path) -> dict[str, Any]:
-    """The model's config.json (its text part for multimodal models)."""
-    data = json.loads((Path(model_dir) / "config.json").read_text())
-    return {**data, **data.get("text_config", {})} if isinstance(data.get("text_config"), dict) else data
 
 
 def context_length(config: dict[str, Any]) -> int | None:
@@ -261,8 +248,6 @@ def check_engine_settings(config, model_dir: str | Path, task=None, *, cuda: boo
     engines = "" if per_card == 1 else f" for each of engines_per_gpu={per_card} engines on the card"
     if memory is not None and cuda:  # a card's share of each engine, term by term, at its tensor_parallel_size
         import torch
-
-        from .engines.memory_plan import check_memory_plan, plan_for_run
 
         plan = plan_for_run(config, model_dir, sequences=math.ceil(requests / config.num_engines))
         # cards present (a machine told it has a card without torch seeing one: the engine's own count)

@@ -20,7 +20,7 @@ How vLLM's tensor parallelism (Megatron-style) splits each tensor over ``tp`` ra
 Approximations, named: a matrix of a module not listed above is taken as split evenly (and given
 LoRA slots if it sits in a block: dense models; a mixture of experts' slots differ); attention
 layers are num_hidden_layers (a hybrid model's non-attention layers would hold no KV cache); the
-allowance (``preflight.ENGINE_ALLOWANCE_BYTES``) stands for the CUDA context, CUDA graphs, NCCL
+allowance (``ENGINE_ALLOWANCE_BYTES``) stands for the CUDA context, CUDA graphs, NCCL
 buffers and activations of each engine rank, not measured; GRPO's trainer is not sharded (it holds
 whole float32 copies on one card, the first of its engine's) and its activations are not counted.
 """
@@ -37,8 +37,22 @@ from typing import Any, Mapping
 
 from ..config import ConfigError
 from ..lora import ALL_PROJECTIONS
-from ..preflight import BLOCK_TOKENS, DTYPE_BYTES, ENGINE_ALLOWANCE_BYTES, GIB, model_config
 from .sizing import EngineSizing
+
+GIB = 2**30
+BLOCK_TOKENS = 16
+"""vLLM allocates the KV cache in blocks of this many tokens."""
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int8": 1}
+ENGINE_ALLOWANCE_BYTES = 2 * GIB
+"""What one GPU engine takes beside its weights and KV cache, allowed for rather than measured: the
+CUDA context, CUDA graphs, activations and vLLM's buffers."""
+
+
+def model_config(model_dir: str | Path) -> dict[str, Any]:
+    """The model's config.json (its text part for multimodal models)."""
+    data = json.loads((Path(model_dir) / "config.json").read_text())
+    return {**data, **data.get("text_config", {})} if isinstance(data.get("text_config"), dict) else data
+
 
 VOCAB_PADDING = 64
 """vLLM pads the vocabulary of its embedding and output head to a multiple of this many rows."""
@@ -274,7 +288,7 @@ class MemoryPlan:
     """K and V of ``sequences`` x max_model_len tokens (whole blocks of 16): 2 x layers x the rank's KV
     heads (``ModelShape.kv_heads_per_rank``) x head_dim x dtype bytes a token."""
     allowance: int
-    """CUDA context, CUDA graphs and activations (``preflight.ENGINE_ALLOWANCE_BYTES``), allowed for, not measured."""
+    """CUDA context, CUDA graphs and activations (``ENGINE_ALLOWANCE_BYTES``), allowed for, not measured."""
     trainer: int
     """GRPO, on the first card of its engine only (not sharded). policy_weights full: the float32 model
     (twice with beta > 0: the reference), each trained weight's gradient and AdamW's two moments (with
