@@ -48,3 +48,24 @@ def test_two_ranks_give_one_ranks_rows_and_resume_to_them(mode, tmp_path):
                 assert b[key] == pytest.approx(a[key], rel=1e-5)
             else:
                 assert b[key] == a[key], key
+
+
+def test_grpo_on_the_models_weights_syncs_two_ranks_to_one_ranks_rows(tmp_path):
+    from evolm_lib.config import GRPOConfig
+    from evolm_lib.train.grpo import GRPORun
+
+    base = dict(model="tiny-random", task="conciseness", policy_weights="full", target_modules=("q_proj", "o_proj"),
+                group_size=4, prompts_per_step=2, num_steps=2, max_new_tokens=6, max_model_len=256, kv_cache_gb=0.0625,
+                eval_every=1, learning_rate=1e-3)
+    for name, size in (("one", 1), ("two", 2)):
+        run = GRPORun.open(GRPOConfig(**base, tensor_parallel_size=size), tmp_path / name)
+        try:
+            run.run()
+        finally:
+            run.close()
+    rows_one, rows_two = _rows(tmp_path / "one"), _rows(tmp_path / "two")
+    assert len(rows_one) == len(rows_two) == 3
+    gap = "grpo/engine_logprob_gap"  # the engine's log-probabilities: its split products summed across ranks
+    for a, b in zip(rows_one, rows_two):
+        assert {k: v for k, v in a.items() if k != gap} == {k: v for k, v in b.items() if k != gap}
+        assert b.get(gap) == pytest.approx(a.get(gap), abs=1e-7)

@@ -134,8 +134,13 @@ def test_two_cards_hold_the_slices_of_one_card_bit_for_bit(small_tiles, optimize
 
 def test_full_rank_noise_on_a_slice_needs_the_tiled_scheme():
     live = {"w": torch.zeros(2, 4)}
+    # holding and loading slices draws no noise (GRPO's sync); drawing a member or an update does
+    resident = ResidentWeights(live, scheme="flat", slices={"w": WeightSlice((4, 4), slice(0, 2))})
+    resident.load_master(torch.ones(8))
     with pytest.raises(ValueError, match="noise_scheme 'tiled'"):
-        ResidentWeights(live, scheme="flat", slices={"w": WeightSlice((4, 4), slice(0, 2))})
+        resident.write_member(es.Member(1), 0.1)
+    with pytest.raises(ValueError, match="noise_scheme 'tiled'"):
+        resident.step(es.SGDConfig(0.1), [es.Member(1)], [1.0], 0.1)
 
 
 @pytest.mark.parametrize("rank", [1, 2])

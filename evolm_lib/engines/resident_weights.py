@@ -74,10 +74,6 @@ class ResidentWeights:
         self.layout = es.Layout.of({name: tuple(tensor.shape) for name, tensor in live.items()})
         self.live = [live[name] for name in self.layout.names]  # in layout order
         self.slices = {name: (slices or {}).get(name, WeightSlice(tuple(live[name].shape))) for name in self.layout.names}
-        sliced = sorted(name for name, part in self.slices.items() if not part.whole)
-        if sliced and noise == "full" and scheme != "tiled":
-            raise ValueError(f"{sliced[0]} is a slice of its weight (a tensor-parallel engine): full-rank noise needs "
-                             f"noise_scheme 'tiled' there, which draws a slice's noise alone, not {scheme!r}")
         if noise == "lowrank":
             lowrank.check_rank(noise_rank, self.whole_shapes)
         # the kept copy: float32, so the mean restores bit for bit and small updates accumulate
@@ -109,6 +105,14 @@ class ResidentWeights:
         values = es.tiled_noise(seed, name, part.shape, part.rows, part.cols, self.device)
         return values.view(self.layout.shapes[self.layout.positions[name]])
 
+    def _check_full_noise(self) -> None:
+        """Refuse to draw full-rank noise over slices of weights with a scheme that draws whole vectors
+        (a sync that only loads and serves weights, as GRPO's, draws none)."""
+        sliced = sorted(name for name, part in self.slices.items() if not part.whole)
+        if sliced and not self.streams:
+            raise ValueError(f"{sliced[0]} is a slice of its weight (a tensor-parallel engine): full-rank noise needs "
+                             f"noise_scheme 'tiled' there, which draws a slice's noise alone, not {self.scheme!r}")
+
     def _lowrank_slices(self) -> dict[str, tuple[slice, slice]]:
         return {name: (part.rows, part.cols) for name, part in self.slices.items()}
 
@@ -119,6 +123,7 @@ class ResidentWeights:
             if self.streams:
                 return torch.cat([self._tiled(member.seed, name).reshape(-1) for name in self.layout.names]).mul_(
                     member.sign * float(sigma))
+            self._check_full_noise()
             flat = es.population_noise([member.seed], self.layout, self.device, self.scheme)[0]
             return flat.mul_(member.sign * float(sigma))
         delta = lowrank.member_delta(member, self.whole_shapes, self.noise_rank, float(sigma), self.device, self.scheme,
@@ -154,6 +159,7 @@ class ResidentWeights:
             flat = torch.cat([part.reshape(-1) for _, part in self._tiled_gradient(members, weights, sigma, form)])
             return es.FlatParams(flat, self.layout)
         if self.noise == "full":
+            self._check_full_noise()
             return es.es_gradient(members, weights, self.shapes, sigma, form, self.device, self.scheme)
         flat = torch.empty(self.layout.total, dtype=torch.float32, device=self.device)
         lowrank.lowrank_gradient(members, weights, self.whole_shapes, self.noise_rank, sigma, form, self.device,
