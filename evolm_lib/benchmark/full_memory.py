@@ -4,7 +4,7 @@ generation's time: ``python -m evolm_lib.benchmark full-memory``.
 One vLLM engine in this process serves the model (``--model``: a folder, e.g. one that
 ``scripts/qwen_shape.py --shape 7b`` builds with random weights); the run's resident weights keep
 the float32 master beside it (``noise_scheme`` tiled: members written and the update applied weight
-by weight). It prints the plan's terms (``engines.memory_plan``) beside what the card holds after
+by weight). It prints the plan's terms (``engines.memory_plan``) beside what the busiest card holds after
 the engine starts, after the master is made, and at the peak of ``--generations`` generations of
 ``--population`` members (each written in place, its prompts decoded, the mean restored; then the
 update), and each generation's seconds split into writes, decoding, restores and the update.
@@ -31,13 +31,13 @@ GIB = 2**30
 
 
 def _card_used() -> int | None:
-    """Bytes in use on card 0 (every process), or None without a GPU."""
+    """Bytes in use on the busiest visible card (every process: a tensor-parallel engine's ranks
+    each hold their card), or None without a GPU."""
     import torch
 
     if not torch.cuda.is_available():
         return None
-    free, total = torch.cuda.mem_get_info()
-    return total - free
+    return max(total - free for free, total in (torch.cuda.mem_get_info(i) for i in range(torch.cuda.device_count())))
 
 
 def _allocated_peak() -> int | None:
@@ -122,7 +122,8 @@ def format_full_memory(report: dict[str, Any]) -> str:
     def gib(value):
         return "-" if value is None else f"{value / GIB:.2f}"
     plan, measured = report["plan"], report["measured"]
-    lines = [f"model {report['model']}: full-parameter ES, {measured.get('moved_values', 0):,} moved values, "
+    lines = [f"model {report['model']}: full-parameter ES, {measured.get('moved_values', 0):,} moved values held "
+             "(over the cards, a slice held by several counted on each), "
              f"tensor_parallel_size {report['settings']['tensor_parallel_size']}, noise_scheme {report['settings']['noise_scheme']}",
              "plan a card (GiB): " + ", ".join(f"{name} {gib(value)}" for name, value in plan.items())]
     lines.append("card in use (GiB): " + ", ".join(
