@@ -13,13 +13,15 @@
 #                                 # the 4 through CUDA's MPS)
 #   bash ops/speed.sh start OUT   # card 0: an engine's start, Qwen2.5-1.5B shapes, CUDA-graph sizes derived and default
 #   bash ops/speed.sh ray OUT     # every card: Ray, 1 engine against 4, populations 64 and 128 (Ray staged)
+#   bash ops/speed.sh large OUT   # card 0: full-parameter ES on Qwen2.5-7B shapes (random, built first): the memory
+#                                 # plan against the card's use, and a generation's time
 #
 # Run from the repository root with PYTHONPATH=SITE:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 EVOLM_CACHE_DIR set.
 set -u
 MODE=${1:-}
 OUT=${2:-}
 case "$MODE" in
-modes | tiles | grpo | pool | start | ray) [ -n "$OUT" ] || { echo "$MODE OUT: no OUT folder given" >&2; exit 2; } ;;
+modes | tiles | grpo | pool | start | ray | large) [ -n "$OUT" ] || { echo "$MODE OUT: no OUT folder given" >&2; exit 2; } ;;
 *) sed -n '2,/^set -u$/{/^set -u$/!p}' "$0"; exit 2 ;;
 esac
 LIMIT=${LIMIT:-560}
@@ -58,6 +60,10 @@ pool)
   if [ "${MPS:-0}" = 1 ]; then . "$(dirname "$0")/mps.sh" && mps_start && export $(mps_vars) || exit 1; fi
   bench full_pool 0 full-pool --engines 1,4 --generations 5 --kv-cache-gb 2 --workdir "$RES/pool_runs" ;;
 start) bench engine_start 0 engine-start --model "$QWEN" ;;
+large)
+  QWEN7=$(python scripts/qwen_shape.py --shape 7b | tail -n 1)
+  bench full_memory 0 full-memory --model "$QWEN7" --population 8 --prompts 2 --new-tokens 64 --generations 2 \
+    --gpu-memory-utilization 0.3 --kv-cache-gb 2 ;;
 ray)
   all=$(awk '{print NR - 1}' "$RES/cards.txt" | paste -sd, -)
   bench ray "$all" ray --model "$QWEN" --engines 1,4 --population 64,128 --repeats 2 ;;
