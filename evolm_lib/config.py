@@ -343,7 +343,7 @@ class ESConfig(CommonConfig):
         return self
 
     @model_validator(mode="after")
-    def _update_draws_the_members_noise(self):
+    def _noise_drawn_where_it_is_used(self):
         # es_mode lora draws the update's noise in this process, the members' in the engines: an
         # engine limited to fewer SMs draws other noise from the same seeds (torch sizes its random
         # kernels' grid from the SM count), so the update would not be the one the members earned
@@ -351,16 +351,10 @@ class ESConfig(CommonConfig):
             raise ValueError(f"mps_thread_percentage: {self.mps_thread_percentage} % of the SMs gives the engines other "
                              "noise than this process draws for the LoRA mean's update (es_mode lora); use it with "
                              "es_mode full or eggroll, whose engines draw both, or noise_device: cpu")
-        return self
-
-    @model_validator(mode="after")
-    def _sharded_master_draws_its_slice(self):
-        # a card of a tensor-parallel engine holds a slice of each weight: only the tiled scheme draws a
-        # slice's noise without drawing every weight's (the float32 master of the whole model per card)
+        # a card of a tensor-parallel engine holds a slice of each weight: only tiled noise draws a slice alone
         if self.tensor_parallel_size > 1 and self.es_mode == "full" and self.noise_scheme != "tiled":
-            raise ValueError(f"noise_scheme: es_mode full at tensor_parallel_size={self.tensor_parallel_size} needs "
-                             f"noise_scheme: tiled (each card draws only its slice of a weight's noise; "
-                             f"{self.noise_scheme} draws every weight's on every card)")
+            raise ValueError(f"noise_scheme: es_mode full at tensor_parallel_size={self.tensor_parallel_size} needs noise_scheme: "
+                             f"tiled (each card draws only its slice of a weight's noise; {self.noise_scheme} draws all of it)")
         return self
 
     @model_validator(mode="after")
