@@ -210,7 +210,7 @@ class ResidentWeights:
         norms: list[float] = []
         self.optimizer_state, norm = es.apply_update_in_parts(optimizer, self.optimizer_state, parts, part_norms=norms)
         del gradient, parts  # their buffers go back to the allocator before the weights are rewritten
-        self.slice_norms = dict(zip(self.layout.names, norms))
+        self.slice_norms = dict(zip(self.layout.names, norms)) if len(norms) == len(self.layout.names) else {}
         self.master = self.optimizer_state.master
         self.restore()
         return norm
