@@ -65,7 +65,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     plan = memory_plan(ModelShape.of(model_dir), settings)
     if args.kv_cache_gb is not None:  # the engine's KV cache is the size asked for, not the sequences' need
         plan = dataclasses.replace(plan, kv_cache=int(args.kv_cache_gb * GIB))
-    report: dict[str, Any] = {"machine": machine_info(), "model": str(model_dir), "settings": vars(args) | {"model": str(model_dir)},
+    report: dict[str, Any] = {"machine": machine_info(), "model": str(model_dir), "settings": {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()}
+                              | {"model": str(model_dir)},
                               "plan": {**plan.terms(), "total": plan.total}, "measured": {}, "generations": []}
     measured = report["measured"]
     measured["before_engine"] = _card_used()
