@@ -6,17 +6,18 @@ own; commit 5c54530), stopped part-way, for tests/test_grpo_full.py to resume wi
   to the base model, two micro-batches a step, scored after every step);
 - ``full``: ``policy_weights: full`` on the same engine (AdamW on the model's q_proj and v_proj
   weights of layer 1, written into the engine in place after each step; the checkpoints hold those
-  weights and AdamW's state in float32), scored at step 3 and at the budget's last step.
+  weights and AdamW's state in float32), scored at steps 0, 3 and 4 (``eval_every`` 3 and the
+  budget's last step), so the folder's last two rows have no scores.
 
-Each ran 2 of its 4 steps, with a checkpoint after each (the older two of a folder's checkpoints
-are kept: ``keep_checkpoints`` 2):
+Each ran 2 of its 4 steps with a checkpoint after each (both kept: ``keep_checkpoints`` 2), then
+stopped (``run.run(2)``, ``run.close()``); the writer's lock file was removed afterwards:
 
     git worktree add /tmp/old5c 5c54530
     VLLM_ENABLE_V1_MULTIPROCESSING=0 OMP_NUM_THREADS=1 PYTHONPATH=/tmp/old5c \\
         python tests/data/make_before_grpo_runs.py tests/data/before_grpo
 
 The settings are ``SETTINGS`` below; the test imports them to run the same settings uninterrupted.
-tiny-random, half a minute, under 200 KB.
+tiny-random, about 20 s, 250 KB (150 KB of it the two float32 checkpoints of ``full``).
 """
 from __future__ import annotations
 
