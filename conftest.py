@@ -42,6 +42,7 @@ HEAVY_FIRST = (
     "tests/test_policy_process.py",  # ~70 s: the GRPO-update benchmark
     "tests/test_tensor_parallel.py",  # ~55 s: a 2-rank engine beside a 1-rank one, a 2-rank run killed and resumed
     "tests/test_es_run.py",  # ~50 s
+    "tests/test_grpo_full.py",  # ~50 s: its own engine, full-weight runs killed and resumed, folders of earlier code resumed
     "tests/test_engines.py",  # ~50 s
     "notebooks/06_grpo_stepper.ipynb",  # ~50 s (nbval, SmolLM2)
     "tests/test_full_pool.py",  # ~45 s

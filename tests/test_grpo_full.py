@@ -1,7 +1,10 @@
 """GRPO on the model's own weights (``policy_weights: full``): one step is a hand-computed AdamW step,
 the engine serves the new weights in place (vLLM and HF), the KL penalty compares with the base model,
-checkpoints, the final model folder, SIGKILL and resume, and bad settings named."""
+checkpoints, the final model folder, SIGKILL and resume, folders written by earlier code resumed (a
+LoRA one too), and bad settings named."""
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,13 +15,16 @@ from evolm_lib.config import ConfigError, GRPOConfig
 from evolm_lib.engines import SamplingSettings
 from evolm_lib.engines.resident_weights import targeted_weight_shapes
 from evolm_lib.engines.synthetic import SyntheticEvaluator
+from evolm_lib.metrics import without_times
 from evolm_lib.runs import list_checkpoints, read_metrics
 from evolm_lib.train.grpo import WEIGHTS_PREFIX, GRPORun
 from evolm_lib.train.policy import PolicyTrainer, rollout_batch
+from helpers_data import data_script
 
 TARGETS = ["q_proj", "v_proj", "down_proj"]
 FULL = dict(model="tiny-random", task="conciseness", policy_weights="full", target_modules=TARGETS, group_size=4,
             max_new_tokens=6, max_model_len=256, kv_cache_gb=0.0625, learning_rate=0.05, num_steps=2)
+ENGINE = dict(max_loras=2, max_lora_rank=8, max_model_len=256, kv_cache_gb=0.0625)
 
 
 def full_config(**changes) -> GRPOConfig:
@@ -34,7 +40,7 @@ def engine(tiny_model_dir):
     """An engine of these tests' own (its targeted layers get their weights back, and runs move them)."""
     from evolm_lib.engines.vllm.engine import VLLMEvaluator
 
-    evaluator = VLLMEvaluator(str(tiny_model_dir), max_loras=2, max_lora_rank=8, max_model_len=256, kv_cache_gb=0.0625)
+    evaluator = VLLMEvaluator(str(tiny_model_dir), **ENGINE)
     yield evaluator
     evaluator.close()
 
@@ -247,3 +253,55 @@ def test_a_kill_mid_step_resumes_to_the_rows_of_an_uninterrupted_run(tmp_path):
     whole.run()
     whole.close()
     assert _rows(tmp_path / "k") == _rows(tmp_path / "w")
+
+
+# ----------------------------------------------------------------------------- folders written before the run code's restructuring
+
+BEFORE_GRPO = Path(__file__).with_name("data") / "before_grpo"
+
+
+def _before_grpo():
+    """The settings tests/data/make_before_grpo_runs.py wrote the folders with (one source)."""
+    return data_script("make_before_grpo_runs")
+
+
+def _close_to(value, expected) -> bool:
+    """Equal, floats to float32 rounding (another CPU's vector sums round differently), through lists."""
+    if isinstance(value, float) or isinstance(expected, float):
+        return value == pytest.approx(expected, rel=1e-5, abs=1e-6)
+    if isinstance(value, list) and isinstance(expected, list):
+        return len(value) == len(expected) and all(map(_close_to, value, expected))
+    return value == expected
+
+
+@pytest.mark.parametrize("name", ["lora", "full"])
+def test_a_grpo_folder_written_before_the_restructuring_resumes_like_an_uninterrupted_run(tmp_path, name, engine):
+    """tests/data/before_grpo: a LoRA folder (KL penalty, two micro-batches a step) and a folder of the
+    model's own weights (layer 1's q_proj and v_proj, scored every 3 steps), written on vLLM by the code
+    before the ES and GRPO run code was restructured (commit 5c54530) and stopped after step 2 of 4.
+    Today's code opens them, ends at the weights of an uninterrupted run of today, and the folder holds
+    that run's rows (the two old ones included)."""
+    import shutil
+
+    old = _before_grpo()
+    assert old.ENGINE == ENGINE  # the engine the folders were written on
+    config = GRPOConfig.from_dict(old.SETTINGS[name])
+    run_dir = tmp_path / "old"
+    shutil.copytree(BEFORE_GRPO / name, run_dir)
+    resumed = GRPORun.open(config, run_dir, evaluator=engine)
+    assert resumed.generation == old.STOP
+    resumed.run()
+    trained = {k: v.clone() for k, v in (resumed.trainer.weights() if name == "full" else resumed.policy.tensors).items()}
+    resumed.close()  # the shared engine serves the model folder's weights again
+    reference = GRPORun.create(config, tmp_path / "reference", evaluator=engine)
+    reference.run()
+    expected_weights = reference.trainer.weights() if name == "full" else reference.policy.tensors
+    assert trained.keys() == expected_weights.keys()
+    for key, value in expected_weights.items():
+        torch.testing.assert_close(trained[key], value, rtol=1e-5, atol=1e-6, msg=key)
+    reference.close()
+    rows, expected = without_times(read_metrics(run_dir)), without_times(read_metrics(tmp_path / "reference"))
+    assert [r["step"] for r in rows] == [r["step"] for r in expected] == list(range(config.num_steps + 1))
+    for row, want in zip(rows, expected):
+        assert row.keys() == want.keys(), row["step"]
+        assert all(_close_to(row[k], want[k]) for k in row), [k for k in row if not _close_to(row[k], want[k])]
