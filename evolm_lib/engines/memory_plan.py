@@ -278,7 +278,7 @@ class MemoryPlan:
     """ES full: float32 noise and gradient. noise_scheme tiled draws tensor by tensor, a shard only its
     slice: two copies of the largest moved shard. flat and per_tensor draw one member's noise over
     every moved value, and its gradient as large (tensor_parallel_size 1 only). eggroll: its full-rank
-    update over every moved value of the shard, made at once (4 bytes a value)."""
+    update, over every moved value at tensor_parallel_size 1, a weight's slice at a time above."""
     lora_slots: int
     """vLLM's LoRA slots (``EngineSizing.engine_loras`` of them, ES: the population, its mean and
     a zero adapter, twice with slots written in place) at the slot rank (``EngineSizing.engine_lora_rank``),
@@ -357,8 +357,10 @@ def memory_plan(model: ModelShape, settings: PlanSettings) -> MemoryPlan:
         master = 4 * values
         buffers = 2 if settings.optimizer == "adam" else (1 if settings.momentum > 0 else 0)
         optimizer = 4 * buffers * values
-        if mode == "eggroll":  # the full-rank update of every moved value at once (the factors are small)
+        if mode == "eggroll" and tp == 1:  # the full-rank update of every moved value at once
             temporaries = 4 * values
+        elif mode == "eggroll":  # split over cards: a weight's slice at a time (the factors are small)
+            temporaries = 4 * max(math.prod(model.shard_shape(n, s, tp)) for n, s in moved.items())
         elif settings.noise_scheme == "tiled":
             temporaries = 2 * 4 * max(math.prod(model.shard_shape(n, s, tp)) for n, s in moved.items())
         else:

@@ -200,6 +200,10 @@ class ResidentWeights:
         gradient = None
         if self.streams:  # weight by weight: one weight's gradient at a time beside the master
             parts = self._tiled_gradient(members, weights, sigma, form)
+        elif self.noise == "lowrank" and self.sliced:  # EGGROLL on a tensor-parallel card: weight by weight too
+            by_weight = lowrank.lowrank_gradient_by_weight(members, weights, self.whole_shapes, self.noise_rank, sigma,
+                                                           form, self.device, self.scheme, self._lowrank_slices())
+            parts = ((slice(offset, offset + g.numel()), g) for offset, (_, g) in zip(self.layout.offsets, by_weight))
         else:
             gradient = es.flat_of(self.gradient(members, weights, sigma, form), self.layout)
             # in place: no full-size temporaries beside a master of billions of weights

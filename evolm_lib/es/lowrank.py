@@ -146,6 +146,27 @@ def _held_shape(shape: Sequence[int], rows: slice, cols: slice) -> tuple[int, in
     return len(range(*rows.indices(out_features))), len(range(*cols.indices(in_features)))
 
 
+def lowrank_gradient_by_weight(members: Sequence[Member], weights: torch.Tensor | Sequence[float], shapes: Shapes,
+                               rank: int, sigma: Sigma, form: GradientForm = "qiu", device: str | torch.device = "cpu",
+                               scheme: NoiseScheme = "flat", slices: Slices | None = None):
+    """``lowrank_gradient`` one weight at a time: yields (name, its gradient) in sorted-name order
+    (over each weight's slice in ``slices``), the members' factors drawn once (r x (out + in) values
+    a member), so only one weight's full-rank gradient exists at a time beside them. A product per
+    weight rather than per group of same-shaped weights: equal to ``lowrank_gradient`` to float32
+    rounding, not bit for bit."""
+    coefficient = member_coefficients(members, weights, form, sigma, list(shapes))
+    seeds = [seed for seed, c in coefficient.items() if c != 0.0]
+    factors = member_factors(seeds, shapes, rank, device, scheme) if seeds else {}
+    c = torch.tensor([coefficient[seed] for seed in seeds], dtype=torch.float32)
+    for name in sorted(shapes):
+        if seeds:
+            total = combine_factors(*_cut(*factors[name], name, slices), c)
+        else:  # every coefficient zero (e.g. equal antithetic rewards): a zero update
+            rows, cols = (slices or {}).get(name, (slice(None), slice(None)))
+            total = torch.zeros(_held_shape(shapes[name], rows, cols), dtype=torch.float32, device=device)
+        yield name, total.div_(len(members) * math.sqrt(rank) * (sigma_of(sigma, name) if form == "textbook" else 1.0))
+
+
 def lowrank_gradient_per_matrix(members: Sequence[Member], weights: torch.Tensor | Sequence[float], shapes: Shapes,
                                 rank: int, sigma: Sigma, form: GradientForm = "qiu", device: str | torch.device = "cpu",
                                 scheme: NoiseScheme = "flat", block: int | None = None) -> dict[str, torch.Tensor]:
