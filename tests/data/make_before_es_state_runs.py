@@ -32,14 +32,14 @@ ENGINE = dict(max_loras=8, max_lora_rank=8, max_model_len=256, kv_cache_gb=0.062
 
 def main(out: str) -> None:
     from evolm_lib.config import ESConfig
-    from evolm_lib.engines.vllm.engine import VLLMEvaluator
+    from evolm_lib.engines.vllm.engine import VLLMEngine
     from evolm_lib.models import resolve_model
     from evolm_lib.train.es import ESRun
 
-    engine = VLLMEvaluator(str(resolve_model("tiny-random")), **ENGINE)
+    engine = VLLMEngine(str(resolve_model("tiny-random")), **ENGINE)
     try:
         for name, settings in SETTINGS.items():
-            run = ESRun.create(ESConfig.from_dict(settings), Path(out) / name, evaluator=engine)
+            run = ESRun.create(ESConfig.from_dict(settings), Path(out) / name, engine=engine)
             run.run(STOP)
             run.close()
     finally:
