@@ -150,7 +150,7 @@ class CommonConfig(BaseModel):
 
     @model_validator(mode="after")
     def _ray_settings_consistent(self):
-        # Reachability and the cluster's GPUs are checked when the evaluator starts, before any engine.
+        # Reachability and the cluster's GPUs are checked as the Ray engines start, before any engine actor exists.
         if self.evaluator == "local" and self.num_engines > 1:
             raise ValueError(f"num_engines: {self.num_engines} engines need evaluator: ray (evaluator is 'local': one engine in this process)")
         if self.evaluator == "local" and self.engines_per_gpu > 1:

@@ -185,7 +185,7 @@ def placement() -> dict:
 
 
 def record_placement(run_dir, config=None, run_settings: dict | None = None) -> dict:
-    """Append this process's ``placement()`` (and the run's evaluator, engines and memory share, and
+    """Append this process's ``placement()`` (and the run's engine, evaluator, engines and memory share, and
     ``run_settings``: what the run resolved where it ran) to the run folder's placement.jsonl; returns
     the line. Times in a run's rows mean little without it."""
     import json

@@ -14,7 +14,7 @@ from typing import Callable, ContextManager, Sequence
 
 import torch
 
-from .engines import Evaluator, SamplingSettings, TokenScorer
+from .engines import Engine, SamplingSettings, TokenScorer
 from .divergence import kl_k3
 from .es.core import NOISE_DEVICE
 from .lora import AdapterWeights
@@ -39,7 +39,7 @@ class AdapterScore:
 
 
 def score_adapters(
-    evaluator: Evaluator,
+    engine: Engine,
     task: Task,
     adapter: AdapterWeights | None,
     example_sets: Sequence[Sequence[Example]],
@@ -47,7 +47,7 @@ def score_adapters(
 ) -> list[AdapterScore]:
     """Greedy rewards of one adapter on several example lists, in ONE engine call."""
     prompts, adapters, sampling = scoring_grid(task, adapter, example_sets, max_new_tokens)
-    return scores_of(task, evaluator.generate(prompts, adapters, sampling)[0], example_sets)
+    return scores_of(task, engine.generate(prompts, adapters, sampling)[0], example_sets)
 
 
 def scoring_grid(task: Task, adapter: AdapterWeights | None, example_sets: Sequence[Sequence[Example]],
@@ -101,7 +101,7 @@ def success(reward: float, threshold: float) -> bool:
 
 
 def evaluate_adapter(
-    evaluator: Evaluator,
+    engine: Engine,
     task: Task,
     adapter: AdapterWeights | None,
     examples: Sequence[Example],
@@ -127,7 +127,7 @@ def evaluate_adapter(
         raise ValueError(f"k_values {bad_k} out of range: pass@k needs 1 <= k <= num_samples ({num_samples})")
     threshold = default_success_threshold(task) if success_threshold is None else float(success_threshold)
 
-    (greedy,) = score_adapters(evaluator, task, adapter, [examples], max_new_tokens)
+    (greedy,) = score_adapters(engine, task, adapter, [examples], max_new_tokens)
     solved = [success(r, threshold) for r in greedy.rewards]
     result = {
         "reward": greedy.mean,
@@ -144,7 +144,7 @@ def evaluate_adapter(
 
     repeated = [e for e in examples for _ in range(num_samples)]
     sampling = SamplingSettings(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
-    completions = evaluator.generate([task.prompt(e) for e in repeated], [adapter], sampling)[0]
+    completions = engine.generate([task.prompt(e) for e in repeated], [adapter], sampling)[0]
     rewards = task.reward_fn([c.text for c in completions], repeated)
     per_example = [rewards[i * num_samples : (i + 1) * num_samples] for i in range(len(examples))]
     successes = [sum(success(r, threshold) for r in row) for row in per_example]
@@ -165,7 +165,7 @@ def evaluate_adapter(
 
 
 def mean_kl_to_base(
-    evaluator: Evaluator,
+    engine: Engine,
     task: Task,
     adapter: AdapterWeights,
     examples: Sequence[Example],
@@ -178,7 +178,7 @@ def mean_kl_to_base(
     """Mean per-token KL(adapter || base), k3 estimate, from the engine's log-probs of the adapter's samples.
 
     Samples come from the adapter (with their log-probs); the base model then scores those very tokens
-    (``evaluator.prompt_logprobs``). The engine reports untempered log-probs, so the estimate is
+    (``engine.prompt_logprobs``). The engine reports untempered log-probs, so the estimate is
     unbiased at temperature 1 only. When the policy is the engine's own weights (``adapter`` None,
     ES modes full and eggroll), ``serving_base`` is a context in which the engine serves the base
     model's weights (``ModelWeights.serving_base``); the base's scoring runs inside it.
@@ -187,18 +187,18 @@ def mean_kl_to_base(
         raise ValueError(f"num_samples must be >= 1, got {num_samples}")
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 to sample the adapter's distribution, got {temperature}")
-    if not isinstance(evaluator, TokenScorer):
-        raise TypeError(f"{type(evaluator).__name__} is no TokenScorer (encode, prompt_logprobs): "
+    if not isinstance(engine, TokenScorer):
+        raise TypeError(f"{type(engine).__name__} is no TokenScorer (encode, prompt_logprobs): "
                         "mean_kl_to_base needs an engine that scores tokens")
     repeated = [e for e in examples for _ in range(num_samples)]
     prompts = [task.prompt(e) for e in repeated]
     sampling = SamplingSettings(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, logprobs=True)
-    completions = evaluator.generate(prompts, [adapter], sampling)[0]
+    completions = engine.generate(prompts, [adapter], sampling)[0]
     if any(c.logprobs is None for c in completions):
-        raise TypeError(f"{type(evaluator).__name__} returned no sampled-token log-probs")
-    prompt_ids = [evaluator.encode(p) for p in prompts]
+        raise TypeError(f"{type(engine).__name__} returned no sampled-token log-probs")
+    prompt_ids = [engine.encode(p) for p in prompts]
     with serving_base() if serving_base is not None else nullcontext():
-        base = evaluator.prompt_logprobs(prompt_ids, [c.token_ids for c in completions], adapter=None)
+        base = engine.prompt_logprobs(prompt_ids, [c.token_ids for c in completions], adapter=None)
     policy = torch.tensor([lp for c in completions for lp in c.logprobs], dtype=torch.float64)  # (tokens,)
     reference = torch.tensor([lp for row in base for lp in row], dtype=torch.float64)  # (tokens,)
     if policy.numel() == 0:
@@ -240,7 +240,7 @@ class PopulationPreview:
                 for j, member in enumerate(self.members) for i, example in enumerate(self.examples)]
 
 
-def preview_population(evaluator: Evaluator, task: Task, adapter: AdapterWeights, members: Sequence,
+def preview_population(engine: Engine, task: Task, adapter: AdapterWeights, members: Sequence,
                        sigmas, examples: Sequence[Example], max_new_tokens: int,
                        noise_device: str = NOISE_DEVICE, noise_scheme: str = "flat") -> PopulationPreview:
     """Members' adapters (adapter + sigma x their seeded noise) scored greedily on ``examples`` in ONE engine call."""
@@ -249,7 +249,7 @@ def preview_population(evaluator: Evaluator, task: Task, adapter: AdapterWeights
     population = [AdapterWeights(adapter.spec, perturb(dict(adapter.tensors), m, sigmas, noise_device, noise_scheme))
                   for m in members]
     sampling = SamplingSettings(max_new_tokens=max_new_tokens, temperature=0.0)
-    table = evaluator.generate([task.prompt(e) for e in examples], population, sampling)
+    table = engine.generate([task.prompt(e) for e in examples], population, sampling)
     rewards = tuple(tuple(task.reward_fn([c.text for c in row], list(examples))) for row in table)
     norm = float(sum((t.float() ** 2).sum() for t in adapter.tensors.values()) ** 0.5)
     return PopulationPreview(tuple(members), tuple(examples), tuple(tuple(row) for row in table), rewards, norm)

@@ -272,11 +272,11 @@ def check_path_ends(a: Solution, b: Solution) -> None:
 
 
 @contextmanager
-def _resident(evaluator, model_dir: Path, names: Sequence[str]) -> Iterator[tuple]:
+def _resident(engine, model_dir: Path, names: Sequence[str]) -> Iterator[tuple]:
     """(the engine's resident weights covering ``names``, a function that lays named weights out as
     they hold them: sorted names back to back, the base model's value where a name is missing)."""
     targets, layers = _resident_targets(names)
-    weights = evaluator.resident_weights(targets, noise="full", layers_to_transform=layers)
+    weights = engine.resident_weights(targets, noise="full", layers_to_transform=layers)
     try:
         order = sorted(weights.shapes)
         base = {name: value.float() for name, value in read_base_weights(model_dir, order).items()}
@@ -296,7 +296,7 @@ def _serving(weights, flat: torch.Tensor) -> Iterator[None]:
         weights.load(saved)
 
 
-def interpolation_path(evaluator, a: Solution, b: Solution, task: Task, points: int | Sequence[float] = 5, *,
+def interpolation_path(engine, a: Solution, b: Solution, task: Task, points: int | Sequence[float] = 5, *,
                        max_new_tokens: int = 64, kl_samples: int = 0, seed: int = 0) -> list[dict]:
     """Held-out and train greedy rewards (and, with ``kl_samples`` > 0, KL to the base model on the
     held-out prompts) at each ``t`` of ``(1 - t) theta_A + t theta_B``, the weights written into the
@@ -307,17 +307,17 @@ def interpolation_path(evaluator, a: Solution, b: Solution, task: Task, points: 
     ts = [i / (points - 1) for i in range(points)] if isinstance(points, int) else [float(t) for t in points]
     if isinstance(points, int) and points < 2:
         raise ValueError(f"points: at least 2 (the ends), got {points}")
-    with _resident(evaluator, a.model_dir, sorted(set(a.weights) | set(b.weights))) as (weights, flat):
+    with _resident(engine, a.model_dir, sorted(set(a.weights) | set(b.weights))) as (weights, flat):
         theta_a, theta_b, base_flat = flat(a.weights), flat(b.weights), flat({})
         rows = []
         for t in ts:
             point = theta_a * (1 - t) + theta_b * t  # t = 0 and 1 give each end bit for bit
             with _serving(weights, point):
-                train, held_out = score_adapters(evaluator, task, None, [task.train_examples(), task.eval_examples()],
+                train, held_out = score_adapters(engine, task, None, [task.train_examples(), task.eval_examples()],
                                                  max_new_tokens)
                 row = {"t": t, "eval/reward": held_out.mean, "policy/train_reward": train.mean}
                 if kl_samples > 0:
-                    row["policy/kl"] = mean_kl_to_base(evaluator, task, None, task.eval_examples(), num_samples=kl_samples,
+                    row["policy/kl"] = mean_kl_to_base(engine, task, None, task.eval_examples(), num_samples=kl_samples,
                                                        max_new_tokens=max_new_tokens, seed=seed,
                                                        serving_base=lambda: _serving(weights, base_flat))
             rows.append(row)
@@ -330,17 +330,17 @@ def drift_prompts(task: Task, max_prompts: int | None = None) -> list:
     return list(task.eval_examples() or task.train_examples())[:max_prompts]
 
 
-def solution_drift(evaluator, solution: Solution, task: Task, *, num_samples: int = 2, max_prompts: int | None = None,
+def solution_drift(engine, solution: Solution, task: Task, *, num_samples: int = 2, max_prompts: int | None = None,
                    max_new_tokens: int = 64, seed: int = 0) -> float:
     """KL to the base model on ``task``'s held-out prompts (another task's: the drift off the task the
     run trained on) of a solution, its weights written into the engine in place as
     ``interpolation_path`` serves a point (a LoRA merged); afterwards the engine serves exactly what
     it served before. One number for one solution; ``off_task_drift`` follows a run's checkpoints."""
     examples = drift_prompts(task, max_prompts)
-    with _resident(evaluator, solution.model_dir, sorted(solution.weights)) as (weights, flat):
+    with _resident(engine, solution.model_dir, sorted(solution.weights)) as (weights, flat):
         base_flat = flat({})
         with _serving(weights, flat(solution.weights)):
-            return mean_kl_to_base(evaluator, task, None, examples, num_samples=num_samples,
+            return mean_kl_to_base(engine, task, None, examples, num_samples=num_samples,
                                    max_new_tokens=max_new_tokens, seed=seed,
                                    serving_base=lambda: _serving(weights, base_flat))
 
@@ -360,7 +360,7 @@ def off_task_source(off_task: str | Path) -> Task:
                       f"tasks: {', '.join(list_tasks())}")
 
 
-def off_task_drift(evaluator, run_dir: str | Path, off_task: str | Path | Task, *, num_samples: int = 2,
+def off_task_drift(engine, run_dir: str | Path, off_task: str | Path | Task, *, num_samples: int = 2,
                    max_prompts: int | None = None, max_new_tokens: int | None = None) -> list[dict]:
     """KL to the base model on another task's held-out prompts, per kept checkpoint of a run (ES full and
     eggroll: every snapshot generation, rebuilt from the seed log): one row per generation, with
@@ -372,13 +372,13 @@ def off_task_drift(evaluator, run_dir: str | Path, off_task: str | Path | Task, 
     task = off_task if isinstance(off_task, Task) else off_task_source(off_task)
     examples = drift_prompts(task, max_prompts)
     kind = read_config_kind(run_dir)
-    run = (ESRun if kind == "es" else GRPORun).resume(run_dir, evaluator=evaluator)
+    run = (ESRun if kind == "es" else GRPORun).resume(run_dir, engine=engine)
     rows = []
     try:
         tokens = max_new_tokens or run.config.max_new_tokens
 
         def kl(adapter, serving_base=None) -> float:
-            return mean_kl_to_base(evaluator, task, adapter, examples, num_samples=num_samples, max_new_tokens=tokens,
+            return mean_kl_to_base(engine, task, adapter, examples, num_samples=num_samples, max_new_tokens=tokens,
                                    seed=run.config.seed, serving_base=serving_base)
 
         weights = model_weights_of(run)

@@ -169,7 +169,7 @@ def _round_up_gib(value: float) -> float:
 def _engine_live() -> bool:
     """True while a vLLM engine runs in this process (a run may share it: memory is already taken)."""
     module = sys.modules.get("evolm_lib.engines.vllm.engine")
-    return bool(module is not None and getattr(module.VLLMEvaluator, "_live_engines", 0) > 0)
+    return bool(module is not None and getattr(module.VLLMEngine, "_live_engines", 0) > 0)
 
 
 def _free_memory(cuda: bool) -> tuple[int, int] | None:

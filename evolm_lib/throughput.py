@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from .engines import Evaluator, Population, SamplingSettings
+from .engines import Engine, Population, SamplingSettings
 from .types import Prompt
 
 PATHS = ("base", "in_place", "files")
@@ -138,106 +138,106 @@ def population_of(spec: ThroughputSpec, mean, generation: int) -> Population:
     return Population(mean, tuple(members_of(spec, generation)), spec.sigma, spec.noise_device)
 
 
-def start_engine(spec: ThroughputSpec, engine: str = "local", *, num_engines: int = 1, ray_address: str | None = None,
+def start_engine(spec: ThroughputSpec, where: str = "local", *, num_engines: int = 1, ray_address: str | None = None,
                  dtype: str | None = None, max_model_len: int = 512, kv_cache_gb: float | None = None,
-                 adapter_transfer: str = "in_place", **vllm_options) -> Evaluator:
-    """A vLLM engine sized for the spec's population: in this process (``engine="local"``) or
-    ``num_engines`` Ray actors (``engine="ray"``). ``dtype`` None: bfloat16 with a GPU, float32
-    without; ``vllm_options``: other ``VLLMEvaluator`` arguments (``enforce_eager``,
+                 adapter_transfer: str = "in_place", **vllm_options) -> Engine:
+    """A vLLM engine sized for the spec's population: in this process (``where="local"``) or
+    ``num_engines`` Ray actors (``where="ray"``). ``dtype`` None: bfloat16 with a GPU, float32
+    without; ``vllm_options``: other ``VLLMEngine`` arguments (``enforce_eager``,
     ``lora_kernel_configs``, ...). Prefix caching is off, so repeated base prompts get no prefill
     discount that the population lacks."""
     import torch
 
-    if engine not in ("local", "ray"):
-        raise ValueError(f"engine must be 'local' or 'ray', got {engine!r}")
+    if where not in ("local", "ray"):
+        raise ValueError(f"where must be 'local' or 'ray', got {where!r}")
     dtype = dtype or ("bfloat16" if torch.cuda.is_available() else "float32")
     vllm_options = {**vllm_options, "engine_kwargs": {"enable_prefix_caching": False, **vllm_options.get("engine_kwargs", {})}}
     common = dict(max_lora_rank=spec.rank, max_loras=spec.population, max_model_len=max_model_len, dtype=dtype,
                   kv_cache_gb=kv_cache_gb, adapter_transfer=adapter_transfer)
-    if engine == "ray":
-        from .engines.ray.evaluator import RayEvaluator
+    if where == "ray":
+        from .engines.ray.engines import RayEngines
 
-        return RayEvaluator(spec.model, num_engines=num_engines, ray_address=ray_address, vllm_options=vllm_options,
+        return RayEngines(spec.model, num_engines=num_engines, ray_address=ray_address, vllm_options=vllm_options,
                             **common)
-    from .engines.vllm.engine import VLLMEvaluator
+    from .engines.vllm.engine import VLLMEngine
 
-    return VLLMEvaluator(spec.model, **common, **vllm_options)
+    return VLLMEngine(spec.model, **common, **vllm_options)
 
 
-# evaluator -> (its EGGROLL weights, its slots), made by the first call; an engine that is gone takes
+# engine -> (its EGGROLL weights, its slots), made by the first call; an engine that is gone takes
 # its entry with it (an id could be reused by the next engine)
-_EGGROLL: "weakref.WeakKeyDictionary[Evaluator, tuple]" = weakref.WeakKeyDictionary()
+_EGGROLL: "weakref.WeakKeyDictionary[Engine, tuple]" = weakref.WeakKeyDictionary()
 
 
-def eggroll_of(evaluator: Evaluator, spec: ThroughputSpec) -> tuple:
+def eggroll_of(engine: Engine, spec: ThroughputSpec) -> tuple:
     """(resident weights, low-rank slots) of es_mode eggroll on a vLLM engine, made once per engine."""
     from .lora import ALL_PROJECTIONS, LoraSpec
 
-    if evaluator not in _EGGROLL:
-        weights = evaluator.resident_weights(ALL_PROJECTIONS, noise="lowrank", noise_rank=spec.rank)
-        slots = evaluator.lowrank_slots(LoraSpec(rank=spec.rank, alpha=float(spec.rank)), spec.population)
-        _EGGROLL[evaluator] = (weights, slots)
-    return _EGGROLL[evaluator]
+    if engine not in _EGGROLL:
+        weights = engine.resident_weights(ALL_PROJECTIONS, noise="lowrank", noise_rank=spec.rank)
+        slots = engine.lowrank_slots(LoraSpec(rank=spec.rank, alpha=float(spec.rank)), spec.population)
+        _EGGROLL[engine] = (weights, slots)
+    return _EGGROLL[engine]
 
 
-def release_eggroll(evaluator: Evaluator) -> None:
+def release_eggroll(engine: Engine) -> None:
     """Give back an engine's EGGROLL slots and master, and es_mode full's master (before it measures
     something else)."""
-    weights, slots = _EGGROLL.pop(evaluator, (None, None))
+    weights, slots = _EGGROLL.pop(engine, (None, None))
     if slots is not None:
         slots.close()
         weights.close()
-    full = _FULL.pop(evaluator, None)
+    full = _FULL.pop(engine, None)
     if full is not None:
         full.close()
 
 
-_FULL: "weakref.WeakKeyDictionary[Evaluator, Any]" = weakref.WeakKeyDictionary()  # evaluator -> es_mode full's weights
+_FULL: "weakref.WeakKeyDictionary[Engine, Any]" = weakref.WeakKeyDictionary()  # engine -> es_mode full's weights
 
 
-def full_weights_of(evaluator: Evaluator):
+def full_weights_of(engine: Engine):
     """es_mode full's resident weights of the 7 projections on an engine, made once per engine."""
     from .lora import ALL_PROJECTIONS
 
-    if evaluator not in _FULL:
-        release_eggroll(evaluator)  # one master on the engine at a time
-        _FULL[evaluator] = evaluator.resident_weights(ALL_PROJECTIONS, noise="full")
-    return _FULL[evaluator]
+    if engine not in _FULL:
+        release_eggroll(engine)  # one master on the engine at a time
+        _FULL[engine] = engine.resident_weights(ALL_PROJECTIONS, noise="full")
+    return _FULL[engine]
 
 
-def _call(evaluator: Evaluator, spec: ThroughputSpec, path: str, prompts: list[Prompt], mean, generation: int,
+def _call(engine: Engine, spec: ThroughputSpec, path: str, prompts: list[Prompt], mean, generation: int,
           sampling: SamplingSettings):
     """One engine call of a path; returns the table and the seconds spent making host adapters."""
     if path == "base":
-        return evaluator.generate([p for _ in range(spec.population) for p in prompts], [None], sampling), 0.0
+        return engine.generate([p for _ in range(spec.population) for p in prompts], [None], sampling), 0.0
     if path == "full":
-        table, _, timing = evaluator.run_members_one_by_one(full_weights_of(evaluator), members_of(spec, generation),
+        table, _, timing = engine.run_members_one_by_one(full_weights_of(engine), members_of(spec, generation),
                                                             spec.sigma, prompts, sampling)
         table.timing.update(timing)
         return table, 0.0
     if path == "eggroll":
-        full = _FULL.pop(evaluator, None)
+        full = _FULL.pop(engine, None)
         if full is not None:  # one master on the engine at a time
             full.close()
-        weights, slots = eggroll_of(evaluator, spec)
+        weights, slots = eggroll_of(engine, spec)
         write_s = weights.write_slots(slots, members_of(spec, generation), spec.sigma)
-        (table,) = evaluator.run_lowrank(slots, [(prompts, "members", sampling)])
+        (table,) = engine.run_lowrank(slots, [(prompts, "members", sampling)])
         table.timing["slots_write_s"] = write_s
         return table, 0.0
     population = population_of(spec, mean, generation)
     if path == "in_place":
-        return evaluator.generate(prompts, population, sampling), 0.0
+        return engine.generate(prompts, population, sampling), 0.0
     started = time.perf_counter()
     adapters = population.adapters()
     host = time.perf_counter() - started
-    return evaluator.generate(prompts, adapters, sampling), host
+    return engine.generate(prompts, adapters, sampling), host
 
 
-def measure_throughput(evaluator: Evaluator, spec: ThroughputSpec, paths: Sequence[str] = PATHS,
-                       engine: str = "vllm", profile: Callable[[Callable[[], Any]], dict] | None = None,
+def measure_throughput(engine: Engine, spec: ThroughputSpec, paths: Sequence[str] = PATHS,
+                       label: str = "vllm", profile: Callable[[Callable[[], Any]], dict] | None = None,
                        interleave: bool = False) -> list[dict[str, Any]]:
-    """One row per path (see the module docstring), measured on ``evaluator`` in the order given;
-    ``engine`` names the rows ("vllm base", ...); a line per row goes to stderr as it is measured.
+    """One row per path (see the module docstring), measured on ``engine`` in the order given;
+    ``label`` names the rows ("vllm base", ...); a line per row goes to stderr as it is measured.
     ``profile`` (``benchmark.kernels.profile``): one more call of each path, after the timed ones, run
     through it; what it returns is the row's ``profile``. ``interleave``: every path warmed up first,
     then one call of each path a round, ``spec.repeats`` rounds, so that a host whose speed drifts
@@ -253,7 +253,7 @@ def measure_throughput(evaluator: Evaluator, spec: ThroughputSpec, paths: Sequen
 
     def timed(path: str, generation: int) -> dict[str, Any]:
         started = time.perf_counter()
-        table, host_s = _call(evaluator, spec, path, prompts, mean, generation, sampling)
+        table, host_s = _call(engine, spec, path, prompts, mean, generation, sampling)
         seconds = time.perf_counter() - started
         timing = {**({"host_adapters_s": host_s} if path == "files" else {}),
                   **getattr(table, "timing", {})}  # the engine's own split, where it reports one
@@ -262,7 +262,7 @@ def measure_throughput(evaluator: Evaluator, spec: ThroughputSpec, paths: Sequen
 
     def row_of(path: str, calls: list[dict[str, Any]]) -> dict[str, Any]:
         shared = set.intersection(*(set(c["timing"]) for c in calls))
-        row = {"name": f"{engine} {path}", "engine": engine, "path": path, "requests": spec.requests,
+        row = {"name": f"{label} {path}", "engine": label, "path": path, "requests": spec.requests,
                "tokens": statistics.median_low(c["tokens"] for c in calls),
                "seconds": statistics.median(c["seconds"] for c in calls),
                "tokens_per_s": statistics.median(c["tokens_per_s"] for c in calls),
@@ -270,7 +270,7 @@ def measure_throughput(evaluator: Evaluator, spec: ThroughputSpec, paths: Sequen
                "timing": {key: statistics.median(c["timing"][key] for c in calls) for key in sorted(shared)},
                "calls": calls}
         if profile is not None:
-            row["profile"] = profile(lambda: _call(evaluator, spec, path, prompts, mean, spec.repeats + 1, sampling))
+            row["profile"] = profile(lambda: _call(engine, spec, path, prompts, mean, spec.repeats + 1, sampling))
         print(f"  {row['name']}: {row['tokens']} tokens a call, {row['tokens_per_s']:.1f} tok/s "
               f"(median of {len(calls)}{', interleaved' if interleave else ''})", file=sys.stderr, flush=True)
         return row
@@ -279,11 +279,11 @@ def measure_throughput(evaluator: Evaluator, spec: ThroughputSpec, paths: Sequen
     if not interleave:
         rows = []
         for path in paths:
-            _call(evaluator, spec, path, prompts, mean, 0, warmup)
+            _call(engine, spec, path, prompts, mean, 0, warmup)
             rows.append(row_of(path, [timed(path, generation) for generation in generations]))
         return rows
     for path in paths:
-        _call(evaluator, spec, path, prompts, mean, 0, warmup)
+        _call(engine, spec, path, prompts, mean, 0, warmup)
     calls: dict[str, list[dict[str, Any]]] = {path: [] for path in paths}
     for generation in generations:
         for path in paths:
@@ -336,34 +336,34 @@ def load_average() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else []
 
 
-def throughput_report(spec: ThroughputSpec, paths: Sequence[str] = PATHS, engine: str = "local",
-                      evaluator: Evaluator | None = None, weight_modes: bool = False, **engine_options) -> dict[str, Any]:
+def throughput_report(spec: ThroughputSpec, paths: Sequence[str] = PATHS, where: str = "local",
+                      engine: Engine | None = None, weight_modes: bool = False, **engine_options) -> dict[str, Any]:
     """Measure the paths on an engine started for the spec (:func:`start_engine`, closed at the end)
-    or on ``evaluator`` (left open); returns the rows, their ratios, the engine's start time and the
+    or on ``engine`` (left open); returns the rows, their ratios, the engine's start time and the
     machine it ran on; with ``weight_modes`` also es_mode full's and EGGROLL's own costs on that
     engine (:func:`measure_weight_modes`). ``eggroll`` is measured after the other paths (on a CPU
     engine it moves the projections' weights to plain kernels), then ``full``."""
     paths = [p for p in paths if p not in ("eggroll", "full")] + [p for p in ("eggroll", "full") if p in paths]
     report: dict[str, Any] = {"mode": "throughput", **asdict(spec), "machine": machine_info(), "load_before": load_average(),
-                              "engine": engine}
-    own = evaluator is None
+                              "engine": where}
+    own = engine is None
     if own:
         started = time.perf_counter()
-        evaluator = start_engine(spec, engine, **engine_options)
+        engine = start_engine(spec, where, **engine_options)
         report["engine_start_s"] = time.perf_counter() - started
     else:
-        report["engine_start_s"] = evaluator.start_seconds
+        report["engine_start_s"] = engine.start_seconds
     try:
-        report["rows"] = measure_throughput(evaluator, spec, paths, "ray" if engine == "ray" else "vllm")
-        report["adapter_transfer"] = evaluator.adapter_transfer  # after any fall-back to files
-        report["lora_kernel_configs"] = evaluator.lora_kernel_configs  # tuned tiles a GPU engine uses
-        report["cudagraph_capture_sizes"] = evaluator.cudagraph_capture_sizes
+        report["rows"] = measure_throughput(engine, spec, paths, "ray" if where == "ray" else "vllm")
+        report["adapter_transfer"] = engine.adapter_transfer  # after any fall-back to files
+        report["lora_kernel_configs"] = engine.lora_kernel_configs  # tuned tiles a GPU engine uses
+        report["cudagraph_capture_sizes"] = engine.cudagraph_capture_sizes
         if weight_modes:
-            release_eggroll(evaluator)
-            report["weight_modes"] = measure_weight_modes(evaluator, spec, repeats=max(spec.repeats, 1))
+            release_eggroll(engine)
+            report["weight_modes"] = measure_weight_modes(engine, spec, repeats=max(spec.repeats, 1))
     finally:
         if own:
-            evaluator.close()
+            engine.close()
     report["ratios"] = ratios(report["rows"])
     report["load_after"] = load_average()
     return report
@@ -466,17 +466,17 @@ def measure_es_overhead(spec: ThroughputSpec, device: str = "cpu", adapter_dtype
             **parts, "overhead_s": sum(parts.values())}
 
 
-def measure_weight_modes(evaluator: Evaluator, spec: ThroughputSpec, repeats: int = 3) -> dict[str, Any]:
+def measure_weight_modes(engine: Engine, spec: ThroughputSpec, repeats: int = 3) -> dict[str, Any]:
     """What es_mode full and eggroll add on the engine's own weights of the 7 projections (medians):
     EGGROLL's update from ``spec.population`` rank-``rank`` members; full mode's write of one member
     and its restore from the float32 master; each as the worker times it (the GPU synchronised)."""
     from .es import core as es
     from .lora import ALL_PROJECTIONS
 
-    release_eggroll(evaluator)
+    release_eggroll(engine)
     optimizer = es.SGDConfig(learning_rate=1e-4)
     out: dict[str, Any] = {"population": spec.population, "rank": spec.rank, "repeats": repeats}
-    lowrank = evaluator.resident_weights(ALL_PROJECTIONS, noise="lowrank", noise_rank=spec.rank)
+    lowrank = engine.resident_weights(ALL_PROJECTIONS, noise="lowrank", noise_rank=spec.rank)
     try:
         updates = [lowrank.step(optimizer, members_of(spec, g), [1.0] * spec.population, spec.sigma)
                    for g in range(1, repeats + 2)][1:]  # the first warms the kernels up
@@ -484,7 +484,7 @@ def measure_weight_modes(evaluator: Evaluator, spec: ThroughputSpec, repeats: in
         out["weights_values"] = int(lowrank.info.get("values", 0))
     finally:
         lowrank.close()
-    full = evaluator.resident_weights(ALL_PROJECTIONS, noise="full")
+    full = engine.resident_weights(ALL_PROJECTIONS, noise="full")
     try:
         writes, restores = [], []
         for g in range(repeats + 1):

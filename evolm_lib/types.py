@@ -24,7 +24,7 @@ class Prompt:
         return cls(tuple(msgs), assistant_prefix)
 
 
-# What evaluators accept as a prompt: a Prompt, chat messages, or a raw string (no chat template).
+# What engines accept as a prompt: a Prompt, chat messages, or a raw string (no chat template).
 PromptLike = Union[Prompt, list, tuple, str]
 
 

@@ -38,7 +38,7 @@ figures_dir: str = "../figures"  # where PNG/PDF/SVG figures go
 import yaml
 
 from evolm_lib.config import ESConfig
-from evolm_lib.engines import SamplingSettings, make_evaluator
+from evolm_lib.engines import SamplingSettings, make_engine
 from evolm_lib.metrics import completions_table, wrap_table
 from evolm_lib.models import resolve_model
 from evolm_lib.preflight import check_engine_settings
@@ -74,8 +74,8 @@ wrap_table(completions_table({"split": split, "prompt": e.prompt, "target": e.ta
 check_engine_settings(config, resolve_model(config.model), task_instance)
 
 # %%
-evaluator = make_evaluator(config, max_loras=1)
-rendered_prompt = evaluator.encoder.render(task_instance.prompt(examples[0][1]))
+inference_engine = make_engine(config, max_loras=1)
+rendered_prompt = inference_engine.encoder.render(task_instance.prompt(examples[0][1]))
 print(rendered_prompt)
 
 # %% [markdown]
@@ -83,8 +83,8 @@ print(rendered_prompt)
 
 # %%
 sampling = SamplingSettings(max_new_tokens=config.max_new_tokens, temperature=config.temperature, seed=config.seed)
-completions = evaluator.generate([task_instance.prompt(e) for _, e in examples], [None], sampling)[0]
-evaluator.close()
+completions = inference_engine.generate([task_instance.prompt(e) for _, e in examples], [None], sampling)[0]
+inference_engine.close()
 results = [task_instance.reward(c.text, e) for c, (_, e) in zip(completions, examples)]
 wrap_table(completions_table(
     ({"split": split, "prompt": e.prompt, "target": e.target, "completion": c.text, "tokens": c.num_tokens,

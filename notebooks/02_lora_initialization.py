@@ -46,7 +46,7 @@ import yaml
 
 from evolm_lib import es
 from evolm_lib.config import ESConfig
-from evolm_lib.engines import make_evaluator
+from evolm_lib.engines import make_engine
 from evolm_lib.evaluation import preview_population
 from evolm_lib.lora import (
     adapter_shapes, base_weight_magnitudes, init_adapter, layer_of, module_of,
@@ -119,12 +119,12 @@ members = es.population(config.seed, 1, config.population_size, config.antitheti
 task_instance = get_task(config.task, **config.task_options)
 examples = task_instance.train_examples()
 check_engine_settings(config, model_dir, task_instance)  # context, KV cache and memory before the engine starts
-evaluator = make_evaluator(config, max_loras=config.population_size)
+inference_engine = make_engine(config, max_loras=config.population_size)
 
 # %%
-previews = {scheme: preview_population(evaluator, task_instance, adapter, members, sigmas, examples, config.max_new_tokens)
+previews = {scheme: preview_population(inference_engine, task_instance, adapter, members, sigmas, examples, config.max_new_tokens)
             for scheme, adapter in initial.items()}
-evaluator.close()
+inference_engine.close()
 
 # %% [markdown]
 # Diversity: distinct completions per prompt and the spread of member rewards; then every member's

@@ -218,7 +218,7 @@ geometry_figures = []
 if geometry_runs:
     import pandas as pd
 
-    from evolm_lib.engines import EngineSizing, make_evaluator
+    from evolm_lib.engines import EngineSizing, make_engine
     from evolm_lib.geometry import (interpolation_path, load_solution, off_task_drift, off_task_source, path_barrier,
                                     summarize, update_cosine, update_table)
     from evolm_lib.runs import load_run_config
@@ -253,7 +253,7 @@ if geometry_runs:
 if geometry_runs:
     config_a = load_run_config(folders[0])
     # the weights are written in place: an engine with the worker extension (in_place), whatever A's method
-    engine = make_evaluator(config_a, sizing=EngineSizing.from_config(config_a).replace(adapter_transfer="in_place"))
+    engine = make_engine(config_a, sizing=EngineSizing.from_config(config_a).replace(adapter_transfer="in_place"))
     path_rows = interpolation_path(engine, solutions[0], solutions[1], get_task(config_a.task, **config_a.task_options),
                               geometry_points, max_new_tokens=config_a.max_new_tokens, kl_samples=kl_samples)
     barrier = path_barrier([r["t"] for r in path_rows], [r["eval/reward"] for r in path_rows])

@@ -50,8 +50,8 @@ print("\n".join(tune.describe(spec)))
 # ## The trials: one engine for all of them
 
 # %%
-evaluator = tune.make_tuning_evaluator(spec)
-ran = tune.tune(spec, evaluator)
+engine = tune.make_tuning_engine(spec)
+ran = tune.tune(spec, engine)
 ran
 
 # %%
@@ -79,8 +79,8 @@ for method, study in studies.items():
 # ## The winners on the final seeds, scored on the held-out problems
 
 # %%
-tune.run_finals(spec, evaluator)
-evaluator.close()
+tune.run_finals(spec, engine)
+engine.close()
 summary = tune.summarize(spec)
 print("\n".join(tune.summary_lines(summary)))
 pd.DataFrame(summary["final"])

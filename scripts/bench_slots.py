@@ -69,9 +69,9 @@ def main(argv=None) -> dict:
                           sigma=args.sigma, noise_device=args.noise_device, repeats=args.repeats)
     options = dict(dtype=args.dtype, max_model_len=args.max_model_len, enforce_eager=args.eager,
                    kv_cache_gb=args.kv_cache_gb if args.kv_cache_gb is not None else (None if on_gpu else 0.25))
-    evaluator = start_engine(spec, **options)
+    engine = start_engine(spec, **options)
     try:
-        report = throughput_report(spec, ("base", "files", "in_place"), evaluator=evaluator)
+        report = throughput_report(spec, ("base", "files", "in_place"), engine=engine)
         print(format_throughput(report))
         timing = {row["path"]: row["timing"] for row in report["rows"]}
         print()
@@ -91,11 +91,11 @@ def main(argv=None) -> dict:
         prompts = bench_prompts(spec.prompts)
         population = population_of(spec, mean_adapter(spec), 1)
         adapters = population.adapters()
-        from_files = evaluator.generate(prompts, adapters, greedy)
-        files_repeat = agreement(from_files, evaluator.generate(prompts, adapters, greedy))  # new ids, same adapters
-        slots_files = agreement(evaluator.generate(prompts, population, greedy), from_files)
+        from_files = engine.generate(prompts, adapters, greedy)
+        files_repeat = agreement(from_files, engine.generate(prompts, adapters, greedy))  # new ids, same adapters
+        slots_files = agreement(engine.generate(prompts, population, greedy), from_files)
     finally:
-        evaluator.close()
+        engine.close()
     print(f"\ngreedy completions alike, slots against files: {slots_files:.2f} (files against files, new ids: "
           f"{files_repeat:.2f})")
     summary = {**report, "eager": args.eager, "agreement": slots_files, "files_repeat_agreement": files_repeat}

@@ -29,13 +29,13 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 began = time.perf_counter()
 from evolm_lib.engines.base import SamplingSettings
-from evolm_lib.engines.vllm.engine import VLLMEvaluator
+from evolm_lib.engines.vllm.engine import VLLMEngine
 from evolm_lib.models import resolve_model
 model = str(resolve_model("tiny-random"))
 calls = int(sys.argv[1])
 phases = {}
 def start():
-    return VLLMEvaluator(model, max_loras=8, max_lora_rank=8, max_model_len=512, kv_cache_gb=0.125)
+    return VLLMEngine(model, max_loras=8, max_lora_rank=8, max_model_len=512, kv_cache_gb=0.125)
 engine = start()
 phases["import and start"] = time.perf_counter() - began
 mark = time.perf_counter()

@@ -74,7 +74,7 @@ run.run()
 
 def es(args) -> dict:
     from evolm_lib.config import ESConfig
-    from evolm_lib.engines import make_evaluator
+    from evolm_lib.engines import make_engine
     from evolm_lib.runs import read_metrics
     from evolm_lib.train.es import ESRun
 
@@ -86,13 +86,13 @@ def es(args) -> dict:
     child = subprocess.run([sys.executable, "-c", CHILD.format(config=settings, folder=str(root / "killed"))],
                            capture_output=True, text=True)
     config = ESConfig(**settings)
-    engine = make_evaluator(config)
+    engine = make_engine(config)
 
     def rows(folder):
         return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in read_metrics(folder)]
 
     for name in ("a", "b", "killed"):  # killed: resumed from the checkpoint its generation 1 left
-        run = ESRun.open(config, root / name, evaluator=engine)
+        run = ESRun.open(config, root / name, engine=engine)
         run.run()
         run.close()
     engine.close()

@@ -32,7 +32,7 @@ def measure(args: argparse.Namespace) -> dict:
     import torch
 
     from evolm_lib.config import GRPOConfig
-    from evolm_lib.engines import SamplingSettings, make_evaluator
+    from evolm_lib.engines import SamplingSettings, make_engine
     from evolm_lib.grpo.primitives import compute_group_normalized_rewards
     from evolm_lib.lora import adapter_shapes, init_adapter
     from evolm_lib.models import resolve_model
@@ -48,7 +48,7 @@ def measure(args: argparse.Namespace) -> dict:
     lora = GRPOConfig(**common)
     task = get_task(args.task)
     model_dir = resolve_model(args.model)
-    engine = make_evaluator(full)  # in place: the worker extension that writes the weights
+    engine = make_engine(full)  # in place: the worker extension that writes the weights
     examples = task.train_examples()[: args.prompts]
     prompts = [task.prompt(e) for e in examples for _ in range(args.group_size)]
     sampling = SamplingSettings(max_new_tokens=args.max_new_tokens, temperature=1.0, seed=0, logprobs=True)

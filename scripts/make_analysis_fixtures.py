@@ -3,7 +3,7 @@ EGGROLL, ES full-parameter, GRPO; 2 seeds each, equal budgets) that notebooks/04
 by default and tests/test_analysis.py reads.
 
 The LoRA ES and GRPO runs (es_seedN, grpo_seedN) are trained on tiny-random with the deterministic
-SyntheticEvaluator (no engine for training: the reward is the conciseness of a completion whose
+SyntheticEngine (no engine for training: the reward is the conciseness of a completion whose
 length grows with the adapter's distance from a hidden target), so their numbers mean nothing about
 ES or GRPO; the KL of each final adapter to the base model is measured with a real vLLM engine on
 tiny-random (about 30 s; --no-kl skips it). Checkpoints and final adapters are deleted: only
@@ -149,7 +149,7 @@ def write_hand_made(out: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Train the fixture runs, measure their KL, keep only config.yaml and metrics.jsonl; add the hand-made files."""
-    from evolm_lib.engines.synthetic import SyntheticEvaluator
+    from evolm_lib.engines.synthetic import SyntheticEngine
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=REPO / "tests" / "data" / "es_vs_grpo")
@@ -165,13 +165,13 @@ def main(argv: list[str] | None = None) -> int:
     plan = sweep.plan_sweep(FIXTURE_SWEEP)
     if args.out.exists():
         shutil.rmtree(args.out)
-    kl_evaluator = None if args.no_kl else sweep.make_shared_evaluator(plan)
+    kl_engine = None if args.no_kl else sweep.make_shared_engine(plan)
     try:
-        sweep.run_sweep(plan, args.out, evaluator=SyntheticEvaluator(), kl_evaluator=kl_evaluator,
+        sweep.run_sweep(plan, args.out, engine=SyntheticEngine(), kl_engine=kl_engine,
                         kl_settings=None if args.no_kl else {"num_samples": 2, "temperature": 1.0})
     finally:
-        if kl_evaluator is not None:
-            kl_evaluator.close()
+        if kl_engine is not None:
+            kl_engine.close()
     (args.out / "sweep_summary.jsonl").unlink(missing_ok=True)  # wall times: not fixture data
     for run_dir in sorted(p for p in args.out.iterdir() if p.is_dir()):
         for extra in ("checkpoints", "final_adapter"):

@@ -40,20 +40,20 @@ def smollm2_dir():
 @pytest.fixture(scope="session")
 def tiny_vllm(tiny_model_dir):
     """One vLLM engine on tiny-random with LoRA (max_loras=8, max_lora_rank=8), shared by the session."""
-    from evolm_lib.engines.vllm.engine import VLLMEvaluator
+    from evolm_lib.engines.vllm.engine import VLLMEngine
 
-    evaluator = VLLMEvaluator(
+    engine = VLLMEngine(
         str(tiny_model_dir), max_loras=TINY_MAX_LORAS, max_lora_rank=TINY_MAX_LORA_RANK, max_model_len=512, kv_cache_gb=0.125
     )
-    yield evaluator
-    evaluator.close()
+    yield engine
+    engine.close()
 
 
 @pytest.fixture(scope="session")
 def tiny_hf(tiny_model_dir):
-    """transformers + peft evaluator on tiny-random (the reference the vLLM engine is checked against)."""
-    from evolm_lib.engines.hf_engine import HFEvaluator
+    """transformers + peft engine on tiny-random (the reference the vLLM engine is checked against)."""
+    from evolm_lib.engines.hf_engine import HFEngine
 
-    evaluator = HFEvaluator(str(tiny_model_dir))
-    yield evaluator
-    evaluator.close()
+    engine = HFEngine(str(tiny_model_dir))
+    yield engine
+    engine.close()

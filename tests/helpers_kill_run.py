@@ -19,8 +19,8 @@ from pathlib import Path
 from evolm_lib.config import ESConfig
 from evolm_lib.engines import SamplingSettings
 from evolm_lib.train.es import ESRun
-from evolm_lib.engines.synthetic import SyntheticEvaluator
-from evolm_lib.engines.vllm.engine import VLLMEvaluator
+from evolm_lib.engines.synthetic import SyntheticEngine
+from evolm_lib.engines.vllm.engine import VLLMEngine
 
 
 def kill_config() -> ESConfig:
@@ -39,8 +39,8 @@ def kill_config() -> ESConfig:
     )
 
 
-class KillingEvaluator(SyntheticEvaluator):
-    """SyntheticEvaluator that SIGKILLs its own process in the population call of generation ``kill_at``."""
+class KillingEngine(SyntheticEngine):
+    """SyntheticEngine that SIGKILLs its own process in the population call of generation ``kill_at``."""
 
     def __init__(self, kill_at: int):
         super().__init__()
@@ -63,15 +63,15 @@ def vllm_kill_config(tensor_parallel_size: int = 1) -> ESConfig:
                     checkpoint_every=2, tensor_parallel_size=tensor_parallel_size)
 
 
-def vllm_engine(killer: bool = False, tensor_parallel_size: int = 1) -> VLLMEvaluator:
-    """The in-place tiny-random engine of the vLLM kill test (``KillingVLLMEvaluator`` when ``killer``)."""
-    kind = KillingVLLMEvaluator if killer else VLLMEvaluator
+def vllm_engine(killer: bool = False, tensor_parallel_size: int = 1) -> VLLMEngine:
+    """The in-place tiny-random engine of the vLLM kill test (``KillingVLLMEngine`` when ``killer``)."""
+    kind = KillingVLLMEngine if killer else VLLMEngine
     return kind("tiny-random", max_lora_rank=1, max_loras=5, max_model_len=256, kv_cache_gb=0.0625,
                 adapter_transfer="in_place", tensor_parallel_size=tensor_parallel_size)
 
 
-class KillingVLLMEvaluator(VLLMEvaluator):
-    """VLLMEvaluator that SIGKILLs its own process in the population call of generation ``kill_at``."""
+class KillingVLLMEngine(VLLMEngine):
+    """VLLMEngine that SIGKILLs its own process in the population call of generation ``kill_at``."""
 
     kill_at = 0
     run: ESRun | None = None
@@ -86,15 +86,15 @@ class KillingVLLMEvaluator(VLLMEvaluator):
 
 def main(run_dir: str, kill_at: int, on_vllm: bool = False, tensor_parallel_size: int = 1) -> None:
     if on_vllm:
-        evaluator = vllm_engine(killer=True, tensor_parallel_size=tensor_parallel_size)
-        evaluator.kill_at = kill_at
-        run = ESRun.open(vllm_kill_config(tensor_parallel_size), Path(run_dir), evaluator=evaluator)
-        evaluator.run = run
+        engine = vllm_engine(killer=True, tensor_parallel_size=tensor_parallel_size)
+        engine.kill_at = kill_at
+        run = ESRun.open(vllm_kill_config(tensor_parallel_size), Path(run_dir), engine=engine)
+        engine.run = run
         run.run()
         raise SystemExit(f"generation {kill_at} was never reached")
-    evaluator = KillingEvaluator(kill_at)
-    run = ESRun.open(kill_config(), Path(run_dir), evaluator=evaluator)
-    evaluator.run = run
+    engine = KillingEngine(kill_at)
+    run = ESRun.open(kill_config(), Path(run_dir), engine=engine)
+    engine.run = run
     run.run()
     raise SystemExit(f"generation {kill_at} was never reached")  # exit code 1, not -9
 

@@ -56,7 +56,7 @@ def test_interleaving_warms_every_path_then_calls_one_of_each_a_round(tiny_model
 
     made = []
 
-    def call(evaluator, spec, path, prompts, mean, generation, sampling):
+    def call(engine, spec, path, prompts, mean, generation, sampling):
         made.append((path, generation))
         return types.SimpleNamespace(num_tokens=4, timing={}), 0.0
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from evolm_lib.config import ESConfig, GRPOConfig
-from evolm_lib.engines.synthetic import SyntheticEvaluator
+from evolm_lib.engines.synthetic import SyntheticEngine
 from evolm_lib.runs import (
     MANIFEST,
     CheckpointDamaged,
@@ -45,7 +45,7 @@ def grpo_config() -> GRPOConfig:
 
 
 def stopped_run(cls, config, run_dir: Path, generations: int):
-    run = cls.create(config, run_dir, evaluator=SyntheticEvaluator())
+    run = cls.create(config, run_dir, engine=SyntheticEngine())
     run.run(generations)
     run.close()
     return run
@@ -93,7 +93,7 @@ def test_a_damaged_latest_checkpoint_falls_back_and_ends_like_an_uninterrupted_r
     left = damaged_file.read_bytes() if damaged_file.exists() else None
 
     with pytest.warns(CheckpointFallback) as caught:
-        resumed = ESRun.open(config, run_dir, evaluator=SyntheticEvaluator())
+        resumed = ESRun.open(config, run_dir, engine=SyntheticEngine())
     message = str(caught[0].message)
     for part in (str(run_dir), "000004", "000004.damaged", "resuming from checkpoint 000003 (generation 3)",
                  "metrics.after-000003.jsonl"):
@@ -123,7 +123,7 @@ def test_a_damaged_grpo_checkpoint_falls_back_too(tmp_path):
     stopped_run(GRPORun, config, run_dir, 3)
     damage(run_dir / "checkpoints" / "000003" / "optimizer.safetensors", "corrupt")
     with pytest.warns(CheckpointFallback, match="resuming from checkpoint 000002"):
-        resumed = GRPORun.open(config, run_dir, evaluator=SyntheticEvaluator())
+        resumed = GRPORun.open(config, run_dir, engine=SyntheticEngine())
     assert resumed.generation == 2
     resumed.run()
     resumed.close()
@@ -139,7 +139,7 @@ def test_a_damaged_checkpoint_written_before_manifests_is_found_by_loading(tmp_p
     settings = load_run_config(run_dir)
     with pytest.warns(CheckpointFallback, match=r"000002: it does not load \(SafetensorError.*resuming from "
                                                 r"checkpoint 000000 \(generation 0\)"):
-        resumed = ESRun.open(settings, run_dir, evaluator=SyntheticEvaluator())
+        resumed = ESRun.open(settings, run_dir, engine=SyntheticEngine())
     assert resumed.generation == 0
     resumed.close()
 
@@ -151,7 +151,7 @@ def test_with_every_checkpoint_damaged_the_error_names_the_folder_and_moves_noth
     damage(run_dir / "checkpoints" / "000003" / "state.json", "delete")
     before = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     with pytest.raises(CheckpointDamaged) as caught:
-        ESRun.open(es_config(), run_dir, evaluator=SyntheticEvaluator())
+        ESRun.open(es_config(), run_dir, engine=SyntheticEngine())
     message = str(caught.value)
     for part in (str(run_dir), "no intact checkpoint", f"000004: {ADAPTER} has", "000003: state.json is missing"):
         assert part in message, message
@@ -166,7 +166,7 @@ def test_leftovers_of_an_interrupted_write_are_gone_after_the_next_open(tmp_path
     (leftover / "adapter").mkdir(parents=True)
     (leftover / "adapter" / "adapter_model.safetensors").write_bytes(b"\0" * 100)
     (run_dir / ".metrics.jsonl.tmp").write_text('{"generation": 0')
-    resumed = ESRun.open(es_config(), run_dir, evaluator=SyntheticEvaluator())
+    resumed = ESRun.open(es_config(), run_dir, engine=SyntheticEngine())
     assert resumed.generation == 2
     assert not leftover.exists() and not (run_dir / ".metrics.jsonl.tmp").exists()
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["000001", "000002"]

@@ -1,4 +1,4 @@
-"""Evaluators on real engines: vLLM multi-LoRA against HF + peft, one engine call per population,
+"""Engines on real engines: vLLM multi-LoRA against HF + peft, one engine call per population,
 vLLM's adapter cache, seeded sampling, and clear errors for bad input.
 
 Fast tests share the session's tiny-random engine (``tiny_vllm``); the ``slow`` ones share ONE
@@ -17,8 +17,8 @@ import torch
 
 from evolm_lib import es
 from evolm_lib.engines import SamplingSettings
-from evolm_lib.engines.hf_engine import HFEvaluator
-from evolm_lib.engines.vllm.engine import VLLMEvaluator
+from evolm_lib.engines.hf_engine import HFEngine
+from evolm_lib.engines.vllm.engine import VLLMEngine
 from evolm_lib.lora import AdapterWeights, LoraSpec, adapter_shapes, init_adapter
 from evolm_lib.types import Completion, Prompt
 
@@ -66,7 +66,7 @@ def test_base_only_call_after_all_slots_filled(tiny_vllm, tiny_hf, tiny_model_di
 
 def test_base_requests_batched_with_adapters(tiny_vllm, tiny_hf, tiny_model_dir):
     # Regression: vLLM's CPU LoRA ops index the weight stack with -1 for "no LoRA", i.e. the LAST slot,
-    # so a base request batched with adapters got that slot's adapter; the evaluator now serves the
+    # so a base request batched with adapters got that slot's adapter; the engine now serves the
     # base through a zero adapter. Fill every slot (the last one included), then mix.
     tiny_vllm.generate(PROMPTS[:1], [member_adapter(tiny_model_dir, 100 + i) for i in range(8)], GREEDY)
     adapter = member_adapter(tiny_model_dir, 1)
@@ -74,7 +74,7 @@ def test_base_requests_batched_with_adapters(tiny_vllm, tiny_hf, tiny_model_dir)
     assert token_ids(tiny_vllm.generate(PROMPTS, [None, adapter], GREEDY)) == expected
 
 
-def test_both_evaluators_encode_prompts_alike(tiny_vllm, tiny_hf):
+def test_both_engines_encode_prompts_alike(tiny_vllm, tiny_hf):
     for prompt in PROMPTS + [[{"role": "user", "content": "hi"}], Prompt.user("x", system="Be brief.", assistant_prefix="<think>")]:
         assert tiny_vllm.encode(prompt) == tiny_hf.encode(prompt)
     rendered = tiny_vllm.encoder.render(Prompt.user("hi", assistant_prefix="<think>"))
@@ -189,9 +189,9 @@ def test_adapter_for_modules_the_model_lacks(tiny_vllm, tiny_hf, tiny_model_dir)
     good = member_adapter(tiny_model_dir, 1)
     renamed = {name.replace("q_proj", "c_attn"): t for name, t in good.tensors.items()}
     bad = AdapterWeights(good.spec, renamed)
-    for evaluator in (tiny_vllm, tiny_hf):
+    for engine in (tiny_vllm, tiny_hf):
         with pytest.raises(ValueError, match="c_attn"):
-            evaluator.generate(PROMPTS, [bad], GREEDY)
+            engine.generate(PROMPTS, [bad], GREEDY)
     with pytest.raises(ValueError, match="c_attn"):
         tiny_vllm.generate(PROMPTS, [member_adapter(tiny_model_dir, 1, spec=LoraSpec(target_modules=("c_attn",)))], GREEDY)
 
@@ -201,9 +201,9 @@ def test_adapter_with_wrong_shapes(tiny_vllm, tiny_hf, tiny_model_dir):
     name = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
     wrong = dict(good.tensors)
     wrong[name] = torch.zeros(1, 7)
-    for evaluator in (tiny_vllm, tiny_hf):
+    for engine in (tiny_vllm, tiny_hf):
         with pytest.raises(ValueError, match=r"shape \(1, 7\), expected \(1, 64\)"):
-            evaluator.generate(PROMPTS, [AdapterWeights(good.spec, wrong)], GREEDY)
+            engine.generate(PROMPTS, [AdapterWeights(good.spec, wrong)], GREEDY)
     missing = {n: t for n, t in good.tensors.items() if n != name}
     with pytest.raises(ValueError, match="missing"):
         tiny_vllm.generate(PROMPTS, [AdapterWeights(good.spec, missing)], GREEDY)
@@ -235,9 +235,9 @@ def test_more_adapters_than_max_loras(tiny_vllm, tiny_model_dir, monkeypatch):
 
 @pytest.mark.parametrize("prompt", [123, None, [1, 2, 3], [{"content": "no role"}], b"bytes"])
 def test_prompt_of_a_wrong_type(tiny_vllm, tiny_hf, prompt):
-    for evaluator in (tiny_vllm, tiny_hf):
+    for engine in (tiny_vllm, tiny_hf):
         with pytest.raises(TypeError, match="a prompt must be"):
-            evaluator.generate([prompt], [None], GREEDY)
+            engine.generate([prompt], [None], GREEDY)
 
 
 def test_unknown_model_fails_before_any_engine_starts(monkeypatch):
@@ -246,14 +246,14 @@ def test_unknown_model_fails_before_any_engine_starts(monkeypatch):
     monkeypatch.setattr(vllm, "LLM", lambda *a, **k: pytest.fail("an engine was started"))
     started = time.perf_counter()
     with pytest.raises(ValueError, match="unknown model 'no-such-model'.*tiny-random"):
-        VLLMEvaluator("no-such-model")
+        VLLMEngine("no-such-model")
     with pytest.raises(ValueError, match="max_lora_rank"):
-        VLLMEvaluator("tiny-random", max_lora_rank=1000)
+        VLLMEngine("tiny-random", max_lora_rank=1000)
     with pytest.raises(ValueError, match="max_loras"):
-        VLLMEvaluator("tiny-random", max_loras=0)
+        VLLMEngine("tiny-random", max_loras=0)
     assert time.perf_counter() - started < 2.0
     with pytest.raises(ValueError, match="unknown model"):
-        HFEvaluator("no-such-model")
+        HFEngine("no-such-model")
 
 
 # ----------------------------------------------------------------------------- SmolLM2 (slow)
@@ -264,16 +264,16 @@ SMOL_PROMPTS = [Prompt.user("What is 2+3?"), Prompt.user("Name a colour."), Prom
 @pytest.fixture(scope="module")
 def smollm2_vllm(smollm2_dir):
     """ONE SmolLM2 engine for the module's slow tests."""
-    evaluator = VLLMEvaluator(str(smollm2_dir), max_loras=4, max_lora_rank=8, max_model_len=512, kv_cache_gb=0.25)
-    yield evaluator
-    evaluator.close()
+    engine = VLLMEngine(str(smollm2_dir), max_loras=4, max_lora_rank=8, max_model_len=512, kv_cache_gb=0.25)
+    yield engine
+    engine.close()
 
 
 @pytest.fixture(scope="module")
 def smollm2_hf(smollm2_dir):
-    evaluator = HFEvaluator(str(smollm2_dir))
-    yield evaluator
-    evaluator.close()
+    engine = HFEngine(str(smollm2_dir))
+    yield engine
+    engine.close()
 
 
 @pytest.mark.slow
@@ -324,12 +324,12 @@ def test_hf_ignores_the_models_own_generation_config(tmp_path, tiny_model_dir, t
     shutil.copytree(tiny_model_dir, opinionated)
     (opinionated / "generation_config.json").write_text(json.dumps({
         "repetition_penalty": 3.0, "no_repeat_ngram_size": 2, "top_k": 2, "temperature": 0.1, "do_sample": True}))
-    evaluator = HFEvaluator(str(opinionated))
+    engine = HFEngine(str(opinionated))
     try:
-        greedy = evaluator.generate(PROMPTS, [None], SamplingSettings(max_new_tokens=24))
-        sampled = evaluator.generate(PROMPTS, [None], SamplingSettings(max_new_tokens=24, temperature=1.0, seed=3))
+        greedy = engine.generate(PROMPTS, [None], SamplingSettings(max_new_tokens=24))
+        sampled = engine.generate(PROMPTS, [None], SamplingSettings(max_new_tokens=24, temperature=1.0, seed=3))
     finally:
-        evaluator.close()
+        engine.close()
     assert token_ids(greedy) == token_ids(tiny_hf.generate(PROMPTS, [None], SamplingSettings(max_new_tokens=24)))
     assert token_ids(sampled) == token_ids(tiny_hf.generate(PROMPTS, [None], SamplingSettings(max_new_tokens=24, temperature=1.0, seed=3)))
     # the explicit config sets every value a model's file could change, so none is left for it to fill
@@ -692,12 +692,12 @@ def test_an_es_generation_asked_for_cuda_noise_on_a_cpu_machine_warns_and_finish
     config = ESConfig(model="tiny-random", population_size=4, num_generations=1, max_new_tokens=8, max_model_len=256,
                       sigma=0.05, learning_rate=0.4, noise_device="cuda")
     with pytest.warns(UserWarning, match="noise_device is 'cuda' but this machine has no GPU"):
-        run = ESRun.create(config, tmp_path / "cuda", evaluator=tiny_vllm)
+        run = ESRun.create(config, tmp_path / "cuda", engine=tiny_vllm)
     assert run.noise_device == "cpu" and run.parameters.population(run.ask()).noise_device == "cpu"  # what the engine draws with
     run.run()
     assert [row["generation"] for row in read_metrics(run.run_dir)] == [0, 1]
     # the same members and update as a run asked for CPU noise
-    reference = ESRun.create(config.replace(noise_device="cpu"), tmp_path / "cpu", evaluator=tiny_vllm)
+    reference = ESRun.create(config.replace(noise_device="cpu"), tmp_path / "cpu", engine=tiny_vllm)
     reference.run()
     assert [r["es/rewards"] for r in read_metrics(run.run_dir)[1:]] == [r["es/rewards"] for r in read_metrics(reference.run_dir)[1:]]
     assert all(torch.equal(run.mean.tensors[name], reference.mean.tensors[name]) for name in run.mean.tensors)
@@ -763,14 +763,14 @@ def test_every_worker_call_goes_through_the_typed_client():
 
 def test_runs_and_engines_ask_the_engine_nothing_outside_its_protocol():
     """No probe of an engine's attributes anywhere in the library: what a run, a benchmark or a
-    study may ask an engine is declared on ``Evaluator`` with defaults on ``engines.base.Engine``."""
-    from evolm_lib.engines.base import Engine
-    from evolm_lib.engines.hf_engine import HFEvaluator as HF
-    from evolm_lib.engines.synthetic import SyntheticEvaluator
+    study may ask an engine is declared on ``Engine`` with defaults on ``engines.base.EngineBase``."""
+    from evolm_lib.engines.base import EngineBase
+    from evolm_lib.engines.hf_engine import HFEngine as HF
+    from evolm_lib.engines.synthetic import SyntheticEngine
 
     for path in LIBRARY.rglob("*.py"):
-        assert not re.search(r"getattr\((self\.)?evaluator\b", path.read_text()), path
-    for engine in (HF, VLLMEvaluator, SyntheticEvaluator):
-        assert issubclass(engine, Engine)
-    assert not SyntheticEvaluator.batches_grids and VLLMEvaluator.batches_grids
-    assert tuple(SyntheticEvaluator().engine_info) == ()
+        assert not re.search(r"getattr\((self\.)?engine\b", path.read_text()), path
+    for engine in (HF, VLLMEngine, SyntheticEngine):
+        assert issubclass(engine, EngineBase)
+    assert not SyntheticEngine.batches_grids and VLLMEngine.batches_grids
+    assert tuple(SyntheticEngine().engine_info) == ()

@@ -22,11 +22,11 @@ BASE = dict(model="tiny-random", task="conciseness", population_size=4, sigma=0.
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
     """An engine of these tests' own (its targeted layers get their weights back, and runs move them)."""
-    from evolm_lib.engines.vllm.engine import VLLMEvaluator
+    from evolm_lib.engines.vllm.engine import VLLMEngine
 
-    evaluator = VLLMEvaluator(str(tiny_model_dir), max_loras=8, max_lora_rank=8, max_model_len=256, kv_cache_gb=0.0625)
-    yield evaluator
-    evaluator.close()
+    engine = VLLMEngine(str(tiny_model_dir), max_loras=8, max_lora_rank=8, max_model_len=256, kv_cache_gb=0.0625)
+    yield engine
+    engine.close()
 
 
 def _config(**overrides) -> ESConfig:
@@ -65,7 +65,7 @@ def _rows(run_dir) -> list[dict]:
 def test_the_engines_weights_follow_the_host_reference_and_a_resume_gives_the_same_rows(mode, engine, tiny_model_dir,
                                                                                          tmp_path):
     config = _config(es_mode=mode, noise_rank=2, num_generations=3, checkpoint_every=2)
-    run = ESRun.open(config, tmp_path / "a", evaluator=engine)
+    run = ESRun.open(config, tmp_path / "a", engine=engine)
     run.run()
     log = run.parameters.read_log()
     assert [entry["generation"] for entry in log] == [1, 2, 3]
@@ -79,10 +79,10 @@ def test_the_engines_weights_follow_the_host_reference_and_a_resume_gives_the_sa
     run.close()  # the shared engine serves the model folder's weights again
 
     # stopped after generation 1, reopened: generation 2 replays the seed log, 3 comes from a snapshot-free resume
-    first = ESRun.open(config, tmp_path / "b", evaluator=engine)
+    first = ESRun.open(config, tmp_path / "b", engine=engine)
     first.run(1)
     first.close()
-    again = ESRun.open(config, tmp_path / "b", evaluator=engine)
+    again = ESRun.open(config, tmp_path / "b", engine=engine)
     again.run()
     assert _rows(tmp_path / "b") == uninterrupted
     again.close()
@@ -90,12 +90,12 @@ def test_the_engines_weights_follow_the_host_reference_and_a_resume_gives_the_sa
 
 def test_a_mean_restored_from_a_snapshot_and_the_log_equals_the_uninterrupted_mean(engine, tmp_path):
     config = _config(es_mode="full", num_generations=5, checkpoint_every=2)
-    run = ESRun.open(config, tmp_path / "r", evaluator=engine)
+    run = ESRun.open(config, tmp_path / "r", engine=engine)
     run.run(3)  # snapshot at 2, generation 3 in the seed log only
     mean_at_3 = {k: v.clone() for k, v in _engine_mean(run).items()}
     checksum = run.parameters.weights.checksum()
     run.close()
-    resumed = ESRun.open(config, tmp_path / "r", evaluator=engine)
+    resumed = ESRun.open(config, tmp_path / "r", engine=engine)
     assert resumed.generation == 3
     assert resumed.parameters.weights.checksum() == checksum  # the same bits, served exactly
     for name, tensor in _engine_mean(resumed).items():
@@ -163,11 +163,11 @@ def test_bad_mode_settings_name_the_setting(engine, tmp_path):
     with pytest.raises(ConfigError, match="es_weights: eggroll perturbs weight matrices"):
         _config(es_mode="eggroll", es_weights="all")
     with pytest.raises(ConfigError, match="noise_rank: noise_rank 16 exceeds the engine's max_lora_rank 8"):
-        ESRun.open(_config(es_mode="eggroll", noise_rank=16), tmp_path / "rank", evaluator=engine)
-    lora = ESRun.open(_config(num_generations=1), tmp_path / "lora", evaluator=engine)
+        ESRun.open(_config(es_mode="eggroll", noise_rank=16), tmp_path / "rank", engine=engine)
+    lora = ESRun.open(_config(num_generations=1), tmp_path / "lora", engine=engine)
     lora.close()
     with pytest.raises(ConfigError, match="es_mode"):
-        ESRun.open(_config(num_generations=1, es_mode="full"), tmp_path / "lora", evaluator=engine)
+        ESRun.open(_config(num_generations=1, es_mode="full"), tmp_path / "lora", engine=engine)
 
 
 def test_full_mode_without_room_for_the_master_is_refused_before_the_engine_starts(tiny_model_dir, monkeypatch, tmp_path):
@@ -207,7 +207,7 @@ def test_the_report_and_the_benchmark_command_take_eggroll_and_the_weight_modes(
     from evolm_lib.throughput import ThroughputSpec, format_throughput, throughput_report
 
     spec = ThroughputSpec(model=str(tiny_model_dir), population=2, prompts=1, new_tokens=3, rank=1)
-    report = throughput_report(spec, ("eggroll", "base"), evaluator=engine, weight_modes=True)
+    report = throughput_report(spec, ("eggroll", "base"), engine=engine, weight_modes=True)
     assert [row["path"] for row in report["rows"]] == ["base", "eggroll"]  # eggroll last
     assert report["weight_modes"]["full_restored_exactly"]
     assert "EGGROLL update at population 2" in format_throughput(report)
@@ -232,7 +232,7 @@ def test_a_sweep_of_the_three_modes_scores_every_held_out_problem_and_replays_ea
     with pytest.raises(ValueError, match=r"--methods: \['es_ful'\] not in this sweep \(did you mean es_full\?\)"):
         sweep.select_methods(plan, ["es_ful"])
     base_before = engine.generate(["Hello"], [None], _greedy())[0][0].text
-    sweep.run_sweep(plan, tmp_path, evaluator=engine, kl_settings={"num_samples": 2, "every_checkpoint": True})
+    sweep.run_sweep(plan, tmp_path, engine=engine, kl_settings={"num_samples": 2, "every_checkpoint": True})
     for run in plan:
         folder = tmp_path / run.name
         held_out = read_jsonl(folder / sweep.HELDOUT)
@@ -249,7 +249,7 @@ def test_a_sweep_of_the_three_modes_scores_every_held_out_problem_and_replays_ea
     assert {line["generation"] for line in read_jsonl(tmp_path / "es_full_seed0" / sweep.HELDOUT)} == {3}
     # a run extended by a generation is scored again; its KL file gains the new last generation
     longer = sweep.select_methods(sweep.plan_sweep({**spec, "generations": 4}), ["es_full"])
-    sweep.run_sweep(longer, tmp_path, evaluator=engine, kl_settings={"num_samples": 2, "every_checkpoint": True})
+    sweep.run_sweep(longer, tmp_path, engine=engine, kl_settings={"num_samples": 2, "every_checkpoint": True})
     assert {line["generation"] for line in read_jsonl(tmp_path / "es_full_seed0" / sweep.HELDOUT)} == {4}
     assert [row["generation"] for row in read_jsonl(tmp_path / "es_full_seed0" / "kl.jsonl")] == [0, 2, 3, 4]
 

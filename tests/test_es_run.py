@@ -19,11 +19,11 @@ from evolm_lib.lora import load_adapter
 from evolm_lib.train.es import ESRun, noise_cards_problem
 from evolm_lib.runs import load_run_config
 from evolm_lib.runs import RunFolderExists, list_checkpoints, read_metrics
-from evolm_lib.engines.synthetic import SyntheticEvaluator
+from evolm_lib.engines.synthetic import SyntheticEngine
 from evolm_lib.tasks.conciseness import EVAL_PAIRS, TRAIN_PAIRS
 from evolm_lib.metrics import without_times
 
-from helpers_data import data_script
+from helpers_data import close_to, data_script
 from helpers_kill_run import kill_config
 
 HELPER = Path(__file__).with_name("helpers_kill_run.py")
@@ -45,9 +45,9 @@ def small_config(**changes) -> ESConfig:
     return ESConfig(**{**settings, **changes})
 
 
-def synthetic_length(evaluator: SyntheticEvaluator, adapter, max_new_tokens: int) -> int:
+def synthetic_length(engine: SyntheticEngine, adapter, max_new_tokens: int) -> int:
     """The synthetic engine's completion length, from its documented formula."""
-    return 1 + min(round(evaluator.length_scale * evaluator.distance(adapter)), 4 * max_new_tokens)
+    return 1 + min(round(engine.length_scale * engine.distance(adapter)), 4 * max_new_tokens)
 
 
 def mean_gap_reward(length: int, targets: list[int]) -> float:
@@ -57,7 +57,7 @@ def mean_gap_reward(length: int, targets: list[int]) -> float:
 
 def run_to_end(config: ESConfig, run_dir: Path) -> ESRun:
     """An uninterrupted reference run."""
-    run = ESRun.create(config, run_dir, evaluator=SyntheticEvaluator())
+    run = ESRun.create(config, run_dir, engine=SyntheticEngine())
     run.run()
     run.close()
     return run
@@ -78,14 +78,14 @@ def test_es_improves_the_synthetic_quadratic(tmp_path, seed):
     # the reward rose by 38-47 and the distance to the target fell to 0.54-0.61 of its start.
     # (All 2048 parameters of the seven projections: only +9..+12 in 40 generations; lr 0.1 diverges.)
     config = small_config(population_size=16, num_generations=40, learning_rate=0.05, eval_every=5, seed=seed)
-    evaluator = SyntheticEvaluator()
-    run = ESRun.create(config, tmp_path / "run", evaluator=evaluator)
+    engine = SyntheticEngine()
+    run = ESRun.create(config, tmp_path / "run", engine=engine)
     start_reward = run.history[0]["policy/train_reward"]
-    start_distance = evaluator.distance(run.mean)
+    start_distance = engine.distance(run.mean)
     rows = run.run()
     assert len(rows) == 40
     assert rows[-1]["policy/train_reward"] >= start_reward + 25
-    assert evaluator.distance(run.mean) < 0.75 * start_distance
+    assert engine.distance(run.mean) < 0.75 * start_distance
     scored = [row["policy/train_reward"] for row in run.history if "policy/train_reward" in row]
     assert len(scored) == 9  # generation 0 and every 5th
     assert scored[-1] > scored[4] > scored[0]  # still climbing at the half way mark
@@ -99,10 +99,10 @@ def test_es_improves_the_synthetic_quadratic(tmp_path, seed):
 
 def test_metrics_rows_follow_the_synthetic_formula(tmp_path):
     config = small_config(momentum=0.0)
-    evaluator = SyntheticEvaluator()
-    run = ESRun.create(config, tmp_path / "run", evaluator=evaluator)
+    engine = SyntheticEngine()
+    run = ESRun.create(config, tmp_path / "run", engine=engine)
     row0 = run.history[0]
-    mean_length = synthetic_length(evaluator, run.mean, config.max_new_tokens)
+    mean_length = synthetic_length(engine, run.mean, config.max_new_tokens)
     assert row0["generation"] == 0 and row0["method"] == "es" and row0["seed"] == 5
     assert row0["policy/train_reward"] == mean_gap_reward(mean_length, TRAIN_TARGETS)
     assert row0["eval/reward"] == mean_gap_reward(mean_length, EVAL_TARGETS)
@@ -115,7 +115,7 @@ def test_metrics_rows_follow_the_synthetic_formula(tmp_path):
         members = run.ask()
         assert [m.sign for m in members] == [1, -1, 1, -1]  # antithetic pairs share a seed
         assert members[0].seed == members[1].seed and members[2].seed == members[3].seed
-        lengths = [synthetic_length(evaluator, a, config.max_new_tokens) for a in run.parameters.member_adapters(members)]
+        lengths = [synthetic_length(engine, a, config.max_new_tokens) for a in run.parameters.member_adapters(members)]
         before = {k: v.clone() for k, v in run.mean.tensors.items()}
         result = run.evaluate(members)
         assert tuple(result.rewards.shape) == (population, prompts)
@@ -179,10 +179,10 @@ def test_resume_ends_bit_for_bit_like_an_uninterrupted_run(tmp_path, checkpoint_
     config = small_config(num_generations=6, checkpoint_every=checkpoint_every, optimizer=optimizer, **extra)
     reference = run_to_end(config, tmp_path / "reference")
 
-    first = ESRun.create(config, tmp_path / "run", evaluator=SyntheticEvaluator())
+    first = ESRun.create(config, tmp_path / "run", engine=SyntheticEngine())
     first.run(3)
     first.close()
-    resumed = ESRun.resume(tmp_path / "run", evaluator=SyntheticEvaluator())
+    resumed = ESRun.resume(tmp_path / "run", engine=SyntheticEngine())
     # checkpoint_every=2: generation 3 had no checkpoint, so it reruns and its row is dropped
     assert resumed.generation == (3 if checkpoint_every == 1 else 2)
     assert [r["generation"] for r in read_metrics(tmp_path / "run")] == list(range(resumed.generation + 1))
@@ -210,7 +210,7 @@ def test_kill_mid_generation_then_resume(tmp_path):
     assert [r["generation"] for r in read_metrics(run_dir)] == [0, 1, 2, 3]
     assert [p.name for p in list_checkpoints(run_dir)] == ["000000", "000002"]
 
-    resumed = ESRun.resume(run_dir, evaluator=SyntheticEvaluator())
+    resumed = ESRun.resume(run_dir, engine=SyntheticEngine())
     assert resumed.generation == 2
     resumed.run()
     reference = run_to_end(kill_config(), tmp_path / "reference")
@@ -232,10 +232,10 @@ def test_kill_mid_generation_on_vllm_in_place_then_resume_bit_exact(tmp_path):
     assert [p.name for p in list_checkpoints(run_dir)] == ["000000", "000002"]
     engine = vllm_engine()
     try:
-        resumed = ESRun.resume(run_dir, evaluator=engine)
+        resumed = ESRun.resume(run_dir, engine=engine)
         assert resumed.generation == 2
         resumed.run()
-        reference = ESRun.create(vllm_kill_config(), tmp_path / "reference", evaluator=engine)
+        reference = ESRun.create(vllm_kill_config(), tmp_path / "reference", engine=engine)
         reference.run()
         assert engine.adapter_transfer == "in_place" and engine.slots.resident is not None  # no silent fall-back
     finally:
@@ -248,7 +248,7 @@ def test_kill_mid_generation_on_vllm_in_place_then_resume_bit_exact(tmp_path):
 
 def test_kill_between_checkpoint_and_metrics_line(tmp_path):
     config = small_config(num_generations=6)
-    run = ESRun.create(config, tmp_path / "run", evaluator=SyntheticEvaluator())
+    run = ESRun.create(config, tmp_path / "run", engine=SyntheticEngine())
     run.run(3)
     run.close()
     metrics = tmp_path / "run" / "metrics.jsonl"
@@ -257,7 +257,7 @@ def test_kill_between_checkpoint_and_metrics_line(tmp_path):
     assert lost["generation"] == 3
     metrics.write_text("".join(lines[:-1]))  # checkpoint 3 landed, its metrics line did not
 
-    resumed = ESRun.resume(tmp_path / "run", evaluator=SyntheticEvaluator())
+    resumed = ESRun.resume(tmp_path / "run", engine=SyntheticEngine())
     assert resumed.generation == 3
     restored = read_metrics(tmp_path / "run")
     assert [r["generation"] for r in restored] == [0, 1, 2, 3]
@@ -268,7 +268,7 @@ def test_kill_between_checkpoint_and_metrics_line(tmp_path):
     assert without_times(read_metrics(tmp_path / "run")) == without_times(read_metrics(tmp_path / "reference"))
 
 
-class RoundTrips(SyntheticEvaluator):
+class RoundTrips(SyntheticEngine):
     """The synthetic engine, declaring that it batches grids (so scoring rides in the population's
     call), and counting engine round trips: one per ``generate`` or ``generate_grids`` call."""
 
@@ -307,7 +307,7 @@ def test_scoring_rides_in_the_population_call_of_the_generation_it_produced(tmp_
     reference = run_to_end(config.replace(score_in_population=False), tmp_path / "reference")
     engine = RoundTrips()
     seen = []
-    run = ESRun.create(config, tmp_path / "run", evaluator=engine)
+    run = ESRun.create(config, tmp_path / "run", engine=engine)
     run.run(callback=lambda row: seen.append((row["generation"], row.get("policy/generation"))))
     # generation 0's scoring, 4 population calls (generations 2-3 carry the mean that produced
     # them), and the last mean's scoring: 6 round trips, against 1 + 2 x 4 without riding
@@ -327,7 +327,7 @@ def test_scoring_rides_in_the_population_call_of_the_generation_it_produced(tmp_
 
 def test_every_committed_row_is_final(tmp_path):
     config = small_config(num_generations=3, eval_every=1, checkpoint_every=1)
-    run = ESRun.create(config, tmp_path / "run", evaluator=RoundTrips())
+    run = ESRun.create(config, tmp_path / "run", engine=RoundTrips())
     for generation in (1, 2):
         row = run.step()
         assert row["generation"] == generation
@@ -341,7 +341,7 @@ def test_a_folder_whose_row_waited_for_its_scores_is_scored_on_resume(tmp_path):
     resume the row is scored in a call of its own and logged, then the run goes on."""
     config = small_config(num_generations=4, eval_every=1, checkpoint_every=1)
     reference = run_to_end(config.replace(score_in_population=False), tmp_path / "reference")
-    run = ESRun.create(config.replace(score_in_population=False), tmp_path / "run", evaluator=SyntheticEvaluator())
+    run = ESRun.create(config.replace(score_in_population=False), tmp_path / "run", engine=SyntheticEngine())
     run.run(2)
     run.close()
     checkpoint = list_checkpoints(tmp_path / "run")[-1]
@@ -354,7 +354,7 @@ def test_a_folder_whose_row_waited_for_its_scores_is_scored_on_resume(tmp_path):
     metrics = tmp_path / "run" / "metrics.jsonl"
     metrics.write_text("".join(metrics.read_text().splitlines(keepends=True)[:-1]))  # killed before its line
 
-    resumed = ESRun.resume(tmp_path / "run", evaluator=SyntheticEvaluator())
+    resumed = ESRun.resume(tmp_path / "run", engine=SyntheticEngine())
     assert resumed.generation == 2
     rows = read_metrics(tmp_path / "run")
     assert [r["generation"] for r in rows] == [0, 1, 2]
@@ -365,12 +365,12 @@ def test_a_folder_whose_row_waited_for_its_scores_is_scored_on_resume(tmp_path):
 
 def test_torn_last_metrics_line_is_dropped_on_resume(tmp_path):
     config = small_config(num_generations=4)
-    run = ESRun.create(config, tmp_path / "run", evaluator=SyntheticEvaluator())
+    run = ESRun.create(config, tmp_path / "run", engine=SyntheticEngine())
     run.run(2)
     run.close()
     with open(tmp_path / "run" / "metrics.jsonl", "a") as handle:
         handle.write('{"generation": 3, "train/rew')  # a kill in the middle of a write
-    resumed = ESRun.resume(tmp_path / "run", evaluator=SyntheticEvaluator())
+    resumed = ESRun.resume(tmp_path / "run", engine=SyntheticEngine())
     assert resumed.generation == 2
     assert [r["generation"] for r in read_metrics(tmp_path / "run")] == [0, 1, 2]
     assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 3
@@ -380,7 +380,7 @@ def test_resume_without_checkpoint_fails(tmp_path):
     (tmp_path / "run").mkdir()
     small_config().to_yaml(tmp_path / "run" / "config.yaml")
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
-        ESRun.resume(tmp_path / "run", evaluator=SyntheticEvaluator())
+        ESRun.resume(tmp_path / "run", engine=SyntheticEngine())
 
 
 # ------------------------------------------------------------------------------ run folders
@@ -392,10 +392,10 @@ def test_existing_run_folder_is_refused_unless_overwrite(tmp_path):
     run_to_end(config, run_dir)
     before = (run_dir / "metrics.jsonl").read_text()
     with pytest.raises(RunFolderExists, match="overwrite=True"):
-        ESRun.create(config, run_dir, evaluator=SyntheticEvaluator())
+        ESRun.create(config, run_dir, engine=SyntheticEngine())
     assert (run_dir / "metrics.jsonl").read_text() == before  # untouched
 
-    fresh = ESRun.create(config, run_dir, evaluator=SyntheticEvaluator(), overwrite=True)
+    fresh = ESRun.create(config, run_dir, engine=SyntheticEngine(), overwrite=True)
     assert fresh.generation == 0
     assert [r["generation"] for r in read_metrics(run_dir)] == [0]
     assert [p.name for p in list_checkpoints(run_dir)] == ["000000"]
@@ -404,26 +404,26 @@ def test_existing_run_folder_is_refused_unless_overwrite(tmp_path):
 def test_open_resumes_a_matching_run_and_refuses_other_settings(tmp_path):
     config = small_config(num_generations=4)
     run_dir = tmp_path / "run"
-    created = ESRun.open(config, run_dir, evaluator=SyntheticEvaluator())  # empty folder: creates
+    created = ESRun.open(config, run_dir, engine=SyntheticEngine())  # empty folder: creates
     assert created.generation == 0
     created.run(2)
     created.close()
 
-    reopened = ESRun.open(config, run_dir, evaluator=SyntheticEvaluator())
+    reopened = ESRun.open(config, run_dir, engine=SyntheticEngine())
     assert reopened.generation == 2
     assert_same_adapter(reopened.mean, created.mean)
     assert [r["generation"] for r in read_metrics(run_dir)] == [0, 1, 2]
     reopened.close()
 
     with pytest.raises(ConfigError) as caught:
-        ESRun.open(config.replace(learning_rate=0.1), run_dir, evaluator=SyntheticEvaluator())
+        ESRun.open(config.replace(learning_rate=0.1), run_dir, engine=SyntheticEngine())
     message = str(caught.value)
     assert "(learning_rate)" in message and "overwrite=True" in message, message
     with pytest.raises(ConfigError, match=r"\(population_size, sigma\)"):
-        ESRun.open(config.replace(sigma=0.5, population_size=6), run_dir, evaluator=SyntheticEvaluator())
+        ESRun.open(config.replace(sigma=0.5, population_size=6), run_dir, engine=SyntheticEngine())
     with pytest.raises(RunFolderExists):
-        ESRun.open(config, run_dir, resume=False, evaluator=SyntheticEvaluator())
-    fresh = ESRun.open(config.replace(sigma=0.5), run_dir, resume=False, overwrite=True, evaluator=SyntheticEvaluator())
+        ESRun.open(config, run_dir, resume=False, engine=SyntheticEngine())
+    fresh = ESRun.open(config.replace(sigma=0.5), run_dir, resume=False, overwrite=True, engine=SyntheticEngine())
     assert fresh.generation == 0 and load_run_config(run_dir).sigma == 0.5
 
 
@@ -438,13 +438,13 @@ def test_open_resumes_a_run_another_writer_made_between_its_look_and_its_lock(tm
         result = checked(cls, settings, initial_adapter)
         if not raced:
             raced.append(True)
-            other = ESRun.create(settings, run_dir, evaluator=SyntheticEvaluator())
+            other = ESRun.create(settings, run_dir, engine=SyntheticEngine())
             other.run()
             other.close()
         return result
 
     monkeypatch.setattr(ESRun, "_checked", classmethod(checked_while_another_writes))
-    run = ESRun.open(config, run_dir, evaluator=SyntheticEvaluator())
+    run = ESRun.open(config, run_dir, engine=SyntheticEngine())
     assert raced and run.generation == 2  # resumed at the other writer's end, not created again
     run.close()
     assert [r["generation"] for r in read_metrics(run_dir)] == [0, 1, 2]
@@ -453,7 +453,7 @@ def test_open_resumes_a_run_another_writer_made_between_its_look_and_its_lock(tm
 def test_a_run_made_before_noise_scheme_resumes_with_per_tensor_noise(tmp_path):
     config = small_config(num_generations=4, noise_scheme="per_tensor")
     reference = run_to_end(config, tmp_path / "reference")
-    run = ESRun.create(config, tmp_path / "run", evaluator=SyntheticEvaluator())
+    run = ESRun.create(config, tmp_path / "run", engine=SyntheticEngine())
     run.run(2)
     run.close()
     settings = tmp_path / "run" / "config.yaml"
@@ -461,8 +461,8 @@ def test_a_run_made_before_noise_scheme_resumes_with_per_tensor_noise(tmp_path):
                                 if not line.startswith("noise_scheme:")))  # as written before the setting existed
     assert load_run_config(tmp_path / "run").noise_scheme == "per_tensor"
     with pytest.raises(ConfigError, match="noise_scheme='per_tensor' to continue it"):
-        ESRun.open(config.replace(noise_scheme="flat"), tmp_path / "run", evaluator=SyntheticEvaluator())
-    resumed = ESRun.open(config, tmp_path / "run", evaluator=SyntheticEvaluator())
+        ESRun.open(config.replace(noise_scheme="flat"), tmp_path / "run", engine=SyntheticEngine())
+    resumed = ESRun.open(config, tmp_path / "run", engine=SyntheticEngine())
     resumed.run()
     assert_same_adapter(resumed.mean, reference.mean)
     # and the two schemes are different draws: a flat run moves elsewhere
@@ -483,13 +483,13 @@ def test_noise_drawn_on_cards_of_other_sm_counts_is_refused():
 def test_a_run_whose_engines_see_other_sm_counts_stops_before_its_first_generation(tmp_path, monkeypatch):
     import evolm_lib.train.es as es_run
 
-    class TwoKindsOfCards(SyntheticEvaluator):  # as Ray engines report themselves, on two kinds of card
+    class TwoKindsOfCards(SyntheticEngine):  # as Ray engines report themselves, on two kinds of card
         engine_info = [{"sm_count": 132}, {"sm_count": 108}]
 
     monkeypatch.setattr(es_run, "resolve_noise_device", lambda requested: "cuda")  # as on a GPU machine
     monkeypatch.setattr(es_run, "sm_count", lambda: 132)
     with pytest.raises(RuntimeError, match="the engines see 108, 132 SMs"):
-        ESRun.create(small_config(noise_device="cuda"), tmp_path / "run", evaluator=TwoKindsOfCards())
+        ESRun.create(small_config(noise_device="cuda"), tmp_path / "run", engine=TwoKindsOfCards())
     assert not list_checkpoints(tmp_path / "run")
 
 
@@ -500,17 +500,17 @@ def test_a_lora_run_resumed_where_its_noise_is_drawn_otherwise_warns_and_goes_on
 
     config = small_config(num_generations=2, checkpoint_every=1)
     monkeypatch.setattr(es_run, "noise_sm_count", lambda *args: 132)  # as if drawn on an H200
-    run = ESRun.create(config, tmp_path / "run", evaluator=SyntheticEvaluator())
+    run = ESRun.create(config, tmp_path / "run", engine=SyntheticEngine())
     run.run(1)
     run.close()
     state = json.loads((list_checkpoints(tmp_path / "run")[-1] / "state.json").read_text())
     assert state["noise_sm_count"] == 132
-    resumed = ESRun.resume(tmp_path / "run", evaluator=SyntheticEvaluator())  # the same count: silent
+    resumed = ESRun.resume(tmp_path / "run", engine=SyntheticEngine())  # the same count: silent
     resumed.close()
     monkeypatch.setattr(es_run, "noise_sm_count", lambda *args: 108)  # an A100
     with pytest.warns(RuntimeWarning, match="drew its noise on cards showing 132 SMs and would now draw it on cards "
                                             "showing 108 SMs.*not those of an unbroken run"):
-        resumed = ESRun.resume(tmp_path / "run", evaluator=SyntheticEvaluator())
+        resumed = ESRun.resume(tmp_path / "run", engine=SyntheticEngine())
     resumed.run()
     resumed.close()
 
@@ -538,7 +538,7 @@ def test_bad_lora_targets_fail_before_any_engine_or_folder(tmp_path):
     config = small_config(target_modules=("nonexistent_proj",))
     started = time.perf_counter()
     with pytest.raises(ValueError, match="nonexistent_proj.*not found.*q_proj"):
-        ESRun.create(config, tmp_path / "run")  # no evaluator: a vLLM engine would be started after the check
+        ESRun.create(config, tmp_path / "run")  # no engine: a vLLM engine would be started after the check
     assert time.perf_counter() - started < 5
     assert not (tmp_path / "run").exists()
 
@@ -563,7 +563,7 @@ def test_save_final_loads_in_evolm_and_peft(tmp_path, tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
     config = small_config(target_modules=("q_proj", "v_proj", "down_proj"), num_generations=2)
-    run = ESRun.create(config, tmp_path / "run", evaluator=SyntheticEvaluator())
+    run = ESRun.create(config, tmp_path / "run", engine=SyntheticEngine())
     run.run()
     path = run.save_final()
     run.close()
@@ -591,18 +591,18 @@ def test_save_final_loads_in_evolm_and_peft(tmp_path, tiny_model_dir):
 
 
 def test_two_generations_on_vllm_tiny_random(tmp_path):
-    from evolm_lib.engines.vllm.engine import VLLMEvaluator
+    from evolm_lib.engines.vllm.engine import VLLMEngine
 
     config = ESConfig(model="tiny-random", population_size=4, num_generations=3, max_new_tokens=8, sigma=0.05,
                       learning_rate=0.05, temperature=0.7, seed=1, eval_every=1)
     # On CPU vLLM sizes the KV cache as utilization x node RAM minus this process's RSS, which alone
     # is ~1 GiB in a test process: 0.04 goes negative. An explicit 64 MiB KV cache skips that sum.
-    evaluator = VLLMEvaluator("tiny-random", max_lora_rank=1, max_loras=5, max_model_len=256, kv_cache_gb=0.0625)
+    engine = VLLMEngine("tiny-random", max_lora_rank=1, max_loras=5, max_model_len=256, kv_cache_gb=0.0625)
     try:
-        run = ESRun.create(config, tmp_path / "run", evaluator=evaluator)
+        run = ESRun.create(config, tmp_path / "run", engine=engine)
         rows = run.run()
     finally:
-        evaluator.close()
+        engine.close()
     assert [r["generation"] for r in read_metrics(tmp_path / "run")] == [0, 1, 2, 3]
     # the mean of generation 0 was scored at creation; generation 2's call scores the mean that made
     # it (generation 1's); the last mean is scored in a call of its own
@@ -625,27 +625,27 @@ def test_two_generations_on_vllm_tiny_random(tmp_path):
 def test_sigma_below_the_engine_dtype_resolution_warns(tmp_path):
     # random A (PEFT's kaiming init, rms ~ 0.3 on tiny-random) with sigma 1e-4: bfloat16 rounds most of it away
     with pytest.warns(UserWarning, match="ulps"):
-        ESRun.create(small_config(sigma=1e-4, dtype="bfloat16"), tmp_path / "bf16", evaluator=SyntheticEvaluator())
+        ESRun.create(small_config(sigma=1e-4, dtype="bfloat16"), tmp_path / "bf16", engine=SyntheticEngine())
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        ESRun.create(small_config(sigma=1e-4, dtype="float32"), tmp_path / "fp32", evaluator=SyntheticEvaluator())
+        ESRun.create(small_config(sigma=1e-4, dtype="float32"), tmp_path / "fp32", engine=SyntheticEngine())
 
 
 def test_in_place_slots_and_files_give_the_same_run_and_resume_bit_exact(tmp_path):
     """Resident slots written from seeds and adapter files serve the same members: same metrics rows;
     a run stopped after its checkpoint and resumed on a fresh engine ends as the uninterrupted one."""
-    from evolm_lib.engines.vllm.engine import VLLMEvaluator
+    from evolm_lib.engines.vllm.engine import VLLMEngine
 
     config = ESConfig(model="tiny-random", population_size=4, num_generations=3, max_new_tokens=8, sigma=0.5,
                       learning_rate=0.5, temperature=0.0, seed=3, lora_rank=1)
 
-    def engine(transfer: str) -> VLLMEvaluator:
-        return VLLMEvaluator("tiny-random", max_lora_rank=1, max_loras=5, max_model_len=256, kv_cache_gb=0.0625,
+    def engine(transfer: str) -> VLLMEngine:
+        return VLLMEngine("tiny-random", max_lora_rank=1, max_loras=5, max_model_len=256, kv_cache_gb=0.0625,
                              adapter_transfer=transfer)
 
     files = engine("files")
     try:
-        reference = ESRun.create(config.replace(adapter_transfer="files"), tmp_path / "files", evaluator=files)
+        reference = ESRun.create(config.replace(adapter_transfer="files"), tmp_path / "files", engine=files)
         reference.run()
         # started without the worker extension (as a GRPO LoRA run's engine): asked for the model's own
         # weights, it names the setting that starts one with it, before any call reaches the worker
@@ -661,7 +661,7 @@ def test_in_place_slots_and_files_give_the_same_run_and_resume_bit_exact(tmp_pat
     real = slots.files.written
     slots.files.written = lambda adapters: (as_files.append([a for a in adapters if a is not None]), real(adapters))[1]
     try:
-        run = ESRun.create(config, tmp_path / "slots", evaluator=slots)
+        run = ESRun.create(config, tmp_path / "slots", engine=slots)
         run.run(num_generations=2)
         assert slots.adapter_transfer == "in_place" and slots.slots.resident is not None  # not a silent fall-back
     finally:
@@ -672,7 +672,7 @@ def test_in_place_slots_and_files_give_the_same_run_and_resume_bit_exact(tmp_pat
     assert [len(adapters) for adapters in as_files] == [1, 0, 0]
     fresh = engine("in_place")
     try:
-        resumed = ESRun.resume(tmp_path / "slots", evaluator=fresh)
+        resumed = ESRun.resume(tmp_path / "slots", engine=fresh)
         resumed.run()
     finally:
         fresh.close()
@@ -696,10 +696,10 @@ def test_estimator_run_resumes_bit_for_bit(tmp_path, estimator):
     reference = run_to_end(config, tmp_path / "reference")
     rows = read_metrics(tmp_path / "reference")
     assert rows[-1]["policy/train_reward"] > rows[0]["policy/train_reward"]  # it learns on the synthetic quadratic
-    first = ESRun.create(config, tmp_path / "run", evaluator=SyntheticEvaluator())
+    first = ESRun.create(config, tmp_path / "run", engine=SyntheticEngine())
     first.run(3)
     first.close()
-    resumed = ESRun.resume(tmp_path / "run", evaluator=SyntheticEvaluator())
+    resumed = ESRun.resume(tmp_path / "run", engine=SyntheticEngine())
     if estimator == "zoar":  # the buffer came back from the checkpoint, not empty
         assert len(resumed.parameters.estimator_state.generations) == 2
     resumed.run()
@@ -743,20 +743,11 @@ def _before_es_state():
 @pytest.fixture(scope="module")
 def before_es_state_engine(tiny_model_dir):
     """An engine of the settings the folders were written on (its weights move in es_mode full)."""
-    from evolm_lib.engines.vllm.engine import VLLMEvaluator
+    from evolm_lib.engines.vllm.engine import VLLMEngine
 
-    evaluator = VLLMEvaluator(str(tiny_model_dir), **_before_es_state().ENGINE)
-    yield evaluator
-    evaluator.close()
-
-
-def _close_to(value, expected) -> bool:
-    """Equal, floats to float32 rounding (another CPU's vector sums round differently), through lists."""
-    if isinstance(value, float) or isinstance(expected, float):
-        return value == pytest.approx(expected, rel=1e-5, abs=1e-6)
-    if isinstance(value, list) and isinstance(expected, list):
-        return len(value) == len(expected) and all(map(_close_to, value, expected))
-    return value == expected
+    engine = VLLMEngine(str(tiny_model_dir), **_before_es_state().ENGINE)
+    yield engine
+    engine.close()
 
 
 @pytest.mark.parametrize("name", ["lora", "full", "eggroll"])
@@ -772,13 +763,13 @@ def test_a_run_folder_written_before_the_es_state_resumes_like_an_uninterrupted_
     import shutil
 
     shutil.copytree(BEFORE_ES_STATE / name, run_dir)
-    resumed = ESRun.open(config, run_dir, evaluator=before_es_state_engine)
+    resumed = ESRun.open(config, run_dir, engine=before_es_state_engine)
     assert resumed.generation == old.STOP
     resumed.run()
     resumed_checksum = None if name == "lora" else resumed.parameters.weights.checksum()["master"]
     resumed_mean = resumed.mean.tensors if name == "lora" else None
     resumed.close()  # the shared engine serves the model folder's weights again
-    reference = ESRun.create(config, tmp_path / "reference", evaluator=before_es_state_engine)
+    reference = ESRun.create(config, tmp_path / "reference", engine=before_es_state_engine)
     reference.run()
     if name == "lora":
         for key, value in reference.mean.tensors.items():
@@ -790,4 +781,4 @@ def test_a_run_folder_written_before_the_es_state_resumes_like_an_uninterrupted_
     assert [r["generation"] for r in rows] == [r["generation"] for r in expected] == list(range(config.num_generations + 1))
     for row, want in zip(rows, expected):
         assert row.keys() == want.keys(), row["generation"]
-        assert all(_close_to(row[k], want[k]) for k in row), [k for k in row if not _close_to(row[k], want[k])]
+        assert all(close_to(row[k], want[k]) for k in row), [k for k in row if not close_to(row[k], want[k])]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from evolm_lib.config import ESConfig
-from evolm_lib.engines.synthetic import SyntheticEvaluator
+from evolm_lib.engines.synthetic import SyntheticEngine
 from evolm_lib.runs import read_metrics
 from evolm_lib.train.es import ESRun
 from evolm_lib.train.scoring import ScoringSettings, scored_means, scoring_plan
@@ -48,15 +48,15 @@ def test_the_plan_names_the_prompt_sets_a_scoring_covers(validation):
     assert plan.sets == (("train", "eval", "validation") if validation else ("train", "eval"))
 
 
-class _Batching(SyntheticEvaluator):
+class _Batching(SyntheticEngine):
     batches_grids = True  # the mean's scoring rides in the population's call
 
 
-@pytest.mark.parametrize("engine", [SyntheticEvaluator, _Batching])
+@pytest.mark.parametrize("engine", [SyntheticEngine, _Batching])
 def test_a_runs_rows_hold_the_scores_its_plan_gives(tmp_path, engine):
     config = ESConfig(model="tiny-random", target_modules=("q_proj", "v_proj"), sigma=0.02, learning_rate=0.05,
                       population_size=4, num_generations=5, eval_every=2, seed=3)
-    run = ESRun.create(config, tmp_path / "run", evaluator=engine())
+    run = ESRun.create(config, tmp_path / "run", engine=engine())
     plans = {g: run.scoring_plan(g) for g in range(1, 6)}
     run.run()
     run.close()

@@ -17,7 +17,7 @@ from evolm_lib.evaluation import (
     success,
 )
 from evolm_lib.lora import LoraSpec, adapter_shapes, init_adapter
-from evolm_lib.engines.synthetic import SyntheticEvaluator
+from evolm_lib.engines.synthetic import SyntheticEngine
 from evolm_lib.tasks import get_task
 
 SPEC = LoraSpec(("q_proj", "v_proj"), rank=2, alpha=2.0)
@@ -62,16 +62,16 @@ def test_success_thresholds_per_task():
 def test_evaluate_adapter_with_the_synthetic_engine():
     task = get_task("conciseness")
     examples = task.eval_examples()
-    result = evaluate_adapter(SyntheticEvaluator(), task, None, examples, max_new_tokens=8)
+    result = evaluate_adapter(SyntheticEngine(), task, None, examples, max_new_tokens=8)
     # the synthetic base model (None) answers with 1 + 4 * max_new_tokens = 33 characters
     assert result["rewards"] == [-abs(33.0 - len(e.target)) for e in examples]
     assert result["accuracy"] == 0.0 and result["pass@1"] == 0.0 and result["success_threshold"] == 0.0
-    loose = evaluate_adapter(SyntheticEvaluator(), task, None, examples, max_new_tokens=8, success_threshold=-30)
+    loose = evaluate_adapter(SyntheticEngine(), task, None, examples, max_new_tokens=8, success_threshold=-30)
     assert loose["accuracy"] == pytest.approx(sum(len(e.target) >= 3 for e in examples) / len(examples))
     with pytest.raises(ValueError, match="temperature"):
-        evaluate_adapter(SyntheticEvaluator(), task, None, examples, max_new_tokens=8, num_samples=4)
+        evaluate_adapter(SyntheticEngine(), task, None, examples, max_new_tokens=8, num_samples=4)
     with pytest.raises(ValueError, match="k_values"):
-        evaluate_adapter(SyntheticEvaluator(), task, None, examples, max_new_tokens=8, num_samples=2, temperature=1.0,
+        evaluate_adapter(SyntheticEngine(), task, None, examples, max_new_tokens=8, num_samples=2, temperature=1.0,
                          k_values=(3,))
 
 
@@ -115,4 +115,4 @@ def test_mean_kl_to_base_needs_a_scoring_engine():
     task = get_task("conciseness")
     adapter = init_adapter(SPEC, {"x.lora_A.weight": (2, 4)}, "peft_default", 0)
     with pytest.raises(TypeError, match="encode"):
-        mean_kl_to_base(SyntheticEvaluator(), task, adapter, task.train_examples())
+        mean_kl_to_base(SyntheticEngine(), task, adapter, task.train_examples())

@@ -21,7 +21,7 @@ import pytest
 import evolm_lib.runs.checkpoints as checkpoints_module
 from evolm_lib import analysis
 from evolm_lib.config import ESConfig
-from evolm_lib.engines.synthetic import SyntheticEvaluator
+from evolm_lib.engines.synthetic import SyntheticEngine
 from evolm_lib.metrics import series
 from evolm_lib.runs import (
     DAMAGED_CONFIG,
@@ -49,7 +49,7 @@ def config(**changes) -> ESConfig:
 
 
 def run_to(run_dir: Path, generations: int, **changes) -> None:
-    run = ESRun.open(config(**changes), run_dir, evaluator=SyntheticEvaluator())
+    run = ESRun.open(config(**changes), run_dir, engine=SyntheticEngine())
     run.run(generations)
     run.close()
 
@@ -127,7 +127,7 @@ def unparsable_config_yaml(tmp_path: Path) -> None:
     with pytest.raises(RunFolderDamaged, match=rf"{re.escape(str(run_dir / 'config.yaml'))}, line {line + 2}, column 3: "
                                                r"the run folder's settings do not parse .*restore_run_config.*"
                                                r"overwrite=True"):
-        ESRun.open(config(), run_dir)  # no evaluator: an engine started before the check would show here
+        ESRun.open(config(), run_dir)  # no engine: an engine started before the check would show here
     assert (run_dir / "config.yaml").read_bytes() == damaged  # refused: nothing written
     assert restore_run_config(run_dir).name == "000002"
     assert (run_dir / DAMAGED_CONFIG).read_bytes() == damaged  # kept, never deleted
@@ -148,7 +148,7 @@ def invalid_config_yaml(tmp_path: Path) -> None:
 
 def disk_full_mid_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     run_dir = tmp_path / "run"
-    run = ESRun.create(config(), run_dir, evaluator=SyntheticEvaluator())
+    run = ESRun.create(config(), run_dir, engine=SyntheticEngine())
     run.step()
     real = checkpoints_module.fsync_tree
 
@@ -181,7 +181,7 @@ def disk_full_on_a_small_filesystem(tmp_path: Path, monkeypatch: pytest.MonkeyPa
                              capture_output=True).returncode == 0
     run_dir = small / "run"
     try:
-        run = ESRun.create(config(), run_dir, evaluator=SyntheticEvaluator())
+        run = ESRun.create(config(), run_dir, engine=SyntheticEngine())
         run.step()
         filler = small / "filler"
         if mounted:
@@ -238,10 +238,10 @@ def truncated_checkpoint(tmp_path: Path) -> None:
 
 def two_writers(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    first = ESRun.create(config(), run_dir, evaluator=SyntheticEvaluator())
+    first = ESRun.create(config(), run_dir, engine=SyntheticEngine())
     first.step()
     with pytest.raises(RunFolderBusy, match=f"{re.escape(str(run_dir))}.*process"):
-        ESRun.open(config(), run_dir, evaluator=SyntheticEvaluator())
+        ESRun.open(config(), run_dir, engine=SyntheticEngine())
     first.run()
     first.close()
     assert without_times(read_metrics(run_dir)) == uninterrupted(tmp_path)

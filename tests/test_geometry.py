@@ -106,11 +106,11 @@ def test_merged_lora_difference_equals_peft_merge_minus_base(tiny_model_dir):
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
     """An engine of these tests' own (runs and paths write its weights in place)."""
-    from evolm_lib.engines.vllm.engine import VLLMEvaluator
+    from evolm_lib.engines.vllm.engine import VLLMEngine
 
-    evaluator = VLLMEvaluator(str(tiny_model_dir), max_loras=6, max_lora_rank=8, max_model_len=256, kv_cache_gb=0.0625)
-    yield evaluator
-    evaluator.close()
+    engine = VLLMEngine(str(tiny_model_dir), max_loras=6, max_lora_rank=8, max_model_len=256, kv_cache_gb=0.0625)
+    yield engine
+    engine.close()
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +125,7 @@ def runs(engine, tmp_path_factory):
     }
     folders = {}
     for name, (cls, config) in configs.items():
-        run = cls.open(config, root / name, evaluator=engine)
+        run = cls.open(config, root / name, engine=engine)
         run.run()
         run.close()
         folders[name] = root / name

@@ -14,12 +14,12 @@ from evolm_lib import preflight
 from evolm_lib.config import ConfigError, GRPOConfig
 from evolm_lib.engines import SamplingSettings
 from evolm_lib.engines.resident_weights import targeted_weight_shapes
-from evolm_lib.engines.synthetic import SyntheticEvaluator
+from evolm_lib.engines.synthetic import SyntheticEngine
 from evolm_lib.metrics import without_times
 from evolm_lib.runs import list_checkpoints, read_metrics
 from evolm_lib.train.grpo import WEIGHTS_PREFIX, GRPORun
 from evolm_lib.train.policy import PolicyTrainer, rollout_batch
-from helpers_data import data_script
+from helpers_data import close_to, data_script
 
 TARGETS = ["q_proj", "v_proj", "down_proj"]
 FULL = dict(model="tiny-random", task="conciseness", policy_weights="full", target_modules=TARGETS, group_size=4,
@@ -38,11 +38,11 @@ def _rows(run_dir) -> list[dict]:
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
     """An engine of these tests' own (its targeted layers get their weights back, and runs move them)."""
-    from evolm_lib.engines.vllm.engine import VLLMEvaluator
+    from evolm_lib.engines.vllm.engine import VLLMEngine
 
-    evaluator = VLLMEvaluator(str(tiny_model_dir), **ENGINE)
-    yield evaluator
-    evaluator.close()
+    engine = VLLMEngine(str(tiny_model_dir), **ENGINE)
+    yield engine
+    engine.close()
 
 
 # ----------------------------------------------------------------------------- settings
@@ -67,7 +67,7 @@ def test_defaults_and_targets():
 
 def test_an_engine_that_cannot_write_weights_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="policy_weights: full writes the trained weights into the engine"):
-        GRPORun.create(full_config(), tmp_path / "run", evaluator=SyntheticEvaluator())
+        GRPORun.create(full_config(), tmp_path / "run", engine=SyntheticEngine())
 
 
 def test_no_room_for_the_master_and_adamw_is_refused_before_the_engine(tiny_model_dir, tmp_path, monkeypatch):
@@ -137,12 +137,12 @@ def test_one_step_is_a_hand_computed_adamw_step(tiny_model_dir, selection):
 
 
 def test_the_vllm_engine_serves_the_trained_weights_in_place(engine, tmp_path):
-    from evolm_lib.engines.hf_engine import HFEvaluator
+    from evolm_lib.engines.hf_engine import HFEngine
 
     config = full_config(num_steps=2, beta=0.05)
     prompts = ["The capital of France is", "One, two, three,"]
     greedy = SamplingSettings(max_new_tokens=8)
-    run = GRPORun.create(config, tmp_path / "run", evaluator=engine)
+    run = GRPORun.create(config, tmp_path / "run", engine=engine)
     base = [c.token_ids for c in engine.generate(prompts, [None], greedy)[0]]
     rows = run.run()
     assert [r["step"] for r in rows] == [1, 2]
@@ -157,7 +157,7 @@ def test_the_vllm_engine_serves_the_trained_weights_in_place(engine, tmp_path):
     saved = load_file(str(folder / "model.safetensors"))
     for name, tensor in run.trainer.weights().items():
         assert torch.equal(saved[name], tensor), name
-    with HFEvaluator(str(folder)) as reference:  # a transformers model holding the trained weights
+    with HFEngine(str(folder)) as reference:  # a transformers model holding the trained weights
         assert [c.token_ids for c in reference.generate(prompts, [None], greedy)[0]] == served
     checkpoint = load_file(str(list_checkpoints(tmp_path / "run")[-1] / "optimizer.safetensors"))
     assert {k.removeprefix(WEIGHTS_PREFIX) for k in checkpoint if k.startswith(WEIGHTS_PREFIX)} == set(saved) & set(
@@ -168,28 +168,28 @@ def test_the_vllm_engine_serves_the_trained_weights_in_place(engine, tmp_path):
 
 def test_vllm_loads_the_final_model_folder(engine, tmp_path):
     """The folder save_final writes is a model vLLM serves (a second engine, on the trained model)."""
-    from evolm_lib.engines.vllm.engine import VLLMEvaluator
+    from evolm_lib.engines.vllm.engine import VLLMEngine
 
-    run = GRPORun.create(full_config(num_steps=1, grpo_weights="all"), tmp_path / "run", evaluator=engine)
+    run = GRPORun.create(full_config(num_steps=1, grpo_weights="all"), tmp_path / "run", engine=engine)
     run.run()
     folder = run.save_final()
     prompts, greedy = ["Count: one, two,"], SamplingSettings(max_new_tokens=8)
     served = [c.token_ids for c in engine.generate(prompts, [None], greedy)[0]]
     run.close()
-    with VLLMEvaluator(str(folder), max_loras=1, max_lora_rank=8, max_model_len=256, kv_cache_gb=0.0625) as loaded:
+    with VLLMEngine(str(folder), max_loras=1, max_lora_rank=8, max_model_len=256, kv_cache_gb=0.0625) as loaded:
         assert [c.token_ids for c in loaded.generate(prompts, [None], greedy)[0]] == served
 
 
 def test_a_resume_continues_bit_for_bit(engine, tmp_path):
     config = full_config(num_steps=3, checkpoint_every=2)
-    whole = GRPORun.create(config, tmp_path / "whole", evaluator=engine)
+    whole = GRPORun.create(config, tmp_path / "whole", engine=engine)
     whole.run()
     weights = {k: v.clone() for k, v in whole.trainer.weights().items()}
     whole.close()
-    part = GRPORun.create(config, tmp_path / "part", evaluator=engine)
+    part = GRPORun.create(config, tmp_path / "part", engine=engine)
     part.run(2)
     part.close()
-    resumed = GRPORun.open(config, tmp_path / "part", evaluator=engine)
+    resumed = GRPORun.open(config, tmp_path / "part", engine=engine)
     assert resumed.generation == 2
     resumed.run()
     for name, tensor in resumed.trainer.weights().items():
@@ -265,15 +265,6 @@ def _before_grpo():
     return data_script("make_before_grpo_runs")
 
 
-def _close_to(value, expected) -> bool:
-    """Equal, floats to float32 rounding (another CPU's vector sums round differently), through lists."""
-    if isinstance(value, float) or isinstance(expected, float):
-        return value == pytest.approx(expected, rel=1e-5, abs=1e-6)
-    if isinstance(value, list) and isinstance(expected, list):
-        return len(value) == len(expected) and all(map(_close_to, value, expected))
-    return value == expected
-
-
 @pytest.mark.parametrize("name", ["lora", "full"])
 def test_a_grpo_folder_written_before_the_restructuring_resumes_like_an_uninterrupted_run(tmp_path, name, engine):
     """tests/data/before_grpo: a LoRA folder (KL penalty, two micro-batches a step) and a folder of the
@@ -288,12 +279,12 @@ def test_a_grpo_folder_written_before_the_restructuring_resumes_like_an_uninterr
     config = GRPOConfig.from_dict(old.SETTINGS[name])
     run_dir = tmp_path / "old"
     shutil.copytree(BEFORE_GRPO / name, run_dir)
-    resumed = GRPORun.open(config, run_dir, evaluator=engine)
+    resumed = GRPORun.open(config, run_dir, engine=engine)
     assert resumed.generation == old.STOP
     resumed.run()
     trained = {k: v.clone() for k, v in (resumed.trainer.weights() if name == "full" else resumed.policy.tensors).items()}
     resumed.close()  # the shared engine serves the model folder's weights again
-    reference = GRPORun.create(config, tmp_path / "reference", evaluator=engine)
+    reference = GRPORun.create(config, tmp_path / "reference", engine=engine)
     reference.run()
     expected_weights = reference.trainer.weights() if name == "full" else reference.policy.tensors
     assert trained.keys() == expected_weights.keys()
@@ -304,4 +295,4 @@ def test_a_grpo_folder_written_before_the_restructuring_resumes_like_an_uninterr
     assert [r["step"] for r in rows] == [r["step"] for r in expected] == list(range(config.num_steps + 1))
     for row, want in zip(rows, expected):
         assert row.keys() == want.keys(), row["step"]
-        assert all(_close_to(row[k], want[k]) for k in row), [k for k in row if not _close_to(row[k], want[k])]
+        assert all(close_to(row[k], want[k]) for k in row), [k for k in row if not close_to(row[k], want[k])]

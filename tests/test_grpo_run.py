@@ -14,7 +14,7 @@ from evolm_lib.train.grpo import GRPORun
 from evolm_lib.train.policy import (PolicyTrainer, optimizer_state_from_tensors, optimizer_state_to_tensors, response_spans,
                                     rollout_batch)
 from evolm_lib.runs import RunFolderExists, list_checkpoints, read_config_kind, read_metrics
-from evolm_lib.engines.synthetic import SyntheticEvaluator
+from evolm_lib.engines.synthetic import SyntheticEngine
 from evolm_lib.types import Completion
 
 TINY = dict(model="tiny-random", target_modules=["q_proj", "v_proj"], lora_rank=2, lora_alpha=2.0, max_new_tokens=4)
@@ -26,7 +26,7 @@ def tiny_config(**changes) -> GRPOConfig:
     return GRPOConfig.from_dict({**SYNTHETIC, **changes})
 
 
-class SpreadEvaluator(SyntheticEvaluator):
+class SpreadEngine(SyntheticEngine):
     """Synthetic completions plus 0-2 extra tokens by prompt index, so a group's rewards differ (deterministically)."""
 
     def generate(self, prompts, adapters=(None,), sampling=SamplingSettings()):
@@ -123,7 +123,7 @@ def test_adamw_state_round_trips_through_named_tensors():
 @pytest.mark.parametrize("loss_type", ["no_baseline", "grpo_clip"])
 def test_training_changes_lora_weights_only(tmp_path, loss_type):
     config = tiny_config(num_steps=1, loss_type=loss_type, normalize_by_std=loss_type != "no_baseline", group_size=4)
-    run = GRPORun.create(config, tmp_path / "run", evaluator=SpreadEvaluator())
+    run = GRPORun.create(config, tmp_path / "run", engine=SpreadEngine())
     model = run.trainer.model
     base_before = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" not in n}
     lora_before = {k: v.clone() for k, v in run.policy.tensors.items()}
@@ -139,7 +139,7 @@ def test_training_changes_lora_weights_only(tmp_path, loss_type):
 
 def test_run_folder_metrics_and_sample_accounting(tmp_path):
     run_dir = tmp_path / "run"
-    run = GRPORun.create(tiny_config(num_steps=2, eval_every=2), run_dir, evaluator=SyntheticEvaluator())
+    run = GRPORun.create(tiny_config(num_steps=2, eval_every=2), run_dir, engine=SyntheticEngine())
     rows = run.run()
     assert read_config_kind(run_dir) == "grpo" and (run_dir / "config.yaml").exists()
     metrics = read_metrics(run_dir)
@@ -163,7 +163,7 @@ def test_run_folder_metrics_and_sample_accounting(tmp_path):
     assert (run.save_final() / "adapter_model.safetensors").exists()
     run.close()
     with pytest.raises(RunFolderExists):
-        GRPORun.create(tiny_config(), run_dir, evaluator=SyntheticEvaluator())
+        GRPORun.create(tiny_config(), run_dir, engine=SyntheticEngine())
 
 
 @pytest.mark.parametrize(
@@ -176,13 +176,13 @@ def test_run_folder_metrics_and_sample_accounting(tmp_path):
 )
 def test_resume_gives_the_same_adapter_as_an_uninterrupted_run(tmp_path, changes):
     config = tiny_config(num_steps=3, **changes)
-    whole = GRPORun.create(config, tmp_path / "whole", evaluator=SpreadEvaluator())
+    whole = GRPORun.create(config, tmp_path / "whole", engine=SpreadEngine())
     whole.run()
-    part = GRPORun.create(config, tmp_path / "part", evaluator=SpreadEvaluator())
+    part = GRPORun.create(config, tmp_path / "part", engine=SpreadEngine())
     part.run(2)
     after_two = {k: v.clone() for k, v in part.policy.tensors.items()}
     part.close()
-    resumed = GRPORun.open(config, tmp_path / "part", evaluator=SpreadEvaluator())
+    resumed = GRPORun.open(config, tmp_path / "part", engine=SpreadEngine())
     assert resumed.generation == 2
     resumed.run()
     assert resumed.generation == 3
@@ -206,10 +206,10 @@ def test_label_logits_leave_a_runs_rows_and_adapter_as_the_gather_left_them(tmp_
     monkeypatch.setattr(primitives, "_sorted_scatter", lambda grad: True)
 
     config = tiny_config(num_steps=3, loss_type="grpo_clip", normalize_by_std=True, group_size=4, micro_batch_size=2, beta=0.1)
-    ours = GRPORun.create(config, tmp_path / "ours", evaluator=SpreadEvaluator())
+    ours = GRPORun.create(config, tmp_path / "ours", engine=SpreadEngine())
     ours.run()
     monkeypatch.setattr(policy_module, "label_logits", primitives.gather_labels)
-    gathered = GRPORun.create(config, tmp_path / "gathered", evaluator=SpreadEvaluator())
+    gathered = GRPORun.create(config, tmp_path / "gathered", engine=SpreadEngine())
     gathered.run()
     for name, value in ours.policy.tensors.items():
         assert torch.equal(value, gathered.policy.tensors[name]), name
@@ -222,20 +222,20 @@ def test_label_logits_leave_a_runs_rows_and_adapter_as_the_gather_left_them(tmp_
 
 
 def test_open_refuses_other_settings_and_other_kinds(tmp_path):
-    run = GRPORun.create(tiny_config(num_steps=1), tmp_path / "run", evaluator=SyntheticEvaluator())
+    run = GRPORun.create(tiny_config(num_steps=1), tmp_path / "run", engine=SyntheticEngine())
     run.run()
     run.close()
     with pytest.raises(ConfigError, match="learning_rate"):
-        GRPORun.open(tiny_config(num_steps=1, learning_rate=0.5), tmp_path / "run", evaluator=SyntheticEvaluator())
+        GRPORun.open(tiny_config(num_steps=1, learning_rate=0.5), tmp_path / "run", engine=SyntheticEngine())
     (tmp_path / "run" / "config.yaml").write_text((tmp_path / "run" / "config.yaml").read_text().replace("kind: grpo", "kind: es"))
     with pytest.raises(ConfigError, match="not a GRPO run"):
-        GRPORun.resume(tmp_path / "run", evaluator=SyntheticEvaluator())
+        GRPORun.resume(tmp_path / "run", engine=SyntheticEngine())
 
 
 def test_real_vllm_run_on_tiny_random(tmp_path, tiny_vllm):
     config = GRPOConfig.from_dict({**TINY, "group_size": 4, "num_steps": 2, "max_new_tokens": 6, "learning_rate": 1e-2,
                                    "micro_batch_size": 8, "beta": 0.05})
-    run = GRPORun.create(config, tmp_path / "run", evaluator=tiny_vllm)
+    run = GRPORun.create(config, tmp_path / "run", engine=tiny_vllm)
     before = {k: v.clone() for k, v in run.policy.tensors.items()}
     rows = run.run()
     assert [r["step"] for r in rows] == [1, 2]
@@ -277,16 +277,16 @@ def test_trainer_log_probs_match_the_cs336_primitive(tiny_model_dir):
 
 SMOLLM2_GRPO = """
 import json, sys
-from evolm_lib.engines.vllm.engine import VLLMEvaluator
+from evolm_lib.engines.vllm.engine import VLLMEngine
 from evolm_lib.config import GRPOConfig
 from evolm_lib.train.grpo import GRPORun
 
-evaluator = VLLMEvaluator(sys.argv[2], max_loras=1, max_lora_rank=1, max_model_len=512, kv_cache_gb=0.25)
+engine = VLLMEngine(sys.argv[2], max_loras=1, max_lora_rank=1, max_model_len=512, kv_cache_gb=0.25)
 config = GRPOConfig.from_dict(dict(task="conciseness", lora_rank=1, lora_alpha=1.0, group_size=4, max_new_tokens=32,
                                    learning_rate=1e-2, num_steps=2, eval_every=0, seed=0))
-run = GRPORun.create(config, sys.argv[1], evaluator=evaluator)
+run = GRPORun.create(config, sys.argv[1], engine=engine)
 run.run()
-evaluator.close()
+engine.close()
 """
 
 
@@ -316,7 +316,7 @@ def test_grpo_raises_conciseness_reward_on_smollm2(tmp_path, smollm2_dir):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (measured on the lent H100: see the README)")
 def test_policy_trains_on_the_gpu_when_there_is_one(tmp_path):
     config = GRPOConfig(model="tiny-random", group_size=2, num_steps=1, max_new_tokens=4, temperature=1.0)
-    run = GRPORun.create(config, tmp_path / "run", evaluator=SyntheticEvaluator())
+    run = GRPORun.create(config, tmp_path / "run", engine=SyntheticEngine())
     assert run.trainer.device.type == "cuda"
     assert all(p.device.type == "cuda" for p in run.trainer.parameters)
     run.run()

@@ -165,7 +165,7 @@ def test_task_inspection_scores_every_example_and_shows_the_prompt_the_model_see
                         {**TINY, "num_examples": 2, "figures_dir": str(tmp_path / "figures")})
     assert not _errors(executed)
     task = get_task("conciseness")
-    rendered = _output_text(executed, "evaluator = make_evaluator(")
+    rendered = _output_text(executed, "inference_engine = make_engine(")
     assert task.prompt(task.train_examples()[0]).messages[-1]["content"] in rendered
     [distribution] = _figures_shown(executed)
     rewards = plotly_values(distribution["data"][0]["x"])

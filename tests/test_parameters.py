@@ -73,7 +73,7 @@ def test_a_notebook_run_opened_again_in_one_kernel_resumes_and_other_settings_ge
     """What Run All twice does in one kernel: the run opened before is closed, the same settings resume
     in the same folder; a raised budget extends that run; changed settings open a folder of their own."""
     from evolm_lib.config import ESConfig
-    from evolm_lib.engines.synthetic import SyntheticEvaluator
+    from evolm_lib.engines.synthetic import SyntheticEngine
     from evolm_lib.parameters import open_notebook_run
     from evolm_lib.runs import NOTEBOOK_RUNS_ENV, RunFolderBusy, WriterLock, notebook_run_dir
     from evolm_lib.train.es import ESRun
@@ -81,19 +81,19 @@ def test_a_notebook_run_opened_again_in_one_kernel_resumes_and_other_settings_ge
     monkeypatch.setenv(NOTEBOOK_RUNS_ENV, str(tmp_path))
     config = ESConfig(model="tiny-random", target_modules=("q_proj", "v_proj"), sigma=0.02, learning_rate=0.05,
                       population_size=4, num_generations=1, seed=5)
-    first = open_notebook_run(ESRun, config, "stepper", evaluator=SyntheticEvaluator())
+    first = open_notebook_run(ESRun, config, "stepper", engine=SyntheticEngine())
     first.run()
     assert first.run_dir == notebook_run_dir("stepper", config) and first.run_dir.name.startswith("stepper-")
-    again = open_notebook_run(ESRun, config, "stepper", evaluator=SyntheticEvaluator())  # the first is closed
+    again = open_notebook_run(ESRun, config, "stepper", engine=SyntheticEngine())  # the first is closed
     assert (again.run_dir, again.generation) == (first.run_dir, 1)
-    longer = open_notebook_run(ESRun, config.replace(num_generations=3, eval_every=2), "stepper", evaluator=SyntheticEvaluator())
+    longer = open_notebook_run(ESRun, config.replace(num_generations=3, eval_every=2), "stepper", engine=SyntheticEngine())
     assert (longer.run_dir, longer.generation) == (first.run_dir, 1)  # budget and cadence: the same run, extended
-    other = open_notebook_run(ESRun, config.replace(sigma=0.05), "stepper", evaluator=SyntheticEvaluator())
+    other = open_notebook_run(ESRun, config.replace(sigma=0.05), "stepper", engine=SyntheticEngine())
     assert other.run_dir != first.run_dir and other.generation == 0
     other.close()
     with WriterLock.acquire(first.run_dir):  # a writer other than this notebook's run is still refused
         with pytest.raises(RunFolderBusy):
-            open_notebook_run(ESRun, config, "stepper", evaluator=SyntheticEvaluator())
+            open_notebook_run(ESRun, config, "stepper", engine=SyntheticEngine())
     # each opening said where it ran and from which generation its rows go on; the refused one wrote nothing
     from evolm_lib.env import PLACEMENT
     from evolm_lib.runs import read_jsonl

@@ -15,7 +15,7 @@ import torch
 
 from evolm_lib.config import ConfigError, GRPOConfig
 from evolm_lib.runs import read_metrics
-from evolm_lib.engines.synthetic import SyntheticEvaluator
+from evolm_lib.engines.synthetic import SyntheticEngine
 from evolm_lib.train.grpo import GRPORun
 from evolm_lib.train.policy import PolicyTrainer, attention_implementation, rollout_batch
 from evolm_lib.train.policy_process import PolicyProcess, PolicyProcessDied, policy_in_own_process
@@ -41,11 +41,11 @@ def _ended(pid: int) -> bool:
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
     """An engine of these tests' own (full-weight runs move its weights, and give them back at close)."""
-    from evolm_lib.engines.vllm.engine import VLLMEvaluator
+    from evolm_lib.engines.vllm.engine import VLLMEngine
 
-    evaluator = VLLMEvaluator(str(tiny_model_dir), max_loras=2, max_lora_rank=8, max_model_len=256, kv_cache_gb=0.0625)
-    yield evaluator
-    evaluator.close()
+    engine = VLLMEngine(str(tiny_model_dir), max_loras=2, max_lora_rank=8, max_model_len=256, kv_cache_gb=0.0625)
+    yield engine
+    engine.close()
 
 
 # ----------------------------------------------------------------------------- settings
@@ -69,8 +69,8 @@ def test_a_run_continues_with_its_policy_in_another_process(tmp_path):
     process (a GPU run from before the setting existed goes on with ``same``)."""
     config = GRPOConfig.from_dict({**TINY, "policy_process": "same", "num_steps": 1, "loss_type": "no_baseline",
                                    "normalize_by_std": False})
-    GRPORun.create(config, tmp_path / "run", evaluator=SyntheticEvaluator()).close()
-    run = GRPORun.open(config.replace(policy_process="own", num_steps=2), tmp_path / "run", evaluator=SyntheticEvaluator())
+    GRPORun.create(config, tmp_path / "run", engine=SyntheticEngine()).close()
+    run = GRPORun.open(config.replace(policy_process="own", num_steps=2), tmp_path / "run", engine=SyntheticEngine())
     try:
         assert isinstance(run.trainer, PolicyProcess)
         assert run.run()[-1]["step"] == 2
@@ -261,7 +261,7 @@ def test_eager_policy_attention_trains_as_the_fused_kernel_does(tiny_model_dir):
 def test_lora_rows_are_those_of_the_policy_in_the_run_process_and_repeat(engine, tmp_path):
     config = GRPOConfig.from_dict(TINY)
     for name, where in (("same", "same"), ("own", "own"), ("own_again", "own")):
-        run = GRPORun.create(config.replace(policy_process=where), tmp_path / name, evaluator=engine)
+        run = GRPORun.create(config.replace(policy_process=where), tmp_path / name, engine=engine)
         assert isinstance(run.trainer, PolicyProcess) == (where == "own")
         rows = run.run()
         assert rows[-1]["grpo/grad_norm"] > 0 and rows[-1]["grpo/engine_logprob_gap"] < 1e-3
@@ -276,15 +276,15 @@ def test_full_weights_resume_from_a_checkpoint_of_the_child(engine, tmp_path):
     """Own process, 2 steps, closed, resumed (weights and AdamW's state back into a new child), 1 more
     step: the rows and weights of 3 uninterrupted steps with the policy in the run's process."""
     config = GRPOConfig.from_dict({**FULL, "num_steps": 3})
-    whole = GRPORun.create(config.replace(policy_process="same"), tmp_path / "whole", evaluator=engine)
+    whole = GRPORun.create(config.replace(policy_process="same"), tmp_path / "whole", engine=engine)
     whole.run()
     weights = {k: v.clone() for k, v in whole.trainer.weights().items()}
     whole.close()
     own = config.replace(policy_process="own")
-    part = GRPORun.create(own, tmp_path / "part", evaluator=engine)
+    part = GRPORun.create(own, tmp_path / "part", engine=engine)
     part.run(2)
     part.close()
-    resumed = GRPORun.open(own, tmp_path / "part", evaluator=engine)
+    resumed = GRPORun.open(own, tmp_path / "part", engine=engine)
     assert resumed.generation == 2 and isinstance(resumed.trainer, PolicyProcess)
     resumed.run()
     for name, tensor in resumed.trainer.weights().items():
@@ -299,7 +299,7 @@ def test_full_weights_resume_from_a_checkpoint_of_the_child(engine, tmp_path):
 def test_the_child_dying_is_a_clear_error_not_a_hang(tmp_path):
     config = GRPOConfig.from_dict({**TINY, "policy_process": "own", "loss_type": "no_baseline",
                                    "normalize_by_std": False})
-    run = GRPORun.create(config, tmp_path / "run", evaluator=SyntheticEvaluator())
+    run = GRPORun.create(config, tmp_path / "run", engine=SyntheticEngine())
     run.step()
     os.kill(run.trainer.pid, signal.SIGKILL)
     with pytest.raises(PolicyProcessDied, match=r"the policy process \(pid \d+.*was killed by SIGKILL during train"):

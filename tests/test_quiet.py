@@ -158,17 +158,17 @@ import time
 import torch
 
 from evolm_lib.config import ESConfig
-from evolm_lib.engines import SamplingSettings, make_evaluator
+from evolm_lib.engines import SamplingSettings, make_engine
 from evolm_lib.tasks import get_task
 
 threads_before = torch.get_num_threads()
 config = ESConfig(model="tiny-random", max_model_len=256, kv_cache_gb=0.1, max_new_tokens=8)
-evaluator = make_evaluator(config, max_loras=2)
+engine = make_engine(config, max_loras=2)
 task = get_task("conciseness")
 started = time.perf_counter()
-table = evaluator.generate([task.prompt(e) for e in task.eval_examples()], [None], SamplingSettings(max_new_tokens=8))
+table = engine.generate([task.prompt(e) for e in task.eval_examples()], [None], SamplingSettings(max_new_tokens=8))
 seconds = time.perf_counter() - started
-evaluator.close()
+engine.close()
 print("RESULT", {"before": threads_before, "after": torch.get_num_threads(),
                  "omp": os.environ.get("OMP_NUM_THREADS"), "seconds": seconds})
 """

@@ -1,4 +1,4 @@
-"""The Ray evaluator: settings and planning without Ray; then a local Ray cluster with 2 engines on
+"""Ray engines: settings and planning without Ray; then a local Ray cluster with 2 engines on
 tiny-random that must give exactly what one in-process engine gives (calls, an ES run, a GRPO run),
 lose nothing when an engine is killed mid-generation, and fail clearly when an engine stays lost.
 
@@ -21,12 +21,12 @@ import torch
 
 from evolm_lib import es
 from evolm_lib.config import ConfigError, ESConfig, GRPOConfig
-from evolm_lib.engines import Population, SamplingSettings, make_evaluator
+from evolm_lib.engines import Population, SamplingSettings, make_engine
 from evolm_lib.engines.base import balanced_blocks
 from evolm_lib.env import record_placement
 from evolm_lib.engines.sizing import EngineSizing
 from evolm_lib.engines.ray.cluster import RayUnavailableError, check_cluster_resources
-from evolm_lib.engines.ray.evaluator import RayEvaluator
+from evolm_lib.engines.ray.engines import RayEngines
 from evolm_lib.engines.ray.pool import EngineLostError, EnginePool, FaultPolicy, start_waves
 from evolm_lib.engines.ray.sharding import ShardPlan, ShardSampling, plan_grid, shard_sampling
 from evolm_lib.train.es import ESRun
@@ -89,7 +89,7 @@ def test_mps_thread_percentage_is_a_ray_setting_from_1_to_100():
         with pytest.raises(ConfigError, match=message):
             ESConfig(model="tiny-random", **changes)
     with pytest.raises(ValueError, match="mps_thread_percentage must be an integer from 1 to 100, got 0"):
-        RayEvaluator("tiny-random", num_engines=2, mps_thread_percentage=0)  # refused before Ray is joined
+        RayEngines("tiny-random", num_engines=2, mps_thread_percentage=0)  # refused before Ray is joined
 
 
 def test_engines_per_gpu_is_a_ray_setting_and_splits_the_default_share_of_the_card():
@@ -232,10 +232,10 @@ def test_engines_of_one_card_start_one_after_another_and_cards_side_by_side():
 def test_without_ray_the_error_says_how_to_install_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
     with pytest.raises(RayUnavailableError, match=r"pip install -e '\.\[ray\]'"):
-        RayEvaluator("tiny-random", num_engines=2)
+        RayEngines("tiny-random", num_engines=2)
     config = ESConfig(**ES_SETTINGS, evaluator="ray", num_engines=2)  # settings alone never need Ray
     with pytest.raises(ImportError, match=r"pip install -e '\.\[ray\]'"):
-        make_evaluator(config)
+        make_engine(config)
 
 
 def test_unreachable_address_fails_fast_before_ray_starts():
@@ -243,15 +243,15 @@ def test_unreachable_address_fails_fast_before_ray_starts():
     was_initialized = ray.is_initialized()
     started = time.perf_counter()
     with pytest.raises(ConnectionError, match=r"ray_address: no Ray cluster answers at 127.0.0.1:\d+.*ray start --head"):
-        RayEvaluator("tiny-random", num_engines=2, ray_address=f"127.0.0.1:{free_port()}")
+        RayEngines("tiny-random", num_engines=2, ray_address=f"127.0.0.1:{free_port()}")
     assert time.perf_counter() - started < 10
     assert ray.is_initialized() == was_initialized
 
 
 def test_more_engines_than_the_population_is_refused_before_ray():
-    # one check, in the settings: a run's evaluator is made from validated settings only
+    # one check, in the settings: a run's engine is made from validated settings only
     with pytest.raises(ConfigError, match="population_size: 2 members cannot keep num_engines=3"):
-        make_evaluator(ESConfig(**{**ES_SETTINGS, "population_size": 2}, evaluator="ray", num_engines=3))
+        make_engine(ESConfig(**{**ES_SETTINGS, "population_size": 2}, evaluator="ray", num_engines=3))
 
 
 # ----------------------------------------------------------------------------- a local Ray cluster
@@ -302,16 +302,16 @@ def local_engine(tiny_vllm):
 @pytest.fixture(scope="module")
 def ray_engines(ray_cluster, es_config):
     """Two engines, one Ray actor each, as an ES run makes them."""
-    evaluator = make_evaluator(es_config)
-    yield evaluator
-    evaluator.close()
+    engine = make_engine(es_config)
+    yield engine
+    engine.close()
 
 
 @pytest.fixture(scope="module")
 def reference_rows(es_config, local_engine, tmp_path_factory):
     """Metrics rows of the ES run with the engine in this process."""
     run = ESRun.create(es_config.replace(evaluator="local", num_engines=1, mps_thread_percentage=None),
-                       tmp_path_factory.mktemp("es_local") / "run", evaluator=local_engine)
+                       tmp_path_factory.mktemp("es_local") / "run", engine=local_engine)
     run.run()
     return without_times(read_metrics(run.run_dir))
 
@@ -360,7 +360,7 @@ def test_two_engines_give_what_one_engine_gives(ray_engines, local_engine):
 
 @pytest.mark.slow
 def test_es_run_on_two_engines_equals_one_engine(ray_engines, es_config, reference_rows, tmp_path):
-    run = ESRun.create(es_config, tmp_path / "run", evaluator=ray_engines)
+    run = ESRun.create(es_config, tmp_path / "run", engine=ray_engines)
     run.run()
     assert [r["generation"] for r in reference_rows] == [0, 1, 2]
     assert without_times(read_metrics(run.run_dir)) == reference_rows
@@ -375,7 +375,7 @@ def test_es_run_on_two_engines_equals_one_engine(ray_engines, es_config, referen
 def test_more_engines_than_the_cluster_holds_is_refused_before_any_starts(ray_cluster):
     started = time.perf_counter()
     with pytest.raises(ValueError, match="num_engines: 3 CPU engines need 3 CPUs .* has 2"):
-        RayEvaluator("tiny-random", num_engines=3)
+        RayEngines("tiny-random", num_engines=3)
     assert time.perf_counter() - started < 10  # an engine start alone takes 20 s or more here
     assert ray_cluster.is_initialized()  # a cluster it did not start is left alone
 
@@ -401,7 +401,7 @@ def test_an_engine_killed_mid_generation_loses_nothing(ray_engines, es_config, r
     # generation 2: population (4) -> killed while it runs
     ray_engines.pool.on_submitted = kill_once(engine=1, at_call=4)
     try:
-        run = ESRun.create(es_config, tmp_path / "run", evaluator=ray_engines)
+        run = ESRun.create(es_config, tmp_path / "run", engine=ray_engines)
         run.run()
     finally:
         ray_engines.pool.on_submitted = None
@@ -417,7 +417,7 @@ def test_an_engine_that_stays_lost_stops_the_run_at_its_last_generation(ray_engi
     ray_engines.pool.policy = FaultPolicy(max_attempts=1)  # one loss is too many: the run must stop cleanly
     ray_engines.pool.on_submitted = kill_once(engine=0, at_call=4)
     try:
-        run = ESRun.create(es_config, tmp_path / "run", evaluator=ray_engines)
+        run = ESRun.create(es_config, tmp_path / "run", engine=ray_engines)
         run.step()
         with pytest.raises(EngineLostError, match=r"engine 0 of 2 \(Ray actor \w+, last on .* pid \d+\) is lost") as lost:
             run.step()
@@ -430,7 +430,7 @@ def test_an_engine_that_stays_lost_stops_the_run_at_its_last_generation(ray_engi
     assert list_checkpoints(run.run_dir)[-1].name.endswith("1")
     run.close()  # its folder is free again (the engines are the fixture's: they stay)
     # started again (the engine is back: Ray restarted it), it ends as if never interrupted
-    resumed = ESRun.open(es_config, run.run_dir, evaluator=ray_engines)
+    resumed = ESRun.open(es_config, run.run_dir, engine=ray_engines)
     assert resumed.generation == 1
     resumed.run()
     assert without_times(read_metrics(run.run_dir)) == reference_rows
@@ -489,8 +489,8 @@ def test_grpo_run_on_two_engines_equals_one_engine(ray_engines, local_engine, tm
     settings = dict(**ENGINE, task="conciseness", group_size=4, num_steps=2, max_new_tokens=6, learning_rate=1e-2,
                     micro_batch_size=8, beta=0.05)
     rows = {}
-    for name, evaluator, extra in (("local", local_engine, {}), ("ray", ray_engines, {"evaluator": "ray", "num_engines": 2})):
-        run = GRPORun.create(GRPOConfig(**settings, **extra), tmp_path / name, evaluator=evaluator)
+    for name, engine, extra in (("local", local_engine, {}), ("ray", ray_engines, {"evaluator": "ray", "num_engines": 2})):
+        run = GRPORun.create(GRPOConfig(**settings, **extra), tmp_path / name, engine=engine)
         run.run()
         rows[name] = without_times(read_metrics(run.run_dir))
     # Log-probs differ in their last bits between engines of other sizes (the session engine has

@@ -27,7 +27,7 @@ import torch
 from evolm_lib import es
 from evolm_lib.config import ConfigError, ESConfig
 from evolm_lib.engines import SamplingSettings
-from evolm_lib.engines.ray.evaluator import RayEvaluator
+from evolm_lib.engines.ray.engines import RayEngines
 from evolm_lib.engines.ray.pool import EngineLostError, FaultPolicy
 from evolm_lib.engines.ray.sharding import plan_members
 from evolm_lib.engines.sizing import EngineSizing
@@ -75,11 +75,11 @@ def test_members_go_in_contiguous_blocks_and_the_scoring_prompts_beside_them():
 # ----------------------------------------------------------------------------- engines
 
 
-def run_both_modes(evaluator, engines: int | None, folder) -> dict:
-    """Each mode's run on ``evaluator``: its rows (timings apart), every engine's master checksum, the mean."""
+def run_both_modes(engine, engines: int | None, folder) -> dict:
+    """Each mode's run on ``engine``: its rows (timings apart), every engine's master checksum, the mean."""
     out = {}
     for mode in MODES:
-        run = ESRun.create(config_for(mode, engines), folder / mode, evaluator=evaluator)
+        run = ESRun.create(config_for(mode, engines), folder / mode, engine=engine)
         run.run()
         weights = run.parameters.weights
         out[mode] = {"rows": read_metrics(run.run_dir),
@@ -92,25 +92,25 @@ def run_both_modes(evaluator, engines: int | None, folder) -> dict:
 @pytest.fixture(scope="module")
 def one_engine_runs(ray_cluster, tmp_path_factory):
     """Both modes on one Ray engine, which is then shut down (its CPU goes to the next engines)."""
-    with RayEvaluator("tiny-random", SIZING, num_engines=1) as evaluator:
-        return run_both_modes(evaluator, 1, tmp_path_factory.mktemp("one_engine"))
+    with RayEngines("tiny-random", SIZING, num_engines=1) as engine:
+        return run_both_modes(engine, 1, tmp_path_factory.mktemp("one_engine"))
 
 
 @pytest.fixture(scope="module")
 def local_runs(one_engine_runs, tmp_path_factory):
     """Both modes on an engine in this process (its own: the modes change the layers they move)."""
-    from evolm_lib.engines.vllm.engine import VLLMEvaluator
+    from evolm_lib.engines.vllm.engine import VLLMEngine
 
-    with VLLMEvaluator("tiny-random", SIZING) as evaluator:
-        return run_both_modes(evaluator, None, tmp_path_factory.mktemp("local"))
+    with VLLMEngine("tiny-random", SIZING) as engine:
+        return run_both_modes(engine, None, tmp_path_factory.mktemp("local"))
 
 
 @pytest.fixture(scope="module")
 def two_engines(ray_cluster, one_engine_runs):
     """Two Ray engines, started once the one-engine runs have given their CPU back; Ray may restart
     each often enough for every kill of this module."""
-    with RayEvaluator("tiny-random", SIZING, num_engines=2, policy=FaultPolicy(max_restarts=10)) as evaluator:
-        yield evaluator
+    with RayEngines("tiny-random", SIZING, num_engines=2, policy=FaultPolicy(max_restarts=10)) as engine:
+        yield engine
 
 
 @pytest.fixture(scope="module")
@@ -216,7 +216,7 @@ def test_an_engine_lost_with_the_mean_is_given_it_back_and_the_run_ends_as_unint
     config = config_for(mode, 2)
     pids_before = [info["pid"] for info in two_engines.engine_info]
     faults_before = len(two_engines.faults)
-    run = ESRun.create(config, tmp_path / "run", evaluator=two_engines)
+    run = ESRun.create(config, tmp_path / "run", engine=two_engines)
     run.step()
     two_engines.pool.on_submitted = kill_at_call(*killed, call=call)  # in generation 2
     try:
@@ -240,7 +240,7 @@ def test_an_engine_lost_with_the_mean_is_given_it_back_and_the_run_ends_as_unint
 def test_an_engine_that_stays_lost_past_its_attempts_ends_the_run_and_it_resumes_to_the_same_rows(
         ray_cluster, two_engines, two_engine_runs, tmp_path):
     config = config_for("full", 2)
-    run = ESRun.create(config, tmp_path / "run", evaluator=two_engines)
+    run = ESRun.create(config, tmp_path / "run", engine=two_engines)
     run.step()
     policy = two_engines.pool.policy
     two_engines.pool.policy = FaultPolicy(max_attempts=1)  # one loss is too many: the run must stop cleanly
@@ -267,7 +267,7 @@ def test_an_engine_that_stays_lost_past_its_attempts_ends_the_run_and_it_resumes
             assert time.monotonic() < deadline, "the lost engine did not come back"
             time.sleep(0.5)
     run.close()  # hands the engines back serving the model folder's weights: engine 1 set up again for that
-    resumed = ESRun.open(config, tmp_path / "run", evaluator=two_engines)
+    resumed = ESRun.open(config, tmp_path / "run", engine=two_engines)
     assert resumed.generation == 1
     resumed.run()
     assert without_times(read_metrics(run.run_dir)) == without_times(two_engine_runs["full"]["rows"])
@@ -288,7 +288,7 @@ def test_grpo_on_the_model_weights_writes_every_ray_engine(two_engines, tmp_path
                         target_modules=["q_proj", "v_proj"], group_size=2, max_new_tokens=6, max_model_len=256,
                         kv_cache_gb=0.0625, num_steps=2, temperature=1.0, learning_rate=1e-3, seed=0,
                         evaluator="ray", num_engines=2)
-    run = GRPORun.create(config, tmp_path / "run", evaluator=two_engines)
+    run = GRPORun.create(config, tmp_path / "run", engine=two_engines)
     rows = run.run()
     assert [r["step"] for r in rows] == [1, 2]
     assert all(r["grpo/engine_logprob_gap"] < 1e-4 for r in rows), [r["grpo/engine_logprob_gap"] for r in rows]

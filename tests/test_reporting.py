@@ -16,7 +16,7 @@ import pytest
 
 from evolm_lib.metrics import by_mean
 from evolm_lib.config import ConfigError, ESConfig, GRPOConfig, ReportTo
-from evolm_lib.engines.synthetic import SyntheticEvaluator
+from evolm_lib.engines.synthetic import SyntheticEngine
 from evolm_lib.parameters import notebook_config
 from evolm_lib.reporting import BACKENDS, TENSORBOARD_DIR, scalars
 from evolm_lib.runs import list_checkpoints, read_metrics
@@ -112,7 +112,7 @@ def test_es_run_on_vllm_streams_each_row_to_tensorboard(tmp_path, tiny_vllm):
     # population call and is in generation 3's row; its points land at the mean's generation, 2
     config = ESConfig(**{**ES_SETTINGS, "target_modules": ("q_proj", "v_proj", "o_proj"), "max_new_tokens": 6,
                          "sigma": 0.5, "learning_rate": 0.5, "eval_every": 2, "num_generations": 4})
-    run = ESRun.create(config, tmp_path / "run", evaluator=tiny_vllm)
+    run = ESRun.create(config, tmp_path / "run", engine=tiny_vllm)
     run.run()
     run.close()
     assert_tensorboard_matches_metrics(tmp_path / "run", 4)
@@ -122,7 +122,7 @@ def test_es_run_on_vllm_streams_each_row_to_tensorboard(tmp_path, tiny_vllm):
 
 
 def test_grpo_run_streams_each_row_to_tensorboard(tmp_path):
-    run = GRPORun.create(GRPOConfig(**GRPO_SETTINGS), tmp_path / "run", evaluator=SyntheticEvaluator())
+    run = GRPORun.create(GRPOConfig(**GRPO_SETTINGS), tmp_path / "run", engine=SyntheticEngine())
     run.run()
     run.close()
     assert_tensorboard_matches_metrics(tmp_path / "run", 3)
@@ -132,7 +132,7 @@ def test_grpo_run_streams_each_row_to_tensorboard(tmp_path):
 
 
 def test_the_default_writes_no_tensorboard_folder(tmp_path):
-    run = ESRun.create(ESConfig(**{**ES_SETTINGS, "report_to": []}), tmp_path / "run", evaluator=SyntheticEvaluator())
+    run = ESRun.create(ESConfig(**{**ES_SETTINGS, "report_to": []}), tmp_path / "run", engine=SyntheticEngine())
     run.run()
     run.close()
     assert not (tmp_path / "run" / TENSORBOARD_DIR).exists()
@@ -143,7 +143,7 @@ def test_the_default_writes_no_tensorboard_folder(tmp_path):
 def test_a_missing_tensorboard_package_is_named_before_the_folder_is_touched(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # what Python does where it is not installed
     with pytest.raises(ImportError, match=r"report_to: 'tensorboard' needs the tensorboard package \(pip install"):
-        ESRun.create(ESConfig(**ES_SETTINGS), tmp_path / "run", evaluator=SyntheticEvaluator())
+        ESRun.create(ESConfig(**ES_SETTINGS), tmp_path / "run", engine=SyntheticEngine())
     assert not (tmp_path / "run" / "config.yaml").exists()
 
 
@@ -153,11 +153,11 @@ KILLED_RUN = """
 import sys
 from pathlib import Path
 sys.path.insert(0, {tests!r})
-from helpers_kill_run import KillingEvaluator, kill_config
+from helpers_kill_run import KillingEngine, kill_config
 from evolm_lib.train.es import ESRun
-evaluator = KillingEvaluator(4)
-run = ESRun.open(kill_config().replace(report_to=["tensorboard"]), Path(sys.argv[1]), evaluator=evaluator)
-evaluator.run = run
+engine = KillingEngine(4)
+run = ESRun.open(kill_config().replace(report_to=["tensorboard"]), Path(sys.argv[1]), engine=engine)
+engine.run = run
 run.run()
 """
 
@@ -174,7 +174,7 @@ def test_a_killed_and_resumed_run_has_one_point_per_generation(tmp_path):
     assert [s for s, _ in tensorboard_points(run_dir)["time/wall_s"]] == [0, 1, 2, 3]
     killed_wall = dict(tensorboard_points(run_dir)["time/wall_s"])
 
-    resumed = ESRun.resume(run_dir, evaluator=SyntheticEvaluator())
+    resumed = ESRun.resume(run_dir, engine=SyntheticEngine())
     assert resumed.generation == 2  # generation 3 is redone: its first points must go
     resumed.run()
     resumed.close()
@@ -185,11 +185,11 @@ def test_a_killed_and_resumed_run_has_one_point_per_generation(tmp_path):
 
 def test_a_run_resumed_twice_keeps_one_point_per_generation(tmp_path):
     config = ESConfig(**{**ES_SETTINGS, "num_generations": 5})
-    run = ESRun.create(config, tmp_path / "run", evaluator=SyntheticEvaluator())
+    run = ESRun.create(config, tmp_path / "run", engine=SyntheticEngine())
     run.run(2)
     run.close()
     for target in (3, 5):
-        resumed = ESRun.resume(tmp_path / "run", evaluator=SyntheticEvaluator())
+        resumed = ESRun.resume(tmp_path / "run", engine=SyntheticEngine())
         resumed.run(target)
         resumed.close()
     assert_tensorboard_matches_metrics(tmp_path / "run", 5)
@@ -198,11 +198,11 @@ def test_a_run_resumed_twice_keeps_one_point_per_generation(tmp_path):
 
 def test_report_to_added_when_a_run_is_extended_gets_every_row(tmp_path):
     config = ESConfig(**{**ES_SETTINGS, "report_to": []})
-    run = ESRun.create(config, tmp_path / "run", evaluator=SyntheticEvaluator())
+    run = ESRun.create(config, tmp_path / "run", engine=SyntheticEngine())
     run.run()
     run.close()
     extended = ESRun.open(config.replace(report_to=["tensorboard"], num_generations=5), tmp_path / "run",
-                          evaluator=SyntheticEvaluator())
+                          engine=SyntheticEngine())
     extended.run()
     extended.close()
     assert_tensorboard_matches_metrics(tmp_path / "run", 5)
@@ -212,13 +212,13 @@ def _resumed_after_renaming_its_event_file(tmp_path, seconds_ahead: int, host: s
     """A 4-generation run stopped after 3 whose one event file is renamed as if opened ``seconds_ahead``
     from now on ``host``, then resumed (not yet run); and that second."""
     config = ESConfig(**{**ES_SETTINGS, "num_generations": 4})
-    run = ESRun.create(config, tmp_path / "run", evaluator=SyntheticEvaluator())
+    run = ESRun.create(config, tmp_path / "run", engine=SyntheticEngine())
     run.run(3)
     run.close()
     (event_file,) = (tmp_path / "run" / TENSORBOARD_DIR).iterdir()
     second = int(time.time()) + seconds_ahead
     event_file.rename(event_file.with_name(f"events.out.tfevents.{second}.{host}"))
-    return ESRun.resume(tmp_path / "run", evaluator=SyntheticEvaluator()), second
+    return ESRun.resume(tmp_path / "run", engine=SyntheticEngine()), second
 
 
 def test_a_resumed_writer_waits_until_its_event_file_sorts_after_the_earlier_ones(tmp_path):

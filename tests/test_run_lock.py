@@ -18,7 +18,7 @@ import pytest
 from evolm_lib import batch, sweep
 from evolm_lib.analysis import run_results
 from evolm_lib.config import ESConfig
-from evolm_lib.engines.synthetic import SyntheticEvaluator
+from evolm_lib.engines.synthetic import SyntheticEngine
 from evolm_lib.paths import project_root
 from evolm_lib.runs import (
     LOCK_FILE,
@@ -64,10 +64,10 @@ def wait_for(condition, what: str, process: subprocess.Popen | None = None, time
 WRITER = textwrap.dedent("""
     import json, pathlib, sys, time
     from evolm_lib.config import ESConfig
-    from evolm_lib.engines.synthetic import SyntheticEvaluator
+    from evolm_lib.engines.synthetic import SyntheticEngine
     from evolm_lib.train.es import ESRun
     run_dir, ready, go = map(pathlib.Path, sys.argv[1:4])
-    run = ESRun.open(ESConfig.from_dict(json.loads(sys.argv[4])), run_dir, evaluator=SyntheticEvaluator())
+    run = ESRun.open(ESConfig.from_dict(json.loads(sys.argv[4])), run_dir, engine=SyntheticEngine())
     ready.write_text("open")
     while not go.exists():
         time.sleep(0.05)
@@ -82,7 +82,7 @@ def engine_tripwire(monkeypatch):
     def no_engine(*args, **kwargs):
         raise AssertionError("an engine was started for a writer that should have been refused")
 
-    monkeypatch.setattr(es_train, "make_evaluator", no_engine)
+    monkeypatch.setattr(es_train, "make_engine", no_engine)
 
 
 # ------------------------------------------------------------------------------ two processes
@@ -99,7 +99,7 @@ def test_a_second_process_fails_at_open_naming_the_holder_and_writes_nothing(tmp
         attempts = [lambda: ESRun.open(config, run_dir), lambda: ESRun.resume(run_dir),
                     lambda: ESRun.create(config, run_dir, overwrite=True),
                     lambda: ESRun.open(config, run_dir, overwrite=True)]
-        for attempt in attempts:  # no evaluator given: a late check would start the engine first
+        for attempt in attempts:  # no engine given: a late check would start the engine first
             with pytest.raises(RunFolderBusy) as caught:
                 attempt()
             message = str(caught.value)
@@ -131,7 +131,7 @@ def test_after_sigkill_a_new_open_succeeds_at_once(tmp_path):
     started = time.perf_counter()
     with WriterLock.acquire(run_dir):
         assert time.perf_counter() - started < 0.1  # no waiting for a stale lock to time out
-    resumed = ESRun.open(kill_config(), run_dir, evaluator=SyntheticEvaluator())
+    resumed = ESRun.open(kill_config(), run_dir, engine=SyntheticEngine())
     assert resumed.generation == 2
     resumed.run()
     resumed.close()
@@ -177,9 +177,9 @@ def test_a_child_forked_by_the_writer_does_not_keep_the_folder_after_the_writer_
 
 def test_a_run_still_open_in_this_process_is_named_and_a_closed_run_writes_nothing(tmp_path):
     config, run_dir = small_config(), tmp_path / "run"
-    run = ESRun.create(config, run_dir, evaluator=SyntheticEvaluator())
+    run = ESRun.create(config, run_dir, engine=SyntheticEngine())
     with pytest.raises(RunFolderBusy, match=r"already open for writing in this process .*run\.close\(\)"):
-        ESRun.open(config, run_dir, evaluator=SyntheticEvaluator())
+        ESRun.open(config, run_dir, engine=SyntheticEngine())
     run.close()
     with pytest.raises(RuntimeError, match="closed"):
         run.step()
@@ -187,10 +187,10 @@ def test_a_run_still_open_in_this_process_is_named_and_a_closed_run_writes_nothi
         run.save_final()
     assert [r["generation"] for r in read_metrics(run_dir)] == [0]
 
-    again = ESRun.open(config, run_dir, evaluator=SyntheticEvaluator())
+    again = ESRun.open(config, run_dir, engine=SyntheticEngine())
     again.itself = again  # a reference cycle: dropped, it is collected only by the garbage collector
     del again
-    third = ESRun.open(config, run_dir, evaluator=SyntheticEvaluator())  # the dropped run let go of the folder
+    third = ESRun.open(config, run_dir, engine=SyntheticEngine())  # the dropped run let go of the folder
     third.run()
     third.close()
     assert [r["generation"] for r in read_metrics(run_dir)] == [0, 1, 2, 3, 4]
@@ -248,7 +248,7 @@ def test_a_point_whose_run_folder_is_open_is_busy_and_untouched(tmp_path):
     spec_path = tmp_path / "p.yaml"
     spec_path.write_text(f"notebook: {LOCK_NB}\nname: fx\nparameters: {{num_generations: 2}}\n")
     out = tmp_path / "out"
-    run = ESRun.create(small_config(num_generations=2), out / "fx" / "run", evaluator=SyntheticEvaluator())
+    run = ESRun.create(small_config(num_generations=2), out / "fx" / "run", engine=SyntheticEngine())
     try:
         before = snapshot(out)
         [planned] = batch.run_batch(spec_path, out, dry_run=True)
@@ -297,10 +297,10 @@ def test_a_sweep_reports_a_run_held_elsewhere_busy_and_runs_the_others(tmp_path)
     plan = [r for r in sweep.plan_sweep(spec, 1, [0, 1], {"model": "tiny-random"})
             if r.kind == "es"]
     out = tmp_path / "sweep"
-    held = ESRun.create(plan[0].config, out / plan[0].name, evaluator=SyntheticEvaluator())
+    held = ESRun.create(plan[0].config, out / plan[0].name, engine=SyntheticEngine())
     try:
         before = snapshot(out / plan[0].name)
-        seconds = sweep.run_sweep(plan, out, evaluator=SyntheticEvaluator())
+        seconds = sweep.run_sweep(plan, out, engine=SyntheticEngine())
         assert list(seconds) == [plan[1].name]
         assert snapshot(out / plan[0].name) == before
         rows = {row["run"]: row for row in sweep.summarize(out)}

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from evolm_lib.config import ESConfig, GRPOConfig
-from evolm_lib.engines.synthetic import SyntheticEvaluator
+from evolm_lib.engines.synthetic import SyntheticEngine
 from evolm_lib.lora import AdapterWeights, LoraSpec
 from evolm_lib.runs import list_checkpoints, load_checkpoint, read_metrics, write_checkpoint
 from evolm_lib.train.es import ESRun
@@ -119,11 +119,11 @@ def test_a_run_folder_written_before_the_runs_moved_resumes_like_an_uninterrupte
         cls, config, stopped_at = GRPORun, GRPOConfig.from_dict(old.OLD_GRPO), old.OLD_GRPO_STOP
     run_dir = tmp_path / "old"
     shutil.copytree(OLD_LAYOUT / kind, run_dir)
-    resumed = cls.open(config, run_dir, evaluator=SyntheticEvaluator())
+    resumed = cls.open(config, run_dir, engine=SyntheticEngine())
     assert resumed.generation == stopped_at
     resumed.run()
     resumed.close()
-    reference = cls.create(config, tmp_path / "reference", evaluator=SyntheticEvaluator())
+    reference = cls.create(config, tmp_path / "reference", engine=SyntheticEngine())
     reference.run()
     reference.close()
     for name, value in reference.adapter.tensors.items():
@@ -141,7 +141,7 @@ def _pre_protocol():
     return data_script("make_pre_protocol_runs")
 
 
-class _Batching(SyntheticEvaluator):
+class _Batching(SyntheticEngine):
     batches_grids = True  # the mean's scoring rides in the population's call
 
 
@@ -162,13 +162,13 @@ def test_a_run_folder_of_the_earlier_step_resumes_like_an_uninterrupted_run(tmp_
     engine = _Batching if name == "riding" else (lambda: None)
     run_dir = tmp_path / "old"
     shutil.copytree(Path(__file__).with_name("data") / "pre_protocol" / name, run_dir)
-    resumed = ESRun.open(config, run_dir, evaluator=engine())
+    resumed = ESRun.open(config, run_dir, engine=engine())
     assert resumed.generation == old.STOP
     if name == "riding":  # the row that waited for its scores is scored on opening
         assert [r["generation"] for r in read_metrics(run_dir)] == [0, 1, 2, 3]
         assert "eval/reward" in read_metrics(run_dir)[3]
     resumed.run()
-    reference = ESRun.create(config, tmp_path / "reference", evaluator=engine())
+    reference = ESRun.create(config, tmp_path / "reference", engine=engine())
     reference.run()
     rows, expected = read_metrics(run_dir), read_metrics(tmp_path / "reference")
     assert [{k: r.get(k) for k in TRAINED} for r in rows] == [{k: r.get(k) for k in TRAINED} for r in expected]

@@ -206,12 +206,12 @@ def test_four_es_variants_that_differ_in_sigma_are_four_methods_in_every_table_a
     import csv
 
     from evolm_lib import analysis
-    from evolm_lib.engines.synthetic import SyntheticEvaluator
+    from evolm_lib.engines.synthetic import SyntheticEngine
 
     out = tmp_path / "sweep"
     plan = es_plan(VARIANTS)
     assert len(plan) == 8
-    sweep.run_sweep(plan, out, evaluator=SyntheticEvaluator())
+    sweep.run_sweep(plan, out, engine=SyntheticEngine())
     groups = analysis.load_runs(analysis.method_globs(out)["es"])
     labels = ["es sigma=0.01", "es sigma=0.02", "es sigma=0.04", "es sigma=0.08"]
     assert list(groups) == labels
@@ -241,11 +241,11 @@ def test_a_rerun_with_a_changed_setting_is_refused_before_an_engine_starts_and_o
     """The sweep's engine is the synthetic one here; the refusal must come before any engine is made."""
     import yaml
 
-    from evolm_lib.engines.synthetic import SyntheticEvaluator
+    from evolm_lib.engines.synthetic import SyntheticEngine
     from evolm_lib.runs import read_metrics
 
     engines = []
-    monkeypatch.setattr(sweep, "make_shared_evaluator", lambda plan: engines.append(SyntheticEvaluator()) or engines[-1])
+    monkeypatch.setattr(sweep, "make_shared_engine", lambda plan: engines.append(SyntheticEngine()) or engines[-1])
     section = {**VARIANTS, "es": {**VARIANTS["es"], "sigma": 0.02}}
     section.pop("es_modes")
     spec, out = tmp_path / "spec.yaml", tmp_path / "sweep"
@@ -282,9 +282,9 @@ class FailingEngine:
     """An engine whose every call fails, as a crashed one does (the synthetic engine, then an error)."""
 
     def __init__(self):
-        from evolm_lib.engines.synthetic import SyntheticEvaluator
+        from evolm_lib.engines.synthetic import SyntheticEngine
 
-        self.inner = SyntheticEvaluator()
+        self.inner = SyntheticEngine()
 
     def __getattr__(self, name):
         if name in ("generate", "generate_population", "score"):
@@ -293,17 +293,17 @@ class FailingEngine:
 
 
 def test_a_failed_overwrite_keeps_the_finished_run_and_reports_one_message(tmp_path):
-    from evolm_lib.engines.synthetic import SyntheticEvaluator
+    from evolm_lib.engines.synthetic import SyntheticEngine
 
     section = {**VARIANTS, "seeds": [0]}
     section.pop("es_modes")
     plan = es_plan(section)
     out = tmp_path / "sweep"
-    sweep.run_sweep(plan, out, evaluator=SyntheticEvaluator())
+    sweep.run_sweep(plan, out, engine=SyntheticEngine())
     finished = (out / "es_seed0" / "metrics.jsonl").read_text()
     with pytest.raises(sweep.SweepRunFailed, match=r"^es_seed0: RuntimeError: the engine died; the run it was to "
                                                    r"replace is kept in .*es_seed0, this attempt moved to es_seed0.failed-"):
-        sweep.run_sweep(plan, out, evaluator=FailingEngine(), overwrite={"es_seed0"})
+        sweep.run_sweep(plan, out, engine=FailingEngine(), overwrite={"es_seed0"})
     assert (out / "es_seed0" / "metrics.jsonl").read_text() == finished
     assert len(list(out.glob("es_seed0.failed-*"))) == 1 and not list(out.glob(".es_seed0.kept-*"))
     assert [row["run"] for row in sweep.summarize(out)] == ["es_seed0"]  # the failed attempt is no run of the sweep
@@ -372,12 +372,12 @@ def test_a_run_folder_that_lost_its_config_yaml_is_refused_with_the_command_that
     deleted: the plan says neither "resumes at generation -1" nor that the same command continues; it
     names the file and gives the command that restores it; that command, run as printed, restores it and
     the plan then resumes the run."""
-    from evolm_lib.engines.synthetic import SyntheticEvaluator
+    from evolm_lib.engines.synthetic import SyntheticEngine
     from evolm_lib.train.es import ESRun
 
     spec, out = _write_sweep(tmp_path / "s.yaml"), tmp_path / "out"
     [es_run] = [run for run in sweep.plan_sweep(TINY_SWEEP) if run.kind == "es"]
-    run = ESRun.create(es_run.config, out / es_run.name, evaluator=SyntheticEvaluator())
+    run = ESRun.create(es_run.config, out / es_run.name, engine=SyntheticEngine())
     run.run(1)
     run.close()
     (out / es_run.name / "config.yaml").unlink()

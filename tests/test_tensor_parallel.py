@@ -37,7 +37,7 @@ SIGMA = 0.05
 POPULATION = 4
 GREEDY = SamplingSettings(max_new_tokens=16)
 PROMPTS = [Prompt.user("What is 2+3?"), Prompt.user("Name a colour."), "Once upon a time", "The quick brown fox"]
-FIRST_ID = 1_500_000_000  # beside the evaluator's own population slots
+FIRST_ID = 1_500_000_000  # beside the engine's own population slots
 
 
 def _unbound_environment() -> dict:
@@ -115,14 +115,14 @@ def test_more_ranks_than_visible_cards_are_refused(monkeypatch):
 
 
 def test_ray_engines_refuse_tensor_parallelism():
-    from evolm_lib.engines.ray.evaluator import RayEvaluator
+    from evolm_lib.engines.ray.engines import RayEngines
 
     with pytest.raises(ConfigError, match="tensor_parallel_size: 2 splits one vLLM engine .* evaluator: 'ray'"):
         vllm_kill_config().replace(evaluator="ray", num_engines=2, tensor_parallel_size=2)
     with pytest.raises(ConfigError, match="tensor_parallel_size: 2 .* engine: 'hf'"):
         vllm_kill_config().replace(engine="hf", tensor_parallel_size=2)
     with pytest.raises(ConfigError, match="tensor_parallel_size=2 with evaluator ray"):
-        RayEvaluator("tiny-random", EngineSizing(tensor_parallel_size=2), num_engines=2)
+        RayEngines("tiny-random", EngineSizing(tensor_parallel_size=2), num_engines=2)
 
 
 # ----------------------------------------------------------------------------- resident slots in shards
@@ -250,9 +250,9 @@ def test_gather_refuses_missing_or_disagreeing_shards():
 
 
 def test_an_es_run_at_two_ranks_logs_one_ranks_rows(tp1, tp2, tmp_path):
-    one = ESRun.create(vllm_kill_config(), tmp_path / "one", evaluator=tp1)
+    one = ESRun.create(vllm_kill_config(), tmp_path / "one", engine=tp1)
     one.run()
-    two = ESRun.create(vllm_kill_config(tensor_parallel_size=2), tmp_path / "two", evaluator=tp2)
+    two = ESRun.create(vllm_kill_config(tensor_parallel_size=2), tmp_path / "two", engine=tp2)
     two.run()
     assert tp2.adapter_transfer == "in_place" and tp2.slots.resident is not None  # no silent fall-back to files
     rows = without_times(read_metrics(tmp_path / "two"))
@@ -270,10 +270,10 @@ def test_a_run_killed_at_two_ranks_resumes_to_the_uninterrupted_rows(tp2, tmp_pa
                              text=True, timeout=600, env=_unbound_environment())
     assert process.returncode == -9, process.stderr[-2000:]
     assert [p.name for p in list_checkpoints(run_dir)] == ["000000", "000002"]
-    resumed = ESRun.resume(run_dir, evaluator=tp2)
+    resumed = ESRun.resume(run_dir, engine=tp2)
     assert resumed.generation == 2
     resumed.run()
-    reference = ESRun.create(vllm_kill_config(tensor_parallel_size=2), tmp_path / "reference", evaluator=tp2)
+    reference = ESRun.create(vllm_kill_config(tensor_parallel_size=2), tmp_path / "reference", engine=tp2)
     reference.run()
     rows = read_metrics(run_dir)
     assert [row["generation"] for row in rows] == list(range(6))

@@ -70,7 +70,7 @@ def test_every_path_counts_the_tokens_its_completions_hold(tiny_vllm):
 
 def test_the_hf_engine_is_measured_batched_and_member_by_member(tiny_hf):
     spec = ThroughputSpec(model="tiny-random", population=2, prompts=2, new_tokens=4)
-    rows = measure_throughput(tiny_hf, spec, ("base", "files"), engine="hf")
+    rows = measure_throughput(tiny_hf, spec, ("base", "files"), label="hf")
     assert [row["name"] for row in rows] == ["hf base", "hf files"]
     assert [row["tokens"] for row in rows] == [2 * 2 * 4] * 2
     assert "hf base / hf files" in ratios(rows)

@@ -215,7 +215,7 @@ def test_two_workers_one_trial_at_a_time_then_each_ends_with_every_rerun(tmp_pat
     def no_engine(spec):
         raise AssertionError("an engine started for a finished study")
 
-    monkeypatch.setattr(tune, "make_tuning_evaluator", no_engine)
+    monkeypatch.setattr(tune, "make_tuning_engine", no_engine)
     assert main(["tune", str(path), "--methods", "es", "--no-figures"]) == 0
     output = capsys.readouterr().out
     assert "nothing left to run for these methods: no engine started" in output
@@ -446,7 +446,7 @@ def test_a_damaged_storage_is_named_with_the_way_back_and_left_untouched(tmp_pat
     def no_engine(spec):
         raise AssertionError("an engine started on a damaged storage")
 
-    monkeypatch.setattr(tune, "make_tuning_evaluator", no_engine)
+    monkeypatch.setattr(tune, "make_tuning_engine", no_engine)
     capsys.readouterr()
     assert main(["tune", str(path), "--methods", "es", "--no-figures"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -465,7 +465,7 @@ def test_an_emptied_storage_beside_trial_folders_is_refused_before_any_trial(tmp
     spec = tune.load_tune_spec(path, methods=["es"])
     (spec.out / "trials" / "es" / "trial_0000" / "seed100").mkdir(parents=True)
     (spec.out / "optuna.db").write_bytes(b"")
-    monkeypatch.setattr(tune, "make_tuning_evaluator", lambda spec: type("E", (), {"close": lambda self: None})())
+    monkeypatch.setattr(tune, "make_tuning_engine", lambda spec: type("E", (), {"close": lambda self: None})())
     assert main(["tune", str(path), "--methods", "es", "--no-figures"]) == 2
     err = capsys.readouterr().err
     assert f"{spec.out / 'trials' / 'es'} holds 1 trial folders" in err and "not this study's storage" in err

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from evolm_lib.config import ESConfig
-from evolm_lib.engines.synthetic import SyntheticEvaluator
+from evolm_lib.engines.synthetic import SyntheticEngine
 from evolm_lib.tasks import get_task
 from evolm_lib.train.es import ESRun, controlled_rewards
 
@@ -64,8 +64,8 @@ def _config(**changes) -> ESConfig:
 
 
 def test_runs_score_the_validation_examples_as_validation_reward(tmp_path):
-    evaluator = SyntheticEvaluator()
-    run = ESRun.create(_config(), tmp_path / "run", evaluator=evaluator)
+    engine = SyntheticEngine()
+    run = ESRun.create(_config(), tmp_path / "run", engine=engine)
     run.run()
     targets = [len(e.target) for e in run.task.validation_examples()]
     for row in run.history:
@@ -91,7 +91,7 @@ def test_controlled_rewards_permute_the_members_seeded_by_the_generation():
 def test_shuffled_fitness_changes_the_update_and_repeats(tmp_path):
     means = {}
     for name, control in (("real", "none"), ("shuffled", "shuffled"), ("again", "shuffled")):
-        run = ESRun.create(_config(fitness_control=control), tmp_path / name, evaluator=SyntheticEvaluator())
+        run = ESRun.create(_config(fitness_control=control), tmp_path / name, engine=SyntheticEngine())
         run.run()
         means[name] = run.mean.tensors.flat.clone()
         rows = [{k: v for k, v in r.items() if k.startswith("train/")} for r in run.history]
@@ -104,11 +104,11 @@ def test_shuffled_fitness_changes_the_update_and_repeats(tmp_path):
 
 
 def test_a_run_folder_without_the_setting_loads_with_no_control(tmp_path):
-    run = ESRun.create(_config(), tmp_path / "run", evaluator=SyntheticEvaluator())
+    run = ESRun.create(_config(), tmp_path / "run", engine=SyntheticEngine())
     run.close()
     text = (tmp_path / "run" / "config.yaml").read_text()
     assert "fitness_control: none" in text
     (tmp_path / "run" / "config.yaml").write_text(text.replace("fitness_control: none\n", ""))
-    resumed = ESRun.resume(tmp_path / "run", evaluator=SyntheticEvaluator())
+    resumed = ESRun.resume(tmp_path / "run", engine=SyntheticEngine())
     assert resumed.config.fitness_control == "none"
     resumed.close()

@@ -14,7 +14,7 @@ import torch
 from evolm_lib import es
 from evolm_lib.engines import SamplingSettings
 from evolm_lib.engines.vllm import worker_slots
-from evolm_lib.engines.vllm.engine import VLLMEvaluator
+from evolm_lib.engines.vllm.engine import VLLMEngine
 from evolm_lib.engines.vllm.requests import RequestGrid, run_requests
 from evolm_lib.engines.vllm.rpc import stored_form
 from evolm_lib.engines.vllm.slots import EXTENSION, ResidentSlots, SlotsUnsupported, describe, supported
@@ -38,14 +38,14 @@ LONG_PROMPT = Prompt.user("Count the words in this sentence, please. " * 30)
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
     """One tiny-random engine with the slot extension for the module."""
-    evaluator = VLLMEvaluator(
+    engine = VLLMEngine(
         str(tiny_model_dir), max_loras=MAX_LORAS, max_lora_rank=8, max_model_len=512, kv_cache_gb=0.125, dtype=DTYPE,
-        # the prefix cache on (VLLMEvaluator turns it off for in-place engines): stale KV blocks under
+        # the prefix cache on (VLLMEngine turns it off for in-place engines): stale KV blocks under
         # the fixed slot names are the danger the writes must reset
         engine_kwargs={"worker_extension_cls": EXTENSION, "enable_prefix_caching": True},
     )
-    yield evaluator
-    evaluator.close()
+    yield engine
+    engine.close()
 
 
 @pytest.fixture
@@ -266,15 +266,15 @@ def test_slots_match_the_file_path_on_smollm2(smollm2_dir):
     spec = LoraSpec(rank=1, alpha=2.0)
     prompts = [Prompt.user("What is 2+3?"), Prompt.user("Name a colour.")]
     sampling = SamplingSettings(max_new_tokens=16)
-    with VLLMEvaluator(str(smollm2_dir), max_loras=8, max_lora_rank=1, max_model_len=512, kv_cache_gb=0.25,
-                       dtype=DTYPE, engine_kwargs={"worker_extension_cls": EXTENSION}) as evaluator:
+    with VLLMEngine(str(smollm2_dir), max_loras=8, max_lora_rank=1, max_model_len=512, kv_cache_gb=0.25,
+                       dtype=DTYPE, engine_kwargs={"worker_extension_cls": EXTENSION}) as engine:
         mean = make_mean(smollm2_dir, spec)
         members = es.population(base_seed=1, generation=1, population_size=POPULATION)
-        with ResidentSlots(evaluator.llm, spec, POPULATION, smollm2_dir, evaluator.dtype) as population:
+        with ResidentSlots(engine.llm, spec, POPULATION, smollm2_dir, engine.dtype) as population:
             population.write(mean, members, 0.02)
             from_slots = population.generate(prompts, sampling)
             adapters = member_adapters(mean, members, 0.02)
-            from_files = evaluator.generate(prompts, adapters, sampling)
+            from_files = engine.generate(prompts, adapters, sampling)
             assert population.checksums() == [population.expected_checksum(a.tensors) for a in adapters]
             assert len({tuple(row) for row in token_ids(from_files)}) > 1
             if not torch.cuda.is_available():

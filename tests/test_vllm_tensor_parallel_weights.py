@@ -26,12 +26,12 @@ PROMPTS = ["Name a colour.", "Count to three."]
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
     """One engine split over two processes, one core each."""
-    from evolm_lib.engines.vllm.engine import VLLMEvaluator
+    from evolm_lib.engines.vllm.engine import VLLMEngine
 
-    evaluator = VLLMEvaluator(str(tiny_model_dir), max_loras=4, max_lora_rank=2, max_model_len=256, kv_cache_gb=0.0625,
+    engine = VLLMEngine(str(tiny_model_dir), max_loras=4, max_lora_rank=2, max_model_len=256, kv_cache_gb=0.0625,
                               tensor_parallel_size=2)
-    yield evaluator
-    evaluator.close()
+    yield engine
+    engine.close()
 
 
 @pytest.fixture(scope="module")

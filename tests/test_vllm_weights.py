@@ -18,21 +18,21 @@ GREEDY = SamplingSettings(max_new_tokens=12, temperature=0.0, ignore_eos=True)
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
     """An engine of its own: its targeted layers get their weights back (F.linear on the CPU)."""
-    from evolm_lib.engines.vllm.engine import VLLMEvaluator
+    from evolm_lib.engines.vllm.engine import VLLMEngine
 
-    evaluator = VLLMEvaluator(str(tiny_model_dir), max_loras=4, max_lora_rank=2, max_model_len=256, kv_cache_gb=0.0625)
-    yield evaluator
-    evaluator.close()
+    engine = VLLMEngine(str(tiny_model_dir), max_loras=4, max_lora_rank=2, max_model_len=256, kv_cache_gb=0.0625)
+    yield engine
+    engine.close()
 
 
 @pytest.fixture(scope="module")
 def hf(tiny_model_dir):
     """The transformers reference (the same prompt encoding and greedy settings as the engine's)."""
-    from evolm_lib.engines.hf_engine import HFEvaluator
+    from evolm_lib.engines.hf_engine import HFEngine
 
-    evaluator = HFEvaluator(str(tiny_model_dir))
-    yield evaluator
-    evaluator.close()
+    engine = HFEngine(str(tiny_model_dir))
+    yield engine
+    engine.close()
 
 
 def _hf_greedy(hf, weights: dict[str, torch.Tensor]) -> list[tuple[int, ...]]:

@@ -45,7 +45,7 @@ def es_generations(model: str, population: int, generations: int, variants: Sequ
     import torch
 
     from ..config import ESConfig
-    from ..engines import make_evaluator
+    from ..engines import make_engine
     from ..train.es import ESRun
 
     unknown = [v for v in variants if v not in VARIANTS]
@@ -59,14 +59,14 @@ def es_generations(model: str, population: int, generations: int, variants: Sequ
                       lora_rank=1, max_new_tokens=new_tokens, max_model_len=512, num_generations=generations,
                       dtype="bfloat16" if gpu else "float32", noise_device="cuda" if gpu else "cpu",
                       kv_cache_gb=None if gpu else 0.25, eval_every=1)
-    engine = make_evaluator(config)  # in_place: the variants switch the transfer on the engine below
+    engine = make_engine(config)  # in_place: the variants switch the transfer on the engine below
     folder = Path(tempfile.mkdtemp(prefix="evolm-benchmark-", dir=workdir))
     result: dict[str, dict[str, Any]] = {}
     try:
         for label in variants:
             changes = VARIANTS[label]
             engine.adapter_transfer = changes["adapter_transfer"]
-            run = ESRun.create(config.replace(**changes), folder / label, evaluator=engine)
+            run = ESRun.create(config.replace(**changes), folder / label, engine=engine)
             rows = run.run()[1:]  # the first generation sets the slots up and warms the engine
             median = {key.split("/")[-1]: statistics.median(r.get(f"time/{key}", 0.0) for r in rows) for key in PHASES}
             median["es_overhead_s"] = median["adapters_s"] + median["update_s"]

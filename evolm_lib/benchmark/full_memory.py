@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from ..engines.base import SamplingSettings
     from ..engines.memory_plan import ModelShape, PlanSettings, memory_plan
     from ..engines.sizing import EngineSizing
-    from ..engines.vllm.engine import VLLMEvaluator
+    from ..engines.vllm.engine import VLLMEngine
     from ..engines.vllm.weights import EngineWeights
     from ..models import resolve_model
     from ..throughput import machine_info
@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                           adapter_transfer="in_place", es_mode="full", largest_batch=sequences,
                           tensor_parallel_size=args.tensor_parallel_size)
     started = time.perf_counter()
-    engine = VLLMEvaluator(str(model_dir), sizing)
+    engine = VLLMEngine(str(model_dir), sizing)
     try:
         measured["engine_start_s"] = time.perf_counter() - started
         measured["after_engine"], measured["allocated_after_engine"] = _card_used(), _allocated_peak()

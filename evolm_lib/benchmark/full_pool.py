@@ -112,11 +112,11 @@ def speedups(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return results
 
 
-def count_result(config, evaluator, rows: list[dict]) -> dict[str, Any]:
+def count_result(config, engine, rows: list[dict]) -> dict[str, Any]:
     """A count's measurements from its run's rows (row 0 the first scoring, then one per generation)."""
-    info = list(evaluator.engine_info)
+    info = list(engine.engine_info)
     result = {"engines": config.num_engines, "engines_per_gpu": config.engines_per_gpu,
-              "cards": len({i.get("card") for i in info if i.get("card") is not None}), "start_s": evaluator.start_seconds,
+              "cards": len({i.get("card") for i in info if i.get("card") is not None}), "start_s": engine.start_seconds,
               "engine_start_s": [i.get("start_s") for i in info], "rows": without_times(rows),
               # what each engine's CUDA context reports under MPS: its SMs and its thread percentage
               "mps_thread_percentage": config.mps_thread_percentage, "engine_sm_count": [i.get("sm_count") for i in info]}
@@ -139,15 +139,15 @@ def measure_count(config, folder: Path, on_cut: Callable[[dict[str, Any]], None]
     except ConfigError as error:
         return {"engines": config.num_engines, "skipped": str(error)}
     try:
-        evaluator = run.evaluator
+        engine = run.engine
         try:
             run.run()
         except (KeyboardInterrupt, SystemExit):
             if on_cut is not None:
                 rows = read_metrics(run.run_dir)
-                on_cut({**count_result(config, evaluator, rows), "cut_short": True, "generations_done": max(len(rows) - 1, 0)})
+                on_cut({**count_result(config, engine, rows), "cut_short": True, "generations_done": max(len(rows) - 1, 0)})
             raise
-        return count_result(config, evaluator, read_metrics(run.run_dir))
+        return count_result(config, engine, read_metrics(run.run_dir))
     finally:
         run.close()
 

@@ -87,7 +87,7 @@ def measure(label: str, args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from ..config import GRPOConfig
-    from ..engines import EngineSizing, make_evaluator
+    from ..engines import EngineSizing, make_engine
     from ..env import apply_engine_defaults
     from ..train.grpo import GRPORun
 
@@ -97,7 +97,7 @@ def measure(label: str, args: argparse.Namespace) -> dict[str, Any]:
     started = time.perf_counter()
     # one engine serves every policy of the configuration: sized for a full one where one is asked for
     # (its weights are written in place, which a LoRA policy's engine cannot do)
-    engine = make_evaluator(base, sizing=EngineSizing.from_config(
+    engine = make_engine(base, sizing=EngineSizing.from_config(
         base.replace(policy_weights="full") if "full" in args.policy_weights else base))
     print(f"{label}: engine ready after {time.perf_counter() - started:.1f} s", flush=True)
     folder = Path(tempfile.mkdtemp(prefix="evolm-grpo-update-"))
@@ -106,7 +106,7 @@ def measure(label: str, args: argparse.Namespace) -> dict[str, Any]:
         for weights in args.policy_weights:
             for micro in args.micro_batch_sizes:
                 config = base.replace(policy_weights=weights, micro_batch_size=micro, learning_rate=LEARNING_RATES[weights])
-                run = GRPORun.create(config, folder / f"{weights}-{micro}", evaluator=engine)
+                run = GRPORun.create(config, folder / f"{weights}-{micro}", engine=engine)
                 try:
                     rows = run.run()
                     result["policy_settings"] = getattr(run.trainer, "settings", None)  # the own process's torch

@@ -163,16 +163,16 @@ def time_optimizer(gradient, layout, repeats: int, sync, learning_rate: float = 
             "restore_s": statistics.median(restore_s[1:])}
 
 
-def measure_modes(evaluator, spec: ThroughputSpec, modes: Sequence[str], weight_modes: bool = True,
+def measure_modes(engine, spec: ThroughputSpec, modes: Sequence[str], weight_modes: bool = True,
                   profile: bool = False, interleave: bool = False) -> dict[str, Any]:
-    """Rows of the base model and each mode's population on ``evaluator``, their ratios to the base
+    """Rows of the base model and each mode's population on ``engine``, their ratios to the base
     model, and (``weight_modes``) the engine's EGGROLL update and full mode's write and restore;
     ``profile``: each row with one more call's kernels by category (``kernels.profile``);
     ``interleave``: the paths' calls in rounds (``measure_throughput``), and each mode's ratio to the
     base model of its round, every round's and their median (``paired_ratios``)."""
-    rows = measure_throughput(evaluator, spec, ["base", *(MODE_PATHS[m] for m in modes)],
+    rows = measure_throughput(engine, spec, ["base", *(MODE_PATHS[m] for m in modes)],
                               profile=kernels.profile if profile else None, interleave=interleave)
-    release_eggroll(evaluator)
+    release_eggroll(engine)
     by_path = {row["path"]: row for row in rows}
     ratios = {mode: by_path[MODE_PATHS[mode]]["tokens_per_s"] / by_path["base"]["tokens_per_s"] for mode in modes}
     out = {"rows": [{k: v for k, v in row.items() if k != "calls"} for row in rows], "ratios": ratios}
@@ -180,7 +180,7 @@ def measure_modes(evaluator, spec: ThroughputSpec, modes: Sequence[str], weight_
         rounds = {mode: paired_ratios(by_path[MODE_PATHS[mode]]["calls"], by_path["base"]["calls"]) for mode in modes}
         out["paired_ratios"] = {mode: {"median": statistics.median(r), "rounds": r} for mode, r in rounds.items()}
     if weight_modes:
-        out["engine_update"] = measure_weight_modes(evaluator, spec, repeats=spec.repeats)
+        out["engine_update"] = measure_weight_modes(engine, spec, repeats=spec.repeats)
     return out
 
 

@@ -42,7 +42,7 @@ from . import int_list
 from ..throughput import ThroughputSpec, bench_prompts, machine_info, mean_adapter, population_of, start_engine
 
 
-def profile_calls(evaluator, spec: ThroughputSpec) -> dict[str, Any]:
+def profile_calls(engine, spec: ThroughputSpec) -> dict[str, Any]:
     """Median wall time and tokens/s of ``spec.repeats`` population calls after a short warm-up, and
     (Ray engines) each call's split into the engines' own time and the rest."""
     from ..engines import SamplingSettings
@@ -51,14 +51,14 @@ def profile_calls(evaluator, spec: ThroughputSpec) -> dict[str, Any]:
     mean = mean_adapter(spec)
     sampling = SamplingSettings(max_new_tokens=spec.new_tokens, ignore_eos=True)
     warmup = SamplingSettings(max_new_tokens=min(spec.warmup_tokens, spec.new_tokens), ignore_eos=True)
-    evaluator.generate(prompts, population_of(spec, mean, 0), warmup)
+    engine.generate(prompts, population_of(spec, mean, 0), warmup)
     calls = []
     for generation in range(1, spec.repeats + 1):
         started = time.perf_counter()
-        table = evaluator.generate(prompts, population_of(spec, mean, generation), sampling)
+        table = engine.generate(prompts, population_of(spec, mean, generation), sampling)
         wall = time.perf_counter() - started
         call = {"wall_s": wall, "tokens": table.num_tokens}
-        last = evaluator.last_call
+        last = engine.last_call
         if last:
             engines = [timing.get("engine_call_s", 0.0) for timing in last["engines"].values()]
             call.update(engines_s=engines, slowest_engine_s=max(engines), mean_engine_s=statistics.fmean(engines),
@@ -173,18 +173,18 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         starts: dict[int, float] = {}
         cards: dict[int, list[str]] = {}
         for k in counts:
-            evaluator = start_engine(spec(max(populations)), "ray", num_engines=k, **options)
+            engine = start_engine(spec(max(populations)), "ray", num_engines=k, **options)
             try:
-                starts[k] = evaluator.start_seconds
-                cards[k] = [f"{i['device']}@{i['host']}" for i in evaluator.engine_info]
+                starts[k] = engine.start_seconds
+                cards[k] = [f"{i['device']}@{i['host']}" for i in engine.engine_info]
                 for population in populations:
-                    measured[(population, k)] = profile_calls(evaluator, spec(population))
+                    measured[(population, k)] = profile_calls(engine, spec(population))
                     print(f"population {population}, K={k}: {measured[(population, k)]['tok_s']:,.0f} tok/s", flush=True)
                     if k == 1:  # one engine on each share the larger counts give their engines
                         for other in counts[1:]:
-                            shards[(population, other)] = profile_calls(evaluator, spec(population // other))
+                            shards[(population, other)] = profile_calls(engine, spec(population // other))
             finally:
-                evaluator.close()
+                engine.close()
     finally:
         ray.shutdown()
     rows = scaling_rows(measured, shards)

@@ -93,21 +93,21 @@ def spec_of(args: argparse.Namespace) -> ThroughputSpec:
 
 def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
     """Measure paths (a)-(e) and return the report (rows, ratios, machine)."""
-    from ..engines.hf_engine import HFEvaluator
+    from ..engines.hf_engine import HFEngine
 
     spec = spec_of(args)
     report = throughput_report(spec, ("in_place", "files", "base"), max_model_len=args.max_model_len)
     if args.hf and (args.hf_batched_base or args.hf_member_by_member):
         started = time.perf_counter()
-        hf = HFEvaluator(spec.model, batch_size=spec.prompts)
+        hf = HFEngine(spec.model, batch_size=spec.prompts)
         report["hf_load_s"] = time.perf_counter() - started
         try:
             if args.hf_batched_base:  # before any adapter, while the model is not wrapped by peft
                 hf.batch_size = spec.requests
-                report["rows"] += measure_throughput(hf, spec, ("base",), engine="hf")
+                report["rows"] += measure_throughput(hf, spec, ("base",), label="hf")
             if args.hf_member_by_member:
                 hf.batch_size = spec.prompts
-                report["rows"] += measure_throughput(hf, spec, ("files",), engine="hf")
+                report["rows"] += measure_throughput(hf, spec, ("files",), label="hf")
         finally:
             hf.close()
         report["ratios"] = ratios(report["rows"])

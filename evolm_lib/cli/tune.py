@@ -191,14 +191,14 @@ def _run(spec, args) -> int:
     started = time.perf_counter()
     left = tune.outstanding(spec, finals=not args.no_finals)
     if left:
-        evaluator = tune.make_tuning_evaluator(spec)
+        engine = tune.make_tuning_engine(spec)
         try:
             # trials, then the reruns, their continuations (tune.long) and the control (tune.control);
             # waits while other workers hold what is left
-            ran = tune.work(spec, evaluator, finals=not args.no_finals, timeout=args.timeout)
+            ran = tune.work(spec, engine, finals=not args.no_finals, timeout=args.timeout)
             print(f"trials finished by this worker: {ran} ({(time.perf_counter() - started) / 60:.1f} min)", flush=True)
         finally:
-            evaluator.close()
+            engine.close()
     else:
         print("nothing left to run for these methods: no engine started", flush=True)
     summary = tune.summarize(spec)

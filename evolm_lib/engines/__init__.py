@@ -5,30 +5,30 @@ transformers + peft, and a synthetic engine for tests. Every vLLM engine of a ru
 the package ``ray``."""
 from __future__ import annotations
 
-from .base import (CompletionTable, Engine, Evaluator, Population, PromptEncoder, SamplingSettings, TokenScorer,
+from .base import (CompletionTable, Engine, EngineBase, Population, PromptEncoder, SamplingSettings, TokenScorer,
                    WeightsEngine)
 from .sizing import EngineSizing, resolve_noise_device
 
-__all__ = ["CompletionTable", "Engine", "EngineSizing", "Evaluator", "Population", "PromptEncoder", "SamplingSettings",
-           "TokenScorer", "WeightsEngine", "make_evaluator", "resolve_noise_device"]
+__all__ = ["CompletionTable", "Engine", "EngineBase", "EngineSizing", "Population", "PromptEncoder", "SamplingSettings",
+           "TokenScorer", "WeightsEngine", "make_engine", "resolve_noise_device"]
 
 
-def make_evaluator(config, max_loras: int | None = None, sizing: EngineSizing | None = None) -> Evaluator:
-    """The evaluator a run's settings ask for (``config.evaluator``, ``config.engine``), of ``sizing``
+def make_engine(config, max_loras: int | None = None, sizing: EngineSizing | None = None) -> Engine:
+    """The engine a run's settings ask for (``config.evaluator``, ``config.engine``), of ``sizing``
     (None: ``EngineSizing.from_config(config, max_loras)``, i.e. an ES population and its mean, or
     GRPO's one adapter, unless ``max_loras`` says otherwise), shared out over the engines with
     ``evaluator: ray``."""
     if config.engine == "hf":
-        from .hf_engine import HFEvaluator
+        from .hf_engine import HFEngine
 
-        return HFEvaluator(config.model, dtype=config.dtype)
+        return HFEngine(config.model, dtype=config.dtype)
     sizing = sizing or EngineSizing.from_config(config, max_loras)
     if config.evaluator == "ray":
-        from .ray.evaluator import RayEvaluator  # imports Ray only when asked for
+        from .ray.engines import RayEngines  # imports Ray only when asked for
 
-        return RayEvaluator(config.model, sizing, num_engines=config.num_engines,
+        return RayEngines(config.model, sizing, num_engines=config.num_engines,
                             engines_per_gpu=config.engines_per_gpu, ray_address=config.ray_address,
                             mps_thread_percentage=config.mps_thread_percentage)
-    from .vllm.engine import VLLMEvaluator
+    from .vllm.engine import VLLMEngine
 
-    return VLLMEvaluator(config.model, sizing)
+    return VLLMEngine(config.model, sizing)

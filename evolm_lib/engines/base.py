@@ -1,9 +1,9 @@
-"""The engine boundary: what runners may call on an evaluator, and the pieces every engine shares.
+"""The engine boundary: what runners may call on an engine, and the pieces every engine shares.
 
-An evaluator turns prompts x adapters into completions (with their token ids) and reports the call's
-timing (``Evaluator``); what a run may read of any engine beside its calls (whether it batches
-grids, where its engines run) is declared there too, with defaults on ``Engine``, the base of every
-engine. Engines that also score given tokens implement ``TokenScorer``. Chat prompts
+An engine turns prompts x adapters into completions (with their token ids) and reports the call's
+timing (``Engine``); what a run may read of any engine beside its calls (whether it batches
+grids, where its engines run) is declared there too, with defaults on ``EngineBase``, the base class of
+every engine. Engines that also score given tokens implement ``TokenScorer``. Chat prompts
 are rendered and tokenised by one ``PromptEncoder`` so that every engine sees identical inputs.
 """
 from __future__ import annotations
@@ -118,7 +118,7 @@ class CompletionTable(list):
 
 
 @runtime_checkable
-class Evaluator(Protocol):
+class Engine(Protocol):
     """Prompts x adapters in, completions (with token ids) out; what every runner calls."""
 
     batches_grids: bool
@@ -179,7 +179,7 @@ class WeightsEngine(Protocol):
         ...
 
 
-class Engine:
+class EngineBase:
     """What every engine has beside its calls, with the defaults of one engine in this process that
     serves one grid per call; engines say otherwise where they differ."""
 
@@ -192,7 +192,7 @@ class Engine:
     last_call: dict | None = None  # the last call's own record (Ray: wall, transfer and per-engine seconds)
 
 
-class GridsOneByOne(Engine):
+class GridsOneByOne(EngineBase):
     """``generate_grids`` for engines without a cross-grid batch: one ``generate`` per grid."""
 
     def generate_grids(self, grids):
@@ -200,7 +200,7 @@ class GridsOneByOne(Engine):
         return [self.generate(prompts, adapters, sampling) for prompts, adapters, sampling in grids]
 
 
-class GridsInOneCall(Engine):
+class GridsInOneCall(EngineBase):
     """``generate`` for engines whose ``generate_grids`` serves every grid in one engine call."""
 
     batches_grids = True  # a run may put its mean's greedy scoring into the population's call
@@ -221,7 +221,7 @@ def as_prompt(prompt: PromptLike) -> Prompt | str:
 
 
 class PromptEncoder:
-    """Chat template + tokenisation shared by both evaluators, so their inputs are identical."""
+    """Chat template + tokenisation shared by both engines, so their inputs are identical."""
 
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
@@ -252,7 +252,7 @@ def check_adapters(adapters: Sequence[AdapterWeights | None], model_dir: Path, m
         if max_rank is not None and adapter.spec.rank > max_rank:
             raise ValueError(
                 f"adapter rank {adapter.spec.rank} exceeds the engine's max_lora_rank {max_rank}: "
-                "start the evaluator with a larger max_lora_rank"
+                "start the engine with a larger max_lora_rank"
             )
         if adapter.spec not in checked:
             checked[adapter.spec] = adapter_shapes(model_dir, adapter.spec)

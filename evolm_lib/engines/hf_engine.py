@@ -12,7 +12,7 @@ from ..types import Completion, PromptLike
 from .resident_weights import MembersInPlace
 from .base import CompletionTable, GridsOneByOne, PromptEncoder, SamplingSettings, check_adapters, materialize
 
-class HFEvaluator(GridsOneByOne, MembersInPlace):
+class HFEngine(GridsOneByOne, MembersInPlace):
     """transformers + peft, batched over prompts, one adapter after another (the paper's reference style)."""
 
     def __init__(self, model: str | Path, *, dtype: str = "float32", batch_size: int = 16, device: str | None = None):

@@ -17,7 +17,7 @@ holds the targeted weights of a model that an engine serves (the tensors its ker
 The same object serves the HF engine (an ``nn.Module``'s parameters) and vLLM's worker (the model
 runner's parameters, reached through ``collective_rpc``). Writes are ``copy_`` into the existing
 tensors, so their addresses (and CUDA graphs captured over them) stay valid. ``MembersInPlace``
-is how an engine in this process serves a list of members from them (the Ray evaluator runs it on
+is how an engine in this process serves a list of members from them (``RayEngines`` runs it on
 every engine, each on its block of members).
 """
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """How large a vLLM engine is, derived once from a run's settings, and where its noise is drawn.
 
 One :class:`EngineSizing` is what every engine of a run is started with: the engine in this process
-(``VLLMEvaluator``), each Ray actor's engine (``RayEvaluator``, each holding its share of the
+(``VLLMEngine``), each Ray actor's engine (``RayEngines``, each holding its share of the
 adapters), and the pre-run check (``preflight.check_engine_settings``), so the memory the check
 tests is the memory the engine asks for. Its defaults are the run settings' own (``evolm_lib.config``).
 """

@@ -16,7 +16,7 @@ from ..types import Completion, PromptLike
 from .base import CompletionTable, GridsOneByOne, SamplingSettings, materialize
 
 
-class SyntheticEvaluator(GridsOneByOne):
+class SyntheticEngine(GridsOneByOne):
     """Completion length = ``1 + round(length_scale * mean((adapter - target)^2))`` characters."""
 
     def __init__(self, target_seed: int = 123, target_scale: float = 0.05, length_scale: float = 20000.0):

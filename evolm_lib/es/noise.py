@@ -166,7 +166,7 @@ def population(
         return derive_seed(base_seed, generation, index)
 
     if antithetic:
-        # Adjacent (s, +1), (s, -1): an evaluator that batches neighbours sees both halves of a pair.
+        # Adjacent (s, +1), (s, -1): an engine that batches neighbours sees both halves of a pair.
         return [Member(seed_of(pair), sign) for pair in range(population_size // 2) for sign in (1, -1)]
     return [Member(seed_of(index), 1) for index in range(population_size)]
 

@@ -67,7 +67,7 @@ from pathlib import Path
 
 from ..analysis import method_globs
 from ..batch import execute_notebook, read_yaml_file, spec_from_dict, write_summary_files
-from ..engines import EngineSizing, make_evaluator
+from ..engines import EngineSizing, make_engine
 from ..env import record_placement
 from ..train.es import ESRun
 from ..evaluation import evaluate_adapter, mean_kl_to_base, success
@@ -102,14 +102,14 @@ from .plan import (
 # --------------------------------------------------------------------------- running
 
 
-def make_shared_evaluator(plan: list[PlannedRun]):
+def make_shared_engine(plan: list[PlannedRun]):
     """One engine for every run: sized for the largest population and LoRA rank (a plan of GRPO runs
     alone, ``--methods grpo``, included)."""
     first = next((run.config for run in plan if run.kind == "es"), plan[0].config)
     sizing = EngineSizing.from_config(first).covering(run.config for run in plan)
     if any(getattr(run.config, "policy_weights", "lora") == "full" for run in plan):
         sizing = sizing.replace(adapter_transfer="in_place")  # GRPO on the model weights writes them in place
-    return make_evaluator(first, sizing=sizing)
+    return make_engine(first, sizing=sizing)
 
 
 def model_weights_of(run) -> ModelWeights | GRPORun | None:
@@ -121,28 +121,28 @@ def model_weights_of(run) -> ModelWeights | GRPORun | None:
     return parameters if isinstance(parameters, ModelWeights) else None
 
 
-def _kl_of(evaluator, run, adapter, kl_settings: dict) -> float:
+def _kl_of(engine, run, adapter, kl_settings: dict) -> float:
     """KL(policy || base) on the run's eval prompts: ``adapter``, or with None the engine's own weights
     (es_mode full/eggroll), the base then served from the model folder's weights while it scores."""
     weights = model_weights_of(run)
-    return mean_kl_to_base(evaluator, run.task, adapter, run.eval_examples,
+    return mean_kl_to_base(engine, run.task, adapter, run.eval_examples,
                            num_samples=int(kl_settings.get("num_samples", 4)),
                            temperature=float(kl_settings.get("temperature", 1.0)),
                            max_new_tokens=run.config.max_new_tokens, seed=run.config.seed,
                            serving_base=weights.serving_base if adapter is None and weights is not None else None)
 
 
-def measure_kl(evaluator, run, kl_settings: dict) -> float | None:
+def measure_kl(engine, run, kl_settings: dict) -> float | None:
     """Mean per-token KL of the run's final adapter (or mean weights) to the base model on the eval
     prompts (None: the engine cannot score tokens)."""
     try:
-        return _kl_of(evaluator, run, run.adapter, kl_settings)
+        return _kl_of(engine, run, run.adapter, kl_settings)
     except TypeError as error:  # an engine without token log-probs (HF, synthetic)
         print(f"  no KL: {error}", flush=True)
         return None
 
 
-def checkpoint_kls(evaluator, run, kl_settings: dict) -> list[dict]:
+def checkpoint_kls(engine, run, kl_settings: dict) -> list[dict]:
     """KL(adapter || base) of every kept checkpoint of a run not yet measured, appended to run_dir/kl.jsonl.
     For es_mode full/eggroll the checkpoints are the weight snapshots' generations (every
     ``checkpoint_every`` and the last), whose means the seed log replays on the engine."""
@@ -152,7 +152,7 @@ def checkpoint_kls(evaluator, run, kl_settings: dict) -> list[dict]:
 
     def record(generation: int, adapter) -> None:
         started = time.perf_counter()
-        kl = _kl_of(evaluator, run, adapter, kl_settings)
+        kl = _kl_of(engine, run, adapter, kl_settings)
         row = {"generation": generation, "policy/kl": kl, "seconds": time.perf_counter() - started}
         with open(path, "a") as handle:
             handle.write(json.dumps(row) + "\n")
@@ -181,7 +181,7 @@ def evaluation_lines(examples, result: dict, generation: int) -> list[dict]:
             for i, (example, completion, reward) in enumerate(zip(examples, result["completions"], result["rewards"]))]
 
 
-def score_held_out(evaluator, run) -> list[dict]:
+def score_held_out(engine, run) -> list[dict]:
     """The run's final adapter (or mean weights) scored greedily on every held-out problem, one JSON
     line per problem in run_dir/heldout.jsonl (index, prompt, target, completion, reward, success, and
     the generation or step scored); written atomically, kept when it holds the run's current generation
@@ -191,17 +191,17 @@ def score_held_out(evaluator, run) -> list[dict]:
         kept = read_jsonl(path)
         if all(line.get("generation") == run.generation for line in kept):
             return kept
-    result = evaluate_adapter(evaluator, run.task, run.adapter, run.eval_examples,
+    result = evaluate_adapter(engine, run.task, run.adapter, run.eval_examples,
                               max_new_tokens=run.config.max_new_tokens)
     lines = evaluation_lines(run.eval_examples, result, run.generation)
     write_jsonl(path, lines)
     return lines
 
 
-def run_one(planned: PlannedRun, out: Path, evaluator, kl_evaluator=None, kl_settings: dict | None = None):
+def run_one(planned: PlannedRun, out: Path, engine, kl_engine=None, kl_settings: dict | None = None):
     """Run (or resume) one planned run to its end, save its final adapter, record its KL, release its folder."""
     cls = ESRun if planned.kind == "es" else GRPORun
-    run = cls.open(planned.config, out / planned.name, evaluator=evaluator)
+    run = cls.open(planned.config, out / planned.name, engine=engine)
     try:
         if run.generation < planned.length:  # the times in its rows, read with where it ran (an attempt
             record_placement(run.run_dir, planned.config, run.placement())  # that finds the run done writes none)
@@ -210,16 +210,16 @@ def run_one(planned: PlannedRun, out: Path, evaluator, kl_evaluator=None, kl_set
             f"greedy {row.get('policy/train_reward', float('nan')):9.3f}  samples {row['samples/completions']:>6}  "
             f"{row['time/generation_s']:6.1f} s", flush=True))
         run.save_final()
-        lines = score_held_out(evaluator, run)
+        lines = score_held_out(engine, run)
         share = sum(line["success"] for line in lines) / max(len(lines), 1)
         reward = sum(line["reward"] for line in lines) / max(len(lines), 1)
         print(f"  {planned.name} held-out on {len(lines)} problems: success {share:.3f}, mean reward {reward:.4g}",
               flush=True)
         if kl_settings is not None and kl_settings.get("every_checkpoint"):
-            for row in checkpoint_kls(kl_evaluator or evaluator, run, kl_settings):
+            for row in checkpoint_kls(kl_engine or engine, run, kl_settings):
                 print(f"  {planned.name} checkpoint {row['generation']}: KL to base {row['policy/kl']:.4g}", flush=True)
         if kl_settings is not None and run.history[-1].get("policy/kl") is None:
-            kl = measure_kl(kl_evaluator or evaluator, run, kl_settings)
+            kl = measure_kl(kl_engine or engine, run, kl_settings)
             if kl is not None:
                 run.history[-1] = record_final_metrics(run.run_dir, {"policy/kl": kl})
                 print(f"  {planned.name} KL to base {kl:.4g}", flush=True)
@@ -232,7 +232,7 @@ class SweepRunFailed(RuntimeError):
     """A run of the sweep raised: one message naming the run, what went wrong and what was kept."""
 
 
-def run_sweep(plan: list[PlannedRun], out: str | Path, evaluator=None, kl_evaluator=None,
+def run_sweep(plan: list[PlannedRun], out: str | Path, engine=None, kl_engine=None,
               kl_settings: dict | None = None, overwrite: Collection[str] = ()) -> dict[str, float]:
     """Run every planned run into OUT/<name>; returns {name: wall seconds}. One engine shared by all.
     A run whose folder another process writes is left as it is and recorded busy (no seconds).
@@ -241,8 +241,8 @@ def run_sweep(plan: list[PlannedRun], out: str | Path, evaluator=None, kl_evalua
     SweepRunFailed (the runs before it kept)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    own = evaluator is None
-    evaluator = evaluator or make_shared_evaluator(plan)
+    own = engine is None
+    engine = engine or make_shared_engine(plan)
     seconds = {}
     try:
         for planned in plan:
@@ -250,7 +250,7 @@ def run_sweep(plan: list[PlannedRun], out: str | Path, evaluator=None, kl_evalua
             print(f"{planned.name}: {planned.kind}, {planned.length} {'generations' if planned.kind == 'es' else 'steps'}, "
                   f"{planned.budget} training completions", flush=True)
             try:
-                _attempt(planned, out, planned.name in overwrite, evaluator, kl_evaluator, kl_settings)
+                _attempt(planned, out, planned.name in overwrite, engine, kl_engine, kl_settings)
             except RunFolderBusy as busy:
                 print(f"  {planned.name}: busy, left as it is ({busy})", flush=True)
                 with open(out / "sweep_summary.jsonl", "a") as handle:
@@ -263,11 +263,11 @@ def run_sweep(plan: list[PlannedRun], out: str | Path, evaluator=None, kl_evalua
                                          "budget": planned.budget}) + "\n")
     finally:
         if own:
-            evaluator.close()
+            engine.close()
     return seconds
 
 
-def _attempt(planned: PlannedRun, out: Path, replacing: bool, evaluator, kl_evaluator, kl_settings) -> None:
+def _attempt(planned: PlannedRun, out: Path, replacing: bool, engine, kl_engine, kl_settings) -> None:
     """One run of the sweep (``replacing``: its folder's run is moved aside first, and back on failure);
     an exception other than RunFolderBusy becomes SweepRunFailed, naming what was kept."""
     from ..batch.state import stamp
@@ -277,7 +277,7 @@ def _attempt(planned: PlannedRun, out: Path, replacing: bool, evaluator, kl_eval
     if aside is not None:
         folder.rename(aside)
     try:
-        run_one(planned, out, evaluator, kl_evaluator, kl_settings)
+        run_one(planned, out, engine, kl_engine, kl_settings)
     except RunFolderBusy:
         if aside is not None:
             aside.rename(folder)

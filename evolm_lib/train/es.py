@@ -15,7 +15,7 @@ from typing import Sequence
 import torch
 
 from ..config import ESConfig
-from ..engines import CompletionTable, Evaluator, SamplingSettings, make_evaluator, resolve_noise_device
+from ..engines import CompletionTable, Engine, SamplingSettings, make_engine, resolve_noise_device
 from ..env import sm_count
 from ..evaluation import scoring_grid, scores_of
 from ..lora import AdapterWeights
@@ -69,13 +69,13 @@ def noise_cards_problem(es_mode: str, here_sms: int | None, engine_sms: Sequence
 NOISE_SM_COUNT = "noise_sm_count"  # in a checkpoint's state.json: the SMs of the cards that drew the noise (None: the CPU)
 
 
-def noise_sm_count(noise_device: str, es_mode: str, evaluator) -> int | None:
+def noise_sm_count(noise_device: str, es_mode: str, engine) -> int | None:
     """The SMs of the cards a run draws its noise on (None: it draws on the CPU): the Ray engines'
     (``engine_info``), else this process's. Raises RuntimeError where they would not draw one run's
     noise (``noise_cards_problem``)."""
     if noise_device != "cuda":
         return None
-    engine_sms = [info.get("sm_count") for info in evaluator.engine_info]  # Ray engines; none in this process
+    engine_sms = [info.get("sm_count") for info in engine.engine_info]  # Ray engines; none in this process
     here = sm_count()
     problem = noise_cards_problem(es_mode, here, engine_sms)
     if problem:
@@ -109,30 +109,30 @@ class ESRun(RunLoop):
     parameters: ESParameters
     _closed = False  # close() releases what the engine holds once; the mean stays readable
 
-    def __init__(self, state: RunState, *, run_dir: Path, evaluator: Evaluator, task: Task, model_dir: Path):
-        super().__init__(state, run_dir=run_dir, evaluator=evaluator, task=task, model_dir=model_dir)
+    def __init__(self, state: RunState, *, run_dir: Path, engine: Engine, task: Task, model_dir: Path):
+        super().__init__(state, run_dir=run_dir, engine=engine, task=task, model_dir=model_dir)
         config = self.config
         # Resolved once (cuda falls back to cpu without a GPU): members, update and slots draw the same bits.
         self.noise_device = resolve_noise_device(config.noise_device)
-        self.noise_sm_count = noise_sm_count(self.noise_device, config.es_mode, evaluator)
+        self.noise_sm_count = noise_sm_count(self.noise_device, config.es_mode, engine)
         if NOISE_SM_COUNT in state.saved:  # resumed: the noise must be drawn as it was before the checkpoint
             resumed_noise_problem(config.es_mode, state.saved[NOISE_SM_COUNT], self.noise_sm_count)
         if config.es_mode == "lora":
-            self.parameters = LoraMean(config, evaluator, state.adapter, state.optimizer_tensors, state.saved,
+            self.parameters = LoraMean(config, engine, state.adapter, state.optimizer_tensors, state.saved,
                                        model_dir, self.noise_device, self.generation)
         else:
-            self.parameters = ModelWeights(config, evaluator, self.run_dir, model_dir, self.generation)
+            self.parameters = ModelWeights(config, engine, self.run_dir, model_dir, self.generation)
 
     @classmethod
-    def _build(cls, state: RunState, *, run_dir: Path, evaluator: Evaluator | None, task: Task,
+    def _build(cls, state: RunState, *, run_dir: Path, engine: Engine | None, task: Task,
                model_dir: Path) -> "ESRun":
-        owned = evaluator is None
-        evaluator = evaluator or make_evaluator(state.config)
+        owned = engine is None
+        engine = engine or make_engine(state.config)
         try:
-            return cls(state, run_dir=run_dir, evaluator=evaluator, task=task, model_dir=model_dir)
+            return cls(state, run_dir=run_dir, engine=engine, task=task, model_dir=model_dir)
         except BaseException:
             if owned:  # the engines this run started end with its failed start
-                evaluator.close()
+                engine.close()
             raise
 
     @staticmethod
@@ -199,7 +199,7 @@ class ESRun(RunLoop):
 
     def _scores_in_population(self) -> bool:
         # only engines that batch several grids in one call gain anything (vLLM, Ray)
-        return self.config.score_in_population and self.evaluator.batches_grids
+        return self.config.score_in_population and self.engine.batches_grids
 
     # --- the folder -----------------------------------------------------------------------------
     def _budget(self) -> int:
@@ -242,7 +242,7 @@ class ESRun(RunLoop):
         """Release what the engine holds for the run (a shared engine serves the model again), then
         the folder and the engine (see RunLoop.close)."""
         if not self._closed:
-            self.parameters.close(reset=not self._owns_evaluator)
+            self.parameters.close(reset=not self._owns_engine)
             self._closed = True
         super().close()
 

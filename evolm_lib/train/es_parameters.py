@@ -25,7 +25,7 @@ from typing import Protocol, Sequence
 import torch
 
 from ..config import ESConfig
-from ..engines import CompletionTable, Evaluator, Population, SamplingSettings
+from ..engines import CompletionTable, Engine, Population, SamplingSettings
 from ..es import core as es
 from ..es import state as es_state
 from ..lora import AdapterWeights, base_weight_magnitudes, noise_below_resolution, noise_scales, save_adapter
@@ -102,10 +102,10 @@ def population_rewards(task, completions: CompletionTable, examples) -> torch.Te
 class LoraMean:
     """The ES mean as a LoRA adapter: a float32 flat vector and its optimizer state, on ``noise_device``."""
 
-    def __init__(self, config: ESConfig, evaluator: Evaluator, adapter: AdapterWeights,
+    def __init__(self, config: ESConfig, engine: Engine, adapter: AdapterWeights,
                  optimizer_tensors: dict[str, torch.Tensor] | None, saved: dict, model_dir: Path, noise_device: str,
                  generation: int = 0):
-        self.config, self.evaluator, self.model_dir = config, evaluator, Path(model_dir)
+        self.config, self.engine, self.model_dir = config, engine, Path(model_dir)
         # With noise on the GPU the mean and the optimizer's buffers live there too: the update and
         # the slot writes then move no tensor between host and card (checkpoints copy).
         self.noise_device = self.device = noise_device
@@ -172,9 +172,9 @@ class LoraMean:
         started = time.perf_counter()
         population = self.population(members)
         if scoring is None:
-            tables = [self.evaluator.generate(prompts, population, sampling)]
+            tables = [self.engine.generate(prompts, population, sampling)]
         else:
-            tables = self.evaluator.generate_grids([(prompts, population, sampling), (scoring[0], [self.mean], scoring[1])])
+            tables = self.engine.generate_grids([(prompts, population, sampling), (scoring[0], [self.mean], scoring[1])])
         completions, call = tables[0], time.perf_counter() - started
         timing = {"adapters_s": completions.timing.get("adapters_s", 0.0)}
         timing["generate_s"] = completions.timing.get("generate_s", call - timing["adapters_s"])

@@ -27,7 +27,7 @@ from typing import Iterable, Iterator, Sequence
 import torch
 
 from ..config import ConfigError, GRPOConfig
-from ..engines import Evaluator, SamplingSettings, TokenScorer, WeightsEngine, make_evaluator
+from ..engines import Engine, SamplingSettings, TokenScorer, WeightsEngine, make_engine
 from ..lora import AdapterWeights
 from ..clock import timed
 from ..runs import RunState, list_checkpoints, load_checkpoint
@@ -49,25 +49,25 @@ class GRPORun(RunLoop):
     kind = "grpo"
     config_class = GRPOConfig
 
-    def __init__(self, state: RunState, *, trainer: PolicyTrainer | PolicyProcess, run_dir: Path, evaluator: Evaluator, task: Task,
+    def __init__(self, state: RunState, *, trainer: PolicyTrainer | PolicyProcess, run_dir: Path, engine: Engine, task: Task,
                  model_dir: Path):
-        super().__init__(state, run_dir=run_dir, evaluator=evaluator, task=task, model_dir=model_dir)
+        super().__init__(state, run_dir=run_dir, engine=engine, task=task, model_dir=model_dir)
         self.trainer = trainer
         self.engine_weights = None  # policy_weights full: the engine's resident copy of the trained weights
         if trainer.full:
             targets, layers = self.config.weight_targets()
-            self.engine_weights = evaluator.resident_weights(targets, noise="full", layers_to_transform=layers)
+            self.engine_weights = engine.resident_weights(targets, noise="full", layers_to_transform=layers)
             self.sync_engine()
         self.policy = None if trainer.full else trainer.adapter()
 
     @classmethod
-    def _build(cls, state: RunState, *, run_dir: Path, evaluator: Evaluator | None, task: Task,
+    def _build(cls, state: RunState, *, run_dir: Path, engine: Engine | None, task: Task,
                model_dir: Path) -> "GRPORun":
         config = state.config
         full = config.policy_weights == "full"
-        if full and evaluator is not None and not isinstance(evaluator, WeightsEngine):
+        if full and engine is not None and not isinstance(engine, WeightsEngine):
             raise ConfigError(f"policy_weights: full writes the trained weights into the engine in place, which "
-                              f"{type(evaluator).__name__} cannot (use vLLM, HF or Ray engines)")
+                              f"{type(engine).__name__} cannot (use vLLM, HF or Ray engines)")
         trainer = make_policy(model_dir, state.adapter, config)  # here, or in a process of its own
         try:
             tensors = dict(state.optimizer_tensors or {})
@@ -76,8 +76,8 @@ class GRPORun(RunLoop):
                 trainer.set_weights(weights)
             if tensors:
                 trainer.load_optimizer_tensors(tensors)
-            evaluator = evaluator or make_evaluator(config)  # sized for one policy adapter per call
-            return cls(state, trainer=trainer, run_dir=run_dir, evaluator=evaluator, task=task, model_dir=model_dir)
+            engine = engine or make_engine(config)  # sized for one policy adapter per call
+            return cls(state, trainer=trainer, run_dir=run_dir, engine=engine, task=task, model_dir=model_dir)
         except BaseException:
             trainer.close()  # a policy process ends with the failed start
             raise
@@ -119,8 +119,8 @@ class GRPORun(RunLoop):
             seed=derive_seed(config.seed, "sampling", step),  # each of the G copies has its own prompt index, so its own seed
             logprobs=True,
         )
-        # A fresh AdapterWeights each step: the evaluator gives every call new LoRA names and ids.
-        return self.evaluator.generate(prompts, [self.policy], sampling)[0]
+        # A fresh AdapterWeights each step: the engine gives every call new LoRA names and ids.
+        return self.engine.generate(prompts, [self.policy], sampling)[0]
 
     def train_step(self) -> dict:
         """One GRPO step's update: rollouts, rewards, advantages, AdamW; returns its metrics row."""
@@ -139,7 +139,7 @@ class GRPORun(RunLoop):
             config.group_size, config.advantage_eps, config.normalize_by_std,
         )
         with timed(timing, "update_s"):
-            encode = self.evaluator.encode if isinstance(self.evaluator, TokenScorer) else self.trainer.encode
+            encode = self.engine.encode if isinstance(self.engine, TokenScorer) else self.trainer.encode
             prompt_ids = [encode(self.task.prompt(e)) for e in examples]
             completion_ids = [list(c.token_ids) for c in completions]
             too_large = max((t for ids in completion_ids for t in ids), default=0)
@@ -244,7 +244,7 @@ class GRPORun(RunLoop):
         folder's weights again) and the trainer's model (a policy process ends)."""
         try:
             if self.engine_weights is not None:
-                if not self._owns_evaluator:
+                if not self._owns_engine:
                     self.engine_weights.load({"master": base_weights(self.model_dir, self.engine_weights.shapes)})
                 self.engine_weights.close()
                 self.engine_weights = None

@@ -17,7 +17,7 @@ import torch
 
 from ..clock import timed
 from ..config import ConfigError
-from ..engines import Evaluator
+from ..engines import Engine
 from ..evaluation import score_adapters
 from ..lora import AdapterWeights, adapter_shapes, base_weight_magnitudes, init_adapter, save_adapter
 from ..models import resolve_model
@@ -52,10 +52,10 @@ class RunLoop:
     config_class: type = None  # set by subclasses
 
     # --- construction ----------------------------------------------------------------------------
-    def __init__(self, state: RunState, *, run_dir: Path, evaluator: Evaluator, task: Task, model_dir: Path):
+    def __init__(self, state: RunState, *, run_dir: Path, engine: Engine, task: Task, model_dir: Path):
         self.config = state.config
         self.run_dir = Path(run_dir)
-        self.evaluator = evaluator
+        self.engine = engine
         self.task = task
         self.generation = state.generation
         self.counters = dict(state.counters)
@@ -67,12 +67,12 @@ class RunLoop:
         self._started = time.perf_counter()
         self._wall_at_start = self.counters.get("wall_s", 0.0)
         self._writer: WriterLock | None = None  # the folder's writer lock, set by create/resume/open
-        self._owns_evaluator = False  # whether close() closes the engine: only one the run started
+        self._owns_engine = False  # whether close() closes the engine: only one the run started
         self._reporters = Reporters()  # report_to's, set by create/resume/open
 
     @classmethod
-    def _build(cls, state: RunState, *, run_dir: Path, evaluator: Evaluator | None, task: Task, model_dir: Path):
-        """The run of this kind from ``state``, on ``evaluator`` (None: the engine its config asks for)."""
+    def _build(cls, state: RunState, *, run_dir: Path, engine: Engine | None, task: Task, model_dir: Path):
+        """The run of this kind from ``state``, on ``engine`` (None: the engine its config asks for)."""
         raise NotImplementedError
 
     def placement(self) -> dict:
@@ -81,13 +81,13 @@ class RunLoop:
         it are the ones whose times the line's placement explains; and, for Ray engines, where each one
         runs (``engine_info``: host, node, card, SMs, tiles), which this process's own line cannot say."""
         line = {"from_generation": self.generation}
-        engines = self.evaluator.engine_info if self.evaluator is not None else ()
+        engines = self.engine.engine_info if self.engine is not None else ()
         if engines:
             line["engines"] = [dict(info) for info in engines]
         return line
 
     @classmethod
-    def create(cls, config, run_dir: str | Path, *, evaluator: Evaluator | None = None, overwrite: bool = False,
+    def create(cls, config, run_dir: str | Path, *, engine: Engine | None = None, overwrite: bool = False,
                initial_adapter: AdapterWeights | None = None):
         """Start a new run in an empty folder (an existing run is refused unless ``overwrite``);
         ``initial_adapter`` replaces the config's initialisation (e.g. an adapter from notebook 02).
@@ -95,7 +95,7 @@ class RunLoop:
         checked = cls._checked(config, initial_adapter)
         lock = WriterLock.acquire(run_dir)  # before the folder is touched and before any engine
         with lock.released_on_error():
-            return cls._create(config, Path(run_dir), lock, checked, evaluator, overwrite)
+            return cls._create(config, Path(run_dir), lock, checked, engine, overwrite)
 
     @classmethod
     def _checked(cls, config, initial_adapter: AdapterWeights | None) -> tuple:
@@ -108,34 +108,34 @@ class RunLoop:
         return task, model_dir, adapter
 
     @classmethod
-    def _create(cls, config, run_dir: Path, lock: WriterLock, checked: tuple, evaluator: Evaluator | None,
+    def _create(cls, config, run_dir: Path, lock: WriterLock, checked: tuple, engine: Engine | None,
                 overwrite: bool):
         task, model_dir, adapter = checked
         run_dir = prepare_run_dir(run_dir, overwrite)
         write_run_config(run_dir, config, cls.kind)
-        run = cls._build(RunState(config=config, adapter=adapter), run_dir=run_dir, evaluator=evaluator,
+        run = cls._build(RunState(config=config, adapter=adapter), run_dir=run_dir, engine=engine,
                          task=task, model_dir=model_dir)
-        run._writer, run._owns_evaluator = lock, evaluator is None
+        run._writer, run._owns_engine = lock, engine is None
         run._reporters = open_reporters(config.report_to, run_dir)
         run.commit({"generation": 0, **run.row_header(), **run.score(force=True)})
         return run
 
     @classmethod
-    def resume(cls, run_dir: str | Path, *, evaluator: Evaluator | None = None):
+    def resume(cls, run_dir: str | Path, *, engine: Engine | None = None):
         """Continue a run from its latest checkpoint; it ends as if never interrupted. The run holds
         the folder's writer lock until ``close()``; ``RunFolderBusy`` if another has it."""
         lock = WriterLock.acquire(run_dir, create=False)
         with lock.released_on_error():
-            return cls._resume(Path(run_dir), lock, evaluator)
+            return cls._resume(Path(run_dir), lock, engine)
 
     @classmethod
-    def _resume(cls, run_dir: Path, lock: WriterLock, evaluator: Evaluator | None):
+    def _resume(cls, run_dir: Path, lock: WriterLock, engine: Engine | None):
         state = load_latest(run_dir, cls.kind, cls.config_class)
         config = state.config
         check_backends(config.report_to)
-        run = cls._build(state, run_dir=run_dir, evaluator=evaluator, task=get_task(config.task, **config.task_options),
+        run = cls._build(state, run_dir=run_dir, engine=engine, task=get_task(config.task, **config.task_options),
                          model_dir=resolve_model(config.model))
-        run._writer, run._owns_evaluator = lock, evaluator is None
+        run._writer, run._owns_engine = lock, engine is None
         # the generations past the checkpoint are redone: their points go, metrics.jsonl's rows from it on come back
         run._reporters = open_reporters(config.report_to, run_dir, state.rows, first_step=state.generation)
         pending = state.pending_row()
@@ -145,7 +145,7 @@ class RunLoop:
 
     @classmethod
     def open(cls, config, run_dir: str | Path, *, resume: bool = True, overwrite: bool = False,
-             evaluator: Evaluator | None = None, initial_adapter: AdapterWeights | None = None):
+             engine: Engine | None = None, initial_adapter: AdapterWeights | None = None):
         """Resume the run in ``run_dir`` if it holds one with the same settings, else create it.
 
         Settings that do not change the science (``EXTENDABLE``: the budget, eval and checkpoint
@@ -157,21 +157,21 @@ class RunLoop:
         if resuming and list_checkpoints(run_dir):
             lock = WriterLock.acquire(run_dir, create=False)
             with lock.released_on_error():
-                return cls._resume_with(config, run_dir, lock, evaluator)
+                return cls._resume_with(config, run_dir, lock, engine)
         checked = cls._checked(config, initial_adapter)
         lock = WriterLock.acquire(run_dir)
         with lock.released_on_error():
             # another writer may have made the run between the look above and the lock: resume it
             if resuming and list_checkpoints(run_dir):
-                return cls._resume_with(config, run_dir, lock, evaluator)
-            return cls._create(config, run_dir, lock, checked, evaluator, overwrite)
+                return cls._resume_with(config, run_dir, lock, engine)
+            return cls._create(config, run_dir, lock, checked, engine, overwrite)
 
     @classmethod
-    def _resume_with(cls, config, run_dir: Path, lock: WriterLock, evaluator: Evaluator | None):
+    def _resume_with(cls, config, run_dir: Path, lock: WriterLock, engine: Engine | None):
         """``_resume``, the folder's config first brought to ``config``'s budget and cadence."""
         if extended_settings(run_dir, config):  # a larger budget, another cadence: recorded
             write_run_config(run_dir, config, cls.kind)
-        return cls._resume(run_dir, lock, evaluator)
+        return cls._resume(run_dir, lock, engine)
 
     @staticmethod
     def _moves_adapter(config) -> bool:
@@ -247,7 +247,7 @@ class RunLoop:
         timing: dict[str, float] = {}
         examples = self._score_examples(sets)
         with timed(timing, "eval_s"):
-            scores = score_adapters(self.evaluator, self.task, self.adapter, examples, self.config.max_new_tokens)
+            scores = score_adapters(self.engine, self.task, self.adapter, examples, self.config.max_new_tokens)
         if counted:
             self._count_scoring(sum(map(len, examples)))
         return score_keys(scores, timing["eval_s"])
@@ -325,9 +325,9 @@ class RunLoop:
 
     def close(self) -> None:
         """Close report_to's reporters, release the run folder (another process may open it now) and
-        the engine, if the run started it; an evaluator passed in belongs to the caller (it may serve other runs)."""
+        the engine, if the run started it; an engine passed in belongs to the caller (it may serve other runs)."""
         self._reporters.close()
         if self._writer is not None:
             self._writer.release()
-        if self.evaluator is not None and self._owns_evaluator:
-            self.evaluator.close()
+        if self.engine is not None and self._owns_engine:
+            self.engine.close()

@@ -35,7 +35,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..config import ConfigError, ESConfig
-from ..engines import Evaluator, SamplingSettings, WeightsEngine
+from ..engines import Engine, SamplingSettings, WeightsEngine
 from ..es import core as es
 from ..es import state as es_state
 from ..lora import LoraSpec, read_base_weights
@@ -54,21 +54,21 @@ class ModelWeights:
 
     adapter = None  # the engine's own weights serve the mean: scoring asks for the base model
 
-    def __init__(self, config: ESConfig, evaluator: Evaluator, run_dir: Path, model_dir: Path, generation: int):
-        if not isinstance(evaluator, WeightsEngine):
+    def __init__(self, config: ESConfig, engine: Engine, run_dir: Path, model_dir: Path, generation: int):
+        if not isinstance(engine, WeightsEngine):
             raise ConfigError(f"es_mode: {config.es_mode} needs an engine that writes its weights in place "
-                              f"(vLLM, HF or Ray), not {type(evaluator).__name__}")
-        self.config, self.evaluator, self.run_dir, self.model_dir = config, evaluator, Path(run_dir), Path(model_dir)
+                              f"(vLLM, HF or Ray), not {type(engine).__name__}")
+        self.config, self.engine, self.run_dir, self.model_dir = config, engine, Path(run_dir), Path(model_dir)
         targets, layers = config.weight_targets()
         noise = "full" if config.es_mode == "full" else "lowrank"
-        self.weights = evaluator.resident_weights(targets, noise=noise, noise_rank=config.noise_rank,
+        self.weights = engine.resident_weights(targets, noise=noise, noise_rank=config.noise_rank,
                                                   noise_scheme=config.noise_scheme, layers_to_transform=layers)
         self.slots = None  # EGGROLL's members in LoRA slots, where the engine has them (else one at a time)
         if config.es_mode == "eggroll":
             spec = LoraSpec(target_modules=tuple(targets), rank=config.noise_rank, alpha=float(config.noise_rank),
                             layers_to_transform=layers)
             try:
-                self.slots = evaluator.lowrank_slots(spec, config.population_size)
+                self.slots = engine.lowrank_slots(spec, config.population_size)
             except ValueError as error:
                 raise ConfigError(f"noise_rank: {error}") from None
         self.optimizer = config.optimizer_config()
@@ -83,7 +83,7 @@ class ModelWeights:
                  scoring: ScoringRequest | None = None) -> Served:
         """The members written in place one after another, or served from EGGROLL's slots in one
         call, on one engine or spread over Ray engines; the mean's scoring is a base-model request."""
-        return Served(*self.evaluator.run_members(self.weights, members, self.config.sigma, prompts, sampling,
+        return Served(*self.engine.run_members(self.weights, members, self.config.sigma, prompts, sampling,
                                                   scoring, slots=self.slots))
 
     def update(self, generation: int, members: Sequence[es.Member], rewards: torch.Tensor) -> Update:

@@ -231,7 +231,7 @@ class PolicyTrainer:
         return adapter_copy(self.spec, self.adapter_tensors())
 
     def encode(self, prompt) -> list[int]:
-        """Prompt token ids, for evaluators that do not tokenise (the synthetic one)."""
+        """Prompt token ids, for engines that do not tokenise (the synthetic one)."""
         return PromptEncoder(self.tokenizer).encode(prompt)
 
     def _log_probs(self, batch: dict, rows: slice, span: tuple[int, int], *, grad: bool,

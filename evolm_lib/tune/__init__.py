@@ -17,14 +17,14 @@ from .final import (STAGES, SUMMARY, control_plan, final_plan, long_plan, outsta
                     resolved_primary, run_extras, run_finals, work)
 from .space import Parameter, parse_parameter, parse_space
 from .spec import TuneSettings, TuneSpec, check_space, describe, load_tune_spec, trial_config, with_trials
-from .study import (STORAGE, StudyStorageError, best_trial, finished, load_study, make_tuning_evaluator,
+from .study import (STORAGE, StudyStorageError, best_trial, finished, load_study, make_tuning_engine,
                     open_storage, storage_url, study_trials, tune, tune_method, with_methods, with_storage)
 from .summary import final_groups, summarize, summary_lines
 
 __all__ = [
     "Parameter", "STAGES", "STORAGE", "SUMMARY", "StudyStorageError", "control_plan", "long_plan", "resolve_best",
     "resolved_primary", "run_extras", "TuneSettings", "TuneSpec", "best_trial", "check_space", "describe",
-    "final_groups", "final_plan", "finished", "load_study", "load_tune_spec", "make_tuning_evaluator",
+    "final_groups", "final_plan", "finished", "load_study", "load_tune_spec", "make_tuning_engine",
     "open_storage", "outstanding", "parse_parameter", "parse_space", "run_finals", "storage_url",
     "study_trials", "summarize", "summary_lines", "trial_config", "tune", "tune_method", "with_methods",
     "with_storage", "with_trials", "work",

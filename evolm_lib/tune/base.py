@@ -19,7 +19,7 @@ from typing import Any, Sequence
 
 from ..analysis import heldout_summary
 from ..evaluation import evaluate_adapter
-from ..sweep import evaluation_lines, make_shared_evaluator
+from ..sweep import evaluation_lines, make_shared_engine
 from ..tasks import get_task
 from .final import BASE_HELDOUT
 from .spec import TuneSpec, load_tune_spec
@@ -29,13 +29,13 @@ def _first_run(spec: TuneSpec):
     return next(iter(spec.tuning_runs.values()))[0]
 
 
-def base_answers(spec: TuneSpec, evaluator) -> dict[str, Any]:
+def base_answers(spec: TuneSpec, engine) -> dict[str, Any]:
     """{"lines": heldout.jsonl's lines of the base model (generation 0), "summary": their
     ``analysis.heldout_summary``}."""
     config = _first_run(spec).config
     task = get_task(config.task, **config.task_options)
     examples = task.eval_examples()
-    result = evaluate_adapter(evaluator, task, None, examples, max_new_tokens=config.max_new_tokens)
+    result = evaluate_adapter(engine, task, None, examples, max_new_tokens=config.max_new_tokens)
     lines = evaluation_lines(examples, result, 0)
     return {"lines": lines, "summary": heldout_summary(lines)}
 
@@ -55,11 +55,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    evaluator = make_shared_evaluator([_first_run(spec)])
+    engine = make_shared_engine([_first_run(spec)])
     try:
-        found = base_answers(spec, evaluator)
+        found = base_answers(spec, engine)
     finally:
-        evaluator.close()
+        engine.close()
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text("".join(json.dumps(line) + "\n" for line in found["lines"]))

@@ -101,13 +101,13 @@ def finished_rerun(folder, length: int | None = None) -> bool:
             and lock_holder(folder) is None)
 
 
-def run_unfinished(planned: PlannedRun, out, evaluator) -> bool:
+def run_unfinished(planned: PlannedRun, out, engine) -> bool:
     """``run_one``, unless the run's folder holds a finished rerun already (held-out scores at its last
     generation or step: an imported study's finished reruns hold no weights, and nothing of them is
     left to run). Returns whether the run is finished."""
     if finished_rerun(out / planned.name, planned.length):
         return True
-    run_one(planned, out, evaluator)
+    run_one(planned, out, engine)
     return True
 
 
@@ -129,7 +129,7 @@ def continue_copy(source, folder) -> bool:
     return True
 
 
-def continue_rerun(spec: TuneSpec, planned: PlannedRun, rerun: PlannedRun, evaluator,
+def continue_rerun(spec: TuneSpec, planned: PlannedRun, rerun: PlannedRun, engine,
                    log: Callable[[str], None] = print) -> bool:
     """The finished rerun ``rerun`` continued as ``planned`` (``tune.long`` x its budget) in a copy of
     its folder, OUT/long/<name>, from its last checkpoint (from the start where it holds none); one
@@ -144,7 +144,7 @@ def continue_rerun(spec: TuneSpec, planned: PlannedRun, rerun: PlannedRun, evalu
                 return False
             if not continue_copy(source, folder):
                 log(f"  long/{planned.name}: final/{planned.name} has no checkpoint; run from the start")
-    return run_unfinished(planned, spec.out / "long", evaluator)
+    return run_unfinished(planned, spec.out / "long", engine)
 
 
 def _finished_unless_busy(run: Callable[[], bool], label: str, log: Callable[[str], None]) -> bool:
@@ -157,7 +157,7 @@ def _finished_unless_busy(run: Callable[[], bool], label: str, log: Callable[[st
         return False
 
 
-def run_extras(spec: TuneSpec, evaluator, log: Callable[[str], None] = print) -> dict[str, list[str]]:
+def run_extras(spec: TuneSpec, engine, log: Callable[[str], None] = print) -> dict[str, list[str]]:
     """The declared later stages for this worker's methods: each finished rerun continued to
     ``tune.long`` x the budget (OUT/long/, ``continue_rerun``), and the shuffled-fitness control of
     ``tune.control`` (OUT/control/) once its method is decided; returns {stage/method: folders written
@@ -174,18 +174,18 @@ def run_extras(spec: TuneSpec, evaluator, log: Callable[[str], None] = print) ->
                 continue
             for rerun in final_plan(spec, method):
                 planned = long_run(spec, rerun)
-                run(planned, "long", lambda: continue_rerun(spec, planned, rerun, evaluator, log))
+                run(planned, "long", lambda: continue_rerun(spec, planned, rerun, engine, log))
     if spec.settings.control != "none":
         method = resolve_best(spec, spec.settings.control)
         if method is None:
             log(f"control ({spec.settings.control}): waits until every ES method has its trials")
         elif method in spec.methods:
             for planned in control_plan(spec, method):
-                run(planned, "control", lambda: run_unfinished(planned, spec.out / "control", evaluator))
+                run(planned, "control", lambda: run_unfinished(planned, spec.out / "control", engine))
     return done
 
 
-def run_finals(spec: TuneSpec, evaluator, log: Callable[[str], None] = print) -> dict[str, list[str]]:
+def run_finals(spec: TuneSpec, engine, log: Callable[[str], None] = print) -> dict[str, list[str]]:
     """Rerun every method whose study is finished on the final seeds (a method still being tuned by
     another worker is left for later, a rerun another worker writes is skipped); returns {method: rerun
     folders written or found finished}. With ``tune.long``, a rerun this worker finishes is continued
@@ -201,12 +201,12 @@ def run_finals(spec: TuneSpec, evaluator, log: Callable[[str], None] = print) ->
             if finished_rerun(folder, planned.length):  # here already: its continuation is run_extras'
                 done[method].append(str(folder))
                 continue
-            if not _finished_unless_busy(lambda: run_unfinished(planned, spec.out / "final", evaluator),
+            if not _finished_unless_busy(lambda: run_unfinished(planned, spec.out / "final", engine),
                                          planned.name, log):
                 continue
             done[method].append(str(folder))
             if spec.settings.long > 1:
-                _finished_unless_busy(lambda: continue_rerun(spec, long_run(spec, planned), planned, evaluator, log),
+                _finished_unless_busy(lambda: continue_rerun(spec, long_run(spec, planned), planned, engine, log),
                                       f"long/{planned.name}", log)
     return done
 
@@ -247,7 +247,7 @@ def outstanding(spec: TuneSpec, finals: bool = True) -> list[str]:
     return left
 
 
-def work(spec: TuneSpec, evaluator, finals: bool = True, log: Callable[[str], None] = print,
+def work(spec: TuneSpec, engine, finals: bool = True, log: Callable[[str], None] = print,
          timeout: float | None = None) -> dict[str, int]:
     """This worker's whole part of the study: trials, then (with ``finals``) the reruns, continued
     reruns and control, again and again until ``outstanding`` is empty. A worker with nothing to
@@ -266,11 +266,11 @@ def work(spec: TuneSpec, evaluator, finals: bool = True, log: Callable[[str], No
 
     while True:
         left_s = None if end is None else max(end - time.monotonic(), 0.0)
-        for method, count in tune(spec, evaluator, log, left_s).items():
+        for method, count in tune(spec, engine, log, left_s).items():
             ran[method] = max(ran[method], count)
         if finals:
-            run_finals(spec, evaluator, once)
-            run_extras(spec, evaluator, once)
+            run_finals(spec, engine, once)
+            run_extras(spec, engine, once)
         left = outstanding(spec, finals)
         if not left or (end is not None and time.monotonic() >= end
                         and all(entry.startswith("trials of ") for entry in left)):

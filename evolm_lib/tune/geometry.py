@@ -113,11 +113,11 @@ def solutions_geometry(study: str | Path, seeds: Sequence[int] | None = None, st
 def geometry_engine(study: str | Path, stage: str, method: str, seed: int):
     """One engine for the paths and the drift, sized from one rerun's config, with the worker extension
     that writes weights in place (every solution is served as weights written in place, a LoRA merged)."""
-    from ..engines import EngineSizing, make_evaluator
+    from ..engines import EngineSizing, make_engine
     from ..runs import load_run_config
 
     config = load_run_config(solution_folder(study, stage, method, seed))
-    return make_evaluator(config, sizing=EngineSizing.from_config(config).replace(adapter_transfer="in_place"))
+    return make_engine(config, sizing=EngineSizing.from_config(config).replace(adapter_transfer="in_place"))
 
 
 def solution_paths(engine, study: str | Path, pairs: Sequence[tuple[str, str]], seed: int, stage: str = "final",

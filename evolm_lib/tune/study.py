@@ -35,7 +35,7 @@ from ..metrics import final_value
 from ..runs import RunFolderBusy
 from ..runs.lock import describe_holder
 from ..seeds import derive_seed
-from ..sweep import PlannedRun, make_shared_evaluator
+from ..sweep import PlannedRun, make_shared_engine
 from ..train.es import ESRun
 from ..train.grpo import GRPORun
 from .space import SPLIT
@@ -240,14 +240,14 @@ class _Interrupted(BaseException):
     """Ctrl-C or SIGTERM, once the cut trial is failed and its retry queued (``tune_method``)."""
 
 
-def open_when_free(cls, config, folder: Path, evaluator, log: Callable[[str], None]):
+def open_when_free(cls, config, folder: Path, engine, log: Callable[[str], None]):
     """``cls.open`` on a run folder, waiting while another live process holds it (a worker paused past
     its heartbeats, whose trial this worker retries): the operating system frees the folder when that
     process ends, and a paused worker that goes on gives it up at its next row."""
     said = False
     while True:
         try:
-            return cls.open(config, folder, evaluator=evaluator)
+            return cls.open(config, folder, engine=engine)
         except RunFolderBusy as busy:
             if busy.holder.get("pid") == os.getpid():
                 raise
@@ -258,7 +258,7 @@ def open_when_free(cls, config, folder: Path, evaluator, log: Callable[[str], No
             time.sleep(POLL_S)
 
 
-def _run_trial(spec: TuneSpec, method: str, trial, folder: Path, evaluator, log: Callable[[str], None],
+def _run_trial(spec: TuneSpec, method: str, trial, folder: Path, engine, log: Callable[[str], None],
                still_mine: Callable[[], bool] = lambda: True, name: str | None = None) -> float:
     """The trial's runs, one per tuning seed; returns the mean of their final ``select`` values.
     Raises _Pruned when the pruner stops it, _GivenUp when ``still_mine`` says at a row that the trial
@@ -271,7 +271,7 @@ def _run_trial(spec: TuneSpec, method: str, trial, folder: Path, evaluator, log:
         if planned is spec.tuning_runs[method][0]:
             trial.set_user_attr("config", trial_settings(planned, params, config))
         cls = ESRun if planned.kind == "es" else GRPORun
-        run = open_when_free(cls, config, folder / f"seed{config.seed}", evaluator, log)
+        run = open_when_free(cls, config, folder / f"seed{config.seed}", engine, log)
         stop, taken = False, False
 
         def report(row: dict) -> None:
@@ -307,7 +307,7 @@ def _surplus(study, trial, wanted: int) -> bool:
     return sum(_counts(t) for t in study.get_trials(deepcopy=False) if t.number < trial.number) >= wanted
 
 
-def _objective(spec: TuneSpec, method: str, study, storage, evaluator, log: Callable[[str], None], current: dict):
+def _objective(spec: TuneSpec, method: str, study, storage, engine, log: Callable[[str], None], current: dict):
     """Optuna's objective for ``method``: a trial's runs (``_run_trial``) and what they leave in its
     user attributes (worker, seconds, run folder, error)."""
     import optuna
@@ -328,7 +328,7 @@ def _objective(spec: TuneSpec, method: str, study, storage, evaluator, log: Call
             return storage.get_trial(trial._trial_id).state == TrialState.RUNNING
 
         try:
-            value = _run_trial(spec, method, trial, folder, evaluator, log, still_mine, name)
+            value = _run_trial(spec, method, trial, folder, engine, log, still_mine, name)
         except _Pruned:
             trial.set_user_attr("seconds", time.perf_counter() - started)
             log(f"{name}: pruned")
@@ -377,7 +377,7 @@ def _fail_and_retry(spec: TuneSpec, study, storage, frozen) -> None:
     _retry_callback(spec)(study, storage.get_trial(frozen._trial_id))
 
 
-def tune_method(spec: TuneSpec, method: str, evaluator, log: Callable[[str], None] = print, storage=None,
+def tune_method(spec: TuneSpec, method: str, engine, log: Callable[[str], None] = print, storage=None,
                 timeout: float | None = None) -> int:
     """Run trials of ``method`` until its study holds ``trials`` finished ones, waiting while other
     workers hold the last of them (and taking a killed worker's trial once its heartbeats go stale);
@@ -420,7 +420,7 @@ def tune_method(spec: TuneSpec, method: str, evaluator, log: Callable[[str], Non
         study.sampler = load_study(spec, method, storage).sampler  # seeded by the trials held now
         current: dict[str, Any] = {}
         try:
-            study.optimize(_objective(spec, method, study, storage, evaluator, log, current), timeout=left,
+            study.optimize(_objective(spec, method, study, storage, engine, log, current), timeout=left,
                            callbacks=[optuna.study.MaxTrialsCallback(wanted, states=(TrialState.COMPLETE,
                                                                                     TrialState.PRUNED)),
                                       _stop_when_none_to_start(wanted, parallel)])
@@ -438,27 +438,27 @@ def _finished_here(trials, before: set[int]) -> int:
                for t in trials)
 
 
-def make_tuning_evaluator(spec: TuneSpec):
+def make_tuning_engine(spec: TuneSpec):
     """One engine for every trial and rerun of the spec: sized for the largest population and LoRA
     rank any searched setting asks for."""
     runs = [run for runs in spec.tuning_runs.values() for run in runs]
     probes = [PlannedRun("probe", "probe", "es" if hasattr(config, "population_size") else "grpo", config, runs[0].budget)
               for config in check_space(spec)]
-    return make_shared_evaluator(runs + probes)
+    return make_shared_engine(runs + probes)
 
 
-def tune(spec: TuneSpec, evaluator=None, log: Callable[[str], None] = print,
+def tune(spec: TuneSpec, engine=None, log: Callable[[str], None] = print,
          timeout: float | None = None) -> dict[str, int]:
     """Every method's trials (this worker's share of them), on one engine; ``timeout``: seconds per
     method after which no new trial starts. Returns {method: trials finished here}."""
-    own = evaluator is None
-    evaluator = evaluator or make_tuning_evaluator(spec)
+    own = engine is None
+    engine = engine or make_tuning_engine(spec)
     try:
         storage = open_storage(spec)
-        return {method: tune_method(spec, method, evaluator, log, storage, timeout) for method in spec.methods}
+        return {method: tune_method(spec, method, engine, log, storage, timeout) for method in spec.methods}
     finally:
         if own:
-            evaluator.close()
+            engine.close()
 
 
 def trial_rows(study, method: str) -> list[dict[str, Any]]:

@@ -20,10 +20,10 @@ config = ESConfig.from_dict(dict(model="tiny-random", target_modules=["q_proj", 
 import pathlib
 import time
 
-from evolm_lib.engines.synthetic import SyntheticEvaluator
+from evolm_lib.engines.synthetic import SyntheticEngine
 from evolm_lib.train.es import ESRun
 
-run = ESRun.open(config, run_dir, evaluator=SyntheticEvaluator())
+run = ESRun.open(config, run_dir, engine=SyntheticEngine())
 if hold:
     pathlib.Path(hold + ".open").write_text("")  # the run is open: the test may look now
 deadline = time.monotonic() + 300

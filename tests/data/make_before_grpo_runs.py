@@ -37,7 +37,7 @@ ENGINE = dict(max_loras=2, max_lora_rank=8, max_model_len=256, kv_cache_gb=0.062
 
 def main(out: str) -> None:
     from evolm_lib.config import GRPOConfig
-    from evolm_lib.engines.vllm.engine import VLLMEvaluator
+    from evolm_lib.engines.vllm.engine import VLLMEvaluator  # the names of the code that runs this
     from evolm_lib.models import resolve_model
     from evolm_lib.train.grpo import GRPORun
 

@@ -25,15 +25,15 @@ OLD_GRPO_STOP = 2
 
 def main(out: str) -> None:
     from evolm_lib.config import ESConfig, GRPOConfig
-    from evolm_lib.engines.synthetic import SyntheticEvaluator
+    from evolm_lib.engines.synthetic import SyntheticEngine
     from evolm_lib.es.run import ESRun  # the layout before evolm_lib/train/
     from evolm_lib.grpo.run import GRPORun
 
     out_dir = Path(out)
-    es_run = ESRun.create(ESConfig.from_dict(OLD_ES), out_dir / "es", evaluator=SyntheticEvaluator())
+    es_run = ESRun.create(ESConfig.from_dict(OLD_ES), out_dir / "es", engine=SyntheticEngine())
     es_run.run(OLD_ES_STOP)
     es_run.close()
-    grpo_run = GRPORun.create(GRPOConfig.from_dict(OLD_GRPO), out_dir / "grpo", evaluator=SyntheticEvaluator())
+    grpo_run = GRPORun.create(GRPOConfig.from_dict(OLD_GRPO), out_dir / "grpo", engine=SyntheticEngine())
     grpo_run.run(OLD_GRPO_STOP)
     grpo_run.close()
 

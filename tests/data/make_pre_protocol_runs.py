@@ -30,10 +30,10 @@ STOP = 3  # generations run before the folder was saved
 
 def main(out: str) -> None:
     from evolm_lib.config import ESConfig
-    from evolm_lib.engines.synthetic import SyntheticEvaluator
+    from evolm_lib.engines.synthetic import SyntheticEngine
     from evolm_lib.train.es import ESRun
 
-    class Batching(SyntheticEvaluator):
+    class Batching(SyntheticEngine):
         batches_grids = True  # the mean's scoring rides in the population's call
 
     out_dir = Path(out)
@@ -41,7 +41,7 @@ def main(out: str) -> None:
         run = ESRun.create(ESConfig.from_dict(SETTINGS[name]), out_dir / name)
         run.run(STOP)
         run.close()
-    run = ESRun.create(ESConfig.from_dict(SETTINGS["riding"]), out_dir / "riding", evaluator=Batching())
+    run = ESRun.create(ESConfig.from_dict(SETTINGS["riding"]), out_dir / "riding", engine=Batching())
     for _ in range(STOP):
         run._advance(SETTINGS["riding"]["num_generations"])  # generation 3 is checkpointed, its row pending
     run.close()

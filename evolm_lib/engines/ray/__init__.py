@@ -1,6 +1,6 @@
 """Past one engine: calls sharded over K vLLM engines, each in a Ray actor on one GPU, a share of one
 (``engines_per_gpu`` engines on a card, each with its own copy of the weights; they start one after
-another) or one CPU slice, surviving a lost engine. Behind the same ``Evaluator`` protocol as one engine, so ES and GRPO
+another) or one CPU slice, surviving a lost engine. Behind the same ``Engine`` protocol as one engine, so ES and GRPO
 runs use it unchanged (``evaluator: ray`` in their settings).
 
 How a call travels:
@@ -30,13 +30,13 @@ full or eggroll) comes back without it and is given it back before its call is r
 seed log, checked by checksum against the other engines); only where that fails does the call end
 with :class:`EngineLostError`.
 
-Ray is optional (``pip install -e '.[ray]'``) and imported only when this evaluator is built.
+Ray is optional (``pip install -e '.[ray]'``) and imported only when ``RayEngines`` is built.
 Qiu et al. 2025 (arXiv 2509.24372) run one vLLM engine per GPU under Ray; EGGROLL's vLLM port
 (Sarkar et al. 2025) shards the population over Ray engines; neither survives a lost engine.
 
 The modules, each with one job: ``cluster`` (Ray's import, the address, resources), ``sharding`` (a
 call shared out and put back, pure), ``actor`` (one engine's actor and its environment), ``pool``
 (the actors called together, lost ones brought back), ``weights`` (the mean inside every engine),
-``evaluator`` (``RayEvaluator``, the evaluator over all of them). Nothing is imported here: Ray's
+``engines`` (``RayEngines``: all of them behind the one ``Engine`` protocol). Nothing is imported here: Ray's
 workers import ``actor`` by name.
 """

@@ -1,4 +1,4 @@
-"""One engine in its own process: the Ray actor that holds a ``VLLMEvaluator``, and the environment
+"""One engine in its own process: the Ray actor that holds a ``VLLMEngine``, and the environment
 it starts with."""
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def _node_id() -> str | None:
 
 
 class EngineActor:
-    """One engine in its own process (a Ray actor): a ``VLLMEvaluator`` on the actor's GPU (or its
+    """One engine in its own process (a Ray actor): a ``VLLMEngine`` on the actor's GPU (or its
     share of one) or CPU slice.
 
     Made in two steps, so that engines sharing a card start one after another (``EnginePool.start``):
@@ -63,7 +63,7 @@ class EngineActor:
     def __init__(self, index: int, model: str, sizing: EngineSizing, options: dict):
         self.index = index
         self._arguments = (model, sizing, options)
-        self.engine = None  # the VLLMEvaluator, from the first ``ready`` on
+        self.engine = None  # the VLLMEngine, from the first ``ready`` on
         self.info: dict = {}
         self.resident: dict[int, Any] = {}  # es_mode full / eggroll: key -> this engine's EngineWeights
         self.lowrank: dict[int, Any] = {}  # eggroll: key -> this engine's slots for its block of members
@@ -88,12 +88,12 @@ class EngineActor:
         from ...env import apply_engine_defaults, sm_count
 
         apply_engine_defaults()
-        from ..vllm.engine import VLLMEvaluator
+        from ..vllm.engine import VLLMEngine
 
         import torch
 
         model, sizing, options = self._arguments
-        self.engine = VLLMEvaluator(model, sizing, **options)
+        self.engine = VLLMEngine(model, sizing, **options)
         on_gpu = torch.cuda.is_available()
         self.info = {
             "engine": self.index,
@@ -116,7 +116,7 @@ class EngineActor:
         """This engine's share of a call, in one engine call; ``shared`` are the call's adapters
         (Ray resolves them from the object store). The first table's timing gains ``engine_call_s``,
         this method's own time in the actor, from which the driver tells the engines' work from the
-        call's transport and waiting (``RayEvaluator.last_call``)."""
+        call's transport and waiting (``RayEngines.last_call``)."""
         started = time.perf_counter()
         tables = self._started().generate_grids([(prompts, unwire(adapters, shared), sampling) for prompts, adapters, sampling in grids])
         if tables:
@@ -143,7 +143,7 @@ class EngineActor:
         return key in self.resident
 
     def weights_open(self, key: int, target_modules, options: dict) -> dict:
-        """Set up the targeted weights with their float32 master (``VLLMEvaluator.resident_weights``)."""
+        """Set up the targeted weights with their float32 master (``VLLMEngine.resident_weights``)."""
         weights = self._started().resident_weights(target_modules, **options)
         self.resident[key] = weights
         return {"shapes": weights.shapes, "info": weights.info}
@@ -183,7 +183,7 @@ class EngineActor:
     def run_members(self, weights_key: int, slots_key: int | None, members: list, sigma: float, prompts: list,
                     sampling: SamplingSettings, score) -> tuple:
         """This engine's block of members, and its block of the mean's scoring prompts, in one call
-        (``VLLMEvaluator.run_members``)."""
+        (``VLLMEngine.run_members``)."""
         slots = None
         if slots_key is not None:
             slots = self.lowrank.get(slots_key)

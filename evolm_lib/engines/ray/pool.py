@@ -75,7 +75,7 @@ class EnginePool:
     @classmethod
     def start(cls, model: str, sizing: EngineSizing, options: dict, num_engines: int, placement: dict[str, float],
               policy: FaultPolicy = FaultPolicy(), env: dict[str, str] | None = None) -> "EnginePool":
-        """``num_engines`` actors, each a ``VLLMEvaluator(model, sizing, **options)`` on ``placement``
+        """``num_engines`` actors, each a ``VLLMEngine(model, sizing, **options)`` on ``placement``
         (a GPU, a share of one, or a CPU slice). Engines that share a card start one after another
         (vLLM's memory profiling at start would count a neighbour's allocations as its own) unless
         their KV cache is fixed (``kv_cache_gb``: vLLM then profiles no memory); engines on different

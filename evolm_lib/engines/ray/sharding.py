@@ -28,7 +28,7 @@ def plan_grid(num_adapters: int, num_prompts: int, num_engines: int, engine_max_
 
 
 def plan_members(num_members: int, num_score_prompts: int, num_engines: int) -> list[tuple[int, slice, slice | None]]:
-    """How ``RayEvaluator.run_members`` shares out members (es_mode full / eggroll) and the mean's
+    """How ``RayEngines.run_members`` shares out members (es_mode full / eggroll) and the mean's
     scoring prompts: ``(engine, its contiguous block of members, its block of scoring prompts or
     None)`` for every engine with work, in engine order."""
     members = balanced_blocks(num_members, min(num_engines, num_members)) if num_members else []

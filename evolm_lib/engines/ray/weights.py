@@ -31,22 +31,22 @@ class RayWeights:
     ``load`` sends a snapshot to every engine (once through the object store), ``read`` and
     ``checksum`` come from engine 0 (``checksums``: every engine's)."""
 
-    def __init__(self, evaluator: "RayEvaluator", key: int, target_modules, options: dict):
-        self.evaluator, self.key, self.target_modules, self.options = evaluator, key, target_modules, dict(options)
+    def __init__(self, ray_engines: "RayEngines", key: int, target_modules, options: dict):
+        self.ray_engines, self.key, self.target_modules, self.options = ray_engines, key, target_modules, dict(options)
         self.noise, self.noise_rank = options["noise"], options["noise_rank"]
-        self.restarts: list[int] = list(evaluator.restarts)  # each engine's restart count when its weights were set up
+        self.restarts: list[int] = list(ray_engines.restarts)  # each engine's restart count when its weights were set up
         self.steps = 0  # the optimizer steps the mean has taken (its snapshot's "step")
         self._in_flight: str | None = None  # "step" or "load" while one runs (a lost engine's call may be it)
         self.replay_source: ReplaySource | None = None  # set by the run that owns the mean (ModelWeights)
         self.rebuilds: list[dict] = []  # one record per engine given the mean back: engine, source, checksum
-        self._faults_seen = len(evaluator.pool.faults)  # the pool's lost calls ``load`` has looked at
-        results = self._open(range(evaluator.num_engines))
+        self._faults_seen = len(ray_engines.pool.faults)  # the pool's lost calls ``load`` has looked at
+        results = self._open(range(ray_engines.num_engines))
         self.shapes: dict[str, tuple[int, ...]] = {name: tuple(shape) for name, shape in results[0]["shapes"].items()}
         self.info = [r["info"] for r in results]
 
     def _open(self, engines) -> list:
         engines = list(engines)
-        pool = self.evaluator.pool
+        pool = self.ray_engines.pool
         try:
             results = pool.run([(e, "weights_open", (self.key, self.target_modules, self.options)) for e in engines])
         except BaseException:
@@ -54,13 +54,13 @@ class RayWeights:
                 self.close()
             raise
         for engine in engines:
-            self.restarts[engine] = self.evaluator.restarts[engine]
-        self.evaluator.held[self.key] = self
+            self.restarts[engine] = self.ray_engines.restarts[engine]
+        self.ray_engines.held[self.key] = self
         return results
 
     def lost_engines(self) -> list[int]:
         """Engines that restarted since they took this mean (and so no longer hold it)."""
-        return [e for e, count in enumerate(self.restarts) if count != self.evaluator.restarts[e]]
+        return [e for e, count in enumerate(self.restarts) if count != self.ray_engines.restarts[e]]
 
     def check_whole(self) -> None:
         """Give the mean back to every engine that restarted since it took it (``rebuild``); raise
@@ -70,7 +70,7 @@ class RayWeights:
                 self.rebuild(engine)
             except RuntimeError as error:
                 raise EngineLostError(
-                    f"engine {engine} of {self.evaluator.num_engines} restarted since it took this run's mean (es_mode "
+                    f"engine {engine} of {self.ray_engines.num_engines} restarted since it took this run's mean (es_mode "
                     f"{'full' if self.noise == 'full' else 'eggroll'}) and it could not be given back ({error}): close "
                     "the run and open it again, which resumes from its checkpoint and sets the mean up on every engine",
                     engine=engine, attempts=0) from None
@@ -80,8 +80,8 @@ class RayWeights:
         holds it, or the run folder's newest snapshot and seed log where none does; then every
         engine's checksum must agree. ``Recovered`` where the state given back is that after the step
         in flight (the lost call is done), None where the lost call must be resubmitted."""
-        pool = self.evaluator.pool
-        others = [e for e in range(self.evaluator.num_engines) if e != engine and e not in self.lost_engines()]
+        pool = self.ray_engines.pool
+        others = [e for e in range(self.ray_engines.num_engines) if e != engine and e not in self.lost_engines()]
         # an engine lost at the same moment may have restarted before the pool saw its call fail: ask
         held = pool.run([(e, "weights_held", (self.key,)) for e in others]) if others else []
         live = [e for e, holds in zip(others, held) if holds]
@@ -100,7 +100,7 @@ class RayWeights:
             steps = int(snapshot.get("step", 0)) + len(updates)
         else:
             raise RuntimeError("no other engine holds the mean and the run folder gave no snapshot and seed log")
-        self.restarts[engine] = self.evaluator.restarts[engine]
+        self.restarts[engine] = self.ray_engines.restarts[engine]
         # the master and step must agree ("restored" says what an engine serves at that instant: a
         # member, mid-call); a load in flight sets every engine again, so only the rebuilt one is checked
         compared = [engine] if self._in_flight == "load" else [engine, *live]
@@ -120,7 +120,7 @@ class RayWeights:
 
     def _every_engine(self, method: str, *args) -> list:
         self.check_whole()
-        return self.evaluator.pool.run([(e, method, (self.key, *args)) for e in range(self.evaluator.num_engines)])
+        return self.ray_engines.pool.run([(e, method, (self.key, *args)) for e in range(self.ray_engines.num_engines)])
 
     def step(self, optimizer: es.OptimizerConfig, members: Sequence[Member], weights: Sequence[float], sigma: float,
              form: es.GradientForm = "qiu") -> dict:
@@ -140,15 +140,15 @@ class RayWeights:
 
     def read(self) -> dict:
         """Engine 0's master and optimizer buffers on the host (a full-size snapshot)."""
-        return self.evaluator.pool.run([(0, "weights_read", (self.key,))])[0]
+        return self.ray_engines.pool.run([(0, "weights_read", (self.key,))])[0]
 
     def load(self, snapshot: Mapping[str, Any]) -> None:
         """Every engine serves the mean of ``snapshot``; an engine that restarted since (and lost its
-        master) gets its weights set up again first: one whose restart the evaluator counted, and one
+        master) gets its weights set up again first: one whose restart ``RayEngines`` counted, and one
         that lost a call and says it holds none (Ray restarted it after a loss the pool gave up on,
         which nobody counted: the run that lost it then closes through here). Only an engine that lost
         a call since the last load is asked (GRPO on the model's weights loads every step)."""
-        pool = self.evaluator.pool
+        pool = self.ray_engines.pool
         faulted = sorted({fault["engine"] for fault in pool.faults[self._faults_seen:]})
         self._faults_seen = len(pool.faults)
         held = pool.run([(e, "weights_held", (self.key,)) for e in faulted]) if faulted else []
@@ -179,31 +179,31 @@ class RayWeights:
 
     def close(self) -> None:
         """Every engine serves its mean and releases its master."""
-        self.evaluator.held.pop(self.key, None)
-        if self.evaluator.pool.actors:
-            self.evaluator.pool.run([(e, "weights_close", (self.key,)) for e in range(self.evaluator.num_engines)])
+        self.ray_engines.held.pop(self.key, None)
+        if self.ray_engines.pool.actors:
+            self.ray_engines.pool.run([(e, "weights_close", (self.key,)) for e in range(self.ray_engines.num_engines)])
 
 
 class RaySlots:
     """EGGROLL's resident LoRA slots, a block on every engine (``sizes[e]`` slots on engine ``e``) for
     the members that engine serves."""
 
-    def __init__(self, evaluator: "RayEvaluator", key: int, spec, sizes: list[int]):
-        self.evaluator, self.key, self.spec, self.sizes = evaluator, key, spec, list(sizes)
+    def __init__(self, ray_engines: "RayEngines", key: int, spec, sizes: list[int]):
+        self.ray_engines, self.key, self.spec, self.sizes = ray_engines, key, spec, list(sizes)
         try:
-            evaluator.pool.run([(e, "lowrank_open", (key, spec, size)) for e, size in enumerate(self.sizes)])
+            ray_engines.pool.run([(e, "lowrank_open", (key, spec, size)) for e, size in enumerate(self.sizes)])
         except BaseException:
             with contextlib.suppress(Exception):
                 self.close()
             raise
-        evaluator.held[key] = self
+        ray_engines.held[key] = self
 
     def rebuild(self, engine: int) -> None:
         """Give a restarted engine its block of slots back (they hold no state between calls)."""
-        self.evaluator.pool.run([(engine, "lowrank_open", (self.key, self.spec, self.sizes[engine]))])
+        self.ray_engines.pool.run([(engine, "lowrank_open", (self.key, self.spec, self.sizes[engine]))])
 
     def close(self) -> None:
         """Release every engine's slots."""
-        self.evaluator.held.pop(self.key, None)
-        if self.evaluator.pool.actors:
-            self.evaluator.pool.run([(e, "lowrank_close", (self.key,)) for e in range(len(self.sizes))])
+        self.ray_engines.held.pop(self.key, None)
+        if self.ray_engines.pool.actors:
+            self.ray_engines.pool.run([(e, "lowrank_close", (self.key,)) for e in range(len(self.sizes))])

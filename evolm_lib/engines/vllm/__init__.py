@@ -13,7 +13,7 @@ The modules, each with one job, dependencies pointing one way (down this list):
 - ``adapters``: adapters handed over as files; ``slots``: populations in resident LoRA slots, the
   host side; ``weights``: the model's own weights, the host side;
 - ``startup``: the engine's arguments and start; ``workarounds``: vLLM bugs, each with its version;
-- ``engine``: ``VLLMEvaluator``, behind the ``Evaluator`` protocol.
+- ``engine``: ``VLLMEngine``, behind the ``Engine`` protocol.
 
 Nothing is imported here: vLLM's worker imports ``worker`` by name, and needs none of the host side.
 """

@@ -1,5 +1,5 @@
 """Adapters handed to vLLM as files: each version written under a new LoRA name and id, in a folder
-that goes with the evaluator."""
+that goes with the engine."""
 from __future__ import annotations
 
 import contextlib

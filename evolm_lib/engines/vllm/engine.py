@@ -1,6 +1,6 @@
 """vLLM as the engine: a whole population (N adapters x M prompts) in ONE batched call.
 
-``VLLMEvaluator`` puts the package's pieces together behind the ``Evaluator`` protocol: the engine
+``VLLMEngine`` puts the package's pieces together behind the ``Engine`` protocol: the engine
 started by ``startup``, every call through the request loop of ``requests``, adapters handed over as
 files (``adapters``) or, for a population, written into resident LoRA slots (``slots``), the model's
 own weights as the ES mean written in place (``weights``), and the engine bugs worked around
@@ -37,10 +37,10 @@ class _PlannedGrid:
     slot_requests: list | None = None
 
 
-# ----------------------------------------------------------------------------- the evaluator
+# ----------------------------------------------------------------------------- the engine
 
 
-class VLLMEvaluator(GridsInOneCall, MembersInPlace):
+class VLLMEngine(GridsInOneCall, MembersInPlace):
     """One vLLM engine with LoRA enabled; every (adapter x prompt) request of a call goes into ONE generate."""
 
     # vLLM keeps process-wide state (parallel groups) that shutting one engine down tears down for
@@ -74,7 +74,7 @@ class VLLMEvaluator(GridsInOneCall, MembersInPlace):
                               or (engine_kwargs or {}).get("worker_extension_cls") == EXTENSION)
         self.lora_kernel_configs, self.start_seconds = started.lora_kernel_configs, started.start_seconds
         self.cudagraph_capture_sizes = started.cudagraph_capture_sizes
-        VLLMEvaluator._live_engines += 1
+        VLLMEngine._live_engines += 1
         self.encoder = PromptEncoder(self.llm.get_tokenizer())
         self.files = AdapterFiles(self.model_dir, self.dtype, adapter_root)
         self.slots = PopulationSlots(self.llm, self.model_dir, self.dtype, self.max_loras, self.files.workdir,
@@ -140,7 +140,7 @@ class VLLMEvaluator(GridsInOneCall, MembersInPlace):
         if distinct > self.max_loras:
             raise ValueError(
                 f"{distinct} adapters in one call but the engine holds max_loras={self.max_loras}: "
-                "start the evaluator with max_loras >= the population size"
+                "start the engine with max_loras >= the population size"
             )
         check_adapters(file_adapters, self.model_dir, self.max_lora_rank)
         # base requests beside adapters: the resident zero slot, else a zero adapter (see base_as_zero_adapter)
@@ -239,14 +239,14 @@ class VLLMEvaluator(GridsInOneCall, MembersInPlace):
         # An engine is set aside, not shut down, while another of the process is live (its shutdown
         # would tear down the parallel state they share); the last one to close shuts them all down,
         # with one garbage collection for all of them after.
-        VLLMEvaluator._retired.append(self.llm)
+        VLLMEngine._retired.append(self.llm)
         self.llm = None
-        VLLMEvaluator._live_engines -= 1
-        if VLLMEvaluator._live_engines == 0:
+        VLLMEngine._live_engines -= 1
+        if VLLMEngine._live_engines == 0:
             with one_collection():
-                while VLLMEvaluator._retired:
+                while VLLMEngine._retired:
                     try:
-                        VLLMEvaluator._retired.pop(0).llm_engine.engine_core.shutdown()
+                        VLLMEngine._retired.pop(0).llm_engine.engine_core.shutdown()
                     except Exception:
                         pass
                 fresh_cuda_graph_pool()

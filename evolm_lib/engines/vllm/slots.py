@@ -9,7 +9,7 @@ boundary.
 
 ``ResidentSlots`` loads the slots, has the worker write them every generation and hands out
 one ``LoRARequest`` per member. ``supported(llm)`` says whether an engine can host it, so a caller
-can fall back to files with a logged warning; ``PopulationSlots`` is that fallback for an evaluator.
+can fall back to files with a logged warning; ``PopulationSlots`` is that fallback for an engine.
 What the slots must match, and the vLLM versions read, are in ``worker_slots``.
 
 The slots hold exactly what the file path would load (the worker checks a fingerprint adapter at
@@ -189,7 +189,7 @@ class ResidentSlots:
     def _reset_prefix_cache(self) -> None:
         # Cached KV blocks are keyed by LoRA name, which is fixed here: stale after every write.
         if not self._prefix_caching:
-            return  # nothing cached (VLLMEvaluator starts in-place engines without a prefix cache)
+            return  # nothing cached (VLLMEngine starts in-place engines without a prefix cache)
         if self.llm.reset_prefix_cache() is False:
             raise RuntimeError("vLLM could not reset its prefix cache (requests still running?): slots would serve stale KV")
 
@@ -306,7 +306,7 @@ class PopulationSlots:
                 return None
         if len(population) > self.num_slots:
             raise ValueError(f"a population of {len(population)} exceeds the engine's max_loras={self.num_slots}: "
-                             "start the evaluator with max_loras >= the population size")
+                             "start the engine with max_loras >= the population size")
         return self._resident
 
     @property

@@ -1,4 +1,4 @@
-"""``RayEvaluator``: K vLLM engines in Ray actors behind the one ``Evaluator`` protocol (see the
+"""``RayEngines``: K vLLM engines in Ray actors behind the one ``Engine`` protocol (see the
 package's docstring for how a call travels and what a lost engine costs)."""
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ from .weights import RaySlots, RayWeights
 logger = logging.getLogger(__name__)
 
 
-class RayEvaluator(GridsInOneCall):
-    """K vLLM engines in Ray actors behind one ``Evaluator`` (and ``TokenScorer``): each call shared
+class RayEngines(GridsInOneCall):
+    """K vLLM engines in Ray actors behind one ``Engine`` (and ``TokenScorer``): each call shared
     out by a :class:`ShardPlan` and run by an :class:`EnginePool`, which restarts lost engines and
     reruns their shards."""
 
@@ -30,10 +30,10 @@ class RayEvaluator(GridsInOneCall):
                  engines_per_gpu: int | None = None, ray_address: str | None = None, cpus_per_engine: float = 1.0,
                  policy: FaultPolicy = FaultPolicy(), vllm_options: dict | None = None,
                  mps_thread_percentage: int | None = None, **sizes: Any):
-        """Engine sizes are ``VLLMEvaluator``'s (``sizing``, or keyword ``sizes``), ``max_loras`` for
+        """Engine sizes are ``VLLMEngine``'s (``sizing``, or keyword ``sizes``), ``max_loras`` for
         the whole call: each engine holds its share; ``engines_per_gpu`` (None: the sizing's) engines
         share each GPU, each with its own copy of the weights (on a CPU cluster each engine takes a
-        CPU slice whatever it says); ``vllm_options``: ``VLLMEvaluator``'s other keyword arguments;
+        CPU slice whatever it says); ``vllm_options``: ``VLLMEngine``'s other keyword arguments;
         ``mps_thread_percentage``: each engine's share of its card's SMs under CUDA's MPS (None: unset).
         Every engine resolves ``model`` by itself, so a model name or a folder present on every machine."""
         # Everything that can be refused is refused before a cluster is joined or an actor created.
@@ -97,7 +97,7 @@ class RayEvaluator(GridsInOneCall):
         """One record per call lost to a dead engine (engine, method, attempt, error, time)."""
         return self.pool.faults
 
-    # --- the evaluator protocol ------------------------------------------------------------------
+    # --- the engine protocol ------------------------------------------------------------------
     def generate_grids(self, grids: Sequence[tuple[Sequence[PromptLike], AdapterList, SamplingSettings]]) -> list[CompletionTable]:
         """Several grids in one call: every engine runs its share of all of them in ONE engine call;
         one complete ``[adapter][prompt]`` table per grid, or an error and nothing."""
@@ -156,7 +156,7 @@ class RayEvaluator(GridsInOneCall):
     def run_members(self, weights: RayWeights, members: Sequence[Member], sigma: float, prompts: Sequence[PromptLike],
                     sampling: SamplingSettings, score: tuple[Sequence[PromptLike], SamplingSettings] | None = None,
                     slots: RaySlots | None = None) -> tuple[CompletionTable, CompletionTable | None, dict[str, float]]:
-        """``VLLMEvaluator.run_members`` over the engines, in one concurrent call: engine ``e`` serves
+        """``VLLMEngine.run_members`` over the engines, in one concurrent call: engine ``e`` serves
         the ``e``-th contiguous block of the members (one after another, or from its EGGROLL slots)
         on every prompt, and the ``e``-th block of ``score``'s prompts under its mean (each request
         keeping its seed). Tables come back in member and prompt order; the timing's ``adapters*``
@@ -200,7 +200,7 @@ class RayEvaluator(GridsInOneCall):
         return recovered
 
     def close(self) -> None:
-        """Shut every engine down, end the actors, and leave a cluster this evaluator started."""
+        """Shut every engine down, end the actors, and leave a cluster these engines started."""
         if getattr(self, "pool", None) is not None:
             self.pool.close()
         self._shutdown_ray()
