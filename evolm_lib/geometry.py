@@ -33,7 +33,7 @@ import torch
 
 from .config import ConfigError, did_you_mean
 from .engines.resident_weights import targeted_weight_shapes
-from .evaluation import mean_kl_to_base, score_adapters
+from .scoring import mean_kl_to_base, score_adapters
 from .lora import AdapterWeights, read_base_weights
 from .models import resolve_model
 from .runs import latest_intact_checkpoint, list_checkpoints, load_checkpoint, load_run_config, read_config_kind

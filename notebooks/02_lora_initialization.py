@@ -47,7 +47,7 @@ import yaml
 from evolm_lib import es
 from evolm_lib.config import ESConfig
 from evolm_lib.engines import make_engine
-from evolm_lib.evaluation import preview_population
+from evolm_lib.scoring import preview_population
 from evolm_lib.lora import (
     adapter_shapes, base_weight_magnitudes, init_adapter, layer_of, module_of,
     noise_scales, save_adapter,

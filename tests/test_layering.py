@@ -16,7 +16,7 @@ LAYERS = [
     # settings, adapters, model folders, run folders (and report_to's copies of their rows), process environment
     {"config", "config_checks", "parameters", "lora", "models", "runs", "reporting", "env", "paths", "quiet"},
     # engines behind one protocol, and what is measured through them
-    {"engines", "preflight", "evaluation", "throughput"},
+    {"engines", "preflight", "scoring", "throughput"},
     # runs (ES, GRPO, the loop they share) and what drives or reads many runs
     {"train", "analysis", "batch", "sweep", "tune", "benchmark", "geometry"},
     # on top: widgets and figures, the evolm command

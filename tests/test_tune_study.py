@@ -435,13 +435,13 @@ def test_an_answer_holds_its_target_as_a_word_of_its_own_in_any_case():
 
 
 def test_the_base_model_answers_the_studys_held_out_problems_for_reference(tmp_path, tiny_vllm, capsys):
-    """`evolm_lib.tune.base`: the spec's task and token limit, no adapter, every held-out problem
+    """`evolm_lib.tune.base_answers`: the spec's task and token limit, no adapter, every held-out problem
     once, lines as a run's heldout.jsonl (rewards the task's own), and means that are those of the lines."""
     import statistics
 
     from evolm_lib.analysis import target_in_answer
     from evolm_lib.tasks.conciseness import length_reward
-    from evolm_lib.tune.base import base_answers, main as base_main
+    from evolm_lib.tune.base_answers import base_answers, main as base_main
     from evolm_lib.tune.spec import load_tune_spec
 
     spec_path = REPO / "papermill_runs" / "tune_study_conciseness_gpu.yaml"
@@ -510,9 +510,9 @@ def test_empty_held_out_answers_are_kept_by_the_export_and_their_share_reported(
 
 
 def test_the_base_model_s_lines_go_into_the_export_and_become_the_tables_and_figures_reference(tmp_path, capsys):
-    """STUDY/base/heldout.jsonl (tune.base --out, never written over): the export keeps its summary (hand-computed: rewards -5, 0, -14 and 0 of four answers, one empty, three holding their
+    """STUDY/base/heldout.jsonl (tune.base_answers --out, never written over): the export keeps its summary (hand-computed: rewards -5, 0, -14 and 0 of four answers, one empty, three holding their
     target), which the tables give as a row, the digest as a line and the answers figure as a star."""
-    from evolm_lib.tune.base import main as base_main
+    from evolm_lib.tune.base_answers import main as base_main
     from evolm_lib.tune.export import export_study, read_study
     from evolm_lib.tune.final import BASE_HELDOUT
     from evolm_lib.tune.digest import study_digest
@@ -539,7 +539,7 @@ def test_the_base_model_s_lines_go_into_the_export_and_become_the_tables_and_fig
     assert loaded["base"] == {"problems": 4, "reward": -4.75, "success": 0.5, "empty": 0.25, "has_target": 0.75}
     tables = study_tables(loaded, measure="reward")
     assert tables["base"].loc["base model", "reward"] == -4.75
-    assert ("The base model, untrained, on the same 4 held-out problems (`python -m evolm_lib.tune.base`): -4.75, "
+    assert ("The base model, untrained, on the same 4 held-out problems (`python -m evolm_lib.tune.base_answers`): -4.75, "
             "25 % of its answers empty and 75 % holding their target.") in study_digest(tables, "t").splitlines()
     star = [trace for trace in answer_figure(loaded).data if trace.name == "base model"]
     assert len(star) == 1 and list(star[0].x) == [25.0] and list(star[0].y) == [75.0]

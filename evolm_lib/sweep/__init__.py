@@ -70,7 +70,7 @@ from ..batch import execute_notebook, read_yaml_file, spec_from_dict, write_summ
 from ..engines import EngineSizing, make_engine
 from ..env import record_placement
 from ..train.es import ESRun
-from ..evaluation import evaluate_adapter, mean_kl_to_base, success
+from ..scoring import evaluate_adapter, mean_kl_to_base, success
 from ..train.grpo import GRPORun
 from ..train.model_weights import ModelWeights
 from ..runs import (RunFolderBusy, list_checkpoints, load_checkpoint, read_checkpoint_kls, read_jsonl,

@@ -17,7 +17,7 @@ import torch
 from ..config import ESConfig
 from ..engines import CompletionTable, Engine, SamplingSettings, make_engine, resolve_noise_device
 from ..env import sm_count
-from ..evaluation import scoring_grid, scores_of
+from ..scoring import scoring_grid, scores_of
 from ..lora import AdapterWeights
 from ..clock import timed
 from ..runs import RunState
@@ -27,7 +27,7 @@ from ..es import core as es
 from ..es import state as es_state
 from .es_parameters import ESParameters, LoraMean, Update, population_rewards
 from .loop import RunLoop, percentile
-from .scoring import score_keys
+from .scoring_plan import score_keys
 from .model_weights import ModelWeights
 
 

@@ -18,7 +18,7 @@ import torch
 from ..clock import timed
 from ..config import ConfigError
 from ..engines import Engine
-from ..evaluation import score_adapters
+from ..scoring import score_adapters
 from ..lora import AdapterWeights, adapter_shapes, base_weight_magnitudes, init_adapter, save_adapter
 from ..models import resolve_model
 from ..preflight import check_engine_settings
@@ -35,7 +35,7 @@ from ..runs import (
     write_run_config,
 )
 from ..seeds import derive_seed
-from .scoring import ScoringPlan, ScoringSettings, score_keys, scored_means, scoring_plan
+from .scoring_plan import ScoringPlan, ScoringSettings, score_keys, scored_means, scoring_plan
 from ..tasks import Example, Task, get_task
 
 

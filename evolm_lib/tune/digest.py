@@ -286,7 +286,7 @@ def answers_digest(heldout, long) -> list[str]:
 
 def base_line(base: Mapping[str, Any], measure: str) -> str:
     """The digest's line for the base model's held-out summary (``analysis.heldout_summary``, from
-    ``tune.base``): its mean in ``measure`` and its answers' shares, where judged."""
+    ``tune.base_answers``): its mean in ``measure`` and its answers' shares, where judged."""
     from ..analysis import HELDOUT_MEASURES
 
     key = HELDOUT_MEASURES.get(measure, ("success",))[0]
@@ -294,7 +294,7 @@ def base_line(base: Mapping[str, Any], measure: str) -> str:
                                                                        ("has_target", "holding their target"))
               if flag in base and not math.isnan(base[flag])]
     return (f"The base model, untrained, on the same {int(base['problems'])} held-out problems (`python -m "
-            f"evolm_lib.tune.base`): {_value(base[key], measure)}" + (f", {_and(shares)}" if shares else "") + ".")
+            f"evolm_lib.tune.base_answers`): {_value(base[key], measure)}" + (f", {_and(shares)}" if shares else "") + ".")
 
 
 def _and(words: Sequence[str]) -> str:

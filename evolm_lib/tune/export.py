@@ -13,7 +13,7 @@ are left out), where it ran (placement.jsonl) and the KL of its checkpoints wher
 under way whose newest checkpoint holds no tensors (ES on the model's own weights, whose mean is its
 seed log replayed) keeps what it goes on from (``resume_state``), so an imported study resumes it.
 The Optuna trials of every study go to DIR/trials.jsonl.gz, tune_summary.json is copied, the base
-model's held-out lines (``tune.base``, STUDY/base/heldout.jsonl) become their summary in
+model's held-out lines (``tune.base_answers``, STUDY/base/heldout.jsonl) become their summary in
 DIR/base.json (``analysis.heldout_summary``), and manifest.json counts what went in. The gzip files
 carry no timestamp, and a trial's folder is named within the study (``trials/<method>/trial_NNNN``):
 the same study exports to the same bytes, wherever it lies. ``read_study`` reads an export, or a

@@ -31,7 +31,7 @@ STAGES = ("final", "long", "control")
 CONTINUED_FROM = "continued_from.json"
 """In a continued rerun's folder: the rerun it was copied from, and at which generation or step."""
 BASE_HELDOUT = Path("base") / HELDOUT
-"""Under OUT: the base model's held-out lines (``tune.base --out``), the reference an export summarises."""
+"""Under OUT: the base model's held-out lines (``tune.base_answers --out``), the reference an export summarises."""
 
 
 def final_plan(spec: TuneSpec, method: str) -> list[PlannedRun]:

@@ -18,7 +18,7 @@
   GRPO's checkpoint holds tensors, which an export does not carry).
 - tune_summary.json as exported; STUDY/imported.json records what was written and what was left out,
   and why. The base model's held-out lines are not in an export (only their summary, base.json):
-  ``python -m evolm_lib.tune.base SPEC`` writes them again.
+  ``python -m evolm_lib.tune.base_answers SPEC`` writes them again.
 
 Nothing is written where STUDY exists and is not empty, where DIR holds no runs.jsonl.gz, or where
 its trials name a method or a setting the spec has not; the folder is built beside STUDY as
@@ -270,7 +270,7 @@ def import_study(export_dir: str | Path, spec: TuneSpec, out: str | Path | None 
         "under_way_trials": {m: [r["number"] for r in trials if r["method"] == m and r["state"] == "running"]
                              for m in imported_trials},
         "runs": stages, "resumed": resumed, "left_out": left_out,
-        "base": "summary only: python -m evolm_lib.tune.base SPEC writes the lines again" if exported["base"] else None,
+        "base": "summary only: python -m evolm_lib.tune.base_answers SPEC writes the lines again" if exported["base"] else None,
     }
     (partial / IMPORTED).write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
     if study.exists():
@@ -300,7 +300,7 @@ def import_lines(record: dict[str, Any], study: Path) -> list[str]:
                      + "; ".join(f"{path} ({why})" for path, why in record["left_out"].items()))
     if record["base"]:
         lines.append("the base model's held-out lines are not in the exported files (only their summary, base.json): "
-                     "python -m evolm_lib.tune.base SPEC writes them again")
+                     "python -m evolm_lib.tune.base_answers SPEC writes them again")
     return lines
 
 

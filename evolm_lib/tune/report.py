@@ -8,7 +8,7 @@ exploratory), and where present the continued reruns, the shuffled-fitness contr
 sweep's runs (Qiu et al.'s protocol; where its methods trained on different budgets, also each one's
 evaluation reward at the common budget, and the comparisons there); the winners' geometry where
 geometry.json lies beside the files; the base model's held-out summary where the study has it
-(``tune.base``). ``digest.study_digest`` writes them as Markdown (``summary.md``), the numbers a
+(``tune.base_answers``). ``digest.study_digest`` writes them as Markdown (``summary.md``), the numbers a
 findings section quotes.
 """
 from __future__ import annotations
@@ -232,7 +232,7 @@ def study_tables(compact: dict, measure: str | None = None) -> dict[str, Any]:
                 tables["sweep_equal_budget_tests"] = equal_budget_comparisons(sweep)
     if compact.get("geometry"):
         tables.update(geometry_tables(compact["geometry"]))
-    if compact.get("base"):  # the untrained model on the same problems (tune.base), one row
+    if compact.get("base"):  # the untrained model on the same problems (tune.base_answers), one row
         tables["base"] = pd.DataFrame([{"method": "base model", **compact["base"]}]).set_index("method")
     if "winners" in tables:
         tables["completeness"] = completeness_table(summary, tables["winners"], tables.get("heldout"), tables.get("long"),

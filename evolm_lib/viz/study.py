@@ -158,7 +158,7 @@ def answer_figure(compact: dict) -> Any | None:
             name=f"{name} (n={len(group)})",
             marker={"color": method_color(name, index), "symbol": symbol, "size": 10, "opacity": 0.7},
             text=[f"seed {p['seed']}: held out {p['score']:.3g}" for p in group], hoverinfo="text+name"))
-    if judged:  # where every method started: the untrained model on the same problems (tune.base)
+    if judged:  # where every method started: the untrained model on the same problems (tune.base_answers)
         fig.add_trace(go.Scatter(x=[100 * base["empty"]], y=[100 * base["has_target"]], mode="markers",
                                  name="base model", marker={"color": "black", "symbol": "star", "size": 14},
                                  text=[f"held out: reward {base['reward']:.3g}, success {100 * base['success']:.0f} %"],

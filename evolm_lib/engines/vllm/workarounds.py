@@ -1,7 +1,7 @@
 """Workarounds for vLLM bugs, each with the engine version it was found on. Remove one when the
 pinned engine no longer needs it; its regression test says so: ``base_as_zero_adapter`` in
 tests/test_engines.py (test_base_requests_batched_with_adapters), ``vllm_cpu_prompt_logprobs_fix``
-in tests/test_evaluation.py (test_mean_kl_to_base_is_zero_for_a_zero_adapter_and_positive_otherwise),
+in tests/test_scoring.py (test_mean_kl_to_base_is_zero_for_a_zero_adapter_and_positive_otherwise),
 ``fresh_cuda_graph_pool`` on a GPU only (a second engine started in a process after the first
 closed), which no CPU test can show; ``one_collection`` in tests/test_engines.py
 (test_engines_shut_down_together_cost_one_garbage_collection)."""

@@ -1,6 +1,6 @@
 """The base model on a study's held-out problems, the reference beside its tuned methods:
 
-    python -m evolm_lib.tune.base SPEC [--model MODEL] [--out FILE]
+    python -m evolm_lib.tune.base_answers SPEC [--model MODEL] [--out FILE]
 
 The spec's task, model and ``max_new_tokens`` (its first method's, which every method shares); the
 base model, without adapter, answers each held-out problem greedily. Prints the mean reward and
@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..analysis import heldout_summary
-from ..evaluation import evaluate_adapter
+from ..scoring import evaluate_adapter
 from ..sweep import evaluation_lines, make_shared_engine
 from ..tasks import get_task
 from .final import BASE_HELDOUT
@@ -41,7 +41,7 @@ def base_answers(spec: TuneSpec, engine) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m evolm_lib.tune.base", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m evolm_lib.tune.base_answers", description=__doc__.split("\n\n")[0])
     parser.add_argument("spec", help="a tune spec (papermill_runs/tune_study_*_gpu.yaml)")
     parser.add_argument("--model", help="another model than the spec's (tiny-random for a quick check)")
     parser.add_argument("--out", type=Path,

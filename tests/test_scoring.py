@@ -1,4 +1,4 @@
-"""Tests for evolm_lib.evaluation: pass@k by hand, success thresholds, evaluate_adapter and the
+"""Tests for evolm_lib.scoring: pass@k by hand, success thresholds, evaluate_adapter and the
 engine-side KL to the base model on tiny-random (vLLM)."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from itertools import combinations
 import pytest
 import torch
 
-from evolm_lib.evaluation import (
+from evolm_lib.scoring import (
     default_success_threshold,
     evaluate_adapter,
     mean_kl_to_base,

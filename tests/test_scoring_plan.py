@@ -1,4 +1,4 @@
-"""Tests for evolm_lib.train.scoring: the scoring plan on its own (whether a generation scores its
+"""Tests for evolm_lib.train.scoring_plan: the scoring plan on its own (whether a generation scores its
 mean after the update, or rides the previous mean's scoring in its population's call, and on which
 prompt sets), and a run's rows following it."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ from evolm_lib.config import ESConfig
 from evolm_lib.engines.synthetic import SyntheticEngine
 from evolm_lib.runs import read_metrics
 from evolm_lib.train.es import ESRun
-from evolm_lib.train.scoring import ScoringSettings, scored_means, scoring_plan
+from evolm_lib.train.scoring_plan import ScoringSettings, scored_means, scoring_plan
 
 
 def _plans(settings: ScoringSettings, last: int, scored=()) -> list[tuple[bool, bool]]:
