@@ -55,7 +55,7 @@ class CommonConfig(BaseModel):
     engines_per_gpu: int = Field(1, ge=1)
     "evaluator ray: engines that share one GPU, each with its own copy of the weights, taking 1/engines_per_gpu of the card (num_engines <= GPUs x engines_per_gpu) and, unless gpu_memory_utilization is set, GPU_MEMORY_SHARE / engines_per_gpu of its memory; on a CPU cluster it is recorded and places nothing (each engine takes its CPU)"
     tensor_parallel_size: int = Field(1, ge=1)
-    "vLLM engines with evaluator local: the cards (on a CPU: processes, each on its own cores) one engine's weights are split over (vLLM's tensor parallelism; docs: Engines, Running a large model); evaluator ray and the HF engine refuse more than 1"
+    "vLLM engines: the cards (on a CPU: processes, each on its own cores) one engine's weights are split over (vLLM's tensor parallelism; docs: Engines, Running a large model); with evaluator ray each engine's actor takes that many cards of one node; the HF engine refuses more than 1"
     mps_thread_percentage: Optional[int] = Field(None, ge=1, le=100)
     "evaluator ray on a card shared through CUDA's MPS: each engine's CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, the share of the card's SMs its kernels may take (for example 100 / engines_per_gpu); None: unset (each engine may take the whole card). Outside MPS it has no effect. Under it the engines see fewer SMs, and torch's CUDA random kernels size their grid from that count, so noise_device cuda draws other noise from the same seeds: the rows are those of runs at the same percentage on the same card, not those of engines with the whole card (refused with es_mode lora, whose update draws its noise in this process)"
     ray_address: Optional[str] = None
@@ -162,9 +162,9 @@ class CommonConfig(BaseModel):
             raise ValueError("ray_address: set, but evaluator is 'local'; use evaluator: ray to run engines on a Ray cluster")
         if self.evaluator == "ray" and self.engine != "vllm":
             raise ValueError(f"evaluator: 'ray' shards calls over vLLM engines; engine must be 'vllm', got {self.engine!r}")
-        if self.tensor_parallel_size > 1 and (self.evaluator == "ray" or self.engine != "vllm"):
-            raise ValueError(f"tensor_parallel_size: {self.tensor_parallel_size} splits one vLLM engine with evaluator: local; "
-                             f"not supported yet with evaluator: {self.evaluator!r} and engine: {self.engine!r}")
+        if self.tensor_parallel_size > 1 and self.engine != "vllm":
+            raise ValueError(f"tensor_parallel_size: {self.tensor_parallel_size} splits a vLLM engine; engine must be 'vllm', "
+                             f"got {self.engine!r}")
         return self
 
     @model_validator(mode="after")

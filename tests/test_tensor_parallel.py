@@ -114,15 +114,20 @@ def test_more_ranks_than_visible_cards_are_refused(monkeypatch):
     startup.tensor_parallel_setup(2, on_gpu=True, cards=2)
 
 
-def test_ray_engines_refuse_tensor_parallelism():
-    from evolm_lib.engines.ray.engines import RayEngines
+def test_ray_engines_ask_for_a_slice_of_cards_per_rank_and_hf_refuses():
+    from evolm_lib.engines.ray.cluster import check_cluster_resources
 
-    with pytest.raises(ConfigError, match="tensor_parallel_size: 2 splits one vLLM engine .* evaluator: 'ray'"):
-        vllm_kill_config().replace(evaluator="ray", num_engines=2, tensor_parallel_size=2)
-    with pytest.raises(ConfigError, match="tensor_parallel_size: 2 .* engine: 'hf'"):
+    # an engine split over T ranks: its actor holds T cards (or T CPU slices) of one node
+    assert check_cluster_resources(2, {"CPU": 64.0, "GPU": 4.0}, tensor_parallel_size=2) == {"num_gpus": 2}
+    assert check_cluster_resources(1, {"CPU": 2.0}, tensor_parallel_size=2) == {"num_cpus": 2.0}
+    with pytest.raises(ValueError, match=r"num_engines: 3 engines need 6 GPUs \(tensor_parallel_size=2 cards each\)"):
+        check_cluster_resources(3, {"CPU": 64.0, "GPU": 4.0}, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="engines_per_gpu: 2 engines on one card cannot each be split"):
+        check_cluster_resources(2, {"CPU": 64.0, "GPU": 4.0}, engines_per_gpu=2, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="num_engines: 2 CPU engines need 4 CPUs"):
+        check_cluster_resources(2, {"CPU": 2.0}, tensor_parallel_size=2)
+    with pytest.raises(ConfigError, match="tensor_parallel_size: 2 splits a vLLM engine; engine must be 'vllm'"):
         vllm_kill_config().replace(engine="hf", tensor_parallel_size=2)
-    with pytest.raises(ConfigError, match="tensor_parallel_size=2 with evaluator ray"):
-        RayEngines("tiny-random", EngineSizing(tensor_parallel_size=2), num_engines=2)
 
 
 # ----------------------------------------------------------------------------- resident slots in shards

@@ -26,9 +26,10 @@ FORWARDED_ENV_PREFIXES = ("EVOLM_", "VLLM_", "HF_")
 MPS_THREAD_PERCENTAGE_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
 
 
-def actor_env(placement: dict[str, float]) -> dict[str, str]:
+def actor_env(placement: dict[str, float], tensor_parallel_size: int = 1) -> dict[str, str]:
     """The environment of an engine's actor: defaults, the driver's EVOLM_/VLLM_/HF_ settings, the
-    required ones, and on a CPU slice one OpenMP thread per CPU of the slice."""
+    required ones, and on a CPU slice one OpenMP thread per CPU of the slice (of each rank's part of
+    it, for an engine split over ``tensor_parallel_size`` processes)."""
     env = {**ACTOR_DEFAULT_ENV, **{k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV_PREFIXES)}}
     env.update(ACTOR_REQUIRED_ENV)
     if "num_cpus" in placement:
@@ -36,7 +37,7 @@ def actor_env(placement: dict[str, float]) -> dict[str, str]:
         # (OMPProcessManager), where "auto" gives every engine the same first cores; in-process, as
         # here, it binds nothing (each engine reports both cores in its affinity and one torch
         # thread). "nobind" keeps two engines off one core either way.
-        env["OMP_NUM_THREADS"] = str(max(1, int(placement["num_cpus"])))
+        env["OMP_NUM_THREADS"] = str(max(1, int(placement["num_cpus"]) // tensor_parallel_size))
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     return env
 

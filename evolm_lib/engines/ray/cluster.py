@@ -24,24 +24,30 @@ def import_ray():
 
 
 def check_cluster_resources(num_engines: int, resources: dict[str, float], cpus_per_engine: float = 1.0,
-                            engines_per_gpu: int = 1) -> dict[str, float]:
+                            engines_per_gpu: int = 1, tensor_parallel_size: int = 1) -> dict[str, float]:
     """The resources one engine's actor asks for (1/engines_per_gpu of a GPU where the cluster has
-    GPUs, else a CPU slice: engines_per_gpu places nothing on a CPU cluster); raises ValueError
-    when the cluster cannot hold ``num_engines`` of them."""
+    GPUs, else a CPU slice: engines_per_gpu places nothing on a CPU cluster; an engine split over
+    ``tensor_parallel_size`` ranks asks for that many cards, or CPU slices, which Ray gives one actor
+    on one node); raises ValueError when the cluster cannot hold ``num_engines`` of them."""
+    tp = tensor_parallel_size
     gpus = float(resources.get("GPU", 0))
     if gpus > 0:
-        cards = math.ceil(num_engines / engines_per_gpu)
+        if tp > 1 and engines_per_gpu > 1:
+            raise ValueError(f"engines_per_gpu: {engines_per_gpu} engines on one card cannot each be split over "
+                             f"tensor_parallel_size={tp} cards; use engines_per_gpu 1 with tensor parallelism")
+        cards = num_engines * tp if tp > 1 else math.ceil(num_engines / engines_per_gpu)
         if cards > gpus:
-            per_card = "one engine per GPU" if engines_per_gpu == 1 else f"engines_per_gpu={engines_per_gpu}"
+            per_card = ("one engine per GPU" if engines_per_gpu == 1 else f"engines_per_gpu={engines_per_gpu}") \
+                if tp == 1 else f"tensor_parallel_size={tp} cards each"
             raise ValueError(f"num_engines: {num_engines} engines need {cards} GPUs ({per_card}) but the Ray cluster "
-                             f"has {gpus:g}; use num_engines <= {int(gpus) * engines_per_gpu}, a larger engines_per_gpu "
-                             "or more machines (ray start --address=...)")
-        return {"num_gpus": 1 / engines_per_gpu}
+                             f"has {gpus:g}; use num_engines <= {int(gpus) * engines_per_gpu // tp}, a larger "
+                             "engines_per_gpu or more machines (ray start --address=...)")
+        return {"num_gpus": tp} if tp > 1 else {"num_gpus": 1 / engines_per_gpu}
     cpus = float(resources.get("CPU", 0))
-    if num_engines * cpus_per_engine > cpus:
-        raise ValueError(f"num_engines: {num_engines} CPU engines need {num_engines * cpus_per_engine:g} CPUs "
-                         f"({cpus_per_engine:g} each) but the Ray cluster has {cpus:g} and no GPU")
-    return {"num_cpus": cpus_per_engine}
+    if num_engines * cpus_per_engine * tp > cpus:
+        raise ValueError(f"num_engines: {num_engines} CPU engines need {num_engines * cpus_per_engine * tp:g} CPUs "
+                         f"({cpus_per_engine * tp:g} each) but the Ray cluster has {cpus:g} and no GPU")
+    return {"num_cpus": cpus_per_engine * tp}
 
 
 MPS_DEFAULT_PIPE = "/tmp/nvidia-mps"

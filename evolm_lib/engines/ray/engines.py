@@ -44,13 +44,6 @@ class RayEngines(GridsInOneCall):
         if engines_per_gpu is not None:
             sizes["engines_per_gpu"] = engines_per_gpu
         self.sizing = (sizing or EngineSizing()).replace(**sizes)
-        if self.sizing.tensor_parallel_size > 1:
-            from ...config import ConfigError
-
-            # each engine would need tensor_parallel_size cards of one node (a placement group per actor)
-            raise ConfigError(f"tensor_parallel_size={self.sizing.tensor_parallel_size} with evaluator ray: Ray engines are "
-                              "not split over several cards yet; use evaluator local for a tensor-parallel engine, or "
-                              "tensor_parallel_size 1 with Ray")
         self.engines_per_gpu = self.sizing.engines_per_gpu
         self.engine_sizing = self.sizing.shard(num_engines)
         self.num_engines = num_engines
@@ -66,7 +59,7 @@ class RayEngines(GridsInOneCall):
         started = time.perf_counter()
         try:
             placement = check_cluster_resources(num_engines, ray.cluster_resources(), cpus_per_engine,
-                                                self.engines_per_gpu)
+                                                self.engines_per_gpu, self.sizing.tensor_parallel_size)
             warning = shared_card_warning(self.engines_per_gpu, placement) if self._owns_ray and ray_address is None else None
             if warning:  # a local cluster: its engines meet MPS (or not) where this process would
                 logger.warning(warning)

@@ -87,7 +87,7 @@ class EnginePool:
         start_timeout_s = policy.start_timeout_s
         deadline = time.monotonic() + start_timeout_s
         remote = ray.remote(EngineActor).options(max_restarts=policy.max_restarts, max_task_retries=0,
-                                                 runtime_env={"env_vars": {**actor_env(placement), **(env or {})}},
+                                                 runtime_env={"env_vars": {**actor_env(placement, sizing.tensor_parallel_size), **(env or {})}},
                                                  **placement)
         actors = [remote.remote(index, model, sizing, options) for index in range(num_engines)]
         info: list[dict] = [{} for _ in actors]

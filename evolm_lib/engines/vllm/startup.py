@@ -274,6 +274,9 @@ def llm_arguments(model_dir: str | Path, sizing: EngineSizing, on_gpu: bool, *, 
         extra.setdefault("kv_cache_memory_bytes", memory.kv_cache_bytes)
     if sizing.tensor_parallel_size > 1:
         extra.setdefault("tensor_parallel_size", sizing.tensor_parallel_size)
+        # a process per rank, also inside a Ray actor (where vLLM would otherwise ask Ray for the ranks'
+        # placement): the actor already holds its cards, or CPU slices, on one node
+        extra.setdefault("distributed_executor_backend", "mp")
     if sizing.adapter_transfer == "in_place":
         extra.setdefault("worker_extension_cls", EXTENSION)
         # Resident slots keep their names, so cached KV blocks go stale at every write and would
