@@ -27,3 +27,12 @@ def close_to(value, expected) -> bool:
     if isinstance(value, list) and isinstance(expected, list):
         return len(value) == len(expected) and all(map(close_to, value, expected))
     return value == expected
+
+
+def assert_rows_close(rows: list[dict], expected: list[dict], count: str) -> None:
+    """The rows of a resumed folder against an uninterrupted run's, ``count`` (generation or step)
+    by ``count``: the same keys, values ``close_to``."""
+    assert [r[count] for r in rows] == [r[count] for r in expected]
+    for row, want in zip(rows, expected):
+        assert row.keys() == want.keys(), row[count]
+        assert all(close_to(row[k], want[k]) for k in row), [k for k in row if not close_to(row[k], want[k])]

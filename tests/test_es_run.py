@@ -23,7 +23,7 @@ from evolm_lib.engines.synthetic import SyntheticEngine
 from evolm_lib.tasks.conciseness import EVAL_PAIRS, TRAIN_PAIRS
 from evolm_lib.metrics import without_times
 
-from helpers_data import close_to, data_script
+from helpers_data import assert_rows_close, data_script
 from helpers_kill_run import kill_config
 
 HELPER = Path(__file__).with_name("helpers_kill_run.py")
@@ -779,6 +779,4 @@ def test_a_run_folder_written_before_the_es_state_resumes_like_an_uninterrupted_
     reference.close()
     rows, expected = without_times(read_metrics(run_dir)), without_times(read_metrics(tmp_path / "reference"))
     assert [r["generation"] for r in rows] == [r["generation"] for r in expected] == list(range(config.num_generations + 1))
-    for row, want in zip(rows, expected):
-        assert row.keys() == want.keys(), row["generation"]
-        assert all(close_to(row[k], want[k]) for k in row), [k for k in row if not close_to(row[k], want[k])]
+    assert_rows_close(rows, expected, "generation")

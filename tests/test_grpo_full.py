@@ -19,7 +19,7 @@ from evolm_lib.metrics import without_times
 from evolm_lib.runs import list_checkpoints, read_metrics
 from evolm_lib.train.grpo import WEIGHTS_PREFIX, GRPORun
 from evolm_lib.train.policy import PolicyTrainer, rollout_batch
-from helpers_data import close_to, data_script
+from helpers_data import assert_rows_close, data_script
 
 TARGETS = ["q_proj", "v_proj", "down_proj"]
 FULL = dict(model="tiny-random", task="conciseness", policy_weights="full", target_modules=TARGETS, group_size=4,
@@ -293,6 +293,4 @@ def test_a_grpo_folder_written_before_the_restructuring_resumes_like_an_uninterr
     reference.close()
     rows, expected = without_times(read_metrics(run_dir)), without_times(read_metrics(tmp_path / "reference"))
     assert [r["step"] for r in rows] == [r["step"] for r in expected] == list(range(config.num_steps + 1))
-    for row, want in zip(rows, expected):
-        assert row.keys() == want.keys(), row["step"]
-        assert all(close_to(row[k], want[k]) for k in row), [k for k in row if not close_to(row[k], want[k])]
+    assert_rows_close(rows, expected, "step")
