@@ -27,9 +27,13 @@ ENGINE = dict(max_loras=8, max_lora_rank=8, max_model_len=256, kv_cache_gb=0.062
 def engines(tiny_model_dir):
     """An engine on one process and one split over two, shared by the runs (a run serves the model
     folder's weights again when it closes)."""
+    from evolm_lib.engines.vllm import startup
     from evolm_lib.engines.vllm.engine import VLLMEngine
 
-    started = {size: VLLMEngine(str(tiny_model_dir), **ENGINE, tensor_parallel_size=size) for size in (1, 2)}
+    started = {1: VLLMEngine(str(tiny_model_dir), **ENGINE)}
+    with pytest.MonkeyPatch.context() as patch:  # the suite binds each xdist worker to one core: the ranks choose theirs
+        patch.delenv(startup.CPU_BIND_ENV, raising=False)
+        started[2] = VLLMEngine(str(tiny_model_dir), **ENGINE, tensor_parallel_size=2)
     yield started
     for engine in started.values():
         engine.close()

@@ -26,10 +26,13 @@ PROMPTS = ["Name a colour.", "Count to three."]
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
     """One engine split over two processes, one core each."""
+    from evolm_lib.engines.vllm import startup
     from evolm_lib.engines.vllm.engine import VLLMEngine
 
-    engine = VLLMEngine(str(tiny_model_dir), max_loras=4, max_lora_rank=2, max_model_len=256, kv_cache_gb=0.0625,
-                              tensor_parallel_size=2)
+    with pytest.MonkeyPatch.context() as patch:  # the suite binds each xdist worker to one core: the ranks choose theirs
+        patch.delenv(startup.CPU_BIND_ENV, raising=False)
+        engine = VLLMEngine(str(tiny_model_dir), max_loras=4, max_lora_rank=2, max_model_len=256, kv_cache_gb=0.0625,
+                            tensor_parallel_size=2)
     yield engine
     engine.close()
 

@@ -39,6 +39,8 @@ def actor_env(placement: dict[str, float], tensor_parallel_size: int = 1) -> dic
         # thread). "nobind" keeps two engines off one core either way.
         env["OMP_NUM_THREADS"] = str(max(1, int(placement["num_cpus"]) // tensor_parallel_size))
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        if tensor_parallel_size > 1:  # the driver's cores mean nothing in an actor Ray placed: each rank unbound
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
     return env
 
 
