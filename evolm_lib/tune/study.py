@@ -141,16 +141,17 @@ def _retry_callback(spec: TuneSpec):
 
 
 def load_study(spec: TuneSpec, method: str, storage=None):
-    """The method's study (created on first use); its TPE sampler seeded from ``sampler_seed``, the
-    method and the number of trials the study holds (a study continued after a stop draws from a
-    seed of its own, so its later draws differ from an uninterrupted study's)."""
+    """The method's study (created on first use); its TPE sampler seeded from ``sampler_seed``, the method
+    and the number of trials held (a study continued after a stop draws from a seed of its own)."""
     import optuna
 
     settings = spec.settings
-    pruner = (optuna.pruners.MedianPruner(n_startup_trials=1) if settings.prune == "median"
-              else optuna.pruners.NopPruner())
-    study = optuna.create_study(storage=storage or open_storage(spec), study_name=method, direction="maximize",
-                                pruner=pruner, load_if_exists=True)
+    pruner = optuna.pruners.MedianPruner(n_startup_trials=1) if settings.prune == "median" else optuna.pruners.NopPruner()
+    storage = storage or open_storage(spec)
+    try:  # read first: creating writes, and a writer stopped mid-commit (SIGSTOP) holds SQLite's lock
+        study = optuna.load_study(storage=storage, study_name=method, pruner=pruner)
+    except KeyError:
+        study = optuna.create_study(storage=storage, study_name=method, direction="maximize", pruner=pruner, load_if_exists=True)
     number = len(study.get_trials(deepcopy=False))
     study.sampler = optuna.samplers.TPESampler(seed=derive_seed(settings.sampler_seed, method, number),
                                                n_startup_trials=settings.startup_trials)
@@ -162,8 +163,7 @@ def retried_number(trial) -> int | None:
     return trial.system_attrs.get("failed_trial")
 
 
-FINISHED = ("COMPLETE", "PRUNED")
-"""The states of a method's trials that count against its ``trials``."""
+FINISHED = ("COMPLETE", "PRUNED")  # the states of a method's trials that count against its ``trials``
 
 
 def _counts(trial) -> bool:
