@@ -388,7 +388,9 @@ def memory_plan(model: ModelShape, settings: PlanSettings) -> MemoryPlan:
                       settings.allowance, trainer)
 
 
-def _fitting(model: ModelShape, settings: PlanSettings, card_bytes: int, cards: int) -> int | None:
+def smallest_tensor_parallel_size(model: ModelShape, settings: PlanSettings, card_bytes: int, cards: int) -> int | None:
+    """The smallest tensor_parallel_size (a power of two up to ``cards`` that splits the model's
+    attention) whose plan fits ``card_bytes`` a card; None when none does."""
     for tp in model.tensor_parallel_sizes(cards):
         if tp > 1 and settings.mode == "full" and settings.noise_scheme != "tiled":
             break  # flat and per_tensor noise cannot be split
@@ -397,19 +399,13 @@ def _fitting(model: ModelShape, settings: PlanSettings, card_bytes: int, cards: 
     return None
 
 
-def smallest_tensor_parallel_size(model: ModelShape, settings: PlanSettings, card_bytes: int, cards: int) -> int | None:
-    """The smallest tensor_parallel_size (a power of two up to ``cards`` that splits the model's
-    attention) whose plan fits ``card_bytes`` a card; None when none does."""
-    return _fitting(model, settings, card_bytes, cards)
-
-
 def check_memory_plan(plan: MemoryPlan, card_bytes: int, cards: int) -> MemoryPlan:
     """Refuse, before any engine starts, a plan that does not fit: a tensor_parallel_size beyond the
     ``cards`` present, or a card of ``card_bytes`` too small for its share; the ConfigError names the
     smallest tensor_parallel_size that fits, or, where none up to ``cards`` does, what takes most."""
     settings, model = plan.settings, plan.model
     tp = settings.tensor_parallel_size
-    fits = _fitting(model, settings, card_bytes, cards)
+    fits = smallest_tensor_parallel_size(model, settings, card_bytes, cards)
     if tp > cards:
         hint = f"; tensor_parallel_size={fits} fits" if fits else ""
         raise ConfigError(f"tensor_parallel_size={tp} splits each engine over {tp} cards, but {cards} are present: "
@@ -423,7 +419,7 @@ def check_memory_plan(plan: MemoryPlan, card_bytes: int, cards: int) -> MemoryPl
                           f"than {card}: set tensor_parallel_size={fits} ({_gib(plan.at(fits).total)} a card)",
                           [("tensor_parallel_size", f"at least {fits} for {card}, got {tp}")])
     if settings.mode == "full" and settings.noise_scheme != "tiled":
-        tiled = _fitting(model, dataclasses.replace(settings, noise_scheme="tiled"), card_bytes, cards)
+        tiled = smallest_tensor_parallel_size(model, dataclasses.replace(settings, noise_scheme="tiled"), card_bytes, cards)
         if tiled is not None:
             raise ConfigError(f"{model.name} in mode {settings.mode} needs {plan.describe()}, more than {card}: set "
                               f"noise_scheme tiled and tensor_parallel_size={tiled}",

@@ -108,9 +108,9 @@ class ResidentWeights:
     def _check_full_noise(self) -> None:
         """Refuse to draw full-rank noise over slices of weights with a scheme that draws whole vectors
         (a sync that only loads and serves weights, as GRPO's, draws none)."""
-        sliced = sorted(name for name, part in self.slices.items() if not part.whole)
-        if sliced and not self.streams:
-            raise ValueError(f"{sliced[0]} is a slice of its weight (a tensor-parallel engine): full-rank noise needs "
+        if self.sliced and not self.streams:
+            first = min(name for name, part in self.slices.items() if not part.whole)
+            raise ValueError(f"{first} is a slice of its weight (a tensor-parallel engine): full-rank noise needs "
                              f"noise_scheme 'tiled' there, which draws a slice's noise alone, not {self.scheme!r}")
 
     def _lowrank_slices(self) -> dict[str, tuple[slice, slice]]:
@@ -119,10 +119,7 @@ class ResidentWeights:
     # --- members ---------------------------------------------------------------------------------
     def member_noise(self, member: es.Member, sigma: float) -> torch.Tensor:
         """sign * sigma * eps(seed) over all targeted weights, float32, flat (layout order)."""
-        if self.noise == "full":
-            if self.streams:
-                return torch.cat([self._tiled(member.seed, name).reshape(-1) for name in self.layout.names]).mul_(
-                    member.sign * float(sigma))
+        if self.noise == "full":  # (tiled noise is written weight by weight: write_member)
             self._check_full_noise()
             flat = es.population_noise([member.seed], self.layout, self.device, self.scheme)[0]
             return flat.mul_(member.sign * float(sigma))

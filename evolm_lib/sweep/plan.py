@@ -75,6 +75,11 @@ def _section_fields(section: str) -> list[str]:
     return list((ESConfig if section == "es" else GRPOConfig).model_fields)
 
 
+def _unknown_keys(path: str, values: dict, fields, what: str) -> list[str]:
+    """A problem line for each key of ``values`` that is not one of ``fields``, with the nearest one."""
+    return [f"{path}.{key}: not one of {what}{did_you_mean(key, fields)}" for key in values if key not in fields]
+
+
 def check_sections(sweep: dict, source: str | Path = "the spec") -> None:
     """Every key of sweep.common, sweep.es and sweep.grpo is a setting of its class(es); a ValueError
     names each other one by its path, with the nearest setting."""
@@ -84,9 +89,7 @@ def check_sections(sweep: dict, source: str | Path = "the spec") -> None:
         if not isinstance(values, dict):
             problems.append(f"sweep.{section}: expected a mapping of {what}, got {values!r}")
             continue
-        fields = _section_fields(section)
-        problems += [f"sweep.{section}.{key}: not one of the {what}{did_you_mean(key, fields)}"
-                     for key in values if key not in fields]
+        problems += _unknown_keys(f"sweep.{section}", values, _section_fields(section), f"the {what}")
     for modes, section, what in (("es_modes", "es", "ESConfig"), ("grpo_modes", "grpo", "GRPOConfig")):
         variants = sweep.get(modes) or {}
         if not isinstance(variants, dict):
@@ -99,9 +102,7 @@ def check_sections(sweep: dict, source: str | Path = "the spec") -> None:
             if not isinstance(values, dict):
                 problems.append(f"sweep.{modes}.{name}: expected a mapping of {what} settings, got {values!r}")
                 continue
-            fields = _section_fields(section)
-            problems += [f"sweep.{modes}.{name}.{key}: not one of the {what} settings{did_you_mean(key, fields)}"
-                         for key in values if key not in fields]
+            problems += _unknown_keys(f"sweep.{modes}.{name}", values, _section_fields(section), f"the {what} settings")
             if modes == "grpo_modes" and any(isinstance(values.get(k), list) for k in ("group_size", "learning_rate")):
                 problems.append(f"sweep.grpo_modes.{name}: one group_size and one learning_rate per variant "
                                 "(a variant is one method)")

@@ -35,6 +35,11 @@ class WorkerClient:
             raise WorkerUnsupported("no worker answered")
         return results
 
+    @staticmethod
+    def _slowest(results: Sequence[dict]) -> dict:
+        """The ranks' timings as one: each key's largest value (the call ends with its slowest rank)."""
+        return {key: max(result[key] for result in results) for key in results[0]}
+
     # -- resident LoRA slots (worker_slots.LoRASlotsExtension)
 
     def slots_describe(self) -> dict:
@@ -73,9 +78,8 @@ class WorkerClient:
                     noise_scheme: str) -> dict:
         """Slot i <- mean + sign_i * sigma * noise(seed_i) for each (seed, sign) row, on every rank;
         {"write_s"}: the slowest rank's."""
-        answers = self._call_ranks(Worker.evolm_slots_write, key, mean, [list(r) for r in rows], sigmas, noise_device,
-                                   noise_scheme)
-        return {"write_s": max(float(answer["write_s"]) for answer in answers)}
+        return self._slowest(self._call_ranks(Worker.evolm_slots_write, key, mean, [list(r) for r in rows], sigmas,
+                                              noise_device, noise_scheme))
 
     def slots_checksums(self, key: int) -> list[str]:
         """Digest of every slot's bytes (over every rank's shard: ``rpc.combine_digests``)."""
@@ -99,11 +103,6 @@ class WorkerClient:
 
     # -- resident weights (worker_weights.WeightsExtension): every card of the engine holds its
     # slices of the weights (one card without tensor parallelism); the answers are combined here
-
-    @staticmethod
-    def _slowest(results: Sequence[dict]) -> dict:
-        """The cards' timings as one: each key's largest value (the call ends with its slowest card)."""
-        return {key: max(result[key] for result in results) for key in results[0]}
 
     def weights_setup(self, key: int, shapes: Mapping[str, Sequence[int]], noise: str, noise_rank: int,
                       noise_scheme: str) -> dict:
