@@ -10,7 +10,7 @@ from typing import Any, Literal, Optional
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from .config_checks import ConfigError, check_weight_selection, config_error, did_you_mean
+from .config_checks import ConfigError, check_weight_selection, config_error, did_you_mean, renamed_settings
 from .es.core import NOISE_DEVICE, NoiseDevice, check_population_size
 from .lora import ALL_PROJECTIONS, LoraSpec
 from .models import check_model_name
@@ -48,18 +48,18 @@ class CommonConfig(BaseModel):
     "vLLM KV cache size in GiB; None: from gpu_memory_utilization on a GPU, CPU_KV_CACHE_GB on a CPU"
     deterministic: bool = False
     "GPU engines: vLLM's batch-invariant kernels (VLLM_BATCH_INVARIANT=1), so a request's completion does not depend on what else is in the batch and a run repeats and resumes to the same rows; off by default: the batch-invariant kernels are slower (docs: Measurements). CPU engines repeat without it"
-    evaluator: Literal["local", "ray"] = "local"
+    engine_host: Literal["local", "ray"] = "local"
     "where engines run: one engine in this process, or num_engines Ray actors sharing each call (pip install -e '.[ray]')"
     num_engines: int = Field(1, ge=1)
-    "evaluator ray: engines (Ray actors, one CPU or a share of a GPU each) a population is sharded over, all of them counted"
+    "engine_host ray: engines (Ray actors, one CPU or a share of a GPU each) a population is sharded over, all of them counted"
     engines_per_gpu: int = Field(1, ge=1)
-    "evaluator ray: engines that share one GPU, each with its own copy of the weights, taking 1/engines_per_gpu of the card (num_engines <= GPUs x engines_per_gpu) and, unless gpu_memory_utilization is set, GPU_MEMORY_SHARE / engines_per_gpu of its memory; on a CPU cluster it is recorded and places nothing (each engine takes its CPU)"
+    "engine_host ray: engines that share one GPU, each with its own copy of the weights, taking 1/engines_per_gpu of the card (num_engines <= GPUs x engines_per_gpu) and, unless gpu_memory_utilization is set, GPU_MEMORY_SHARE / engines_per_gpu of its memory; on a CPU cluster it is recorded and places nothing (each engine takes its CPU)"
     tensor_parallel_size: int = Field(1, ge=1)
-    "vLLM engines: the cards (on a CPU: processes, each on its own cores) one engine's weights are split over (vLLM's tensor parallelism; docs: Engines, Running a large model); with evaluator ray each engine's actor takes that many cards of one node; the HF engine refuses more than 1"
+    "vLLM engines: the cards (on a CPU: processes, each on its own cores) one engine's weights are split over (vLLM's tensor parallelism; docs: Engines, Running a large model); with engine_host ray each engine's actor takes that many cards of one node; the HF engine refuses more than 1"
     mps_thread_percentage: Optional[int] = Field(None, ge=1, le=100)
-    "evaluator ray on a card shared through CUDA's MPS: each engine's CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, the share of the card's SMs its kernels may take (for example 100 / engines_per_gpu); None: unset (each engine may take the whole card). Outside MPS it has no effect. Under it the engines see fewer SMs, and torch's CUDA random kernels size their grid from that count, so noise_device cuda draws other noise from the same seeds: the rows are those of runs at the same percentage on the same card, not those of engines with the whole card (refused with es_mode lora, whose update draws its noise in this process)"
+    "engine_host ray on a card shared through CUDA's MPS: each engine's CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, the share of the card's SMs its kernels may take (for example 100 / engines_per_gpu); None: unset (each engine may take the whole card). Outside MPS it has no effect. Under it the engines see fewer SMs, and torch's CUDA random kernels size their grid from that count, so noise_device cuda draws other noise from the same seeds: the rows are those of runs at the same percentage on the same card, not those of engines with the whole card (refused with es_mode lora, whose update draws its noise in this process)"
     ray_address: Optional[str] = None
-    "evaluator ray: a running cluster's address (host:port of `ray start --head`, ray://host:port, or auto); None: as ray.init(), the cluster `ray start` left on this machine, else a new local one"
+    "engine_host ray: a running cluster's address (host:port of `ray start --head`, ray://host:port, or auto); None: as ray.init(), the cluster `ray start` left on this machine, else a new local one"
 
     task: str = "conciseness"
     "task name from the registry"
@@ -101,7 +101,7 @@ class CommonConfig(BaseModel):
 
     def __init__(self, **data: Any):
         try:
-            super().__init__(**data)
+            super().__init__(**renamed_settings(data))
         except ValidationError as error:
             raise config_error(type(self), error) from None
 
@@ -151,17 +151,17 @@ class CommonConfig(BaseModel):
     @model_validator(mode="after")
     def _ray_settings_consistent(self):
         # Reachability and the cluster's GPUs are checked as the Ray engines start, before any engine actor exists.
-        if self.evaluator == "local" and self.num_engines > 1:
-            raise ValueError(f"num_engines: {self.num_engines} engines need evaluator: ray (evaluator is 'local': one engine in this process)")
-        if self.evaluator == "local" and self.engines_per_gpu > 1:
-            raise ValueError(f"engines_per_gpu: {self.engines_per_gpu} engines on one GPU need evaluator: ray (evaluator is 'local': one engine in this process)")
-        if self.evaluator == "local" and self.mps_thread_percentage is not None:
+        if self.engine_host == "local" and self.num_engines > 1:
+            raise ValueError(f"num_engines: {self.num_engines} engines need engine_host: ray (engine_host is 'local': one engine in this process)")
+        if self.engine_host == "local" and self.engines_per_gpu > 1:
+            raise ValueError(f"engines_per_gpu: {self.engines_per_gpu} engines on one GPU need engine_host: ray (engine_host is 'local': one engine in this process)")
+        if self.engine_host == "local" and self.mps_thread_percentage is not None:
             raise ValueError(f"mps_thread_percentage: {self.mps_thread_percentage} applies to engines in Ray actors, each "
-                             "starting CUDA in its own process; use evaluator: ray (evaluator is 'local': one engine in this process)")
-        if self.evaluator == "local" and self.ray_address is not None:
-            raise ValueError("ray_address: set, but evaluator is 'local'; use evaluator: ray to run engines on a Ray cluster")
-        if self.evaluator == "ray" and self.engine != "vllm":
-            raise ValueError(f"evaluator: 'ray' shards calls over vLLM engines; engine must be 'vllm', got {self.engine!r}")
+                             "starting CUDA in its own process; use engine_host: ray (engine_host is 'local': one engine in this process)")
+        if self.engine_host == "local" and self.ray_address is not None:
+            raise ValueError("ray_address: set, but engine_host is 'local'; use engine_host: ray to run engines on a Ray cluster")
+        if self.engine_host == "ray" and self.engine != "vllm":
+            raise ValueError(f"engine_host: 'ray' shards calls over vLLM engines; engine must be 'vllm', got {self.engine!r}")
         if self.tensor_parallel_size > 1 and self.engine != "vllm":
             raise ValueError(f"tensor_parallel_size: {self.tensor_parallel_size} splits a vLLM engine; engine must be 'vllm', "
                              f"got {self.engine!r}")
@@ -359,7 +359,7 @@ class ESConfig(CommonConfig):
 
     @model_validator(mode="after")
     def _population_covers_engines(self):
-        if self.evaluator == "ray" and self.population_size < self.num_engines:
+        if self.engine_host == "ray" and self.population_size < self.num_engines:
             raise ValueError(f"population_size: {self.population_size} members cannot keep num_engines={self.num_engines} "
                              "engines busy; use at most population_size engines")
         return self

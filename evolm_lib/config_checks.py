@@ -4,7 +4,13 @@ misspelt one, and the weight selections (``es_weights``, ``grpo_weights``). Re-e
 `evolm_lib.config`, where the settings themselves live."""
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import BaseModel, ValidationError
+
+RENAMED_SETTINGS = {"evaluator": "engine_host"}
+"""Settings by an older name -> their name now: the config.yaml of older run folders, older specs and
+checkpoints' copies of the settings read as they did."""
 
 
 class ConfigError(ValueError):
@@ -76,3 +82,19 @@ def check_weight_selection(field: str, selection: str | None) -> None:
     """Fail unless a weight selection is None (the LoRA target_modules) or "all"."""
     if selection not in (None, "all"):
         raise ValueError(f"{field}: None (the LoRA target_modules) or 'all', got {selection!r}")
+
+
+def renamed_settings(data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` with settings given by an older name (``RENAMED_SETTINGS``) under their name now; a
+    setting given under both names with different values is refused, naming both."""
+    if not any(old in data for old in RENAMED_SETTINGS):
+        return data
+    data = dict(data)
+    for old, new in RENAMED_SETTINGS.items():
+        if old in data:
+            value = data.pop(old)
+            if new in data and data[new] != value:
+                raise ConfigError(f"{old}: the older name of {new}, given as {value!r} beside {new}: {data[new]!r}; "
+                                  f"keep {new} only", [(old, f"the older name of {new}")])
+            data.setdefault(new, value)
+    return data

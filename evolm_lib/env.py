@@ -185,7 +185,7 @@ def placement() -> dict:
 
 
 def record_placement(run_dir, config=None, run_settings: dict | None = None) -> dict:
-    """Append this process's ``placement()`` (and the run's engine, evaluator, engines and memory share, and
+    """Append this process's ``placement()`` (and the run's engine, engine_host, engines and memory share, and
     ``run_settings``: what the run resolved where it ran) to the run folder's placement.jsonl; returns
     the line. Times in a run's rows mean little without it."""
     import json
@@ -194,7 +194,7 @@ def record_placement(run_dir, config=None, run_settings: dict | None = None) -> 
     line = placement()
     if config is not None:
         line.update({key: getattr(config, key, None) for key in
-                     ("engine", "evaluator", "num_engines", "gpu_memory_utilization", "kv_cache_gb")})
+                     ("engine", "engine_host", "num_engines", "gpu_memory_utilization", "kv_cache_gb")})
     line.update(run_settings or {})
     with open(Path(run_dir) / PLACEMENT, "a") as handle:
         handle.write(json.dumps(line) + "\n")

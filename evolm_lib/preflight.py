@@ -243,8 +243,8 @@ def check_engine_settings(config, model_dir: str | Path, task=None, *, cuda: boo
                 EngineWarning, stacklevel=2)
 
     memory = None if _engine_live() else _free_memory(cuda)
-    # engines that share one card (evaluator ray on a GPU): every check below is for all of them
-    per_card = config.engines_per_gpu if cuda and config.evaluator == "ray" else 1
+    # engines that share one card (engine_host ray on a GPU): every check below is for all of them
+    per_card = config.engines_per_gpu if cuda and config.engine_host == "ray" else 1
     engines = "" if per_card == 1 else f" for each of engines_per_gpu={per_card} engines on the card"
     if memory is not None and cuda:  # a card's share of each engine, term by term, at its tensor_parallel_size
         import torch

@@ -2,7 +2,7 @@
 one CPU each, as `ray start --head` and `ray start --address=...` make on two machines), then the
 README's multi-machine commands against it:
 
-``evolm batch`` runs the stepper notebook (tiny-random, evaluator ray, 2 engines, ray_address)
+``evolm batch`` runs the stepper notebook (tiny-random, engine_host ray, 2 engines, ray_address)
 against that cluster, headless through papermill, to a finished run, whose two engines ran one on
 each node (the run's placement.jsonl says where each engine ran).
 
@@ -24,7 +24,7 @@ SPEC = {
     "name": "two_nodes",
     "parameters": {"model": "tiny-random", "task": "conciseness", "population_size": 4, "num_generations": 2,
                    "max_new_tokens": 8, "max_model_len": 256, "kv_cache_gb": 0.1, "seed": 0,
-                   "evaluator": "ray", "num_engines": 2},
+                   "engine_host": "ray", "num_engines": 2},
 }
 
 

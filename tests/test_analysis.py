@@ -129,6 +129,7 @@ def test_a_method_is_its_full_set_of_settings_and_repeated_seeds_are_refused(tmp
     assert [r.name for r in groups["es sigma=0.1 lr=0.4"]] == ["es_seed1"]
     assert list(analysis.seed_spread_table(groups)["seeds"]) == [1, 1, 2, 2]
     # settings that do not change the science (budget, cadence, engine placement) do not split a method
+    # (these folders were written when engine_host was called evaluator: the older name still reads)
     edit_config(runs / "es_full_seed1", num_generations=40, eval_every=3, evaluator="ray")
     assert [r.name for r in analysis.load_runs(str(runs / "es_full_*"))["es full"]] == ["es_full_seed0", "es_full_seed1"]
     # the same settings and seed twice: refused, naming the method, the seed and both folders

@@ -605,3 +605,12 @@ def test_a_prompt_longer_than_max_model_len_is_found_by_the_dry_run(tmp_path, ti
     assert re.search(r"invalid +long +ConfigError: max_model_len=256 is too short for the task's longest prompt "
                      r"\(\d{4,} tokens\) plus max_new_tokens=8", result.stdout), result.stdout
     assert not (tmp_path / "out").exists()
+
+
+def test_a_parameter_by_a_settings_older_name_is_refused_naming_its_name_now():
+    from evolm_lib.batch.notebooks import check_parameters, notebook_info
+
+    stepper = Path(__file__).resolve().parents[1] / "notebooks" / "03_es_stepper.py"
+    info = notebook_info(stepper)
+    with pytest.raises(ValueError, match=r"\['evaluator'\] not declared .*; evaluator is now called engine_host; declared: "):
+        check_parameters({"evaluator": "ray"}, info.declared, stepper, info.kind)

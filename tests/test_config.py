@@ -162,8 +162,8 @@ def test_checks_over_several_fields_name_their_field_and_misspellings_the_neares
         ESConfig.from_dict({"population_size": 5})
     assert str(caught.value) == "invalid ESConfig: population_size: must be even with antithetic sampling (+/- pairs), got 5; use an even population or antithetic: false"
     assert caught.value.errors == [("population_size", "must be even with antithetic sampling (+/- pairs), got 5; use an even population or antithetic: false")]  # not "(settings)"
-    with pytest.raises(ConfigError, match=r"^invalid ESConfig: num_engines: 2 engines need evaluator: ray"):
-        ESConfig.from_dict({"evaluator": "local", "num_engines": 2})
+    with pytest.raises(ConfigError, match=r"^invalid ESConfig: num_engines: 2 engines need engine_host: ray"):
+        ESConfig.from_dict({"engine_host": "local", "num_engines": 2})
     with pytest.raises(ConfigError) as caught:
         ESConfig.from_dict({"sigmaa": 0.1, "learnig_rate": 0.1, "zzz": 1})
     assert str(caught.value) == ("invalid ESConfig: sigmaa: unknown setting (did you mean sigma?); learnig_rate: "
@@ -185,3 +185,11 @@ def test_a_config_error_can_name_where_a_field_was_written():
     located = caught.value.located({"sigma": "sweep.es.sigma"})
     assert str(located) == ("invalid ESConfig: lora_rank: Input should be greater than or equal to 1; "
                             "sweep.es.sigma: Input should be greater than 0")
+
+
+def test_a_setting_by_its_older_name_reads_under_its_name_now_and_both_names_disagreeing_are_refused():
+    assert ESConfig.from_dict({"evaluator": "ray", "num_engines": 2}).engine_host == "ray"
+    assert "evaluator" not in ESConfig.from_dict({"evaluator": "local"}).to_dict()
+    assert ESConfig.from_dict({"evaluator": "ray", "engine_host": "ray"}).engine_host == "ray"
+    with pytest.raises(ConfigError, match=r"evaluator: the older name of engine_host, given as 'ray' beside engine_host: 'local'"):
+        ESConfig.from_dict({"evaluator": "ray", "engine_host": "local"})

@@ -528,9 +528,9 @@ def test_weights_rebuilt_from_the_seed_log_are_refused_where_the_noise_would_dif
 
 def test_mps_thread_percentage_is_refused_where_the_update_draws_its_noise_in_this_process():
     with pytest.raises(ConfigError, match="mps_thread_percentage: 50 % of the SMs gives the engines other noise"):
-        small_config(evaluator="ray", num_engines=2, mps_thread_percentage=50, noise_device="cuda")
+        small_config(engine_host="ray", num_engines=2, mps_thread_percentage=50, noise_device="cuda")
     for changes in ({"es_mode": "full", "es_weights": "all"}, {"noise_device": "cpu"}):
-        settings = {"evaluator": "ray", "num_engines": 2, "mps_thread_percentage": 50, "noise_device": "cuda", **changes}
+        settings = {"engine_host": "ray", "num_engines": 2, "mps_thread_percentage": 50, "noise_device": "cuda", **changes}
         assert small_config(**settings).mps_thread_percentage == 50
 
 

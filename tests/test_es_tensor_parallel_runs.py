@@ -100,7 +100,7 @@ def test_a_ray_actor_serves_a_split_engine_with_the_local_ones_rows(engines, tmp
         ray.shutdown()
     start_local_ray(ray)
     try:
-        on_ray = config.replace(evaluator="ray", num_engines=1)
+        on_ray = config.replace(engine_host="ray", num_engines=1)
         engine = make_engine(on_ray)
         try:
             _run(on_ray, tmp_path / "ray", engine)

@@ -26,7 +26,7 @@ def test_the_settings_are_qiu_et_al_s_in_es_mode_full():
            ("full", "all", 30, 1e-3, 5e-4)
     assert (config.fitness_shaping, config.max_new_tokens, config.prompts_per_step, config.temperature) == \
            ("z_score", 100, None, 0.0)
-    assert (config.evaluator, config.num_engines, config.engines_per_gpu) == ("ray", 4, 4)
+    assert (config.engine_host, config.num_engines, config.engines_per_gpu) == ("ray", 4, 4)
     assert not config.deterministic and config.dtype == "float32"  # a CPU; on a GPU: bfloat16 and deterministic
     gpu = full_pool.pool_config("tiny-random", 1, population=30, generations=3, new_tokens=100, gpu=True, kv_cache_gb=None)
     assert gpu.deterministic and gpu.dtype == "bfloat16" and gpu.noise_device == "cuda"

@@ -166,7 +166,7 @@ def test_engines_per_gpu_beyond_what_the_card_holds_is_refused_naming_it(tiny_mo
     256 tokens at 512 bytes (256 KiB), 2 GiB allowance: 3 GiB + 256 KiB, so 10 free GiB hold 3 engines."""
     monkeypatch.setattr(preflight, "_free_memory", lambda cuda: (10 * GIB, 10 * GIB))
     monkeypatch.setattr(preflight, "weights_bytes", lambda *a: GIB)
-    settings = {**TINY, "kv_cache_gb": None, "evaluator": "ray", "num_engines": 4}
+    settings = {**TINY, "kv_cache_gb": None, "engine_host": "ray", "num_engines": 4}
     with pytest.raises(ConfigError, match=r"engines_per_gpu=4 engines need 12 GiB of GPU memory, 3 GiB \(weights 1 GiB, "
                                           r"float32 master and buffers 0 GiB, KV cache 0.000244 GiB, .*\) each for 2 "
                                           r"sequences of max_model_len=256, but the card has 10 GiB free now, which hold 3: "
@@ -179,7 +179,7 @@ def test_engines_per_gpu_beyond_what_the_card_holds_is_refused_naming_it(tiny_mo
 
 def test_es_mode_full_counts_every_engines_master_and_the_shares_of_all_engines(tiny_model_dir, monkeypatch):
     monkeypatch.setattr(preflight, "weights_bytes", lambda *a: GIB)
-    config = ESConfig(**{**TINY, "kv_cache_gb": None}, es_mode="full", evaluator="ray", num_engines=2, engines_per_gpu=2)
+    config = ESConfig(**{**TINY, "kv_cache_gb": None}, es_mode="full", engine_host="ray", num_engines=2, engines_per_gpu=2)
     master = preflight.weights_mode_bytes(config, tiny_model_dir)  # float32 master and one member's noise
     monkeypatch.setattr(preflight, "_free_memory", lambda cuda: (10 * GIB, 10 * GIB))
     footprint = preflight.check_engines_per_gpu(config, tiny_model_dir, 10 * GIB, GIB, 512, 8)

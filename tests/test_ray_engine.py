@@ -59,21 +59,21 @@ def token_ids(tables) -> list:
 def test_settings_default_to_one_local_engine_and_accept_ray():
     for config_class in (ESConfig, GRPOConfig):
         config = config_class(model="tiny-random")
-        assert (config.evaluator, config.num_engines, config.ray_address) == ("local", 1, None)
-        config = config_class(model="tiny-random", evaluator="ray", num_engines=2, ray_address="10.0.0.1:6379")
+        assert (config.engine_host, config.num_engines, config.ray_address) == ("local", 1, None)
+        config = config_class(model="tiny-random", engine_host="ray", num_engines=2, ray_address="10.0.0.1:6379")
         assert config_class.from_dict(config.to_dict()) == config
         for address in ("ray://head:10001", "auto", "[::1]:6379"):
             assert config.replace(ray_address=address).ray_address == address
 
 
 @pytest.mark.parametrize("changes, message", [
-    ({"evaluator": "local", "num_engines": 2}, "num_engines: 2 engines need evaluator: ray"),
-    ({"ray_address": "10.0.0.1:6379"}, "ray_address: set, but evaluator is 'local'"),
-    ({"evaluator": "ray", "engine": "hf"}, "engine must be 'vllm'"),
-    ({"evaluator": "ray", "ray_address": "headnode"}, "ray_address: expected host:port"),
-    ({"evaluator": "ray", "num_engines": 0}, "num_engines"),
-    ({"evaluator": "gpu"}, "evaluator"),
-    ({"evaluator": "ray", "num_engines": 6, "population_size": 4}, "population_size: 4 members cannot keep num_engines=6"),
+    ({"engine_host": "local", "num_engines": 2}, "num_engines: 2 engines need engine_host: ray"),
+    ({"ray_address": "10.0.0.1:6379"}, "ray_address: set, but engine_host is 'local'"),
+    ({"engine_host": "ray", "engine": "hf"}, "engine must be 'vllm'"),
+    ({"engine_host": "ray", "ray_address": "headnode"}, "ray_address: expected host:port"),
+    ({"engine_host": "ray", "num_engines": 0}, "num_engines"),
+    ({"engine_host": "gpu"}, "engine_host"),
+    ({"engine_host": "ray", "num_engines": 6, "population_size": 4}, "population_size: 4 members cannot keep num_engines=6"),
 ])
 def test_bad_ray_settings_name_the_field(changes, message):
     with pytest.raises(ConfigError, match=message):
@@ -81,11 +81,11 @@ def test_bad_ray_settings_name_the_field(changes, message):
 
 
 def test_mps_thread_percentage_is_a_ray_setting_from_1_to_100():
-    config = ESConfig(model="tiny-random", evaluator="ray", num_engines=4, engines_per_gpu=4, mps_thread_percentage=25)
+    config = ESConfig(model="tiny-random", engine_host="ray", num_engines=4, engines_per_gpu=4, mps_thread_percentage=25)
     assert ESConfig.from_dict(config.to_dict()) == config and ESConfig(model="tiny-random").mps_thread_percentage is None
     for changes, message in (({"mps_thread_percentage": 25}, "mps_thread_percentage: 25 applies to engines in Ray actors"),
-                             ({"evaluator": "ray", "mps_thread_percentage": 0}, "mps_thread_percentage"),
-                             ({"evaluator": "ray", "mps_thread_percentage": 101}, "mps_thread_percentage")):
+                             ({"engine_host": "ray", "mps_thread_percentage": 0}, "mps_thread_percentage"),
+                             ({"engine_host": "ray", "mps_thread_percentage": 101}, "mps_thread_percentage")):
         with pytest.raises(ConfigError, match=message):
             ESConfig(model="tiny-random", **changes)
     with pytest.raises(ValueError, match="mps_thread_percentage must be an integer from 1 to 100, got 0"):
@@ -93,11 +93,11 @@ def test_mps_thread_percentage_is_a_ray_setting_from_1_to_100():
 
 
 def test_engines_per_gpu_is_a_ray_setting_and_splits_the_default_share_of_the_card():
-    config = ESConfig(model="tiny-random", evaluator="ray", num_engines=4, engines_per_gpu=4)
+    config = ESConfig(model="tiny-random", engine_host="ray", num_engines=4, engines_per_gpu=4)
     assert ESConfig.from_dict(config.to_dict()) == config and ESConfig(model="tiny-random").engines_per_gpu == 1
-    for changes, message in (({"engines_per_gpu": 2}, "engines_per_gpu: 2 engines on one GPU need evaluator: ray"),
-                             ({"evaluator": "ray", "engines_per_gpu": 0}, "engines_per_gpu"),
-                             ({"evaluator": "ray", "engines_per_gpu": 1.5}, "engines_per_gpu")):
+    for changes, message in (({"engines_per_gpu": 2}, "engines_per_gpu: 2 engines on one GPU need engine_host: ray"),
+                             ({"engine_host": "ray", "engines_per_gpu": 0}, "engines_per_gpu"),
+                             ({"engine_host": "ray", "engines_per_gpu": 1.5}, "engines_per_gpu")):
         with pytest.raises(ConfigError, match=message):
             ESConfig(model="tiny-random", **changes)
     sizing = EngineSizing.from_config(config)
@@ -110,7 +110,7 @@ def test_engines_per_gpu_is_a_ray_setting_and_splits_the_default_share_of_the_ca
 
 
 def test_grpo_has_no_population_to_check():
-    assert GRPOConfig(model="tiny-random", evaluator="ray", num_engines=4).num_engines == 4
+    assert GRPOConfig(model="tiny-random", engine_host="ray", num_engines=4).num_engines == 4
 
 
 # ----------------------------------------------------------------------------- planning (no Ray)
@@ -233,7 +233,7 @@ def test_without_ray_the_error_says_how_to_install_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
     with pytest.raises(RayUnavailableError, match=r"pip install -e '\.\[ray\]'"):
         RayEngines("tiny-random", num_engines=2)
-    config = ESConfig(**ES_SETTINGS, evaluator="ray", num_engines=2)  # settings alone never need Ray
+    config = ESConfig(**ES_SETTINGS, engine_host="ray", num_engines=2)  # settings alone never need Ray
     with pytest.raises(ImportError, match=r"pip install -e '\.\[ray\]'"):
         make_engine(config)
 
@@ -251,7 +251,7 @@ def test_unreachable_address_fails_fast_before_ray_starts():
 def test_more_engines_than_the_population_is_refused_before_ray():
     # one check, in the settings: a run's engine is made from validated settings only
     with pytest.raises(ConfigError, match="population_size: 2 members cannot keep num_engines=3"):
-        make_engine(ESConfig(**{**ES_SETTINGS, "population_size": 2}, evaluator="ray", num_engines=3))
+        make_engine(ESConfig(**{**ES_SETTINGS, "population_size": 2}, engine_host="ray", num_engines=3))
 
 
 # ----------------------------------------------------------------------------- a local Ray cluster
@@ -289,7 +289,7 @@ def ray_cluster():
 def es_config():
     # each engine's share of the card under CUDA's MPS travels to its actor's environment; outside MPS
     # (here a CPU) it changes nothing, so the rows are still the local engine's
-    return ESConfig(**ES_SETTINGS, evaluator="ray", num_engines=2, mps_thread_percentage=50)
+    return ESConfig(**ES_SETTINGS, engine_host="ray", num_engines=2, mps_thread_percentage=50)
 
 
 @pytest.fixture(scope="module")
@@ -310,7 +310,7 @@ def ray_engines(ray_cluster, es_config):
 @pytest.fixture(scope="module")
 def reference_rows(es_config, local_engine, tmp_path_factory):
     """Metrics rows of the ES run with the engine in this process."""
-    run = ESRun.create(es_config.replace(evaluator="local", num_engines=1, mps_thread_percentage=None),
+    run = ESRun.create(es_config.replace(engine_host="local", num_engines=1, mps_thread_percentage=None),
                        tmp_path_factory.mktemp("es_local") / "run", engine=local_engine)
     run.run()
     return without_times(read_metrics(run.run_dir))
@@ -489,7 +489,7 @@ def test_grpo_run_on_two_engines_equals_one_engine(ray_engines, local_engine, tm
     settings = dict(**ENGINE, task="conciseness", group_size=4, num_steps=2, max_new_tokens=6, learning_rate=1e-2,
                     micro_batch_size=8, beta=0.05)
     rows = {}
-    for name, engine, extra in (("local", local_engine, {}), ("ray", ray_engines, {"evaluator": "ray", "num_engines": 2})):
+    for name, engine, extra in (("local", local_engine, {}), ("ray", ray_engines, {"engine_host": "ray", "num_engines": 2})):
         run = GRPORun.create(GRPOConfig(**settings, **extra), tmp_path / name, engine=engine)
         run.run()
         rows[name] = without_times(read_metrics(run.run_dir))

@@ -1,4 +1,4 @@
-"""es_mode full and eggroll with evaluator: ray (issue 19): every engine keeps its own float32 master
+"""es_mode full and eggroll with engine_host: ray (issue 19): every engine keeps its own float32 master
 of the mean and serves a block of the members. On a local 2-CPU Ray cluster with tiny-random: a run
 on two engines gives the metrics rows of the same run on one engine and on the engine in this
 process, every engine ends with the same master, and an engine lost with the mean is given it back
@@ -45,7 +45,7 @@ SIZING = EngineSizing(max_loras=5, max_lora_rank=2, max_model_len=256, kv_cache_
 
 def config_for(mode: str, engines: int | None) -> ESConfig:
     """The run's settings on ``engines`` Ray engines, or (None) on the engine in this process."""
-    ray = {} if engines is None else {"evaluator": "ray", "num_engines": engines}
+    ray = {} if engines is None else {"engine_host": "ray", "num_engines": engines}
     return ESConfig(**SETTINGS, es_mode=mode, **ray)
 
 
@@ -54,7 +54,7 @@ def config_for(mode: str, engines: int | None) -> ESConfig:
 
 @pytest.mark.parametrize("mode", MODES)
 def test_both_modes_accept_ray_engines_and_keep_their_other_refusals(mode):
-    assert config_for(mode, 2).evaluator == "ray"
+    assert config_for(mode, 2).engine_host == "ray"
     for changes, message in (({"adapter_transfer": "files"}, f"adapter_transfer: es_mode {mode}"),
                              ({"estimator": "zoar"}, f"estimator: es_mode {mode}"),
                              ({"noise_mode": "per_layer"}, f"noise_mode: es_mode {mode}")):
@@ -287,7 +287,7 @@ def test_grpo_on_the_model_weights_writes_every_ray_engine(two_engines, tmp_path
     config = GRPOConfig(model="tiny-random", task="conciseness", policy_weights="full",
                         target_modules=["q_proj", "v_proj"], group_size=2, max_new_tokens=6, max_model_len=256,
                         kv_cache_gb=0.0625, num_steps=2, temperature=1.0, learning_rate=1e-3, seed=0,
-                        evaluator="ray", num_engines=2)
+                        engine_host="ray", num_engines=2)
     run = GRPORun.create(config, tmp_path / "run", engine=two_engines)
     rows = run.run()
     assert [r["step"] for r in rows] == [1, 2]

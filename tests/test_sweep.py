@@ -413,3 +413,11 @@ def test_a_sweep_pointed_at_a_batchs_folder_names_it_and_leaves_it_unchanged(tmp
                                  "(fx__seed-0); a sweep would write its runs and its summary.csv beside them. The folder "
                                  "is left as it is: give --out another folder\n"), result.stderr
         assert {str(p): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()} == before
+
+
+def test_a_spec_naming_a_setting_by_its_older_name_plans_with_it():
+    _, spec = sweep.load_sweep_spec(SPEC)
+    spec = {**spec, "common": {**spec.get("common", {}), "evaluator": "local"}}
+    sweep.check_sections(spec)
+    plan = sweep.plan_sweep(spec, generations=2, seeds=[0], overrides={"model": "tiny-random"})
+    assert {r.config.engine_host for r in plan} == {"local"}

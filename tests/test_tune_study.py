@@ -679,9 +679,9 @@ def test_the_study_end_to_end_then_exported_tabled_drawn_and_measured(tmp_path, 
             assert {line["generation"] for line in read_jsonl(long / "heldout.jsonl")} == {2 * length}
             assert json.loads((long / "continued_from.json").read_text())["generation"] == length
             for folder in (final, long):
-                (placement,) = {json.dumps({k: v for k, v in line.items() if k in ("device", "evaluator")})
+                (placement,) = {json.dumps({k: v for k, v in line.items() if k in ("device", "engine_host")})
                                 for line in read_jsonl(folder / "placement.jsonl")}
-                assert json.loads(placement) == {"device": "cpu", "evaluator": "local"}
+                assert json.loads(placement) == {"device": "cpu", "engine_host": "local"}
                 assert {line["code_digest"] for line in read_jsonl(folder / "placement.jsonl")} == {
                     code_identity()["code_digest"]}  # the code each run ran
                 resolved = {(line.get("policy_process"), line.get("policy_attention"))

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import config_class, did_you_mean
+from ..config_checks import RENAMED_SETTINGS
 from ..parameters import SETTINGS, kind_of_tags
 from ..paths import project_root
 
@@ -85,7 +86,8 @@ def check_parameters(parameters: dict[str, Any], declared: dict[str, Any], noteb
     if not undeclared:
         return
     listing = ", ".join(declared) or "(none: no cell tagged `parameters`)"
-    hints = "".join(did_you_mean(k, list(declared)) for k in undeclared)
+    hints = "".join(f"; {k} is now called {RENAMED_SETTINGS[k]}" if RENAMED_SETTINGS.get(k) in declared
+                    else did_you_mean(k, list(declared)) for k in undeclared)
     fields = config_class(kind).model_fields if kind else {}
     settings = [k for k in undeclared if k in fields]
     if settings and SETTINGS in declared:

@@ -3,7 +3,7 @@
 ES in ``es_mode: full`` at Qiu et al.'s conciseness settings (arXiv 2509.24372: every weight moved,
 population 30, sigma 1e-3, learning rate 5e-4, z-score fitness, the task's 2 training prompts per
 member, 100 new tokens, greedy; ``deterministic`` on a GPU), run for G generations on one engine
-and then on N engines that share one card (``evaluator: ray``, ``num_engines: N``,
+and then on N engines that share one card (``engine_host: ray``, ``num_engines: N``,
 ``engines_per_gpu: N``), one count after another in this process. Each engine keeps its own copy of
 the weights and float32 master and serves a contiguous block of the members; the update reaches
 every engine as seeds and shaped fitness.
@@ -66,7 +66,7 @@ def pool_config(model: str, engines: int, population: int, generations: int, new
     return ESConfig(model=model, **QIU_CONCISENESS, population_size=population, max_new_tokens=new_tokens,
                     max_model_len=max_model_len, num_generations=generations, eval_every=eval_every,
                     dtype="bfloat16" if gpu else "float32", deterministic=gpu, noise_device="cuda" if gpu else "cpu",
-                    kv_cache_gb=kv_cache_gb, gpu_memory_utilization=gpu_memory_utilization, evaluator="ray", num_engines=engines, engines_per_gpu=engines,
+                    kv_cache_gb=kv_cache_gb, gpu_memory_utilization=gpu_memory_utilization, engine_host="ray", num_engines=engines, engines_per_gpu=engines,
                     mps_thread_percentage=mps_thread_percentage)
 
 

@@ -14,16 +14,16 @@ __all__ = ["CompletionTable", "Engine", "EngineBase", "EngineSizing", "Populatio
 
 
 def make_engine(config, max_loras: int | None = None, sizing: EngineSizing | None = None) -> Engine:
-    """The engine a run's settings ask for (``config.evaluator``, ``config.engine``), of ``sizing``
+    """The engine a run's settings ask for (``config.engine_host``, ``config.engine``), of ``sizing``
     (None: ``EngineSizing.from_config(config, max_loras)``, i.e. an ES population and its mean, or
     GRPO's one adapter, unless ``max_loras`` says otherwise), shared out over the engines with
-    ``evaluator: ray``."""
+    ``engine_host: ray``."""
     if config.engine == "hf":
         from .hf_engine import HFEngine
 
         return HFEngine(config.model, dtype=config.dtype)
     sizing = sizing or EngineSizing.from_config(config, max_loras)
-    if config.evaluator == "ray":
+    if config.engine_host == "ray":
         from .ray.engines import RayEngines  # imports Ray only when asked for
 
         return RayEngines(config.model, sizing, num_engines=config.num_engines,

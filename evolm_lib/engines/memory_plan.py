@@ -444,7 +444,7 @@ def plan_for_run(config, model: str | Path | ModelShape, sequences: int) -> Memo
     else:
         mode = "grpo_full" if getattr(config, "policy_weights", "lora") == "full" else "grpo_lora"
     targets, layers = config.weight_targets() if mode != "lora" else (config.target_modules, config.layers_to_transform)
-    on_ray = getattr(config, "evaluator", "local") == "ray"
+    on_ray = config.engine_host == "ray"
     settings = PlanSettings(
         mode=mode, dtype=config.dtype, tensor_parallel_size=getattr(config, "tensor_parallel_size", 1),
         engines_per_card=config.engines_per_gpu if on_ray else 1, population=getattr(config, "population_size", 1),

@@ -31,7 +31,7 @@ class RunFolderDamaged(ConfigError):
 # Where GRPO's policy updates is the same maths (equal rows on a CPU); on a GPU it picks other kernels,
 # and a run made before the setting existed continues as it ran with policy_process: same.
 EXTENDABLE = frozenset({"num_generations", "num_steps", "eval_every", "checkpoint_every", "keep_checkpoints",
-                        "evaluator", "num_engines", "ray_address", "adapter_transfer", "score_in_population",
+                        "engine_host", "num_engines", "ray_address", "adapter_transfer", "score_in_population",
                         "report_to", "policy_process"})
 
 

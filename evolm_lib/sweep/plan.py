@@ -11,6 +11,7 @@ from typing import Any
 
 from ..batch import read_yaml_file, settings_changes
 from ..config import ConfigError, ESConfig, GRPOConfig, did_you_mean
+from ..config_checks import RENAMED_SETTINGS
 from ..runs import describe_holder, list_checkpoints, lock_holder, missing_config, read_metrics
 from ..tasks import get_task
 
@@ -70,9 +71,10 @@ SECTIONS = {"common": "settings of both ESConfig and GRPOConfig", "es": "ESConfi
 
 
 def _section_fields(section: str) -> list[str]:
+    """The settings a section may name (older names of renamed settings too: older specs still read)."""
     if section == "common":
-        return [f for f in ESConfig.model_fields if f in GRPOConfig.model_fields]
-    return list((ESConfig if section == "es" else GRPOConfig).model_fields)
+        return [f for f in ESConfig.model_fields if f in GRPOConfig.model_fields] + list(RENAMED_SETTINGS)
+    return list((ESConfig if section == "es" else GRPOConfig).model_fields) + list(RENAMED_SETTINGS)
 
 
 def _unknown_keys(path: str, values: dict, fields, what: str) -> list[str]:

@@ -7,7 +7,7 @@ tokens the engine produced -> AdamW on the LoRA tensors -> metrics row and check
 With ``policy_weights: full`` the policy is the model weights themselves (those of ``grpo_weights``):
 AdamW moves the trainer's float32 copy, and after each step the new weights are written into the
 resident engine in place (``resident_weights(...).load``: the ``es_mode: full`` path, no reload, no
-files; on every engine with ``evaluator: ray``); the engine then serves the policy as its base
+files; on every engine with ``engine_host: ray``); the engine then serves the policy as its base
 model. A checkpoint holds the trained weights and AdamW's state in float32, so a resume continues
 bit for bit; ``save_final`` writes ``final_model/``.
 
@@ -98,7 +98,7 @@ class GRPORun(RunLoop):
         flat = self.trainer.flat_weights()
         # an engine in this process takes the vector where it is (one device-to-device copy); Ray
         # engines get it through the object store, from the host
-        self.engine_weights.load({"master": flat.cpu() if self.config.evaluator == "ray" else flat})
+        self.engine_weights.load({"master": flat.cpu() if self.config.engine_host == "ray" else flat})
         if flat.is_cuda:
             torch.cuda.synchronize()
         return time.perf_counter() - started

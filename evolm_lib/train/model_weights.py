@@ -6,7 +6,7 @@ seed, its prompts generated, then the mean restored from a float32 master; membe
 another. ``es_mode: eggroll`` (Sarkar et al. 2025, https://arxiv.org/abs/2511.16652): member i's
 noise in each weight matrix is A_i B_i^T / sqrt(r), served from a LoRA slot, so the population is
 one batched call on a vLLM engine (one member at a time on the HF engine); the mean lives in the
-base weights and its greedy scoring is a base request in the same call. With ``evaluator: ray``
+base weights and its greedy scoring is a base request in the same call. With ``engine_host: ray``
 every engine keeps its own copy of the mean (the same updates from the same seeds and fitness) and
 serves its block of the members. Both update the mean where
 the weights live, from the members' seeds and shaped fitness (``engines.resident_weights``).

@@ -68,7 +68,7 @@ def policy_in_own_process(config: GRPOConfig) -> bool:
     ``deterministic`` puts a local GPU vLLM engine, in this process, in batch-invariant mode."""
     if config.policy_process != "auto":
         return config.policy_process == "own"
-    return (config.deterministic and config.engine == "vllm" and config.evaluator == "local"
+    return (config.deterministic and config.engine == "vllm" and config.engine_host == "local"
             and torch.cuda.is_available())
 
 

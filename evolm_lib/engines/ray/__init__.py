@@ -1,7 +1,7 @@
 """Past one engine: calls sharded over K vLLM engines, each in a Ray actor on one GPU, a share of one
 (``engines_per_gpu`` engines on a card, each with its own copy of the weights; they start one after
 another) or one CPU slice, surviving a lost engine. Behind the same ``Engine`` protocol as one engine, so ES and GRPO
-runs use it unchanged (``evaluator: ray`` in their settings).
+runs use it unchanged (``engine_host: ray`` in their settings).
 
 How a call travels:
 - A :class:`Population` is split into K balanced blocks of members (``Population.split``). Its mean

@@ -11,7 +11,7 @@ INSTALL_HINT = "pip install -e '.[ray]'  (or: pip install ray==2.60.0)"
 
 
 class RayUnavailableError(ImportError):
-    """``evaluator: ray`` was asked for where Ray is not installed."""
+    """``engine_host: ray`` was asked for where Ray is not installed."""
 
 
 def import_ray():
@@ -19,7 +19,7 @@ def import_ray():
     try:
         import ray
     except ImportError as error:
-        raise RayUnavailableError(f"evaluator: 'ray' needs Ray, which is not installed here: {INSTALL_HINT}") from error
+        raise RayUnavailableError(f"engine_host: 'ray' needs Ray, which is not installed here: {INSTALL_HINT}") from error
     return ray
 
 
