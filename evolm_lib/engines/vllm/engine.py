@@ -8,6 +8,7 @@ own weights as the ES mean written in place (``weights``), and the engine bugs w
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -144,7 +145,9 @@ class VLLMEngine(GridsInOneCall, MembersInPlace):
             )
         check_adapters(file_adapters, self.model_dir, self.max_lora_rank)
         # base requests beside adapters: the resident zero slot, else a zero adapter (see base_as_zero_adapter)
-        with self.files.written(file_adapters if resident is not None else base_as_zero_adapter(file_adapters)) as written:
+        to_write = file_adapters if resident is not None else base_as_zero_adapter(file_adapters)
+        # a population and its riding mean all in resident slots: no adapter file to write
+        with self.files.written(to_write) if to_write else contextlib.nullcontext([]) as written:
             if resident is not None:
                 written = [resident.base_request() if r is None else r for r in written]
             by_file = iter(written)
