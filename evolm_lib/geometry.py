@@ -32,7 +32,7 @@ from typing import Iterator, Mapping, Sequence
 import torch
 
 from .config import ConfigError, did_you_mean
-from .engines.resident_weights import targeted_weight_shapes
+from .engines.weights.resident import targeted_weight_shapes
 from .scoring import mean_kl_to_base, score_adapters
 from .lora import AdapterWeights, read_base_weights
 from .models import resolve_model

@@ -318,7 +318,7 @@ def policy_weights_bytes(config, model_dir: str | Path) -> int:
     """Bytes GRPO with policy_weights full keeps beside the engine: the float32 policy model, and for
     each trained weight its gradient, AdamW's two moments and the engine's float32 copy (its master);
     with beta > 0 a float32 reference model too."""
-    from .engines.resident_weights import targeted_weight_shapes
+    from .engines.weights.resident import targeted_weight_shapes
 
     model = sum(math.prod(shape) for shape in targeted_weight_shapes(model_dir, "all").values())
     targets, layers = config.weight_targets()
@@ -329,7 +329,7 @@ def policy_weights_bytes(config, model_dir: str | Path) -> int:
 def weights_mode_bytes(config, model_dir: str | Path) -> int:
     """Bytes es_mode full or eggroll keeps beside the engine: the float32 master of the moved weights,
     one member's float32 noise, and Adam's two moments or SGD momentum's buffer."""
-    from .engines.resident_weights import targeted_weight_shapes
+    from .engines.weights.resident import targeted_weight_shapes
 
     targets, layers = config.weight_targets()
     values = sum(math.prod(shape) for shape in targeted_weight_shapes(model_dir, targets, layers).values())
@@ -377,7 +377,7 @@ def lora_slot_bytes(config, model_dir: str | Path | None) -> int:
     weight: rank x (in + out) values in the engine's dtype); 0 without a local model folder."""
     if model_dir is None or getattr(config, "engine", "vllm") != "vllm":
         return 0
-    from .engines.resident_weights import targeted_weight_shapes
+    from .engines.weights.resident import targeted_weight_shapes
 
     try:
         shapes = targeted_weight_shapes(model_dir, config.target_modules, config.layers_to_transform)

@@ -170,7 +170,7 @@ def test_grouped_update_has_the_bits_of_the_per_matrix_path(form, block):
 
 
 def test_grouped_update_on_the_tiny_random_model_equals_the_per_matrix_path(tiny_model_dir):
-    from evolm_lib.engines.resident_weights import targeted_weight_shapes
+    from evolm_lib.engines.weights.resident import targeted_weight_shapes
     from evolm_lib.lora import ALL_PROJECTIONS
 
     shapes = targeted_weight_shapes(tiny_model_dir, ALL_PROJECTIONS)

@@ -8,7 +8,7 @@ from safetensors.torch import load_file
 
 from evolm_lib import es
 from evolm_lib.config import ConfigError, ESConfig
-from evolm_lib.engines.resident_weights import targeted_weight_shapes
+from evolm_lib.engines.weights.resident import targeted_weight_shapes
 from evolm_lib.es import lowrank
 from evolm_lib.train.es import ESRun
 from evolm_lib.train.model_weights import SEED_LOG, SNAPSHOTS

@@ -10,7 +10,7 @@ import torch
 
 from evolm_lib import es
 from evolm_lib.config import ESConfig
-from evolm_lib.engines.resident_weights import ResidentWeights, WeightSlice
+from evolm_lib.engines.weights.resident import ResidentWeights, WeightSlice
 from evolm_lib.es import lowrank, noise
 
 

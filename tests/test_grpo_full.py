@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from evolm_lib import preflight
 from evolm_lib.config import ConfigError, GRPOConfig
 from evolm_lib.engines import SamplingSettings
-from evolm_lib.engines.resident_weights import targeted_weight_shapes
+from evolm_lib.engines.weights.resident import targeted_weight_shapes
 from evolm_lib.engines.synthetic import SyntheticEngine
 from evolm_lib.metrics import without_times
 from evolm_lib.runs import list_checkpoints, read_metrics

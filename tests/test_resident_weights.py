@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from evolm_lib import es
-from evolm_lib.engines.resident_weights import ResidentWeights, targeted_weights
+from evolm_lib.engines.weights.resident import ResidentWeights, targeted_weights
 from evolm_lib.es import lowrank
 
 TARGETS = ["q_proj", "v_proj", "down_proj"]

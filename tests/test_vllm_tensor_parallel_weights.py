@@ -12,7 +12,7 @@ import torch
 
 from evolm_lib import es
 from evolm_lib.engines import SamplingSettings
-from evolm_lib.engines.resident_weights import ResidentWeights
+from evolm_lib.engines.weights.resident import ResidentWeights
 from evolm_lib.es import lowrank
 from evolm_lib.lora import LoraSpec
 from evolm_lib.lora import read_base_weights
@@ -39,7 +39,7 @@ def engine(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def weights(engine, tiny_model_dir):
-    from evolm_lib.engines.vllm.weights import EngineWeights
+    from evolm_lib.engines.weights.vllm import EngineWeights
 
     resident = EngineWeights(engine.llm, tiny_model_dir, "all", noise="full", noise_scheme="tiled")
     yield resident
@@ -108,7 +108,7 @@ TARGETS = ("q_proj", "v_proj", "o_proj", "down_proj")  # column- and row-paralle
 
 def test_eggroll_members_and_update_over_two_cards(engine, tiny_model_dir):
     from evolm_lib.engines.vllm.slots import ResidentSlots
-    from evolm_lib.engines.vllm.weights import EngineWeights
+    from evolm_lib.engines.weights.vllm import EngineWeights
 
     rank, sigma = 2, 0.5
     weights = EngineWeights(engine.llm, tiny_model_dir, TARGETS, noise="lowrank", noise_rank=rank)

@@ -56,7 +56,7 @@ def _engine_greedy(engine, adapters=(None,)) -> list[list[tuple[int, ...]]]:
 
 
 def test_full_members_are_the_host_perturbed_model_and_the_mean_comes_back(engine, hf, tiny_model_dir):
-    from evolm_lib.engines.vllm.weights import EngineWeights
+    from evolm_lib.engines.weights.vllm import EngineWeights
 
     weights = EngineWeights(engine.llm, tiny_model_dir, TARGETS, noise="full")
     try:
@@ -101,7 +101,7 @@ def test_full_members_are_the_host_perturbed_model_and_the_mean_comes_back(engin
 
 def test_eggroll_slots_serve_the_low_rank_members_over_the_mean(engine, hf, tiny_model_dir):
     from evolm_lib.engines.vllm.slots import ResidentSlots
-    from evolm_lib.engines.vllm.weights import EngineWeights
+    from evolm_lib.engines.weights.vllm import EngineWeights
 
     rank = 2
     weights = EngineWeights(engine.llm, tiny_model_dir, TARGETS, noise="lowrank", noise_rank=rank)

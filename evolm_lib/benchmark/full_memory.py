@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from ..engines.memory_plan import ModelShape, PlanSettings, memory_plan
     from ..engines.sizing import EngineSizing
     from ..engines.vllm.engine import VLLMEngine
-    from ..engines.vllm.weights import EngineWeights
+    from ..engines.weights.vllm import EngineWeights
     from ..models import resolve_model
     from ..throughput import machine_info
 

@@ -75,7 +75,7 @@ def time_update(model_dir: str | Path, population: int, rank: int, repeats: int,
     matrix, each generation's members drawn from its seeds on ``device``; and whether they agree bitwise."""
     import torch
 
-    from ..engines.resident_weights import targeted_weight_shapes
+    from ..engines.weights.resident import targeted_weight_shapes
     from ..es import core as es
     from ..es.lowrank import lowrank_gradient, lowrank_gradient_per_matrix, shape_groups
     from ..lora import ALL_PROJECTIONS

@@ -2,7 +2,8 @@
 transformers + peft, and a synthetic engine for tests. Every vLLM engine of a run is sized by one
 ``EngineSizing`` derived from its settings (``sizing``). The vLLM engine is the package ``vllm``
 (its bugs worked around in ``vllm.workarounds``, each with its version); engines in Ray actors are
-the package ``ray``."""
+the package ``ray``. The model's own weights, written in place inside any of them (es_mode full and
+eggroll, GRPO's policy_weights full), are the package ``weights``."""
 from __future__ import annotations
 
 from .base import (CompletionTable, Engine, EngineBase, Population, PromptEncoder, SamplingSettings, TokenScorer,

@@ -9,7 +9,7 @@ from typing import Any, Sequence
 from ..env import apply_engine_defaults
 from ..lora import AdapterWeights
 from ..types import Completion, PromptLike
-from .resident_weights import MembersInPlace
+from .weights.resident import MembersInPlace
 from .base import CompletionTable, GridsOneByOne, PromptEncoder, SamplingSettings, check_adapters, materialize
 
 class HFEngine(GridsOneByOne, MembersInPlace):
@@ -110,9 +110,9 @@ class HFEngine(GridsOneByOne, MembersInPlace):
 
     def resident_weights(self, target_modules, *, noise: str = "full", noise_rank: int = 1, noise_scheme: str = "flat",
                          layers_to_transform=None):
-        """The model's targeted weights, written in place (``resident_weights.HostWeights``); members
+        """The model's targeted weights, written in place (``weights.resident.HostWeights``); members
         are then served one at a time, with no adapter."""
-        from .resident_weights import HostWeights
+        from .weights.resident import HostWeights
 
         if self.peft_model is not None:  # the plain model's parameter names
             self.model, self.peft_model, self._peft_spec = self.peft_model.unload(), None, None
@@ -127,7 +127,7 @@ class HFEngine(GridsOneByOne, MembersInPlace):
                     score=None, slots=None) -> tuple[CompletionTable, CompletionTable | None, dict[str, float]]:
         """ES members of ``weights`` (from ``resident_weights``) one after another, EGGROLL's as dense
         deltas (no LoRA slots here), then ``score``'s prompts under the mean: see
-        ``resident_weights.MembersInPlace``."""
+        ``weights.resident.MembersInPlace``."""
         if slots is not None:
             raise ValueError("the HF engine has no low-rank slots: its members are served one at a time")
         return self.run_members_one_by_one(weights, members, sigma, prompts, sampling, score)

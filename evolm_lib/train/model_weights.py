@@ -9,7 +9,7 @@ one batched call on a vLLM engine (one member at a time on the HF engine); the m
 base weights and its greedy scoring is a base request in the same call. With ``engine_host: ray``
 every engine keeps its own copy of the mean (the same updates from the same seeds and fitness) and
 serves its block of the members. Both update the mean where
-the weights live, from the members' seeds and shaped fitness (``engines.resident_weights``).
+the weights live, from the members' seeds and shaped fitness (``engines.weights``).
 
 What a run folder keeps, so that a resume gives the rows of an uninterrupted run without full-size
 weights in every checkpoint:

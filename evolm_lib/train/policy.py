@@ -162,7 +162,7 @@ class PolicyTrainer:
 
     def _select_trained(self, model_dir: Path) -> dict[str, torch.nn.Parameter]:
         """Only the weights of ``grpo_weights`` require gradients (HF names, as the engine's weights are named)."""
-        from ..engines.resident_weights import targeted_weight_shapes
+        from ..engines.weights.resident import targeted_weight_shapes
 
         targets, layers = self.config.weight_targets()
         shapes = targeted_weight_shapes(model_dir, targets, layers)

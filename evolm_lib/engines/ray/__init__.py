@@ -13,7 +13,7 @@ How a call travels:
 - Completions come back in member (adapter) and prompt order; the runner sees one complete table.
 
 The model's own weights as the ES mean (``es_mode`` full and eggroll): every engine keeps its own
-float32 master of the mean (``resident_weights``). An update goes to every engine as seeds and shaped
+float32 master of the mean (``engines.weights``). An update goes to every engine as seeds and shaped
 fitness, and each computes the same new mean where its weights live, so no full-size tensor crosses
 the network; a snapshot is read from one engine, and loaded into all of them (through the object
 store, once). ``run_members`` gives each engine a contiguous block of the members (written from their
@@ -36,7 +36,7 @@ Qiu et al. 2025 (arXiv 2509.24372) run one vLLM engine per GPU under Ray; EGGROL
 
 The modules, each with one job: ``cluster`` (Ray's import, the address, resources), ``sharding`` (a
 call shared out and put back, pure), ``actor`` (one engine's actor and its environment), ``pool``
-(the actors called together, lost ones brought back), ``weights`` (the mean inside every engine),
-``engines`` (``RayEngines``: all of them behind the one ``Engine`` protocol). Nothing is imported here: Ray's
-workers import ``actor`` by name.
+(the actors called together, lost ones brought back), ``engines`` (``RayEngines``: all of them
+behind the one ``Engine`` protocol); the mean inside every engine is ``engines.weights.ray``.
+Nothing is imported here: Ray's workers import ``actor`` by name.
 """

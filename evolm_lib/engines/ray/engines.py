@@ -16,7 +16,7 @@ from .actor import MPS_THREAD_PERCENTAGE_ENV
 from .cluster import check_cluster_resources, check_ray_address, import_ray, shared_card_warning
 from .pool import EngineLostError, EnginePool, FaultPolicy, Recovered
 from .sharding import ShardPlan, plan_members, shard_sampling
-from .weights import RaySlots, RayWeights
+from ..weights.ray import RaySlots, RayWeights
 
 logger = logging.getLogger(__name__)
 

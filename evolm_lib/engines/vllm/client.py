@@ -16,7 +16,7 @@ import math
 from typing import Any, Callable, Mapping, Sequence
 
 from ... import es
-from ..resident_weights import gather_snapshots
+from ..weights.resident import gather_snapshots
 from .rpc import SlotsUnsupported, WorkerUnsupported, combine_digests, gather_shards, unpack_tensor
 from .worker import WorkerExtension as Worker
 
@@ -101,7 +101,7 @@ class WorkerClient:
         """Unpin and unload the slots of ``key`` on every rank."""
         self._call_ranks(Worker.evolm_slots_release, key)
 
-    # -- resident weights (worker_weights.WeightsExtension): every card of the engine holds its
+    # -- resident weights (weights.vllm_worker.WeightsExtension): every card of the engine holds its
     # slices of the weights (one card without tensor parallelism); the answers are combined here
 
     def weights_setup(self, key: int, shapes: Mapping[str, Sequence[int]], noise: str, noise_rank: int,

@@ -18,13 +18,13 @@ from ...lora import AdapterWeights
 from ...types import PromptLike
 from ..base import (AdapterList, CompletionTable, GridsInOneCall, Population, PromptEncoder, SamplingSettings,
                    check_adapters, materialize)
-from ..resident_weights import MembersInPlace
+from ..weights.resident import MembersInPlace
 from ..sizing import ADAPTER_TRANSFERS, EngineSizing
 from .adapters import AdapterFiles
 from .requests import RequestGrid, run_requests
 from .slots import EXTENSION, LOWRANK_SLOT_ID, PopulationSlots, ResidentSlots
 from .startup import start_llm
-from .weights import EngineWeights
+from ..weights.vllm import EngineWeights
 from .workarounds import base_as_zero_adapter, fresh_cuda_graph_pool, one_collection, vllm_cpu_prompt_logprobs_fix
 
 
@@ -216,7 +216,7 @@ class VLLMEngine(GridsInOneCall, MembersInPlace):
                     ) -> tuple[CompletionTable, CompletionTable | None, dict[str, float]]:
         """ES members of ``weights`` (from ``resident_weights``) on ``prompts``, and ``score``'s
         prompts under the mean: one member after another (``full``; see
-        ``resident_weights.MembersInPlace``), or, given EGGROLL's ``slots``, every member
+        ``weights.resident.MembersInPlace``), or, given EGGROLL's ``slots``, every member
         written into its slot and served with the mean's base requests in ONE engine call. Returns
         (``[member][prompt]`` table, the mean's table or None, timing in seconds)."""
         if slots is None:

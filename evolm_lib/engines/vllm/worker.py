@@ -1,11 +1,11 @@
 """The one class vLLM mixes into its worker, loaded by its dotted name (``EXTENSION``, passed as
 ``worker_extension_cls``): resident LoRA slots (``worker_slots``) and resident weights
-(``worker_weights``) in one worker, so EGGROLL can write factors into the slots beside the mean's
-weights."""
+(``engines.weights.vllm_worker``) in one worker, so EGGROLL can write factors into the slots beside
+the mean's weights."""
 from __future__ import annotations
 
 from .worker_slots import LoRASlotsExtension
-from .worker_weights import WeightsExtension
+from ..weights.vllm_worker import WeightsExtension
 
 
 class WorkerExtension(LoRASlotsExtension, WeightsExtension):

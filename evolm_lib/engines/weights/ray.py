@@ -14,8 +14,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 from ... import es
 from ...es.core import Member
-from .cluster import import_ray
-from .pool import EngineLostError, Recovered
+from ..ray.cluster import import_ray
+from ..ray.pool import EngineLostError, Recovered
 
 # A run folder's way to the mean without a live engine: (the newest snapshot, the seed log's updates
 # after it as ``RayWeights.step`` arguments: optimizer, members, shaped fitness, sigma, form).

@@ -1,7 +1,7 @@
 """The host side of the model's own weights written in place inside a vLLM engine (es_mode full and
 eggroll): ``EngineWeights`` names the targeted weights (HF names, shapes read from the model folder)
-and calls the worker's ``evolm_weights_`` methods (``worker_weights.WeightsExtension``) through
-``client.WorkerClient``."""
+and calls the worker's ``evolm_weights_`` methods (``vllm_worker.WeightsExtension``) through
+``engines.vllm.client.WorkerClient``."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -9,9 +9,9 @@ from typing import Any, Mapping, Sequence
 
 from ... import es
 from ...es import lowrank
-from ..resident_weights import NoiseForm, targeted_weight_shapes
-from .client import WorkerClient
-from .rpc import optimizer_spec
+from .resident import NoiseForm, targeted_weight_shapes
+from ..vllm.client import WorkerClient
+from ..vllm.rpc import optimizer_spec
 
 
 class EngineWeights:

