@@ -11,7 +11,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from .config_checks import ConfigError, check_weight_selection, config_error, did_you_mean, renamed_settings
-from .es.core import NOISE_DEVICE, NoiseDevice, check_population_size
+from .es import NOISE_DEVICE, NoiseDevice, check_population_size
 from .lora import ALL_PROJECTIONS, LoraSpec
 from .models import check_model_name
 from .tasks import get_task, list_tasks
@@ -366,7 +366,7 @@ class ESConfig(CommonConfig):
 
     def optimizer_config(self):
         """The es-module optimizer settings."""
-        from .es.core import AdamConfig, SGDConfig
+        from .es import AdamConfig, SGDConfig
 
         if self.optimizer == "adam":
             return AdamConfig(self.learning_rate, self.adam_beta1, self.adam_beta2, weight_decay=self.weight_decay)

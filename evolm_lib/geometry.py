@@ -135,7 +135,7 @@ def _es_weights(run_dir: Path, config, model_dir: Path, generation: int) -> dict
     """An ES run's mean of ``generation`` as named float32 tensors: its snapshot, else final_model/."""
     from safetensors.torch import load_file
 
-    from .es import core as es
+    from . import es
     from .train.model_weights import SNAPSHOTS
 
     shapes = targeted_weight_shapes(model_dir, *config.weight_targets())

@@ -16,7 +16,7 @@ import torch
 
 from .engines import Engine, SamplingSettings, TokenScorer
 from .divergence import kl_k3
-from .es.core import NOISE_DEVICE
+from .es import NOISE_DEVICE
 from .lora import AdapterWeights
 from .tasks import Example, Task
 from .types import Completion

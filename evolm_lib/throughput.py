@@ -128,7 +128,7 @@ def mean_adapter(spec: ThroughputSpec):
 
 def members_of(spec: ThroughputSpec, generation: int) -> list:
     """One generation's members (seeds and signs) as ES derives them (antithetic where even)."""
-    from .es import core as es
+    from . import es
 
     return es.population(0, generation, spec.population, antithetic=spec.population % 2 == 0)
 
@@ -418,7 +418,7 @@ def measure_es_overhead(spec: ThroughputSpec, device: str = "cpu", adapter_dtype
     exists, in ``adapter_dtype``), and the gradient estimate + Adam update; the mean lives on ``device``."""
     import torch
 
-    from .es import core as es
+    from . import es
     from .lora import AdapterWeights, save_adapter
     from .models import resolve_model
 
@@ -470,7 +470,7 @@ def measure_weight_modes(engine: Engine, spec: ThroughputSpec, repeats: int = 3)
     """What es_mode full and eggroll add on the engine's own weights of the 7 projections (medians):
     EGGROLL's update from ``spec.population`` rank-``rank`` members; full mode's write of one member
     and its restore from the float32 master; each as the worker times it (the GPU synchronised)."""
-    from .es import core as es
+    from . import es
     from .lora import ALL_PROJECTIONS
 
     release_eggroll(engine)

@@ -153,7 +153,7 @@ def test_grouped_update_has_the_bits_of_the_per_matrix_path(form, block):
     # on the CPU a batched product runs the same float32 kernel per matrix as the single product did,
     # and later blocks add in the same order, so the bits match; into a flat vector's views (strided
     # groups written in place) and into separate tensors (the copy-out path) alike
-    from evolm_lib.es.core import Layout
+    from evolm_lib.es import Layout
 
     shapes = _transformer_shapes()
     members = [Member(seed, sign) for seed in range(40, 48) for sign in (1, -1)]

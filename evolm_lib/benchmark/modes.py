@@ -76,7 +76,7 @@ def time_update(model_dir: str | Path, population: int, rank: int, repeats: int,
     import torch
 
     from ..engines.weights.resident import targeted_weight_shapes
-    from ..es import core as es
+    from .. import es
     from ..es.lowrank import lowrank_gradient, lowrank_gradient_per_matrix, shape_groups
     from ..lora import ALL_PROJECTIONS
 
@@ -123,7 +123,7 @@ def time_optimizer(gradient, layout, repeats: int, sync, learning_rate: float = 
     weights from the master."""
     import torch
 
-    from ..es import core as es
+    from .. import es
 
     optimizer = es.SGDConfig(learning_rate)
     chunks = (es.IN_PLACE_CHUNK // 4, es.IN_PLACE_CHUNK, es.IN_PLACE_CHUNK * 4)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Protocol, Sequence, Union, runtime_checkable
 
-from ..es.core import NOISE_DEVICE, Member, NoiseScheme, Sigma, perturb
+from ..es import NOISE_DEVICE, Member, NoiseScheme, Sigma, perturb
 from ..lora import AdapterWeights, adapter_shapes
 from ..seeds import derive_seed
 from ..types import Completion, Prompt, PromptLike

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, get_args
 
 from ..config import CPU_KV_CACHE_GB, GPU_MEMORY_SHARE, AdapterTransfer, CommonConfig, ESConfig
-from ..es.core import check_noise_device
+from ..es import check_noise_device
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """The LoRA ranks vLLM builds kernels for: an engine's slots are the next of these at or above max_lora_rank."""

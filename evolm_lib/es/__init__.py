@@ -3,16 +3,15 @@
 ``evolm_lib.es`` is the pure update math: ``noise`` (seeded members and their noise), ``layout``
 (named tensors as one flat vector), ``shaping`` (fitness shaping), ``gradient`` (the ES direction),
 ``optimizers`` (SGD and Adam with their state) and ``state`` (an ES state with pure ``ask`` and
-``tell``); ``core`` re-exports them under one name. The run that drives it against an engine is
+``tell``), every name of them importable from ``evolm_lib.es``. The run that drives it against an engine is
 ``evolm_lib.train.es.ESRun``; nothing in this package imports an engine, a run or a model.
 """
-from . import core  # the same names under evolm_lib.es.core, for code that imports them from there
 from .gradient import GradientForm, es_gradient, member_coefficients, seeded_combination
-from .layout import FlatParams, Layout, Params, Shapes, difference, flat_of, shapes_of, update_norm
+from .layout import FlatParams, Layout, Params, Shapes, difference, flat_of, layout_of, shapes_of, update_norm
 from .noise import (NOISE_DEVICE, NOISE_SCHEMES, Member, NoiseDevice, NoiseScheme, Sigma, check_noise_device,
                     check_noise_scheme, check_population_size, check_sigma, flat_seed, matrix_shape, member_noise,
-                    perturb, population, population_noise, tensor_seed, tiled_noise)
-from .optimizers import (AdamConfig, OptimizerConfig, OptimizerState, SGDConfig, apply_update, apply_update_in_parts,
+                    perturb, population, population_noise, sigma_of, tensor_seed, tiled_noise)
+from .optimizers import (IN_PLACE_CHUNK, AdamConfig, OptimizerConfig, OptimizerState, SGDConfig, apply_update, apply_update_in_parts,
                          apply_update_in_place,
                          init_optimizer_state, optimizer_state_from_tensors, optimizer_state_to,
                          optimizer_state_to_tensors)
@@ -71,4 +70,7 @@ __all__ = [
     "Sigma",
     "GradientForm",
     "OptimizerConfig",
+    "IN_PLACE_CHUNK",
+    "layout_of",
+    "sigma_of",
 ]

@@ -23,7 +23,7 @@ from ..clock import timed
 from ..runs import RunState
 from ..seeds import derive_seed
 from ..tasks import Example, Task
-from ..es import core as es
+from .. import es
 from ..es import state as es_state
 from .es_parameters import ESParameters, LoraMean, Update, population_rewards
 from .loop import RunLoop, percentile

@@ -26,7 +26,7 @@ import torch
 
 from ..config import ESConfig
 from ..engines import CompletionTable, Engine, Population, SamplingSettings
-from ..es import core as es
+from .. import es
 from ..es import state as es_state
 from ..lora import AdapterWeights, base_weight_magnitudes, noise_below_resolution, noise_scales, save_adapter
 from ..types import PromptLike

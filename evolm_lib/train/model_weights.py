@@ -36,7 +36,7 @@ from safetensors.torch import load_file, save_file
 
 from ..config import ConfigError, ESConfig
 from ..engines import Engine, SamplingSettings, WeightsEngine
-from ..es import core as es
+from .. import es
 from ..es import state as es_state
 from ..lora import LoraSpec, read_base_weights
 from ..runs import RunFolderDamaged, keep_damaged_lines, place_damaged, read_jsonl, scan_jsonl

@@ -7,7 +7,7 @@ import logging
 import time
 from typing import Any, Sequence
 
-from ...es.core import Member
+from ...es import Member
 from ...lora import AdapterWeights
 from ...types import PromptLike
 from ..base import AdapterList, CompletionTable, GridsInOneCall, SamplingSettings, balanced_blocks

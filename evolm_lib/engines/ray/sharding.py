@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Sequence
 
-from ...es.core import Member, Sigma
+from ...es import Member, Sigma
 from ...lora import AdapterWeights
 from ...types import PromptLike
 from ..base import AdapterList, CompletionTable, Population, SamplingSettings, balanced_blocks

@@ -13,7 +13,7 @@ import logging
 from typing import Any, Callable, Mapping, Sequence
 
 from ... import es
-from ...es.core import Member
+from ...es import Member
 from ..ray.cluster import import_ray
 from ..ray.pool import EngineLostError, Recovered
 

@@ -8,7 +8,7 @@ from typing import Mapping, Sequence
 import torch
 
 from evolm_lib.es import Member, centered_ranks, member_noise, population
-from evolm_lib.es.core import NOISE_DEVICE, NoiseScheme, seeded_combination
+from evolm_lib.es import NOISE_DEVICE, NoiseScheme, seeded_combination
 
 from .config import EstimatorConfig, Generation, HistoryState
 from .spec import ESTIMATORS, Weights, get_estimator
