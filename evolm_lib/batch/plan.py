@@ -7,10 +7,11 @@ from pathlib import Path
 from typing import Any, Collection
 
 from ..config import did_you_mean
+from ..grid import decide
 from .checks import check_point
 from .notebooks import NotebookInfo, check_parameters, notebook_info, read_notebook
 from .spec import INJECTED, BatchSpec, RunSpec, expand_runs, folder_slug
-from .state import ACTIONS, STATUS_FILE, PointPlan, conflict_fix, point_state
+from .state import STATUS_FILE, PointPlan, conflict_fix, point_state
 
 
 def _json_text_for_str_parameters(parameters: dict[str, Any], declared: dict[str, Any]) -> dict[str, Any]:
@@ -70,12 +71,10 @@ def plan_points(spec: BatchSpec, out_dir: str | Path, retry_failed: bool = False
     for run, params, folder in planned:
         config, error, notes = check_point(info, params) if validate else (None, "", [])
         state, reason, status = point_state(folder, params, config, info.defaults)
-        action = ACTIONS[state]
-        if run.name in replace and state not in ("new", "running"):
-            action, reason = "overwrite", f"was {state}" + (f": {reason}" if state == "changed" else "")
-        elif state == "failed" and retry_failed:
-            action = "retry"
-        elif state == "failed":
+        action = decide(state, run.name in replace, retry_failed)
+        if action == "overwrite":
+            reason = f"was {state}" + (f": {reason}" if state == "changed" else "")
+        elif action == "skip" and state == "failed":
             reason += " (--retry-failed runs it again)"
         elif state == "changed":
             reason += f"; {conflict_fix(run.name)}"
@@ -85,8 +84,8 @@ def plan_points(spec: BatchSpec, out_dir: str | Path, retry_failed: bool = False
             notes = [f"its settings fail the checks now: {error}"]
         elif error:
             action = "invalid"
-        points.append(PointPlan(run, params, folder, state, action, "; ".join(filter(None, [reason, *notes])),
-                                error if action == "invalid" else "", status, config))
+        points.append(PointPlan(run, folder, state, action, "; ".join(filter(None, [reason, *notes])),
+                                error if action == "invalid" else "", parameters=params, status=status, config=config))
     return points
 
 
