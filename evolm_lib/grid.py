@@ -57,6 +57,13 @@ def decide(state: str, replace: bool = False, retry_failed: bool = False, finish
     return finished if state == "finished" else ACTIONS[state]
 
 
+def format_plan(steps: list) -> str:
+    """What the planner decided (or a runner left as it was), one line per item: action, name, why, and
+    the check's error (a `Step`, or a batch's `RunResult`)."""
+    width = max((len(step.name) for step in steps), default=0)
+    return "\n".join(f"  {step.action:<9} {step.name:<{width}}  {step.error or step.reason}".rstrip() for step in steps)
+
+
 @dataclass
 class Step:
     """One planned item with its folder, the folder's state and what the runner does with it."""
@@ -75,6 +82,25 @@ class Step:
     def name(self) -> str:
         """The item's folder name under OUT."""
         return self.run.name
+
+
+def out_contents(out: str | Path) -> tuple[list[Path], dict[str, Any]]:
+    """What an output folder holds that says which runner wrote it, for a runner to refuse another's
+    folder: the folders of a batch's points (status.json in them; failed attempts kept beside a point,
+    <point>.failed-<time>, and folders waiting aside, .<point>.kept-<time>, left out) and its summary.json
+    ({} where there is none or it is unreadable)."""
+    import json
+
+    out = Path(out)
+    if not out.is_dir():
+        return [], {}
+    points = sorted(p for p in out.iterdir() if p.is_dir() and (p / "status.json").is_file()
+                    and not p.name.startswith(".") and ".failed-" not in p.name)
+    try:
+        summary = json.loads((out / "summary.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        summary = {}
+    return points, summary if isinstance(summary, dict) else {}
 
 
 # --------------------------------------------------------------------------- a run folder against new settings

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any, Collection
 
 from ..config import did_you_mean
-from ..grid import decide
+from ..grid import decide, out_contents
 from .checks import check_point
 from .notebooks import NotebookInfo, check_parameters, notebook_info, read_notebook
 from .spec import INJECTED, BatchSpec, RunSpec, expand_runs, folder_slug
@@ -138,24 +138,16 @@ def check_out_folder(spec: BatchSpec, out_dir: str | Path, kind: str | None) -> 
     from .state import read_status
 
     out_dir = Path(out_dir)
-    if not out_dir.is_dir():
-        return
+    points, written = out_contents(out_dir)
     others: dict[str, list[str]] = {}  # "<kind> run(s) of <notebook>" -> point names
-    for folder in sorted(p for p in out_dir.iterdir() if p.is_dir() and (p / STATUS_FILE).is_file()):
-        if folder.name.startswith(".") or ".failed-" in folder.name:
-            continue
+    for folder in points:
         status = read_status(folder)
         theirs = _point_kind(status)
         # kinds compared where both are known (a notebook without a settings tag declares none)
         if not _belongs(spec, folder.name) or (theirs != kind and None not in (theirs, kind)):
             label = f"{KIND_NAMES.get(theirs, theirs)} run(s) of {Path(str(status.get('notebook', '?'))).name}"
             others.setdefault(label, []).append(folder.name)
-    summary = out_dir / "summary.json"
-    if summary.is_file():
-        try:
-            written = json.loads(summary.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            written = {}
+    if written:
         runs = [r.get("name") for r in written.get("runs", []) if isinstance(r, dict) and r.get("name")]
         foreign = [n for n in runs if not _belongs(spec, n) and not any(n in names for names in others.values())]
         if foreign and written.get("notebook"):

@@ -42,8 +42,8 @@ methods' runs (several processes, each with its own engine, can share one OUT th
 eggroll, the engine's mean) is scored greedily on every held-out problem, one line per problem in
 OUT/<run>/heldout.jsonl: the input of the study's intervals (``evolm_lib.analysis``).
 
-Before any engine starts, every run's folder is compared with its planned settings (the batch's one
-comparison, ``evolm_lib.batch.settings_changes``): a folder holding a run made with other settings is
+Before any engine starts, every run's folder is compared with its planned settings (the planner that
+batch, sweep and tune share, ``evolm_lib.grid.run_folder_state``): a folder holding a run made with other settings is
 a conflict, listed old -> new, and the sweep refuses to start until ``--out`` names another folder or
 ``--overwrite METHOD[/SEED]`` replaces those runs. A replaced run waits beside its folder
 (OUT/.<run>.kept-<time>) until its new attempt finishes; an attempt that fails is moved to
@@ -55,7 +55,8 @@ Usage::
                 [--model NAME] [--max-new-tokens N] [--overwrite METHOD[/SEED]] [--no-kl] [--no-notebook] [--dry-run]
 
 The pieces: ``plan`` (the spec read and checked, the runs planned, what each folder will see, the
-time estimate: everything before an engine starts); this module runs the plan, scores and summarizes.
+time estimate: everything before an engine starts); this module runs the plan (one run after another
+through ``evolm_lib.grid.execute``), scores and summarizes.
 """
 from __future__ import annotations
 

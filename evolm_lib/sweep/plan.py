@@ -11,7 +11,7 @@ from typing import Any
 
 from ..batch import read_yaml_file
 from ..config import ConfigError, ESConfig, GRPOConfig, did_you_mean
-from ..grid import Step, decide, run_folder_state
+from ..grid import Step, decide, out_contents, run_folder_state
 from ..tasks import get_task
 
 DEFAULT_SPEC = "papermill_runs/es_vs_grpo_conciseness_cpu.yaml"  # relative to the project folder
@@ -293,19 +293,12 @@ def overwritten_runs(plan: list[PlannedRun], names: Collection[str]) -> set[str]
 def check_out_folder(out: str | Path) -> None:
     """Refuse an output folder that holds a batch (point folders with status.json, or a summary.json of a
     notebook's points): the sweep's summary.csv would replace the batch's. A ValueError names what it holds."""
-    out = Path(out)
-    if not out.is_dir():
-        return
-    points = sorted(p.name for p in out.iterdir() if p.is_dir() and (p / "status.json").is_file())
-    notebook = None
-    try:
-        notebook = json.loads((out / "summary.json").read_text(encoding="utf-8")).get("notebook")
-    except (OSError, ValueError, AttributeError):
-        pass
+    folders, summary = out_contents(out)
+    points, notebook = [folder.name for folder in folders], summary.get("notebook")
     if points or notebook:
         held = f"points of {Path(notebook).name}" if notebook else "points of a batch"
         listed = f" ({', '.join(points)})" if points else ""
-        raise ValueError(f"this folder, {out.resolve()}, holds an `evolm batch`'s {held}{listed}; a sweep would write "
+        raise ValueError(f"this folder, {Path(out).resolve()}, holds an `evolm batch`'s {held}{listed}; a sweep would write "
                          "its runs and its summary.csv beside them. The folder is left as it is: give --out another folder")
 
 

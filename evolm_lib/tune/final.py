@@ -9,6 +9,9 @@ and ``tune.control`` reruns one ES method's winner with its members' rewards shu
 (OUT/control/<method>/seedS), the control for drift that is not learning. ``best_es`` and
 ``best_grpo`` name the ES or GRPO method whose winner scored highest on the selection key, decided
 once every method of that kind has its trials.
+
+Each stage's runs are planned and run as a sweep's are (`evolm_lib.grid`: `plan_stage` finds a run
+finished or held by another worker, `run_stage` runs the others one after another).
 """
 from __future__ import annotations
 
