@@ -90,6 +90,7 @@ after another through `grid.execute`), `summary` (summary.csv/json and the conso
 """
 from __future__ import annotations
 
+from ..grid import format_plan
 from .checks import TYPES, check_point, check_types
 from .execute import run_batch, run_point
 from .notebooks import (
@@ -126,7 +127,6 @@ from .state import (
     write_status,
 )
 from .plan import check_out_folder
-from ..grid import format_plan
 from .summary import (RESULT_CELLS, format_summary, plumbing_check_note, summary_rows, write_summary,
                       write_summary_files)
 

@@ -92,15 +92,15 @@ def _run_point(spec: BatchSpec, point: PointPlan, log_output: bool) -> RunResult
             write_status(point.folder, {**base, "status": FAILED, "seconds": 0.0, "error": point.error,
                                         "finished": started, "before_start": True})
         return _result(point, FAILED, 0.0, point.error)  # a new point: no folder, no summary row
-    aside = None
+    replaced = None
     if point.action == "overwrite" and point.folder.exists():
-        if kept is not None:  # moved aside, back if the new attempt fails
-            aside = Replacement(point.folder)
+        if kept is not None:  # moved aside, back if the new attempt fails (grid.Replacement)
+            replaced = Replacement(point.folder)
         else:
             shutil.rmtree(point.folder)
-    output = point.folder / (NOTEBOOK_FILE if kept is None or aside is not None else "notebook.attempt.ipynb")
+    output = point.folder / (NOTEBOOK_FILE if kept is None or replaced is not None else "notebook.attempt.ipynb")
     status, seconds, error = _execute_point(spec, point, output, base, log_output)
-    if status == BUSY and kept is not None and aside is None:  # another writer came first: nothing lost, nothing kept
+    if status == BUSY and kept is not None and replaced is None:  # another writer came first: nothing lost, nothing kept
         if output.exists():
             output.unlink()
         write_status(point.folder, kept)
@@ -110,13 +110,13 @@ def _run_point(spec: BatchSpec, point: PointPlan, log_output: bool) -> RunResult
             os.replace(output, point.folder / NOTEBOOK_FILE)
         base.pop("kept", None)
         write_status(point.folder, {**base, "status": status, "seconds": seconds, "error": error, "finished": now_text()})
-        if aside is not None:
-            aside.succeeded()
+        if replaced is not None:
+            replaced.succeeded()
         return _result(point, status, seconds, error)
     # the attempt failed on a finished point: keep the point, and the attempt beside it
-    if aside is not None:
+    if replaced is not None:
         write_status(point.folder, {**base, "status": FAILED, "seconds": seconds, "error": error, "finished": now_text()})
-        attempt = aside.failed()
+        attempt = replaced.failed()
     else:
         attempt = point.folder / f"notebook.failed-{stamp()}.ipynb"
         os.replace(output, attempt)

@@ -43,9 +43,9 @@ eggroll, the engine's mean) is scored greedily on every held-out problem, one li
 OUT/<run>/heldout.jsonl: the input of the study's intervals (``evolm_lib.analysis``).
 
 Before any engine starts, every run's folder is compared with its planned settings (the planner that
-batch, sweep and tune share, ``evolm_lib.grid.run_folder_state``): a folder holding a run made with other settings is
-a conflict, listed old -> new, and the sweep refuses to start until ``--out`` names another folder or
-``--overwrite METHOD[/SEED]`` replaces those runs. A replaced run waits beside its folder
+batch, sweep and tune share, ``evolm_lib.grid.run_folder_state``): a folder holding a run made with
+other settings is a conflict, listed old -> new, and the sweep refuses to start until ``--out`` names
+another folder or ``--overwrite METHOD[/SEED]`` replaces those runs. A replaced run waits beside its folder
 (OUT/.<run>.kept-<time>) until its new attempt finishes; an attempt that fails is moved to
 OUT/<run>.failed-<time> and the finished run put back.
 
