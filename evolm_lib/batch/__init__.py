@@ -17,7 +17,8 @@ notebook declares them in its `parameters` cell, `run_dir` (= that folder/run) a
 passed as JSON text; a `dict` parameter (the stepper's `settings`, which reaches every ESConfig
 setting) gets the mapping itself.
 
-Rerunning a batch continues it. Each point's status.json says what happened to it; a point is
+Rerunning a batch continues it. Each point's status.json says what happened to it; a point is (the
+states and actions of the planner and executor that batch, sweep and tune share, `evolm_lib.grid`)
 - new (no folder): it runs;
 - finished (its notebook completed with these settings, its run reached its budget): skipped;
 - unfinished (killed mid-run, or its run short of its budget, e.g. num_generations raised): it runs
@@ -84,11 +85,12 @@ column that no point has is left out):
 
 The pieces: `spec` (the batch file and its grid), `notebooks` (papermill's view of a notebook, and
 running it), `checks` (a point checked without a kernel), `state` (status.json and a point's state),
-`plan` (the action per point), `execute` (running the points), `summary` (summary.csv/json and the
-console tables).
+`plan` (the action per point, `grid.decide`), `execute` (each point's notebook run, the points one
+after another through `grid.execute`), `summary` (summary.csv/json and the console tables).
 """
 from __future__ import annotations
 
+from ..grid import format_plan
 from .checks import TYPES, check_point, check_types
 from .execute import run_batch, run_point
 from .notebooks import (
@@ -125,7 +127,7 @@ from .state import (
     write_status,
 )
 from .plan import check_out_folder
-from .summary import (RESULT_CELLS, format_plan, format_summary, plumbing_check_note, summary_rows, write_summary,
+from .summary import (RESULT_CELLS, format_summary, plumbing_check_note, summary_rows, write_summary,
                       write_summary_files)
 
 __all__ = [

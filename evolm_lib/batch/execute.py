@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Any, Collection
 
+from ..grid import Outcome, Replacement, execute
 from ..paths import project_root
 from .notebooks import NOTEBOOK_FILE, error_text, execute_notebook, notebook_info, read_notebook
 from .plan import plan_points
@@ -91,16 +92,15 @@ def _run_point(spec: BatchSpec, point: PointPlan, log_output: bool) -> RunResult
             write_status(point.folder, {**base, "status": FAILED, "seconds": 0.0, "error": point.error,
                                         "finished": started, "before_start": True})
         return _result(point, FAILED, 0.0, point.error)  # a new point: no folder, no summary row
-    aside = None
+    replaced = None
     if point.action == "overwrite" and point.folder.exists():
-        if kept is not None:  # moved aside, back if the new attempt fails
-            aside = point.folder.with_name(f".{point.folder.name}.kept-{stamp()}")
-            point.folder.rename(aside)
+        if kept is not None:  # moved aside, back if the new attempt fails (grid.Replacement)
+            replaced = Replacement(point.folder)
         else:
             shutil.rmtree(point.folder)
-    output = point.folder / (NOTEBOOK_FILE if kept is None or aside is not None else "notebook.attempt.ipynb")
+    output = point.folder / (NOTEBOOK_FILE if kept is None or replaced is not None else "notebook.attempt.ipynb")
     status, seconds, error = _execute_point(spec, point, output, base, log_output)
-    if status == BUSY and kept is not None and aside is None:  # another writer came first: nothing lost, nothing kept
+    if status == BUSY and kept is not None and replaced is None:  # another writer came first: nothing lost, nothing kept
         if output.exists():
             output.unlink()
         write_status(point.folder, kept)
@@ -110,15 +110,13 @@ def _run_point(spec: BatchSpec, point: PointPlan, log_output: bool) -> RunResult
             os.replace(output, point.folder / NOTEBOOK_FILE)
         base.pop("kept", None)
         write_status(point.folder, {**base, "status": status, "seconds": seconds, "error": error, "finished": now_text()})
-        if aside is not None:
-            shutil.rmtree(aside)
+        if replaced is not None:
+            replaced.succeeded()
         return _result(point, status, seconds, error)
     # the attempt failed on a finished point: keep the point, and the attempt beside it
-    if aside is not None:
-        attempt = point.folder.with_name(f"{point.folder.name}.failed-{stamp()}")
+    if replaced is not None:
         write_status(point.folder, {**base, "status": FAILED, "seconds": seconds, "error": error, "finished": now_text()})
-        point.folder.rename(attempt)
-        aside.rename(point.folder)
+        attempt = replaced.failed()
     else:
         attempt = point.folder / f"notebook.failed-{stamp()}.ipynb"
         os.replace(output, attempt)
@@ -149,13 +147,20 @@ def run_batch(spec_or_path: BatchSpec | str | Path, out_dir: str | Path, overwri
     work = [p for p in points if p.action not in NOT_RUN]
     order = [p.run.name for p in points]
     bar = tqdm(work, desc="batch", unit="run", file=sys.stderr, disable=not work)
-    for point in bar:
+
+    def attempt(point: PointPlan) -> RunResult:
         bar.set_postfix_str(f"{point.action} {point.run.name}")
-        result = run_point(spec, point, log_output)
+        return run_point(spec, point, log_output)
+
+    def after(point: PointPlan, outcome: Outcome) -> None:
+        # run_point records a notebook's failure and a busy point itself; what else raised fails the point here
+        result = outcome.value or _result(point, FAILED, outcome.seconds, outcome.error)
         results[point.run.name] = result
         if result.status == FAILED or result.attempt_error:
             bar.write(f"[failed] {point.run.name}: {result.error or result.attempt_error}", file=sys.stderr)
         _write_summary([results[n] for n in order if n in results], out_dir, spec, defaults)
+
+    execute(bar, attempt, after)
     bar.close()
     ordered = [results[n] for n in order]
     _write_summary(ordered, out_dir, spec, defaults)

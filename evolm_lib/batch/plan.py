@@ -7,10 +7,11 @@ from pathlib import Path
 from typing import Any, Collection
 
 from ..config import did_you_mean
+from ..grid import decide, out_contents
 from .checks import check_point
 from .notebooks import NotebookInfo, check_parameters, notebook_info, read_notebook
 from .spec import INJECTED, BatchSpec, RunSpec, expand_runs, folder_slug
-from .state import ACTIONS, STATUS_FILE, PointPlan, conflict_fix, point_state
+from .state import STATUS_FILE, PointPlan, conflict_fix, point_state
 
 
 def _json_text_for_str_parameters(parameters: dict[str, Any], declared: dict[str, Any]) -> dict[str, Any]:
@@ -70,12 +71,10 @@ def plan_points(spec: BatchSpec, out_dir: str | Path, retry_failed: bool = False
     for run, params, folder in planned:
         config, error, notes = check_point(info, params) if validate else (None, "", [])
         state, reason, status = point_state(folder, params, config, info.defaults)
-        action = ACTIONS[state]
-        if run.name in replace and state not in ("new", "running"):
-            action, reason = "overwrite", f"was {state}" + (f": {reason}" if state == "changed" else "")
-        elif state == "failed" and retry_failed:
-            action = "retry"
-        elif state == "failed":
+        action = decide(state, run.name in replace, retry_failed)
+        if action == "overwrite":
+            reason = f"was {state}" + (f": {reason}" if state == "changed" else "")
+        elif action == "skip" and state == "failed":
             reason += " (--retry-failed runs it again)"
         elif state == "changed":
             reason += f"; {conflict_fix(run.name)}"
@@ -85,8 +84,8 @@ def plan_points(spec: BatchSpec, out_dir: str | Path, retry_failed: bool = False
             notes = [f"its settings fail the checks now: {error}"]
         elif error:
             action = "invalid"
-        points.append(PointPlan(run, params, folder, state, action, "; ".join(filter(None, [reason, *notes])),
-                                error if action == "invalid" else "", status, config))
+        points.append(PointPlan(run, folder, state, action, "; ".join(filter(None, [reason, *notes])),
+                                error if action == "invalid" else "", parameters=params, status=status, config=config))
     return points
 
 
@@ -139,24 +138,16 @@ def check_out_folder(spec: BatchSpec, out_dir: str | Path, kind: str | None) -> 
     from .state import read_status
 
     out_dir = Path(out_dir)
-    if not out_dir.is_dir():
-        return
+    points, written = out_contents(out_dir)
     others: dict[str, list[str]] = {}  # "<kind> run(s) of <notebook>" -> point names
-    for folder in sorted(p for p in out_dir.iterdir() if p.is_dir() and (p / STATUS_FILE).is_file()):
-        if folder.name.startswith(".") or ".failed-" in folder.name:
-            continue
+    for folder in points:
         status = read_status(folder)
         theirs = _point_kind(status)
         # kinds compared where both are known (a notebook without a settings tag declares none)
         if not _belongs(spec, folder.name) or (theirs != kind and None not in (theirs, kind)):
             label = f"{KIND_NAMES.get(theirs, theirs)} run(s) of {Path(str(status.get('notebook', '?'))).name}"
             others.setdefault(label, []).append(folder.name)
-    summary = out_dir / "summary.json"
-    if summary.is_file():
-        try:
-            written = json.loads(summary.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            written = {}
+    if written:
         runs = [r.get("name") for r in written.get("runs", []) if isinstance(r, dict) and r.get("name")]
         foreign = [n for n in runs if not _belongs(spec, n) and not any(n in names for names in others.values())]
         if foreign and written.get("notebook"):

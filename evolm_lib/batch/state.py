@@ -10,31 +10,14 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from ..config import ConfigError
-from .spec import INJECTED, RunSpec
+from ..grid import ACTIONS, BUSY, FAILED, NOT_RUN, OK, Change, Step, run_changes, stamp  # noqa: F401 - the batch's names
+from .spec import INJECTED
 
 STATUS_FILE = "status.json"
-RUNNING, OK, FAILED, PLANNED = "running", "ok", "failed", "planned"
-BUSY = "busy"  # another process holds the point or its run folder: nothing done, nothing written
+RUNNING, PLANNED = "running", "planned"
 STOPPED = "stopped"  # its batch was stopped (Ctrl-C, SIGTERM) while the point ran: a rerun resumes it
-# what a batch does with a grid point, by the point's state (see the module's doc string)
-ACTIONS = {"new": "run", "finished": "skip", "failed": "skip", "unfinished": "resume", "changed": "conflict",
-           "changed-failed": "rerun", "running": "skip", "busy": "skip", "damaged": "damaged"}
-NOT_RUN = ("skip", "conflict", "damaged")  # actions that leave a point's folder as it is
-
-
-@dataclass(frozen=True)
-class Change:
-    """One setting that differs between a point's folder and its new settings."""
-
-    name: str
-    old: Any
-    new: Any
-
-    def __str__(self) -> str:
-        return f"{self.name} {self.old!r} -> {self.new!r}"
+# ok, failed and busy (another process holds the point or its run folder: nothing done, nothing written),
+# and what a batch does with a point by its state (ACTIONS), are the shared planner's (`evolm_lib.grid`)
 
 
 @dataclass
@@ -59,16 +42,11 @@ class RunResult:
 
 
 @dataclass
-class PointPlan:
-    """One grid point with its full parameters, folder, state and the action a batch takes."""
+class PointPlan(Step):
+    """One grid point (`grid.Step`, its ``run`` the point's `RunSpec`) with its full parameters, the
+    status.json its folder holds and its resolved settings."""
 
-    run: RunSpec
-    parameters: dict[str, Any]
-    folder: Path
-    state: str
-    action: str
-    reason: str = ""
-    error: str = ""
+    parameters: dict[str, Any] = field(default_factory=dict)
     status: dict[str, Any] = field(default_factory=dict)
     config: Any = None
     """The point's resolved settings (notebooks tagged `settings:<kind>`), as its kernel will build them."""
@@ -121,23 +99,6 @@ def point_results(parameters: dict[str, Any]) -> dict[str, Any]:
     return run_results(parameters["run_dir"])
 
 
-def _run_settings(run_dir: Any, config) -> dict[str, Any] | None:
-    """The settings of the run in ``run_dir`` as its config.yaml has them (defaults of settings added
-    since filled in), or None when the folder holds no run (no config.yaml or no finished generation)."""
-    from ..runs import list_checkpoints, load_run_config, read_metrics
-
-    run_dir = Path(run_dir) if run_dir else None
-    if run_dir is None or not (run_dir / "config.yaml").is_file():
-        return None
-    if not read_metrics(run_dir) and not list_checkpoints(run_dir):
-        return None  # a creation that stopped before its first generation: nothing to keep
-    try:
-        return load_run_config(run_dir, type(config)).to_dict()
-    except (ConfigError, ValueError, TypeError):  # another kind, or settings this version no longer has
-        data = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
-        return {k: v for k, v in data.items() if k not in ("kind", "label")}
-
-
 def settings_changes(folder: Path, parameters: dict[str, Any], config=None, defaults: dict[str, Any] | None = None,
                      status: dict[str, Any] | None = None) -> tuple[list[Change], bool, bool]:
     """The one comparison of a point's folder with its new settings, for the dry run and the real run.
@@ -147,14 +108,10 @@ def settings_changes(folder: Path, parameters: dict[str, Any], config=None, defa
     extends the run. Otherwise the parameters in status.json against ``parameters``, the notebook's
     ``defaults`` filling what either left out. Returns (changes, whether they keep the run from
     continuing, whether they were read from a run folder)."""
-    from ..runs import EXTENDABLE
-
     defaults = defaults or {}
-    old_settings = _run_settings(parameters.get("run_dir"), config) if config is not None else None
-    if old_settings is not None:
-        new = config.to_dict()
-        changes = [Change(k, old_settings.get(k), v) for k, v in new.items() if old_settings.get(k) != v]
-        return changes, any(c.name not in EXTENDABLE for c in changes), True
+    from_run = run_changes(parameters.get("run_dir"), config) if config is not None else None
+    if from_run is not None:
+        return *from_run, True
     status = read_status(folder) if status is None else status
     before = _comparable({**defaults, **status.get("parameters", {})})
     now = _comparable({**defaults, **parameters})
@@ -231,8 +188,3 @@ def conflict_fix(name: str) -> str:
 def now_text() -> str:
     """This moment as ISO 8601 text with the local offset, to the second (status.json and summary.json)."""
     return datetime.now(timezone.utc).astimezone().isoformat(timespec="seconds")
-
-
-def stamp() -> str:
-    """This moment for a file name (notebook.failed-<stamp>.ipynb)."""
-    return datetime.now().strftime("%Y%m%d-%H%M%S")

@@ -188,17 +188,6 @@ def format_summary(results: list[RunResult], error_width: int = 80) -> str:
     return "\n".join(lines)
 
 
-def format_plan(results: list[RunResult]) -> str:
-    """What a dry run found (or a batch left as it was), one line per point: action, name, why, and
-    the check's error."""
-    width = max((len(r.name) for r in results), default=0)
-    lines = []
-    for r in results:
-        detail = r.error or r.reason
-        lines.append(f"  {r.action:<9} {r.name:<{width}}  {detail}".rstrip())
-    return "\n".join(lines)
-
-
 PLUMBING_MODELS = ("tiny-random",)
 """Models with random weights, built to test the plumbing: their rewards say nothing about a method."""
 

@@ -7,8 +7,8 @@ import time
 from pathlib import Path
 
 from .. import sweep
-from ..batch import format_plan
 from ..env import apply_engine_defaults
+from ..grid import format_plan
 from ..paths import resolve_in_project
 from .help import HelpFormatter
 from .interrupt import ignore_stop_signals, kernels_stopped_first, report_interrupt, stop_children

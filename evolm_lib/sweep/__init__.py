@@ -42,10 +42,10 @@ methods' runs (several processes, each with its own engine, can share one OUT th
 eggroll, the engine's mean) is scored greedily on every held-out problem, one line per problem in
 OUT/<run>/heldout.jsonl: the input of the study's intervals (``evolm_lib.analysis``).
 
-Before any engine starts, every run's folder is compared with its planned settings (the batch's one
-comparison, ``evolm_lib.batch.settings_changes``): a folder holding a run made with other settings is
-a conflict, listed old -> new, and the sweep refuses to start until ``--out`` names another folder or
-``--overwrite METHOD[/SEED]`` replaces those runs. A replaced run waits beside its folder
+Before any engine starts, every run's folder is compared with its planned settings (the planner that
+batch, sweep and tune share, ``evolm_lib.grid.run_folder_state``): a folder holding a run made with
+other settings is a conflict, listed old -> new, and the sweep refuses to start until ``--out`` names
+another folder or ``--overwrite METHOD[/SEED]`` replaces those runs. A replaced run waits beside its folder
 (OUT/.<run>.kept-<time>) until its new attempt finishes; an attempt that fails is moved to
 OUT/<run>.failed-<time> and the finished run put back.
 
@@ -55,12 +55,12 @@ Usage::
                 [--model NAME] [--max-new-tokens N] [--overwrite METHOD[/SEED]] [--no-kl] [--no-notebook] [--dry-run]
 
 The pieces: ``plan`` (the spec read and checked, the runs planned, what each folder will see, the
-time estimate: everything before an engine starts); this module runs the plan, scores and summarizes.
+time estimate: everything before an engine starts); this module runs the plan (one run after another
+through ``evolm_lib.grid.execute``), scores and summarizes.
 """
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from collections.abc import Collection
 from pathlib import Path
@@ -69,6 +69,7 @@ from ..analysis import method_globs
 from ..batch import execute_notebook, read_yaml_file, spec_from_dict, write_summary_files
 from ..engines import EngineSizing, make_engine
 from ..env import record_placement
+from ..grid import BUSY, OK, Outcome, Replacement, execute
 from ..train.es import ESRun
 from ..scoring import evaluate_adapter, mean_kl_to_base, success
 from ..train.grpo import GRPORun
@@ -234,65 +235,57 @@ class SweepRunFailed(RuntimeError):
 
 def run_sweep(plan: list[PlannedRun], out: str | Path, engine=None, kl_engine=None,
               kl_settings: dict | None = None, overwrite: Collection[str] = ()) -> dict[str, float]:
-    """Run every planned run into OUT/<name>; returns {name: wall seconds}. One engine shared by all.
-    A run whose folder another process writes is left as it is and recorded busy (no seconds).
-    ``overwrite``: folder names of runs to replace; each waits in OUT/.<name>.kept-<time> until its new
-    attempt finishes, and comes back if the attempt fails. A run that raises stops the sweep with
-    SweepRunFailed (the runs before it kept)."""
+    """Run every planned run into OUT/<name>, one after another (`grid.execute`); returns {name: wall
+    seconds}. One engine shared by all. A run whose folder another process writes is left as it is and
+    recorded busy (no seconds). ``overwrite``: folder names of runs to replace; each waits in
+    OUT/.<name>.kept-<time> until its new attempt finishes, and comes back if the attempt fails
+    (`grid.Replacement`). A run that raises stops the sweep with SweepRunFailed (the runs before it kept)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     own = engine is None
     engine = engine or make_shared_engine(plan)
-    seconds = {}
+
+    def attempt(planned: PlannedRun) -> None:
+        print(f"{planned.name}: {planned.kind}, {planned.length} {'generations' if planned.kind == 'es' else 'steps'}, "
+              f"{planned.budget} training completions", flush=True)
+        _attempt(planned, out, planned.name in overwrite, engine, kl_engine, kl_settings)
+
+    def after(planned: PlannedRun, outcome: Outcome) -> None:
+        entry = {"run": planned.name, "label": planned.label}
+        if outcome.status == BUSY:
+            print(f"  {planned.name}: busy, left as it is ({outcome.error})", flush=True)
+            entry.update(status="busy", holder=outcome.holder)
+        else:
+            entry.update(seconds=outcome.seconds, budget=planned.budget)
+        with open(out / "sweep_summary.jsonl", "a") as handle:
+            handle.write(json.dumps(entry) + "\n")
+
     try:
-        for planned in plan:
-            started = time.perf_counter()
-            print(f"{planned.name}: {planned.kind}, {planned.length} {'generations' if planned.kind == 'es' else 'steps'}, "
-                  f"{planned.budget} training completions", flush=True)
-            try:
-                _attempt(planned, out, planned.name in overwrite, engine, kl_engine, kl_settings)
-            except RunFolderBusy as busy:
-                print(f"  {planned.name}: busy, left as it is ({busy})", flush=True)
-                with open(out / "sweep_summary.jsonl", "a") as handle:
-                    handle.write(json.dumps({"run": planned.name, "label": planned.label, "status": "busy",
-                                             "holder": busy.holder}) + "\n")
-                continue
-            seconds[planned.name] = time.perf_counter() - started
-            with open(out / "sweep_summary.jsonl", "a") as handle:
-                handle.write(json.dumps({"run": planned.name, "label": planned.label, "seconds": seconds[planned.name],
-                                         "budget": planned.budget}) + "\n")
+        outcomes = execute(plan, attempt, after, keep_going=False)
     finally:
         if own:
             engine.close()
-    return seconds
+    return {outcome.name: outcome.seconds for outcome in outcomes if outcome.status == OK}
 
 
 def _attempt(planned: PlannedRun, out: Path, replacing: bool, engine, kl_engine, kl_settings) -> None:
     """One run of the sweep (``replacing``: its folder's run is moved aside first, and back on failure);
     an exception other than RunFolderBusy becomes SweepRunFailed, naming what was kept."""
-    from ..batch.state import stamp
-
-    folder = out / planned.name
-    aside = folder.with_name(f".{folder.name}.kept-{stamp()}") if replacing and folder.exists() else None
-    if aside is not None:
-        folder.rename(aside)
+    replaced = Replacement.begin(out / planned.name, replacing)
     try:
         run_one(planned, out, engine, kl_engine, kl_settings)
     except RunFolderBusy:
-        if aside is not None:
-            aside.rename(folder)
+        if replaced is not None:
+            replaced.abandoned()
         raise
     except Exception as error:  # noqa: BLE001 - reported as one message; the run folders say the rest
         kept = ""
-        if aside is not None:
-            failed = folder.with_name(f"{folder.name}.failed-{stamp()}")
-            if folder.exists():
-                folder.rename(failed)
-            aside.rename(folder)
-            kept = f"; the run it was to replace is kept in {folder}, this attempt moved to {failed.name}"
+        if replaced is not None:
+            failed = replaced.failed()
+            kept = f"; the run it was to replace is kept in {replaced.folder}, this attempt moved to {failed.name}"
         raise SweepRunFailed(f"{planned.name}: {type(error).__name__}: {error}{kept}") from error
-    if aside is not None:
-        shutil.rmtree(aside)
+    if replaced is not None:
+        replaced.succeeded()
 
 
 def run_notebook(batch_part: dict, out: Path, spec_path: Path) -> Path:

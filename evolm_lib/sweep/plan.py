@@ -9,10 +9,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..batch import read_yaml_file, settings_changes
+from ..batch import read_yaml_file
 from ..config import ConfigError, ESConfig, GRPOConfig, did_you_mean
 from ..config_checks import RENAMED_SETTINGS
-from ..runs import describe_holder, list_checkpoints, lock_holder, missing_config, read_metrics
+from ..grid import Step, decide, out_contents, run_folder_state
 from ..tasks import get_task
 
 DEFAULT_SPEC = "papermill_runs/es_vs_grpo_conciseness_cpu.yaml"  # relative to the project folder
@@ -265,24 +265,12 @@ def select_methods(plan: list[PlannedRun], methods: list[str] | None) -> list[Pl
     return [run for run in plan if run.method in methods]
 
 
-@dataclass(frozen=True)
-class RunAction:
-    """What a sweep does with one planned run's folder, decided before any engine starts."""
-
-    run: PlannedRun
-    state: str
-    """new, finished, unfinished (resumed), changed (its folder holds a run with other settings) or busy."""
-    action: str
-    """run, finish (a finished run: its held-out scores and KL completed where missing), resume, overwrite,
-    conflict (left as it is, and the sweep refuses to start), damaged (its config.yaml is missing: the sweep
-    refuses to start and gives the command that restores it) or skip (busy)."""
-    reason: str = ""
-    error: str = ""
-
-    @property
-    def name(self) -> str:
-        """The run's folder name under OUT."""
-        return self.run.name
+RunAction = Step
+"""What a sweep does with one planned run's folder, decided before any engine starts (`grid.Step`): its
+state is new, finished, unfinished (resumed), changed (its folder holds a run with other settings),
+damaged or busy; its action run, finish (a finished run: its held-out scores and KL completed where
+missing), resume, overwrite, conflict (left as it is, and the sweep refuses to start), damaged (its
+config.yaml is missing: the sweep refuses to start and gives the command that restores it) or skip (busy)."""
 
 
 def overwritten_runs(plan: list[PlannedRun], names: Collection[str]) -> set[str]:
@@ -307,66 +295,41 @@ def overwritten_runs(plan: list[PlannedRun], names: Collection[str]) -> set[str]
 def check_out_folder(out: str | Path) -> None:
     """Refuse an output folder that holds a batch (point folders with status.json, or a summary.json of a
     notebook's points): the sweep's summary.csv would replace the batch's. A ValueError names what it holds."""
-    out = Path(out)
-    if not out.is_dir():
-        return
-    points = sorted(p.name for p in out.iterdir() if p.is_dir() and (p / "status.json").is_file())
-    notebook = None
-    try:
-        notebook = json.loads((out / "summary.json").read_text(encoding="utf-8")).get("notebook")
-    except (OSError, ValueError, AttributeError):
-        pass
+    folders, summary = out_contents(out)
+    points, notebook = [folder.name for folder in folders], summary.get("notebook")
     if points or notebook:
         held = f"points of {Path(notebook).name}" if notebook else "points of a batch"
         listed = f" ({', '.join(points)})" if points else ""
-        raise ValueError(f"this folder, {out.resolve()}, holds an `evolm batch`'s {held}{listed}; a sweep would write "
+        raise ValueError(f"this folder, {Path(out).resolve()}, holds an `evolm batch`'s {held}{listed}; a sweep would write "
                          "its runs and its summary.csv beside them. The folder is left as it is: give --out another folder")
 
 
 def plan_actions(plan: list[PlannedRun], out: str | Path, overwrite: Collection[str] = ()) -> list[RunAction]:
-    """Each planned run with its folder's state and what the sweep does with it, by the batch's own
-    comparison of a run folder with new settings (``batch.settings_changes``: a change of budget or
-    cadence extends a run, any other change is a conflict). ``overwrite``: METHOD or METHOD/SEED names
-    of the runs to replace (`overwritten_runs`)."""
+    """Each planned run with its folder's state and what the sweep does with it (`grid.run_folder_state`
+    and `grid.decide`: a change of budget or cadence extends a run, any other change is a conflict).
+    ``overwrite``: METHOD or METHOD/SEED names of the runs to replace (`overwritten_runs`)."""
     check_out_folder(out)
     replace = overwritten_runs(plan, overwrite)
     actions = []
     for run in plan:
         folder = Path(out) / run.name
         what = f"{run.kind}, {run.length} {'generations' if run.kind == 'es' else 'steps'}"
-        holder = lock_holder(folder) if folder.is_dir() else None
-        if holder is not None:
-            actions.append(RunAction(run, "busy", "skip", f"{what}; held by {describe_holder(holder)}"))
-            continue
-        missing = missing_config(folder)
-        if missing is not None:  # checkpoints without config.yaml: no plan can say where it resumes
-            if run.name in replace:
-                actions.append(RunAction(run, "damaged", "overwrite", f"{what}; replaces the run there ({missing})"))
-            else:
-                actions.append(RunAction(run, "damaged", "damaged", f"{what}; {missing}; or `--overwrite "
-                                                                    f"{run.method}/{run.config.seed}` starts it again"))
-            continue
-        rows = read_metrics(folder) if (folder / "config.yaml").is_file() else []
-        if not rows and not list_checkpoints(folder):
-            actions.append(RunAction(run, "new", "run", what))
-            continue
-        changes, blocking, _ = settings_changes(folder, {"run_dir": folder}, run.config)
-        listed = ", ".join(map(str, changes))
-        done = rows[-1].get("generation", -1) if rows else -1
-        if blocking:
-            state, action = "changed", "conflict"
-            reason = (f"{what}; its folder holds a run with other settings: {listed}; kept as it is: "
-                      f"`--overwrite {run.method}/{run.config.seed}` replaces this run alone, or `--out` another "
-                      "folder runs the new settings there")
-        elif changes:
-            state, action, reason = "unfinished", "resume", f"{what}; settings changed that its run can follow: {listed}"
-        elif done >= run.length:
-            state, action, reason = "finished", "finish", f"{what}; finished (held-out scores and KL completed if missing)"
-        else:
-            state, action, reason = "unfinished", "resume", f"{what}; resumes at generation {done} of {run.length}"
-        if run.name in replace:
-            action, reason = "overwrite", f"{what}; replaces the run there (was {state}{': ' + listed if changes else ''})"
-        actions.append(RunAction(run, state, action, reason))
+        found = run_folder_state(folder, run.config, run.length)
+        action = decide(found.state, run.name in replace, finished="finish")
+        again = f"`--overwrite {run.method}/{run.config.seed}`"
+        reason = found.reason
+        if action == "overwrite":
+            listed = ", ".join(map(str, found.changes))
+            reason = (f"replaces the run there ({found.reason})" if found.state == "damaged" else
+                      f"replaces the run there (was {found.state}{': ' + listed if found.changes else ''})")
+        elif found.state == "damaged":
+            reason += f"; or {again} starts it again"
+        elif found.state == "changed":
+            reason += (f"; kept as it is: {again} replaces this run alone, or `--out` another folder runs the new "
+                       "settings there")
+        elif found.state == "finished":
+            reason = "finished (held-out scores and KL completed if missing)"
+        actions.append(RunAction(run, folder, found.state, action, "; ".join(filter(None, [what, reason]))))
     return actions
 
 

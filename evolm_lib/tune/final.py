@@ -9,6 +9,9 @@ and ``tune.control`` reruns one ES method's winner with its members' rewards shu
 (OUT/control/<method>/seedS), the control for drift that is not learning. ``best_es`` and
 ``best_grpo`` name the ES or GRPO method whose winner scored highest on the selection key, decided
 once every method of that kind has its trials.
+
+Each stage's runs are planned and run as a sweep's are (`evolm_lib.grid`: `plan_stage` finds a run
+finished or held by another worker, `run_stage` runs the others one after another).
 """
 from __future__ import annotations
 
@@ -20,7 +23,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
-from ..runs import LOCK_FILE, RunFolderBusy, list_checkpoints, lock_holder, read_jsonl
+from ..grid import BUSY, NOT_RUN, OK, Outcome, Step, decide, execute
+from ..runs import LOCK_FILE, describe_holder, list_checkpoints, lock_holder, read_jsonl
 from ..sweep import HELDOUT, PlannedRun, run_one
 from .spec import BEST, TuneSpec, trial_config
 from .study import POLL_S, best_trial, finished, held, tune
@@ -147,14 +151,38 @@ def continue_rerun(spec: TuneSpec, planned: PlannedRun, rerun: PlannedRun, engin
     return run_unfinished(planned, spec.out / "long", engine)
 
 
-def _finished_unless_busy(run: Callable[[], bool], label: str, log: Callable[[str], None]) -> bool:
-    """``run()`` (whether the run it starts or finds is finished), False where another worker writes
-    its folder, which is left to that writer and logged under ``label``."""
-    try:
-        return run()
-    except RunFolderBusy as busy:
-        log(f"  {label}: busy, left to its writer ({busy})")
-        return False
+def plan_stage(plans: list[PlannedRun], out: Path) -> list[Step]:
+    """Each run of a stage (OUT/final, OUT/long or OUT/control) with its folder's state and what this
+    worker does with it (`grid.decide`): finished (`finished_rerun`) or busy (another worker writes it),
+    skipped; new or unfinished, run."""
+    steps = []
+    for planned in plans:
+        folder = out / planned.name
+        holder = lock_holder(folder) if folder.is_dir() else None
+        state = ("busy" if holder is not None else "finished" if finished_rerun(folder, planned.length)
+                 else "unfinished" if folder.exists() else "new")
+        reason = f"held by {describe_holder(holder)}" if holder is not None else ""
+        steps.append(Step(planned, folder, state, decide(state), reason))
+    return steps
+
+
+def run_stage(steps: list[Step], attempt: Callable[[Step], bool], label: str, log: Callable[[str], None],
+              then: Callable[[Step], None] | None = None) -> list[Step]:
+    """The steps of a stage run one after another (`grid.execute`; an error goes up, the runs before it
+    kept), ``then(step)`` after each that this worker finishes; a run another worker writes is logged
+    (``label`` before its name) and left to that writer. Returns the steps finished: found so, or run here."""
+    def after(step: Step, outcome: Outcome) -> None:
+        if outcome.status == BUSY:
+            log(f"  {label}{step.name}: busy, left to its writer ({outcome.error})")
+        elif outcome.value and then is not None:
+            then(step)
+
+    for step in steps:
+        if step.state == "busy":
+            log(f"  {label}{step.name}: busy, left to its writer ({step.reason})")
+    outcomes = execute([step for step in steps if step.action not in NOT_RUN], attempt, after, keep_going=False)
+    ran = {outcome.name for outcome in outcomes if outcome.status == OK and outcome.value}
+    return [step for step in steps if step.state == "finished" or step.name in ran]
 
 
 def run_extras(spec: TuneSpec, engine, log: Callable[[str], None] = print) -> dict[str, list[str]]:
@@ -164,24 +192,26 @@ def run_extras(spec: TuneSpec, engine, log: Callable[[str], None] = print) -> di
     or found finished}."""
     done: dict[str, list[str]] = {}
 
-    def run(planned: PlannedRun, stage: str, start: Callable[[], bool]) -> None:
-        if _finished_unless_busy(start, f"{stage}/{planned.name}", log):
-            done.setdefault(f"{stage}/{planned.method.split('/')[0]}", []).append(str(spec.out / stage / planned.name))
+    def record(key: str, steps: list[Step]) -> None:
+        if steps:
+            done[key] = [str(step.folder) for step in steps]
 
     if spec.settings.long > 1:
         for method in spec.methods:
             if not finished(spec, method):
                 continue
-            for rerun in final_plan(spec, method):
-                planned = long_run(spec, rerun)
-                run(planned, "long", lambda: continue_rerun(spec, planned, rerun, engine, log))
+            reruns = {rerun.name: rerun for rerun in final_plan(spec, method)}
+            steps = plan_stage([long_run(spec, rerun) for rerun in reruns.values()], spec.out / "long")
+            record(f"long/{method}", run_stage(
+                steps, lambda step: continue_rerun(spec, step.run, reruns[step.name], engine, log), "long/", log))
     if spec.settings.control != "none":
         method = resolve_best(spec, spec.settings.control)
         if method is None:
             log(f"control ({spec.settings.control}): waits until every ES method has its trials")
         elif method in spec.methods:
-            for planned in control_plan(spec, method):
-                run(planned, "control", lambda: run_unfinished(planned, spec.out / "control", engine))
+            out = spec.out / "control"
+            record(f"control/{method}", run_stage(plan_stage(control_plan(spec, method), out),
+                                                  lambda step: run_unfinished(step.run, out, engine), "control/", log))
     return done
 
 
@@ -189,25 +219,23 @@ def run_finals(spec: TuneSpec, engine, log: Callable[[str], None] = print) -> di
     """Rerun every method whose study is finished on the final seeds (a method still being tuned by
     another worker is left for later, a rerun another worker writes is skipped); returns {method: rerun
     folders written or found finished}. With ``tune.long``, a rerun this worker finishes is continued
-    at once (``continue_rerun``), before the next rerun."""
+    at once (``continue_rerun``), before the next rerun; a rerun found finished is ``run_extras``'."""
     done: dict[str, list[str]] = {}
+    out = spec.out / "final"
+
+    def continued(step: Step) -> None:
+        if spec.settings.long > 1:
+            planned = long_run(spec, step.run)
+            run_stage(plan_stage([planned], spec.out / "long"),
+                      lambda long: continue_rerun(spec, long.run, step.run, engine, log), "long/", log)
+
     for method in spec.methods:
         if not finished(spec, method):
             log(f"{method}: tuning not finished; its reruns wait")
             continue
-        done[method] = []
-        for planned in final_plan(spec, method):
-            folder = spec.out / "final" / planned.name
-            if finished_rerun(folder, planned.length):  # here already: its continuation is run_extras'
-                done[method].append(str(folder))
-                continue
-            if not _finished_unless_busy(lambda: run_unfinished(planned, spec.out / "final", engine),
-                                         planned.name, log):
-                continue
-            done[method].append(str(folder))
-            if spec.settings.long > 1:
-                _finished_unless_busy(lambda: continue_rerun(spec, long_run(spec, planned), planned, engine, log),
-                                      f"long/{planned.name}", log)
+        steps = run_stage(plan_stage(final_plan(spec, method), out),
+                          lambda step: run_unfinished(step.run, out, engine), "", log, then=continued)
+        done[method] = [str(step.folder) for step in steps]
     return done
 
 
