@@ -1,32 +1,35 @@
 """SGD and Adam on one flat float32 master: the library's updates against ``torch.optim``'s functional
-forms: ``python -m evolm_lib.benchmark optimizer``.
+forms and the textbook formulas: ``python -m evolm_lib.benchmark optimizer``.
 
 For each size (``--sizes``: a LoRA mean of SmolLM2 at rank 8 is 4.9M values, SmolLM2-135M's weights
 135M, EGGROLL's 7 projections of a 1.5B model 1.31B) and each optimizer (plain SGD, SGD with
 momentum 0.9, Adam, Adam with decoupled weight decay), the median seconds of one ascent step by:
 
-``whole``            ``es.apply_update``: whole-vector, a new master and new moment buffers;
-``in_place``         ``es.apply_update_in_place``: in the master's own buffers, chunk by chunk, with the
-                     L2 norm of the master's change (the reference of the ratios);
+``textbook-whole``     the formulas term by term in plain tensor operations, on the whole vector,
+                       into new tensors (a new master and moments, as ``apply_update`` returns);
+``textbook-in-place``  the same, chunk by chunk, written back into the state's buffers, with the L2
+                       norm of the master's change (``apply_update_in_place``'s contract; the
+                       reference of the ratios);
+``whole``              ``es.apply_update``;
+``in_place``           ``es.apply_update_in_place``;
 ``torch``, ``torch-foreach``, ``torch-fused``
-                     ``torch.optim.sgd.sgd`` / ``torch.optim.adam.adam`` with ``foreach=False``,
-                     ``foreach=True`` or ``fused=True`` (where torch has fused kernels for the device),
-                     applied as ``apply_update_in_place`` is: on the same chunks of the same buffers,
-                     with the same norm (the chunk's old values copied aside, subtracted after);
-``whole-torch-...``  each torch form as ``apply_update`` is: on copies of the master and moments.
+                       ``torch.optim.sgd.sgd`` / ``torch.optim.adam.adam`` with ``foreach=False``,
+                       ``foreach=True`` or ``fused=True`` (where torch has fused kernels for the
+                       device) on the same chunks of the same buffers, with the same norm (the
+                       chunk's old values kept aside, subtracted after).
 
-torch.optim descends: each call hands it the ascent gradient and the negated learning rate, so its
-moment buffers hold averages of the ascent gradient (the form checkpoints keep) and no negated copy
-of the gradient is made (``maximize=True`` makes one outside the fused kernels and stores negated
-moments); decoupled weight decay is the master's ``mul_(1 - learning_rate * weight_decay)`` before
-the step, as ``torch.optim.AdamW`` does it. Paths are timed round by round, one call of each a round
-(``--repeats`` rounds after one to warm up), all on one state per optimizer, so a machine whose
-speed drifts slows every path alike; a size whose buffers do not fit in the device's free memory is
-skipped (``whole`` alone where only its temporaries do not fit).
+torch.optim descends: it is handed the ascent gradient and the negated learning rate, so its moment
+buffers hold averages of the ascent gradient (the form checkpoints keep) and no negated copy of the
+gradient is made (``maximize=True`` makes one outside the fused kernels); decoupled weight decay is
+the master's ``mul_(1 - learning_rate * weight_decay)`` before the step, as ``torch.optim.AdamW``
+does it. Paths are timed round by round, one call of each a round (``--repeats`` rounds after one
+to warm up), all on one state per optimizer, so a machine whose speed drifts slows every path
+alike. A size whose buffers do not fit in the device's free memory is skipped (the whole-vector
+paths alone where only their temporaries do not fit).
 
 Each path is also checked on a small master (3 steps): whether it gives the same bits with the
 gradient cut into chunks of 1,000 and of 7 values as in one chunk (``apply_update_in_parts``
-promises this), and its largest difference from ``in_place``, relative to the step's size.
+promises this), and its largest difference from ``textbook-in-place`` over the largest change.
 
 Examples::
 
@@ -53,7 +56,9 @@ OPTIMIZERS = {"sgd": es.SGDConfig(1e-3), "sgd-momentum": es.SGDConfig(1e-3, mome
 TORCH_FORMS = {"torch": {"foreach": False, "fused": False}, "torch-foreach": {"foreach": True, "fused": False},
                "torch-fused": {"foreach": False, "fused": True}}
 """torch path -> the keyword arguments of torch.optim's functional form."""
+REFERENCE = "textbook-in-place"
 SUFFIXES = {"k": 10**3, "m": 10**6, "b": 10**9}
+Step = Callable[[es.OptimizerConfig, int, torch.Tensor, torch.Tensor, "torch.Tensor | None", "torch.Tensor | None"], None]
 
 
 def parse_size(text: str) -> int:
@@ -73,94 +78,127 @@ def fused_devices() -> list[str]:
     return list(_get_fused_kernels_supported_devices())
 
 
-def torch_step(config: es.OptimizerConfig, theta: torch.Tensor, gradient: torch.Tensor, first: torch.Tensor | None,
-               second: torch.Tensor | None, step: int, form: dict[str, bool]) -> None:
-    """One ascent step of torch.optim's functional form on these (chunk) tensors, in place; ``step``
-    is the step being made (1 for the first)."""
+def textbook(config: es.OptimizerConfig, step: int, theta: torch.Tensor, g: torch.Tensor,
+             first: torch.Tensor | None, second: torch.Tensor | None):
+    """(new master, new first moment, new second moment) by the textbook formulas, term by term in
+    order (no fused multiply-adds), into new tensors; '+' ascends."""
+    lr = config.learning_rate
+    if isinstance(config, es.AdamConfig):
+        m = first * config.beta1 + g * (1 - config.beta1)
+        v = second * config.beta2 + (g * (1 - config.beta2)) * g
+        direction = (m / (1 - config.beta1**step)) / ((v / (1 - config.beta2**step)).sqrt() + config.eps)
+    elif config.momentum > 0:
+        m = direction = first * config.momentum + g
+        v = None
+    else:
+        direction, m, v = g, None, None
+    stepped = theta + direction * lr
+    return (stepped - theta * (lr * config.weight_decay) if config.weight_decay else stepped), m, v
+
+
+def textbook_in_place(config: es.OptimizerConfig, step: int, theta: torch.Tensor, g: torch.Tensor,
+                      first: torch.Tensor | None, second: torch.Tensor | None) -> torch.Tensor:
+    """``textbook`` on one chunk, written back into its buffers; the float64 norm of the change."""
+    new, m, v = textbook(config, step, theta, g, first, second)
+    norm = torch.linalg.vector_norm(new.sub(theta), dtype=torch.float64)
+    theta.copy_(new)
+    for buffer, value in ((first, m), (second, v)):
+        if value is not None:
+            buffer.copy_(value)
+    return norm
+
+
+def torch_step(form: dict[str, bool]) -> Step:
+    """One ascent step of torch.optim's functional form ``form`` on chunk tensors, in place."""
     from torch.optim.adam import adam
     from torch.optim.sgd import sgd
 
-    if config.weight_decay:  # decoupled, from the pre-step master (torch.optim.AdamW's order)
-        theta.mul_(1 - config.learning_rate * config.weight_decay)
-    if isinstance(config, es.AdamConfig):
-        # torch increments the step tensor before using it; fused kernels want it on the device, in float32
-        steps = [torch.tensor(float(step - 1), dtype=torch.float32, device=theta.device if form["fused"] else "cpu")]
-        adam([theta], [gradient], [first], [second], [], steps, amsgrad=False, beta1=config.beta1, beta2=config.beta2,
-             lr=-config.learning_rate, weight_decay=0.0, eps=config.eps, maximize=False, **form)
-    else:
-        sgd([theta], [gradient], [first if config.momentum > 0 else None], weight_decay=0.0, momentum=config.momentum,
-            lr=-config.learning_rate, dampening=0.0, nesterov=False, maximize=False, **form)
+    def step_(config, step, theta, g, first, second) -> None:
+        if config.weight_decay:  # decoupled, from the pre-step master (torch.optim.AdamW's order)
+            theta.mul_(1 - config.learning_rate * config.weight_decay)
+        if isinstance(config, es.AdamConfig):
+            # torch counts the step up before using it; fused kernels read it on the device
+            steps = [torch.full((), step - 1, dtype=torch.float32, device=theta.device if form["fused"] else "cpu")]
+            adam([theta], [g], [first], [second], [], steps, amsgrad=False, beta1=config.beta1, beta2=config.beta2,
+                 lr=-config.learning_rate, weight_decay=0.0, eps=config.eps, maximize=False, **form)
+        else:
+            sgd([theta], [g], [first], weight_decay=0.0, momentum=config.momentum, lr=-config.learning_rate,
+                dampening=0.0, nesterov=False, maximize=False, **form)
+
+    return step_
 
 
-def torch_in_place(config: es.OptimizerConfig, state: es.OptimizerState, gradient: torch.Tensor, form: dict[str, bool],
-                   chunk: int = es.IN_PLACE_CHUNK) -> tuple[es.OptimizerState, float]:
-    """``apply_update_in_place``'s contract by ``torch_step``: chunk by chunk in the state's buffers,
-    the advanced state and the L2 norm of the master's change (float32 differences summed in float64)."""
-    theta = state.master.flat
-    first = state.first_moment.flat if state.first_moment else None
-    second = state.second_moment.flat if state.second_moment else None
-    old = torch.empty(min(chunk, theta.numel()), dtype=torch.float32, device=theta.device)
-    norms = []
-    for start in range(0, theta.numel(), chunk):
-        part = slice(start, min(start + chunk, theta.numel()))
-        kept = old[:part.stop - start]
-        kept.copy_(theta[part])
-        torch_step(config, theta[part], gradient[part], first[part] if first is not None else None,
-                   second[part] if second is not None else None, state.step + 1, form)
-        norms.append(torch.linalg.vector_norm(kept.sub_(theta[part]), dtype=torch.float64))
-    return es.OptimizerState(state.step + 1, state.master, state.first_moment, state.second_moment), \
-        float(torch.linalg.vector_norm(torch.stack(norms)))
+def in_chunks(chunk_step: Callable, own_norm: bool = False) -> Callable:
+    """``(config, state, gradient, chunk) -> state``: ``chunk_step`` over the state's flat
+    buffers ``chunk`` values at a time; the norm of a chunk's change is the step's own
+    (``own_norm``) or from the chunk's old values kept aside."""
+    def update(config, state, gradient, chunk=es.IN_PLACE_CHUNK):
+        theta = state.master.flat
+        first = state.first_moment.flat if state.first_moment else None
+        second = state.second_moment.flat if state.second_moment else None
+        old = torch.empty(0 if own_norm else min(chunk, theta.numel()), dtype=torch.float32, device=theta.device)
+        norms = []
+        for start in range(0, theta.numel(), chunk):
+            part = slice(start, min(start + chunk, theta.numel()))
+            kept = old[:part.stop - start]
+            if not own_norm:
+                kept.copy_(theta[part])
+            norm = chunk_step(config, state.step + 1, theta[part], gradient[part],
+                              first[part] if first is not None else None, second[part] if second is not None else None)
+            norms.append(norm if own_norm else torch.linalg.vector_norm(kept.sub_(theta[part]), dtype=torch.float64))
+        advanced = es.OptimizerState(state.step + 1, state.master, state.first_moment, state.second_moment)
+        float(torch.linalg.vector_norm(torch.stack(norms)))  # the norm is part of the contract timed
+        return advanced
 
-
-def copied(state: es.OptimizerState) -> es.OptimizerState:
-    """The state with fresh copies of its buffers (an update on them leaves the state untouched)."""
-    def copy(buffers):
-        return es.FlatParams(buffers.flat.clone(), buffers.layout) if buffers else buffers
-
-    return es.OptimizerState(state.step, copy(state.master), copy(state.first_moment), copy(state.second_moment))
+    return update
 
 
 def paths(device: str) -> dict[str, Callable]:
-    """path name -> ``(config, state, gradient) -> state``."""
-    def whole(config, state, gradient):
+    """path name -> ``(config, state, gradient, chunk) -> state``."""
+    def textbook_whole(config, state, gradient, chunk=None):
+        flat = lambda buffers: buffers.flat if buffers else None  # noqa: E731
+        new, m, v = textbook(config, state.step + 1, state.master.flat, gradient, flat(state.first_moment),
+                             flat(state.second_moment))
+        layout = state.master.layout
+        return es.OptimizerState(state.step + 1, es.FlatParams(new, layout), es.FlatParams(m, layout) if m is not None
+                                 else {}, es.FlatParams(v, layout) if v is not None else {})
+
+    def whole(config, state, gradient, chunk=None):
         return es.apply_update(config, state, state.master, es.FlatParams(gradient, state.master.layout))[1]
 
-    def in_place(config, state, gradient):
-        return es.apply_update_in_place(config, state, gradient)[0]
+    def in_place(config, state, gradient, chunk=es.IN_PLACE_CHUNK):
+        return es.apply_update_in_place(config, state, gradient, chunk)[0]
 
-    table = {"whole": whole, "in_place": in_place}
+    table = {"textbook-whole": textbook_whole, REFERENCE: in_chunks(textbook_in_place, own_norm=True), "whole": whole,
+             "in_place": in_place}
     for name, form in TORCH_FORMS.items():
-        if form["fused"] and device not in fused_devices():
-            continue
-        table[name] = lambda config, state, gradient, form=form: torch_in_place(config, state, gradient, form)[0]
-        table[f"whole-{name}"] = (lambda config, state, gradient, form=form:
-                                  torch_in_place(config, copied(state), gradient, form)[0])
+        if not form["fused"] or device in fused_devices():
+            table[name] = in_chunks(torch_step(form))
     return table
 
 
 def check_bits(config: es.OptimizerConfig, device: str, size: int = 10_007) -> dict[str, dict[str, Any]]:
-    """Per torch path: the same bits with the gradient in chunks of 1,000 and of 7 as in one chunk,
-    and the largest difference of the master from ``in_place``'s over the master's largest change."""
+    """Per path: the same bits with the gradient in chunks of 1,000 and of 7 as in one chunk (the
+    whole-vector paths have one), and the largest difference of the master from the reference's
+    over the master's largest change."""
     generator = torch.Generator().manual_seed(0)
     start = torch.randn(size, generator=generator).to(device)
     gradients = [torch.randn(size, generator=generator).to(device) for _ in range(3)]
     layout = es.FlatParams.of({"w": start}).layout
 
-    def run(step: Callable, chunk: int) -> torch.Tensor:
+    def run(path: Callable, chunk: int) -> torch.Tensor:
         state = es.init_optimizer_state(config, es.FlatParams(start.clone(), layout))
         for gradient in gradients:
-            state = step(state, gradient, chunk)
+            state = path(config, state, gradient, chunk)
         return torch.cat([state.master.flat, *(b.flat for b in (state.first_moment, state.second_moment) if b)])
 
-    reference = run(lambda s, g, chunk: es.apply_update_in_place(config, s, g, chunk)[0], size)
+    table = paths(device)
+    reference = run(table[REFERENCE], size)
     change = float((reference[:size] - start).abs().max())
     result = {}
-    for name, form in TORCH_FORMS.items():
-        if form["fused"] and device not in fused_devices():
-            continue
-        whole = run(lambda s, g, chunk: torch_in_place(config, s, g, form, chunk)[0], size)
-        same = all(torch.equal(whole, run(lambda s, g, chunk: torch_in_place(config, s, g, form, chunk)[0], chunk))
-                   for chunk in (1000, 7))
+    for name, path in table.items():
+        whole = run(path, size)
+        same = None if name.endswith("whole") else all(torch.equal(whole, run(path, chunk)) for chunk in (1000, 7))
         result[name] = {"same_bits_however_cut": same,
                         "max_difference_over_change": float((whole[:size] - reference[:size]).abs().max()) / change}
     return result
@@ -168,7 +206,7 @@ def check_bits(config: es.OptimizerConfig, device: str, size: int = 10_007) -> d
 
 def fits(size: int, buffers: int, device: str) -> bool:
     """Whether ``buffers`` float32 vectors of ``size`` values fit in 90% of the device's free memory."""
-    if device.startswith("cuda"):
+    if device == "cuda":
         free = torch.cuda.mem_get_info()[0]
     else:
         import psutil
@@ -179,10 +217,9 @@ def fits(size: int, buffers: int, device: str) -> bool:
 
 def measure(config: es.OptimizerConfig, size: int, device: str, repeats: int) -> dict[str, Any]:
     """Median seconds of each path at ``size`` values, round by round on one state."""
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     moments = 2 if isinstance(config, es.AdamConfig) else int(config.momentum > 0)
-    # resident: master, moments, gradient, a chunk; whole: a new master and moments, and ~4 temporaries
-    if not fits(size, 2 + moments, device):
+    if not fits(size, 2 + moments, device):  # master, moments, gradient; a chunk besides
         return {"skipped": "the buffers do not fit"}
     generator = torch.Generator(device=device).manual_seed(0)
     master = torch.randn(size, generator=generator, device=device).mul_(0.02)
@@ -190,9 +227,8 @@ def measure(config: es.OptimizerConfig, size: int, device: str, repeats: int) ->
     state = es.init_optimizer_state(config, es.FlatParams(master, es.FlatParams.of({"w": master}).layout), copy=False)
     del master
     table = paths(device)
-    if not fits(size, 2 * (2 + moments) + 4, device):
-        table.pop("whole")
-        table = {name: path for name, path in table.items() if not name.startswith("whole")}
+    if not fits(size, 2 * (2 + moments) + 4, device):  # a new master and moments and ~4 temporaries besides
+        table = {name: path for name, path in table.items() if not name.endswith("whole")}
     seconds: dict[str, list[float]] = {name: [] for name in table}
     for _ in range(repeats + 1):  # the first round warms the allocator and the kernels up
         for name, path in table.items():
@@ -202,8 +238,7 @@ def measure(config: es.OptimizerConfig, size: int, device: str, repeats: int) ->
             sync()
             seconds[name].append(time.perf_counter() - started)
     medians = {name: statistics.median(values[1:]) for name, values in seconds.items()}
-    reference = medians["in_place"]
-    return {"median_s": medians, "ratio_to_in_place": {name: value / reference for name, value in medians.items()},
+    return {"median_s": medians, "ratio_to_reference": {name: value / medians[REFERENCE] for name, value in medians.items()},
             "finite": bool(torch.isfinite(state.master.flat).all())}
 
 
@@ -211,7 +246,7 @@ def machine(device: str) -> dict[str, Any]:
     """The record beside the numbers: device, torch, CPU count, load average."""
     info = {"device": device, "torch": torch.__version__, "cpus": os.cpu_count(), "platform": platform.platform(),
             "load_average": list(os.getloadavg()), "torch_threads": torch.get_num_threads()}
-    if device.startswith("cuda"):
+    if device == "cuda":
         info["gpu"] = torch.cuda.get_device_name(0)
     return info
 
@@ -245,9 +280,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     print(json.dumps(results["machine"]))
     for name in names:
         results["bits"][name] = check_bits(OPTIMIZERS[name], device)
-        print(f"{name} bits: " + "; ".join(f"{path} same however cut {row['same_bits_however_cut']}, "
-                                           f"off in_place by {row['max_difference_over_change']:.1e} of the change"
-                                           for path, row in results["bits"][name].items()))
+        print(f"{name} bits (same however cut; off {REFERENCE} over the change): " + ", ".join(
+            f"{path} {row['same_bits_however_cut']} {row['max_difference_over_change']:.1e}"
+            for path, row in results["bits"][name].items()))
     for size in sizes:
         for name in names:
             row = measure(OPTIMIZERS[name], size, device, args.repeats)
@@ -256,7 +291,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 print(f"{name} {size:,}: skipped ({row['skipped']})")
                 continue
             print(f"{name} {size:,}: " + ", ".join(f"{path} {row['median_s'][path] * 1e3:.1f} ms "
-                                                    f"({row['ratio_to_in_place'][path]:.2f}x)" for path in row["median_s"]))
+                                                    f"({row['ratio_to_reference'][path]:.2f}x)" for path in row["median_s"]))
             if device == "cuda":
                 torch.cuda.empty_cache()
     results["machine"]["load_average_after"] = list(os.getloadavg())
