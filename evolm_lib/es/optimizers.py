@@ -1,6 +1,7 @@
 """SGD and Adam as ascent steps on a float32 master of the parameters, with their state and its
 checkpoint form. Rewards are maximised: every step here ascends (evosax minimises; its formulas
-have their sign flipped here)."""
+have their sign flipped here). The arithmetic is torch.optim's functional SGD and Adam, run on
+chunks of the flat master and its moment buffers (``_step``)."""
 from __future__ import annotations
 
 import math
