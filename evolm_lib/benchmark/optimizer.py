@@ -48,7 +48,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..es import core as es
+from .. import es
+from ..es.optimizers import IN_PLACE_CHUNK
 
 OPTIMIZERS = {"sgd": es.SGDConfig(1e-3), "sgd-momentum": es.SGDConfig(1e-3, momentum=0.9),
               "adam": es.AdamConfig(1e-3), "adamw": es.AdamConfig(1e-3, weight_decay=0.01)}
@@ -132,7 +133,7 @@ def in_chunks(chunk_step: Callable, own_norm: bool = False) -> Callable:
     """``(config, state, gradient, chunk) -> state``: ``chunk_step`` over the state's flat
     buffers ``chunk`` values at a time; the norm of a chunk's change is the step's own
     (``own_norm``) or from the chunk's old values kept aside."""
-    def update(config, state, gradient, chunk=es.IN_PLACE_CHUNK):
+    def update(config, state, gradient, chunk=IN_PLACE_CHUNK):
         theta = state.master.flat
         first = state.first_moment.flat if state.first_moment else None
         second = state.second_moment.flat if state.second_moment else None
@@ -166,7 +167,7 @@ def paths(device: str) -> dict[str, Callable]:
     def whole(config, state, gradient, chunk=None):
         return es.apply_update(config, state, state.master, es.FlatParams(gradient, state.master.layout))[1]
 
-    def in_place(config, state, gradient, chunk=es.IN_PLACE_CHUNK):
+    def in_place(config, state, gradient, chunk=IN_PLACE_CHUNK):
         return es.apply_update_in_place(config, state, gradient, chunk)[0]
 
     table = {"textbook-whole": textbook_whole, REFERENCE: in_chunks(textbook_in_place, own_norm=True), "whole": whole,
