@@ -184,15 +184,15 @@ def _step(config: OptimizerConfig, step: int, theta: torch.Tensor, g: torch.Tens
     ascends, and its moment buffers stay averages of the ascent gradient, the form checkpoints keep
     (``maximize=True`` would store them negated, and outside the fused kernels negate a copy of the
     gradient first). Decoupled weight decay scales the pre-step master first, as torch.optim.AdamW
-    does. Every element gets the same arithmetic wherever a slice starts or ends (foreach kernels;
-    fused ones on a CUDA card, where they are faster and so; on a CPU they are neither: their
-    vectorised body and scalar tail round differently)."""
-    form = {"fused": theta.device.type == "cuda", "foreach": theta.device.type != "cuda"}
+    does. The foreach kernels give every element the same arithmetic wherever a slice starts or
+    ends; the fused ones do not on a CPU (their vectorised body and scalar tail round differently),
+    and on a CUDA card ``python -m evolm_lib.benchmark optimizer`` measures their speed and bits."""
+    form = {"foreach": True, "fused": False}
     if config.weight_decay:
         theta.mul_(1 - config.learning_rate * config.weight_decay)
     if isinstance(config, AdamConfig):
-        # torch counts the step up before using it; fused kernels read it on the master's device
-        steps = [torch.full((), step - 1, dtype=torch.float32, device=theta.device if form["fused"] else "cpu")]
+        # torch counts the step up before using it (a host scalar: no copy to a card per chunk)
+        steps = [torch.full((), step - 1, dtype=torch.float32)]
         adam([theta], [g], [first], [second], [], steps, amsgrad=False, beta1=config.beta1, beta2=config.beta2,
              lr=-config.learning_rate, weight_decay=0.0, eps=config.eps, maximize=False, **form)
     elif isinstance(config, SGDConfig):
