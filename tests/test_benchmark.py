@@ -198,3 +198,29 @@ def test_the_ray_benchmark_profiles_where_k_engines_lose_on_cpu(tmp_path):
         assert len(call["engines_s"]) == 2 and 0 < max(call["engines_s"]) <= call["wall_s"]
         assert call["transport_s"] == pytest.approx(call["wall_s"] - max(call["engines_s"]))
     assert "ceiling" in result.stdout and "cpu@" in result.stdout
+
+
+def test_the_optimizer_benchmark_times_every_path_and_checks_their_bits(tmp_path, capsys):
+    from evolm_lib.benchmark import main as benchmark
+    from evolm_lib.benchmark.optimizer import parse_size
+
+    out = tmp_path / "optimizer.json"
+    result = benchmark(["optimizer", "--device", "cpu", "--sizes", "3K", "--optimizers", "sgd-momentum,adamw",
+                        "--repeats", "2", "--json", str(out)])
+    assert json.loads(out.read_text()) == result
+    assert result["machine"]["device"] == "cpu"
+    for name in ("sgd-momentum", "adamw"):
+        bits = result["bits"][name]
+        # the library and torch's foreach kernels give the same bits however the gradient is cut;
+        # the whole-vector paths have no cut; the term-by-term reference is 0 off itself
+        assert bits["in_place"]["same_bits_however_cut"] is True and bits["torch-foreach"]["same_bits_however_cut"] is True
+        assert bits["whole"]["same_bits_however_cut"] is None and bits["textbook-in-place"]["max_difference_over_change"] == 0
+        assert 0 < bits["in_place"]["max_difference_over_change"] < 1e-3  # float32 rounding, not other maths
+        row = result["timings"][f"{name}/3000"]
+        assert row["finite"] and set(row["median_s"]) == set(bits) and row["ratio_to_reference"]["textbook-in-place"] == 1
+        assert all(seconds > 0 for seconds in row["median_s"].values())
+    assert "sgd-momentum 3,000: textbook-whole" in capsys.readouterr().out
+    assert (parse_size("4.9M"), parse_size("1.31B"), parse_size("135000000")) == (4_900_000, 1_310_000_000, 135_000_000)
+    for argv in (["--sizes", "0"], ["--sizes", "lots"], ["--optimizers", "lion"], ["--repeats", "0"]):
+        with pytest.raises(SystemExit):
+            benchmark(["optimizer", "--device", "cpu", *argv])

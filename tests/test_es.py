@@ -340,6 +340,31 @@ def test_adam_two_steps_by_hand_with_bias_correction_and_decay():
     close(params2[Q], [1.1791, -2.0225896])
 
 
+@pytest.mark.parametrize("config, torch_optimizer", [
+    (SGDConfig(learning_rate=0.1, momentum=0.9), lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, maximize=True)),
+    (AdamConfig(learning_rate=0.1, weight_decay=0.1),
+     lambda p: torch.optim.AdamW(p, lr=0.1, weight_decay=0.1, maximize=True, foreach=True)),
+])
+def test_the_ascent_step_is_torch_optims_maximising_step_bit_for_bit(config, torch_optimizer):
+    """torch.optim's optimizers maximising the same gradient reach the same master, bit for bit; its
+    moment buffers are those of the negated gradient, so the first moment is ours negated."""
+    generator = torch.Generator().manual_seed(5)
+    start = torch.randn(11, generator=generator)
+    state = init_optimizer_state(config, {Q: start})
+    parameter = torch.nn.Parameter(start.clone())
+    optimizer = torch_optimizer([parameter])
+    for _ in range(3):
+        gradient = torch.randn(11, generator=generator)
+        _, state = apply_update(config, state, {Q: start}, {Q: gradient})
+        parameter.grad = gradient.clone()
+        optimizer.step()
+    assert torch.equal(state.master[Q], parameter.detach())
+    moments = optimizer.state[parameter]
+    assert torch.equal(state.first_moment[Q], -moments["momentum_buffer" if isinstance(config, SGDConfig) else "exp_avg"])
+    if isinstance(config, AdamConfig):
+        assert torch.equal(state.second_moment[Q], moments["exp_avg_sq"])
+
+
 def test_bf16_params_keep_small_updates_in_the_float32_master_copy():
     one = torch.tensor([1.0], dtype=torch.bfloat16)
     assert torch.equal(one + 1e-5, one)  # why the master copy exists: bf16 drops the update

@@ -756,7 +756,9 @@ def test_a_run_folder_written_before_the_es_state_resumes_like_an_uninterrupted_
     """tests/data/before_es_state: a LoRA folder (resident slots, scores riding in the population's
     call, Adam), a full-parameter and an EGGROLL folder (seed log, snapshot), written on vLLM by the
     code before an ES generation became a state with pure ask and tell (commit 5c54530) and stopped
-    after generation 2. Today's code opens them and writes the rows an uninterrupted run of today writes."""
+    after generation 2. Today's code opens them and writes the rows an uninterrupted run of today writes.
+    The folders' first steps were rounded by the textbook formulas term by term, today's by
+    torch.optim's kernels: the masters agree to float32 rounding, not bit for bit."""
     old = _before_es_state()
     config = ESConfig.from_dict(old.SETTINGS[name])
     run_dir = tmp_path / "old"
@@ -766,7 +768,7 @@ def test_a_run_folder_written_before_the_es_state_resumes_like_an_uninterrupted_
     resumed = ESRun.open(config, run_dir, engine=before_es_state_engine)
     assert resumed.generation == old.STOP
     resumed.run()
-    resumed_checksum = None if name == "lora" else resumed.parameters.weights.checksum()["master"]
+    resumed_master = None if name == "lora" else resumed.parameters.weights.read()["master"]
     resumed_mean = resumed.mean.tensors if name == "lora" else None
     resumed.close()  # the shared engine serves the model folder's weights again
     reference = ESRun.create(config, tmp_path / "reference", engine=before_es_state_engine)
@@ -775,7 +777,7 @@ def test_a_run_folder_written_before_the_es_state_resumes_like_an_uninterrupted_
         for key, value in reference.mean.tensors.items():
             torch.testing.assert_close(resumed_mean[key], value, rtol=1e-5, atol=1e-6, msg=key)
     else:
-        assert resumed_checksum == reference.parameters.weights.checksum()["master"]
+        torch.testing.assert_close(resumed_master, reference.parameters.weights.read()["master"], rtol=1e-5, atol=1e-6)
     reference.close()
     rows, expected = without_times(read_metrics(run_dir)), without_times(read_metrics(tmp_path / "reference"))
     assert [r["generation"] for r in rows] == [r["generation"] for r in expected] == list(range(config.num_generations + 1))

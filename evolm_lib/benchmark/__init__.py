@@ -15,6 +15,7 @@ Subcommands (each a module of this package with its own ``main(argv)``):
   label-logits  the labels' log-probabilities and their backward: torch's gather against ``label_logits``
   engine-start  an engine's start with every CUDA-graph size against the sizes a run uses
   full-memory   full-parameter ES on a large model: the memory plan of a card against the card's use, a generation's time
+  optimizer     SGD and Adam on a flat float32 master: the library's updates against torch.optim's functional forms
   plan          the memory a card holds for Qwen2.5-7B to 72B in each mode at tensor_parallel_size 1 to 8
                 (computed from the models' shapes; nothing is loaded)
 
@@ -41,6 +42,7 @@ SUBCOMMANDS = {
     "engine-start": "engine_start",
     "full-memory": "full_memory",
     "plan": "plan",
+    "optimizer": "optimizer",
 }
 """subcommand -> module of this package holding its ``main(argv)``"""
 DEFAULT = "engine"

@@ -1,6 +1,7 @@
 """SGD and Adam as ascent steps on a float32 master of the parameters, with their state and its
 checkpoint form. Rewards are maximised: every step here ascends (evosax minimises; its formulas
-have their sign flipped here)."""
+have their sign flipped here). The arithmetic is torch.optim's functional SGD and Adam, run on
+chunks of the flat master and its moment buffers (``_step``)."""
 from __future__ import annotations
 
 import math
@@ -8,6 +9,8 @@ from dataclasses import dataclass, field, replace
 from typing import Iterable, Mapping, Union
 
 import torch
+from torch.optim.adam import adam
+from torch.optim.sgd import sgd
 
 from .layout import FlatParams, Layout, Params, flat_of, layout_of
 
@@ -102,13 +105,15 @@ def init_optimizer_state(config: OptimizerConfig, params: Params, copy: bool = T
     raise TypeError(f"unknown optimizer config {type(config).__name__}")
 
 
+@torch.no_grad()
 def apply_update(
     config: OptimizerConfig, state: OptimizerState, params: Params, gradient: Params
 ) -> tuple[Params, OptimizerState]:
     """One ascent step: new params (in the params' dtypes and devices) and the advanced state.
 
-    The math runs on flat vectors (`FlatParams`), a dozen kernels whatever the number of tensors;
-    the state it returns is flat, and so are the params when they all share one dtype and device."""
+    The math runs on flat vectors (`FlatParams`): ``apply_update_in_place``'s steps on fresh copies of
+    the master and the moments (the same bits; the state given is left as it was). The state it
+    returns is flat, and so are the params when they all share one dtype and device."""
     # All math runs on the float32 master copy in `state`, the source of truth between steps: an
     # update of ~1e-5 on a weight of ~1 vanishes when added in bfloat16 (8 mantissa bits), but
     # accumulates in the master copy until it shows. `params` supplies names, dtypes and devices.
@@ -119,15 +124,15 @@ def apply_update(
     if set(master) != set(params):
         raise ValueError(f"state and params name different tensors: {sorted(set(master) ^ set(params))}")
     layout = layout_of(master)
-    theta = flat_of(master, layout).to(torch.float32)
+    theta = _fresh(flat_of(master, layout), master, torch.float32)
     g = flat_of(gradient, layout).detach().to(device=theta.device, dtype=torch.float32)
-    step = state.step + 1
     keeps_first, keeps_second = _kept_moments(config)
-    direction, first, second = _direction(config, g, _moment(state.first_moment, keeps_first, layout, theta),
-                                          _moment(state.second_moment, keeps_second, layout, theta), step)
-    new_master = FlatParams(_stepped(config, theta, direction), layout)
-    first = FlatParams(first, layout) if first is not None else {}
-    second = FlatParams(second, layout) if second is not None else {}
+    first = _moment(state.first_moment, keeps_first, layout, theta)
+    second = _moment(state.second_moment, keeps_second, layout, theta)
+    first = None if first is None else _fresh(first, state.first_moment, torch.float32)
+    second = None if second is None else _fresh(second, state.second_moment, torch.float32)
+    _step_in_chunks(config, state.step + 1, theta, first, second, 0, g, IN_PLACE_CHUNK, None)
+    new_master = FlatParams(theta, layout)
 
     if isinstance(params, FlatParams) and params.layout == layout:
         new_params: Params = new_master.to(params.flat.device, params.flat.dtype)
@@ -139,8 +144,16 @@ def apply_update(
         else:
             new_params = {name: new_master[name].to(device=tensor.device, dtype=tensor.dtype)
                           for name, tensor in params.items()}
-    new_state = replace(state, step=step, master=new_master, first_moment=first, second_moment=second)
+    new_state = replace(state, step=state.step + 1, master=new_master,
+                        first_moment=FlatParams(first, layout) if first is not None else {},
+                        second_moment=FlatParams(second, layout) if second is not None else {})
     return new_params, new_state
+
+
+def _fresh(flat: torch.Tensor, source: Params, dtype: torch.dtype) -> torch.Tensor:
+    """``flat`` in ``dtype`` as a tensor of its own: copied where it is ``source``'s own storage."""
+    owned = isinstance(source, FlatParams) and flat is source.flat
+    return flat.to(dtype, copy=owned)
 
 
 def _kept_moments(config: OptimizerConfig) -> tuple[bool, bool]:
@@ -162,37 +175,54 @@ def _moment(buffers: Params, kept: bool, layout: Layout, theta: torch.Tensor,
     return flat_of(buffers, layout).to(theta.device, dtype) if buffers else torch.zeros_like(theta)
 
 
-def _direction(config: OptimizerConfig, g: torch.Tensor, first: torch.Tensor | None, second: torch.Tensor | None,
-               step: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """(ascent direction, new first moment, new second moment) from the gradient and the old moments,
-    elementwise on flat float32 vectors (None: a moment the optimizer keeps no buffer for)."""
-    # Per element the arithmetic is the textbook formula, in order (no fused multiply-adds).
+def _step(config: OptimizerConfig, step: int, theta: torch.Tensor, g: torch.Tensor, first: torch.Tensor | None,
+          second: torch.Tensor | None) -> None:
+    """Step number ``step`` (1 for the first) of torch.optim's functional SGD or Adam, in place on
+    these float32 slices of the master, the gradient and the moments.
+
+    torch.optim descends. It is handed the ascent gradient and the negated learning rate: that
+    ascends, and its moment buffers stay averages of the ascent gradient, the form checkpoints keep
+    (``maximize=True`` would store them negated, and outside the fused kernels negate a copy of the
+    gradient first). Decoupled weight decay scales the pre-step master first, as torch.optim.AdamW
+    does. The foreach kernels give every element the same arithmetic wherever a slice starts or
+    ends; the fused ones do not on a CPU (their vectorised body and scalar tail round differently),
+    and on a CUDA card ``python -m evolm_lib.benchmark optimizer`` measures their speed and bits."""
+    form = {"foreach": True, "fused": False}
+    if config.weight_decay:
+        theta.mul_(1 - config.learning_rate * config.weight_decay)
     if isinstance(config, AdamConfig):
-        m = first * config.beta1 + g * (1 - config.beta1)
-        v = second * config.beta2 + (g * (1 - config.beta2)) * g
-        m_hat = m / (1 - config.beta1**step)
-        v_hat = v / (1 - config.beta2**step)
-        return m_hat / (v_hat.sqrt() + config.eps), m, v
-    if isinstance(config, SGDConfig):
-        if config.momentum > 0:
-            direction = first * config.momentum + g
-            return direction, direction, None
-        return g, None, None
-    raise TypeError(f"unknown optimizer config {type(config).__name__}")
+        # torch counts the step up before using it (a host scalar: no copy to a card per chunk)
+        steps = [torch.full((), step - 1, dtype=torch.float32)]
+        adam([theta], [g], [first], [second], [], steps, amsgrad=False, beta1=config.beta1, beta2=config.beta2,
+             lr=-config.learning_rate, weight_decay=0.0, eps=config.eps, maximize=False, **form)
+    elif isinstance(config, SGDConfig):
+        sgd([theta], [g], [first], weight_decay=0.0, momentum=config.momentum, lr=-config.learning_rate,
+            dampening=0.0, nesterov=False, maximize=False, **form)
+    else:
+        raise TypeError(f"unknown optimizer config {type(config).__name__}")
 
 
-def _stepped(config: OptimizerConfig, theta: torch.Tensor, direction: torch.Tensor) -> torch.Tensor:
-    """The new master, elementwise: '+' is ascent (rewards are maximised). Decay is decoupled and uses
-    the pre-step theta (without decay, x - theta * 0 is x: skipping it gives the same bits and saves
-    two passes over the vector)."""
-    lr = config.learning_rate
-    stepped = theta + direction * lr
-    return stepped - theta * (lr * config.weight_decay) if config.weight_decay else stepped
+def _step_in_chunks(config: OptimizerConfig, step: int, theta: torch.Tensor, first: torch.Tensor | None,
+                    second: torch.Tensor | None, offset: int, g: torch.Tensor, chunk: int,
+                    norms: list | None) -> None:
+    """``_step`` over ``theta[offset:offset + len(g)]`` and its moments, ``chunk`` values at a time;
+    ``norms`` (a list, or None) gets each chunk's L2 norm of the master's change, float32 differences
+    summed in float64, from the chunk's old values kept aside in one buffer of a chunk."""
+    old = torch.empty(min(chunk, g.numel()) if norms is not None else 0, dtype=torch.float32, device=theta.device)
+    for start in range(0, g.numel(), chunk):
+        part = slice(offset + start, offset + min(start + chunk, g.numel()))
+        kept = old[:part.stop - part.start]
+        if norms is not None:
+            kept.copy_(theta[part])
+        _step(config, step, theta[part], g[start:start + chunk], first[part] if first is not None else None,
+              second[part] if second is not None else None)
+        if norms is not None:  # old - new has the norm of new - old
+            norms.append(torch.linalg.vector_norm(kept.sub_(theta[part]), dtype=torch.float64))
 
 
 IN_PLACE_CHUNK = 1 << 24
-"""Values ``apply_update_in_place`` updates at once: its temporaries are a few chunks (64 MB each in
-float32), not copies of a master of billions of weights, and a chunk's launches stay few."""
+"""Values an update steps at once: its temporaries are a few chunks (64 MB each in float32), not
+copies of a master of billions of weights, and a chunk's launches stay few."""
 
 
 @torch.no_grad()
@@ -202,10 +232,8 @@ def apply_update_in_place(config: OptimizerConfig, state: OptimizerState, gradie
     same bits; returns the advanced state (the same master object, changed) and the L2 norm of the
     master's change, the float32 differences summed in float64.
 
-    For a master of billions of weights on an engine's card, beside which ``apply_update``'s
-    full-size temporaries (a new master, the difference, its float64 copy for the norm: four times the
-    master's memory) may not fit; alone it is no faster (docs/measurements.md). The elementwise maths is the same functions' (``_direction``, ``_stepped``); only
-    the norm's summation order differs from the norm of a whole-vector difference."""
+    For a master of billions of weights on an engine's card, beside which ``apply_update``'s copies
+    of the master and moments may not fit (docs/measurements.md has both timed)."""
     theta = _flat_master(state).flat
     g = gradient.detach().reshape(-1)
     if g.numel() != theta.numel():
@@ -222,15 +250,16 @@ def _flat_master(state: OptimizerState) -> FlatParams:
     return master
 
 
+@torch.no_grad()
 def apply_update_in_parts(config: OptimizerConfig, state: OptimizerState,
                           parts: Iterable[tuple[slice, torch.Tensor]],
                           chunk: int = IN_PLACE_CHUNK, part_norms: list | None = None) -> tuple[OptimizerState, float]:
     """``apply_update_in_place`` with the gradient given part by part: ``(where, values)`` pairs
     that together cover the flat master once, each part made only when it is reached (a weight's
     gradient regenerated from the members' seeds, so no gradient of every weight exists at once).
-    Each part is applied in chunks of ``chunk`` values; the elementwise maths is the same, so the
-    master and buffers get the same bits however the gradient is cut. ``part_norms``, a list, gets
-    the L2 norm of each part's change."""
+    Each part is applied in chunks of ``chunk`` values; every element gets the same arithmetic, so
+    the master and buffers get the same bits however the gradient is cut. ``part_norms``, a list,
+    gets the L2 norm of each part's change."""
     master = _flat_master(state)
     theta = master.flat
     if chunk < 1:
@@ -245,24 +274,12 @@ def apply_update_in_parts(config: OptimizerConfig, state: OptimizerState,
     # a master made under inference mode (an engine's worker) may only be written in place under it
     with torch.inference_mode(theta.is_inference()):
         for where, values in parts:
-            offset = where.start
             values = values.detach().reshape(-1).to(device=theta.device, dtype=torch.float32)
-            if where.stop - offset != values.numel():
+            if where.stop - where.start != values.numel():
                 raise ValueError(f"a gradient part for {where} has {values.numel()} values")
             covered += values.numel()
             first_chunk = len(norms)
-            for start in range(0, values.numel(), chunk):
-                part = slice(offset + start, offset + min(start + chunk, values.numel()))
-                old = theta[part]
-                direction, m, v = _direction(config, values[start:start + chunk], first[part] if first is not None else None,
-                                             second[part] if second is not None else None, step)
-                new = _stepped(config, old, direction)
-                norms.append(torch.linalg.vector_norm(new.sub(old), dtype=torch.float64))
-                old.copy_(new)
-                if m is not None:
-                    first[part].copy_(m)
-                if v is not None:
-                    second[part].copy_(v)
+            _step_in_chunks(config, step, theta, first, second, where.start, values, chunk, norms)
             if part_norms is not None:
                 part_norms.append(float(torch.linalg.vector_norm(torch.stack(norms[first_chunk:]))) if values.numel() else 0.0)
     if covered != theta.numel():
