@@ -187,17 +187,16 @@ def _step(config: OptimizerConfig, step: int, theta: torch.Tensor, g: torch.Tens
     does. The foreach kernels give every element the same arithmetic wherever a slice starts or
     ends; the fused ones do not on a CPU (their vectorised body and scalar tail round differently),
     and on a CUDA card ``python -m evolm_lib.benchmark optimizer`` measures their speed and bits."""
-    form = {"foreach": True, "fused": False}
     if config.weight_decay:
         theta.mul_(1 - config.learning_rate * config.weight_decay)
     if isinstance(config, AdamConfig):
         # torch counts the step up before using it (a host scalar: no copy to a card per chunk)
         steps = [torch.full((), step - 1, dtype=torch.float32)]
         adam([theta], [g], [first], [second], [], steps, amsgrad=False, beta1=config.beta1, beta2=config.beta2,
-             lr=-config.learning_rate, weight_decay=0.0, eps=config.eps, maximize=False, **form)
+             lr=-config.learning_rate, weight_decay=0.0, eps=config.eps, maximize=False, foreach=True)
     elif isinstance(config, SGDConfig):
         sgd([theta], [g], [first], weight_decay=0.0, momentum=config.momentum, lr=-config.learning_rate,
-            dampening=0.0, nesterov=False, maximize=False, **form)
+            dampening=0.0, nesterov=False, maximize=False, foreach=True)
     else:
         raise TypeError(f"unknown optimizer config {type(config).__name__}")
 
