@@ -40,6 +40,7 @@ HEAVY_FIRST = (
     "tests/test_batch.py",  # ~85 s
     "tests/test_benchmark.py",  # ~80 s: the Ray benchmark
     "tests/test_policy_process.py",  # ~70 s: the GRPO-update benchmark
+    "tests/test_es_tensor_parallel_runs.py",  # ~75 s: 1- and 2-rank engines, full/EGGROLL/GRPO runs, a Ray actor's split engine
     "tests/test_tensor_parallel.py",  # ~55 s: a 2-rank engine beside a 1-rank one, a 2-rank run killed and resumed
     "tests/test_es_run.py",  # ~50 s
     "tests/test_grpo_full.py",  # ~50 s: its own engine, full-weight runs killed and resumed, folders of earlier code resumed
@@ -55,6 +56,7 @@ HEAVY_FIRST = (
     "tests/test_es_modes.py",  # ~30 s
     "notebooks/05_zo_synthetic.ipynb",  # ~30 s (nbval)
     "notebooks/01_task_inspection.ipynb",  # ~25 s (nbval, SmolLM2)
+    "tests/test_vllm_tensor_parallel_weights.py",  # ~30 s: 2-rank engines' weight slices
 )
 
 
