@@ -387,6 +387,34 @@ def test_a_worker_paused_past_its_heartbeats_loses_no_trial_and_gives_it_up_when
     assert "Traceback" not in paused_output + taker_output
 
 
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage")  # the trial is asked outside Study.optimize
+def test_a_trial_failed_between_the_workers_check_and_its_report_is_given_up(tmp_path):
+    """The race a continued worker can meet: its check finds the trial still running, another worker's
+    heartbeat check fails the trial, then the report reaches Optuna. Optuna refuses the report
+    (UpdateFinishedTrialError); the worker gives the trial up as taken over, its run folder kept."""
+    from optuna.trial import TrialState
+
+    from evolm_lib.tune import study as studies
+
+    spec = tune.load_tune_spec(write_spec(tmp_path, _hf_change(trials=1)), methods=["es"])
+    storage = studies.open_storage(spec)
+    trial = studies.load_study(spec, "es", storage).ask()
+    checks = []
+
+    def still_mine() -> bool:  # running at the check; failed right after it, by the first check only
+        mine = storage.get_trial(trial._trial_id).state == TrialState.RUNNING
+        if not checks:
+            storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)
+        checks.append(mine)
+        return mine
+
+    folder = studies.trial_folder(spec, "es", storage.get_trial(trial._trial_id))
+    with pytest.raises(studies._GivenUp, match="taken over"):
+        studies._run_trial(spec, "es", trial, folder, None, lambda line: None, still_mine)
+    assert checks == [True]  # given up at the refused report, without asking again
+    assert read_metrics(folder / "seed100")[0]["generation"] == 0  # the rows written are kept
+
+
 @pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT])
 def test_a_stopped_worker_hands_its_trial_to_the_next_worker_at_once(tmp_path, stop):
     """SIGTERM or Ctrl-C mid-trial: the worker says what is kept, fails the cut trial and queues its

@@ -4,18 +4,18 @@ default, a database URL, or ``journal:PATH``), run by Optuna's own loop (``Study
 A worker keeps one engine for all its trials (a new run starts from the spec's initial adapter, or
 ``ESRun.close`` gives a shared engine the model folder's weights back). A trial runs its method once
 per tuning seed into OUT/trials/<method>/trial_NNNN/seedS, scored by the mean of the final ``select``
-values. Each method gets exactly ``trials`` finished trials
-(complete or pruned): ``MaxTrialsCallback`` ends a worker's loop once they are there, and a trial
-asked while the others already fill the count (two workers asking at once) is given back at its
-start, before any run, marked ``surplus`` (never counted).
+values. Each method gets exactly ``trials`` finished trials (complete or pruned): ``MaxTrialsCallback``
+ends a worker's loop once they are there, and a trial asked while the others fill the count (two
+workers asking at once) is given back at its start, before any run, marked ``surplus`` (never counted).
 
 An SQL storage (``RDBStorage``) records each running trial's heartbeat every ``heartbeat_s``; a trial
 silent for three (its worker killed) is failed by the next worker and queued again with its setting
-(``RetryHeartbeatStaleTrialCallback``, ``max_retries`` times at most), resuming its run folders. A retry that finds a run folder
-still held by a live process (a worker paused past its heartbeats) waits until that process gives it
-up; the paused worker, going on, sees at its next row that its trial was taken over and gives it up.
-Ctrl-C or SIGTERM fails the cut trial at once and queues its retry for the next worker. A journal
-storage (a shared filesystem) has no heartbeats: a killed worker's trial stays running, unretried.
+(``RetryHeartbeatStaleTrialCallback``, ``max_retries`` times at most), resuming its run folders. A
+retry that finds a run folder still held by a live process (a worker paused past its heartbeats)
+waits until that process gives it up; the paused worker, going on, sees at its next row (or when
+Optuna refuses its report) that its trial was taken over and gives it up. Ctrl-C or SIGTERM fails the
+cut trial and queues its retry. A journal storage (a shared filesystem) has no heartbeats: a killed
+worker's trial stays running, unretried.
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ import math
 import os
 import socket
 import sqlite3
+import sys
 import time
 import warnings
 from dataclasses import replace
@@ -52,8 +53,6 @@ def held(path: str | Path, what: str):
     """An exclusive ``filelock`` on ``path`` held for ``what``; a worker that waits for it more than a
     few seconds says so once (the holder is another live process: the OS frees the lock of a killed
     one, and a stopped one holds it until it is continued)."""
-    import sys
-
     from filelock import FileLock, Timeout
 
     lock = FileLock(str(path))
@@ -73,10 +72,6 @@ class StudyStorageError(RuntimeError):
 def storage_url(out: str | Path) -> str:
     """The SQLite URL of a study folder's storage (what ``optuna-dashboard`` opens)."""
     return f"sqlite:///{Path(out).resolve() / STORAGE}"
-
-
-def _sqlite_path(url: str) -> Path | None:
-    return Path(url.removeprefix("sqlite:///")) if url.startswith("sqlite:///") else None
 
 
 def check_sqlite(path: Path) -> None:
@@ -115,19 +110,18 @@ def open_storage(spec: TuneSpec):
         from optuna.storages.journal import JournalFileBackend
 
         return optuna.storages.JournalStorage(JournalFileBackend(url.removeprefix(JOURNAL)))
-    path = _sqlite_path(url)
+    path = Path(url.removeprefix("sqlite:///")) if url.startswith("sqlite:///") else None
     if path is not None:
         check_sqlite(path)
     beat = max(1, math.ceil(spec.settings.heartbeat_s))
     kwargs = {"connect_args": {"timeout": 120}} if path is not None else {}
-    retry = _retry_callback(spec)
     with warnings.catch_warnings():
         # heartbeats are marked experimental in Optuna 5.0; used as documented
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         # two processes creating an SQLite file's tables at once collide: one does it at a time
         with held(f"{path}.lock", "creates the storage's tables") if path is not None else contextlib.nullcontext():
             return optuna.storages.RDBStorage(url, engine_kwargs=kwargs, heartbeat_interval=beat,
-                                              grace_period=3 * beat, heartbeat_stale_trial_callback=retry)
+                                              grace_period=3 * beat, heartbeat_stale_trial_callback=_retry_callback(spec))
 
 
 def _retry_callback(spec: TuneSpec):
@@ -263,6 +257,8 @@ def _run_trial(spec: TuneSpec, method: str, trial, folder: Path, engine, log: Ca
     """The trial's runs, one per tuning seed; returns the mean of their final ``select`` values.
     Raises _Pruned when the pruner stops it, _GivenUp when ``still_mine`` says at a row that the trial
     is no longer this worker's (each run closed, its folder kept). ``name``: the trial in the log."""
+    from optuna.exceptions import UpdateFinishedTrialError
+
     name = name or f"{method} trial {trial.number}"
     params = {parameter.name: parameter.suggest(trial) for parameter in spec.settings.space[method]}
     key, values, step = spec.settings.select, [], 0
@@ -280,7 +276,11 @@ def _run_trial(spec: TuneSpec, method: str, trial, folder: Path, engine, log: Ca
             value = row.get(key)
             if not taken and value is not None and math.isfinite(value):
                 step += 1
-                trial.report(float(value), step)
+                try:
+                    trial.report(float(value), step)
+                except UpdateFinishedTrialError:  # a heartbeat failed it after still_mine() said yes
+                    taken = True
+                    return
                 stop = stop or (spec.settings.prune != "none" and trial.should_prune())
 
         try:
