@@ -1,6 +1,5 @@
-"""Typed, validated run settings. Unknown keys, wrong types and out-of-range values fail at once,
-with a message naming the field, before any model is converted or engine started. ConfigError and the checks the classes share
-live in `evolm_lib.config_checks` and are importable from here."""
+"""Typed, validated run settings. Unknown keys, wrong types and out-of-range values fail at once, with a message naming
+the field, before any model is converted or engine started (ConfigError and the shared checks: `evolm_lib.config_checks`)."""
 from __future__ import annotations
 
 import typing
@@ -14,8 +13,7 @@ from .config_checks import ConfigError, check_weight_selection, config_error, di
 from .es import NOISE_DEVICE, NoiseDevice, check_population_size
 from .lora import ALL_PROJECTIONS, LoraSpec
 from .models import check_model_name
-from .tasks import get_task, list_tasks
-from .tasks import task_options as accepted_task_options
+from .tasks import get_task, list_tasks, task_options as accepted_task_options
 
 GPU_MEMORY_SHARE = 0.6
 """gpu_memory_utilization on a GPU when it is not set: leaves room on the card for a GRPO policy
@@ -24,9 +22,8 @@ CPU_KV_CACHE_GB = 1.0
 """kv_cache_gb on a CPU when neither it nor gpu_memory_utilization is set: vLLM would size the KV cache
 as a share of RAM minus what the process already holds, which fails or wastes memory depending on
 the process; a fixed size is predictable."""
-AdapterTransfer = Literal["in_place", "files"]
-ReportTo = Literal["tensorboard"]
-"""Where ``report_to`` can stream metrics rows; each name has a backend in ``evolm_lib.reporting.BACKENDS``."""
+AdapterTransfer, ReportTo = Literal["in_place", "files"], Literal["tensorboard"]
+"""``ReportTo``: where ``report_to`` can stream metrics rows; each name has a backend in ``evolm_lib.reporting.BACKENDS``."""
 
 
 class CommonConfig(BaseModel):
@@ -264,6 +261,8 @@ class ESConfig(CommonConfig):
     "qiu: theta += lr/N sum w_i eps_i (sigma folded into lr); textbook: divides by sigma"
     optimizer: Literal["sgd", "adam"] = "sgd"
     "update rule on the float32 master copy of the mean adapter"
+    optimizer_step: Literal["torch", "formulas"] = "torch"
+    "torch: torch.optim's kernels; formulas: the formulas term by term, as runs made before the torch step (their folders load with it, and resume to the same rows)"
     learning_rate: float = Field(0.2, gt=0)
     "step size (alpha)"
     momentum: float = Field(0.0, ge=0, lt=1)
@@ -368,9 +367,10 @@ class ESConfig(CommonConfig):
         """The es-module optimizer settings."""
         from .es import AdamConfig, SGDConfig
 
+        formulas = self.optimizer_step == "formulas"
         if self.optimizer == "adam":
-            return AdamConfig(self.learning_rate, self.adam_beta1, self.adam_beta2, weight_decay=self.weight_decay)
-        return SGDConfig(self.learning_rate, momentum=self.momentum, weight_decay=self.weight_decay)
+            return AdamConfig(self.learning_rate, self.adam_beta1, self.adam_beta2, weight_decay=self.weight_decay, formulas=formulas)
+        return SGDConfig(self.learning_rate, momentum=self.momentum, weight_decay=self.weight_decay, formulas=formulas)
 
 
 class GRPOConfig(CommonConfig):

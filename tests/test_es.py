@@ -297,8 +297,9 @@ def test_es_gradient_validates_inputs():
 # ----------------------------------------------------------------------------- optimizers
 
 
-def test_sgd_two_steps_by_hand():
-    config = SGDConfig(learning_rate=0.1, momentum=0.9, weight_decay=0.01)
+@pytest.mark.parametrize("formulas", [False, True])
+def test_sgd_two_steps_by_hand(formulas):
+    config = SGDConfig(learning_rate=0.1, momentum=0.9, weight_decay=0.01, formulas=formulas)
     params = {Q: torch.tensor([1.0, -2.0])}
     state = init_optimizer_state(config, params)
     params1, state1 = apply_update(config, state, params, {Q: torch.tensor([0.5, 1.0])})
@@ -321,8 +322,9 @@ def test_plain_sgd_ascends_the_gradient():
     assert state.first_moment == {} and state.second_moment == {}
 
 
-def test_adam_two_steps_by_hand_with_bias_correction_and_decay():
-    config = AdamConfig(learning_rate=0.1, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
+@pytest.mark.parametrize("formulas", [False, True])
+def test_adam_two_steps_by_hand_with_bias_correction_and_decay(formulas):
+    config = AdamConfig(learning_rate=0.1, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, formulas=formulas)
     params = {Q: torch.tensor([1.0, -2.0])}
     state = init_optimizer_state(config, params)
     params1, state1 = apply_update(config, state, params, {Q: torch.tensor([0.5, -1.0])})
@@ -363,6 +365,26 @@ def test_the_ascent_step_is_torch_optims_maximising_step_bit_for_bit(config, tor
     assert torch.equal(state.first_moment[Q], -moments["momentum_buffer" if isinstance(config, SGDConfig) else "exp_avg"])
     if isinstance(config, AdamConfig):
         assert torch.equal(state.second_moment[Q], moments["exp_avg_sq"])
+
+
+@pytest.mark.parametrize("config", [SGDConfig(0.1, momentum=0.9, weight_decay=0.01, formulas=True),
+                                    AdamConfig(0.1, weight_decay=0.1, formulas=True)])
+def test_the_formulas_step_is_the_formulas_on_the_whole_vector_however_the_gradient_is_cut(config):
+    """``formulas`` (the step of runs made before torch.optim's): the master and the moments are
+    ``formulas_step``'s on the whole vector, bit for bit, in chunks of any size."""
+    generator = torch.Generator().manual_seed(3)
+    start = torch.randn(23, generator=generator)
+    gradients = [torch.randn(23, generator=generator) for _ in range(3)]
+    theta, first, second = start.clone(), torch.zeros(23), torch.zeros(23)
+    for step, gradient in enumerate(gradients, start=1):
+        theta, first, second = (new if new is not None else old for new, old in
+                                zip(es.formulas_step(config, step, theta, gradient, first, second), (theta, first, second)))
+    for chunk in (23, 7, 1):
+        state = init_optimizer_state(config, {Q: start})
+        for gradient in gradients:
+            state, _ = es.apply_update_in_place(config, state, gradient, chunk)
+        assert torch.equal(state.master.flat, theta) and torch.equal(state.first_moment.flat, first)
+        assert not state.second_moment or torch.equal(state.second_moment.flat, second)
 
 
 def test_bf16_params_keep_small_updates_in_the_float32_master_copy():

@@ -23,7 +23,7 @@ from evolm_lib.engines.synthetic import SyntheticEngine
 from evolm_lib.tasks.conciseness import EVAL_PAIRS, TRAIN_PAIRS
 from evolm_lib.metrics import without_times
 
-from helpers_data import assert_rows_close, data_script
+from helpers_data import data_script
 from helpers_kill_run import kill_config
 
 HELPER = Path(__file__).with_name("helpers_kill_run.py")
@@ -757,29 +757,32 @@ def test_a_run_folder_written_before_the_es_state_resumes_like_an_uninterrupted_
     """tests/data/before_es_state: a LoRA folder (resident slots, scores riding in the population's
     call, Adam), a full-parameter and an EGGROLL folder (seed log, snapshot), written on vLLM by the
     code before an ES generation became a state with pure ask and tell (commit 5c54530) and stopped
-    after generation 2. Today's code opens them and writes the rows an uninterrupted run of today writes.
-    The folders' first steps were rounded by the textbook formulas term by term, today's by
-    torch.optim's kernels: the masters agree to float32 rounding, not bit for bit."""
+    after generation 2. Their settings name no optimizer_step: opened with today's default (torch.optim's
+    step) they are refused, naming the setting; opened with the formulas term by term they stepped with,
+    they write the rows, bit for bit, of an uninterrupted run of today with those settings."""
     old = _before_es_state()
-    config = ESConfig.from_dict(old.SETTINGS[name])
     run_dir = tmp_path / "old"
     import shutil
 
     shutil.copytree(BEFORE_ES_STATE / name, run_dir)
+    with pytest.raises(ConfigError, match="made before optimizer_step existed and steps by the formulas term by term: "
+                                          "pass optimizer_step='formulas'"):
+        ESRun.open(ESConfig.from_dict(old.SETTINGS[name]), run_dir, engine=before_es_state_engine)
+    config = ESConfig.from_dict({**old.SETTINGS[name], "optimizer_step": "formulas"})
     resumed = ESRun.open(config, run_dir, engine=before_es_state_engine)
     assert resumed.generation == old.STOP
     resumed.run()
-    resumed_master = None if name == "lora" else resumed.parameters.weights.read()["master"]
+    resumed_checksum = None if name == "lora" else resumed.parameters.weights.checksum()["master"]
     resumed_mean = resumed.mean.tensors if name == "lora" else None
     resumed.close()  # the shared engine serves the model folder's weights again
     reference = ESRun.create(config, tmp_path / "reference", engine=before_es_state_engine)
     reference.run()
     if name == "lora":
         for key, value in reference.mean.tensors.items():
-            torch.testing.assert_close(resumed_mean[key], value, rtol=1e-5, atol=1e-6, msg=key)
+            assert torch.equal(resumed_mean[key], value), key
     else:
-        torch.testing.assert_close(resumed_master, reference.parameters.weights.read()["master"], rtol=1e-5, atol=1e-6)
+        assert resumed_checksum == reference.parameters.weights.checksum()["master"]
     reference.close()
     rows, expected = without_times(read_metrics(run_dir)), without_times(read_metrics(tmp_path / "reference"))
     assert [r["generation"] for r in rows] == [r["generation"] for r in expected] == list(range(config.num_generations + 1))
-    assert_rows_close(rows, expected, "generation")
+    assert rows == expected

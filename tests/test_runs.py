@@ -19,7 +19,7 @@ from evolm_lib.lora import AdapterWeights, LoraSpec
 from evolm_lib.runs import list_checkpoints, load_checkpoint, read_metrics, write_checkpoint
 from evolm_lib.train.es import ESRun
 from evolm_lib.train.grpo import GRPORun
-from helpers_data import assert_rows_close, data_script
+from helpers_data import data_script
 
 SPEC = LoraSpec(("q_proj",), 1, 1.0, None)
 NAME = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
@@ -114,7 +114,7 @@ def test_a_run_folder_written_before_the_runs_moved_resumes_like_an_uninterrupte
     A resume on one machine is bit for bit (tests/test_grpo_run.py, tests/test_es_run.py)."""
     old = _old_layout_settings()
     if kind == "es":
-        cls, config, stopped_at = ESRun, ESConfig.from_dict(old.OLD_ES), 2  # checkpoint 2; row 3 reruns
+        cls, config, stopped_at = ESRun, ESConfig.from_dict({**old.OLD_ES, "optimizer_step": "formulas"}), 2  # checkpoint 2; row 3 reruns
     else:
         cls, config, stopped_at = GRPORun, GRPOConfig.from_dict(old.OLD_GRPO), old.OLD_GRPO_STOP
     run_dir = tmp_path / "old"
@@ -154,13 +154,12 @@ def test_a_run_folder_of_the_earlier_step_resumes_like_an_uninterrupted_run(tmp_
     """tests/data/pre_protocol: folders written before a generation became one explicit step and
     what ES moves one protocol (commit ed0985a), stopped part-way: full and EGGROLL folders whose
     checkpoints hold an unused LoRA mean, and a riding LoRA folder whose last row waited for its
-    scores. Today's code opens them and ends where an uninterrupted run of today ends: to float32
-    rounding, since their first steps were rounded by the formulas term by term and today's by
-    torch.optim's kernels."""
+    scores. Their settings name no optimizer_step: they load with the formulas term by term they
+    stepped with, and end bit for bit where an uninterrupted run of today with those settings ends."""
     from evolm_lib.metrics import by_mean
 
     old = _pre_protocol()
-    config = ESConfig.from_dict(old.SETTINGS[name])
+    config = ESConfig.from_dict({**old.SETTINGS[name], "optimizer_step": "formulas"})
     engine = _Batching if name == "riding" else (lambda: None)
     run_dir = tmp_path / "old"
     shutil.copytree(Path(__file__).with_name("data") / "pre_protocol" / name, run_dir)
@@ -173,16 +172,14 @@ def test_a_run_folder_of_the_earlier_step_resumes_like_an_uninterrupted_run(tmp_
     reference = ESRun.create(config, tmp_path / "reference", engine=engine())
     reference.run()
     rows, expected = read_metrics(run_dir), read_metrics(tmp_path / "reference")
-    assert_rows_close([{k: r.get(k) for k in TRAINED} for r in rows], [{k: r.get(k) for k in TRAINED} for r in expected],
-                      "generation")
+    assert [{k: r.get(k) for k in TRAINED} for r in rows] == [{k: r.get(k) for k in TRAINED} for r in expected]
     scored = [{r["generation"]: r["eval/reward"] for r in by_mean(found) if "eval/reward" in r} for found in (rows, expected)]
     assert scored[1] and all(scored[0][g] == value for g, value in scored[1].items())  # every mean today scores
     if name == "riding":
         for got, want in zip(resumed.adapter.tensors.values(), reference.adapter.tensors.values()):
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+            assert torch.equal(got, want)
     else:
-        torch.testing.assert_close(resumed.parameters.weights.read()["master"],
-                                   reference.parameters.weights.read()["master"], rtol=1e-5, atol=1e-6)
+        assert resumed.parameters.weights.checksum() == reference.parameters.weights.checksum()
         assert not (run_dir / "checkpoints" / f"{reference.generation:06d}" / "adapter").exists()  # none moves
     resumed.close()
     reference.close()

@@ -79,28 +79,10 @@ def fused_devices() -> list[str]:
     return list(_get_fused_kernels_supported_devices())
 
 
-def textbook(config: es.OptimizerConfig, step: int, theta: torch.Tensor, g: torch.Tensor,
-             first: torch.Tensor | None, second: torch.Tensor | None):
-    """(new master, new first moment, new second moment) by the textbook formulas, term by term in
-    order (no fused multiply-adds), into new tensors; '+' ascends."""
-    lr = config.learning_rate
-    if isinstance(config, es.AdamConfig):
-        m = first * config.beta1 + g * (1 - config.beta1)
-        v = second * config.beta2 + (g * (1 - config.beta2)) * g
-        direction = (m / (1 - config.beta1**step)) / ((v / (1 - config.beta2**step)).sqrt() + config.eps)
-    elif config.momentum > 0:
-        m = direction = first * config.momentum + g
-        v = None
-    else:
-        direction, m, v = g, None, None
-    stepped = theta + direction * lr
-    return (stepped - theta * (lr * config.weight_decay) if config.weight_decay else stepped), m, v
-
-
 def textbook_in_place(config: es.OptimizerConfig, step: int, theta: torch.Tensor, g: torch.Tensor,
                       first: torch.Tensor | None, second: torch.Tensor | None) -> torch.Tensor:
-    """``textbook`` on one chunk, written back into its buffers; the float64 norm of the change."""
-    new, m, v = textbook(config, step, theta, g, first, second)
+    """``es.formulas_step`` on one chunk, written back into its buffers; the float64 norm of the change."""
+    new, m, v = es.formulas_step(config, step, theta, g, first, second)
     norm = torch.linalg.vector_norm(new.sub(theta), dtype=torch.float64)
     theta.copy_(new)
     for buffer, value in ((first, m), (second, v)):
@@ -158,7 +140,7 @@ def paths(device: str) -> dict[str, Callable]:
     """path name -> ``(config, state, gradient, chunk) -> state``."""
     def textbook_whole(config, state, gradient, chunk=None):
         flat = lambda buffers: buffers.flat if buffers else None  # noqa: E731
-        new, m, v = textbook(config, state.step + 1, state.master.flat, gradient, flat(state.first_moment),
+        new, m, v = es.formulas_step(config, state.step + 1, state.master.flat, gradient, flat(state.first_moment),
                              flat(state.second_moment))
         layout = state.master.layout
         return es.OptimizerState(state.step + 1, es.FlatParams(new, layout), es.FlatParams(m, layout) if m is not None

@@ -12,8 +12,7 @@ from .noise import (NOISE_DEVICE, NOISE_SCHEMES, Member, NoiseDevice, NoiseSchem
                     check_noise_scheme, check_population_size, check_sigma, flat_seed, matrix_shape, member_noise,
                     perturb, population, population_noise, sigma_of, tensor_seed, tiled_noise)
 from .optimizers import (IN_PLACE_CHUNK, AdamConfig, OptimizerConfig, OptimizerState, SGDConfig, apply_update, apply_update_in_parts,
-                         apply_update_in_place,
-                         init_optimizer_state, optimizer_state_from_tensors, optimizer_state_to,
+                         apply_update_in_place, formulas_step, init_optimizer_state, optimizer_state_from_tensors, optimizer_state_to,
                          optimizer_state_to_tensors)
 from .shaping import SHAPING, centered_ranks, per_prompt_centering, raw, shape_fitness, z_score
 from .state import ESSettings, ESState, ask, tell
@@ -60,6 +59,7 @@ __all__ = [
     "init_optimizer_state",
     "apply_update",
     "apply_update_in_place",
+    "formulas_step",
     "apply_update_in_parts",
     "optimizer_state_to",
     "update_norm",

@@ -1,7 +1,8 @@
 """SGD and Adam as ascent steps on a float32 master of the parameters, with their state and its
 checkpoint form. Rewards are maximised: every step here ascends (evosax minimises; its formulas
 have their sign flipped here). The arithmetic is torch.optim's functional SGD and Adam, run on
-chunks of the flat master and its moment buffers (``_step``)."""
+chunks of the flat master and its moment buffers (``_step``), or with ``formulas`` the formulas term
+by term (``formulas_step``)."""
 from __future__ import annotations
 
 import math
@@ -33,6 +34,8 @@ class SGDConfig:
     """Heavy-ball coefficient in [0, 1); 0 disables the buffer."""
     weight_decay: float = 0.0
     """Decoupled decay: theta -= learning_rate * weight_decay * theta (equals L2 without momentum)."""
+    formulas: bool = False
+    """Step by the formulas term by term (``formulas_step``) instead of torch.optim's kernels."""
 
     def __post_init__(self) -> None:
         _check_common(self.learning_rate, self.weight_decay)
@@ -54,6 +57,8 @@ class AdamConfig:
     """Added to sqrt(v_hat) so coordinates with no signal do not divide by zero."""
     weight_decay: float = 0.0
     """Decoupled decay: theta -= learning_rate * weight_decay * theta."""
+    formulas: bool = False
+    """Step by the formulas term by term (``formulas_step``) instead of torch.optim's kernels."""
 
     def __post_init__(self) -> None:
         _check_common(self.learning_rate, self.weight_decay)
@@ -175,6 +180,25 @@ def _moment(buffers: Params, kept: bool, layout: Layout, theta: torch.Tensor,
     return flat_of(buffers, layout).to(theta.device, dtype) if buffers else torch.zeros_like(theta)
 
 
+def formulas_step(config: OptimizerConfig, step: int, theta: torch.Tensor, g: torch.Tensor,
+                  first: torch.Tensor | None, second: torch.Tensor | None):
+    """(new master, new first moment, new second moment) by the textbook formulas, term by term in
+    order (no fused multiply-adds), into new tensors; '+' ascends. The step of runs made before
+    torch.optim's (``formulas``: their folders resume to the same rows) and the benchmark's reference."""
+    lr = config.learning_rate
+    if isinstance(config, AdamConfig):
+        m = first * config.beta1 + g * (1 - config.beta1)
+        v = second * config.beta2 + (g * (1 - config.beta2)) * g
+        direction = (m / (1 - config.beta1**step)) / ((v / (1 - config.beta2**step)).sqrt() + config.eps)
+    elif config.momentum > 0:
+        m = direction = first * config.momentum + g
+        v = None
+    else:
+        direction, m, v = g, None, None
+    stepped = theta + direction * lr
+    return (stepped - theta * (lr * config.weight_decay) if config.weight_decay else stepped), m, v
+
+
 def _step(config: OptimizerConfig, step: int, theta: torch.Tensor, g: torch.Tensor, first: torch.Tensor | None,
           second: torch.Tensor | None) -> None:
     """Step number ``step`` (1 for the first) of torch.optim's functional SGD or Adam, in place on
@@ -188,6 +212,11 @@ def _step(config: OptimizerConfig, step: int, theta: torch.Tensor, g: torch.Tens
     CUDA card (the faster there), foreach ones elsewhere (on a CPU the fused kernels' vectorised
     body and scalar tail round differently). ``python -m evolm_lib.benchmark optimizer`` measures
     both, and their bits."""
+    if config.formulas:
+        for buffer, value in zip((theta, first, second), formulas_step(config, step, theta, g, first, second)):
+            if value is not None:
+                buffer.copy_(value)
+        return
     fused = theta.device.type == "cuda"
     if config.weight_decay:
         theta.mul_(1 - config.learning_rate * config.weight_decay)

@@ -25,6 +25,10 @@ class RunFolderDamaged(ConfigError):
     """A file of a run folder does not parse or validate; the message names it, the line, and what to do."""
 
 
+OLDER_SETTINGS = (("noise_scheme", "per_tensor", "draws noise per tensor"),
+                  ("optimizer_step", "formulas", "steps by the formulas term by term"))
+"""ES settings added after runs were recorded without them: (name, the value a folder whose settings
+lack it loads with, what that value does), so such a run resumes as it began."""
 # Settings that do not change the science: a finished run may be extended with other values.
 # Where the engines run and how adapters reach them do not change the rows either (tested equal),
 # nor where else the rows are streamed (report_to: a run gains TensorBoard with all its rows so far).
@@ -96,8 +100,8 @@ def load_run_config(run_dir: str | Path, cls=None):
     data = read_config_file(run_dir)
     kind = data.pop("kind", "es")
     data.pop("label", None)  # a display label for analysis, not a setting
-    if kind == "es" and "noise_scheme" not in data:
-        data["noise_scheme"] = "per_tensor"  # runs recorded before the setting existed drew noise tensor by tensor
+    for name, old, _ in OLDER_SETTINGS if kind == "es" else ():
+        data.setdefault(name, old)
     try:
         return (cls or config_class(kind)).from_dict(data)
     except ConfigError as error:
@@ -166,9 +170,8 @@ def extended_settings(run_dir: str | Path, config) -> list[str]:
     changed = sorted(k for k, v in config.to_dict().items() if existing.get(k) != v)
     fixed = [k for k in changed if k not in EXTENDABLE]
     if fixed:
-        hint = ("; it was made before noise_scheme existed and draws noise per tensor: pass "
-                "noise_scheme='per_tensor' to continue it" if "noise_scheme" in fixed
-                and existing.get("noise_scheme") == "per_tensor" else "")
+        hint = "".join(f"; it was made before {name} existed and {what}: pass {name}={old!r} to continue it"
+                       for name, old, what in OLDER_SETTINGS if name in fixed and existing.get(name) == old)
         if "deterministic" in fixed and existing.get("deterministic"):
             hint += ("; it ran with deterministic decoding, and continuing it without would give rows an "
                      "uninterrupted run cannot: pass deterministic=True")
