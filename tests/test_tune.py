@@ -71,10 +71,10 @@ def test_two_methods_four_trials_each_then_the_winners_on_final_seeds_only(tmp_p
             assert config["seed"] == 100 and all(config[k] == v for k, v in t["params"].items())
     # running again continues the finished study: no new trial
     assert tune.tune(spec, tiny_vllm, log=lambda line: None) == {"es": 0, "grpo": 0}
-    assert tune.outstanding(spec) == ["final/es/seed0", "final/es/seed1", "final/grpo/seed0", "final/grpo/seed1"]
-    assert tune.outstanding(spec, finals=False) == []
+    assert tune.unfinished_parts(spec) == ["final/es/seed0", "final/es/seed1", "final/grpo/seed0", "final/grpo/seed1"]
+    assert tune.unfinished_parts(spec, finals=False) == []
     done = tune.run_finals(spec, tiny_vllm, log=lambda line: None)
-    assert tune.outstanding(spec) == []
+    assert tune.unfinished_parts(spec) == []
     assert {m: [Path(f).name for f in folders] for m, folders in done.items()} == {"es": ["seed0", "seed1"],
                                                                                    "grpo": ["seed0", "seed1"]}
     # a finished rerun without its weights (as `evolm tune import` writes it) is left be
@@ -503,11 +503,11 @@ def test_an_emptied_storage_beside_trial_folders_is_refused_before_any_trial(tmp
 def test_a_timeout_starts_no_new_trial_after_it_and_a_later_start_continues(tmp_path, tiny_vllm):
     """--timeout (Optuna's timeout): no trial starts after it; the same command later runs the rest."""
     spec = tune.load_tune_spec(write_spec(tmp_path, _set(["tune", "trials"], 2)), methods=["es"])
-    assert tune.work(spec, tiny_vllm, log=lambda line: None, timeout=1e-6) == {"es": 0}
+    assert tune.run_worker(spec, tiny_vllm, log=lambda line: None, timeout=1e-6) == {"es": 0}
     assert tune.study_trials(spec, "es") == [] and not (spec.out / "final").exists()
-    assert tune.work(spec, tiny_vllm, log=lambda line: None, timeout=3600) == {"es": 2}
+    assert tune.run_worker(spec, tiny_vllm, log=lambda line: None, timeout=3600) == {"es": 2}
     assert [t["state"] for t in tune.study_trials(spec, "es")] == ["complete", "complete"]
-    assert tune.outstanding(spec) == []
+    assert tune.unfinished_parts(spec) == []
 
 
 def test_the_removed_options_are_gone_and_a_bad_timeout_is_named(tmp_path, capsys):

@@ -821,7 +821,7 @@ def test_the_committed_conciseness_study_imports_into_a_folder_that_evolm_tune_c
         assert [(t["number"], t["state"], t["params"]) for t in rows] == [
             (t["number"], t["state"], t["params"]) for t in exported if t["method"] == method]
         assert tune.finished(spec, method)
-    left = tune.outstanding(spec)
+    left = tune.unfinished_parts(spec)
     assert left and all(entry.split("/")[0] in ("final", "long", "control") for entry in left)
     for folder in (study, export):
         assert main(["tune", "report", str(folder), "--out", str(tmp_path / folder.parent.name), "--no-figures"]) == 0

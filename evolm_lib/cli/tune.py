@@ -189,13 +189,13 @@ def _run(spec, args) -> int:
     """Tune, rerun the winners whose studies are finished, summarise, report."""
     _quiet_optuna_logs()
     started = time.perf_counter()
-    left = tune.outstanding(spec, finals=not args.no_finals)
+    left = tune.unfinished_parts(spec, finals=not args.no_finals)
     if left:
         engine = tune.make_tuning_engine(spec)
         try:
             # trials, then the reruns, their continuations (tune.long) and the control (tune.control);
             # waits while other workers hold what is left
-            ran = tune.work(spec, engine, finals=not args.no_finals, timeout=args.timeout)
+            ran = tune.run_worker(spec, engine, finals=not args.no_finals, timeout=args.timeout)
             print(f"trials finished by this worker: {ran} ({(time.perf_counter() - started) / 60:.1f} min)", flush=True)
         finally:
             engine.close()

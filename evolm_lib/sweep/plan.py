@@ -72,9 +72,9 @@ SECTIONS = {"common": "settings of both ESConfig and GRPOConfig", "es": "ESConfi
 
 def _section_fields(section: str) -> list[str]:
     """The settings a section may name (older names of renamed settings too: older specs still read)."""
-    if section == "common":
-        return [f for f in ESConfig.model_fields if f in GRPOConfig.model_fields] + list(RENAMED_SETTINGS)
-    return list((ESConfig if section == "es" else GRPOConfig).model_fields) + list(RENAMED_SETTINGS)
+    fields = ([f for f in ESConfig.model_fields if f in GRPOConfig.model_fields] if section == "common"
+              else list((ESConfig if section == "es" else GRPOConfig).model_fields))
+    return fields + list(RENAMED_SETTINGS)
 
 
 def _unknown_keys(path: str, values: dict, fields, what: str) -> list[str]:

@@ -11,10 +11,10 @@ summary.py: OUT/tune_summary.json with its statistics; export.py: a study's runs
 gzipped files to commit (`evolm tune export`), read back, or read from a live study folder the same
 way; importer.py: a study folder written again from an export, to continue (`evolm tune import`);
 report.py and digest.py: the tables and summary.md (`evolm tune report`); geometry.py: the winners'
-solutions compared (run where their weights are); base.py: the base model on the held-out problems.
+solutions compared (run where their weights are); base_answers.py: the base model on the held-out problems.
 """
-from .final import (STAGES, SUMMARY, control_plan, final_plan, long_plan, outstanding, resolve_best,
-                    resolved_primary, run_extras, run_finals, work)
+from .final import (STAGES, SUMMARY, control_plan, final_plan, long_plan, resolve_best, resolved_primary, run_extras,
+                    run_finals, run_worker, unfinished_parts)
 from .space import Parameter, parse_parameter, parse_space
 from .spec import TuneSettings, TuneSpec, check_space, describe, load_tune_spec, trial_config, with_trials
 from .study import (STORAGE, StudyStorageError, best_trial, finished, load_study, make_tuning_engine,
@@ -25,7 +25,7 @@ __all__ = [
     "Parameter", "STAGES", "STORAGE", "SUMMARY", "StudyStorageError", "control_plan", "long_plan", "resolve_best",
     "resolved_primary", "run_extras", "TuneSettings", "TuneSpec", "best_trial", "check_space", "describe",
     "final_groups", "final_plan", "finished", "load_study", "load_tune_spec", "make_tuning_engine",
-    "open_storage", "outstanding", "parse_parameter", "parse_space", "run_finals", "storage_url",
+    "open_storage", "parse_parameter", "parse_space", "run_finals", "storage_url",
     "study_trials", "summarize", "summary_lines", "trial_config", "tune", "tune_method", "with_methods",
-    "with_storage", "with_trials", "work",
+    "with_storage", "with_trials", "run_worker", "unfinished_parts",
 ]

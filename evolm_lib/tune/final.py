@@ -245,7 +245,7 @@ def _running_trials(spec: TuneSpec, method: str) -> int:
     return sum(t.state.name in ("RUNNING", "WAITING") for t in load_study(spec, method).get_trials(deepcopy=False))
 
 
-def outstanding(spec: TuneSpec, finals: bool = True) -> list[str]:
+def unfinished_parts(spec: TuneSpec, finals: bool = True) -> list[str]:
     """The work of this worker's methods not finished yet: trials running or queued, and reruns,
     continued reruns and control runs another worker writes or that nobody has started. Empty when
     the worker's part of the study is done. A control undecided while another method's trials are
@@ -275,10 +275,10 @@ def outstanding(spec: TuneSpec, finals: bool = True) -> list[str]:
     return left
 
 
-def work(spec: TuneSpec, engine, finals: bool = True, log: Callable[[str], None] = print,
+def run_worker(spec: TuneSpec, engine, finals: bool = True, log: Callable[[str], None] = print,
          timeout: float | None = None) -> dict[str, int]:
     """This worker's whole part of the study: trials, then (with ``finals``) the reruns, continued
-    reruns and control, again and again until ``outstanding`` is empty. A worker with nothing to
+    reruns and control, again and again until ``unfinished_parts`` is empty. A worker with nothing to
     start while others still hold trials or runs waits for them instead of ending, so it takes the
     reruns their trials make ready (and a killed worker's trial once its heartbeats go stale), and
     its summary holds every run. ``timeout``: seconds after which no new trial starts (the reruns of
@@ -299,7 +299,7 @@ def work(spec: TuneSpec, engine, finals: bool = True, log: Callable[[str], None]
         if finals:
             run_finals(spec, engine, once)
             run_extras(spec, engine, once)
-        left = outstanding(spec, finals)
+        left = unfinished_parts(spec, finals)
         if not left or (end is not None and time.monotonic() >= end
                         and all(entry.startswith("trials of ") for entry in left)):
             return ran
