@@ -622,6 +622,51 @@ def test_two_generations_on_vllm_tiny_random(tmp_path):
     assert [p.name for p in list_checkpoints(tmp_path / "run")][-1] == "000003"
 
 
+def test_a_lora_run_sets_its_slots_up_when_it_opens_and_its_generations_only_write_them(tmp_path):
+    """Once ``ESRun.open`` returns, before any generation, the engine holds resident slots for the
+    run's adapter, pinned inside its worker; the generations write those same slots. On an engine
+    shared with a run of another adapter layout, each run's opening (the resumed one's too) sets its
+    slots up again, and a generation of a run whose slots another run's opening replaced has them set
+    up again in its call."""
+    from evolm_lib.engines.vllm.engine import VLLMEngine
+    from evolm_lib.engines.vllm.slots import describe
+
+    config = ESConfig(model="tiny-random", population_size=4, num_generations=3, max_new_tokens=4, sigma=0.05,
+                      learning_rate=0.05, seed=2, lora_rank=1)
+    other = config.replace(lora_alpha=2.0)  # another layout: the slots fold alpha / r into B
+    engine = VLLMEngine("tiny-random", max_lora_rank=1, max_loras=5, max_model_len=256, kv_cache_gb=0.0625)
+    try:
+        assert engine.adapter_transfer == "in_place" and engine.slots.resident is None
+        run = ESRun.open(config, tmp_path / "run", engine=engine)
+        slots = engine.slots.resident
+        assert slots is not None and slots.spec == run.mean.spec == config.lora_spec()
+        assert slots.num_slots >= config.population_size
+        assert set(slots.ids) <= set(describe(engine.llm)["pinned"])  # pinned inside the engine's worker
+        with pytest.raises(RuntimeError, match="call write"):
+            slots.lora_requests()  # set up, not yet written: no generation ran
+        run.run(2)
+        assert engine.slots.resident is slots and len(slots.lora_requests()) == config.population_size
+        # another run of the shared engine: its own slots at its opening, the first run's released
+        second = ESRun.open(other, tmp_path / "other", engine=engine)
+        replaced = engine.slots.resident
+        assert replaced is not slots and replaced.spec == other.lora_spec()
+        assert slots.llm is None  # released inside the engine
+        second.run(1)
+        assert engine.slots.resident is replaced
+        second.close()
+        run.step()  # its slots were replaced: set up again in this call, and the generation runs
+        assert engine.slots.resident.spec == config.lora_spec() and run.generation == 3
+        run.close()
+        resumed = ESRun.open(other, tmp_path / "other", engine=engine)  # resumed: set up again at its opening
+        reopened = engine.slots.resident
+        assert resumed.generation == 1 and reopened.spec == other.lora_spec() and reopened is not replaced
+        resumed.run()
+        assert engine.slots.resident is reopened and resumed.generation == 3
+        resumed.close()
+    finally:
+        engine.close()
+
+
 def test_sigma_below_the_engine_dtype_resolution_warns(tmp_path):
     # random A (PEFT's kaiming init, rms ~ 0.3 on tiny-random) with sigma 1e-4: bfloat16 rounds most of it away
     with pytest.warns(UserWarning, match="ulps"):

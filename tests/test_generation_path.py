@@ -1,6 +1,6 @@
 """The files one LoRA generation runs are exactly those docs/es-loop.md names, stage by stage: the
-docs tell the path as it is (a profiler over one generation of a tiny-random run on a real vLLM
-engine, after the first, which also sets the engine's slots up)."""
+docs tell the path as it is (a profiler over the second generation of a tiny-random run on a real
+vLLM engine, whose resident slots the run set up when it opened)."""
 from __future__ import annotations
 
 import re

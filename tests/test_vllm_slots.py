@@ -125,6 +125,32 @@ def test_slots_give_the_file_paths_greedy_completions(engine, resident):
     assert all(row != token_ids(base)[0] for row in token_ids(from_files))
 
 
+def test_a_population_is_served_from_the_slots_prepared_for_it_or_set_up_in_its_call(engine):
+    """``prepare_population`` sets the slots up before any population is sent, and a population's call
+    writes those slots (the same object); on an engine not prepared the call sets them up itself, and
+    both serve the same completions. A population larger than the slots is refused at preparation."""
+    from evolm_lib.engines import Population
+
+    members = tuple(es.population(base_seed=5, generation=1, population_size=POPULATION))
+    population = Population(make_mean(engine.model_dir), members, SIGMA)
+    assert engine.slots.resident is None
+    try:
+        unprepared = engine.generate(PROMPTS, population, GREEDY)  # no slots yet: set up in this call
+        assert engine.slots.resident is not None and engine.slots.resident.spec == SPEC
+        engine.slots.close()
+        engine.prepare_population(SPEC, POPULATION)
+        prepared = engine.slots.resident
+        assert prepared is not None and prepared.spec == SPEC
+        table = engine.generate(PROMPTS, population, GREEDY)
+        assert engine.slots.resident is prepared and table.timing["slots_write_s"] >= 0
+        assert token_ids(table) == token_ids(unprepared)
+        assert len({tuple(row) for row in token_ids(table)}) == POPULATION  # the members differ: the test can fail
+        with pytest.raises(ValueError, match=f"a population of {MAX_LORAS + 1} exceeds the engine's max_loras={MAX_LORAS}"):
+            engine.prepare_population(SPEC, MAX_LORAS + 1)
+    finally:
+        engine.slots.close()
+
+
 @pytest.mark.parametrize(
     "spec, scheme",
     [(SPEC, "flat"), (LoraSpec(("q_proj", "v_proj", "down_proj"), rank=1, alpha=1.0, layers_to_transform=(1,)), "flat"),

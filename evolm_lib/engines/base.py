@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Optional, Protocol, Sequence, Union, runtime_checkable
 
 from ..es import NOISE_DEVICE, Member, NoiseScheme, Sigma, perturb
-from ..lora import AdapterWeights, adapter_shapes
+from ..lora import AdapterWeights, LoraSpec, adapter_shapes
 from ..seeds import derive_seed
 from ..types import Completion, Prompt, PromptLike
 
@@ -138,6 +138,11 @@ class Engine(Protocol):
         """Several (prompts x adapters, sampling) grids, in one engine call where the engine can."""
         ...
 
+    def prepare_population(self, spec: LoraSpec, population_size: int) -> None:
+        """Set up what serves populations of ``population_size`` adapters of ``spec`` (vLLM's
+        resident slots) before the first is sent; a run calls it when it opens."""
+        ...
+
     def close(self) -> None:
         """Release the engine."""
         ...
@@ -190,6 +195,9 @@ class EngineBase:
     lora_kernel_configs: Any = None  # tuned LoRA kernel tiles a GPU engine uses
     cudagraph_capture_sizes: Sequence[int] | None = None  # batch sizes a GPU engine captured graphs for
     last_call: dict | None = None  # the last call's own record (Ray: wall, transfer and per-engine seconds)
+
+    def prepare_population(self, spec: LoraSpec, population_size: int) -> None:
+        """Nothing to set up: this engine takes a population as it comes."""
 
 
 class GridsOneByOne(EngineBase):

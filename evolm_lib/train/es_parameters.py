@@ -129,6 +129,8 @@ class LoraMean:
         if config.estimator is not None:
             self.estimator_state = zo.HistoryState.from_dict(saved["estimator"]) if saved else zo.HistoryState()
         self._warn_if_sigma_rounds_away(adapter)
+        # what serves the population (vLLM's resident slots) is set up now: a generation only writes it
+        engine.prepare_population(adapter.spec, config.population_size)
 
     def _warn_if_sigma_rounds_away(self, adapter: AdapterWeights) -> None:
         coarse = noise_below_resolution(adapter.tensors, self.sigmas, getattr(torch, self.config.dtype))

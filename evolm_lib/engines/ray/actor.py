@@ -126,6 +126,10 @@ class EngineActor:
             tables[0].timing["engine_call_s"] = time.perf_counter() - started
         return tables
 
+    def prepare_population(self, spec, population_size: int) -> None:
+        """Set this engine's resident slots up for a block of ``population_size`` members."""
+        self._started().prepare_population(spec, population_size)
+
     def encode(self, prompt: PromptLike) -> list[int]:
         """Token ids of a rendered prompt."""
         return self._started().encode(prompt)

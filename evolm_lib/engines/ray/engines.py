@@ -8,14 +8,14 @@ import time
 from typing import Any, Sequence
 
 from ...es import Member
-from ...lora import AdapterWeights
+from ...lora import AdapterWeights, LoraSpec
 from ...types import PromptLike
 from ..base import AdapterList, CompletionTable, GridsInOneCall, SamplingSettings, balanced_blocks
 from ..sizing import EngineSizing
 from .actor import MPS_THREAD_PERCENTAGE_ENV
 from .cluster import check_cluster_resources, check_ray_address, import_ray, shared_card_warning
 from .pool import EngineLostError, EnginePool, FaultPolicy, Recovered
-from .sharding import ShardPlan, plan_members, shard_sampling
+from .sharding import ShardPlan, plan_grid, plan_members, shard_sampling
 from ..weights.ray import RaySlots, RayWeights
 
 logger = logging.getLogger(__name__)
@@ -106,6 +106,12 @@ class RayEngines(GridsInOneCall):
         self.last_call = {"wall_s": elapsed, "put_s": put_s,
                           "engines": {engine: dict(tables[0].timing) for engine, tables in results.items() if tables}}
         return plan.assemble(results, {"adapters_s": adapters_s, "generate_s": max(elapsed - adapters_s, 0.0)})
+
+    def prepare_population(self, spec: LoraSpec, population_size: int) -> None:
+        """Every engine's resident slots set up for its block of such a population (``ShardPlan``'s
+        split); an engine restarted since sets its slots up in the first call that reaches it."""
+        rows, _ = plan_grid(population_size, self.num_engines, self.num_engines, self.engine_sizing.max_loras)[0]
+        self.pool.run([(engine, "prepare_population", (spec, rows.stop - rows.start)) for engine in range(self.num_engines)])
 
     def encode(self, prompt: PromptLike) -> list[int]:
         """Token ids of a rendered prompt (engine 0's tokenizer; every engine has the same)."""

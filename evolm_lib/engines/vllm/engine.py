@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from ...lora import AdapterWeights
+from ...lora import AdapterWeights, LoraSpec
 from ...types import PromptLike
 from ..base import (AdapterList, CompletionTable, GridsInOneCall, Population, PromptEncoder, SamplingSettings,
                    check_adapters, materialize)
@@ -107,9 +107,16 @@ class VLLMEngine(GridsInOneCall, MembersInPlace):
             raise ValueError(f"adapter_transfer must be one of {', '.join(ADAPTER_TRANSFERS)}, got {value!r}")
         self.slots.enabled = value == "in_place"
 
+    def prepare_population(self, spec: LoraSpec, population_size: int) -> None:
+        """Set the resident slots up for populations of ``population_size`` adapters of ``spec``
+        (a run calls it when it opens): each generation's call then only writes and serves them.
+        Nothing to do where populations travel as files."""
+        self.slots.prepare(spec, population_size)
+
     def _plan(self, grids, timing: dict[str, float]):
         """Each grid as files or resident slots (the first population the slots can serve is written
-        now); returns the planned grids, the slots used and the mean served from them, if any."""
+        now, into the slots ``prepare_population`` set up); returns the planned grids, the slots used
+        and the mean served from them, if any."""
         resident, resident_mean, planned = None, None, []
         # The population's own mean, listed in another grid (its greedy scoring riding along), is
         # served from the slot after the members' instead of an adapter file.

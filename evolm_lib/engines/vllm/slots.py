@@ -281,31 +281,45 @@ class ResidentSlots:
 
 
 class PopulationSlots:
-    """The resident LoRA slots (``ResidentSlots``) populations are written into, set up on the
-    first population and again when the adapter layout changes. Where the engine cannot host them,
-    ``for_population`` says so once (a warning) and answers None from then on: files."""
+    """The resident LoRA slots (``ResidentSlots``) populations are written into, set up by ``prepare``
+    when a run opens (again when a run of another adapter layout opens on the same engine). Where the
+    engine cannot host them, ``prepare`` says so once (a warning) and files serve from then on."""
 
     def __init__(self, llm, model_dir: Path, dtype: str, num_slots: int, workdir: Path, enabled: bool):
         self.llm, self.model_dir, self.dtype, self.num_slots, self.workdir = llm, model_dir, dtype, num_slots, workdir
         self.enabled = enabled
         self._resident = None
 
-    def for_population(self, population: Population):
-        """The resident slots to write this population into, or None (files) where they cannot serve."""
+    def prepare(self, spec: LoraSpec, population_size: int):
+        """The slots populations of ``population_size`` adapters of ``spec`` are written into, set up
+        now where the slots held are of another spec (or none are); None where files serve them."""
         if not self.enabled:
             return None
-        if self._resident is not None and self._resident.spec != population.mean.spec:
+        if self._resident is not None and self._resident.spec != spec:
             self.close()
         if self._resident is None:
             try:
-                self._resident = ResidentSlots(self.llm, population.mean.spec, self.num_slots, self.model_dir,
-                                                    self.dtype, workdir=self.workdir)
+                self._resident = ResidentSlots(self.llm, spec, self.num_slots, self.model_dir, self.dtype,
+                                               workdir=self.workdir)
             except SlotsUnsupported as error:
                 logger.warning("resident LoRA slots unavailable (%s): writing adapter files instead", error)
                 self.enabled = False
                 return None
-        if len(population) > self.num_slots:
-            raise ValueError(f"a population of {len(population)} exceeds the engine's max_loras={self.num_slots}: "
+        return self._checked(population_size)
+
+    def for_population(self, population: Population):
+        """The slots set up for this population's spec, or None (files) where they cannot serve. A
+        population no slots were prepared for (a caller that did not call ``prepare``) has them set
+        up here, before it is written."""
+        if not self.enabled:
+            return None
+        if self._resident is None or self._resident.spec != population.mean.spec:
+            return self.prepare(population.mean.spec, len(population))
+        return self._checked(len(population))
+
+    def _checked(self, population_size: int):
+        if population_size > self.num_slots:
+            raise ValueError(f"a population of {population_size} exceeds the engine's max_loras={self.num_slots}: "
                              "start the engine with max_loras >= the population size")
         return self._resident
 
