@@ -456,6 +456,8 @@ def test_a_run_made_before_noise_scheme_resumes_with_per_tensor_noise(tmp_path):
     run = ESRun.create(config, tmp_path / "run", engine=SyntheticEngine())
     run.run(2)
     run.close()
+    with pytest.raises(ConfigError, match=r"other settings \(noise_scheme\); use another run_dir or overwrite=True$"):
+        ESRun.open(config.replace(noise_scheme="flat"), tmp_path / "run", engine=SyntheticEngine())  # it names it: no hint
     settings = tmp_path / "run" / "config.yaml"
     settings.write_text("".join(line for line in settings.read_text().splitlines(keepends=True)
                                 if not line.startswith("noise_scheme:")))  # as written before the setting existed

@@ -29,6 +29,7 @@ OLDER_SETTINGS = (("noise_scheme", "per_tensor", "draws noise per tensor"),
                   ("optimizer_step", "formulas", "steps by the formulas term by term"))
 """ES settings added after runs were recorded without them: (name, the value a folder whose settings
 lack it loads with, what that value does), so such a run resumes as it began."""
+
 # Settings that do not change the science: a finished run may be extended with other values.
 # Where the engines run and how adapters reach them do not change the rows either (tested equal),
 # nor where else the rows are streamed (report_to: a run gains TensorBoard with all its rows so far).
@@ -170,8 +171,9 @@ def extended_settings(run_dir: str | Path, config) -> list[str]:
     changed = sorted(k for k, v in config.to_dict().items() if existing.get(k) != v)
     fixed = [k for k in changed if k not in EXTENDABLE]
     if fixed:
+        recorded = read_config_file(run_dir)
         hint = "".join(f"; it was made before {name} existed and {what}: pass {name}={old!r} to continue it"
-                       for name, old, what in OLDER_SETTINGS if name in fixed and existing.get(name) == old)
+                       for name, old, what in OLDER_SETTINGS if name in fixed and name not in recorded)
         if "deterministic" in fixed and existing.get("deterministic"):
             hint += ("; it ran with deterministic decoding, and continuing it without would give rows an "
                      "uninterrupted run cannot: pass deterministic=True")
