@@ -288,8 +288,13 @@ def _start(path: Path, *extra: str, methods: str = "es") -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def _running_trial(spec, number: int | None = None, rows: int = 2, timeout: float = 600):
-    """(trial number, its seed folder) once a trial of ``es`` is running with ``rows`` rows written."""
+def _running_trial(spec, number: int | None = None, rows: int = 2, timeout: float = 600, workers=()):
+    """(trial number, its seed folder) once a trial of ``es`` is running with ``rows`` rows written.
+    ``workers`` (their processes) are then stopped (SIGSTOP) and the folder read again: they stay
+    stopped only where the trial's run still has rows to write, so that a signal the test sends next
+    lands mid-trial however late this poll saw the rows (a loaded machine); the test continues them
+    (``_continue``). Nothing reads the study's storage while they are stopped (one may hold its lock)."""
+    last = spec.tuning_runs["es"][0].config.num_generations  # a run's rows are generations 0..last
     end = time.time() + timeout
     while time.time() < end:
         if spec.storage or (spec.out / "optuna.db").exists():
@@ -297,17 +302,31 @@ def _running_trial(spec, number: int | None = None, rows: int = 2, timeout: floa
                 folder = spec.out / "trials" / "es" / f"trial_{trial['number']:04d}" / "seed100"
                 if (trial["state"] == "running" and (number is None or trial["number"] == number)
                         and (folder / "metrics.jsonl").exists() and len(read_metrics(folder)) >= rows):
-                    return trial["number"], folder
+                    if not workers:
+                        return trial["number"], folder
+                    for worker in workers:
+                        os.kill(worker.pid, signal.SIGSTOP)
+                    if len(read_metrics(folder)) <= last:  # its run is not done: the trial is under way
+                        return trial["number"], folder
+                    _continue(*workers)
         time.sleep(0.2)
     raise AssertionError("no trial got under way")
 
 
+def _continue(*workers: subprocess.Popen) -> None:
+    """SIGCONT to the workers still running (``_running_trial`` stopped them)."""
+    for worker in workers:
+        if worker.poll() is None:
+            os.kill(worker.pid, signal.SIGCONT)
+
+
 def _kill_the_holder(folder: Path, workers: tuple[subprocess.Popen, subprocess.Popen]) -> subprocess.Popen:
-    """SIGKILL the worker that writes ``folder``; returns the other one."""
+    """SIGKILL the worker that writes ``folder`` (stopped or not); returns the other one, continued."""
     holder = json.loads((folder / ".writer.lock").read_text())["pid"]
     victim, survivor = workers if holder == workers[0].pid else workers[::-1]
     os.kill(victim.pid, signal.SIGKILL)
     victim.wait()
+    _continue(survivor)
     return survivor
 
 
@@ -323,7 +342,7 @@ def test_two_workers_one_killed_mid_trial_end_with_the_spec_s_trials_and_one_rer
     spec = tune.load_tune_spec(path, methods=["es"])
     tune.load_study(spec, "es")  # created once, before both workers open it
     workers = _start(path), _start(path)
-    number, folder = _running_trial(spec, rows=3)
+    number, folder = _running_trial(spec, rows=3, workers=workers)
     survivor = _kill_the_holder(folder, workers)
     output, _ = survivor.communicate(timeout=900)
     assert survivor.returncode == 0, output
@@ -358,8 +377,7 @@ def test_a_worker_paused_past_its_heartbeats_loses_no_trial_and_gives_it_up_when
     path = write_spec(tmp_path, _hf_change(trials=2), generations=8)
     spec = tune.load_tune_spec(path, methods=["es"])
     paused = _start(path, "--no-finals")
-    number, folder = _running_trial(spec, rows=2)
-    os.kill(paused.pid, signal.SIGSTOP)
+    number, folder = _running_trial(spec, rows=2, workers=(paused,))  # the worker is stopped mid-trial
     try:
         time.sleep(3 * spec.settings.heartbeat_s + 2)
         taker = _start(path, "--no-finals")
@@ -422,8 +440,9 @@ def test_a_stopped_worker_hands_its_trial_to_the_next_worker_at_once(tmp_path, s
     path = write_spec(tmp_path, _hf_change(trials=2, heartbeat_s=60), generations=6)
     spec = tune.load_tune_spec(path, methods=["es"])
     worker = _start(path, "--no-finals")
-    number, folder = _running_trial(spec, rows=2)
-    os.kill(worker.pid, stop)
+    number, folder = _running_trial(spec, rows=2, workers=(worker,))
+    os.kill(worker.pid, stop)  # pending while the worker is stopped, delivered mid-trial once it goes on
+    _continue(worker)
     output, _ = worker.communicate(timeout=120)
     assert worker.returncode == 130, output
     assert "interrupted: finished trials and reruns are kept" in output and "Traceback" not in output
@@ -484,6 +503,21 @@ def test_a_damaged_storage_is_named_with_the_way_back_and_left_untouched(tmp_pat
     assert not (spec.out / "trials").exists()  # no trial spent
     assert main(["tune", "export", str(spec.out), str(tmp_path / "export")]) == 2  # export names it the same way
     assert str(db) in capsys.readouterr().err
+
+
+def test_a_storage_another_process_holds_locked_is_waited_for_not_called_damaged(tmp_path):
+    """A worker stopped (or slow) in the middle of writing the study holds SQLite's lock: a worker
+    opening the storage then waits for it, and never calls the file damaged."""
+    _, spec = _study_with_trials(tmp_path, count=3)
+    holder = subprocess.Popen([sys.executable, "-c", "import sqlite3, sys, time\n"
+                               "connection = sqlite3.connect(sys.argv[1], isolation_level=None)\n"
+                               "connection.execute('BEGIN EXCLUSIVE')\nprint('held', flush=True)\n"
+                               "time.sleep(7)\nconnection.execute('COMMIT')", str(spec.out / "optuna.db")],
+                              stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    started = time.time()
+    assert len(tune.study_trials(spec, "es")) == 3  # read once the lock is given back
+    assert time.time() - started > 1 and holder.wait(timeout=60) == 0
 
 
 def test_an_emptied_storage_beside_trial_folders_is_refused_before_any_trial(tmp_path, monkeypatch, capsys):
@@ -568,7 +602,7 @@ def test_workers_share_a_study_in_a_postgresql_database_and_a_killed_one_s_trial
     path = write_spec(tmp_path, _hf_change(trials=2), generations=6)
     spec = tune.with_storage(tune.load_tune_spec(path, methods=["es"]), postgres_url)
     workers = tuple(_start(path, "--no-finals", "--storage", postgres_url) for _ in range(2))
-    number, folder = _running_trial(spec, rows=2)
+    number, folder = _running_trial(spec, rows=2, workers=workers)
     survivor = _kill_the_holder(folder, workers)
     output, _ = survivor.communicate(timeout=600)
     assert survivor.returncode == 0, output

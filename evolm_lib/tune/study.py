@@ -76,20 +76,19 @@ def storage_url(out: str | Path) -> str:
 
 def check_sqlite(path: Path) -> None:
     """StudyStorageError naming ``path`` and what is wrong with it where SQLite finds it damaged
-    (``PRAGMA quick_check``); the file is opened read-only, so neither its bytes nor its time change."""
+    (``PRAGMA quick_check``; a file another process holds locked is not checked); the file is opened
+    read-only, so neither its bytes nor its time change."""
     if not path.is_file() or path.stat().st_size == 0:
         return
-    problem = None
     try:
         connection = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
         try:
             found = [row[0] for row in connection.execute("PRAGMA quick_check").fetchall()]
         finally:
             connection.close()
-        if found != ["ok"]:
-            problem = "; ".join(found[:2]) + (f" ({len(found)} problems)" if len(found) > 2 else "")
-    except sqlite3.DatabaseError as error:
-        problem = str(error)
+        problem = None if found == ["ok"] else "; ".join(found[:2]) + (f" ({len(found)} problems)" if len(found) > 2 else "")
+    except sqlite3.DatabaseError as error:  # locked: another worker writes it (or was stopped doing so), intact
+        problem = None if isinstance(error, sqlite3.OperationalError) and "locked" in str(error) else str(error)
     if problem:
         raise StudyStorageError(
             f"{path} is damaged ({problem}); it was left as it is. Your run folders under {path.parent} are "
