@@ -114,6 +114,8 @@ import shlex
 import signal
 import time
 
+from helpers_terminal import ctrl_c_as_in_a_terminal
+
 HELPED = ["batch", "sweep", "tune", "bench", "lab", "demo"]
 DRY_RUN = ["batch", "sweep", "tune", "bench"]  # the commands whose examples run here, in --dry-run form
 
@@ -244,7 +246,7 @@ def test_ctrl_c_in_a_batch_prints_one_line_and_the_same_command_continues(tmp_pa
     spec, out = REPO / "papermill_runs" / "grpo_tiny.yaml", tmp_path / "out"
     stdout, stderr = open(tmp_path / "stdout", "w+"), open(tmp_path / "stderr", "w+")
     process = subprocess.Popen([sys.executable, "-m", "evolm_lib.cli", "batch", str(spec), "--out", str(out)],
-                               cwd=REPO, stdout=stdout, stderr=stderr)
+                               cwd=REPO, stdout=stdout, stderr=stderr, preexec_fn=ctrl_c_as_in_a_terminal)
     first, second = out / "grpo_tiny__seed-0", out / "grpo_tiny__seed-1"
     kernels = []
 
@@ -284,7 +286,7 @@ def test_ctrl_c_in_a_sweep_prints_one_line_and_exits_130(tmp_path):
                                 # sees generation 1 and the signal (4 did once, on a loaded machine)
                                 "--generations", "50", "--seeds", "0,1", "--max-new-tokens", "8", "--methods", "es",
                                 "--no-kl", "--no-notebook", "--out", str(out)],
-                               cwd=REPO, stdout=stdout, stderr=stderr)
+                               cwd=REPO, stdout=stdout, stderr=stderr, preexec_fn=ctrl_c_as_in_a_terminal)
     before = _interrupt_when(process, tmp_path, lambda: "es_seed0    1/50" in (tmp_path / "stdout").read_text(),
                              "the sweep did not reach its first generation", timeout=300)
     stderr.seek(0)

@@ -20,6 +20,8 @@ from evolm_lib import tune
 from evolm_lib.cli import main
 from evolm_lib.runs import read_jsonl, read_metrics
 
+from helpers_terminal import ctrl_c_as_in_a_terminal
+
 REPO = Path(__file__).resolve().parents[1]
 
 SPEC = {
@@ -285,7 +287,8 @@ def _start(path: Path, *extra: str, methods: str = "es") -> subprocess.Popen:
     """An `evolm tune` worker in its own process (the reruns included unless ``extra`` says otherwise)."""
     return subprocess.Popen([sys.executable, "-m", "evolm_lib.cli", "tune", str(path), "--methods", methods,
                              "--no-figures", *extra], cwd=REPO, env={**os.environ, **WORKER_ENV},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=ctrl_c_as_in_a_terminal)
 
 
 def _running_trial(spec, number: int | None = None, rows: int = 2, timeout: float = 600, workers=()):
@@ -518,6 +521,26 @@ def test_a_storage_another_process_holds_locked_is_waited_for_not_called_damaged
     started = time.time()
     assert len(tune.study_trials(spec, "es")) == 3  # read once the lock is given back
     assert time.time() - started > 1 and holder.wait(timeout=60) == 0
+
+
+def test_a_tune_stopped_in_process_gives_its_caller_back_its_ctrl_c(tmp_path, monkeypatch, capsys):
+    """`evolm tune` run from Python (a notebook, a script) and stopped by Ctrl-C ignores further stop
+    signals while it cleans up; once it returns, the caller's handlers are back (a process it starts
+    later would otherwise inherit an ignored Ctrl-C)."""
+    path = write_spec(tmp_path)
+
+    def interrupted(spec):
+        raise KeyboardInterrupt  # Ctrl-C as the engine starts
+
+    monkeypatch.setattr(tune, "make_tuning_engine", interrupted)
+    harness = signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C as in an interactive Python
+    try:
+        before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+        assert main(["tune", str(path), "--methods", "es", "--no-figures"]) == 130
+        assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+    finally:
+        signal.signal(signal.SIGINT, harness)
+    assert "interrupted: finished trials and reruns are kept" in capsys.readouterr().err
 
 
 def test_an_emptied_storage_beside_trial_folders_is_refused_before_any_trial(tmp_path, monkeypatch, capsys):

@@ -17,6 +17,8 @@ import importlib
 import sys
 from typing import Sequence
 
+from .interrupt import stop_signals_restored
+
 COMMANDS = {
     "demo": ("evolm_lib.cli.demo", "ES on conciseness with SmolLM2 through the stepper notebook"),
     "bench": ("evolm_lib.cli.bench", "engine throughput and ES overhead"),
@@ -75,5 +77,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"evolm: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
         return 2
-    result = importlib.import_module(COMMANDS[name][0]).main(rest)
+    with stop_signals_restored():
+        result = importlib.import_module(COMMANDS[name][0]).main(rest)
     return result if isinstance(result, int) else 0

@@ -58,6 +58,27 @@ def ignore_stop_signals() -> None:
 
 
 @contextlib.contextmanager
+def stop_signals_restored() -> Iterator[None]:
+    """A command's handlers of the stop signals undone when it returns: stopped, a command ignores
+    further ones while it cleans up (``ignore_stop_signals``) and stays so; called from Python (a
+    notebook, a test), its caller's Ctrl-C works again afterwards (and so in the processes it starts,
+    which inherit an ignored signal), and the next command's exit status is its own."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield  # handlers belong to the main thread: a command run elsewhere changes none
+        return
+    previous = {number: signal.getsignal(number) for number in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        _received.clear()
+        for number, handler in previous.items():
+            if handler is not None:
+                signal.signal(number, handler)
+
+
+@contextlib.contextmanager
 def kernels_stopped_first() -> Iterator[None]:
     """Inside the block, Ctrl-C or SIGTERM ends this process's children (the notebook kernels) before
     anything else runs, then raises KeyboardInterrupt here: otherwise the notebook client closes its
