@@ -59,10 +59,10 @@ def ignore_stop_signals() -> None:
 
 @contextlib.contextmanager
 def stop_signals_restored() -> Iterator[None]:
-    """A command's handlers of the stop signals undone when it returns: stopped, a command ignores
-    further ones while it cleans up (``ignore_stop_signals``) and stays so; called from Python (a
-    notebook, a test), its caller's Ctrl-C works again afterwards (and so in the processes it starts,
-    which inherit an ignored signal), and the next command's exit status is its own."""
+    """The stop signals' handlers given back after a command: inside the block a stopped command
+    ignores further ones while it cleans up (``ignore_stop_signals``); after it, a caller in Python (a
+    notebook, a script) has its own Ctrl-C again, as have the processes it starts later (they inherit
+    an ignored signal), and the next command's exit status is its own."""
     import threading
 
     if threading.current_thread() is not threading.main_thread():
