@@ -19,7 +19,8 @@ state (`decide`):
 | damaged | checkpoints without config.yaml | damaged: left as it is, with the way back |
 
 An item named to be replaced gets "overwrite" in every state but new, running and busy. A run
-folder's state against new settings is `run_folder_state`, the settings compared by `run_changes`.
+folder's state against new settings is `run_folder_state`, the settings compared by `run_changes`;
+a folder another process holds is `held_by` it.
 
 The executor (`execute`) runs the items one after another: an item whose folder another process
 holds is busy (nothing of it written), an item that raises is failed with its error and the next one
@@ -118,19 +119,13 @@ class Change:
         return f"{self.name} {self.old!r} -> {self.new!r}"
 
 
-def run_settings(run_dir: Any, config) -> dict[str, Any] | None:
-    """The settings of the run in ``run_dir`` as its config.yaml has them (defaults of settings added
-    since filled in), or None when the folder holds no run (no config.yaml or no finished generation)."""
+def _recorded_settings(run_dir: Path, config) -> dict[str, Any]:
+    """The settings in ``run_dir``'s config.yaml (defaults of settings added since filled in)."""
     import yaml
 
     from .config import ConfigError
-    from .runs import list_checkpoints, load_run_config, read_metrics  # runs imports torch: not at a command's start
+    from .runs import load_run_config  # runs imports torch: not at a command's start
 
-    run_dir = Path(run_dir) if run_dir else None
-    if run_dir is None or not (run_dir / "config.yaml").is_file():
-        return None
-    if not read_metrics(run_dir) and not list_checkpoints(run_dir):
-        return None  # a creation that stopped before its first generation: nothing to keep
     try:
         return load_run_config(run_dir, type(config)).to_dict()
     except (ConfigError, ValueError, TypeError):  # another kind, or settings this version no longer has
@@ -138,17 +133,34 @@ def run_settings(run_dir: Any, config) -> dict[str, Any] | None:
         return {k: v for k, v in data.items() if k not in ("kind", "label")}
 
 
-def run_changes(run_dir: Any, config) -> tuple[list[Change], bool] | None:
-    """(the settings in which the run in ``run_dir`` differs from ``config``, whether they keep it from
-    continuing), or None where the folder holds no run. A change of budget or cadence
-    (`evolm_lib.runs.EXTENDABLE`) extends the run; any other is a change of run."""
+def _changes(old: dict[str, Any], config) -> tuple[list[Change], bool]:
+    """(the settings in which ``old`` differs from ``config``, whether they keep its run from continuing):
+    a change of budget or cadence (`evolm_lib.runs.EXTENDABLE`) extends a run; any other is a change of run."""
     from .runs import EXTENDABLE
 
-    old = run_settings(run_dir, config)
-    if old is None:
-        return None
     changes = [Change(k, old.get(k), v) for k, v in config.to_dict().items() if old.get(k) != v]
     return changes, any(c.name not in EXTENDABLE for c in changes)
+
+
+def run_changes(run_dir: Any, config) -> tuple[list[Change], bool] | None:
+    """``_changes`` of the run in ``run_dir`` against ``config``, or None where the folder holds no run
+    (no config.yaml, or a creation that stopped before its first generation)."""
+    from .runs import list_checkpoints, read_metrics
+
+    run_dir = Path(run_dir) if run_dir else None
+    if run_dir is None or not (run_dir / "config.yaml").is_file():
+        return None
+    if not read_metrics(run_dir) and not list_checkpoints(run_dir):
+        return None  # nothing to keep
+    return _changes(_recorded_settings(run_dir, config), config)
+
+
+def held_by(folder: Path) -> str | None:
+    """"held by <the process>" where another live process holds ``folder``'s writer lock, else None."""
+    from .runs import describe_holder, lock_holder
+
+    holder = lock_holder(folder) if Path(folder).is_dir() else None
+    return None if holder is None else f"held by {describe_holder(holder)}"
 
 
 @dataclass(frozen=True)
@@ -166,19 +178,20 @@ def run_folder_state(folder: Path, config, length: int) -> FolderState:
     steps: busy (another process writes it), damaged (checkpoints without config.yaml, the reason the
     command that restores it), new, changed (a run made with other settings), unfinished (short of
     ``length``, or settings changed that its run can follow) or finished."""
-    from .runs import describe_holder, list_checkpoints, lock_holder, missing_config, read_metrics
+    from .runs import list_checkpoints, missing_config, read_metrics
 
     folder = Path(folder)
-    holder = lock_holder(folder) if folder.is_dir() else None
-    if holder is not None:
-        return FolderState("busy", f"held by {describe_holder(holder)}")
+    busy = held_by(folder)
+    if busy is not None:
+        return FolderState("busy", busy)
     missing = missing_config(folder)
     if missing is not None:  # no plan can say where it resumes
         return FolderState("damaged", missing)
     rows = read_metrics(folder) if (folder / "config.yaml").is_file() else []
     if not rows and not list_checkpoints(folder):
         return FolderState("new")
-    changes, blocking = run_changes(folder, config) or ([], False)
+    # a run is there, and its config.yaml (checkpoints without it are damaged, above): its rows read once
+    changes, blocking = _changes(_recorded_settings(folder, config), config)
     listed = ", ".join(map(str, changes))
     done = rows[-1].get("generation", -1) if rows else -1
     if blocking:

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any, Collection
 
-from ..grid import Outcome, Replacement, execute
+from ..grid import Outcome, Replacement, execute, held_by
 from ..paths import project_root
 from .notebooks import NOTEBOOK_FILE, error_text, execute_notebook, notebook_info, read_notebook
 from .plan import plan_points
@@ -58,7 +58,7 @@ def _execute_point(spec: BatchSpec, point: PointPlan, output: Path, base: dict[s
 def run_point(spec: BatchSpec, point: PointPlan, log_output: bool = False) -> RunResult:
     """Run one grid point's notebook in its folder, with status.json before and after; a point that
     another process holds (another batch, or a run open on its run folder) is left untouched: busy."""
-    from ..runs import RunFolderBusy, WriterLock, describe_holder, lock_holder
+    from ..runs import RunFolderBusy, WriterLock, describe_holder
 
     if point.action == "invalid" and not point.folder.exists():  # failed its checks: no lock, no folder, nothing
         return _result(point, FAILED, 0.0, point.error)
@@ -68,9 +68,9 @@ def run_point(spec: BatchSpec, point: PointPlan, log_output: bool = False) -> Ru
         return _result(point, BUSY, 0.0, "", action="skip", reason=f"held by {describe_holder(busy.holder)}")
     with lock:
         run_dir = point.parameters.get("run_dir")
-        holder = lock_holder(run_dir) if run_dir else None  # e.g. the stepper open on it in JupyterLab
-        if holder is not None:
-            return _result(point, BUSY, 0.0, "", action="skip", reason=f"held by {describe_holder(holder)}")
+        busy = held_by(run_dir) if run_dir else None  # e.g. the stepper open on it in JupyterLab
+        if busy is not None:
+            return _result(point, BUSY, 0.0, "", action="skip", reason=busy)
         return _run_point(spec, point, log_output)
 
 

@@ -14,7 +14,7 @@ from .. import tune
 from ..env import apply_engine_defaults
 from ..paths import resolve_in_project
 from .help import HelpFormatter
-from .interrupt import report_interrupt
+from .interrupt import ignore_stop_signals, report_interrupt
 
 HELP = """Fair comparisons by search: every method of a sweep spec gets the same number of trials over its
 own search space at the same completion budget, each scored on the task's validation questions;
@@ -152,8 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        ignore_stop_signals()  # a second Ctrl-C must not cut the report short
         return report_interrupt(f"interrupted: finished trials and reruns are kept in {spec.out.resolve()}; the "
                                 "trial cut short is queued again for the next worker; run the same command again "
                                 "to continue")

@@ -23,8 +23,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
-from ..grid import BUSY, NOT_RUN, OK, Outcome, Step, decide, execute
-from ..runs import LOCK_FILE, describe_holder, list_checkpoints, lock_holder, read_jsonl
+from ..grid import BUSY, NOT_RUN, OK, Outcome, Step, decide, execute, held_by
+from ..runs import LOCK_FILE, list_checkpoints, lock_holder, read_jsonl
 from ..sweep import HELDOUT, PlannedRun, run_one
 from .spec import BEST, TuneSpec, trial_config
 from .study import POLL_S, best_trial, finished, held, tune
@@ -158,11 +158,10 @@ def plan_stage(plans: list[PlannedRun], out: Path) -> list[Step]:
     steps = []
     for planned in plans:
         folder = out / planned.name
-        holder = lock_holder(folder) if folder.is_dir() else None
-        state = ("busy" if holder is not None else "finished" if finished_rerun(folder, planned.length)
+        busy = held_by(folder)
+        state = ("busy" if busy is not None else "finished" if finished_rerun(folder, planned.length)
                  else "unfinished" if folder.exists() else "new")
-        reason = f"held by {describe_holder(holder)}" if holder is not None else ""
-        steps.append(Step(planned, folder, state, decide(state), reason))
+        steps.append(Step(planned, folder, state, decide(state), busy or ""))
     return steps
 
 
