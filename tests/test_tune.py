@@ -443,9 +443,8 @@ def test_a_stopped_worker_hands_its_trial_to_the_next_worker_at_once(tmp_path, s
     path = write_spec(tmp_path, _hf_change(trials=2, heartbeat_s=60), generations=6)
     spec = tune.load_tune_spec(path, methods=["es"])
     worker = _start(path, "--no-finals")
-    number, folder = _running_trial(spec, rows=2, workers=(worker,))
-    os.kill(worker.pid, stop)  # pending while the worker is stopped, delivered mid-trial once it goes on
-    _continue(worker)
+    number, folder = _running_trial(spec, rows=2)
+    os.kill(worker.pid, stop)  # while it runs, as Ctrl-C comes: not held pending while it is frozen mid-write
     output, _ = worker.communicate(timeout=120)
     assert worker.returncode == 130, output
     assert "interrupted: finished trials and reruns are kept" in output and "Traceback" not in output
