@@ -522,6 +522,44 @@ def test_a_storage_another_process_holds_locked_is_waited_for_not_called_damaged
     assert time.time() - started > 1 and holder.wait(timeout=60) == 0
 
 
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM])
+def test_ctrl_c_inside_a_storage_call_acts_once_the_call_has_returned(tmp_path, stop):
+    """Ctrl-C or SIGTERM landing inside a call to the study's storage (here: sent as the call's SQL
+    statement runs) acts once the call has returned, its write done: cut in its middle, the call
+    left its connection holding the database's lock (or SQLAlchemy one of its own), and the worker's
+    next write, the one that fails the cut trial, waited for it until SQLite's timeout, or for ever."""
+    from optuna.trial import TrialState
+    from sqlalchemy import event
+
+    spec = tune.load_tune_spec(write_spec(tmp_path), methods=["es"])
+    storage = tune.open_storage(spec)
+    trial_id = tune.load_study(spec, "es", storage).ask()._trial_id
+    sent: list[int] = []
+
+    def stop_once(*_):
+        if not sent:
+            sent.append(stop)
+            os.kill(os.getpid(), stop)
+
+    def interrupt(signum, frame):  # the tune command's handler, for either signal
+        raise KeyboardInterrupt
+
+    event.listen(storage.engine, "before_cursor_execute", stop_once)
+    harness = {number: signal.signal(number, interrupt) for number in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            storage.set_trial_user_attr(trial_id, "cut", True)
+    finally:
+        for number, handler in harness.items():
+            signal.signal(number, handler)
+        event.remove(storage.engine, "before_cursor_execute", stop_once)
+    assert sent and storage.get_trial(trial_id).user_attrs["cut"] is True  # the call finished first
+    started = time.time()
+    storage.set_trial_state_values(trial_id, state=TrialState.FAIL)  # the cut trial failed at once
+    assert time.time() - started < 5
+    assert tune.load_study(spec, "es").trials[0].state == TrialState.FAIL  # as another worker reads it
+
+
 def test_a_tune_stopped_in_process_gives_its_caller_back_its_ctrl_c(tmp_path, monkeypatch, capsys):
     """`evolm tune` run from Python (a notebook, a script) and stopped by Ctrl-C ignores further stop
     signals while it cleans up; once it returns, the caller's handlers are back (a process it starts
@@ -655,7 +693,7 @@ def test_a_journal_storage_holds_the_study_in_one_file_on_a_shared_filesystem(tm
 def test_a_worker_waiting_for_a_held_study_lock_says_so(tmp_path, capfd):
     """A lock of the study folder held by another live process (one stopped with Ctrl-Z, say): the
     worker says what it waits for and how to free it, then goes on once the holder lets go."""
-    from evolm_lib.tune.study import held
+    from evolm_lib.tune.storage import held
 
     lock = tmp_path / "optuna.db.lock"
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from filelock import FileLock; "

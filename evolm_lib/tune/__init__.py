@@ -3,9 +3,10 @@ a declared space, at the same completion budget, selected on a validation split;
 setting is then rerun on fresh seeds and scored on the held-out problems (`evolm tune`).
 
 spec.py: the `tune:` section, checked before any engine starts, and each trial's config;
-space.py: a searched setting (log, uniform or int range, or a choice); study.py: the studies in
-Optuna's storage (OUT/optuna.db, a database URL, or a journal file) and the worker that runs trials on
-one engine through ``Study.optimize`` (heartbeats, retries of killed or stopped trials);
+space.py: a searched setting (log, uniform or int range, or a choice); storage.py: Optuna's storage
+(OUT/optuna.db, a database URL, or a journal file), its calls never cut by Ctrl-C; study.py: the
+studies and the worker that runs trials on one engine through ``Study.optimize`` (heartbeats, retries
+of killed or stopped trials);
 final.py: the winners' reruns on `final_seeds`, continued (`long`) and controlled (`control`);
 summary.py: OUT/tune_summary.json with its statistics; export.py: a study's runs and trials in a few
 gzipped files to commit (`evolm tune export`), read back, or read from a live study folder the same
@@ -17,8 +18,9 @@ from .final import (STAGES, SUMMARY, control_plan, final_plan, long_plan, resolv
                     run_finals, run_worker, unfinished_parts)
 from .space import Parameter, parse_parameter, parse_space
 from .spec import TuneSettings, TuneSpec, check_space, describe, load_tune_spec, trial_config, with_trials
-from .study import (STORAGE, StudyStorageError, best_trial, finished, load_study, make_tuning_engine,
-                    open_storage, storage_url, study_trials, tune, tune_method, with_methods, with_storage)
+from .storage import STORAGE, StudyStorageError, open_storage, storage_url
+from .study import (best_trial, finished, load_study, make_tuning_engine, study_trials, tune, tune_method,
+                    with_methods, with_storage)
 from .summary import final_groups, summarize, summary_lines
 
 __all__ = [

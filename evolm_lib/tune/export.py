@@ -34,7 +34,8 @@ from ..geometry import checkpoint_holds_weights
 from ..runs import list_checkpoints, read_checkpoint_files, read_jsonl, read_metrics, row_generation
 from ..sweep import HELDOUT
 from .final import BASE_HELDOUT, CONTINUED_FROM, STAGES, SUMMARY
-from .study import STORAGE, study_trial_folder
+from .storage import STORAGE
+from .study import study_trial_folder
 
 RUNS = "runs.jsonl.gz"
 TRIALS = "trials.jsonl.gz"
@@ -190,12 +191,13 @@ def study_trial_rows(study: Path, storage: str | None = None) -> list[dict[str, 
     either), as ``study.study_trials`` lists them, read straight from the storage (no spec needed); a
     trial's folder (``run_dir``) as the study names it, ``trials/<method>/trial_NNNN``, not where the
     study lay when its trial ran, so the same study exports to the same file. A damaged SQLite file
-    is named (``study.check_sqlite``), never opened for writing."""
+    is named (``storage.check_sqlite``), never opened for writing."""
     if storage is None and not (study / STORAGE).is_file():
         return []
     import optuna
 
-    from .study import JOURNAL, check_sqlite, trial_rows
+    from .storage import JOURNAL, check_sqlite
+    from .study import trial_rows
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     if storage is None:

@@ -27,7 +27,8 @@ from ..grid import BUSY, NOT_RUN, OK, Outcome, Step, decide, execute, held_by
 from ..runs import LOCK_FILE, list_checkpoints, lock_holder, read_jsonl
 from ..sweep import HELDOUT, PlannedRun, run_one
 from .spec import BEST, TuneSpec, trial_config
-from .study import POLL_S, best_trial, finished, held, tune
+from .storage import held
+from .study import POLL_S, best_trial, finished, tune
 
 SUMMARY = "tune_summary.json"
 STAGES = ("final", "long", "control")

@@ -39,7 +39,8 @@ from ..analysis import run_length
 from .export import KL, MANIFEST, TRIALS, checkpoint_generation, heldout_lines, read_study, run_counts
 from .final import CONTINUED_FROM, SUMMARY
 from .spec import TuneSpec, load_tune_spec
-from .study import load_study, open_storage
+from .storage import open_storage
+from .study import load_study
 
 IMPORTED = "imported.json"
 """In a imported study: the exported folder it came from, its manifest, what was imported and what
@@ -196,7 +197,7 @@ def retry(study, trial, max_retries: int) -> None:
 
     failed = copy.deepcopy(trial)
     failed.user_attrs = {key: value for key, value in trial.user_attrs.items() if key != UNDER_WAY}
-    with warnings.catch_warnings():  # the callback is marked experimental; the workers use it too (study.open_storage)
+    with warnings.catch_warnings():  # the callback is marked experimental; the workers use it too (storage.open_storage)
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=max_retries)(study, failed)
 

@@ -174,7 +174,7 @@ class TuneSpec:
     kinds: dict[str, str] = field(default_factory=dict)
     "every tuned method of the spec (not only this worker's) -> es or grpo, to decide best_es and best_grpo"
     storage: str | None = None
-    "the studies' storage (``study.open_storage``): None for OUT/optuna.db, a database URL, or journal:PATH"
+    "the studies' storage (``storage.open_storage``): None for OUT/optuna.db, a database URL, or journal:PATH"
 
     @property
     def methods(self) -> list[str]:
