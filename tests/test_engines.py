@@ -57,6 +57,36 @@ def test_vllm_matches_hf_greedy_on_tiny(tiny_vllm, tiny_hf, tiny_model_dir):
     assert all(c.num_tokens == 16 and c.finish_reason == "length" for row in from_vllm for c in row)
 
 
+def test_a_call_cut_by_ctrl_c_leaves_no_request_behind(tiny_vllm):
+    """Ctrl-C while the engine generates (a notebook's interrupt), then the next call: none of the cut
+    call's requests is left in the engine, and the next call returns its own completions. vLLM's
+    ``LLM.generate`` left them there: the next call returned them beside its own, or waited for them
+    for ever."""
+    import signal
+    import threading
+
+    engine = tiny_vllm.llm.llm_engine
+    expected = token_ids(tiny_vllm.generate(PROMPTS, [None], GREEDY))
+
+    def ctrl_c_once_generating():
+        deadline = time.monotonic() + 60
+        while not engine.has_unfinished_requests() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    harness = signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C as in a notebook's kernel
+    try:
+        threading.Thread(target=ctrl_c_once_generating, daemon=True).start()
+        with pytest.raises(KeyboardInterrupt):
+            tiny_vllm.generate(PROMPTS * 16, [None], SamplingSettings(max_new_tokens=256))
+    finally:
+        signal.signal(signal.SIGINT, harness)
+    left = list(engine.output_processor.request_states)
+    engine.abort_request(left, internal=True)  # the session's shared engine stays usable if this fails
+    assert not left
+    assert token_ids(tiny_vllm.generate(PROMPTS, [None], GREEDY)) == expected
+
+
 def test_base_only_call_after_all_slots_filled(tiny_vllm, tiny_hf, tiny_model_dir):
     # A call without any adapter takes vLLM's no-LoRA path, so the last-slot problem below spares it.
     tiny_vllm.generate(PROMPTS[:1], [member_adapter(tiny_model_dir, 200 + i) for i in range(8)], GREEDY)

@@ -268,6 +268,41 @@ def test_kill_between_checkpoint_and_metrics_line(tmp_path):
     assert without_times(read_metrics(tmp_path / "run")) == without_times(read_metrics(tmp_path / "reference"))
 
 
+@pytest.mark.parametrize("cut", ["update", "write_checkpoint", "append_metrics"])
+def test_a_generation_cut_after_its_update_stops_the_run_and_opening_it_again_continues(tmp_path, monkeypatch, cut):
+    """Ctrl-C in a notebook after a generation's update and before its commit has returned (after
+    the mean moved, after its checkpoint, after its metrics line): the run object is ahead of its
+    folder, so it refuses to go on (it would skip or repeat a row), naming what to do; opened
+    again, the run ends with the rows of an uninterrupted one."""
+    import evolm_lib.train.loop as loop
+
+    config = small_config(num_generations=5)
+    run = ESRun.create(config, tmp_path / "run", engine=SyntheticEngine())
+    run.run(2)
+    owner = run.parameters if cut == "update" else loop
+    done = getattr(owner, cut)
+
+    def then_ctrl_c(*args, **kwargs):
+        done(*args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(owner, cut, then_ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        run.step()
+    monkeypatch.setattr(owner, cut, done)
+    rows = read_metrics(tmp_path / "run")
+    for go_on in (run.step, run.ask, run.save_final):  # run.ask: the stepper notebook's own loop
+        with pytest.raises(RuntimeError, match=r"generation 3 was cut short .* run = ESRun\.open\(config, run_dir\)"):
+            go_on()
+    assert read_metrics(tmp_path / "run") == rows and not (tmp_path / "run" / "final_adapter").exists()
+    run.close()
+    resumed = ESRun.open(config, tmp_path / "run", engine=SyntheticEngine())
+    resumed.run()
+    reference = run_to_end(config, tmp_path / "reference")
+    assert_same_adapter(resumed.mean, reference.mean)
+    assert without_times(read_metrics(tmp_path / "run")) == without_times(read_metrics(tmp_path / "reference"))
+
+
 class RoundTrips(SyntheticEngine):
     """The synthetic engine, declaring that it batches grids (so scoring rides in the population's
     call), and counting engine round trips: one per ``generate`` or ``generate_grids`` call."""

@@ -15,6 +15,7 @@ from evolm_lib.train.policy import (PolicyTrainer, optimizer_state_from_tensors,
                                     rollout_batch)
 from evolm_lib.runs import RunFolderExists, list_checkpoints, read_config_kind, read_metrics
 from evolm_lib.engines.synthetic import SyntheticEngine
+from evolm_lib.metrics import without_times
 from evolm_lib.types import Completion
 
 TINY = dict(model="tiny-random", target_modules=["q_proj", "v_proj"], lora_rank=2, lora_alpha=2.0, max_new_tokens=4)
@@ -194,6 +195,34 @@ def test_resume_gives_the_same_adapter_as_an_uninterrupted_run(tmp_path, changes
         return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
 
     assert strip(read_metrics(tmp_path / "whole")) == strip(read_metrics(tmp_path / "part"))
+
+
+def test_a_step_cut_after_its_update_stops_the_run_and_opening_it_again_continues(tmp_path, monkeypatch):
+    """Ctrl-C after a step's AdamW update and before its commit: the run refuses to go on (its policy
+    is ahead of its folder), naming what to do; opened again, it ends as an uninterrupted run."""
+    config = tiny_config(num_steps=3)
+    whole = GRPORun.create(config, tmp_path / "whole", engine=SpreadEngine())
+    whole.run()
+    part = GRPORun.create(config, tmp_path / "part", engine=SpreadEngine())
+    part.run(1)
+    train = part.trainer.train
+
+    def then_ctrl_c(*args, **kwargs):
+        train(*args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(part.trainer, "train", then_ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        part.step()
+    monkeypatch.setattr(part.trainer, "train", train)
+    with pytest.raises(RuntimeError, match=r"generation 2 was cut short .* run = GRPORun\.open\(config, run_dir\)"):
+        part.step()
+    part.close()
+    resumed = GRPORun.open(config, tmp_path / "part", engine=SpreadEngine())
+    resumed.run()
+    for name, value in whole.policy.tensors.items():
+        assert torch.equal(value, resumed.policy.tensors[name]), name
+    assert without_times(read_metrics(tmp_path / "whole")) == without_times(read_metrics(tmp_path / "part"))
 
 
 def test_label_logits_leave_a_runs_rows_and_adapter_as_the_gather_left_them(tmp_path, monkeypatch):

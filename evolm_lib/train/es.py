@@ -153,6 +153,7 @@ class ESRun(RunLoop):
 
     def ask(self) -> list[es.Member]:
         """The members of the next generation: integer seeds and signs (``es.state.ask``)."""
+        self._check_committed()
         return es_state.ask(self.parameters.state, self.config.seed)
 
     def evaluate(self, members: Sequence[es.Member]) -> GenerationResult:
@@ -184,6 +185,7 @@ class ESRun(RunLoop):
         """Move the mean from the members' rewards and return the generation's metrics row: the
         population's rewards, the update, and the scores of the mean that produced the generation
         when they rode along (``policy/generation`` names that mean)."""
+        self._begin_update()
         timing = dict(result.timing)
         with timed(timing, "update_s"):
             rewards = controlled_rewards(self.config, self.generation + 1, result.rewards)
@@ -236,6 +238,7 @@ class ESRun(RunLoop):
         """The mean as a PEFT adapter under run_dir/final_adapter, or, for the model's own weights,
         the model under run_dir/final_model (safetensors, config, tokenizer)."""
         self._check_writer()
+        self._check_committed()
         return self.parameters.save(self.run_dir)
 
     def close(self) -> None:

@@ -138,6 +138,7 @@ class GRPORun(RunLoop):
             [c.text for c in completions], [str(i) for i in range(len(completions))],
             config.group_size, config.advantage_eps, config.normalize_by_std,
         )
+        self._begin_update()
         with timed(timing, "update_s"):
             encode = self.engine.encode if isinstance(self.engine, TokenScorer) else self.trainer.encode
             prompt_ids = [encode(self.task.prompt(e)) for e in examples]
@@ -237,6 +238,7 @@ class GRPORun(RunLoop):
         if not self.trainer.full:
             return super().save_final()
         self._check_writer()
+        self._check_committed()
         return self.trainer.save_model(self.run_dir / "final_model", self.config.dtype)
 
     def close(self) -> None:

@@ -69,6 +69,7 @@ class RunLoop:
         self._writer: WriterLock | None = None  # the folder's writer lock, set by create/resume/open
         self._owns_engine = False  # whether close() closes the engine: only one the run started
         self._reporters = Reporters()  # report_to's, set by create/resume/open
+        self._uncommitted: int | None = None  # a generation updated and not yet committed (_begin_update)
 
     @classmethod
     def _build(cls, state: RunState, *, run_dir: Path, engine: Engine | None, task: Task, model_dir: Path):
@@ -195,6 +196,7 @@ class RunLoop:
     def step(self) -> dict:
         """One generation (ES) or step (GRPO): update, score when due, commit; returns the final metrics row."""
         self._check_writer()
+        self._check_committed()
         row = self.train_step()
         row.update(self.score())
         return self.commit(row)
@@ -275,7 +277,25 @@ class RunLoop:
         row["time/wall_s"] = self._wall()
         if self._checkpoint_due():
             self.save_checkpoint(row)
-        return self._log(row)
+        row = self._log(row)
+        self._uncommitted = None
+        return row
+
+    def _begin_update(self) -> None:
+        """Where a generation (step) starts to change the run (its update): from here until its commit
+        returns, the run is ahead of its folder. Cut in between (Ctrl-C in a notebook, an error), the
+        run refuses to go on (``_check_committed``) instead of writing rows that skip or repeat one."""
+        self._check_committed()
+        self._uncommitted = self.generation + 1
+
+    def _check_committed(self) -> None:
+        if self._uncommitted is not None:
+            name = type(self).__name__
+            raise RuntimeError(
+                f"{self.run_dir}: generation {self._uncommitted} was cut short after its update and before its commit "
+                f"(Ctrl-C or an error), so this run is ahead of its folder and stops here. Open the run again to continue "
+                f"from its last checkpoint, to the rows of an uninterrupted run: run.close(); "
+                f"run = {name}.open(config, run_dir)")
 
     def _checkpoint_due(self) -> bool:
         """Whether ``commit`` checkpoints this generation: every ``checkpoint_every``, and at the end."""
@@ -321,6 +341,7 @@ class RunLoop:
     def save_final(self) -> Path:
         """The adapter in PEFT format under run_dir/final_adapter (loadable by vLLM and peft)."""
         self._check_writer()
+        self._check_committed()
         return save_adapter(self.adapter, self.run_dir / "final_adapter", base_model=str(self.model_dir))
 
     def close(self) -> None:

@@ -21,7 +21,7 @@ from ..base import (AdapterList, CompletionTable, GridsInOneCall, Population, Pr
 from ..weights.resident import MembersInPlace
 from ..sizing import ADAPTER_TRANSFERS, EngineSizing
 from .adapters import AdapterFiles
-from .requests import RequestGrid, run_requests
+from .requests import RequestGrid, requests_aborted_if_cut, run_requests
 from .slots import EXTENSION, LOWRANK_SLOT_ID, PopulationSlots, ResidentSlots
 from .startup import start_llm
 from ..weights.vllm import EngineWeights
@@ -179,7 +179,8 @@ class VLLMEngine(GridsInOneCall, MembersInPlace):
         check_adapters([adapter], self.model_dir, self.max_lora_rank)
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
         inputs = [{"prompt_token_ids": list(p) + list(c)} for p, c in zip(prompt_token_ids, completion_token_ids)]
-        with self.files.written([adapter]) as (lora_request,), vllm_cpu_prompt_logprobs_fix():
+        with self.files.written([adapter]) as (lora_request,), vllm_cpu_prompt_logprobs_fix(), \
+                requests_aborted_if_cut(self.llm):
             outputs = self.llm.generate(inputs, params, lora_request=lora_request, use_tqdm=False)
         result = []
         for out, p, c in zip(outputs, prompt_token_ids, completion_token_ids):

@@ -2,9 +2,10 @@
 ``[request][prompt]`` tables of ``Completion`` values."""
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from ...types import Completion
 from ..base import CompletionTable, SamplingSettings
@@ -68,6 +69,21 @@ def _whole_prefill_parts(llm, inputs: list[dict], params: list) -> list[slice]:
     return parts
 
 
+@contextlib.contextmanager
+def requests_aborted_if_cut(llm) -> Iterator[None]:
+    """A ``generate`` call cut short (Ctrl-C in a notebook, then the cell run again) leaves no request
+    in the engine. vLLM's ``LLM.generate`` (0.32) stops wherever the exception lands and leaves its
+    requests there: the next call returned their completions beside its own, or, where the cut step
+    had taken outputs from the engine's core that its output processor never saw, waited for them
+    for ever. Every unfinished request is aborted before the exception goes on."""
+    try:
+        yield
+    except BaseException:
+        engine = llm.llm_engine
+        engine.abort_request(list(engine.output_processor.request_states), internal=True)
+        raise
+
+
 def run_requests(llm, grids: Sequence[RequestGrid], timing: dict[str, float] | None = None) -> list[CompletionTable]:
     """Every grid's (LoRA request x prompt) pairs in ONE engine call; one ``[request][prompt]`` table per
     grid, whose timing is ``timing`` with the call's ``generate_s``."""
@@ -80,8 +96,9 @@ def run_requests(llm, grids: Sequence[RequestGrid], timing: dict[str, float] | N
             loras.extend([request] * len(grid.prompt_token_ids))
     started = time.perf_counter()
     outputs = []
-    for part in _whole_prefill_parts(llm, inputs, params):
-        outputs += llm.generate(inputs[part], params[part], lora_request=loras[part], use_tqdm=False)
+    with requests_aborted_if_cut(llm):
+        for part in _whole_prefill_parts(llm, inputs, params):
+            outputs += llm.generate(inputs[part], params[part], lora_request=loras[part], use_tqdm=False)
     timing = {"adapters_s": 0.0, **(timing or {}), "generate_s": time.perf_counter() - started}
     tables, start = [], 0
     for grid in grids:

@@ -31,7 +31,7 @@ import torch
 from ... import es
 from ...lora import AdapterWeights, LoraSpec, adapter_shapes, save_adapter
 from ..base import Population, PromptEncoder
-from .requests import RequestGrid, run_requests
+from .requests import RequestGrid, requests_aborted_if_cut, run_requests
 from .client import WorkerClient
 from .rpc import (FINGERPRINT_SEED, SlotsUnsupported, WorkerUnsupported, combine_digests, digest, fingerprint_tensors,
                   pack_tensor, stored_form, torch_dtype)
@@ -135,8 +135,9 @@ class ResidentSlots:
             path = save_adapter(fingerprint, folder / "fingerprint", base_model=str(self.model_dir), dtype=torch_dtype(dtype))
             # The folder is deleted once loaded: a slot vLLM tried to reload would fail loudly, not serve stale weights.
             self._requests = [LoRARequest(name, lora_id, str(path)) for name, lora_id in zip(self.names, self.ids)]
-            self.llm.generate([{"prompt_token_ids": [0]}] * len(self._requests), SamplingParams(max_tokens=1, temperature=0.0),
-                              lora_request=self._requests, use_tqdm=False)
+            with requests_aborted_if_cut(self.llm):
+                self.llm.generate([{"prompt_token_ids": [0]}] * len(self._requests), SamplingParams(max_tokens=1, temperature=0.0),
+                                  lora_request=self._requests, use_tqdm=False)
             # one layout per tensor-parallel rank: its shards' shapes, and where they sit in the full tensors
             self.layouts = self.worker.slots_setup(self.key, self.ids, self.shapes, spec.alpha, spec.rank, dtype,
                                                    FINGERPRINT_SEED)
