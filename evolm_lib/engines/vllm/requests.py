@@ -72,10 +72,10 @@ def _whole_prefill_parts(llm, inputs: list[dict], params: list) -> list[slice]:
 @contextlib.contextmanager
 def requests_aborted_if_cut(llm) -> Iterator[None]:
     """A ``generate`` call cut short (Ctrl-C in a notebook, then the cell run again) leaves no request
-    in the engine. vLLM's ``LLM.generate`` (0.32) stops wherever the exception lands and leaves its
-    requests there: the next call returned their completions beside its own, or, where the cut step
-    had taken outputs from the engine's core that its output processor never saw, waited for them
-    for ever. Every unfinished request is aborted before the exception goes on."""
+    in the engine. vLLM's ``LLM.generate`` (0.26 and 0.32) stops wherever the exception lands and
+    leaves its requests there: the next call returned their completions beside its own, or, where
+    the cut step had taken outputs from the engine's core that its output processor never saw,
+    waited for them for ever. Every unfinished request is aborted before the exception goes on."""
     try:
         yield
     except BaseException:
