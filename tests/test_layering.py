@@ -13,8 +13,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "evolm_lib"
 LAYERS = [
     # pure pieces: maths, data, rewards; nothing here touches an engine, a run folder or a model
     {"seeds", "types", "divergence", "es", "zo", "tasks", "grpo", "metrics", "stats", "clock"},
-    # settings, adapters, model folders, run folders (and report_to's copies of their rows), what to do with many (grid), process environment
-    {"config", "config_checks", "parameters", "lora", "models", "runs", "grid", "reporting", "env", "paths", "quiet"},
+    # settings, adapters, model folders, run folders (and report_to's copies of their rows), what to do with many (grid), process environment and its stop signals
+    {"config", "config_checks", "parameters", "lora", "models", "runs", "grid", "reporting", "env", "paths", "quiet", "stop_signals"},
     # engines behind one protocol, and what is measured through them
     {"engines", "preflight", "scoring", "throughput"},
     # runs (ES, GRPO, the loop they share) and what drives or reads many runs

@@ -10,9 +10,9 @@ import sys
 import time
 from typing import Iterator
 
+from ..stop_signals import STOP_SIGNALS
+
 EXIT_INTERRUPTED = 128 + signal.SIGINT  # what a shell reports for a command that Ctrl-C ended
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-"""The signals that stop a long command the same way: Ctrl-C, and SIGTERM (``kill``, a scheduler, a closing session)."""
 _received: list[int] = []  # the stop signal this process got, for its exit status
 
 

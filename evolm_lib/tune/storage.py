@@ -12,14 +12,12 @@ import contextlib
 import functools
 import inspect
 import math
-import signal
 import sqlite3
 import sys
-import threading
 import warnings
 from pathlib import Path
-from typing import Iterator
 
+from ..stop_signals import stop_signals_held
 from .spec import TuneSpec
 
 STORAGE = "optuna.db"
@@ -110,28 +108,6 @@ def retry_callback(spec: TuneSpec):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)  # experimental in Optuna 5.0
         return optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=spec.settings.max_retries)
-
-
-@contextlib.contextmanager
-def stop_signals_held() -> Iterator[None]:
-    """Ctrl-C or SIGTERM that arrives inside the block acts when the block ends (its handler runs
-    then, e.g. KeyboardInterrupt is raised there), not at whatever line it lands on. Signals without
-    a Python handler (ignored, or the OS's default) are left as they are."""
-    if threading.current_thread() is not threading.main_thread():
-        yield  # Python runs signal handlers in the main thread only: nothing lands here
-        return
-    arrived: list[int] = []
-    previous = {}
-    for number in (signal.SIGINT, signal.SIGTERM):
-        if callable(signal.getsignal(number)):
-            previous[number] = signal.signal(number, lambda signum, frame: arrived.append(signum))
-    try:
-        yield
-    finally:
-        for number, handler in previous.items():
-            signal.signal(number, handler)
-        for number in arrived:
-            previous[number](number, None)
 
 
 @functools.cache

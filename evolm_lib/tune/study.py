@@ -15,7 +15,7 @@ retry that finds a run folder still held by a live process (a worker paused past
 waits until that process gives it up; the paused worker, going on, sees at its next row (or when
 Optuna refuses its report) that its trial was taken over and gives it up. Ctrl-C or SIGTERM fails the
 cut trial and queues its retry (landing inside a storage call, it acts once the call has returned:
-``storage.stop_signals_held``). A journal storage (a shared filesystem) has no heartbeats: a killed
+``stop_signals.stop_signals_held``). A journal storage (a shared filesystem) has no heartbeats: a killed
 worker's trial stays running, unretried.
 """
 from __future__ import annotations
